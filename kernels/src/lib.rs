@@ -1,0 +1,1 @@
+//! Precompiled PTX of the CUDA kernels.

@@ -1,0 +1,48 @@
+//! Every way a checkpoint can be refused. Each message names the file, the tensor (where there
+//! is one), what was expected against what was found, and what to do about it.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    #[error("{path}: cannot read: {source}. Fix: point --model (or ORNITH_MODEL) at a checkpoint directory that contains it.")]
+    Io { path: PathBuf, #[source] source: std::io::Error },
+
+    #[error("{path}: not valid JSON for {what}: {source}. Fix: restore this file from the original checkpoint.")]
+    Json { path: PathBuf, what: &'static str, #[source] source: serde_json::Error },
+
+    #[error("{path}: {field}: expected {expected}, found {found}. Fix: {fix}")]
+    Config { path: PathBuf, field: String, expected: String, found: String, fix: String },
+
+    #[error("{path}: unsupported quantization: {what}. Ornith reads compressed-tensors FP8 W8A8 (format float-quantized, weights: 8-bit float, strategy channel, static; input activations: 8-bit float, strategy token, dynamic) or an unquantized BF16 checkpoint; it never guesses another format. Fix: use such an export.")]
+    Quant { path: PathBuf, what: String },
+
+    #[error("{path}: invalid ignore pattern {pattern:?}: {reason}")]
+    IgnorePattern { path: PathBuf, pattern: String, reason: String },
+
+    #[error("{dir}: no model.safetensors.index.json and no single model.safetensors. Fix: download the index and all shards of the checkpoint.")]
+    NoIndex { dir: PathBuf },
+
+    #[error("{path}: shard {shard} listed for tensor {tensor} does not exist. Fix: download the missing shard.")]
+    MissingShard { path: PathBuf, shard: String, tensor: String },
+
+    #[error("{path}: invalid safetensors file: {reason}. Fix: the shard is truncated or corrupt; download it again.")]
+    BadShard { path: PathBuf, reason: String },
+
+    #[error("{path}: tensor {tensor}: {reason}. Fix: the index and the shards disagree; download the checkpoint again.")]
+    IndexMismatch { path: PathBuf, tensor: String, reason: String },
+
+    #[error("{path}: missing tensor {tensor} (expected {expected}). Fix: the checkpoint is incomplete or is not a Qwen3.5-MoE export; download it again.")]
+    MissingTensor { path: PathBuf, tensor: String, expected: String },
+
+    #[error("{path}: unexpected tensor {tensor} ({found}): it is not part of the model the config describes. Fix: remove it, or use a config.json that matches these weights.")]
+    ExtraTensor { path: PathBuf, tensor: String, found: String },
+
+    #[error("{path}: tensor {tensor}: expected {expected}, found {found}. Fix: {fix}")]
+    TensorMismatch { path: PathBuf, tensor: String, expected: String, found: String, fix: String },
+
+    #[error("spec file {path}: {reason}. Fix: run `cargo xtask gen` again.")]
+    SpecFile { path: PathBuf, reason: String },
+}
+
+pub type Result<T, E = SpecError> = std::result::Result<T, E>;

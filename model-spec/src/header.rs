@@ -1,0 +1,95 @@
+//! Safetensors header reading. The shard is memory-mapped and only its header pages are
+//! touched; the `safetensors` crate validates the header (dtype, shape × dtype = byte length,
+//! contiguous in-bounds offsets, file length = header + data), and every failure becomes an
+//! error naming the file — never a panic.
+
+use crate::{DType, Result, SpecError};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// One tensor entry of a shard header.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeaderEntry {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub data_offsets: (u64, u64),
+}
+
+/// A parsed shard header.
+#[derive(Debug, Clone)]
+pub struct ShardHeader {
+    pub file_size: u64,
+    pub header_len: u64,
+    /// The raw JSON header bytes (fingerprinted).
+    pub raw: Vec<u8>,
+    pub tensors: BTreeMap<String, HeaderEntry>,
+}
+
+pub fn dtype_from_safetensors(d: safetensors::Dtype) -> Option<DType> {
+    use safetensors::Dtype as S;
+    Some(match d {
+        S::BF16 => DType::BF16,
+        S::F16 => DType::F16,
+        S::F32 => DType::F32,
+        S::F64 => DType::F64,
+        S::F8_E4M3 => DType::F8_E4M3,
+        S::F8_E5M2 => DType::F8_E5M2,
+        S::I8 => DType::I8,
+        S::U8 => DType::U8,
+        S::I16 => DType::I16,
+        S::I32 => DType::I32,
+        S::I64 => DType::I64,
+        S::U16 => DType::U16,
+        S::U32 => DType::U32,
+        S::U64 => DType::U64,
+        S::BOOL => DType::BOOL,
+        _ => return None,
+    })
+}
+
+/// Parses a header from the bytes of a whole safetensors file (or its memory map).
+pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<ShardHeader> {
+    let bad = |reason: String| SpecError::BadShard { path: path.to_path_buf(), reason };
+    let (n, meta) = safetensors::SafeTensors::read_metadata(bytes).map_err(|e| {
+        let detail = match &e {
+            safetensors::SafeTensorError::MetadataIncompleteBuffer => {
+                "the file length does not match the header's data offsets (truncated or padded)".to_string()
+            }
+            safetensors::SafeTensorError::InvalidHeaderLength => {
+                "the 8-byte header length points past the end of the file".to_string()
+            }
+            other => other.to_string(),
+        };
+        bad(detail)
+    })?;
+    let mut tensors = BTreeMap::new();
+    for (name, info) in meta.tensors() {
+        let dtype = dtype_from_safetensors(info.dtype)
+            .ok_or_else(|| bad(format!("tensor {name}: dtype {:?} is not supported", info.dtype)))?;
+        tensors.insert(
+            name.clone(),
+            HeaderEntry {
+                dtype,
+                shape: info.shape.clone(),
+                data_offsets: (info.data_offsets.0 as u64, info.data_offsets.1 as u64),
+            },
+        );
+    }
+    Ok(ShardHeader { file_size: bytes.len() as u64, header_len: n as u64, raw: bytes[8..8 + n].to_vec(), tensors })
+}
+
+/// Memory-maps `path` and parses its header.
+pub fn read_header(path: &Path) -> Result<ShardHeader> {
+    let file = std::fs::File::open(path).map_err(|source| SpecError::Io { path: path.to_path_buf(), source })?;
+    let len = file.metadata().map_err(|source| SpecError::Io { path: path.to_path_buf(), source })?.len();
+    if len < 8 {
+        return Err(SpecError::BadShard {
+            path: path.to_path_buf(),
+            reason: format!("the file is {len} bytes, shorter than the 8-byte header length"),
+        });
+    }
+    // SAFETY: the map is read-only and lives only for this call; a concurrent writer could
+    // change the bytes under us, which at worst makes the header parse fail.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| SpecError::Io { path: path.to_path_buf(), source })?;
+    parse_header(path, &map)
+}

@@ -1,0 +1,1 @@
+//! Turns the model spec into the typed model graph.

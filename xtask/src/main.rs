@@ -1,0 +1,27 @@
+//! `cargo xtask` — project automation: gen, inspect, synth, expand, ptx.
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Print the checkpoint report.
+    Inspect { dir: PathBuf },
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Inspect { dir } => {
+            let spec = model_spec::load_checkpoint(&dir)?;
+            eprint!("{}", model_spec::report::render(&spec));
+        }
+    }
+    Ok(())
+}
