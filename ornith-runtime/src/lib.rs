@@ -1,1 +1,2 @@
 //! Ornith runtime.
+pub mod engine;

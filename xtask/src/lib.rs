@@ -1,0 +1,2 @@
+//! Library half of xtask, shared with the test crate.
+pub mod tokenizer;
