@@ -1,2 +1,8 @@
-//! Ornith runtime.
+//! Ornith runtime: the typed model graph, backends, and the JSONL front end.
+
+// Lets generated code name this crate as `::ornith_runtime` from inside it too.
+extern crate self as ornith_runtime;
+
 pub mod engine;
+pub mod graph;
+pub mod weights;

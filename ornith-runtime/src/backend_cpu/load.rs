@@ -1,0 +1,110 @@
+//! CPU backend: weight storage and loading. Every tensor is copied out of the shard maps once
+//! (bf16 and E4M3 kept as stored; scales and small vectors widened to f32).
+
+use super::{CpuBackend, CpuExperts, CpuLinear};
+use crate::graph::Prec;
+use crate::weights::{to_bf16, to_f32, Checkpoint};
+use anyhow::Result;
+use half::bf16;
+use model_spec::{DType, ExpertLayout, Precision};
+use std::marker::PhantomData;
+
+const VEC: &[DType] = &[DType::BF16, DType::F32];
+
+/// Weight bytes of one Linear as loaded: `(bf16 weights, e4m3 codes, f32 scales)`.
+pub(super) fn load_linear_parts(ck: &Checkpoint, module: &str, kind: Precision, out_f: usize, in_f: usize) -> Result<(Vec<bf16>, Vec<u8>, Vec<f32>)> {
+    let wname = format!("{module}.weight");
+    match kind {
+        Precision::Bf16 => {
+            let v = ck.tensor(&wname, &[DType::BF16], &[out_f, in_f])?;
+            Ok((to_bf16(&v), Vec::new(), Vec::new()))
+        }
+        Precision::Fp8 => {
+            let v = ck.tensor(&wname, &[DType::F8_E4M3], &[out_f, in_f])?;
+            let sname = format!("{module}.weight_scale");
+            let s = ck.tensor(&sname, VEC, &[out_f, 1])?;
+            Ok((Vec::new(), v.bytes.to_vec(), to_f32(&s)))
+        }
+    }
+}
+
+impl CpuBackend {
+    pub(super) fn linear<P: Prec>(&self, ck: &Checkpoint, module: &str, out_f: usize, in_f: usize) -> Result<CpuLinear<P>> {
+        let (w, w8, scale) = load_linear_parts(ck, module, P::KIND, out_f, in_f)?;
+        Ok(CpuLinear { out_features: out_f, in_features: in_f, w, w8, scale, _p: PhantomData })
+    }
+
+    pub(super) fn experts<G: Prec, U: Prec, D: Prec>(
+        &self,
+        ck: &Checkpoint,
+        module: &str,
+        layout: ExpertLayout,
+        e: usize,
+        inter: usize,
+        hidden: usize,
+    ) -> Result<CpuExperts<G, U, D>> {
+        let mut gate = Vec::with_capacity(e);
+        let mut up = Vec::with_capacity(e);
+        let mut down = Vec::with_capacity(e);
+        match layout {
+            ExpertLayout::PerExpert => {
+                for x in 0..e {
+                    gate.push(self.linear::<G>(ck, &format!("{module}.{x}.gate_proj"), inter, hidden)?);
+                    up.push(self.linear::<U>(ck, &format!("{module}.{x}.up_proj"), inter, hidden)?);
+                    down.push(self.linear::<D>(ck, &format!("{module}.{x}.down_proj"), hidden, inter)?);
+                }
+            }
+            ExpertLayout::Fused => {
+                anyhow::ensure!(
+                    G::KIND == Precision::Bf16 && U::KIND == Precision::Bf16 && D::KIND == Precision::Bf16,
+                    "{module}: fused experts are BF16 only"
+                );
+                // gate_up_proj [E, 2I, H]: per expert rows 0..I are gate_proj, I..2I up_proj.
+                let gu = to_bf16(&ck.tensor(&format!("{module}.gate_up_proj"), &[DType::BF16], &[e, 2 * inter, hidden])?);
+                let dn = to_bf16(&ck.tensor(&format!("{module}.down_proj"), &[DType::BF16], &[e, hidden, inter])?);
+                let mk = |w: Vec<bf16>, o: usize, i: usize| CpuLinear { out_features: o, in_features: i, w, w8: Vec::new(), scale: Vec::new(), _p: PhantomData };
+                for x in 0..e {
+                    let base = x * 2 * inter * hidden;
+                    gate.push(mk(gu[base..base + inter * hidden].to_vec(), inter, hidden));
+                    up.push(mk(gu[base + inter * hidden..base + 2 * inter * hidden].to_vec(), inter, hidden));
+                    down.push(mk(dn[x * hidden * inter..(x + 1) * hidden * inter].to_vec(), hidden, inter));
+                }
+            }
+        }
+        Ok(CpuExperts { gate, up, down })
+    }
+
+    pub(super) fn vector(&self, ck: &Checkpoint, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        Ok(to_f32(&ck.tensor(name, VEC, shape)?))
+    }
+
+    pub(super) fn embedding(&self, ck: &Checkpoint, name: &str, vocab: usize, hidden: usize) -> Result<Vec<bf16>> {
+        Ok(to_bf16(&ck.tensor(name, &[DType::BF16], &[vocab, hidden])?))
+    }
+}
+
+/// Bytes of host memory available for new allocations (Linux `MemAvailable`).
+pub fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Refuses to load when the weights would not fit: on a unified-memory machine an overcommit
+/// wedges the whole system, so this check runs before any allocation.
+pub fn check_host_memory(ck: &Checkpoint) -> Result<()> {
+    // Weights are held as stored, except vectors and scales widened to f32 (a few MB).
+    let need = ck.spec.device_weight_bytes() + (64 << 20);
+    if let Some(avail) = available_memory() {
+        anyhow::ensure!(
+            need <= avail,
+            "not enough memory to load {}: the CPU backend needs {:.2} GiB for weights, {:.2} GiB is available. \
+             Fix: free memory, or use the CUDA backend (--backend cuda).",
+            ck.spec.model_dir.display(),
+            need as f64 / (1u64 << 30) as f64,
+            avail as f64 / (1u64 << 30) as f64
+        );
+    }
+    Ok(())
+}
