@@ -1,2 +1,3 @@
 //! Ornith runtime.
+pub mod cpu;
 pub mod engine;
