@@ -10,13 +10,13 @@
 //! that take user input (token ids) return `Result`.
 
 //pub mod attention;
-//pub mod conv;
+pub mod conv;
 //pub mod embed;
 pub mod fp8;
-//pub mod gdn;
+pub mod gdn;
 pub mod linear;
 //pub mod moe;
-//pub mod norm;
+pub mod norm;
 
 use half::bf16;
 
