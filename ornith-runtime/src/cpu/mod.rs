@@ -9,13 +9,13 @@
 //! bug in the caller (shapes come from the validated `ModelSpec`), not bad user input. Functions
 //! that take user input (token ids) return `Result`.
 
-//pub mod attention;
+pub mod attention;
 pub mod conv;
-//pub mod embed;
+pub mod embed;
 pub mod fp8;
 pub mod gdn;
 pub mod linear;
-//pub mod moe;
+pub mod moe;
 pub mod norm;
 
 use half::bf16;
