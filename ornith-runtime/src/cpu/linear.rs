@@ -280,8 +280,8 @@ mod tests {
         assert!(differing > t * n_out / 2, "only {differing} outputs differ");
     }
 
+    /// Timing at real widths (in_proj_qkv of a 100-token prompt); printed with --nocapture.
     #[test]
-    #[ignore = "timing at real widths; run with --ignored --nocapture"]
     fn speed_real_dims() {
         let mut r = rng(5);
         let (t, n_in, n_out) = (100, 2048, 8192);

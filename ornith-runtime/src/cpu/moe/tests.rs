@@ -103,9 +103,10 @@ fn as_mlp(m: &[Vec<bf16>; 3]) -> Mlp<'_> {
 // Tolerance: the implementation rounds to bf16 (unit roundoff u = 2^-8) at about ten points on
 // each path (gate/up outputs, SiLU, the product, down output, ×w, the routed sum, the shared
 // gate's logit and sigmoid, ×gate, the final add); the f64 reference rounds only the router
-// logits. These errors are relative to the intermediate magnitudes, so the bound is taken
-// relative to the output scale: 10u·max|out| (measured: about 2.5u·max|out|). Each negative
-// control moves the output by far more (checked: > 3× the tolerance).
+// logits. These errors are relative to the intermediate magnitudes and partly cancel, so the
+// bound is taken relative to the output scale: 4u·max|out| (measured 1.38u·max|out| with this
+// seed). Each negative control moves the output by more than 3× the tolerance (measured 10×,
+// 36×, 53×).
 #[test]
 fn bf16_moe_matches_f64_and_rejects_wrong_variants() {
     let m = bf16_moe(40);
@@ -127,10 +128,12 @@ fn bf16_moe_matches_f64_and_rejects_wrong_variants() {
     let got: Vec<f64> = f64s(&out);
     let want = ref_moe(&x, t, &m, Variant::Correct);
     let (d, mx) = max_diff(&got, &want);
-    let tol = 10.0 / 256.0 * mx;
+    let tol = 4.0 / 256.0 * mx;
+    eprintln!("bf16 MoE vs f64: max diff {:.2}u·max|out|", d / mx * 256.0);
     assert!(d <= tol, "max diff {d} > {tol} (max|out| {mx})");
     for (name, v) in [("no renorm", Variant::NoRenorm), ("no shared gate", Variant::NoSharedGate), ("gate/up swapped", Variant::SwapGateUp)] {
         let (db, _) = max_diff(&got, &ref_moe(&x, t, &m, v));
+        eprintln!("  {name}: {:.1}× tolerance", db / tol);
         assert!(db > 3.0 * tol, "{name} not rejected: {db} vs tol {tol}");
     }
 }
@@ -187,11 +190,12 @@ fn fp8_experts_batched_equals_per_token() {
     assert_eq!(y, y2);
 }
 
-/// Real widths (D 2048, 512 hidden, top-8) with FP8 experts, 100 tokens; 32 experts instead of
-/// 256 to keep the test's memory small (each token still runs 8 experts + the shared one).
+/// Real widths (D 2048, 512 hidden, 256 experts, top-8) with FP8 experts, 100 tokens. All experts
+/// share one set of weight slices to keep the test's memory small (so caches flatter the timing
+/// somewhat); the routing spread (~3 tokens per expert) is the real one.
 #[test]
 fn real_dims_fp8_speed() {
-    let (d, inter, e, k, t) = (2048, 512, 32, 8, 100);
+    let (d, inter, e, k, t) = (2048, 512, 256, 8, 100);
     let w8: Vec<u8> = (0..inter * d).map(|i| ((i * 37 + i / 7) % 251) as u8 & 0x77).collect();
     let sc = vec![1e-3f32; d.max(inter)];
     let one = Mlp {
