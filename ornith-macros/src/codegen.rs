@@ -179,6 +179,7 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
                 let sdoc = format!(" Layer {i}: K/V cache.");
                 state_fields.push(quote!(#[doc = #sdoc] pub #field: B::KvCache,));
                 state_inits.push(quote!(#field: b.new_kv_cache(&DIMS, max_context)?,));
+                state_resets.push(quote!(b.reset_kv_cache(&mut self.#field);));
                 prefill.push(quote! {
                     b.attention_prefill(&DIMS, &self.#field.input_layernorm, &self.#field.mixer, &mut st.#field, pos, &mut h)?;
                     b.sparse_moe(&DIMS, &self.#field.post_attention_layernorm, &self.#field.mlp, &mut h)?;

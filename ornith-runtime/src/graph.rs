@@ -150,6 +150,7 @@ pub trait Backend: Sized + Send + Sync {
     fn new_gdn_state(&self, d: &ModelDims) -> anyhow::Result<Self::GdnState>;
     fn new_kv_cache(&self, d: &ModelDims, max_context: usize) -> anyhow::Result<Self::KvCache>;
     fn reset_gdn_state(&self, s: &mut Self::GdnState);
+    fn reset_kv_cache(&self, c: &mut Self::KvCache);
 
     // ---- layer operations -------------------------------------------------------------
     fn embed(&self, d: &ModelDims, table: &Self::Embedding, ids: &[u32]) -> anyhow::Result<Self::Act>;

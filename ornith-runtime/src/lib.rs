@@ -3,6 +3,8 @@
 // Lets generated code name this crate as `::ornith_runtime` from inside it too.
 extern crate self as ornith_runtime;
 
+pub mod backend_cpu;
+pub mod cpu;
 pub mod engine;
 pub mod graph;
 pub mod weights;

@@ -1,0 +1,300 @@
+//! Linear layers `y = x @ W^T` with the checkpoint's `[out, in]` weight.
+//!
+//! * BF16: `y[t,o] = bf16( Σ_i x[t,i] · w[o,i] )`, fp32 accumulation, one rounding
+//!   (what `nn.Linear` / cuBLAS do for bf16).
+//! * FP8 W8A8 (docs/DESIGN.md "FP8 W8A8 arithmetic"): each x row is quantised per token
+//!   ([`quantize_act_row`]: codes `qx[t,·]`, scale `sx[t]`), then
+//!   `y[t,o] = bf16( (Σ_i e4m3(qx[t,i]) · e4m3(w8[o,i])) · sx[t] · sw[o] )`: E4M3 values decoded
+//!   exactly to f32 (every product of two E4M3 values is exact in f32), fp32 accumulation,
+//!   then `(acc · sx) · sw` in f32 and one bf16 rounding.
+//!
+//! Shapes: `x [t, n_in]`, `w [n_out, n_in]`, `w_scale [n_out]`, `y [t, n_out]`.
+//! Work is split over blocks of output rows (rayon); inside, one decoded weight row is dotted with
+//! up to four x rows at a time (16 f32 lanes each, so the loops vectorise).
+
+use super::fp8::quantize_act_row;
+use super::{bf16_to_f32, check_len};
+use half::bf16;
+use model_spec::fp8::E4M3_TABLE;
+use rayon::prelude::*;
+
+/// A Linear's weight in one of the two stored formats.
+#[derive(Clone, Copy, Debug)]
+pub enum LinearWeight<'a> {
+    /// `[n_out, n_in]` bf16.
+    Bf16(&'a [bf16]),
+    /// `[n_out, n_in]` E4M3 codes and the per-output-channel scale `[n_out]` (the stored
+    /// `weight_scale`, widened to f32).
+    Fp8 { w: &'a [u8], scale: &'a [f32] },
+}
+
+impl LinearWeight<'_> {
+    /// `y = x @ W^T` with this weight's arithmetic (see the module doc).
+    pub fn apply(&self, x: &[bf16], t: usize, n_in: usize, n_out: usize, y: &mut [bf16]) {
+        match *self {
+            LinearWeight::Bf16(w) => linear_bf16(x, w, t, n_in, n_out, y),
+            LinearWeight::Fp8 { w, scale } => linear_fp8(x, w, scale, t, n_in, n_out, y),
+        }
+    }
+}
+
+/// `y = bf16(x @ W^T)` with fp32 accumulation (module doc).
+pub fn linear_bf16(x: &[bf16], w: &[bf16], t: usize, n_in: usize, n_out: usize, y: &mut [bf16]) {
+    check_len("linear_bf16 x", x.len(), t * n_in);
+    check_len("linear_bf16 w", w.len(), n_out * n_in);
+    check_len("linear_bf16 y", y.len(), t * n_out);
+    let xf: Vec<f32> = x.iter().map(|&v| bf16_to_f32(v)).collect();
+    gemm(
+        &xf,
+        t,
+        n_in,
+        n_out,
+        |o, row| {
+            for (d, &s) in row.iter_mut().zip(&w[o * n_in..(o + 1) * n_in]) {
+                *d = bf16_to_f32(s);
+            }
+        },
+        |_, _, acc| acc,
+        y,
+    );
+}
+
+/// FP8 W8A8 linear (module doc). `w8 [n_out, n_in]` E4M3 codes, `w_scale [n_out]`.
+pub fn linear_fp8(
+    x: &[bf16],
+    w8: &[u8],
+    w_scale: &[f32],
+    t: usize,
+    n_in: usize,
+    n_out: usize,
+    y: &mut [bf16],
+) {
+    check_len("linear_fp8 x", x.len(), t * n_in);
+    check_len("linear_fp8 w8", w8.len(), n_out * n_in);
+    check_len("linear_fp8 w_scale", w_scale.len(), n_out);
+    check_len("linear_fp8 y", y.len(), t * n_out);
+    // Per-token quantisation, then exact decode of the codes to f32.
+    let mut xf = vec![0f32; t * n_in];
+    let mut sx = vec![0f32; t];
+    xf.par_chunks_mut(n_in.max(1)).zip(x.par_chunks(n_in.max(1))).zip(sx.par_iter_mut()).for_each(
+        |((xr, src), s)| {
+            let mut q = vec![0u8; n_in];
+            *s = quantize_act_row(src, &mut q);
+            for (d, &c) in xr.iter_mut().zip(&q) {
+                *d = E4M3_TABLE[c as usize];
+            }
+        },
+    );
+    gemm(
+        &xf,
+        t,
+        n_in,
+        n_out,
+        |o, row| {
+            for (d, &c) in row.iter_mut().zip(&w8[o * n_in..(o + 1) * n_in]) {
+                *d = E4M3_TABLE[c as usize];
+            }
+        },
+        |tt, o, acc| acc * sx[tt] * w_scale[o],
+        y,
+    );
+}
+
+/// Output rows per rayon task.
+const OUT_BLOCK: usize = 16;
+
+/// Shared driver: `y[t,o] = bf16(epilogue(t, o, Σ_i xf[t,i] · wrow_o[i]))` where `decode(o, buf)`
+/// writes weight row `o` as f32 into `buf`.
+fn gemm<D, E>(xf: &[f32], t: usize, n_in: usize, n_out: usize, decode: D, epilogue: E, y: &mut [bf16])
+where
+    D: Fn(usize, &mut [f32]) + Sync,
+    E: Fn(usize, usize, f32) -> f32 + Sync,
+{
+    if t == 0 || n_out == 0 {
+        return;
+    }
+    // Transposed result [n_out, t], then one pass into y [t, n_out].
+    let mut yt = vec![0f32; n_out * t];
+    yt.par_chunks_mut(OUT_BLOCK * t).enumerate().for_each(|(blk, out)| {
+        let mut wrow = vec![0f32; n_in];
+        for (j, col) in out.chunks_mut(t).enumerate() {
+            let o = blk * OUT_BLOCK + j;
+            decode(o, &mut wrow);
+            let mut tt = 0;
+            while tt + 4 <= t {
+                let r = dot4(&wrow, &xf[tt * n_in..(tt + 4) * n_in], n_in);
+                for k in 0..4 {
+                    col[tt + k] = epilogue(tt + k, o, r[k]);
+                }
+                tt += 4;
+            }
+            while tt < t {
+                col[tt] = epilogue(tt, o, dot(&wrow, &xf[tt * n_in..(tt + 1) * n_in]));
+                tt += 1;
+            }
+        }
+    });
+    y.par_chunks_mut(n_out).enumerate().for_each(|(tt, row)| {
+        for (o, d) in row.iter_mut().enumerate() {
+            *d = bf16::from_f32(yt[o * t + tt]);
+        }
+    });
+}
+
+const LANES: usize = 16;
+
+/// Σ a_i b_i in f32 with 16 partial sums (summed pairwise at the end).
+#[inline]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; LANES];
+    let ca = a.chunks_exact(LANES);
+    let cb = b.chunks_exact(LANES);
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut tail = 0f32;
+    for (x, y) in ra.iter().zip(rb) {
+        tail += x * y;
+    }
+    reduce(&acc) + tail
+}
+
+/// Four dot products of `w` with the four consecutive rows of `x4` (`[4, n]`).
+#[inline]
+fn dot4(w: &[f32], x4: &[f32], n: usize) -> [f32; 4] {
+    let (x0, rest) = x4.split_at(n);
+    let (x1, rest) = rest.split_at(n);
+    let (x2, x3) = rest.split_at(n);
+    let mut a = [[0f32; LANES]; 4];
+    let full = n / LANES * LANES;
+    let mut i = 0;
+    while i < full {
+        let wv = &w[i..i + LANES];
+        let (v0, v1, v2, v3) = (&x0[i..i + LANES], &x1[i..i + LANES], &x2[i..i + LANES], &x3[i..i + LANES]);
+        for l in 0..LANES {
+            a[0][l] += wv[l] * v0[l];
+            a[1][l] += wv[l] * v1[l];
+            a[2][l] += wv[l] * v2[l];
+            a[3][l] += wv[l] * v3[l];
+        }
+        i += LANES;
+    }
+    let mut r = [reduce(&a[0]), reduce(&a[1]), reduce(&a[2]), reduce(&a[3])];
+    for j in full..n {
+        r[0] += w[j] * x0[j];
+        r[1] += w[j] * x1[j];
+        r[2] += w[j] * x2[j];
+        r[3] += w[j] * x3[j];
+    }
+    r
+}
+
+#[inline]
+fn reduce(acc: &[f32; LANES]) -> f32 {
+    let mut s = [0f32; 8];
+    for l in 0..8 {
+        s[l] = acc[l] + acc[l + 8];
+    }
+    ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::fp8::dequantize_row;
+    use crate::cpu::testutil::*;
+    use model_spec::fp8::{e4m3_from_f32, e4m3_to_f32};
+    use rand::Rng;
+
+    /// One bf16 ulp at |v| (spacing of bf16 numbers around v).
+    fn bf16_ulp(v: f64) -> f64 {
+        let a = v.abs().max(1e-30);
+        2f64.powi(a.log2().floor() as i32 - 7)
+    }
+
+    // Tolerance for both tests: the reference is the exact (f64) sum rounded to bf16; the fp32
+    // accumulation error (≤ n·2^-24·Σ|x w| ≈ 1e-4 relative here) can move the result across a
+    // bf16 rounding boundary, so one bf16 ulp is allowed, and nothing more.
+    #[test]
+    fn bf16_matches_f64() {
+        let mut r = rng(2);
+        for &(t, n_in, n_out) in &[(1, 7, 5), (3, 33, 17), (9, 256, 40), (5, 1000, 3)] {
+            let x = uniform_bf16(&mut r, t * n_in, 2.0);
+            let w = uniform_bf16(&mut r, n_out * n_in, 0.5);
+            let mut y = vec![bf16::ZERO; t * n_out];
+            linear_bf16(&x, &w, t, n_in, n_out, &mut y);
+            for tt in 0..t {
+                for o in 0..n_out {
+                    let exact: f64 =
+                        (0..n_in).map(|i| x[tt * n_in + i].to_f64() * w[o * n_in + i].to_f64()).sum();
+                    let got = y[tt * n_out + o].to_f64();
+                    assert!((got - exact).abs() <= bf16_ulp(exact), "t{tt} o{o}: {got} vs {exact}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fp8_matches_f64_on_dequantised_values() {
+        let mut r = rng(3);
+        for &(t, n_in, n_out) in &[(1, 16, 8), (6, 300, 33), (4, 2048, 12)] {
+            let x = uniform_bf16(&mut r, t * n_in, 3.0);
+            let w8: Vec<u8> = (0..n_out * n_in).map(|_| e4m3_from_f32(r.random_range(-400.0..400.0))).collect();
+            let ws: Vec<f32> = (0..n_out).map(|_| bf16::from_f32(r.random_range(1e-4..1e-2)).to_f32()).collect();
+            let mut y = vec![bf16::ZERO; t * n_out];
+            linear_fp8(&x, &w8, &ws, t, n_in, n_out, &mut y);
+            for tt in 0..t {
+                let mut q = vec![0u8; n_in];
+                let sx = quantize_act_row(&x[tt * n_in..(tt + 1) * n_in], &mut q);
+                let mut xd = vec![0f32; n_in];
+                dequantize_row(&q, sx, &mut xd);
+                for o in 0..n_out {
+                    let exact: f64 = (0..n_in)
+                        .map(|i| xd[i] as f64 * e4m3_to_f32(w8[o * n_in + i]) as f64 * ws[o] as f64)
+                        .sum();
+                    let got = y[tt * n_out + o].to_f64();
+                    assert!((got - exact).abs() <= bf16_ulp(exact), "t{tt} o{o}: {got} vs {exact}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fp8_quantises_activations() {
+        // Negative control: a W8A8 linear must differ from the bf16 linear on the dequantised
+        // weight (the activation quantisation error, ~2^-5 relative, is far above one bf16 ulp).
+        let mut r = rng(4);
+        let (t, n_in, n_out) = (4, 256, 16);
+        let x = uniform_bf16(&mut r, t * n_in, 3.0);
+        let w8: Vec<u8> = (0..n_out * n_in).map(|_| e4m3_from_f32(r.random_range(-400.0..400.0))).collect();
+        let ws = vec![1.0 / 256.0; n_out];
+        let wd: Vec<bf16> = w8.iter().map(|&c| bf16::from_f32(e4m3_to_f32(c) / 256.0)).collect();
+        let (mut y8, mut yb) = (vec![bf16::ZERO; t * n_out], vec![bf16::ZERO; t * n_out]);
+        linear_fp8(&x, &w8, &ws, t, n_in, n_out, &mut y8);
+        linear_bf16(&x, &wd, t, n_in, n_out, &mut yb);
+        let differing = y8.iter().zip(&yb).filter(|(a, b)| (a.to_f64() - b.to_f64()).abs() > bf16_ulp(b.to_f64())).count();
+        assert!(differing > t * n_out / 2, "only {differing} outputs differ");
+    }
+
+    /// Timing at real widths (in_proj_qkv of a 100-token prompt); printed with --nocapture.
+    #[test]
+    fn speed_real_dims() {
+        let mut r = rng(5);
+        let (t, n_in, n_out) = (100, 2048, 8192);
+        let x = uniform_bf16(&mut r, t * n_in, 1.0);
+        let w = uniform_bf16(&mut r, n_out * n_in, 0.05);
+        let w8: Vec<u8> = (0..n_out * n_in).map(|i| (i * 37 % 251) as u8 & 0x77).collect();
+        let ws = vec![1e-3f32; n_out];
+        let mut y = vec![bf16::ZERO; t * n_out];
+        let s = std::time::Instant::now();
+        linear_bf16(&x, &w, t, n_in, n_out, &mut y);
+        let b = s.elapsed();
+        let s = std::time::Instant::now();
+        linear_fp8(&x, &w8, &ws, t, n_in, n_out, &mut y);
+        eprintln!("[100x2048]x[8192x2048]: bf16 {b:?}, fp8 {:?}", s.elapsed());
+    }
+}
