@@ -1,2 +1,3 @@
 //! Ornith runtime.
 pub mod engine;
+pub mod sampling;
