@@ -1,3 +1,4 @@
 //! Ornith runtime.
 pub mod engine;
 pub mod sampling;
+pub mod protocol;
