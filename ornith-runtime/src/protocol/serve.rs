@@ -161,8 +161,10 @@ pub fn serve<R: BufRead, W: Write>(
         line_no += 1;
         stats.lines += 1;
         let mut io_err: Option<io::Error> = None;
+        // Set by `handle_line` as soon as it is known, so that it survives a panic.
+        let mut custom_id: Option<String> = None;
         let res = catch_unwind(AssertUnwindSafe(|| {
-            handle_line(raw, line_no, gen, codec, renderer, opts, &mut seen, &mut |s| {
+            handle_line(raw, line_no, gen, codec, renderer, opts, &mut seen, &mut custom_id, &mut |s| {
                 if io_err.is_none() {
                     if let Err(e) = out.chunk(line_no, s) {
                         io_err = Some(e);
@@ -173,9 +175,9 @@ pub fn serve<R: BufRead, W: Write>(
         if let Some(e) = io_err {
             return Err(e.into());
         }
-        let (custom_id, result) = match res {
+        let result = match res {
             Ok(r) => r,
-            Err(_) => (None, Err(LineError::new("internal_error", "the engine panicked on this request; see stderr"))),
+            Err(_) => Err(LineError::new("internal_error", "the engine panicked on this request; see stderr")),
         };
         let text = match result {
             Ok(body) => {
@@ -216,43 +218,45 @@ fn handle_line(
     renderer: &dyn PromptRenderer,
     opts: &ServeOptions,
     seen: &mut HashSet<String>,
+    cid: &mut Option<String>,
     sink: Sink<'_>,
-) -> (Option<String>, Result<Value, LineError>) {
+) -> Result<Value, LineError> {
     let bytes = match raw {
         RawLine::Bytes(b) => b,
         RawLine::TooLong { len, head } => {
-            let id = request::scan_custom_id(&String::from_utf8_lossy(&head));
+            *cid = request::scan_custom_id(&String::from_utf8_lossy(&head));
             let msg = format!("the line has {len} bytes, over the limit of {} (--max-line-bytes); it was skipped", opts.max_line_bytes);
-            return (id, Err(LineError::new("line_too_long", msg)));
+            return Err(LineError::new("line_too_long", msg));
         }
     };
     let text = match std::str::from_utf8(&bytes) {
         Ok(t) => t,
         Err(e) => {
-            let id = request::scan_custom_id(&String::from_utf8_lossy(&bytes));
+            *cid = request::scan_custom_id(&String::from_utf8_lossy(&bytes));
             let msg = format!("the line is not valid UTF-8 (byte {})", e.valid_up_to());
-            return (id, Err(LineError::new("invalid_utf8", msg)));
+            return Err(LineError::new("invalid_utf8", msg));
         }
     };
     if text.trim().is_empty() {
-        return (None, Err(LineError::new("empty_line", "blank line; expected a JSON request")));
+        return Err(LineError::new("empty_line", "blank line; expected a JSON request"));
     }
     let value: Value = match serde_json::from_str(text) {
         Ok(v) => v,
-        Err(e) => return (request::scan_custom_id(text), Err(LineError::new("invalid_json", format!("malformed JSON: {e}")))),
+        Err(e) => {
+            *cid = request::scan_custom_id(text);
+            return Err(LineError::new("invalid_json", format!("malformed JSON: {e}")));
+        }
     };
-    let custom_id = request::custom_id_of(&value);
+    *cid = request::custom_id_of(&value);
+    let custom_id = cid.clone();
     if let Some(id) = &custom_id {
         if !seen.insert(id.clone()) {
             let msg = format!("custom_id {id:?} was already used by an earlier line; ids must be unique");
-            return (custom_id, Err(LineError::new("duplicate_custom_id", msg)));
+            return Err(LineError::new("duplicate_custom_id", msg));
         }
     }
     let seed = mix64(opts.run_id ^ mix64(line));
-    let req = match request::parse(&value, &opts.defaults, seed) {
-        Ok(r) => r,
-        Err(e) => return (custom_id, Err(e)),
-    };
+    let req = request::parse(&value, &opts.defaults, seed)?;
     let started = Instant::now();
     let res = run(&req, line, custom_id.as_deref(), gen, codec, renderer, opts, sink, started);
     if let (Ok(body), false) = (&res, opts.quiet) {
@@ -267,7 +271,7 @@ fn handle_line(
             body["decode_tok_s"],
         );
     }
-    (custom_id, res)
+    res
 }
 
 /// Why generation ended.
