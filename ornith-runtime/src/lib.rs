@@ -7,4 +7,6 @@ pub mod backend_cpu;
 pub mod cpu;
 pub mod engine;
 pub mod graph;
+pub mod protocol;
+pub mod sampling;
 pub mod weights;

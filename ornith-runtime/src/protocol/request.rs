@@ -1,0 +1,550 @@
+//! Parsing and validation of one request line.
+//!
+//! Accepted shapes:
+//! * bare chat body: `{"messages": [...], ...}` (`custom_id` or `id` names it);
+//! * OpenAI Batch line: `{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
+//!   "/v1/completions", "body": {...}}`;
+//! * raw completion: `{"prompt": "text" | [ids], ...}` or `{"prompt_token_ids": [ids]}`.
+//!
+//! `null` means "absent" for every optional field (OpenAI clients send explicit nulls).
+//! Parameters this build cannot honour (n > 1, penalties, logprobs, forced tool choice,
+//! structured output, images) are errors rather than silently ignored. The role `developer`
+//! (newer OpenAI clients) is treated as `system`.
+
+use serde_json::{Map, Value};
+
+use crate::engine::SamplingParams;
+use crate::sampling::GREEDY_EPS;
+
+use super::GenerationDefaults;
+
+/// A request-level error: becomes the `error` object of the result line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LineError {
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl LineError {
+    pub fn new(code: &'static str, message: impl Into<String>) -> Self {
+        LineError { code, message: message.into() }
+    }
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new("invalid_request", message)
+    }
+}
+
+type R<T> = Result<T, LineError>;
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Kind {
+    Chat {
+        /// Normalised messages (text content as strings, tool-call arguments as objects).
+        messages: Value,
+        tools: Option<Value>,
+        /// Extract tool calls from the output (tools given and `tool_choice` not `none`).
+        parse_tools: bool,
+        kwargs: Map<String, Value>,
+    },
+    Completion { prompt: Prompt },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    pub kind: Kind,
+    /// `max_completion_tokens`, else `max_tokens`; `None` = up to the end of the context.
+    pub max_tokens: Option<u64>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub stream: bool,
+}
+
+/// The `custom_id` of a parsed line: `custom_id`, else (bare bodies) `id`. Numbers are
+/// accepted and rendered as their JSON text.
+pub fn custom_id_of(line: &Value) -> Option<String> {
+    let pick = |v: &Value| match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    };
+    let obj = line.as_object()?;
+    obj.get("custom_id").and_then(pick).or_else(|| if obj.contains_key("body") { None } else { obj.get("id").and_then(pick) })
+}
+
+/// Best-effort `custom_id` of a line that is not valid JSON (or was too long to keep): the first
+/// `"custom_id": "…"` string in the text.
+pub fn scan_custom_id(text: &str) -> Option<String> {
+    let key = "\"custom_id\"";
+    let at = text.find(key)?;
+    let rest = text[at + key.len()..].trim_start().strip_prefix(':')?.trim_start();
+    if !rest.starts_with('"') {
+        return None;
+    }
+    let bytes = rest.as_bytes();
+    let mut i = 1;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'\\' => i += 2,
+            b'"' => return serde_json::from_str::<String>(&rest[..=i]).ok(),
+            _ => i += 1,
+        }
+    }
+    None
+}
+
+fn present<'a>(obj: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
+    obj.get(k).filter(|v| !v.is_null())
+}
+
+fn get_f64(obj: &Map<String, Value>, k: &str) -> R<Option<f64>> {
+    match present(obj, k) {
+        None => Ok(None),
+        Some(v) => match v.as_f64() {
+            Some(x) if x.is_finite() => Ok(Some(x)),
+            _ => Err(LineError::invalid(format!("`{k}` must be a number, got {}", short(v)))),
+        },
+    }
+}
+
+fn get_i64(obj: &Map<String, Value>, k: &str) -> R<Option<i64>> {
+    match present(obj, k) {
+        None => Ok(None),
+        Some(v) => v.as_i64().map(Some).ok_or_else(|| LineError::invalid(format!("`{k}` must be an integer, got {}", short(v)))),
+    }
+}
+
+fn get_bool(obj: &Map<String, Value>, k: &str) -> R<Option<bool>> {
+    match present(obj, k) {
+        None => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(v) => Err(LineError::invalid(format!("`{k}` must be true or false, got {}", short(v)))),
+    }
+}
+
+/// A value shown in an error message, cut to a readable length.
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    if s.len() <= 60 {
+        return s;
+    }
+    let mut end = 60;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+fn ids_array(v: &Value, what: &str) -> R<Vec<u32>> {
+    let arr = v.as_array().ok_or_else(|| LineError::invalid(format!("`{what}` must be an array of token ids")))?;
+    arr.iter()
+        .map(|x| {
+            x.as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .ok_or_else(|| LineError::invalid(format!("`{what}` must hold non-negative integer token ids, got {}", short(x))))
+        })
+        .collect()
+}
+
+/// Parses one JSON line. `default_seed` seeds requests that do not give a `seed`.
+pub fn parse(line: &Value, defaults: &GenerationDefaults, default_seed: u64) -> R<Request> {
+    let obj = line.as_object().ok_or_else(|| LineError::invalid("a request line must be a JSON object"))?;
+    let (body, chat) = if let Some(body) = obj.get("body") {
+        if let Some(m) = present(obj, "method") {
+            if m.as_str() != Some("POST") {
+                return Err(LineError::invalid(format!("`method` must be \"POST\", got {}", short(m))));
+            }
+        }
+        let body = body.as_object().ok_or_else(|| LineError::invalid("`body` must be a JSON object"))?;
+        let chat = match present(obj, "url").map(|u| u.as_str()) {
+            Some(Some("/v1/chat/completions")) => true,
+            Some(Some("/v1/completions")) => false,
+            Some(_) => {
+                return Err(LineError::new(
+                    "unsupported_url",
+                    format!("`url` must be \"/v1/chat/completions\" or \"/v1/completions\", got {}", short(&obj["url"])),
+                ))
+            }
+            None => !body.contains_key("prompt") && !body.contains_key("prompt_token_ids"),
+        };
+        (body, chat)
+    } else if obj.contains_key("messages") {
+        (obj, true)
+    } else if obj.contains_key("prompt") || obj.contains_key("prompt_token_ids") {
+        (obj, false)
+    } else {
+        return Err(LineError::invalid(
+            "the line is neither a chat request (`messages`), a completion (`prompt`) nor a batch line (`body`)",
+        ));
+    };
+    parse_body(body, chat, defaults, default_seed)
+}
+
+fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults, default_seed: u64) -> R<Request> {
+    // Parameters that would change the result and are not implemented.
+    if let Some(n) = get_i64(b, "n")? {
+        if n != 1 {
+            return Err(LineError::new("unsupported_parameter", format!("`n` = {n}: this build returns one choice per request")));
+        }
+    }
+    for k in ["presence_penalty", "frequency_penalty"] {
+        if get_f64(b, k)?.is_some_and(|x| x != 0.0) {
+            return Err(LineError::new("unsupported_parameter", format!("`{k}` is not supported by this build (use 0)")));
+        }
+    }
+    if get_f64(b, "repetition_penalty")?.is_some_and(|x| x != 1.0) {
+        return Err(LineError::new("unsupported_parameter", "`repetition_penalty` is not supported by this build (use 1)"));
+    }
+    let logprobs_on = match present(b, "logprobs") {
+        None | Some(Value::Bool(false)) => false,
+        Some(Value::Number(n)) => n.as_i64() != Some(0),
+        Some(_) => true,
+    };
+    if logprobs_on || present(b, "top_logprobs").is_some() {
+        return Err(LineError::new("unsupported_parameter", "`logprobs` are not supported by this build"));
+    }
+    if let Some(rf) = present(b, "response_format") {
+        if rf.get("type").and_then(|t| t.as_str()) != Some("text") {
+            return Err(LineError::new("unsupported_parameter", "`response_format` other than text is not supported by this build"));
+        }
+    }
+
+    // Sampling.
+    let temperature = match get_f64(b, "temperature")? {
+        Some(t) if t < 0.0 => return Err(LineError::invalid(format!("`temperature` must be >= 0, got {t}"))),
+        Some(t) => t as f32,
+        None => defaults.temperature,
+    };
+    let top_p = match get_f64(b, "top_p")? {
+        Some(p) if !(p > 0.0 && p <= 1.0) => return Err(LineError::invalid(format!("`top_p` must be in (0, 1], got {p}"))),
+        Some(p) => p as f32,
+        None => defaults.top_p,
+    };
+    let top_k = match get_i64(b, "top_k")? {
+        // vLLM: -1 (and 0) disable top-k.
+        Some(k) if k < -1 => return Err(LineError::invalid(format!("`top_k` must be -1, 0 or positive, got {k}"))),
+        Some(k) if k <= 0 => 0,
+        Some(k) => k as usize,
+        None => defaults.top_k,
+    };
+    let min_p = match get_f64(b, "min_p")? {
+        Some(p) if !(0.0..=1.0).contains(&p) => return Err(LineError::invalid(format!("`min_p` must be in [0, 1], got {p}"))),
+        Some(p) => p as f32,
+        None => defaults.min_p,
+    };
+    let seed = match present(b, "seed") {
+        None => default_seed,
+        Some(v) => match (v.as_u64(), v.as_i64()) {
+            (Some(u), _) => u,
+            (None, Some(i)) => i as u64,
+            _ => return Err(LineError::invalid(format!("`seed` must be an integer, got {}", short(v)))),
+        },
+    };
+    let temperature = if temperature < GREEDY_EPS { 0.0 } else { temperature };
+    let sampling = SamplingParams { temperature, top_k, top_p, min_p, seed };
+
+    let max_tokens = match get_i64(b, "max_completion_tokens")?.or(get_i64(b, "max_tokens")?) {
+        Some(m) if m < 1 => return Err(LineError::invalid(format!("`max_tokens` must be at least 1, got {m}"))),
+        Some(m) => Some(m as u64),
+        None => None,
+    };
+    let stop = match present(b, "stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|s| s.as_str().map(str::to_string).ok_or_else(|| LineError::invalid("`stop` must be a string or a list of strings")))
+            .collect::<R<_>>()?,
+        Some(_) => return Err(LineError::invalid("`stop` must be a string or a list of strings")),
+    };
+    let stop_token_ids = match present(b, "stop_token_ids") {
+        None => Vec::new(),
+        Some(v) => ids_array(v, "stop_token_ids")?,
+    };
+    let ignore_eos = get_bool(b, "ignore_eos")?.unwrap_or(false);
+    let stream = get_bool(b, "stream")?.unwrap_or(false);
+
+    let kind = if chat { parse_chat(b)? } else { parse_completion(b)? };
+    Ok(Request { kind, max_tokens, sampling, stop, stop_token_ids, ignore_eos, stream })
+}
+
+fn parse_completion(b: &Map<String, Value>) -> R<Kind> {
+    if b.contains_key("messages") {
+        return Err(LineError::invalid("a completion request takes `prompt`, not `messages`"));
+    }
+    let prompt = match (present(b, "prompt"), present(b, "prompt_token_ids")) {
+        (Some(_), Some(_)) => return Err(LineError::invalid("give either `prompt` or `prompt_token_ids`, not both")),
+        (None, None) => return Err(LineError::invalid("a completion request needs `prompt` or `prompt_token_ids`")),
+        (None, Some(ids)) => Prompt::Ids(ids_array(ids, "prompt_token_ids")?),
+        (Some(Value::String(s)), None) => Prompt::Text(s.clone()),
+        (Some(Value::Array(a)), None) => match a.first() {
+            Some(Value::String(_)) | Some(Value::Array(_)) if a.len() != 1 => {
+                return Err(LineError::new("unsupported_parameter", "one prompt per request line (a list of prompts is not supported)"))
+            }
+            Some(Value::String(s)) => Prompt::Text(s.clone()),
+            Some(inner @ Value::Array(_)) => Prompt::Ids(ids_array(inner, "prompt")?),
+            _ => Prompt::Ids(ids_array(&b["prompt"], "prompt")?),
+        },
+        (Some(v), None) => return Err(LineError::invalid(format!("`prompt` must be a string or a list of token ids, got {}", short(v)))),
+    };
+    let empty = match &prompt {
+        Prompt::Text(s) => s.is_empty(),
+        Prompt::Ids(ids) => ids.is_empty(),
+    };
+    if empty {
+        return Err(LineError::invalid("the prompt is empty"));
+    }
+    if get_bool(b, "echo")? == Some(true) || present(b, "suffix").is_some() {
+        return Err(LineError::new("unsupported_parameter", "`echo` and `suffix` are not supported by this build"));
+    }
+    Ok(Kind::Completion { prompt })
+}
+
+fn parse_chat(b: &Map<String, Value>) -> R<Kind> {
+    let messages = present(b, "messages").ok_or_else(|| LineError::invalid("a chat request needs `messages`"))?;
+    let messages = normalize_messages(messages)?;
+    let mut tools = match present(b, "tools") {
+        None => None,
+        Some(Value::Array(a)) if a.is_empty() => None,
+        Some(Value::Array(a)) => {
+            for t in a {
+                let name = t.get("function").and_then(|f| f.get("name")).and_then(|n| n.as_str());
+                if name.is_none_or(str::is_empty) {
+                    return Err(LineError::invalid("each tool must be {\"type\": \"function\", \"function\": {\"name\": …}}"));
+                }
+            }
+            Some(Value::Array(a.clone()))
+        }
+        Some(_) => return Err(LineError::invalid("`tools` must be an array")),
+    };
+    let parse_tools = match present(b, "tool_choice") {
+        None => true,
+        Some(Value::String(s)) if s == "auto" => true,
+        Some(Value::String(s)) if s == "none" => {
+            // OpenAI: the model will not call a tool; the tools are left out of the prompt.
+            tools = None;
+            false
+        }
+        Some(v) => {
+            return Err(LineError::new(
+                "unsupported_parameter",
+                format!("`tool_choice` {} is not supported by this build (use \"auto\" or \"none\")", short(v)),
+            ))
+        }
+    } && tools.is_some();
+    let kwargs = match present(b, "chat_template_kwargs") {
+        None => Map::new(),
+        Some(Value::Object(m)) => m.clone(),
+        Some(_) => return Err(LineError::invalid("`chat_template_kwargs` must be an object")),
+    };
+    Ok(Kind::Chat { messages, tools, parse_tools, kwargs })
+}
+
+const TEXT_ONLY: &str = "this build serves text only";
+
+/// Content as a string: a string, null (empty), or a list of text parts (concatenated, as the
+/// chat template does); image / audio / video parts are refused.
+fn content_text(v: Option<&Value>, i: usize) -> R<String> {
+    match v {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut out = String::new();
+            for p in parts {
+                let ty = p.get("type").and_then(|t| t.as_str());
+                let media = ["image_url", "image", "input_image", "video", "video_url", "input_audio", "audio", "audio_url", "file"];
+                if ty.is_some_and(|t| media.contains(&t)) || media.iter().any(|m| p.get(*m).is_some()) {
+                    return Err(LineError::new("unsupported_content", format!("messages[{i}]: {TEXT_ONLY}")));
+                }
+                match (ty, p.get("text")) {
+                    (None | Some("text") | Some("input_text"), Some(Value::String(t))) => out.push_str(t),
+                    _ => return Err(LineError::invalid(format!("messages[{i}]: content parts must be {{\"type\": \"text\", \"text\": …}}"))),
+                }
+            }
+            Ok(out)
+        }
+        Some(v) => Err(LineError::invalid(format!("messages[{i}].content must be a string or a list of parts, got {}", short(v)))),
+    }
+}
+
+/// Validates `messages` and rewrites them into what the chat template expects.
+pub fn normalize_messages(messages: &Value) -> R<Value> {
+    let arr = messages.as_array().ok_or_else(|| LineError::invalid("`messages` must be an array"))?;
+    if arr.is_empty() {
+        return Err(LineError::invalid("`messages` is empty"));
+    }
+    let mut out = Vec::with_capacity(arr.len());
+    for (i, m) in arr.iter().enumerate() {
+        let obj = m.as_object().ok_or_else(|| LineError::invalid(format!("messages[{i}] must be an object")))?;
+        let role = match obj.get("role") {
+            Some(Value::String(r)) => r.as_str(),
+            _ => return Err(LineError::invalid(format!("messages[{i}] needs a string `role`"))),
+        };
+        let role = match role {
+            "system" | "user" | "assistant" | "tool" => role,
+            "developer" => "system",
+            other => {
+                return Err(LineError::invalid(format!(
+                    "messages[{i}]: unknown role {other:?} (expected system, developer, user, assistant or tool)"
+                )))
+            }
+        };
+        let mut n = Map::new();
+        n.insert("role".into(), Value::String(role.into()));
+        n.insert("content".into(), Value::String(content_text(obj.get("content"), i)?));
+        if role == "assistant" {
+            let reasoning = present(obj, "reasoning_content").or_else(|| present(obj, "reasoning"));
+            if let Some(r) = reasoning {
+                let r = r.as_str().ok_or_else(|| LineError::invalid(format!("messages[{i}].reasoning_content must be a string")))?;
+                n.insert("reasoning_content".into(), Value::String(r.into()));
+            }
+            if let Some(calls) = present(obj, "tool_calls") {
+                n.insert("tool_calls".into(), normalize_tool_calls(calls, i)?);
+            }
+        }
+        for k in ["name", "tool_call_id"] {
+            if let Some(Value::String(s)) = obj.get(k) {
+                n.insert(k.into(), Value::String(s.clone()));
+            }
+        }
+        out.push(Value::Object(n));
+    }
+    Ok(Value::Array(out))
+}
+
+/// OpenAI tool calls carry `arguments` as a JSON string; the template iterates them as a
+/// mapping, so they are decoded here (vLLM does the same before rendering).
+fn normalize_tool_calls(calls: &Value, i: usize) -> R<Value> {
+    let arr = calls.as_array().ok_or_else(|| LineError::invalid(format!("messages[{i}].tool_calls must be an array")))?;
+    let mut out = Vec::new();
+    for c in arr {
+        let f = c.get("function").unwrap_or(c);
+        let name = f.get("name").and_then(|n| n.as_str()).filter(|n| !n.is_empty());
+        let name = name.ok_or_else(|| LineError::invalid(format!("messages[{i}].tool_calls: each call needs function.name")))?;
+        let args = match f.get("arguments") {
+            None | Some(Value::Null) => Value::Object(Map::new()),
+            Some(Value::String(s)) if s.trim().is_empty() => Value::Object(Map::new()),
+            Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
+                Ok(v @ Value::Object(_)) => v,
+                _ => return Err(LineError::invalid(format!("messages[{i}].tool_calls: arguments of {name:?} is not a JSON object"))),
+            },
+            Some(v @ Value::Object(_)) => v.clone(),
+            Some(_) => return Err(LineError::invalid(format!("messages[{i}].tool_calls: arguments of {name:?} is not a JSON object"))),
+        };
+        let mut call = Map::new();
+        if let Some(id) = c.get("id") {
+            call.insert("id".into(), id.clone());
+        }
+        call.insert("type".into(), Value::String("function".into()));
+        let mut func = Map::new();
+        func.insert("name".into(), Value::String(name.into()));
+        func.insert("arguments".into(), args);
+        call.insert("function".into(), Value::Object(func));
+        out.push(Value::Object(call));
+    }
+    Ok(Value::Array(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn p(v: Value) -> R<Request> {
+        let d = GenerationDefaults { temperature: 1.0, top_k: 20, top_p: 0.95, min_p: 0.0, eos_token_ids: vec![1] };
+        parse(&v, &d, 99)
+    }
+
+    #[test]
+    fn bare_chat_with_defaults() {
+        let r = p(json!({"messages": [{"role": "user", "content": "hi"}]})).unwrap();
+        assert_eq!(r.sampling, SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.95, min_p: 0.0, seed: 99 });
+        assert_eq!(r.max_tokens, None);
+        assert!(matches!(r.kind, Kind::Chat { parse_tools: false, .. }));
+    }
+
+    #[test]
+    fn batch_line_and_overrides() {
+        let r = p(json!({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {
+            "messages": [{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+                         {"role": "user", "content": "x"}],
+            "temperature": 0, "top_k": -1, "top_p": 0.5, "min_p": 0.1, "seed": -1, "max_tokens": 5,
+            "max_completion_tokens": 7, "stop": "END", "stream": true, "tools": [{"type": "function", "function": {"name": "f"}}]
+        }}))
+        .unwrap();
+        assert_eq!(r.sampling, SamplingParams { temperature: 0.0, top_k: 0, top_p: 0.5, min_p: 0.1, seed: u64::MAX });
+        assert_eq!(r.max_tokens, Some(7));
+        assert_eq!(r.stop, vec!["END".to_string()]);
+        assert!(r.stream);
+        match r.kind {
+            Kind::Chat { messages, parse_tools, .. } => {
+                assert!(parse_tools);
+                assert_eq!(messages[0], json!({"role": "system", "content": "be brief"}));
+            }
+            _ => panic!(),
+        }
+    }
+
+    #[test]
+    fn completions() {
+        let r = p(json!({"prompt": "abc"})).unwrap();
+        assert_eq!(r.kind, Kind::Completion { prompt: Prompt::Text("abc".into()) });
+        let r = p(json!({"url": "/v1/completions", "body": {"prompt": [1, 2]}})).unwrap();
+        assert_eq!(r.kind, Kind::Completion { prompt: Prompt::Ids(vec![1, 2]) });
+        assert!(p(json!({"prompt_token_ids": []})).is_err());
+        assert!(p(json!({"prompt": ["a", "b"]})).is_err());
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        let base = |k: &str, v: Value| {
+            let mut m = json!({"messages": [{"role": "user", "content": "hi"}]});
+            m[k] = v;
+            p(m).unwrap_err()
+        };
+        assert!(base("temperature", json!(-0.5)).message.contains(">= 0"));
+        assert!(base("top_p", json!(0)).message.contains("(0, 1]"));
+        assert!(base("top_p", json!(1.5)).message.contains("(0, 1]"));
+        assert!(base("temperature", json!("hot")).message.contains("number"));
+        assert!(base("max_tokens", json!(0)).message.contains("at least 1"));
+        assert!(base("stop", json!(3)).message.contains("stop"));
+        assert_eq!(base("n", json!(2)).code, "unsupported_parameter");
+        assert_eq!(base("tool_choice", json!("required")).code, "unsupported_parameter");
+        let e = p(json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})).unwrap_err();
+        assert_eq!(e.code, "unsupported_content");
+        assert!(e.message.contains("text only"));
+        assert!(p(json!({"messages": []})).unwrap_err().message.contains("empty"));
+        assert!(p(json!({"messages": [{"role": "wizard", "content": "x"}]})).unwrap_err().message.contains("unknown role"));
+        assert_eq!(p(json!({"url": "/v1/embeddings", "body": {}})).unwrap_err().code, "unsupported_url");
+        assert!(p(json!([1])).is_err());
+        assert!(p(json!({"hello": 1})).is_err());
+    }
+
+    #[test]
+    fn tool_call_arguments_are_decoded_for_the_template() {
+        let r = p(json!({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": null,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}))
+        .unwrap();
+        let Kind::Chat { messages, .. } = r.kind else { panic!() };
+        assert_eq!(messages[1]["tool_calls"][0]["function"]["arguments"], json!({"a": 1}));
+        assert_eq!(messages[1]["content"], json!(""));
+    }
+
+    #[test]
+    fn custom_ids() {
+        assert_eq!(custom_id_of(&json!({"custom_id": "x", "body": {}})), Some("x".into()));
+        assert_eq!(custom_id_of(&json!({"id": 5, "messages": []})), Some("5".into()));
+        assert_eq!(custom_id_of(&json!({"id": "req", "body": {}})), None);
+        assert_eq!(scan_custom_id(r#"{"custom_id" : "a\"b", "body": {"#), Some("a\"b".into()));
+        assert_eq!(scan_custom_id(r#"{"custom_id": 3"#), None);
+        assert_eq!(scan_custom_id(r#"{"custom_id": "unterminated"#), None);
+    }
+}

@@ -1,0 +1,634 @@
+//! The JSONL serve loop driven as a library with test doubles: a byte-level codec, a ChatML
+//! renderer and a generator that replays the text after `SAY:` in the prompt.
+
+use std::io::{Cursor, Read};
+
+use ornith_runtime::engine::{Generator, SamplingParams};
+use ornith_runtime::protocol::{self, GenerationDefaults, PromptRenderer, ServeOptions, TextCodec, TokenStream};
+use serde_json::{json, Map, Value};
+
+// ---------------------------------------------------------------- doubles
+
+const IM_END: u32 = 256;
+const ENDOFTEXT: u32 = 257;
+const IM_START: u32 = 258;
+const SPECIALS: [(&str, u32); 3] = [("<|im_end|>", IM_END), ("<|endoftext|>", ENDOFTEXT), ("<|im_start|>", IM_START)];
+
+/// Ids 0–255 are bytes (so multi-byte characters span several tokens), 256–258 specials.
+struct ByteCodec;
+
+struct ByteStream {
+    pending: Vec<u8>,
+    skip: bool,
+}
+
+impl TokenStream for ByteStream {
+    fn push(&mut self, id: u32) -> anyhow::Result<Option<String>> {
+        if let Some((s, _)) = SPECIALS.iter().find(|(_, i)| *i == id) {
+            return Ok(if self.skip { None } else { Some(s.to_string()) });
+        }
+        anyhow::ensure!(id < 256, "token id {id} out of range");
+        self.pending.push(id as u8);
+        let ok = match std::str::from_utf8(&self.pending) {
+            Ok(_) => self.pending.len(),
+            Err(e) if e.error_len().is_none() => e.valid_up_to(), // incomplete tail: wait
+            Err(_) => self.pending.len(),                          // invalid: emit lossily
+        };
+        if ok == 0 {
+            return Ok(None);
+        }
+        let out: Vec<u8> = self.pending.drain(..ok).collect();
+        Ok(Some(String::from_utf8_lossy(&out).into_owned()))
+    }
+    fn flush(&mut self) -> anyhow::Result<Option<String>> {
+        if self.pending.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(String::from_utf8_lossy(&std::mem::take(&mut self.pending)).into_owned()))
+    }
+}
+
+impl TextCodec for ByteCodec {
+    fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        let mut rest = text;
+        'outer: while !rest.is_empty() {
+            for (s, id) in SPECIALS {
+                if let Some(r) = rest.strip_prefix(s) {
+                    ids.push(id);
+                    rest = r;
+                    continue 'outer;
+                }
+            }
+            let c = rest.chars().next().unwrap();
+            ids.extend(rest[..c.len_utf8()].bytes().map(u32::from));
+            rest = &rest[c.len_utf8()..];
+        }
+        Ok(ids)
+    }
+    fn decode(&self, ids: &[u32], skip_special: bool) -> anyhow::Result<String> {
+        let mut s = self.stream(skip_special);
+        let mut out = String::new();
+        for &i in ids {
+            out.extend(s.push(i)?);
+        }
+        out.extend(s.flush()?);
+        Ok(out)
+    }
+    fn token_id(&self, token: &str) -> Option<u32> {
+        SPECIALS.iter().find(|(s, _)| *s == token).map(|(_, i)| *i)
+    }
+    fn vocab_size(&self) -> usize {
+        259
+    }
+    fn stream<'a>(&'a self, skip_special: bool) -> Box<dyn TokenStream + 'a> {
+        Box::new(ByteStream { pending: Vec::new(), skip: skip_special })
+    }
+}
+
+/// ChatML with the 35B generation prompt (`<think>\n` unless `enable_thinking` is false).
+struct ChatMl;
+
+impl PromptRenderer for ChatMl {
+    fn render(&self, messages: &Value, tools: Option<&Value>, add: bool, kwargs: &Map<String, Value>) -> anyhow::Result<String> {
+        let msgs = messages.as_array().unwrap();
+        anyhow::ensure!(msgs.iter().any(|m| m["role"] == "user"), "No user query found in messages.");
+        let mut s = String::new();
+        if let Some(t) = tools {
+            s += &format!("<|im_start|>system\n# Tools\n{t}<|im_end|>\n");
+        }
+        for m in msgs {
+            s += &format!("<|im_start|>{}\n{}<|im_end|>\n", m["role"].as_str().unwrap(), m["content"].as_str().unwrap());
+        }
+        if add {
+            s += "<|im_start|>assistant\n";
+            s += if kwargs.get("enable_thinking") == Some(&json!(false)) { "<think>\n\n</think>\n\n" } else { "<think>\n" };
+        }
+        Ok(s)
+    }
+}
+
+/// Replays the tokens after the last `SAY:` of the prompt (up to `<|im_end|>`), then
+/// `<|im_end|>`, then `x` forever. `SAY:FAIL` fails prefill, `SAY:PANIC` panics.
+struct ScriptGen {
+    ctx: usize,
+    script: Vec<u32>,
+    pos: usize,
+    held: usize,
+    calls: Vec<SamplingParams>,
+}
+
+impl ScriptGen {
+    fn new(ctx: usize) -> Self {
+        ScriptGen { ctx, script: Vec::new(), pos: 0, held: 0, calls: Vec::new() }
+    }
+    fn next(&mut self) -> u32 {
+        let t = self.script.get(self.pos).copied().unwrap_or(b'x' as u32);
+        self.pos += 1;
+        t
+    }
+}
+
+impl Generator for ScriptGen {
+    fn max_context(&self) -> usize {
+        self.ctx
+    }
+    fn vocab_size(&self) -> usize {
+        259
+    }
+    fn prefill(&mut self, prompt: &[u32], params: &SamplingParams) -> anyhow::Result<u32> {
+        assert!(!prompt.is_empty() && prompt.len() < self.ctx, "front end sent a bad prompt");
+        self.calls.push(*params);
+        let marker: Vec<u32> = b"SAY:".iter().map(|&b| b as u32).collect();
+        let start = prompt.windows(4).rposition(|w| w == marker.as_slice()).map_or(prompt.len(), |i| i + 4);
+        let mut script: Vec<u32> = prompt[start..].iter().copied().take_while(|&t| t != IM_END).collect();
+        let text: Vec<u8> = script.iter().filter(|&&t| t < 256).map(|&t| t as u8).collect();
+        if text == b"FAIL" {
+            anyhow::bail!("simulated device failure");
+        }
+        if text == b"PANIC" {
+            panic!("simulated bug");
+        }
+        script.push(IM_END);
+        self.script = script;
+        self.pos = 0;
+        self.held = prompt.len();
+        Ok(self.next())
+    }
+    fn decode(&mut self, _token: u32, _params: &SamplingParams) -> anyhow::Result<u32> {
+        self.held += 1;
+        assert!(self.held < self.ctx, "front end decoded past the context window");
+        Ok(self.next())
+    }
+}
+
+fn opts() -> ServeOptions {
+    let defaults = GenerationDefaults { temperature: 1.0, top_k: 20, top_p: 0.95, min_p: 0.0, eos_token_ids: vec![IM_END, ENDOFTEXT] };
+    let mut o = ServeOptions::new("ornith-test", defaults);
+    o.run_id = 0xabc;
+    o.quiet = true;
+    o
+}
+
+/// Runs `input` and returns the output lines parsed.
+fn run_with(input: impl Read, o: &ServeOptions, ctx: usize) -> (Vec<Value>, ScriptGen) {
+    let mut gen = ScriptGen::new(ctx);
+    let mut out = Vec::new();
+    protocol::serve(std::io::BufReader::new(input), &mut out, &mut gen, &ByteCodec, &ChatMl, o).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    let lines = text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("stdout line is not JSON ({e}): {l}"))).collect();
+    (lines, gen)
+}
+
+fn is_result(v: &Value) -> bool {
+    v.get("response").is_some()
+}
+
+/// Splits output into (result lines, chunk lines per result index); checks that every result
+/// line has the batch shape and that chunks precede their result.
+fn results(lines: &[Value]) -> (Vec<Value>, Vec<Vec<Value>>) {
+    let mut res = Vec::new();
+    let mut chunks = vec![Vec::new()];
+    for l in lines {
+        if is_result(l) {
+            assert!(l["id"].as_str().unwrap().starts_with("batch_req_"));
+            assert!(l["custom_id"].is_string());
+            assert!(l["response"].is_null() != l["error"].is_null(), "exactly one of response / error: {l}");
+            res.push(l.clone());
+            chunks.push(Vec::new());
+        } else {
+            let obj = l["object"].as_str().unwrap();
+            assert!(obj == "chat.completion.chunk" || obj == "text_completion", "{l}");
+            chunks.last_mut().unwrap().push(l.clone());
+        }
+    }
+    assert!(chunks.pop().unwrap().is_empty(), "chunk lines after the last result");
+    (res, chunks)
+}
+
+fn body(r: &Value) -> &Value {
+    assert_eq!(r["response"]["status_code"], 200, "{r}");
+    &r["response"]["body"]
+}
+
+fn msg(r: &Value) -> &Value {
+    &body(r)["choices"][0]["message"]
+}
+
+fn finish(r: &Value) -> &str {
+    body(r)["choices"][0]["finish_reason"].as_str().unwrap()
+}
+
+fn err_code(r: &Value) -> &str {
+    assert!(r["response"].is_null(), "expected an error: {r}");
+    r["error"]["code"].as_str().unwrap()
+}
+
+/// Concatenates streamed chat deltas: (reasoning, content, tool calls, final finish_reason).
+fn stream_concat(chunks: &[Value], custom_id: &str) -> (String, String, Vec<Value>, String) {
+    let (mut r, mut c, mut calls, mut fin) = (String::new(), String::new(), Vec::new(), String::new());
+    assert_eq!(chunks[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
+    for ch in chunks {
+        assert_eq!(ch["custom_id"], custom_id);
+        let d = &ch["choices"][0]["delta"];
+        r += d["reasoning"].as_str().unwrap_or("");
+        assert_eq!(d["reasoning"], d["reasoning_content"]);
+        c += d["content"].as_str().unwrap_or("");
+        if let Some(t) = d["tool_calls"].as_array() {
+            calls.extend(t.iter().cloned());
+        }
+        if let Some(f) = ch["choices"][0]["finish_reason"].as_str() {
+            fin = f.to_string();
+        }
+    }
+    (r, c, calls, fin)
+}
+
+const FIXTURE: &str = include_str!("../fixtures/protocol/requests.jsonl");
+
+// ---------------------------------------------------------------- tests
+
+#[test]
+fn fixture_every_line_answered_in_order_with_the_right_shape() {
+    // Two lines that cannot live in a text fixture: invalid UTF-8 and an over-long line.
+    let mut input = FIXTURE.as_bytes().to_vec();
+    input.extend_from_slice(b"{\"custom_id\": \"bad-utf8\", \"prompt\": \"\xff\xfe\"}\n");
+    input.extend_from_slice(b"{\"custom_id\": \"huge\", \"prompt\": \"");
+    input.extend(std::iter::repeat_n(b'a', 200_000));
+    input.extend_from_slice(b"\"}\n");
+    input.extend_from_slice(b"{\"custom_id\": \"after\", \"prompt\": \"SAY:still alive\"}");
+    let n_in = input.split(|&b| b == b'\n').count();
+    let mut o = opts();
+    o.max_line_bytes = 64 << 10;
+    let (lines, gen) = run_with(Cursor::new(input), &o, 1024);
+    let (res, chunks) = results(&lines);
+    assert_eq!(res.len(), n_in, "one result line per input line");
+    for (i, r) in res.iter().enumerate() {
+        if !r["error"].is_null() {
+            assert_eq!(r["error"]["line"], i + 1, "{r}");
+        }
+    }
+    let by_line = |n: usize| &res[n - 1];
+
+    // 1: plain chat, thinking off.
+    let r = by_line(1);
+    assert_eq!(r["custom_id"], "c-plain");
+    let b = body(r);
+    assert_eq!(b["object"], "chat.completion");
+    assert_eq!(b["model"], "ornith-test");
+    assert!(b["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert!(b["created"].as_u64().unwrap() > 1_600_000_000);
+    assert_eq!(
+        msg(r),
+        &json!({"role": "assistant", "content": "Hello, world!", "reasoning": null, "reasoning_content": null, "tool_calls": []})
+    );
+    assert_eq!(finish(r), "stop");
+    assert_eq!(b["choices"][0]["index"], 0);
+    // 13 text tokens + the eos token.
+    assert_eq!(b["usage"]["completion_tokens"], 14);
+    let p = b["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(b["usage"]["total_tokens"], p + 14);
+    assert!(b["ttft_ms"].is_number());
+    assert!(b.get("prefill_tok_s").is_some() && b.get("decode_tok_s").is_some());
+
+    // 2: reasoning split (prompt ends with `<think>\n`).
+    let m = msg(by_line(2));
+    assert_eq!(m["reasoning"], "Let me think.");
+    assert_eq!(m["reasoning_content"], "Let me think.");
+    assert_eq!(m["content"], "The answer is 4.");
+
+    // 3: tool call typed by the schema.
+    let r = by_line(3);
+    assert_eq!(finish(r), "tool_calls");
+    let m = msg(r);
+    assert_eq!(m["content"], "I'll check.");
+    let calls = m["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0]["type"], "function");
+    assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    let args: Value = serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Paris", "days": 3, "metric": true}));
+
+    // 4: stop string excluded from the output.
+    let r = by_line(4);
+    assert_eq!(msg(r)["content"], "abc");
+    assert_eq!(finish(r), "stop");
+    assert_eq!(body(r)["choices"][0]["stop_reason"], "END");
+
+    // 5: streaming with a stop string: chunks first, never a partial stop string, and the
+    // deltas concatenate to the final message.
+    let r = by_line(5);
+    let ch = &chunks[4];
+    assert!(ch.len() >= 4);
+    let (re, co, calls, fin) = stream_concat(ch, "c-stream");
+    assert_eq!(re, "Reasoning here");
+    assert_eq!(co, "Part one ");
+    assert!(calls.is_empty());
+    assert_eq!(fin, "stop");
+    assert!(ch.iter().all(|c| !c.to_string().contains('#')));
+    assert_eq!(msg(r)["reasoning"], re);
+    assert_eq!(msg(r)["content"], co);
+    assert_eq!(ch[0]["id"], body(r)["id"]);
+
+    // 6: max_tokens → length.
+    let r = by_line(6);
+    assert_eq!(msg(r)["content"], "abcde");
+    assert_eq!(finish(r), "length");
+    assert_eq!(body(r)["usage"]["completion_tokens"], 5);
+
+    // 7, 8: bare bodies: `id` echoed, else line-<n>.
+    assert_eq!(by_line(7)["custom_id"], "bare-1");
+    assert_eq!(msg(by_line(7))["content"], "bare");
+    assert_eq!(by_line(8)["custom_id"], "line-8");
+    assert_eq!(msg(by_line(8))["content"], "no id");
+
+    // 9, 10: raw completions.
+    for (n, text) in [(9, "xyz"), (10, "hi")] {
+        let b = body(by_line(n));
+        assert_eq!(b["object"], "text_completion");
+        assert_eq!(b["choices"][0]["text"], text);
+        assert_eq!(b["choices"][0]["finish_reason"], "stop");
+    }
+    assert_eq!(body(by_line(10))["usage"]["prompt_tokens"], 6);
+
+    // 11: streamed completion.
+    let ch = &chunks[10];
+    let streamed: String = ch.iter().map(|c| c["choices"][0]["text"].as_str().unwrap().to_string()).collect();
+    assert_eq!(streamed, "streamed text");
+    assert_eq!(ch.last().unwrap()["choices"][0]["finish_reason"], "stop");
+    assert_eq!(body(by_line(11))["choices"][0]["text"], "streamed text");
+
+    // Errors with their codes; the custom_id is recovered even from broken JSON.
+    let expect = [
+        (12, "broken", "invalid_json"),
+        (13, "e-type", "invalid_request"),
+        (14, "e-role", "invalid_request"),
+        (15, "e-image", "unsupported_content"),
+        (16, "e-empty", "invalid_request"),
+        (17, "e-long-prompt", "context_length_exceeded"),
+        (18, "e-max-tokens", "context_length_exceeded"),
+        (19, "e-temp", "invalid_request"),
+        (20, "e-top-p-0", "invalid_request"),
+        (21, "e-top-p-big", "invalid_request"),
+        (22, "c-plain", "duplicate_custom_id"),
+        (23, "line-23", "empty_line"),
+        (24, "e-engine", "engine_error"),
+        (25, "e-panic", "internal_error"),
+        (26, "e-url", "unsupported_url"),
+        (27, "e-template", "invalid_request"),
+        (33, "e-n", "unsupported_parameter"),
+        (34, "e-prompt-ids", "invalid_request"),
+        (35, "e-neither", "invalid_request"),
+        (36, "line-36", "invalid_request"),
+        (37, "bad-utf8", "invalid_utf8"),
+        (38, "huge", "line_too_long"),
+    ];
+    for (n, id, code) in expect {
+        let r = by_line(n);
+        assert_eq!(r["custom_id"], id, "line {n}");
+        assert_eq!(err_code(r), code, "line {n}: {r}");
+        assert!(!r["error"]["message"].as_str().unwrap().is_empty());
+    }
+    assert!(by_line(15)["error"]["message"].as_str().unwrap().contains("this build serves text only"));
+    assert!(by_line(18)["error"]["message"].as_str().unwrap().contains("too large"));
+    assert!(by_line(24)["error"]["message"].as_str().unwrap().contains("simulated device failure"));
+
+    // 28: the second eos id (<|endoftext|>) stops too.
+    assert_eq!(msg(by_line(28))["content"], "done");
+    assert_eq!(finish(by_line(28)), "stop");
+    // 29: ignore_eos runs through the eos token (decoded as nothing) to max_tokens.
+    assert_eq!(msg(by_line(29))["content"], "abxxxxxxx");
+    assert_eq!(finish(by_line(29)), "length");
+
+    // 30: streamed tool call after reasoning.
+    let r = by_line(30);
+    let (re, co, calls, fin) = stream_concat(&chunks[29], "c-stream-tools");
+    assert_eq!(re, "Checking.");
+    assert_eq!(co, "");
+    assert_eq!(fin, "tool_calls");
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0]["index"], 0);
+    let m = msg(r);
+    assert_eq!(m["content"], Value::Null);
+    assert_eq!(m["tool_calls"][0]["function"], calls[0]["function"]);
+    assert_eq!(m["tool_calls"][0]["id"], calls[0]["id"]);
+
+    // 31: multi-byte characters split across byte tokens, a multi-byte stop string.
+    let (_, co, _, _) = stream_concat(&chunks[30], "c-utf8");
+    assert_eq!(co, "héllo — 世界 ");
+    assert_eq!(msg(by_line(31))["content"], co);
+
+    // 32: developer role, text parts joined.
+    assert_eq!(msg(by_line(32))["content"], "parts joined");
+
+    // The line after the over-long one still runs.
+    assert_eq!(body(by_line(39))["choices"][0]["text"], "still alive");
+
+    // Sampling defaults from the generation config reach the generator; seeds differ by line.
+    let p0 = gen.calls[0];
+    assert_eq!((p0.temperature, p0.top_k, p0.top_p, p0.min_p), (1.0, 20, 0.95, 0.0));
+    assert_ne!(gen.calls[0].seed, gen.calls[1].seed);
+}
+
+#[test]
+fn explicit_sampling_parameters_reach_the_generator() {
+    let line = r#"{"messages": [{"role": "user", "content": "SAY:a"}], "temperature": 0.5, "top_k": 7, "top_p": 0.8, "min_p": 0.05, "seed": 42}"#;
+    let (lines, gen) = run_with(Cursor::new(format!("{line}\n{line}\n")), &opts(), 512);
+    assert_eq!(lines.len(), 2);
+    assert_eq!(gen.calls[0], SamplingParams { temperature: 0.5, top_k: 7, top_p: 0.8, min_p: 0.05, seed: 42 });
+    assert_eq!(gen.calls[0], gen.calls[1]);
+    // temperature 0 → greedy.
+    let (_, gen) = run_with(Cursor::new(r#"{"prompt": "SAY:a", "temperature": 0}"#), &opts(), 512);
+    assert_eq!(gen.calls[0].temperature, 0.0);
+}
+
+#[test]
+fn max_tokens_absent_runs_to_the_end_of_the_window() {
+    // The script is "abc" + eos, ignored: generation must stop at the window, not past it.
+    let line = r#"{"prompt": "SAY:abc", "ignore_eos": true}"#;
+    let (lines, _) = run_with(Cursor::new(line), &opts(), 64);
+    let b = body(&lines[0]);
+    let p = b["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(p + b["usage"]["completion_tokens"].as_u64().unwrap(), 64);
+    assert_eq!(b["choices"][0]["finish_reason"], "length");
+}
+
+#[test]
+fn ordered_mode_gives_the_same_lines_in_input_order() {
+    let mut o = opts();
+    o.ordered = true;
+    let (a, _) = run_with(Cursor::new(FIXTURE), &o, 1024);
+    o.ordered = false;
+    let (b, _) = run_with(Cursor::new(FIXTURE), &o, 1024);
+    // With one sequential engine both orders coincide (timings aside).
+    let strip = |v: &Vec<Value>| -> Vec<Value> {
+        v.iter()
+            .map(|l| {
+                let mut l = l.clone();
+                if let Some(b) = l.get_mut("response").and_then(|r| r.get_mut("body")).and_then(|b| b.as_object_mut()) {
+                    for k in ["ttft_ms", "prefill_tok_s", "decode_tok_s", "created"] {
+                        b.remove(k);
+                    }
+                }
+                if let Some(o) = l.as_object_mut() {
+                    o.remove("created");
+                }
+                l
+            })
+            .collect()
+    };
+    assert_eq!(strip(&a), strip(&b));
+}
+
+/// A reader of a 100 MB line without holding it in memory.
+#[test]
+fn a_100_mb_line_is_skipped_without_stalling() {
+    let head = Cursor::new(b"{\"custom_id\": \"big\", \"prompt\": \"".to_vec());
+    let body = std::io::repeat(b'z').take(100 << 20);
+    let tail = Cursor::new(b"\"}\n{\"custom_id\": \"next\", \"prompt\": \"SAY:ok\"}\n".to_vec());
+    let t = std::time::Instant::now();
+    let (lines, _) = run_with(head.chain(body).chain(tail), &opts(), 512);
+    let (res, _) = results(&lines);
+    assert_eq!(res.len(), 2);
+    assert_eq!(res[0]["custom_id"], "big");
+    assert_eq!(err_code(&res[0]), "line_too_long");
+    assert_eq!(res[1]["response"]["body"]["choices"][0]["text"], "ok");
+    // Generous bound (a pass over 100 MB takes well under a second): catches a quadratic stall.
+    assert!(t.elapsed().as_secs() < 30);
+}
+
+#[test]
+fn tokenize_counts_text_and_chat() {
+    let input = "{\"text\": \"héllo\"}\n{\"custom_id\": \"c\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"chat_template_kwargs\": {\"enable_thinking\": false}}\n{\"messages\": []}\nnot json\n";
+    let mut out = Vec::new();
+    let n = protocol::tokenize(Cursor::new(input), &mut out, &ByteCodec, &ChatMl, 1 << 20).unwrap();
+    assert_eq!(n, 4);
+    let lines: Vec<Value> = String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines[0], json!({"ids": [104, 195, 169, 108, 108, 111], "count": 6}));
+    let rendered = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n";
+    let ids = ByteCodec.encode(rendered).unwrap();
+    assert_eq!(lines[1]["ids"], json!(ids));
+    assert_eq!(lines[1]["count"], ids.len());
+    assert_eq!(lines[1]["custom_id"], "c");
+    assert_eq!(lines[2]["error"]["line"], 3);
+    assert_eq!(lines[3]["error"]["code"], "invalid_json");
+}
+
+// ---------------------------------------------------------------- randomized
+
+/// xorshift64* (fixed seed: the test is deterministic).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+fn random_value(rng: &mut Rng, depth: u32) -> Value {
+    match rng.below(if depth > 2 { 6 } else { 8 }) {
+        0 => Value::Null,
+        1 => json!(rng.below(2) == 0),
+        2 => json!(rng.next() as i64),
+        3 => json!((rng.next() % 2000) as f64 / 100.0 - 10.0),
+        4 => json!(["", "user", "SAY:hi", "<tool_call>", "\u{0}", "é", "/v1/completions", "POST"][rng.below(8)]),
+        5 => json!(-1),
+        6 => Value::Array((0..rng.below(4)).map(|_| random_value(rng, depth + 1)).collect()),
+        _ => {
+            let keys = ["role", "content", "messages", "prompt", "max_tokens", "stop", "stream", "tools", "body", "custom_id", "type", "text"];
+            let mut m = Map::new();
+            for _ in 0..rng.below(4) {
+                m.insert(keys[rng.below(keys.len())].into(), random_value(rng, depth + 1));
+            }
+            Value::Object(m)
+        }
+    }
+}
+
+/// Replaces a random node of `v` by a random value.
+fn mutate_tree(v: &mut Value, rng: &mut Rng) {
+    let go_deeper = rng.below(3) != 0;
+    match v {
+        Value::Object(m) if go_deeper && !m.is_empty() => {
+            let k = m.keys().nth(rng.below(m.len())).unwrap().clone();
+            if rng.below(5) == 0 {
+                m.remove(&k);
+            } else {
+                mutate_tree(m.get_mut(&k).unwrap(), rng);
+            }
+        }
+        Value::Array(a) if go_deeper && !a.is_empty() => {
+            let i = rng.below(a.len());
+            mutate_tree(&mut a[i], rng);
+        }
+        _ => *v = random_value(rng, 0),
+    }
+}
+
+fn mutate_bytes(line: &[u8], rng: &mut Rng) -> Vec<u8> {
+    let mut b = line.to_vec();
+    for _ in 0..1 + rng.below(4) {
+        let at = rng.below(b.len() + 1);
+        match rng.below(4) {
+            0 if !b.is_empty() => {
+                let end = (at + 1 + rng.below(8)).min(b.len());
+                b.drain(at.min(end)..end);
+            }
+            1 => b.insert(at, (rng.next() as u8).max(1)),
+            2 => b.insert(at, [b'{', b'"', b'[', b',', 0xff, 0xc3, b'\\', b'}'][rng.below(8)]),
+            _ if !b.is_empty() => {
+                let i = at.min(b.len() - 1);
+                b[i] = rng.next() as u8;
+            }
+            _ => {}
+        }
+    }
+    // A newline would split the line in two; keep the line count known.
+    b.iter().map(|&c| if c == b'\n' { b' ' } else { c }).collect()
+}
+
+#[test]
+fn randomized_mutations_never_panic_and_never_lose_a_line() {
+    let corpus: Vec<&str> = FIXTURE.lines().filter(|l| !l.contains("PANIC")).collect();
+    let mut rng = Rng(0x5eed_1234_abcd_0001);
+    let mut o = opts();
+    o.max_line_bytes = 4096;
+    // 40 batches × 25 lines: bounded so the test stays fast.
+    for _ in 0..40 {
+        let mut input = Vec::new();
+        let n = 25;
+        for _ in 0..n {
+            let src = corpus[rng.below(corpus.len())];
+            let line = if rng.below(2) == 0 {
+                match serde_json::from_str::<Value>(src) {
+                    Ok(mut v) => {
+                        for _ in 0..1 + rng.below(3) {
+                            mutate_tree(&mut v, &mut rng);
+                        }
+                        v.to_string().into_bytes()
+                    }
+                    Err(_) => mutate_bytes(src.as_bytes(), &mut rng),
+                }
+            } else {
+                mutate_bytes(src.as_bytes(), &mut rng)
+            };
+            input.extend_from_slice(&line);
+            input.push(b'\n');
+        }
+        let (lines, _) = run_with(Cursor::new(input), &o, 512);
+        let (res, _) = results(&lines);
+        assert_eq!(res.len(), n);
+        for (i, r) in res.iter().enumerate() {
+            if !r["error"].is_null() {
+                assert_eq!(r["error"]["line"], i + 1);
+                assert_ne!(r["error"]["code"], "internal_error", "{r}");
+            }
+        }
+    }
+}
