@@ -62,12 +62,11 @@ impl CpuBackend {
                 // gate_up_proj [E, 2I, H]: per expert rows 0..I are gate_proj, I..2I up_proj.
                 let gu = to_bf16(&ck.tensor(&format!("{module}.gate_up_proj"), &[DType::BF16], &[e, 2 * inter, hidden])?);
                 let dn = to_bf16(&ck.tensor(&format!("{module}.down_proj"), &[DType::BF16], &[e, hidden, inter])?);
-                let mk = |w: Vec<bf16>, o: usize, i: usize| CpuLinear { out_features: o, in_features: i, w, w8: Vec::new(), scale: Vec::new(), _p: PhantomData };
                 for x in 0..e {
                     let base = x * 2 * inter * hidden;
-                    gate.push(mk(gu[base..base + inter * hidden].to_vec(), inter, hidden));
-                    up.push(mk(gu[base + inter * hidden..base + 2 * inter * hidden].to_vec(), inter, hidden));
-                    down.push(mk(dn[x * hidden * inter..(x + 1) * hidden * inter].to_vec(), hidden, inter));
+                    gate.push(bf16_linear(gu[base..base + inter * hidden].to_vec(), inter, hidden));
+                    up.push(bf16_linear(gu[base + inter * hidden..base + 2 * inter * hidden].to_vec(), inter, hidden));
+                    down.push(bf16_linear(dn[x * hidden * inter..(x + 1) * hidden * inter].to_vec(), hidden, inter));
                 }
             }
         }
@@ -81,6 +80,10 @@ impl CpuBackend {
     pub(super) fn embedding(&self, ck: &Checkpoint, name: &str, vocab: usize, hidden: usize) -> Result<Vec<bf16>> {
         Ok(to_bf16(&ck.tensor(name, &[DType::BF16], &[vocab, hidden])?))
     }
+}
+
+fn bf16_linear<P: Prec>(w: Vec<bf16>, out_features: usize, in_features: usize) -> CpuLinear<P> {
+    CpuLinear { out_features, in_features, w, w8: Vec::new(), scale: Vec::new(), _p: PhantomData }
 }
 
 /// Bytes of host memory available for new allocations (Linux `MemAvailable`).
