@@ -1,0 +1,152 @@
+//! The micro fixtures were written by the vendor tools (transformers 5.17 + llm-compressor
+//! `oneshot` FP8_DYNAMIC, see tests/generators/make_micro.py). model-spec must accept them and
+//! classify every Linear exactly as the tool stored it. The stored dtypes are read here with an
+//! independent safetensors header parser, so a header-reading bug in model-spec cannot hide.
+
+use model_spec::{ExpertLayout, LinearSpec, ModelSpec, Precision};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
+}
+
+/// name -> (dtype, shape) from every `*.safetensors` file of `dir`: u64 LE header length, then a
+/// JSON object of `{name: {dtype, shape, data_offsets}}` (plus `__metadata__`).
+fn stored_tensors(dir: &Path) -> BTreeMap<String, (String, Vec<usize>)> {
+    let mut out = BTreeMap::new();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no safetensors in {}", dir.display());
+    for f in files {
+        let bytes = std::fs::read(&f).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        for (name, v) in header.as_object().unwrap() {
+            if name == "__metadata__" {
+                continue;
+            }
+            let dtype = v["dtype"].as_str().unwrap().to_string();
+            let shape = v["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap() as usize).collect();
+            assert!(out.insert(name.clone(), (dtype, shape)).is_none(), "{name} stored twice");
+        }
+    }
+    out
+}
+
+/// module -> precision for every Linear the spec describes (experts expanded per expert).
+fn spec_linears(spec: &ModelSpec) -> BTreeMap<String, Precision> {
+    let mut m = BTreeMap::new();
+    let mut add = |l: &LinearSpec| {
+        assert!(m.insert(l.module.clone(), l.precision).is_none(), "{} listed twice", l.module);
+    };
+    add(&spec.lm_head);
+    let mut experts = Vec::new();
+    for layer in &spec.layers {
+        match &layer.mixer {
+            model_spec::MixerSpec::LinearAttention(g) => {
+                for l in [&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a, &g.out_proj] {
+                    add(l);
+                }
+            }
+            model_spec::MixerSpec::FullAttention(a) => {
+                for l in [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj] {
+                    add(l);
+                }
+            }
+        }
+        let mlp = &layer.mlp;
+        for l in [&mlp.gate, &mlp.shared_expert.gate_proj, &mlp.shared_expert.up_proj, &mlp.shared_expert.down_proj, &mlp.shared_expert_gate] {
+            add(l);
+        }
+        experts.push(mlp.experts.clone());
+    }
+    for x in experts {
+        assert_eq!(x.layout, ExpertLayout::PerExpert, "{}: both tools write per-expert Linears", x.module);
+        for e in 0..x.num_experts {
+            for (proj, p) in [("gate_proj", x.gate_proj), ("up_proj", x.up_proj), ("down_proj", x.down_proj)] {
+                assert!(m.insert(format!("{}.{e}.{proj}", x.module), p).is_none());
+            }
+        }
+    }
+    m
+}
+
+#[test]
+fn fp8_fixture_is_classified_as_stored() {
+    let dir = fixture("micro-fp8");
+    let spec = model_spec::load_checkpoint(&dir).unwrap_or_else(|e| panic!("model-spec rejects the llm-compressor output: {e}"));
+    let stored = stored_tensors(&dir);
+    let linears = spec_linears(&spec);
+
+    let q = spec.quant.as_ref().expect("FP8 fixture has a quantization_config");
+    assert_eq!(q.quant_method, "compressed-tensors");
+    assert_eq!(q.format, "float-quantized");
+
+    let mut fp8 = 0;
+    for (name, (dtype, shape)) in &stored {
+        let Some(module) = name.strip_suffix(".weight") else { continue };
+        if module.starts_with("model.visual.") {
+            assert_eq!(dtype, "BF16", "{name}: vision is ignored by the recipe");
+            continue;
+        }
+        match linears.get(module) {
+            Some(p) => {
+                assert_eq!(dtype == "F8_E4M3", *p == Precision::Fp8, "{name}: stored {dtype}, spec says {p:?}");
+                if *p == Precision::Fp8 {
+                    fp8 += 1;
+                    // per-output-channel scale, [out, 1], BF16 as llm-compressor writes it
+                    let (sd, ss) = stored.get(&format!("{module}.weight_scale")).unwrap_or_else(|| panic!("{module}.weight_scale missing"));
+                    assert_eq!((sd.as_str(), ss.as_slice()), ("BF16", &[shape[0], 1][..]), "{module}.weight_scale");
+                } else {
+                    assert!(!stored.contains_key(&format!("{module}.weight_scale")), "{module}: BF16 Linear with a scale");
+                }
+            }
+            // not a Linear (norms, embedding, conv1d): never FP8
+            None => assert_ne!(dtype, "F8_E4M3", "{name} is FP8 but the spec knows no such Linear"),
+        }
+    }
+    // Every Linear of the spec is stored, and the FP8 count is exactly the recipe's:
+    // 4 layers x (16 experts x 3 + shared 3) + 1 attention layer x 4 = 208.
+    for m in linears.keys() {
+        assert!(stored.contains_key(&format!("{m}.weight")), "spec Linear {m} not stored");
+    }
+    assert_eq!(fp8, 208);
+    assert_eq!(linears.values().filter(|p| **p == Precision::Fp8).count(), 208);
+    // The vendor patterns keep these BF16.
+    for l in &spec.layers {
+        assert_eq!(l.mlp.gate.precision, Precision::Bf16);
+        assert_eq!(l.mlp.shared_expert_gate.precision, Precision::Bf16);
+        if let model_spec::MixerSpec::LinearAttention(g) = &l.mixer {
+            assert_eq!(g.in_proj_qkv.precision, Precision::Bf16);
+            assert_eq!(g.out_proj.precision, Precision::Bf16);
+        }
+    }
+    assert_eq!(spec.lm_head.precision, Precision::Bf16);
+    assert_eq!(spec.dims.vocab_size, 1024);
+    assert_eq!(spec.dims.hidden_size, 64);
+    assert_eq!(spec.eos_token_ids, vec![1023]);
+}
+
+#[test]
+fn bf16_fixture_is_all_bf16() {
+    let dir = fixture("micro-bf16");
+    let spec = model_spec::load_checkpoint(&dir).unwrap_or_else(|e| panic!("model-spec rejects the transformers output: {e}"));
+    assert!(spec.quant.is_none(), "BF16 fixture has no quantization_config");
+    let stored = stored_tensors(&dir);
+    for (name, (dtype, _)) in &stored {
+        assert_ne!(dtype, "F8_E4M3", "{name}");
+        assert!(!name.ends_with("_scale"), "{name}");
+    }
+    let linears = spec_linears(&spec);
+    assert_eq!(linears.len(), 1 + 3 * 5 + 4 + 4 * 5 + 4 * 16 * 3);
+    for (m, p) in &linears {
+        assert_eq!(*p, Precision::Bf16, "{m}");
+        assert_eq!(stored[&format!("{m}.weight")].0, "BF16", "{m}");
+    }
+    assert_eq!(spec.dims.vocab_size, 1024);
+}
