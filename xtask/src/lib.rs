@@ -1,2 +1,4 @@
 //! Library half of xtask, shared with the test crate.
+pub mod gen;
+pub mod synth;
 pub mod tokenizer;
