@@ -107,6 +107,21 @@ fn dims_of(path: &Path, t: &TextConfig) -> Result<(Dims, Vec<LayerKind>)> {
         if v == 0 {
             return Err(cfg_err(path, field, "a positive integer", "0", fix));
         }
+        // Bounds far above any real model keep every derived size (products of up to three
+        // of these) and the expected-tensor inventory finite: a corrupt config is refused,
+        // not multiplied into an overflow or a billion-entry plan.
+        let limit = match field {
+            "text_config.vocab_size" => 1 << 24,
+            "text_config.num_hidden_layers" => 1 << 10,
+            "text_config.num_experts" => 1 << 14,
+            _ => 1 << 20,
+        };
+        if v > limit {
+            return Err(cfg_err(path, field, format!("at most {limit}"), v.to_string(), fix));
+        }
+    }
+    if t.max_position_embeddings == 0 || t.max_position_embeddings > 1 << 32 {
+        return Err(cfg_err(path, "text_config.max_position_embeddings", "a positive integer up to 2^32", t.max_position_embeddings.to_string(), fix));
     }
     if t.num_attention_heads % t.num_key_value_heads != 0 {
         return Err(cfg_err(path, "text_config.num_attention_heads", format!("a multiple of num_key_value_heads ({})", t.num_key_value_heads), t.num_attention_heads.to_string(), fix));

@@ -51,6 +51,10 @@ pub fn dtype_from_safetensors(d: safetensors::Dtype) -> Option<DType> {
 pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<ShardHeader> {
     let bad = |reason: String| SpecError::BadShard { path: path.to_path_buf(), reason };
     let (n, meta) = safetensors::SafeTensors::read_metadata(bytes).map_err(|e| {
+        // safetensors' own messages do not name the tensor; look for the first concrete fault.
+        if let Some(detail) = diagnose(bytes) {
+            return bad(detail);
+        }
         let detail = match &e {
             safetensors::SafeTensorError::MetadataIncompleteBuffer => {
                 "the file length does not match the header's data offsets (truncated or padded)".to_string()
@@ -76,6 +80,81 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<ShardHeader> {
         );
     }
     Ok(ShardHeader { file_size: bytes.len() as u64, header_len: n as u64, raw: bytes[8..8 + n].to_vec(), tensors })
+}
+
+/// Names the first concrete fault of a header that safetensors refused: a tensor whose
+/// dtype × shape disagrees with its byte range, overlapping or gapped ranges, or a data section
+/// whose length differs from where the last tensor ends. `None` when the header is not even
+/// readable JSON of the expected form (safetensors' message is then the best there is).
+fn diagnose(bytes: &[u8]) -> Option<String> {
+    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let end = 8u64.checked_add(n)?;
+    let header = bytes.get(8..usize::try_from(end).ok()?)?;
+    let value: serde_json::Value = serde_json::from_slice(header).ok()?;
+    let obj = value.as_object()?;
+    let data_len = bytes.len() as u64 - end;
+    // (start, end, name) of every well-formed entry.
+    let mut ranges: Vec<(u64, u64, &str)> = Vec::new();
+    for (name, entry) in obj {
+        if name == "__metadata__" {
+            continue;
+        }
+        let dtype = entry.get("dtype")?.as_str()?;
+        let size = dtype_size_by_name(dtype)?;
+        let shape: Vec<u64> = entry.get("shape")?.as_array()?.iter().map(|d| d.as_u64()).collect::<Option<_>>()?;
+        let offs = entry.get("data_offsets")?.as_array()?;
+        let (s, e) = (offs.first()?.as_u64()?, offs.get(1)?.as_u64()?);
+        let want = shape.iter().try_fold(size, |acc, &d| acc.checked_mul(d));
+        if e < s {
+            return Some(format!("tensor {name}: data_offsets [{s}, {e}] end before they start"));
+        }
+        match want {
+            None => return Some(format!("tensor {name}: shape {shape:?} × {dtype} overflows 64 bits")),
+            Some(w) if w != e - s => {
+                return Some(format!(
+                    "tensor {name}: dtype {dtype} × shape {shape:?} = {w} bytes, but data_offsets [{s}, {e}] span {} bytes",
+                    e - s
+                ))
+            }
+            _ => {}
+        }
+        ranges.push((s, e, name.as_str()));
+    }
+    ranges.sort();
+    let mut pos = 0u64;
+    let mut prev: Option<&str> = None;
+    for &(s, e, name) in &ranges {
+        if s < pos {
+            return Some(format!(
+                "tensor {name}: data_offsets [{s}, {e}] overlap tensor {} (which ends at {pos})",
+                prev.unwrap_or("?")
+            ));
+        }
+        if s > pos {
+            return Some(format!("tensor {name}: data_offsets start at {s}, leaving a gap after byte {pos} of the data section"));
+        }
+        pos = e;
+        prev = Some(name);
+    }
+    if pos != data_len {
+        let last = prev.map(|p| format!(" (last tensor {p})")).unwrap_or_default();
+        let what = if pos > data_len { "truncated: its tensors need" } else { "padded: its tensors need only" };
+        return Some(format!(
+            "the file is {what} {pos} data bytes{last}, but {data_len} follow the {n}-byte header (file length {})",
+            bytes.len()
+        ));
+    }
+    None
+}
+
+fn dtype_size_by_name(d: &str) -> Option<u64> {
+    Some(match d {
+        "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" | "F8_E8M0" => 1,
+        "BF16" | "F16" | "I16" | "U16" => 2,
+        "F32" | "I32" | "U32" => 4,
+        "F64" | "I64" | "U64" => 8,
+        _ => return None,
+    })
 }
 
 /// Memory-maps `path` and parses its header.

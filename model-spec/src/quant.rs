@@ -52,6 +52,14 @@ impl IgnoreList {
     }
 }
 
+/// `value` for a present option, `absent` otherwise (for refusal messages).
+fn show<T: std::fmt::Debug>(v: &Option<T>) -> String {
+    match v {
+        Some(x) => format!("{x:?}"),
+        None => "absent".into(),
+    }
+}
+
 fn dynamic_is(args: &QuantArgs, want: bool) -> bool {
     match &args.dynamic {
         Some(serde_json::Value::Bool(b)) => *b == want,
@@ -65,11 +73,11 @@ fn dynamic_is(args: &QuantArgs, want: bool) -> bool {
 pub fn validate_scheme(path: &Path, q: &QuantizationConfig) -> Result<()> {
     let refuse = |what: String| Err(SpecError::Quant { path: path.to_path_buf(), what });
     if q.quant_method != "compressed-tensors" {
-        return refuse(format!("quant_method {:?}", q.quant_method));
+        return refuse(format!("quant_method: found {:?}, expected \"compressed-tensors\"", q.quant_method));
     }
     let format = q.format.as_deref().unwrap_or("");
     if format != "float-quantized" {
-        return refuse(format!("format {format:?}"));
+        return refuse(format!("format: found {format:?}, expected \"float-quantized\""));
     }
     if q.config_groups.is_empty() {
         return refuse("no config_groups".into());
@@ -91,8 +99,8 @@ pub fn validate_scheme(path: &Path, q: &QuantizationConfig) -> Result<()> {
             || w.symmetric == Some(false)
         {
             return refuse(format!(
-                "config_groups.{name}.weights num_bits {} type {:?} strategy {:?} dynamic {:?} symmetric {:?}",
-                w.num_bits, w.kind, w.strategy, w.dynamic, w.symmetric
+                "config_groups.{name}.weights: found num_bits {} type {:?} strategy {} dynamic {} symmetric {}; expected num_bits 8 type \"float\" strategy \"channel\" dynamic false symmetric true",
+                w.num_bits, w.kind, show(&w.strategy), show(&w.dynamic), show(&w.symmetric)
             ));
         }
         let Some(a) = &g.input_activations else {
@@ -102,8 +110,8 @@ pub fn validate_scheme(path: &Path, q: &QuantizationConfig) -> Result<()> {
             || a.symmetric == Some(false)
         {
             return refuse(format!(
-                "config_groups.{name}.input_activations num_bits {} type {:?} strategy {:?} dynamic {:?} symmetric {:?}",
-                a.num_bits, a.kind, a.strategy, a.dynamic, a.symmetric
+                "config_groups.{name}.input_activations: found num_bits {} type {:?} strategy {} dynamic {} symmetric {}; expected num_bits 8 type \"float\" strategy \"token\" dynamic true symmetric true",
+                a.num_bits, a.kind, show(&a.strategy), show(&a.dynamic), show(&a.symmetric)
             ));
         }
         if g.output_activations.is_some() {

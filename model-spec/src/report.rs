@@ -105,7 +105,12 @@ pub fn render(spec: &ModelSpec) -> String {
             if p == crate::Precision::Fp8 { fp8 += e.num_experts } else { bf16 += e.num_experts }
         }
     }
-    let _ = writeln!(s, "routed expert Linears: {fp8} FP8, {bf16} BF16 (layout {:?})", spec.layers.first().map(|l| l.mlp.experts.layout));
+    let layout = match spec.layers.first().map(|l| l.mlp.experts.layout) {
+        Some(crate::ExpertLayout::PerExpert) => "per expert",
+        Some(crate::ExpertLayout::Fused) => "fused gate_up_proj/down_proj",
+        None => "no layers",
+    };
+    let _ = writeln!(s, "routed expert Linears: {fp8} FP8, {bf16} BF16 (layout: {layout})");
     let mtp = if spec.mtp_tensors > 0 {
         format!("present: {} mtp.* tensors (config mtp_num_hidden_layers: {}) — not used by this engine", spec.mtp_tensors, spec.mtp_config_layers)
     } else if spec.mtp_config_layers > 0 {

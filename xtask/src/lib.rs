@@ -1,3 +1,5 @@
 //! Library half of xtask, shared with the test crate.
+pub mod gen;
+pub mod synth;
 pub mod tokenizer;
 pub mod expand;

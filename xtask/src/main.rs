@@ -2,6 +2,7 @@
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
+use xtask::synth::{self, Contents, Preset, SynthOptions};
 
 #[derive(Parser)]
 #[command(name = "cargo xtask")]
@@ -12,15 +13,50 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Validate a checkpoint (default: synthesise the tiny preset) and write the spec file
+    /// (.ornith/spec.json, or ORNITH_SPEC).
+    Gen {
+        /// Checkpoint directory.
+        #[arg(long, env = "ORNITH_MODEL")]
+        model: Option<PathBuf>,
+    },
     /// Print the checkpoint report.
     Inspect { dir: PathBuf },
+    /// Write a deterministic synthetic checkpoint in the vendor's FP8 format.
+    Synth {
+        #[arg(long, value_enum)]
+        preset: Preset,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = synth::DEFAULT_SEED)]
+        seed: u64,
+        /// Write headers only, over sparse (unwritten) data sections: a metadata checkpoint.
+        #[arg(long)]
+        headers_only: bool,
+    },
 }
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
+        Cmd::Gen { model } => {
+            let root = xtask::gen::workspace_root();
+            xtask::gen::gen(model.as_deref(), &root, &xtask::gen::default_spec_path())?;
+        }
         Cmd::Inspect { dir } => {
-            let spec = model_spec::load_checkpoint(&dir)?;
-            eprint!("{}", model_spec::report::render(&spec));
+            xtask::gen::inspect(&dir)?;
+        }
+        Cmd::Synth { preset, out, seed, headers_only } => {
+            let start = std::time::Instant::now();
+            let contents = if headers_only { Contents::HeadersOnly } else { Contents::Data };
+            let plan = synth::synth(&out, SynthOptions { preset, seed, contents, progress: true })?;
+            eprintln!(
+                "wrote {} tensors ({} bytes) in {} shard(s) to {} in {:.2?}",
+                plan.tensor_count(),
+                plan.total_size(),
+                plan.shards.len(),
+                out.display(),
+                start.elapsed()
+            );
         }
     }
     Ok(())

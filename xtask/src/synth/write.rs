@@ -1,0 +1,170 @@
+//! Streams a [`Plan`]'s shards to disk, tensor by tensor, one row batch at a time: memory stays
+//! at one batch buffer (≤ ~8 MiB of f32 plus its encoded bytes) plus one FP8 weight's scales.
+
+use super::init::{rows_of, Init, TensorKey};
+use super::plan::{Kind, Plan, PlannedTensor, ShardPlan};
+use anyhow::{bail, Context, Result};
+use half::bf16;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use model_spec::fp8::quantize_weight_row;
+use model_spec::DType;
+use rayon::prelude::*;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+/// What goes into the shard files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Contents {
+    /// Every tensor's values.
+    Data,
+    /// Length prefix and header only; the data section is a hole (`File::set_len`, a sparse
+    /// file). Complete for everything that reads only headers, e.g. `model_spec::load_checkpoint`.
+    HeadersOnly,
+}
+
+/// Target f32 elements per generated row batch.
+const BATCH_ELEMS: usize = 2 << 20;
+
+/// Writes every shard of `plan` into `dir`.
+pub fn write_shards(plan: &Plan, dir: &Path, contents: Contents, progress: bool) -> Result<()> {
+    let bar = if progress && contents == Contents::Data {
+        let b = ProgressBar::with_draw_target(Some(plan.total_size()), ProgressDrawTarget::stderr());
+        b.set_style(
+            ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        b.set_message(format!("synth {}", plan.preset));
+        b
+    } else {
+        ProgressBar::hidden()
+    };
+    // Scales of the FP8 weight written last, reused for its `.weight_scale` when that follows.
+    let mut pending: Option<(String, Vec<bf16>)> = None;
+    for shard in &plan.shards {
+        let path = dir.join(&shard.file);
+        write_shard(plan.seed, shard, &path, contents, &bar, &mut pending).with_context(|| format!("writing {}", path.display()))?;
+    }
+    bar.finish_and_clear();
+    Ok(())
+}
+
+fn write_shard(seed: u64, shard: &ShardPlan, path: &Path, contents: Contents, bar: &ProgressBar, pending: &mut Option<(String, Vec<bf16>)>) -> Result<()> {
+    let file = File::create(path)?;
+    let mut w = BufWriter::with_capacity(8 << 20, file);
+    w.write_all(&(shard.header.len() as u64).to_le_bytes())?;
+    w.write_all(&shard.header)?;
+    match contents {
+        Contents::HeadersOnly => {
+            let file = w.into_inner().map_err(|e| e.into_error())?;
+            file.set_len(shard.file_len())?;
+        }
+        Contents::Data => {
+            let mut written = 0u64;
+            for t in &shard.tensors {
+                if t.data_offsets.0 != written {
+                    bail!("plan error: {} starts at {} but {} bytes were written", t.name, t.data_offsets.0, written);
+                }
+                let n = write_tensor(seed, t, &mut w, bar, pending)?;
+                if n != t.nbytes() {
+                    bail!("plan error: {} should be {} bytes but {} were written", t.name, t.nbytes(), n);
+                }
+                written += n;
+            }
+            let file = w.into_inner().map_err(|e| e.into_error())?;
+            file.sync_all()?;
+        }
+    }
+    Ok(())
+}
+
+/// Generates rows `[r0, r0 + out.len() / row_len)` of a tensor in parallel.
+fn gen_rows(key: TensorKey, init: Init, r0: usize, row_len: usize, out: &mut [f32]) {
+    out.par_chunks_mut(row_len.max(1)).enumerate().for_each(|(i, row)| key.fill_row(init, (r0 + i) as u64, row));
+}
+
+fn write_tensor(seed: u64, t: &PlannedTensor, w: &mut impl Write, bar: &ProgressBar, pending: &mut Option<(String, Vec<bf16>)>) -> Result<u64> {
+    let (rows, row_len) = rows_of(&t.shape);
+    if row_len == 0 {
+        return Ok(0);
+    }
+    let batch_rows = (BATCH_ELEMS / row_len).clamp(1, rows.max(1));
+    let mut f = vec![0f32; batch_rows * row_len];
+    let mut bytes: Vec<u8> = Vec::with_capacity(batch_rows * row_len * 4);
+    let mut total = 0u64;
+    match &t.kind {
+        Kind::Dense(init) => {
+            let key = TensorKey::new(seed, &t.name);
+            for r0 in (0..rows).step_by(batch_rows) {
+                let n = batch_rows.min(rows - r0);
+                let buf = &mut f[..n * row_len];
+                gen_rows(key, *init, r0, row_len, buf);
+                bytes.clear();
+                encode(t.dtype, buf, &mut bytes)?;
+                w.write_all(&bytes)?;
+                total += bytes.len() as u64;
+                bar.inc(bytes.len() as u64);
+            }
+        }
+        Kind::Fp8Weight(init) => {
+            let key = TensorKey::new(seed, &t.name);
+            let mut scales = Vec::with_capacity(rows);
+            for r0 in (0..rows).step_by(batch_rows) {
+                let n = batch_rows.min(rows - r0);
+                let buf = &mut f[..n * row_len];
+                gen_rows(key, *init, r0, row_len, buf);
+                bytes.resize(n * row_len, 0);
+                let mut s = vec![bf16::ZERO; n];
+                bytes
+                    .par_chunks_mut(row_len)
+                    .zip(buf.par_chunks(row_len))
+                    .zip(s.par_iter_mut())
+                    .for_each(|((q, row), s)| *s = quantize_weight_row(row, q));
+                scales.extend_from_slice(&s);
+                w.write_all(&bytes)?;
+                total += bytes.len() as u64;
+                bar.inc(bytes.len() as u64);
+            }
+            *pending = Some((t.name.clone(), scales));
+        }
+        Kind::Fp8Scale { weight, init, in_features } => {
+            let scales = match pending.take() {
+                Some((name, s)) if name == *weight => s,
+                _ => fp8_scales(seed, weight, *init, rows, *in_features),
+            };
+            if scales.len() != rows || row_len != 1 {
+                bail!("plan error: scale tensor {} {:?} does not match its weight's {} rows", t.name, t.shape, scales.len());
+            }
+            let b: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+            w.write_all(&b)?;
+            total += b.len() as u64;
+            bar.inc(b.len() as u64);
+        }
+    }
+    Ok(total)
+}
+
+/// The per-channel scales of an FP8 weight, recomputed from its rows.
+pub fn fp8_scales(seed: u64, weight: &str, init: Init, rows: usize, in_features: usize) -> Vec<bf16> {
+    let key = TensorKey::new(seed, weight);
+    (0..rows)
+        .into_par_iter()
+        .map(|r| {
+            let mut row = vec![0f32; in_features];
+            key.fill_row(init, r as u64, &mut row);
+            let mut q = vec![0u8; in_features];
+            quantize_weight_row(&row, &mut q)
+        })
+        .collect()
+}
+
+/// f32 → stored little-endian bytes (BF16 round-to-nearest-even, or F32 as is).
+fn encode(dtype: DType, src: &[f32], out: &mut Vec<u8>) -> Result<()> {
+    match dtype {
+        DType::BF16 => out.extend(src.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes())),
+        DType::F32 => out.extend(src.iter().flat_map(|&x| x.to_le_bytes())),
+        other => bail!("dense tensors are BF16 or F32, not {other}"),
+    }
+    Ok(())
+}
