@@ -14,6 +14,9 @@ struct Cli {
 enum Cmd {
     /// Print the checkpoint report.
     Inspect { dir: PathBuf },
+    /// Write the Qwen3.5 tokenizer files (tokenizer.json, tokenizer_config.json,
+    /// chat_template.jinja) into DIR.
+    Tokenizer { dir: PathBuf },
 }
 
 fn main() -> Result<()> {
@@ -22,6 +25,7 @@ fn main() -> Result<()> {
             let spec = model_spec::load_checkpoint(&dir)?;
             eprint!("{}", model_spec::report::render(&spec));
         }
+        Cmd::Tokenizer { dir } => xtask::tokenizer::write_tokenizer_files(&dir)?,
     }
     Ok(())
 }
