@@ -23,12 +23,12 @@ pub fn expand_spec(spec: &model_spec::ModelSpec) -> String {
 }
 
 /// Path of the spec `model!()` reads by default.
-pub fn default_spec_path(workspace: &Path) -> std::path::PathBuf {
+pub fn spec_path_in(workspace: &Path) -> std::path::PathBuf {
     std::env::var_os("ORNITH_SPEC").map(Into::into).unwrap_or_else(|| workspace.join(".ornith").join("spec.json"))
 }
 
 pub fn run(spec: Option<&Path>, workspace: &Path) -> Result<()> {
-    let path = spec.map(Path::to_path_buf).unwrap_or_else(|| default_spec_path(workspace));
+    let path = spec.map(Path::to_path_buf).unwrap_or_else(|| spec_path_in(workspace));
     let text = expand(&path).with_context(|| format!("expanding {}", path.display()))?;
     print!("{text}");
     Ok(())

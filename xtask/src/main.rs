@@ -34,6 +34,15 @@ enum Cmd {
         #[arg(long)]
         headers_only: bool,
     },
+    /// Print the code `ornith_macros::model!()` generates for the spec (default: the one
+    /// `cargo xtask gen` wrote).
+    Expand {
+        #[arg(long)]
+        spec: Option<PathBuf>,
+    },
+    /// Write the Qwen3.5 tokenizer files (tokenizer.json, tokenizer_config.json,
+    /// chat_template.jinja) into DIR.
+    Tokenizer { dir: PathBuf },
 }
 
 fn main() -> Result<()> {
@@ -58,6 +67,8 @@ fn main() -> Result<()> {
                 start.elapsed()
             );
         }
+        Cmd::Expand { spec } => xtask::expand::run(spec.as_deref(), &xtask::gen::workspace_root())?,
+        Cmd::Tokenizer { dir } => xtask::tokenizer::write_tokenizer_files(&dir)?,
     }
     Ok(())
 }
