@@ -7,7 +7,8 @@
 //! `decode_step` as straight lines of backend calls.
 //!
 //! * `model!()` — the spec at `$ORNITH_SPEC`, else `<workspace>/.ornith/spec.json`.
-//! * `model!(spec = "path/to/spec.json")` — a spec relative to the invoking crate's manifest.
+//! * `model!(spec = "path/to/spec.json")` — a spec relative to the invoking crate's manifest,
+//!   or `"$OUT_DIR/name.json"` for one its build script wrote.
 //!
 //! The expansion embeds the spec file with `include_bytes!`, so cargo rebuilds when it changes.
 //! `cargo xtask expand` prints the formatted expansion.
@@ -34,7 +35,14 @@ fn spec_path(input: TokenStream) -> Result<PathBuf, String> {
         return Err("expected `spec = \"path\"`".into());
     }
     match parsed.value {
-        syn::Expr::Lit(syn::ExprLit { lit: syn::Lit::Str(s), .. }) => Ok(manifest.join(s.value())),
+        syn::Expr::Lit(syn::ExprLit { lit: syn::Lit::Str(s), .. }) => {
+            let v = s.value();
+            // `$OUT_DIR/...`: a spec the invoking crate's build script wrote.
+            match v.strip_prefix("$OUT_DIR/") {
+                Some(rest) => Ok(PathBuf::from(std::env::var("OUT_DIR").map_err(|_| "`$OUT_DIR` used but the crate has no build script")?).join(rest)),
+                None => Ok(manifest.join(v)),
+            }
+        }
         _ => Err("expected a string literal path".into()),
     }
 }

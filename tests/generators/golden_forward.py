@@ -24,7 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_micro as mm  # noqa: E402
 
 GOLDEN = mm.ROOT / "tests" / "golden"
-EXPERTS_IMPL = "eager"  # set explicitly: HF's eager loop (bf16 index_add_ in expert-index order)
+# Set explicitly: HF's default wherever torch._grouped_mm dispatches (it does on the CPU in torch 2.11):
+# per (token, slot) `bf16(y_e * w)`, then `.view(T, k, H).sum(1)` — an fp32-accumulated k-sum, one
+# rounding. The engine (CPU reference and CUDA kernels) implements exactly this order.
+EXPERTS_IMPL = "grouped_mm"
 CAPTURE_LAYERS = [0, 1, 2, 3]  # hidden states after every decoder layer (GDN 0-2, attention 3)
 
 # Messages transformers logs when it picks a kernel path (collected into meta.json).
@@ -121,28 +124,26 @@ def fp8_linear_modules(model) -> list[str]:
 
 
 def experts_forward_fq(self, hidden_states, top_k_index, top_k_weights, args):
-    """HF 5.17 eager experts loop with per-token fake quant of each expert's input rows (before gate/up)
-    and of the intermediate act (before down_proj) — the per-expert FP8 Linears of the checkpoint."""
-    final = torch.zeros_like(hidden_states)
-    with torch.no_grad():
-        mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
-        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-    for e in hit:
-        e = e[0]
-        if e == self.num_experts:
+    """HF 5.17 grouped_mm experts forward, computed expert by expert, with per-token fake quant of each
+    expert's input rows (before gate/up) and of the intermediate act (before down_proj) — the per-expert
+    FP8 Linears of the checkpoint. Combine exactly as grouped_mm: `y * w` in bf16 per (token, slot),
+    then `.view(T, k, H).sum(dim=1)` (fp32 accumulation inside torch's bf16 sum, one rounding)."""
+    num_tokens, k = top_k_index.shape
+    weighted = torch.zeros(num_tokens, k, hidden_states.size(-1), dtype=hidden_states.dtype)
+    for e in torch.unique(top_k_index).tolist():
+        if e >= self.num_experts:
             continue
-        pos, tok = torch.where(mask[e])
+        tok, pos = torch.where(top_k_index == e)
         cur = hidden_states[tok]
         if args is not None:
             cur = act_fake_quant(cur, args)
-        gate, up = F.linear(cur, self.gate_up_proj[e]).chunk(2, dim=-1)
-        act = self.act_fn(gate) * up
+        proj = F.linear(cur, self.gate_up_proj[e])
+        act = self._apply_gate(proj)
         if args is not None:
             act = act_fake_quant(act, args)
         y = F.linear(act, self.down_proj[e])
-        y = y * top_k_weights[tok, pos, None]
-        final.index_add_(0, tok, y.to(final.dtype))
-    return final
+        weighted[tok, pos] = y * top_k_weights[tok, pos, None]
+    return weighted.sum(dim=1).to(hidden_states.dtype)
 
 
 def install_fake_quant(model, args) -> list[str]:
@@ -240,13 +241,15 @@ def golden(name: str, loader, fake_quant: bool) -> None:
     paths = gdn_paths()
     impl = model.config.text_config._experts_implementation
 
-    # Self-check: the patched experts loop is HF's eager loop when fake quant is off.
+    # Self-check: the patched experts forward is HF's grouped_mm forward when fake quant is off.
     if fake_quant:
         ex = model.model.language_model.layers[0].mlp.experts
         h = torch.randn(9, ex.hidden_dim, generator=torch.Generator().manual_seed(1)).bfloat16()
         idx = torch.stack([torch.randperm(ex.num_experts)[:4] for _ in range(9)])
         w = torch.softmax(torch.randn(9, 4), -1).bfloat16()
-        assert torch.equal(experts_forward_fq(ex, h, idx, w, None), type(ex).forward.__wrapped__(ex, h, idx, w))
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        assert torch.equal(experts_forward_fq(ex, h, idx, w, None), grouped_mm_experts_forward(ex, h, idx, w))
 
     m32 = loader(torch.float32)
     if fake_quant:
