@@ -318,3 +318,21 @@ fn gen_on_a_bad_checkpoint_keeps_the_old_spec() {
     let leftovers: Vec<_> = std::fs::read_dir(spec_path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(leftovers, vec![std::ffi::OsString::from("spec.json")]);
 }
+
+#[test]
+fn absurd_dimensions_are_refused() {
+    // 2^62 heads would overflow every derived size; the config is refused instead.
+    let d = tiny();
+    edit_json(&d.path().join("config.json"), |v| v["text_config"]["linear_num_key_heads"] = json!(1u64 << 62));
+    let e = load_err(d.path());
+    assert_has(&e, &["config.json", "text_config.linear_num_key_heads: expected at most 1048576, found 4611686018427387904"]);
+}
+
+#[test]
+fn config_that_does_not_match_the_weights() {
+    let d = tiny();
+    edit_json(&d.path().join("config.json"), |v| v["text_config"]["hidden_size"] = json!(128));
+    let e = load_err(d.path());
+    // The first stored tensor in name order whose shape depends on hidden_size.
+    assert_has(&e, &["lm_head.weight", "expected shape [248320, 128], found shape [248320, 64]", "use the config.json that came with these weights"]);
+}
