@@ -240,3 +240,26 @@ fn values_have_the_intended_distribution() {
     key.fill_row(xtask::synth::init::Init::WEIGHT, 6, &mut b);
     assert_ne!(a, b);
 }
+
+/// `cargo xtask gen` without a model: synthesises the tiny preset once, reuses it while the
+/// stamp matches, re-synthesises when the stamp differs.
+#[test]
+fn gen_default_synthesises_tiny_once() {
+    let root = tempfile::tempdir().unwrap();
+    let spec_path = root.path().join(".ornith").join("spec.json");
+    let spec = xtask::gen::gen(None, root.path(), &spec_path).unwrap();
+    let tiny = root.path().join(".ornith").join("models").join("tiny");
+    assert_eq!(spec.model_dir, std::fs::canonicalize(&tiny).unwrap());
+    assert_eq!(model_spec::ModelSpec::read(&spec_path).unwrap(), spec);
+    let shard = tiny.join(&spec.shards[0].file);
+    let mtime = || std::fs::metadata(&shard).unwrap().modified().unwrap();
+    let first = mtime();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    xtask::gen::gen(None, root.path(), &spec_path).unwrap();
+    assert_eq!(mtime(), first, "a stamped tiny checkpoint is reused");
+    std::fs::write(tiny.join(".synth-stamp.json"), "{\"preset\":\"tiny\",\"seed\":0,\"generator_version\":0}\n").unwrap();
+    let again = xtask::gen::gen(None, root.path(), &spec_path).unwrap();
+    assert_ne!(mtime(), first, "a stale stamp makes gen synthesise again");
+    assert_eq!(again.fingerprint, spec.fingerprint, "same preset and seed, same checkpoint");
+    assert!(!root.path().join(".ornith").join("models").join("tiny.partial").exists());
+}
