@@ -52,7 +52,7 @@ fn read_shard(path: &Path) -> (Map<String, Value>, u64) {
 /// Rewrites a shard with `header` (space-padded) and a zero data section of `data_len` bytes.
 fn write_shard(path: &Path, header: &Map<String, Value>, data_len: u64) {
     let mut h = serde_json::to_vec(header).unwrap();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = (h.len() as u64).to_le_bytes().to_vec();
