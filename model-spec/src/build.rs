@@ -123,10 +123,10 @@ fn dims_of(path: &Path, t: &TextConfig) -> Result<(Dims, Vec<LayerKind>)> {
     if t.max_position_embeddings == 0 || t.max_position_embeddings > 1 << 32 {
         return Err(cfg_err(path, "text_config.max_position_embeddings", "a positive integer up to 2^32", t.max_position_embeddings.to_string(), fix));
     }
-    if t.num_attention_heads % t.num_key_value_heads != 0 {
+    if !t.num_attention_heads.is_multiple_of(t.num_key_value_heads) {
         return Err(cfg_err(path, "text_config.num_attention_heads", format!("a multiple of num_key_value_heads ({})", t.num_key_value_heads), t.num_attention_heads.to_string(), fix));
     }
-    if t.linear_num_value_heads % t.linear_num_key_heads != 0 {
+    if !t.linear_num_value_heads.is_multiple_of(t.linear_num_key_heads) {
         return Err(cfg_err(path, "text_config.linear_num_value_heads", format!("a multiple of linear_num_key_heads ({})", t.linear_num_key_heads), t.linear_num_value_heads.to_string(), fix));
     }
     if t.num_experts_per_tok > t.num_experts {
@@ -156,7 +156,7 @@ fn dims_of(path: &Path, t: &TextConfig) -> Result<(Dims, Vec<LayerKind>)> {
     let partial = rp.and_then(|r| r.partial_rotary_factor).or(t.partial_rotary_factor).unwrap_or(0.25);
     let theta = rp.and_then(|r| r.rope_theta).or(t.rope_theta).unwrap_or(10_000_000.0);
     let rotary = (t.head_dim as f64 * partial) as usize;
-    if rotary == 0 || rotary % 2 != 0 || rotary > t.head_dim || (rotary as f64 - t.head_dim as f64 * partial).abs() > 1e-9 {
+    if rotary == 0 || !rotary.is_multiple_of(2) || rotary > t.head_dim || (rotary as f64 - t.head_dim as f64 * partial).abs() > 1e-9 {
         return Err(cfg_err(path, "text_config.partial_rotary_factor", format!("a factor giving an even rotary dim ≤ head_dim {}", t.head_dim), partial.to_string(), fix));
     }
     if !(theta.is_finite() && theta > 0.0) {

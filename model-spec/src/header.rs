@@ -118,6 +118,11 @@ fn diagnose(bytes: &[u8]) -> Option<String> {
             }
             _ => {}
         }
+        if e > data_len {
+            return Some(format!(
+                "tensor {name}: data_offsets [{s}, {e}] point past the end of the data section ({data_len} bytes after the {n}-byte header): the file is truncated or its header is wrong"
+            ));
+        }
         ranges.push((s, e, name.as_str()));
     }
     ranges.sort();
@@ -138,9 +143,8 @@ fn diagnose(bytes: &[u8]) -> Option<String> {
     }
     if pos != data_len {
         let last = prev.map(|p| format!(" (last tensor {p})")).unwrap_or_default();
-        let what = if pos > data_len { "truncated: its tensors need" } else { "padded: its tensors need only" };
         return Some(format!(
-            "the file is {what} {pos} data bytes{last}, but {data_len} follow the {n}-byte header (file length {})",
+            "the header's tensors end at byte {pos} of the data section{last}, but {data_len} bytes follow the {n}-byte header (file length {}): the file is padded or its header is wrong",
             bytes.len()
         ));
     }

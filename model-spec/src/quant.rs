@@ -60,6 +60,11 @@ fn show<T: std::fmt::Debug>(v: &Option<T>) -> String {
     }
 }
 
+/// A present JSON value as JSON (`false`, `"local"`), `absent` otherwise.
+fn show_json(v: &Option<serde_json::Value>) -> String {
+    v.as_ref().map(|x| x.to_string()).unwrap_or_else(|| "absent".into())
+}
+
 fn dynamic_is(args: &QuantArgs, want: bool) -> bool {
     match &args.dynamic {
         Some(serde_json::Value::Bool(b)) => *b == want,
@@ -100,7 +105,7 @@ pub fn validate_scheme(path: &Path, q: &QuantizationConfig) -> Result<()> {
         {
             return refuse(format!(
                 "config_groups.{name}.weights: found num_bits {} type {:?} strategy {} dynamic {} symmetric {}; expected num_bits 8 type \"float\" strategy \"channel\" dynamic false symmetric true",
-                w.num_bits, w.kind, show(&w.strategy), show(&w.dynamic), show(&w.symmetric)
+                w.num_bits, w.kind, show(&w.strategy), show_json(&w.dynamic), show(&w.symmetric)
             ));
         }
         let Some(a) = &g.input_activations else {
@@ -111,7 +116,7 @@ pub fn validate_scheme(path: &Path, q: &QuantizationConfig) -> Result<()> {
         {
             return refuse(format!(
                 "config_groups.{name}.input_activations: found num_bits {} type {:?} strategy {} dynamic {} symmetric {}; expected num_bits 8 type \"float\" strategy \"token\" dynamic true symmetric true",
-                a.num_bits, a.kind, show(&a.strategy), show(&a.dynamic), show(&a.symmetric)
+                a.num_bits, a.kind, show(&a.strategy), show_json(&a.dynamic), show(&a.symmetric)
             ));
         }
         if g.output_activations.is_some() {

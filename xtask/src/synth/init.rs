@@ -78,7 +78,7 @@ pub fn rows_of(shape: &[usize]) -> (usize, usize) {
     let numel: usize = shape.iter().product();
     if shape.len() >= 2 {
         let rows = shape[0];
-        (rows, if rows == 0 { 0 } else { numel / rows })
+        (rows, numel.checked_div(rows).unwrap_or(0))
     } else {
         (1, numel)
     }

@@ -233,7 +233,7 @@ fn header_bytes(tensors: &[PlannedTensor]) -> Vec<u8> {
         s.push_str(&format!("],\"data_offsets\":[{},{}]}}", t.data_offsets.0, t.data_offsets.1));
     }
     s.push('}');
-    while s.len() % 8 != 0 {
+    while !s.len().is_multiple_of(8) {
         s.push(' ');
     }
     s.into_bytes()

@@ -134,7 +134,7 @@ pub struct TextDims {
 
 impl TextDims {
     pub fn is_full_attention(&self, layer: usize) -> bool {
-        (layer + 1) % self.full_attention_interval == 0
+        (layer + 1).is_multiple_of(self.full_attention_interval)
     }
     pub fn key_dim(&self) -> usize {
         self.linear_num_key_heads * self.linear_key_head_dim
