@@ -1,2 +1,4 @@
 //! Ornith runtime.
 pub mod engine;
+#[cfg(feature = "cuda")]
+pub mod cuda;
