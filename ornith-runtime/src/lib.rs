@@ -10,3 +10,5 @@ pub mod graph;
 pub mod protocol;
 pub mod sampling;
 pub mod weights;
+#[cfg(feature = "cuda")]
+pub mod cuda;

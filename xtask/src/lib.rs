@@ -3,3 +3,6 @@ pub mod gen;
 pub mod synth;
 pub mod tokenizer;
 pub mod expand;
+#[cfg(feature = "bindgen")]
+pub mod bindgen;
+pub mod ptx;

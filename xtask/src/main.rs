@@ -43,6 +43,10 @@ enum Cmd {
     /// Write the Qwen3.5 tokenizer files (tokenizer.json, tokenizer_config.json,
     /// chat_template.jinja) into DIR.
     Tokenizer { dir: PathBuf },
+    /// Compile kernels/cuda/*.cu to committed PTX (sm_90, sm_121); needs nvcc (NVCC or PATH).
+    Ptx,
+    /// Regenerate kernels/src/bindings.rs from the shared C header; needs libclang.
+    Bindgen,
 }
 
 fn main() -> Result<()> {
@@ -69,6 +73,15 @@ fn main() -> Result<()> {
         }
         Cmd::Expand { spec } => xtask::expand::run(spec.as_deref(), &xtask::gen::workspace_root())?,
         Cmd::Tokenizer { dir } => xtask::tokenizer::write_tokenizer_files(&dir)?,
+        Cmd::Ptx => xtask::ptx::run_ptx(&workspace_root())?,
+        #[cfg(feature = "bindgen")]
+        Cmd::Bindgen => xtask::bindgen::run_bindgen(&workspace_root())?,
+        #[cfg(not(feature = "bindgen"))]
+        Cmd::Bindgen => anyhow::bail!("run it as `cargo run -p xtask --features bindgen -- bindgen` (needs libclang)"),
     }
     Ok(())
+}
+
+fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask sits in the workspace").to_path_buf()
 }

@@ -1,0 +1,63 @@
+// Device helpers shared by every kernel file (included, never compiled alone).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+#include "../include/ornith_kernels.h"
+
+// bf16 bits <-> float. bf16 -> float is exact; float -> bf16 rounds to nearest even (NaN kept).
+__device__ __forceinline__ float bf2f(uint16_t b) { return __uint_as_float(((uint32_t)b) << 16); }
+__device__ __forceinline__ uint16_t f2bf(float f) {
+    __nv_bfloat16 h = __float2bfloat16_rn(f);
+    return *reinterpret_cast<uint16_t *>(&h);
+}
+// Round a float to bf16 precision and back.
+__device__ __forceinline__ float rbf(float f) { return bf2f(f2bf(f)); }
+
+// FP8 E4M3 encode: round to nearest even, saturate to +-448 (NaN -> NaN code).
+__device__ __forceinline__ uint8_t f2e4m3(float f) {
+    return (uint8_t)__nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3);
+}
+// Two E4M3 codes (low byte first) -> two floats (exact: every E4M3 value is a half).
+__device__ __forceinline__ float2 e4m3x2_to_f2(uint16_t two) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)two, __NV_E4M3);
+    __half2 hh = *reinterpret_cast<__half2 *>(&h);
+    return __half22float2(hh);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// Block-wide sum / max (blockDim.x a multiple of 32, at most 1024). Every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float *sh32) {
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) sh32[wid] = v;
+    __syncthreads();
+    float r = lane < nw ? sh32[lane] : 0.f;
+    return warp_sum(r);
+}
+__device__ __forceinline__ float block_max(float v, float *sh32) {
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) sh32[wid] = v;
+    __syncthreads();
+    float r = lane < nw ? sh32[lane] : 0.f;
+    return warp_max(r);
+}
+__device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
+
+// Per-token FP8 activation scale: amax / 448. A zero row gets scale 0 and all-zero codes.
+__device__ __forceinline__ uint8_t quant_e4m3(float v, float scale) {
+    return scale > 0.f ? f2e4m3(__fdiv_rn(v, scale)) : (uint8_t)0;
+}

@@ -1,0 +1,97 @@
+// MoE decode: router softmax -> top-k -> renormalise, SwiGLU + FP8 quantisation, weighted combine.
+#include "common.cuh"
+
+#define ROUTER_MAX_PER_LANE 8  // experts <= 256
+
+// One warp per token.
+extern "C" __global__ void __launch_bounds__(32) moe_router_topk(const OrnithRouterParams p) {
+    const int t = blockIdx.x, lane = threadIdx.x;
+    const uint16_t *lg = p.logits + (size_t)t * p.logit_stride;
+    float v[ROUTER_MAX_PER_LANE];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < ROUTER_MAX_PER_LANE; j++) {
+        int e = lane + 32 * j;
+        v[j] = e < p.experts ? bf2f(lg[e]) : -INFINITY;
+        mx = fmaxf(mx, v[j]);
+    }
+    mx = warp_max(mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < ROUTER_MAX_PER_LANE; j++) {
+        int e = lane + 32 * j;
+        v[j] = e < p.experts ? expf(v[j] - mx) : 0.f;
+        sum += v[j];
+    }
+    sum = warp_sum(sum);
+    // p = exp(l - max) / sum   (fp32 softmax); -1 marks "taken / absent" (probabilities are >= 0)
+#pragma unroll
+    for (int j = 0; j < ROUTER_MAX_PER_LANE; j++) v[j] = (lane + 32 * j) < p.experts ? v[j] / sum : -1.f;
+    float tsum = 0.f;
+    int32_t *oi_row = p.idx + (size_t)t * p.top_k;
+    float *ow_row = p.weight + (size_t)t * p.top_k;
+    for (int k = 0; k < p.top_k; k++) {
+        // lane-local best (first index wins among equals: j ascending means index ascending)
+        float bv = -2.f;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < ROUTER_MAX_PER_LANE; j++)
+            if (v[j] > bv) { bv = v[j]; bi = lane + 32 * j; }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+#pragma unroll
+        for (int j = 0; j < ROUTER_MAX_PER_LANE; j++)
+            if (lane + 32 * j == bi) v[j] = -1.f;
+        if (lane == 0) { oi_row[k] = bi; ow_row[k] = bv; }
+        tsum += bv;  // sum of the chosen probabilities, in descending order
+    }
+    __syncwarp();
+    if (lane == 0)
+        for (int k = 0; k < p.top_k; k++) ow_row[k] = rbf(ow_row[k] / tsum);  // renormalised in fp32, then bf16
+}
+
+// One block per (t, slot) row: a = bf16(bf16(silu(g)) * u), then per-row FP8 quantisation.
+extern "C" __global__ void __launch_bounds__(256) swiglu_quant(const OrnithSwigluQuantParams p) {
+    __shared__ float sh[32];
+    const int r = blockIdx.x;
+    const uint16_t *gu = p.gate_up + (size_t)r * 2 * p.inter;
+    float a[4];  // inter <= 1024
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        int i = threadIdx.x + 256 * j;
+        a[j] = 0.f;
+        if (i < p.inter) {
+            a[j] = rbf(rbf(silu_f(bf2f(gu[i]))) * bf2f(gu[p.inter + i]));
+            amax = fmaxf(amax, fabsf(a[j]));
+        }
+    }
+    amax = block_max(amax, sh);
+    float scale = amax / ORNITH_FP8_MAX;
+    if (threadIdx.x == 0) p.scale[r] = scale;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        int i = threadIdx.x + 256 * j;
+        if (i < p.inter) p.q8[(size_t)r * p.inter + i] = quant_e4m3(a[j], scale);
+    }
+}
+
+// grid (ceil(hidden / 256), tokens): routed + gated shared expert.
+extern "C" __global__ void __launch_bounds__(256) moe_combine(const OrnithMoeCombineParams p) {
+    const int t = blockIdx.y;
+    const int i = blockIdx.x * 256 + threadIdx.x;
+    if (i >= p.hidden) return;
+    const int slots = p.top_k + 1;
+    const uint16_t *ys = p.ys + (size_t)t * slots * p.hidden;
+    float routed = 0.f;
+    for (int j = 0; j < p.top_k; j++)
+        routed += rbf(bf2f(ys[(size_t)j * p.hidden + i]) * p.weight[t * p.top_k + j]);
+    routed = rbf(routed);
+    float g = rbf(sigmoid_f(bf2f(p.gate_logit[(size_t)t * p.gate_stride])));
+    float shared = rbf(g * bf2f(ys[(size_t)p.top_k * p.hidden + i]));
+    p.out[(size_t)t * p.hidden + i] = f2bf(routed + shared);
+}

@@ -1,0 +1,78 @@
+// Embedding gather, fused residual-add + zero-centred RMSNorm (+ per-token FP8), FP8 row quantisation.
+#include "common.cuh"
+
+// One block per token; 16-byte copies of the embedding row.
+extern "C" __global__ void embed_gather(const OrnithEmbedParams p) {
+    int t = blockIdx.x;
+    int id = p.ids[t];
+    uint16_t *dst = p.out + (size_t)t * p.hidden;
+    if (id < 0 || id >= p.vocab) {  // out-of-range id: NaN row, so the error cannot pass silently
+        for (int i = threadIdx.x; i < p.hidden; i += blockDim.x) dst[i] = 0x7fc0;
+        return;
+    }
+    const uint4 *src = reinterpret_cast<const uint4 *>(p.table + (size_t)id * p.hidden);
+    uint4 *d4 = reinterpret_cast<uint4 *>(dst);
+    for (int i = threadIdx.x; i < p.hidden / 8; i += blockDim.x) d4[i] = src[i];
+}
+
+// One block of 256 threads per token; the row (hidden <= 8192) is kept in registers, 32 per thread.
+#define RMS_THREADS 256
+#define RMS_PER_THREAD 32
+extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_residual(const OrnithRmsNormParams p) {
+    __shared__ float sh[32];
+    int t = blockIdx.x;
+    uint16_t *res = p.residual + (size_t)t * p.hidden;
+    const uint16_t *add = p.add ? p.add + (size_t)t * p.hidden : nullptr;
+    float r[RMS_PER_THREAD];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < RMS_PER_THREAD; j++) {
+        int i = threadIdx.x + j * RMS_THREADS;
+        r[j] = 0.f;
+        if (i < p.hidden) {
+            float v = bf2f(res[i]);
+            if (add) {
+                v = rbf(v + bf2f(add[i]));  // h = bf16(r + x): the residual stream is bf16
+                res[i] = f2bf(v);
+            }
+            r[j] = v;
+            ss += v * v;
+        }
+    }
+    ss = block_sum(ss, sh);
+    float inv = rsqrtf(ss / (float)p.hidden + p.eps);
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < RMS_PER_THREAD; j++) {
+        int i = threadIdx.x + j * RMS_THREADS;
+        if (i < p.hidden) {
+            float y = rbf(r[j] * inv * (1.f + bf2f(p.weight[i])));
+            r[j] = y;
+            amax = fmaxf(amax, fabsf(y));
+            if (p.out) p.out[(size_t)t * p.hidden + i] = f2bf(y);
+        }
+    }
+    if (!p.q8) return;
+    amax = block_max(amax, sh);
+    float scale = amax / ORNITH_FP8_MAX;
+    if (threadIdx.x == 0) p.scale[t] = scale;
+#pragma unroll
+    for (int j = 0; j < RMS_PER_THREAD; j++) {
+        int i = threadIdx.x + j * RMS_THREADS;
+        if (i < p.hidden) p.q8[(size_t)t * p.hidden + i] = quant_e4m3(r[j], scale);
+    }
+}
+
+// One block of 256 threads per row: scale = amax/448, q8 = e4m3(x / scale).
+extern "C" __global__ void __launch_bounds__(256) quantize_fp8_rows(const OrnithQuantParams p) {
+    __shared__ float sh[32];
+    int t = blockIdx.x;
+    const uint16_t *x = p.x + (size_t)t * p.cols;
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < p.cols; i += blockDim.x) amax = fmaxf(amax, fabsf(bf2f(x[i])));
+    amax = block_max(amax, sh);
+    float scale = amax / ORNITH_FP8_MAX;
+    if (threadIdx.x == 0) p.scale[t] = scale;
+    for (int i = threadIdx.x; i < p.cols; i += blockDim.x)
+        p.q8[(size_t)t * p.cols + i] = quant_e4m3(bf2f(x[i]), scale);
+}

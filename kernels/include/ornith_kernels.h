@@ -1,0 +1,254 @@
+/* Ornith kernels: parameter structs shared by the CUDA C sources and the Rust launchers.
+ *
+ * Plain C (no CUDA headers) so that bindgen can bind it. Element types:
+ *   bf16 values travel as uint16_t bit patterns, FP8 E4M3 codes as uint8_t,
+ *   scales and recurrent states as float, indices as int32_t.
+ * Every kernel takes exactly one of these structs by value. Matrices are row-major;
+ * a Linear weight is [out, in] as in the checkpoint.
+ */
+#ifndef ORNITH_KERNELS_H
+#define ORNITH_KERNELS_H
+#include <stdint.h>
+
+/* FP8 E4M3 largest finite value: per-token activation scale = amax / 448. */
+#define ORNITH_FP8_MAX 448.0f
+
+/* out[t, :] = table[ids[t], :]  (bf16 rows of width `hidden`). */
+typedef struct OrnithEmbedParams {
+    const int32_t *ids;
+    const uint16_t *table;
+    uint16_t *out;
+    int32_t tokens;
+    int32_t hidden;
+    int32_t vocab;
+} OrnithEmbedParams;
+
+/* Fused residual add + zero-centred RMSNorm (+ optional per-token FP8 quantisation).
+ *   if add != NULL:  residual[t] = bf16(residual[t] + add[t])       (in place)
+ *   y[t]  = bf16( r * rsqrt(mean(r^2) + eps) * (1 + w) ),  r = float(residual[t]), fp32 inside
+ *   if out != NULL:  out[t] = y[t]
+ *   if q8  != NULL:  scale[t] = amax|y[t]| / 448;  q8[t, i] = e4m3(y[t, i] / scale[t])  (RNE, saturating) */
+typedef struct OrnithRmsNormParams {
+    uint16_t *residual;
+    const uint16_t *add;
+    const uint16_t *weight;
+    uint16_t *out;
+    uint8_t *q8;
+    float *scale;
+    int32_t tokens;
+    int32_t hidden;
+    float eps;
+} OrnithRmsNormParams;
+
+/* Per-token FP8 quantisation of bf16 rows: scale[t] = amax/448, q8 = e4m3(x / scale). */
+typedef struct OrnithQuantParams {
+    const uint16_t *x;
+    uint8_t *q8;
+    float *scale;
+    int32_t tokens;
+    int32_t cols;
+} OrnithQuantParams;
+
+/* Decode GEMV/GEMM with few rows (tokens <= ORNITH_GEMV_MAX_TOKENS).
+ * BF16:  y[t, o] = bf16( sum_i x[t, i] * w[o, i] ), fp32 accumulation.
+ * FP8:   y[t, o] = bf16( (sum_i e4m3(xq[t, i]) * e4m3(w[o, i])) * xs[t] * ws[o] ).
+ * `x_stride`/`y_stride` are row strides in elements; `in` must be a multiple of 16. */
+#define ORNITH_GEMV_MAX_TOKENS 8
+typedef struct OrnithGemvBf16Params {
+    const uint16_t *x;
+    const uint16_t *w;
+    uint16_t *y;
+    int32_t tokens;
+    int32_t in;
+    int32_t out;
+    int32_t x_stride;
+    int32_t y_stride;
+} OrnithGemvBf16Params;
+
+typedef struct OrnithGemvFp8Params {
+    const uint8_t *xq;
+    const float *xs;
+    const uint8_t *w;
+    const float *ws;
+    uint16_t *y;
+    int32_t tokens;
+    int32_t in;
+    int32_t out;
+    int32_t x_stride;
+    int32_t y_stride;
+} OrnithGemvFp8Params;
+
+/* MoE router: logits [tokens, logit_stride] bf16 (first `experts` columns are the router).
+ *   p = softmax(float(logits)); top-`top_k` (descending, ties to the lower index);
+ *   w = bf16(p_j / sum_top p)  stored as float;  idx [tokens, top_k]. */
+typedef struct OrnithRouterParams {
+    const uint16_t *logits;
+    int32_t *idx;
+    float *weight;
+    int32_t tokens;
+    int32_t experts;
+    int32_t top_k;
+    int32_t logit_stride;
+} OrnithRouterParams;
+
+/* MoE expert GEMV over `slots` = top_k routed slots + 1 shared slot, per token.
+ * Slot j < top_k uses expert e = idx[t, j]: weights w + e * out * in, scales ws + e * out;
+ * slot top_k uses the shared expert (shared_w, shared_ws).
+ * Activation of (t, j): xq + t * x_tok_stride + j * x_slot_stride (x_slot_stride 0: shared input),
+ * scale xs[t * xs_tok_stride + j * xs_slot_stride].  y[(t * slots + j) * out + o] bf16. */
+typedef struct OrnithMoeGemvParams {
+    const uint8_t *xq;
+    const float *xs;
+    const int32_t *idx;
+    const uint8_t *w;
+    const float *ws;
+    const uint8_t *shared_w;
+    const float *shared_ws;
+    uint16_t *y;
+    int32_t tokens;
+    int32_t top_k;
+    int32_t experts;
+    int32_t in;
+    int32_t out;
+    int32_t x_tok_stride;
+    int32_t x_slot_stride;
+    int32_t xs_tok_stride;
+    int32_t xs_slot_stride;
+} OrnithMoeGemvParams;
+
+/* SwiGLU of gate_up rows + FP8 quantisation, one row of `inter` per (t, slot):
+ *   g = gu[r, 0:inter], u = gu[r, inter:2*inter]
+ *   a = bf16( bf16(silu(g)) * u );  scale[r] = amax|a| / 448;  q8[r] = e4m3(a / scale[r]) */
+typedef struct OrnithSwigluQuantParams {
+    const uint16_t *gate_up;
+    uint8_t *q8;
+    float *scale;
+    int32_t rows;
+    int32_t inter;
+} OrnithSwigluQuantParams;
+
+/* MoE combine for each token t (ys = expert outputs [tokens, top_k + 1, hidden] bf16):
+ *   routed = bf16( sum_j float(bf16(ys[t, j] * bf16(w[t, j]))) )       (fp32 sum, one rounding)
+ *   shared = bf16( bf16(sigmoid(gate_logit[t * gate_stride])) * ys[t, top_k] )
+ *   moe    = bf16( routed + shared )
+ *   out[t] = moe  (the residual add is done by the next RMSNorm kernel). */
+typedef struct OrnithMoeCombineParams {
+    const uint16_t *ys;
+    const float *weight;
+    const uint16_t *gate_logit;
+    uint16_t *out;
+    int32_t tokens;
+    int32_t top_k;
+    int32_t hidden;
+    int32_t gate_stride;
+} OrnithMoeCombineParams;
+
+/* Causal depthwise conv1d (kernel 4) + SiLU with state, tokens processed in order.
+ *   x [tokens, x_stride] bf16 (first `channels` columns), w [channels, 4] bf16,
+ *   state [3, channels] bf16: the last 3 pre-conv inputs, oldest first (zeros at sequence start).
+ *   y[t, c] = bf16(silu(float(bf16( sum_j w[c, j] * win[j] )))),  win = (state[0..3], x[t]) */
+typedef struct OrnithConvParams {
+    const uint16_t *x;
+    const uint16_t *w;
+    uint16_t *state;
+    uint16_t *y;
+    int32_t tokens;
+    int32_t channels;
+    int32_t x_stride;
+} OrnithConvParams;
+
+/* Gated delta rule, recurrent form, tokens processed in order (decode: tokens = 1).
+ * qkv [tokens, qkv_stride] bf16 = conv output: q heads at 0, k heads at k_heads*dk, v at 2*k_heads*dk.
+ * b, a [tokens, ba_stride] bf16 (v_heads columns each, a at column offset a_offset).
+ * beta = bf16(sigmoid(b)),  g = -exp(A_log) * softplus(float(a) + float(dt_bias)).
+ * q = l2norm(q) * dk^-0.5, k = l2norm(k) (fp32, eps 1e-6 inside the sqrt); v-head h uses k-head h / (v_heads/k_heads).
+ * state [v_heads, dk, dv] fp32 updated in place; o [tokens, v_heads, dv] bf16. dk = dv = 128. */
+typedef struct OrnithGdnParams {
+    const uint16_t *qkv;
+    const uint16_t *ba;
+    const float *a_log;
+    const uint16_t *dt_bias;
+    float *state;
+    uint16_t *o;
+    int32_t tokens;
+    int32_t k_heads;
+    int32_t v_heads;
+    int32_t qkv_stride;
+    int32_t ba_stride;
+    int32_t a_offset;
+} OrnithGdnParams;
+
+/* Gated RMSNorm per (t, head) over `dim`:
+ *   n = bf16(float(o) * rsqrt(mean(float(o)^2) + eps));  n = bf16(w * n);
+ *   y = bf16(float(n) * silu(float(z)))    (z [tokens, z_stride]) */
+typedef struct OrnithGatedNormParams {
+    const uint16_t *o;
+    const uint16_t *z;
+    const uint16_t *weight;
+    uint16_t *y;
+    int32_t tokens;
+    int32_t heads;
+    int32_t dim;
+    int32_t z_stride;
+    float eps;
+} OrnithGatedNormParams;
+
+/* q/k RMSNorm (zero-centred, fp32 inside) + partial rotate-half RoPE, and KV-cache write.
+ * qg [tokens, q_heads, 2*head_dim] (query | gate per head), k, v [tokens, kv_heads * head_dim].
+ * Token t sits at position pos0 + t.  cos/sin = bf16(cos/sin(float(pos) * inv_freq[i % (rot/2)])),
+ * inv_freq[i] = 1 / theta^(2i/rot); x' = bf16(bf16(x*cos) + bf16(rot_half(x)*sin)) on the first `rot` dims.
+ * Writes q_out [tokens, q_heads, head_dim]; k_cache/v_cache [max_seq, kv_heads, head_dim] at row pos. */
+typedef struct OrnithQkRopeParams {
+    const uint16_t *qg;
+    const uint16_t *k;
+    const uint16_t *v;
+    const uint16_t *q_norm;
+    const uint16_t *k_norm;
+    uint16_t *q_out;
+    uint16_t *k_cache;
+    uint16_t *v_cache;
+    int32_t tokens;
+    int32_t pos0;
+    int32_t q_heads;
+    int32_t kv_heads;
+    int32_t head_dim;
+    int32_t rot;
+    int32_t max_seq;
+    float theta;
+    float eps;
+} OrnithQkRopeParams;
+
+/* Causal attention over the bf16 KV cache, split along the sequence (flash-decoding).
+ * Token t (position pos0 + t) attends keys 0..pos0+t. q [tokens, q_heads, head_dim] (head_dim 256).
+ * Pass 1 (split): each (t, head, split) writes m, l and unnormalised o[head_dim] (fp32) to part_*.
+ * Pass 2 (combine): o = sum of rescaled partials / l;  out = bf16( bf16(o) * bf16(sigmoid(gate)) ),
+ * gate = qg[t, h, head_dim:2*head_dim]. out [tokens, q_heads * head_dim]. */
+typedef struct OrnithAttnParams {
+    const uint16_t *q;
+    const uint16_t *k_cache;
+    const uint16_t *v_cache;
+    const uint16_t *qg;
+    float *part_o;
+    float *part_ml;
+    uint16_t *out;
+    int32_t tokens;
+    int32_t pos0;
+    int32_t q_heads;
+    int32_t kv_heads;
+    int32_t head_dim;
+    int32_t split_len;
+    int32_t splits;
+    float scale;
+} OrnithAttnParams;
+
+/* Greedy sampling: idx[t] = argmax_i float(logits[t, i]) over the first `n` columns
+ * (first index among equal maxima, NaN never chosen; -1 if every value is NaN). */
+typedef struct OrnithArgmaxParams {
+    const uint16_t *logits;
+    int32_t *idx;
+    int32_t tokens;
+    int32_t n;
+    int32_t stride;
+} OrnithArgmaxParams;
+
+#endif

@@ -1,0 +1,352 @@
+//! One launcher per kernel. Each checks the shape assumptions of its kernel (and the buffer sizes)
+//! and returns an error rather than launching on bad input. bf16 tensors are `CudaSlice<u16>`
+//! (bit patterns), FP8 E4M3 codes `CudaSlice<u8>`.
+use super::{CudaContext, Param};
+use anyhow::{ensure, Result};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use ornith_kernels::bindings::*;
+
+type Bf = CudaSlice<u16>;
+
+fn need<T>(what: &str, s: &CudaSlice<T>, n: usize) -> Result<()> {
+    ensure!(s.len() >= n, "{what}: buffer has {} elements, the launch needs {n}", s.len());
+    Ok(())
+}
+fn i32of(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| anyhow::anyhow!("{what} = {v} does not fit the kernel's int32"))
+}
+
+impl CudaContext {
+    fn launch<P: Copy>(&self, name: &str, grid: (u32, u32, u32), block: u32, p: P) -> Result<()> {
+        let param = Param(p);
+        let mut b = self.stream.launch_builder(self.func(name));
+        b.arg(&param);
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// out[t] = table[ids[t]] (rows of `hidden` bf16; hidden % 8 == 0 for 16-byte copies).
+    pub fn embed(&self, ids: &CudaSlice<i32>, table: &Bf, out: &mut Bf, tokens: usize, hidden: usize, vocab: usize) -> Result<()> {
+        ensure!(tokens > 0 && hidden % 8 == 0, "embed: tokens {tokens} > 0 and hidden {hidden} % 8 == 0");
+        need("embed ids", ids, tokens)?;
+        need("embed table", table, vocab * hidden)?;
+        need("embed out", out, tokens * hidden)?;
+        let p = OrnithEmbedParams {
+            ids: self.addr(ids) as _, table: self.addr(table) as _, out: self.addr(out) as _,
+            tokens: i32of("tokens", tokens)?, hidden: i32of("hidden", hidden)?, vocab: i32of("vocab", vocab)?,
+        };
+        self.launch("embed_gather", (tokens as u32, 1, 1), 256, p)
+    }
+
+    /// Residual add (optional) + zero-centred RMSNorm, writing bf16 `out` and/or FP8 `(q8, scale)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_residual(
+        &self, residual: &mut Bf, add: Option<&Bf>, weight: &Bf, out: Option<&mut Bf>,
+        q8: Option<(&mut CudaSlice<u8>, &mut CudaSlice<f32>)>, tokens: usize, hidden: usize, eps: f32,
+    ) -> Result<()> {
+        ensure!(tokens > 0 && hidden > 0 && hidden <= 8192, "rmsnorm: 0 < hidden {hidden} <= 8192");
+        ensure!(out.is_some() || q8.is_some(), "rmsnorm: no output requested");
+        need("rmsnorm residual", residual, tokens * hidden)?;
+        need("rmsnorm weight", weight, hidden)?;
+        let mut p = OrnithRmsNormParams {
+            residual: self.addr(residual) as _, weight: self.addr(weight) as _, tokens: tokens as i32,
+            hidden: hidden as i32, eps, ..Default::default()
+        };
+        if let Some(a) = add {
+            need("rmsnorm add", a, tokens * hidden)?;
+            p.add = self.addr(a) as _;
+        }
+        if let Some(o) = out {
+            need("rmsnorm out", o, tokens * hidden)?;
+            p.out = self.addr(o) as _;
+        }
+        if let Some((q, s)) = q8 {
+            need("rmsnorm q8", q, tokens * hidden)?;
+            need("rmsnorm scale", s, tokens)?;
+            p.q8 = self.addr(q) as _;
+            p.scale = self.addr(s) as _;
+        }
+        self.launch("rmsnorm_residual", (tokens as u32, 1, 1), 256, p)
+    }
+
+    /// Per-row FP8 quantisation: scale = amax/448, q8 = e4m3(x / scale).
+    pub fn quantize_fp8(&self, x: &Bf, q8: &mut CudaSlice<u8>, scale: &mut CudaSlice<f32>, rows: usize, cols: usize) -> Result<()> {
+        ensure!(rows > 0 && cols > 0, "quantize: empty");
+        need("quantize x", x, rows * cols)?;
+        need("quantize q8", q8, rows * cols)?;
+        need("quantize scale", scale, rows)?;
+        let p = OrnithQuantParams { x: self.addr(x) as _, q8: self.addr(q8) as _, scale: self.addr(scale) as _, tokens: rows as i32, cols: i32of("cols", cols)? };
+        self.launch("quantize_fp8_rows", (rows as u32, 1, 1), 256, p)
+    }
+
+    fn gemv_checks(tokens: usize, in_: usize, out: usize, xs: usize, ys: usize, align: usize) -> Result<()> {
+        ensure!((1..=ORNITH_GEMV_MAX_TOKENS as usize).contains(&tokens), "gemv: tokens {tokens} must be 1..=8");
+        ensure!(in_ > 0 && in_ % 16 == 0, "gemv: in {in_} must be a positive multiple of 16");
+        ensure!(out > 0 && xs >= in_ && ys >= out, "gemv: strides x {xs} >= in {in_}, y {ys} >= out {out}");
+        ensure!(xs % align == 0, "gemv: x stride {xs} must keep rows 16-byte aligned");
+        Ok(())
+    }
+
+    /// y[t, o] = bf16(sum_i x[t, i] w[o, i]) for 1..=8 tokens.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_bf16(&self, x: &Bf, w: &Bf, y: &mut Bf, tokens: usize, in_: usize, out: usize, x_stride: usize, y_stride: usize) -> Result<()> {
+        Self::gemv_checks(tokens, in_, out, x_stride, y_stride, 8)?;
+        need("gemv x", x, (tokens - 1) * x_stride + in_)?;
+        need("gemv w", w, out * in_)?;
+        need("gemv y", y, (tokens - 1) * y_stride + out)?;
+        let p = OrnithGemvBf16Params {
+            x: self.addr(x) as _, w: self.addr(w) as _, y: self.addr(y) as _, tokens: tokens as i32,
+            in_: i32of("in", in_)?, out: i32of("out", out)?, x_stride: x_stride as i32, y_stride: i32of("y_stride", y_stride)?,
+        };
+        self.launch("gemv_bf16", (out.div_ceil(8) as u32, 1, 1), 256, p)
+    }
+
+    /// FP8 W8A8: y[t, o] = bf16((sum_i xq w) * xs[t] * ws[o]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_fp8(
+        &self, xq: &CudaSlice<u8>, xs: &CudaSlice<f32>, w: &CudaSlice<u8>, ws: &CudaSlice<f32>, y: &mut Bf,
+        tokens: usize, in_: usize, out: usize, x_stride: usize, y_stride: usize,
+    ) -> Result<()> {
+        Self::gemv_checks(tokens, in_, out, x_stride, y_stride, 16)?;
+        need("gemv_fp8 x", xq, (tokens - 1) * x_stride + in_)?;
+        need("gemv_fp8 xs", xs, tokens)?;
+        need("gemv_fp8 w", w, out * in_)?;
+        need("gemv_fp8 ws", ws, out)?;
+        need("gemv_fp8 y", y, (tokens - 1) * y_stride + out)?;
+        let p = OrnithGemvFp8Params {
+            xq: self.addr(xq) as _, xs: self.addr(xs) as _, w: self.addr(w) as _, ws: self.addr(ws) as _, y: self.addr(y) as _,
+            tokens: tokens as i32, in_: i32of("in", in_)?, out: i32of("out", out)?, x_stride: x_stride as i32, y_stride: i32of("y_stride", y_stride)?,
+        };
+        self.launch("gemv_fp8", (out.div_ceil(8) as u32, 1, 1), 256, p)
+    }
+
+    /// Router: softmax over `experts` logits (row stride `stride`), top-k, renormalised bf16 weights.
+    pub fn moe_router(&self, logits: &Bf, idx: &mut CudaSlice<i32>, weight: &mut CudaSlice<f32>, tokens: usize, experts: usize, top_k: usize, stride: usize) -> Result<()> {
+        ensure!(tokens > 0 && experts <= 256 && top_k >= 1 && top_k <= experts && stride >= experts, "router: experts {experts} <= 256, 1 <= top_k {top_k} <= experts, stride {stride}");
+        need("router logits", logits, (tokens - 1) * stride + experts)?;
+        need("router idx", idx, tokens * top_k)?;
+        need("router weight", weight, tokens * top_k)?;
+        let p = OrnithRouterParams {
+            logits: self.addr(logits) as _, idx: self.addr(idx) as _, weight: self.addr(weight) as _, tokens: tokens as i32,
+            experts: experts as i32, top_k: top_k as i32, logit_stride: stride as i32,
+        };
+        self.launch("moe_router_topk", (tokens as u32, 1, 1), 32, p)
+    }
+
+    /// Expert GEMV for top_k routed slots + the shared slot (see `OrnithMoeGemvParams`).
+    pub fn moe_gemv(&self, a: &MoeGemvArgs, y: &mut Bf) -> Result<()> {
+        let slots = a.top_k + 1;
+        ensure!(a.tokens > 0 && a.in_ % 16 == 0 && a.in_ > 0 && a.out > 0 && a.top_k >= 1, "moe_gemv: in {} % 16, out {}", a.in_, a.out);
+        ensure!(a.x_tok_stride % 16 == 0 && a.x_slot_stride % 16 == 0, "moe_gemv: activation strides must keep 16-byte alignment");
+        need("moe_gemv idx", a.idx, a.tokens * a.top_k)?;
+        need("moe_gemv w", a.w, a.experts * a.out * a.in_)?;
+        need("moe_gemv ws", a.ws, a.experts * a.out)?;
+        need("moe_gemv shared w", a.shared_w, a.out * a.in_)?;
+        need("moe_gemv shared ws", a.shared_ws, a.out)?;
+        need("moe_gemv x", a.xq, (a.tokens - 1) * a.x_tok_stride + a.top_k * a.x_slot_stride + a.in_)?;
+        need("moe_gemv xs", a.xs, (a.tokens - 1) * a.xs_tok_stride + a.top_k * a.xs_slot_stride + 1)?;
+        need("moe_gemv y", y, a.tokens * slots * a.out)?;
+        let p = OrnithMoeGemvParams {
+            xq: self.addr(a.xq) as _, xs: self.addr(a.xs) as _, idx: self.addr(a.idx) as _, w: self.addr(a.w) as _, ws: self.addr(a.ws) as _,
+            shared_w: self.addr(a.shared_w) as _, shared_ws: self.addr(a.shared_ws) as _, y: self.addr(y) as _,
+            tokens: a.tokens as i32, top_k: a.top_k as i32, experts: a.experts as i32, in_: a.in_ as i32, out: a.out as i32,
+            x_tok_stride: a.x_tok_stride as i32, x_slot_stride: a.x_slot_stride as i32,
+            xs_tok_stride: a.xs_tok_stride as i32, xs_slot_stride: a.xs_slot_stride as i32,
+        };
+        self.launch("moe_gemv_fp8", (a.out.div_ceil(8) as u32, slots as u32, a.tokens as u32), 256, p)
+    }
+
+    /// a = bf16(bf16(silu(g)) * u) per row of gate_up [rows, 2*inter], then FP8 per row.
+    pub fn swiglu_quant(&self, gate_up: &Bf, q8: &mut CudaSlice<u8>, scale: &mut CudaSlice<f32>, rows: usize, inter: usize) -> Result<()> {
+        ensure!(rows > 0 && inter > 0 && inter <= 1024, "swiglu: 0 < inter {inter} <= 1024");
+        need("swiglu gate_up", gate_up, rows * 2 * inter)?;
+        need("swiglu q8", q8, rows * inter)?;
+        need("swiglu scale", scale, rows)?;
+        let p = OrnithSwigluQuantParams { gate_up: self.addr(gate_up) as _, q8: self.addr(q8) as _, scale: self.addr(scale) as _, rows: rows as i32, inter: inter as i32 };
+        self.launch("swiglu_quant", (rows as u32, 1, 1), 256, p)
+    }
+
+    /// out = bf16(routed + sigmoid-gated shared), see `OrnithMoeCombineParams`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine(&self, ys: &Bf, weight: &CudaSlice<f32>, gate_logit: &Bf, out: &mut Bf, tokens: usize, top_k: usize, hidden: usize, gate_stride: usize) -> Result<()> {
+        ensure!(tokens > 0 && hidden > 0 && top_k > 0, "moe_combine: empty");
+        need("combine ys", ys, tokens * (top_k + 1) * hidden)?;
+        need("combine weight", weight, tokens * top_k)?;
+        need("combine gate", gate_logit, (tokens - 1) * gate_stride + 1)?;
+        need("combine out", out, tokens * hidden)?;
+        let p = OrnithMoeCombineParams {
+            ys: self.addr(ys) as _, weight: self.addr(weight) as _, gate_logit: self.addr(gate_logit) as _, out: self.addr(out) as _,
+            tokens: tokens as i32, top_k: top_k as i32, hidden: hidden as i32, gate_stride: gate_stride as i32,
+        };
+        self.launch("moe_combine", (hidden.div_ceil(256) as u32, tokens as u32, 1), 256, p)
+    }
+
+    /// Causal depthwise conv (kernel 4) + SiLU over `tokens` in order, updating `state` [3, channels].
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv1d_silu(&self, x: &Bf, w: &Bf, state: &mut Bf, y: &mut Bf, tokens: usize, channels: usize, x_stride: usize) -> Result<()> {
+        ensure!(tokens > 0 && channels > 0 && x_stride >= channels, "conv: tokens {tokens}, channels {channels}, stride {x_stride}");
+        need("conv x", x, (tokens - 1) * x_stride + channels)?;
+        need("conv w", w, channels * 4)?;
+        need("conv state", state, 3 * channels)?;
+        need("conv y", y, tokens * channels)?;
+        let p = OrnithConvParams { x: self.addr(x) as _, w: self.addr(w) as _, state: self.addr(state) as _, y: self.addr(y) as _, tokens: tokens as i32, channels: channels as i32, x_stride: x_stride as i32 };
+        self.launch("conv1d_silu", (channels.div_ceil(256) as u32, 1, 1), 256, p)
+    }
+
+    /// Recurrent gated delta rule (dk = dv = 128), see `OrnithGdnParams`.
+    pub fn gdn_recurrent(&self, a: &GdnArgs, state: &mut CudaSlice<f32>, o: &mut Bf) -> Result<()> {
+        ensure!(a.tokens > 0 && a.k_heads > 0 && a.v_heads % a.k_heads == 0, "gdn: v_heads {} must be a multiple of k_heads {}", a.v_heads, a.k_heads);
+        let kdim = a.k_heads * 128;
+        ensure!(a.qkv_stride >= 2 * kdim + a.v_heads * 128, "gdn: qkv stride {} too small", a.qkv_stride);
+        ensure!(a.ba_stride >= a.a_offset + a.v_heads && a.a_offset >= a.v_heads, "gdn: b/a layout");
+        need("gdn qkv", a.qkv, (a.tokens - 1) * a.qkv_stride + 2 * kdim + a.v_heads * 128)?;
+        need("gdn ba", a.ba, (a.tokens - 1) * a.ba_stride + a.a_offset + a.v_heads)?;
+        need("gdn a_log", a.a_log, a.v_heads)?;
+        need("gdn dt_bias", a.dt_bias, a.v_heads)?;
+        need("gdn state", state, a.v_heads * 128 * 128)?;
+        need("gdn o", o, a.tokens * a.v_heads * 128)?;
+        let p = OrnithGdnParams {
+            qkv: self.addr(a.qkv) as _, ba: self.addr(a.ba) as _, a_log: self.addr(a.a_log) as _, dt_bias: self.addr(a.dt_bias) as _,
+            state: self.addr(state) as _, o: self.addr(o) as _, tokens: a.tokens as i32, k_heads: a.k_heads as i32, v_heads: a.v_heads as i32,
+            qkv_stride: a.qkv_stride as i32, ba_stride: a.ba_stride as i32, a_offset: a.a_offset as i32,
+        };
+        self.launch("gdn_recurrent", (a.v_heads as u32, 4, 1), 128, p)
+    }
+
+    /// Gated RMSNorm per (token, head) over dim <= 128.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_rmsnorm(&self, o: &Bf, z: &Bf, w: &Bf, y: &mut Bf, tokens: usize, heads: usize, dim: usize, z_stride: usize, eps: f32) -> Result<()> {
+        ensure!(tokens > 0 && heads > 0 && dim > 0 && dim <= 128 && z_stride >= heads * dim, "gated_rmsnorm: dim {dim} <= 128");
+        need("gated o", o, tokens * heads * dim)?;
+        need("gated z", z, (tokens - 1) * z_stride + heads * dim)?;
+        need("gated w", w, dim)?;
+        need("gated y", y, tokens * heads * dim)?;
+        let p = OrnithGatedNormParams { o: self.addr(o) as _, z: self.addr(z) as _, weight: self.addr(w) as _, y: self.addr(y) as _, tokens: tokens as i32, heads: heads as i32, dim: dim as i32, z_stride: z_stride as i32, eps };
+        self.launch("gated_rmsnorm", ((tokens * heads) as u32, 1, 1), 128, p)
+    }
+
+    /// q/k norm + partial RoPE + KV-cache write, see `OrnithQkRopeParams`.
+    pub fn qk_norm_rope(&self, a: &QkRopeArgs, q_out: &mut Bf, k_cache: &mut Bf, v_cache: &mut Bf) -> Result<()> {
+        let d = a.head_dim;
+        ensure!(a.tokens > 0 && d % 32 == 0 && d <= 256 && a.rot % 2 == 0 && a.rot <= d, "qk_rope: head_dim {d} (multiple of 32, <= 256), rot {}", a.rot);
+        ensure!(a.pos0 + a.tokens <= a.max_seq, "qk_rope: positions {}..{} exceed the cache ({} rows)", a.pos0, a.pos0 + a.tokens, a.max_seq);
+        need("qk qg", a.qg, a.tokens * a.q_heads * 2 * d)?;
+        need("qk k", a.k, a.tokens * a.kv_heads * d)?;
+        need("qk v", a.v, a.tokens * a.kv_heads * d)?;
+        need("qk q_norm", a.q_norm, d)?;
+        need("qk k_norm", a.k_norm, d)?;
+        need("qk q_out", q_out, a.tokens * a.q_heads * d)?;
+        need("k cache", k_cache, a.max_seq * a.kv_heads * d)?;
+        need("v cache", v_cache, a.max_seq * a.kv_heads * d)?;
+        let p = OrnithQkRopeParams {
+            qg: self.addr(a.qg) as _, k: self.addr(a.k) as _, v: self.addr(a.v) as _, q_norm: self.addr(a.q_norm) as _, k_norm: self.addr(a.k_norm) as _,
+            q_out: self.addr(q_out) as _, k_cache: self.addr(k_cache) as _, v_cache: self.addr(v_cache) as _,
+            tokens: a.tokens as i32, pos0: a.pos0 as i32, q_heads: a.q_heads as i32, kv_heads: a.kv_heads as i32, head_dim: d as i32,
+            rot: a.rot as i32, max_seq: a.max_seq as i32, theta: a.theta, eps: a.eps,
+        };
+        self.launch("qk_norm_rope", ((a.q_heads + a.kv_heads) as u32, a.tokens as u32, 1), d as u32, p)
+    }
+
+    /// Split-sequence causal attention (head_dim 256) + sigmoid output gate. Scratch buffers
+    /// `part_o` [tokens*q_heads*splits*256] and `part_ml` [tokens*q_heads*splits*2] with
+    /// splits = ceil((pos0 + tokens) / split_len).
+    pub fn attention_decode(&self, a: &AttnArgs, part_o: &mut CudaSlice<f32>, part_ml: &mut CudaSlice<f32>, out: &mut Bf) -> Result<()> {
+        ensure!(a.head_dim == 256, "attention: head_dim {} (kernel is written for 256)", a.head_dim);
+        ensure!(a.kv_heads > 0 && a.q_heads % a.kv_heads == 0 && a.q_heads / a.kv_heads <= 8, "attention: q_heads/kv_heads must be an integer <= 8");
+        ensure!(a.tokens > 0 && a.split_len > 0, "attention: empty");
+        let total = a.pos0 + a.tokens;
+        let splits = total.div_ceil(a.split_len);
+        need("attn q", a.q, a.tokens * a.q_heads * 256)?;
+        need("attn qg", a.qg, a.tokens * a.q_heads * 512)?;
+        need("attn k cache", a.k_cache, total * a.kv_heads * 256)?;
+        need("attn v cache", a.v_cache, total * a.kv_heads * 256)?;
+        need("attn part_o", part_o, a.tokens * a.q_heads * splits * 256)?;
+        need("attn part_ml", part_ml, a.tokens * a.q_heads * splits * 2)?;
+        need("attn out", out, a.tokens * a.q_heads * 256)?;
+        let p = OrnithAttnParams {
+            q: self.addr(a.q) as _, k_cache: self.addr(a.k_cache) as _, v_cache: self.addr(a.v_cache) as _, qg: self.addr(a.qg) as _,
+            part_o: self.addr(part_o) as _, part_ml: self.addr(part_ml) as _, out: self.addr(out) as _,
+            tokens: a.tokens as i32, pos0: a.pos0 as i32, q_heads: a.q_heads as i32, kv_heads: a.kv_heads as i32, head_dim: 256,
+            split_len: a.split_len as i32, splits: splits as i32, scale: 1.0 / (a.head_dim as f32).sqrt(),
+        };
+        let group = (a.q_heads / a.kv_heads) as u32;
+        self.launch("attn_decode_split", (splits as u32, a.kv_heads as u32, a.tokens as u32), 32 * group, p)?;
+        self.launch("attn_decode_combine", (a.q_heads as u32, a.tokens as u32, 1), 256, p)
+    }
+
+    /// Greedy sampling: argmax over the first `n` columns of each row.
+    pub fn argmax(&self, logits: &Bf, idx: &mut CudaSlice<i32>, tokens: usize, n: usize, stride: usize) -> Result<()> {
+        ensure!(tokens > 0 && n > 0 && stride >= n, "argmax: n {n}, stride {stride}");
+        need("argmax logits", logits, (tokens - 1) * stride + n)?;
+        need("argmax idx", idx, tokens)?;
+        let p = OrnithArgmaxParams { logits: self.addr(logits) as _, idx: self.addr(idx) as _, tokens: tokens as i32, n: i32of("n", n)?, stride: i32of("stride", stride)? };
+        self.launch("argmax_bf16", (tokens as u32, 1, 1), 1024, p)
+    }
+}
+
+/// Inputs of [`CudaContext::moe_gemv`].
+pub struct MoeGemvArgs<'a> {
+    pub xq: &'a CudaSlice<u8>,
+    pub xs: &'a CudaSlice<f32>,
+    pub idx: &'a CudaSlice<i32>,
+    pub w: &'a CudaSlice<u8>,
+    pub ws: &'a CudaSlice<f32>,
+    pub shared_w: &'a CudaSlice<u8>,
+    pub shared_ws: &'a CudaSlice<f32>,
+    pub tokens: usize,
+    pub top_k: usize,
+    pub experts: usize,
+    pub in_: usize,
+    pub out: usize,
+    pub x_tok_stride: usize,
+    pub x_slot_stride: usize,
+    pub xs_tok_stride: usize,
+    pub xs_slot_stride: usize,
+}
+
+/// Inputs of [`CudaContext::gdn_recurrent`].
+pub struct GdnArgs<'a> {
+    pub qkv: &'a Bf,
+    pub ba: &'a Bf,
+    pub a_log: &'a CudaSlice<f32>,
+    pub dt_bias: &'a Bf,
+    pub tokens: usize,
+    pub k_heads: usize,
+    pub v_heads: usize,
+    pub qkv_stride: usize,
+    pub ba_stride: usize,
+    pub a_offset: usize,
+}
+
+/// Inputs of [`CudaContext::qk_norm_rope`].
+pub struct QkRopeArgs<'a> {
+    pub qg: &'a Bf,
+    pub k: &'a Bf,
+    pub v: &'a Bf,
+    pub q_norm: &'a Bf,
+    pub k_norm: &'a Bf,
+    pub tokens: usize,
+    pub pos0: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rot: usize,
+    pub max_seq: usize,
+    pub theta: f32,
+    pub eps: f32,
+}
+
+/// Inputs of [`CudaContext::attention_decode`].
+pub struct AttnArgs<'a> {
+    pub q: &'a Bf,
+    pub qg: &'a Bf,
+    pub k_cache: &'a Bf,
+    pub v_cache: &'a Bf,
+    pub tokens: usize,
+    pub pos0: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub split_len: usize,
+}

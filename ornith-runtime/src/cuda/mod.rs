@@ -1,0 +1,124 @@
+//! CUDA backend: device context, PTX module loading and typed kernel launchers.
+//!
+//! The PTX is precompiled (`ornith-kernels`); the driver is loaded at run time, so building needs
+//! neither the CUDA toolkit nor a GPU. The device's compute capability picks the PTX: 9.0 → sm_90,
+//! 12.x → sm_121; anything else is refused with the device's name.
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::driver::{CudaContext as DriverContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+use ornith_kernels::{Arch, Module};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+pub mod launch;
+#[cfg(test)]
+mod tests;
+
+/// Kernels per PTX module (names of the `extern "C"` entry points).
+const KERNELS: [(Module, &[&str]); 6] = [
+    (Module::Norm, &["embed_gather", "rmsnorm_residual", "quantize_fp8_rows"]),
+    (Module::Gemv, &["gemv_bf16", "gemv_fp8", "moe_gemv_fp8"]),
+    (Module::Moe, &["moe_router_topk", "swiglu_quant", "moe_combine"]),
+    (Module::Gdn, &["conv1d_silu", "gdn_recurrent", "gated_rmsnorm"]),
+    (Module::Attention, &["qk_norm_rope", "attn_decode_split", "attn_decode_combine"]),
+    (Module::Sample, &["argmax_bf16"]),
+];
+
+/// The PTX arch shipped for a compute capability.
+pub fn arch_for(major: i32, minor: i32, device: &str) -> Result<Arch> {
+    match (major, minor) {
+        (9, 0) => Ok(Arch::Sm90),
+        (12, _) => Ok(Arch::Sm121),
+        _ => bail!(
+            "GPU '{device}' has compute capability {major}.{minor}; Ornith ships PTX only for sm_90 (H100/H200) and sm_121 (DGX Spark, also used for 12.x)"
+        ),
+    }
+}
+
+/// One device, one stream, all kernels loaded.
+pub struct CudaContext {
+    ctx: Arc<DriverContext>,
+    stream: Arc<CudaStream>,
+    arch: Arch,
+    name: String,
+    _modules: Vec<Arc<CudaModule>>,
+    funcs: HashMap<&'static str, CudaFunction>,
+}
+
+/// A kernel parameter struct passed by value (`#[repr(C)]` from bindgen, plain data).
+#[repr(transparent)]
+pub(crate) struct Param<T>(pub T);
+unsafe impl<T: Copy> DeviceRepr for Param<T> {}
+
+impl CudaContext {
+    /// Opens GPU `ordinal` and loads every PTX module for its arch.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let ctx = std::panic::catch_unwind(|| DriverContext::new(ordinal))
+            .map_err(|_| anyhow!("cannot load the CUDA driver library (libcuda.so): is an NVIDIA driver installed?"))?
+            .with_context(|| format!("cannot open CUDA device {ordinal}"))?;
+        // All work goes through one stream, so cudarc's per-buffer event tracking is not needed.
+        unsafe { ctx.disable_event_tracking() };
+        let name = ctx.name().unwrap_or_else(|_| "unknown".into());
+        let (major, minor) = ctx.compute_capability()?;
+        let arch = arch_for(major, minor, &name)?;
+        let stream = ctx.default_stream();
+        let mut modules = Vec::new();
+        let mut funcs = HashMap::new();
+        for (m, names) in KERNELS {
+            let ptx = ornith_kernels::ptx(arch, m);
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+                .with_context(|| format!("loading {} PTX module {} on '{name}'", arch.name(), m.stem()))?;
+            for n in names.iter().copied() {
+                let f = module.load_function(n).with_context(|| format!("kernel {n} missing from {}", m.stem()))?;
+                funcs.insert(n, f);
+            }
+            modules.push(module);
+        }
+        Ok(Self { ctx, stream, arch, name, _modules: modules, funcs })
+    }
+
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+    pub fn device_name(&self) -> &str {
+        &self.name
+    }
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    pub fn driver(&self) -> &Arc<DriverContext> {
+        &self.ctx
+    }
+    pub(crate) fn func(&self, name: &str) -> &CudaFunction {
+        &self.funcs[name]
+    }
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+    pub fn upload<T: DeviceRepr + Clone>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        Ok(self.stream.clone_htod(host)?)
+    }
+    pub fn download<T: DeviceRepr + Clone + Default>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>> {
+        Ok(self.stream.clone_dtoh(dev)?)
+    }
+    /// Device buffer of `n` elements (contents unspecified until a kernel writes them).
+    pub fn alloc<T: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
+        Ok(unsafe { self.stream.alloc::<T>(n) }?)
+    }
+    /// Raw device address of a buffer (event tracking is off, so no guard is needed).
+    pub(crate) fn addr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(&self.stream).0
+    }
+}
+
+#[cfg(test)]
+mod arch_tests {
+    use super::*;
+    #[test]
+    fn arch_selection() {
+        assert_eq!(arch_for(9, 0, "H200").unwrap(), Arch::Sm90);
+        assert_eq!(arch_for(12, 1, "GB10").unwrap(), Arch::Sm121);
+        let e = arch_for(8, 0, "A100").unwrap_err().to_string();
+        assert!(e.contains("A100") && e.contains("sm_90") && e.contains("sm_121"), "{e}");
+    }
+}
