@@ -1,4 +1,6 @@
 //! Ornith runtime.
+pub mod cli;
 pub mod engine;
-pub mod sampling;
+pub mod load;
 pub mod protocol;
+pub mod sampling;
