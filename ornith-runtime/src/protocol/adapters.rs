@@ -13,12 +13,28 @@ use super::{PromptRenderer, TextCodec, TokenStream};
 use crate::chat::ChatTemplate;
 use crate::tokenizer::{DecodeStream, Tokenizer};
 
+/// `DecodeStream::flush` is specified as `anyhow::Result<Option<String>>`; a draft of the
+/// tokenizer returns a bare `Option<String>`. Either converts.
+trait FlushOutput {
+    fn into_result(self) -> anyhow::Result<Option<String>>;
+}
+impl FlushOutput for Option<String> {
+    fn into_result(self) -> anyhow::Result<Option<String>> {
+        Ok(self)
+    }
+}
+impl FlushOutput for anyhow::Result<Option<String>> {
+    fn into_result(self) -> anyhow::Result<Option<String>> {
+        self
+    }
+}
+
 impl TokenStream for DecodeStream<'_> {
     fn push(&mut self, id: u32) -> anyhow::Result<Option<String>> {
         DecodeStream::push(self, id)
     }
     fn flush(&mut self) -> anyhow::Result<Option<String>> {
-        DecodeStream::flush(self)
+        DecodeStream::flush(self).into_result()
     }
 }
 
@@ -52,13 +68,12 @@ impl PromptRenderer for ChatTemplate {
     }
 }
 
-/// The tokenizer (`tokenizer.json`) and chat template (`chat_template.jinja`, else the
-/// `chat_template` field of `tokenizer_config.json` — whichever `ChatTemplate::from_file` takes)
-/// of a checkpoint directory.
+/// The tokenizer (`tokenizer.json`) and chat template (`chat_template.jinja`, the Jinja source
+/// that `ChatTemplate::from_file` reads) of a checkpoint directory.
 pub fn load_frontend(dir: &Path) -> anyhow::Result<(Box<dyn TextCodec>, Box<dyn PromptRenderer>)> {
     let tok = Tokenizer::from_file(&dir.join("tokenizer.json")).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
-    let jinja = dir.join("chat_template.jinja");
-    let tpl_path = if jinja.exists() { jinja } else { dir.join("tokenizer_config.json") };
+    let tpl_path = dir.join("chat_template.jinja");
+    anyhow::ensure!(tpl_path.exists(), "{} has no chat_template.jinja", dir.display());
     let tpl = ChatTemplate::from_file(&tpl_path).with_context(|| format!("loading the chat template {}", tpl_path.display()))?;
     Ok((Box::new(tok), Box::new(tpl)))
 }
