@@ -37,6 +37,7 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
     let d = &spec.dims;
     let g = quote!(::ornith_runtime::graph);
     let fp = &spec.fingerprint;
+    let model_dir = spec.model_dir.display().to_string();
 
     let (vocab, hidden, layers_n) = (d.vocab_size, d.hidden_size, d.num_hidden_layers);
     let (nh, nkv, hd, rot) = (d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.rotary_dim);
@@ -215,6 +216,8 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
     quote! {
         /// sha256 fingerprint of the checkpoint this graph was generated from.
         pub const FINGERPRINT: &str = #fp;
+        /// The checkpoint directory the spec was made from (the default `--model`).
+        pub const MODEL_DIR: &str = #model_dir;
         /// Dimensions of the compiled model.
         pub const DIMS: #g::ModelDims = #g::ModelDims {
             vocab_size: #vocab,

@@ -4,11 +4,12 @@
 extern crate self as ornith_runtime;
 
 pub mod backend_cpu;
+pub mod cli;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod engine;
 pub mod graph;
 pub mod protocol;
 pub mod sampling;
 pub mod weights;
-#[cfg(feature = "cuda")]
-pub mod cuda;

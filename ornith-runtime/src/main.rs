@@ -1,1 +1,66 @@
-fn main() {}
+//! `ornith`: JSONL requests on stdin, JSONL results on stdout, logs on stderr.
+
+use std::io;
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use ornith_runtime::cli::{Args, Cli, Command};
+mod load;
+use ornith_runtime::protocol::{self, GenerationDefaults, ServeOptions, TextCodec};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli.command.unwrap_or(Command::Serve), &cli.args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ornith: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Stop tokens from the checkpoint; if it declares none, the ChatML end tokens the tokenizer
+/// knows (with a warning, since generation would otherwise only stop at max_tokens).
+fn eos_fallback(defaults: &mut GenerationDefaults, codec: &dyn TextCodec) {
+    if defaults.eos_token_ids.is_empty() {
+        defaults.eos_token_ids = ["<|im_end|>", "<|endoftext|>"].iter().filter_map(|t| codec.token_id(t)).collect();
+        eprintln!(
+            "ornith: warning: the checkpoint declares no eos_token_id; stopping on {:?}",
+            defaults.eos_token_ids
+        );
+    }
+}
+
+fn run(cmd: Command, args: &Args) -> anyhow::Result<()> {
+    let max_line_bytes = usize::try_from(args.max_line_bytes).unwrap_or(usize::MAX);
+    match cmd {
+        Command::Tokenize => {
+            let (codec, renderer) = load::build_frontend(args)?;
+            protocol::tokenize(io::stdin().lock(), io::stdout().lock(), codec.as_ref(), renderer.as_ref(), max_line_bytes)?;
+        }
+        Command::Serve => {
+            let dir = load::model_dir(args)?;
+            let mut defaults = GenerationDefaults::from_model_dir(&dir)?;
+            let (codec, renderer) = load::build_frontend(args)?;
+            eos_fallback(&mut defaults, codec.as_ref());
+            let mut gen = load::build_generator(args)?;
+            let name = dir.canonicalize().unwrap_or(dir.clone());
+            let name = name.file_name().map_or_else(|| "ornith".to_string(), |n| n.to_string_lossy().into_owned());
+            let mut opts = ServeOptions::new(name, defaults);
+            opts.ordered = args.ordered;
+            opts.quiet = args.quiet;
+            opts.max_line_bytes = max_line_bytes;
+            if !args.quiet {
+                eprintln!(
+                    "ornith: serving {} (context {} tokens, eos {:?}); reading JSONL from stdin",
+                    opts.model_name,
+                    gen.max_context(),
+                    opts.defaults.eos_token_ids
+                );
+            }
+            protocol::serve(io::stdin().lock(), io::stdout().lock(), gen.as_mut(), codec.as_ref(), renderer.as_ref(), &opts)?;
+        }
+    }
+    Ok(())
+}

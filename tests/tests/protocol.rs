@@ -580,11 +580,12 @@ fn mutate_bytes(line: &[u8], rng: &mut Rng) -> Vec<u8> {
                 let end = (at + 1 + rng.below(8)).min(b.len());
                 b.drain(at.min(end)..end);
             }
-            1 => b.insert(at, (rng.next() as u8).max(1)),
+            1 => b.insert(at, (rng.next() % 0x5f) as u8 + 0x20), // printable ASCII
             2 => b.insert(at, [b'{', b'"', b'[', b',', 0xff, 0xc3, b'\\', b'}'][rng.below(8)]),
+            // Any byte, UTF-8 or not, now and then.
             _ if !b.is_empty() => {
                 let i = at.min(b.len() - 1);
-                b[i] = rng.next() as u8;
+                b[i] = if rng.below(4) == 0 { rng.next() as u8 } else { (rng.next() % 0x5f) as u8 + 0x20 };
             }
             _ => {}
         }
@@ -599,6 +600,7 @@ fn randomized_mutations_never_panic_and_never_lose_a_line() {
     let mut rng = Rng(0x5eed_1234_abcd_0001);
     let mut o = opts();
     o.max_line_bytes = 4096;
+    let mut codes = std::collections::BTreeMap::<String, usize>::new();
     // 40 batches × 25 lines: bounded so the test stays fast.
     for _ in 0..40 {
         let mut input = Vec::new();
@@ -628,7 +630,14 @@ fn randomized_mutations_never_panic_and_never_lose_a_line() {
             if !r["error"].is_null() {
                 assert_eq!(r["error"]["line"], i + 1);
                 assert_ne!(r["error"]["code"], "internal_error", "{r}");
+                *codes.entry(r["error"]["code"].as_str().unwrap().to_string()).or_default() += 1;
+            } else {
+                *codes.entry("ok".into()).or_default() += 1;
             }
         }
     }
+    // The mutations must reach past the JSON parser: successes and varied validation errors.
+    eprintln!("outcomes: {codes:?}");
+    assert!(codes.get("ok").copied().unwrap_or(0) >= 25, "{codes:?}");
+    assert!(codes.len() >= 6, "{codes:?}");
 }

@@ -538,3 +538,39 @@ impl Chunker<'_, '_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lines(e: &Emitter<Vec<u8>>) -> Vec<String> {
+        String::from_utf8(e.w.clone()).unwrap().lines().map(str::to_string).collect()
+    }
+
+    #[test]
+    fn ordered_emitter_buffers_out_of_order_completions() {
+        let mut e = Emitter { w: Vec::new(), ordered: true, next: 1, pending: BTreeMap::new() };
+        // Request 2 streams and finishes before request 1.
+        e.chunk(2, "2a".into()).unwrap();
+        e.result(2, "2r".into()).unwrap();
+        assert!(lines(&e).is_empty());
+        e.chunk(1, "1a".into()).unwrap();
+        assert_eq!(lines(&e), ["1a"]);
+        // Request 3 is half streamed when 1 finishes: 1, then 2, then 3's chunk so far.
+        e.chunk(3, "3a".into()).unwrap();
+        e.result(1, "1r".into()).unwrap();
+        assert_eq!(lines(&e), ["1a", "1r", "2a", "2r", "3a"]);
+        e.chunk(3, "3b".into()).unwrap();
+        e.result(3, "3r".into()).unwrap();
+        assert_eq!(lines(&e), ["1a", "1r", "2a", "2r", "3a", "3b", "3r"]);
+        assert!(e.pending.is_empty());
+    }
+
+    #[test]
+    fn unordered_emitter_writes_at_once() {
+        let mut e = Emitter { w: Vec::new(), ordered: false, next: 1, pending: BTreeMap::new() };
+        e.result(2, "2r".into()).unwrap();
+        e.result(1, "1r".into()).unwrap();
+        assert_eq!(lines(&e), ["2r", "1r"]);
+    }
+}

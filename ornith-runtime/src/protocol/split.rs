@@ -4,9 +4,11 @@
 //! * Reasoning: with thinking on, the prompt ends with `<think>\n`, so the output up to
 //!   `</think>` is reasoning. With thinking off the output is content, unless it opens with
 //!   `<think>` itself. An output that never closes `</think>` is all reasoning (cut by length).
-//! * Whitespace at tag boundaries is dropped: leading newlines of the reasoning, whitespace
-//!   before `</think>`, after `</think>`, before and between tool calls (the chat template writes
-//!   `\n</think>\n\n` and `\n\n<tool_call>`). Elsewhere text is passed through unchanged.
+//! * Whitespace at tag boundaries is dropped: newlines leading the reasoning, the content after
+//!   `</think>` and text after a tool call; whitespace trailing the reasoning before `</think>` and
+//!   the content before a tool call (the chat template writes `<think>\n…\n</think>\n\n` and
+//!   `\n\n<tool_call>`). Elsewhere text is passed through unchanged. (vLLM's qwen3 reasoning
+//!   parser leaves the `\n\n` at the start of the content; clients strip it anyway.)
 //! * Tool calls (only when the request has tools): each `<tool_call>…</tool_call>` block holding a
 //!   `<function=…>` becomes one call once its structural close has arrived (or at the end of
 //!   output, for an unterminated block, as vLLM does); other text stays content.
@@ -82,7 +84,8 @@ impl<'a> Splitter<'a> {
     fn emit(&mut self, s: &str, boundary: bool, out: &mut Vec<Delta>) {
         let mut s = s;
         if self.lstrip {
-            s = s.trim_start();
+            // Newlines only: leading spaces may be meaningful (indented code).
+            s = s.trim_start_matches(['\n', '\r']);
             if !s.is_empty() {
                 self.lstrip = false;
             }
@@ -244,6 +247,13 @@ mod tests {
         for piece in [1, 2, 3, 5, 8, 13] {
             assert_eq!(by_pieces(OUT, piece, true, true), m, "piece {piece}");
         }
+    }
+
+    #[test]
+    fn leading_spaces_of_content_are_kept() {
+        let m = split_all("r</think>\n\n    indented()\n", true, None, false);
+        assert_eq!(m.content, "    indented()\n");
+        assert_eq!(by_pieces("r</think>\n\n    indented()\n", 1, true, false), m);
     }
 
     #[test]

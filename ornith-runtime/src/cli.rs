@@ -1,0 +1,118 @@
+//! Command line of the `ornith` binary. Every flag can also be set through an `ORNITH_*`
+//! environment variable (the flag wins).
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(name = "ornith", version, about = "Ornith inference engine: JSONL requests on stdin, JSONL results on stdout")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub args: Args,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Subcommand)]
+pub enum Command {
+    /// Generate: one request per stdin line, one result line per request on stdout (default).
+    Serve,
+    /// Count tokens: `{"text": …}` or `{"messages": …}` per line → `{"ids": […], "count": N}`.
+    Tokenize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    /// CUDA when a usable GPU is present, else CPU.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json, chat template).
+    #[arg(long, env = "ORNITH_MODEL", global = true, value_name = "DIR")]
+    pub model: Option<PathBuf>,
+    #[arg(long, env = "ORNITH_BACKEND", value_enum, default_value_t = Backend::Auto, global = true)]
+    pub backend: Backend,
+    /// Largest prompt + output length in tokens (default: what the backend and memory allow).
+    #[arg(long, env = "ORNITH_MAX_CONTEXT", global = true, value_name = "TOKENS")]
+    pub max_context: Option<usize>,
+    /// Memory for the KV cache and recurrent state, e.g. `8GiB`, `512MiB`, `2000000000`.
+    #[arg(long, env = "ORNITH_KV_BUDGET", value_parser = parse_bytes, global = true, value_name = "BYTES")]
+    pub kv_budget: Option<u64>,
+    /// Write results in input order (default: completion order).
+    #[arg(long, env = "ORNITH_ORDERED", global = true)]
+    pub ordered: bool,
+    /// No per-request log lines on stderr.
+    #[arg(long, env = "ORNITH_QUIET", global = true)]
+    pub quiet: bool,
+    /// Longer input lines are skipped and answered with an error line.
+    #[arg(long, env = "ORNITH_MAX_LINE_BYTES", default_value_t = 16 << 20, value_parser = clap::value_parser!(u64).range(1..), global = true, value_name = "BYTES")]
+    pub max_line_bytes: u64,
+}
+
+/// A byte count with an optional unit: `K`/`KiB`, `M`/`MiB`, `G`/`GiB`, `T`/`TiB` are powers of
+/// 1024, `KB`/`MB`/`GB`/`TB` powers of 1000; a fraction is allowed (`1.5GiB`).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let x: f64 = num.parse().map_err(|_| format!("{s:?} is not a byte count (e.g. 8GiB)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024f64.powi(2),
+        "g" | "gib" => 1024f64.powi(3),
+        "t" | "tib" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        u => return Err(format!("unknown unit {u:?} in {s:?} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")),
+    };
+    let v = x * mult;
+    if !v.is_finite() || v < 1.0 || v > u64::MAX as f64 {
+        return Err(format!("{s:?} is out of range"));
+    }
+    Ok(v as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn parses_flags_and_subcommands() {
+        let c = Cli::try_parse_from(["ornith"]).unwrap();
+        assert_eq!(c.command, None);
+        assert_eq!(c.args.max_line_bytes, 16 << 20);
+        assert_eq!(c.args.backend, Backend::Auto);
+        let c = Cli::try_parse_from(["ornith", "tokenize", "--model", "/m", "--backend", "cpu", "--kv-budget", "2GiB", "--ordered"]).unwrap();
+        assert_eq!(c.command, Some(Command::Tokenize));
+        assert_eq!(c.args.model, Some(PathBuf::from("/m")));
+        assert_eq!(c.args.kv_budget, Some(2 << 30));
+        assert!(c.args.ordered);
+        assert!(Cli::try_parse_from(["ornith", "--max-line-bytes", "0"]).is_err());
+        assert!(Cli::try_parse_from(["ornith", "--backend", "tpu"]).is_err());
+    }
+
+    #[test]
+    fn byte_counts() {
+        assert_eq!(parse_bytes("8GiB"), Ok(8 << 30));
+        assert_eq!(parse_bytes("1.5 G"), Ok(3 << 29));
+        assert_eq!(parse_bytes("500MB"), Ok(500_000_000));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("3 parsecs").is_err());
+        assert!(parse_bytes("0").is_err());
+    }
+}
