@@ -1,2 +1,4 @@
 //! Ornith runtime.
 pub mod engine;
+pub mod tokenizer;
+pub mod chat;
