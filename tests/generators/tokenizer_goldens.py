@@ -12,8 +12,8 @@ References
   33 added tokens, all allowed in text). The package's ``encode`` applies NFC before tiktoken
   (tiktoken itself never normalises) and so does the Hugging Face tokenizer (NFC normaliser), so
   every case is NFC-normalised first by that same ``encode``; ``nfc_changes`` marks the cases whose
-  text NFC changes (decomposed é, Vietnamese, …) — for those, ``decode(encode(text))`` is the NFC
-  form of the text, not the text itself.
+  text NFC changes (decomposed é, Vietnamese, …) — for those, ``decode(encode(text))`` is
+  ``nfc_text`` (the NFC form), not the text itself.
 * ``hf_ids``: Python ``tokenizers`` (the Hugging Face library transformers uses, Oniguruma regex)
   loading our generated tokenizer.json. The Rust runtime (``tokenizers`` crate, fancy-regex) must
   reproduce these exactly.
@@ -136,6 +136,7 @@ def main():
                 "name": name,
                 "text": text,
                 "nfc_changes": unicodedata.normalize("NFC", text) != text,
+                "nfc_text": unicodedata.normalize("NFC", text),
                 "tiktoken_ids": tk_ids,
                 "hf_ids": hf_ids,
             }
