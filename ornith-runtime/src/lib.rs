@@ -13,3 +13,5 @@ pub mod graph;
 pub mod protocol;
 pub mod sampling;
 pub mod weights;
+pub mod tokenizer;
+pub mod chat;

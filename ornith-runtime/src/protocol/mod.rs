@@ -8,6 +8,7 @@
 //! The front end reaches the tokenizer and the chat template through the two small traits below,
 //! so that it can be tested with doubles; `adapters.rs` implements them for the real types.
 
+pub mod adapters;
 pub mod genconfig;
 pub mod lines;
 pub mod request;

