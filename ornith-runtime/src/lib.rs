@@ -4,6 +4,8 @@
 extern crate self as ornith_runtime;
 
 pub mod backend_cpu;
+#[cfg(feature = "cuda")]
+pub mod backend_cuda;
 pub mod cli;
 pub mod cpu;
 #[cfg(feature = "cuda")]

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use ornith_runtime::backend_cpu::{check_host_memory, CpuBackend};
+use ornith_runtime::backend_cuda::CudaBackend;
 use ornith_runtime::cli::{Args, Backend as BackendChoice};
 use ornith_runtime::engine::Generator;
 use ornith_runtime::protocol::{PromptRenderer, TextCodec};
@@ -26,24 +27,44 @@ pub fn build_generator(args: &Args) -> anyhow::Result<Box<dyn Generator>> {
     let ck = Checkpoint::open(&dir, compiled::FINGERPRINT)?;
     let max_context = args.max_context.unwrap_or(compiled::DIMS.max_position_embeddings);
     anyhow::ensure!(max_context >= 1, "--max-context must be at least 1");
-    match args.backend {
-        BackendChoice::Cpu | BackendChoice::Auto => {
+    let cuda = match args.backend {
+        BackendChoice::Cpu => None,
+        BackendChoice::Cuda => Some(ornith_runtime::cuda::CudaContext::new(0)?),
+        BackendChoice::Auto => match ornith_runtime::cuda::CudaContext::new(0) {
+            Ok(cx) => Some(cx),
+            Err(e) => {
+                if !args.quiet {
+                    eprintln!("ornith: no usable GPU ({e:#}); using the CPU backend");
+                }
+                None
+            }
+        },
+    };
+    let started = std::time::Instant::now();
+    let engine: Box<dyn Generator> = match cuda {
+        Some(cx) => {
+            let mut ctx = max_context;
+            if let Some(budget) = args.kv_budget {
+                ctx = CudaBackend::context_for_budget(&ck, &compiled::DIMS, budget, ctx)?;
+            }
+            if !args.quiet {
+                eprintln!("ornith: using the CUDA backend on '{}' (context {ctx} tokens)", cx.device_name());
+            }
+            let b = CudaBackend::new(cx, &ck, &compiled::DIMS, ctx, args.quiet)?;
+            Box::new(compiled::Engine::load(b, &ck, ctx).with_context(|| format!("loading {}", dir.display()))?)
+        }
+        None => {
             if matches!(args.backend, BackendChoice::Auto) && !args.quiet {
                 eprintln!("ornith: using the CPU backend");
             }
             check_host_memory(&ck)?;
-            let started = std::time::Instant::now();
-            let engine = compiled::Engine::load(CpuBackend, &ck, max_context).with_context(|| format!("loading {}", dir.display()))?;
-            if !args.quiet {
-                eprintln!("ornith: loaded {} in {:.1?}", dir.display(), started.elapsed());
-            }
-            Ok(Box::new(engine))
+            Box::new(compiled::Engine::load(CpuBackend, &ck, max_context).with_context(|| format!("loading {}", dir.display()))?)
         }
-        BackendChoice::Cuda => anyhow::bail!(
-            "the CUDA backend is not wired into the serving binary yet: the kernels exist and pass their tests on the H200, \
-             the model-level CUDA backend is in progress. Use --backend cpu."
-        ),
+    };
+    if !args.quiet {
+        eprintln!("ornith: loaded {} in {:.1?}", dir.display(), started.elapsed());
     }
+    Ok(engine)
 }
 
 /// The tokenizer and chat template of the checkpoint.

@@ -17,7 +17,7 @@ fn i32of(what: &str, v: usize) -> Result<i32> {
 }
 
 impl CudaContext {
-    fn launch<P: Copy>(&self, name: &str, grid: (u32, u32, u32), block: u32, p: P) -> Result<()> {
+    pub(crate) fn launch<P: Copy>(&self, name: &str, grid: (u32, u32, u32), block: u32, p: P) -> Result<()> {
         let param = Param(p);
         let mut b = self.stream.launch_builder(self.func(name));
         b.arg(&param);

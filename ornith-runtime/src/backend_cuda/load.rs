@@ -1,0 +1,157 @@
+//! Weight upload: every tensor goes from the shard mmap straight to device memory (no host copy of
+//! the model), routed experts packed into one contiguous buffer per layer as the MoE kernel wants
+//! them (`[E, 2I, H]` gate|up rows and `[E, H, I]` down, FP8, with f32 scales), a progress line on
+//! stderr.
+use super::{CudaBackend, CudaExperts, CudaLinear, CudaVector, DevLinear};
+use crate::graph::Prec;
+use crate::weights::{to_f32, Checkpoint};
+use anyhow::{ensure, Context, Result};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use model_spec::{DType, ExpertLayout, Precision};
+use std::io::Write;
+use std::marker::PhantomData;
+
+const VEC: &[DType] = &[DType::BF16, DType::F32];
+
+/// Upload progress on stderr (a line per 5%, or a carriage-return bar on a terminal).
+pub(super) struct Progress {
+    pub total: u64,
+    pub done: u64,
+    pub shown: u64,
+    pub quiet: bool,
+    pub started: std::time::Instant,
+}
+
+impl Progress {
+    pub fn new(total: u64, quiet: bool) -> Self {
+        Progress { total: total.max(1), done: 0, shown: u64::MAX, quiet, started: std::time::Instant::now() }
+    }
+
+    fn add(&mut self, n: u64) {
+        self.done += n;
+        let pct = (self.done * 100 / self.total).min(100);
+        if self.quiet || (self.shown != u64::MAX && pct < self.shown + 5 && pct != 100) || pct == self.shown {
+            return;
+        }
+        self.shown = pct;
+        let secs = self.started.elapsed().as_secs_f64().max(1e-9);
+        let g = |b: u64| b as f64 / (1u64 << 30) as f64;
+        eprintln!("ornith: uploading weights {:>3}%  {:.2}/{:.2} GiB  {:.2} GiB/s", pct, g(self.done), g(self.total), g(self.done) / secs);
+        let _ = std::io::stderr().flush();
+    }
+}
+
+impl CudaBackend {
+    /// Copies host bytes into a new device buffer and counts them in the progress line.
+    fn put(&self, bytes: &[u8]) -> Result<CudaSlice<u8>> {
+        let mut d = self.cx.alloc::<u8>(bytes.len().max(1))?;
+        if !bytes.is_empty() {
+            self.cx.stream().memcpy_htod(bytes, &mut d)?;
+        }
+        self.progress.lock().unwrap_or_else(|e| e.into_inner()).add(bytes.len() as u64);
+        Ok(d)
+    }
+
+    fn put_f32(&self, v: &[f32]) -> Result<CudaSlice<f32>> {
+        let d = self.cx.upload(v)?;
+        self.progress.lock().unwrap_or_else(|e| e.into_inner()).add(v.len() as u64 * 2);
+        Ok(d)
+    }
+
+    /// One Linear `[out, in]` as stored: BF16 bytes, or E4M3 codes + f32 per-channel scales.
+    fn dev_linear(&self, ck: &Checkpoint, module: &str, kind: Precision, out_f: usize, in_f: usize) -> Result<DevLinear> {
+        let wname = format!("{module}.weight");
+        match kind {
+            Precision::Bf16 => {
+                let v = ck.tensor(&wname, &[DType::BF16], &[out_f, in_f])?;
+                Ok(DevLinear { out_features: out_f, in_features: in_f, w: self.put(v.bytes)?, scale: None })
+            }
+            Precision::Fp8 => {
+                let v = ck.tensor(&wname, &[DType::F8_E4M3], &[out_f, in_f])?;
+                let s = to_f32(&ck.tensor(&format!("{module}.weight_scale"), VEC, &[out_f, 1])?);
+                Ok(DevLinear { out_features: out_f, in_features: in_f, w: self.put(v.bytes)?, scale: Some(self.put_f32(&s)?) })
+            }
+        }
+    }
+
+    /// Loads a Linear. The shared expert's `gate_proj` is loaded together with its `up_proj` as
+    /// one `[2I, H]` gate|up matrix (the MoE kernel runs the shared expert as one more slot of the
+    /// routed-expert launch); `up_proj` then holds no memory of its own and is marked as fused.
+    pub(super) fn linear<P: Prec>(&self, ck: &Checkpoint, module: &str, out_f: usize, in_f: usize) -> Result<CudaLinear<P>> {
+        if let Some(base) = module.strip_suffix("shared_expert.gate_proj") {
+            ensure!(P::KIND == Precision::Fp8, "{module}: the CUDA MoE kernel needs an FP8 shared expert (found {})", P::NAME);
+            let up = format!("{base}shared_expert.up_proj");
+            let (gn, un) = (format!("{module}.weight"), format!("{up}.weight"));
+            let g = ck.tensor(&gn, &[DType::F8_E4M3], &[out_f, in_f])?;
+            let u = ck.tensor(&un, &[DType::F8_E4M3], &[out_f, in_f])?;
+            let mut s = to_f32(&ck.tensor(&format!("{module}.weight_scale"), VEC, &[out_f, 1])?);
+            s.extend(to_f32(&ck.tensor(&format!("{up}.weight_scale"), VEC, &[out_f, 1])?));
+            let n = out_f * in_f;
+            let mut w = self.cx.alloc::<u8>(2 * n)?;
+            self.cx.stream().memcpy_htod(g.bytes, &mut w.slice_mut(0..n))?;
+            self.cx.stream().memcpy_htod(u.bytes, &mut w.slice_mut(n..2 * n))?;
+            self.progress.lock().unwrap_or_else(|e| e.into_inner()).add(2 * n as u64);
+            let d = DevLinear { out_features: 2 * out_f, in_features: in_f, w, scale: Some(self.put_f32(&s)?) };
+            return Ok(CudaLinear { dev: Some(d), _p: PhantomData });
+        }
+        if module.ends_with("shared_expert.up_proj") {
+            ensure!(P::KIND == Precision::Fp8, "{module}: the CUDA MoE kernel needs an FP8 shared expert (found {})", P::NAME);
+            return Ok(CudaLinear { dev: None, _p: PhantomData });
+        }
+        Ok(CudaLinear { dev: Some(self.dev_linear(ck, module, P::KIND, out_f, in_f)?), _p: PhantomData })
+    }
+
+    pub(super) fn experts<G: Prec, U: Prec, D: Prec>(
+        &self,
+        ck: &Checkpoint,
+        module: &str,
+        layout: ExpertLayout,
+        e: usize,
+        inter: usize,
+        hidden: usize,
+    ) -> Result<CudaExperts<G, U, D>> {
+        ensure!(
+            layout == ExpertLayout::PerExpert && [G::KIND, U::KIND, D::KIND].iter().all(|k| *k == Precision::Fp8),
+            "{module}: the CUDA MoE kernel needs per-expert FP8 experts (this checkpoint has {layout:?} {}/{}/{}); use --backend cpu",
+            G::NAME, U::NAME, D::NAME
+        );
+        let (ih, hi) = (inter * hidden, hidden * inter);
+        let mut gu = self.cx.alloc::<u8>(e * 2 * ih)?;
+        let mut dn = self.cx.alloc::<u8>(e * hi)?;
+        let mut gus = Vec::with_capacity(e * 2 * inter);
+        let mut dns = Vec::with_capacity(e * hidden);
+        let stream = self.cx.stream().clone();
+        for x in 0..e {
+            let m = |p: &str| format!("{module}.{x}.{p}");
+            let (gn, un, dnn) = (format!("{}.weight", m("gate_proj")), format!("{}.weight", m("up_proj")), format!("{}.weight", m("down_proj")));
+            let g = ck.tensor(&gn, &[DType::F8_E4M3], &[inter, hidden])?;
+            let u = ck.tensor(&un, &[DType::F8_E4M3], &[inter, hidden])?;
+            let dw = ck.tensor(&dnn, &[DType::F8_E4M3], &[hidden, inter])?;
+            let base = x * 2 * ih;
+            stream.memcpy_htod(g.bytes, &mut gu.slice_mut(base..base + ih))?;
+            stream.memcpy_htod(u.bytes, &mut gu.slice_mut(base + ih..base + 2 * ih))?;
+            stream.memcpy_htod(dw.bytes, &mut dn.slice_mut(x * hi..(x + 1) * hi))?;
+            gus.extend(to_f32(&ck.tensor(&format!("{}.weight_scale", m("gate_proj")), VEC, &[inter, 1])?));
+            gus.extend(to_f32(&ck.tensor(&format!("{}.weight_scale", m("up_proj")), VEC, &[inter, 1])?));
+            dns.extend(to_f32(&ck.tensor(&format!("{}.weight_scale", m("down_proj")), VEC, &[hidden, 1])?));
+            self.progress.lock().unwrap_or_else(|e| e.into_inner()).add(3 * ih as u64);
+        }
+        Ok(CudaExperts { gu, gus: self.put_f32(&gus)?, dn, dns: self.put_f32(&dns)?, experts: e, _p: PhantomData })
+    }
+
+    /// A vector rounded to bf16 as transformers does when it loads the model in bf16 (A_log and
+    /// the gated-norm weight are stored F32), kept as bf16 and as the same values in f32.
+    pub(super) fn vector(&self, ck: &Checkpoint, name: &str, shape: &[usize]) -> Result<CudaVector> {
+        let v = to_f32(&ck.tensor(name, VEC, shape)?);
+        let b: Vec<u16> = v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+        let f: Vec<f32> = b.iter().map(|&x| bf16::from_bits(x).to_f32()).collect();
+        let bf = self.cx.upload(&b).with_context(|| format!("uploading {name}"))?;
+        self.progress.lock().unwrap_or_else(|e| e.into_inner()).add(b.len() as u64 * 2);
+        Ok(CudaVector { bf, f: self.cx.upload(&f)? })
+    }
+
+    pub(super) fn embedding(&self, ck: &Checkpoint, name: &str, vocab: usize, hidden: usize) -> Result<CudaSlice<u8>> {
+        self.put(ck.tensor(name, &[DType::BF16], &[vocab, hidden])?.bytes)
+    }
+}

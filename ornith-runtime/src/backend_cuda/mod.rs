@@ -1,0 +1,576 @@
+//! The CUDA backend: the layer operations of [`Backend`] composed from the decode kernels
+//! (`kernels/cuda/*.cu`), with the CPU backend's cast points (the kernels round to bf16 where
+//! transformers does; see `kernels/include/ornith_kernels.h`).
+//!
+//! * Weights are uploaded once, straight from the shard mmap ([`load`]), after a memory plan
+//!   ([`plan::MemoryPlan`]) was checked against the device's free memory.
+//! * The residual stream is `h` plus a pending `delta` (the last layer output): the next
+//!   RMSNorm kernel adds it in (`h = bf16(h + delta)`) while normalising, so no separate add runs.
+//! * Prefill runs each layer in chunks of [`plan::CHUNK`] tokens with the decode kernels (GEMV
+//!   in blocks of 8 rows, the recurrent delta rule over the chunk, split-K attention over blocks
+//!   of [`plan::ATTN_ROWS`] queries). The prefill kernels (GEMM, chunked GDN, flash attention)
+//!   replace the three `*_rows` calls of a chunk when they land; nothing else changes.
+//! * Decode is eager (one launch per kernel, ~20 per layer); a captured graph is not done yet.
+mod load;
+mod ops;
+pub mod plan;
+pub mod profile;
+
+use crate::cuda::CudaContext;
+use crate::engine::SamplingParams;
+use crate::graph::*;
+use crate::weights::Checkpoint;
+use anyhow::{bail, ensure, Result};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use model_spec::ExpertLayout;
+use ops::{at, Ptr, XIn};
+use ornith_kernels::bindings::*;
+use plan::{MemoryPlan, ScratchSizes, ATTN_ROWS, CHUNK};
+use std::cell::Cell;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex};
+
+/// A Linear on the device: BF16 weights (`scale` None) or E4M3 codes with f32 per-row scales.
+pub struct DevLinear {
+    pub out_features: usize,
+    pub in_features: usize,
+    w: CudaSlice<u8>,
+    scale: Option<CudaSlice<f32>>,
+}
+
+/// A Linear of precision `P`. `dev` is None only for the shared expert's `up_proj`, whose rows
+/// live in the shared `gate_proj`'s fused `[2I, H]` matrix (see `load`).
+pub struct CudaLinear<P: Prec> {
+    dev: Option<DevLinear>,
+    _p: PhantomData<P>,
+}
+
+impl<P: Prec> CudaLinear<P> {
+    fn dev(&self, what: &str) -> Result<&DevLinear> {
+        self.dev.as_ref().ok_or_else(|| anyhow::anyhow!("{what}: this Linear is stored fused into another one"))
+    }
+}
+
+/// The routed experts of one layer, packed: `gu [E, 2I, H]` (gate rows then up rows per
+/// expert), `dn [E, H, I]`, E4M3, with f32 scales `gus [E, 2I]`, `dns [E, H]`.
+pub struct CudaExperts<G: Prec, U: Prec, D: Prec> {
+    gu: CudaSlice<u8>,
+    gus: CudaSlice<f32>,
+    dn: CudaSlice<u8>,
+    dns: CudaSlice<f32>,
+    experts: usize,
+    _p: PhantomData<(G, U, D)>,
+}
+
+/// A small vector as bf16 and as the same values in f32 (kernels take one or the other).
+pub struct CudaVector {
+    bf: CudaSlice<u16>,
+    f: CudaSlice<f32>,
+}
+
+/// Hidden states `[t, hidden]`: `h` plus, for the first `pending` rows, a `delta` still to add.
+pub struct CudaAct {
+    pub t: usize,
+    h: CudaSlice<u16>,
+    delta: CudaSlice<u16>,
+    pending: Cell<usize>,
+}
+
+/// Conv state `[3, conv_dim]` bf16 (oldest first) and recurrent state `[Hv, dk, dv]` f32.
+pub struct CudaGdnState {
+    conv: CudaSlice<u16>,
+    ssm: CudaSlice<f32>,
+}
+
+/// K (normed, rotated) and V `[max_context, Hkv, head_dim]` bf16; `len` positions written.
+pub struct CudaKvCache {
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    len: usize,
+    max_context: usize,
+}
+
+/// Logits `[rows, vocab]` bf16 on the device. Serving logits (one row) live in a buffer the next
+/// forward call overwrites; read or sample them before running the model again.
+pub struct CudaLogits {
+    pub rows: usize,
+    pub vocab: usize,
+    buf: Arc<CudaSlice<u16>>,
+}
+
+/// Scratch of one prefill chunk (sizes in [`ScratchSizes`]).
+struct Scratch {
+    xb: CudaSlice<u16>,
+    xq: CudaSlice<u8>,
+    xs: CudaSlice<f32>,
+    proj: CudaSlice<u16>,
+    conv: CudaSlice<u16>,
+    o: CudaSlice<u16>,
+    on: CudaSlice<u16>,
+    qg: CudaSlice<u16>,
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    q: CudaSlice<u16>,
+    part_o: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+    rlog: CudaSlice<u16>,
+    idx: CudaSlice<i32>,
+    wt: CudaSlice<f32>,
+    gu: CudaSlice<u16>,
+    aq: CudaSlice<u8>,
+    asc: CudaSlice<f32>,
+    ys: CudaSlice<u16>,
+    amax: CudaSlice<i32>,
+    logits1: Arc<CudaSlice<u16>>,
+}
+
+/// The CUDA backend on device 0.
+pub struct CudaBackend {
+    cx: CudaContext,
+    dims: ModelDims,
+    sz: ScratchSizes,
+    s: Scratch,
+    plan: MemoryPlan,
+    progress: Mutex<load::Progress>,
+    prof: Mutex<Option<Vec<profile::Launch>>>,
+    /// An error from a method that cannot return one (state resets), reported by the next call.
+    deferred: Mutex<Option<anyhow::Error>>,
+}
+
+// SAFETY: all device work goes through the one stream of `cx`; the scratch buffers are only
+// addressed by launches queued on that stream, and the engine drives one sequence at a time.
+unsafe impl Sync for CudaBackend {}
+unsafe impl Send for CudaBackend {}
+
+impl CudaBackend {
+    /// Checks the model's shapes against the kernels, plans every allocation for a context of
+    /// `max_context` tokens and checks it against free device memory, then allocates scratch.
+    /// Weights are uploaded by `Model::load` through the `load_*` methods.
+    pub fn new(cx: CudaContext, ck: &Checkpoint, dims: &ModelDims, max_context: usize, quiet: bool) -> Result<Self> {
+        plan::check_dims(dims)?;
+        ensure!(max_context >= 1, "the context must hold at least one token");
+        let plan = MemoryPlan::new(ck, dims, max_context);
+        let (free, total) = cx.driver().mem_get_info()?;
+        plan.check(free as u64, total as u64, cx.device_name())?;
+        let sz = ScratchSizes::new(dims);
+        let s = Scratch::new(&cx, dims, &sz)?;
+        Ok(CudaBackend {
+            cx,
+            dims: *dims,
+            sz,
+            s,
+            plan,
+            progress: Mutex::new(load::Progress::new(plan.weights, quiet)),
+            prof: Mutex::new(None),
+            deferred: Mutex::new(None),
+        })
+    }
+
+    /// Largest context whose K/V cache fits `budget` bytes (`--kv-budget`), at most `max`.
+    pub fn context_for_budget(ck: &Checkpoint, dims: &ModelDims, budget: u64, max: usize) -> Result<usize> {
+        let attn = ck.spec.num_full_attention_layers();
+        let per = MemoryPlan::kv_bytes_per_token(dims, attn).max(1);
+        let n = (budget / per).min(max as u64) as usize;
+        ensure!(n >= 1, "--kv-budget of {budget} bytes holds no token (one token needs {per} bytes of K/V)");
+        Ok(n)
+    }
+
+    pub fn context(&self) -> &CudaContext {
+        &self.cx
+    }
+    pub fn plan(&self) -> &MemoryPlan {
+        &self.plan
+    }
+
+    /// Starts timing every launch (until [`Self::profile_end`]).
+    pub fn profile_begin(&self) {
+        *self.prof.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
+    }
+
+    /// The launches since [`Self::profile_begin`], with their event-measured times.
+    pub fn profile_end(&self) -> Result<Vec<profile::KernelTime>> {
+        let l = self.prof.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default();
+        self.cx.synchronize()?;
+        profile::collect(l)
+    }
+
+    fn check_deferred(&self) -> Result<()> {
+        match self.deferred.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn eps(&self) -> f32 {
+        self.dims.rms_norm_eps as f32
+    }
+
+    /// RMSNorm of rows `r0 .. r0 + n` of `h` into the scratch `xb`/`xq` (adding the pending delta).
+    fn norm_rows(&self, h: &CudaAct, w: &CudaVector, r0: usize, n: usize) -> Result<XIn> {
+        let hs = self.dims.hidden_size;
+        let add = (h.pending.get() > r0).then(|| at(self, &h.delta, r0 * hs));
+        let (xq, xs) = (at(self, &self.s.xq, 0), at(self, &self.s.xs, 0));
+        self.k_rmsnorm(at(self, &h.h, r0 * hs), add, at(self, &w.bf, 0), at(self, &self.s.xb, 0), Some((xq, xs)), n, hs, self.eps())?;
+        Ok(XIn { bf: at(self, &self.s.xb, 0), q8: Some((xq, xs)), stride: hs })
+    }
+
+    fn q8_scratch(&self) -> (Ptr, Ptr) {
+        (at(self, &self.s.xq, 0), at(self, &self.s.xs, 0))
+    }
+
+    fn lin<P: Prec>(&self, l: &CudaLinear<P>, what: &str, x: XIn, y: Ptr, y_stride: usize, n: usize) -> Result<()> {
+        self.linear_rows(l.dev(what)?, x, self.q8_scratch(), y, y_stride, n)
+    }
+
+    /// Every layer starts with a fully pending or fully applied residual.
+    fn layer_start(&self, h: &CudaAct) -> Result<()> {
+        self.check_deferred()?;
+        let p = h.pending.get();
+        ensure!(p == 0 || p == h.t, "hidden states used after a last-row logits call");
+        Ok(())
+    }
+
+    fn gdn_layer<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
+        &self,
+        norm: &CudaVector,
+        w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
+        st: &mut CudaGdnState,
+        h: &mut CudaAct,
+    ) -> Result<()> {
+        self.layer_start(h)?;
+        let d = &self.dims;
+        let (hs, cd, vd, hv, hk) = (d.hidden_size, d.conv_dim(), d.value_dim(), d.linear_num_value_heads, d.linear_num_key_heads);
+        let pw = self.sz.proj_w;
+        let s = &self.s;
+        for r0 in (0..h.t).step_by(CHUNK) {
+            let n = CHUNK.min(h.t - r0);
+            let x = self.norm_rows(h, norm, r0, n)?;
+            let proj = at(self, &s.proj, 0);
+            let (z_at, b_at) = (proj + 2 * cd as u64, proj + 2 * (cd + vd) as u64);
+            self.lin(&w.in_proj_qkv, "in_proj_qkv", x, proj, pw, n)?;
+            self.lin(&w.in_proj_z, "in_proj_z", x, z_at, pw, n)?;
+            self.lin(&w.in_proj_b, "in_proj_b", x, b_at, pw, n)?;
+            self.lin(&w.in_proj_a, "in_proj_a", x, b_at + 2 * hv as u64, pw, n)?;
+            self.k_conv(proj, at(self, &w.conv1d.bf, 0), at(self, &st.conv, 0), at(self, &s.conv, 0), n, cd, pw)?;
+            self.k_gdn(OrnithGdnParams {
+                qkv: at(self, &s.conv, 0) as _, ba: b_at as _, a_log: at(self, &w.a_log.f, 0) as _, dt_bias: at(self, &w.dt_bias.bf, 0) as _,
+                state: at(self, &st.ssm, 0) as _, o: at(self, &s.o, 0) as _, tokens: n as i32, k_heads: hk as i32, v_heads: hv as i32,
+                qkv_stride: cd as i32, ba_stride: pw as i32, a_offset: hv as i32,
+            })?;
+            self.k_gated_norm(at(self, &s.o, 0), z_at, at(self, &w.norm.bf, 0), at(self, &s.on, 0), n, hv, d.linear_value_head_dim, pw, self.eps())?;
+            let on = XIn { bf: at(self, &s.on, 0), q8: None, stride: vd };
+            self.lin(&w.out_proj, "out_proj", on, at(self, &h.delta, r0 * hs), hs, n)?;
+        }
+        h.pending.set(h.t);
+        Ok(())
+    }
+
+    fn attention_layer<Q: Prec, K: Prec, V: Prec, O: Prec>(
+        &self,
+        norm: &CudaVector,
+        w: &GatedAttention<Self, Q, K, V, O>,
+        cache: &mut CudaKvCache,
+        pos: usize,
+        h: &mut CudaAct,
+    ) -> Result<()> {
+        self.layer_start(h)?;
+        let d = &self.dims;
+        let (hs, nh, nkv, hd) = (d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim);
+        ensure!(cache.len == pos, "K/V cache holds {} positions, expected {pos}", cache.len);
+        ensure!(pos + h.t <= cache.max_context, "K/V cache of {} tokens is full", cache.max_context);
+        let s = &self.s;
+        for r0 in (0..h.t).step_by(CHUNK) {
+            let n = CHUNK.min(h.t - r0);
+            let x = self.norm_rows(h, norm, r0, n)?;
+            self.lin(&w.q_proj, "q_proj", x, at(self, &s.qg, 0), nh * 2 * hd, n)?;
+            self.lin(&w.k_proj, "k_proj", x, at(self, &s.k, 0), nkv * hd, n)?;
+            self.lin(&w.v_proj, "v_proj", x, at(self, &s.v, 0), nkv * hd, n)?;
+            let p0 = pos + r0;
+            self.k_qk_rope(OrnithQkRopeParams {
+                qg: at(self, &s.qg, 0) as _, k: at(self, &s.k, 0) as _, v: at(self, &s.v, 0) as _,
+                q_norm: at(self, &w.q_norm.bf, 0) as _, k_norm: at(self, &w.k_norm.bf, 0) as _, q_out: at(self, &s.q, 0) as _,
+                k_cache: at(self, &cache.k, 0) as _, v_cache: at(self, &cache.v, 0) as _, tokens: n as i32, pos0: p0 as i32,
+                q_heads: nh as i32, kv_heads: nkv as i32, head_dim: hd as i32, rot: d.rotary_dim as i32, max_seq: cache.max_context as i32,
+                theta: d.rope_theta as f32, eps: self.eps(),
+            })?;
+            for a0 in (0..n).step_by(ATTN_ROWS) {
+                let m = ATTN_ROWS.min(n - a0);
+                let (split_len, splits) = plan::split_for(p0 + a0 + m);
+                self.k_attention(OrnithAttnParams {
+                    q: at(self, &s.q, a0 * nh * hd) as _, k_cache: at(self, &cache.k, 0) as _, v_cache: at(self, &cache.v, 0) as _,
+                    qg: at(self, &s.qg, a0 * nh * 2 * hd) as _, part_o: at(self, &s.part_o, 0) as _, part_ml: at(self, &s.part_ml, 0) as _,
+                    out: at(self, &s.on, a0 * nh * hd) as _, tokens: m as i32, pos0: (p0 + a0) as i32, q_heads: nh as i32, kv_heads: nkv as i32,
+                    head_dim: hd as i32, split_len: split_len as i32, splits: splits as i32, scale: 1.0 / (hd as f32).sqrt(),
+                })?;
+            }
+            let att = XIn { bf: at(self, &s.on, 0), q8: None, stride: nh * hd };
+            self.lin(&w.o_proj, "o_proj", att, at(self, &h.delta, r0 * hs), hs, n)?;
+        }
+        cache.len = pos + h.t;
+        h.pending.set(h.t);
+        Ok(())
+    }
+}
+
+impl Scratch {
+    fn new(cx: &CudaContext, d: &ModelDims, z: &ScratchSizes) -> Result<Self> {
+        let c = CHUNK;
+        Ok(Scratch {
+            xb: cx.alloc(z.xb)?,
+            xq: cx.alloc(z.xq)?,
+            xs: cx.alloc(z.xs)?,
+            proj: cx.alloc(c * z.proj_w)?,
+            conv: cx.alloc(z.conv)?,
+            o: cx.alloc(z.o)?,
+            on: cx.alloc(z.o)?,
+            qg: cx.alloc(z.qg)?,
+            k: cx.alloc(z.kv)?,
+            v: cx.alloc(z.kv)?,
+            q: cx.alloc(c * d.num_attention_heads * d.head_dim)?,
+            part_o: cx.alloc(z.part_o)?,
+            part_ml: cx.alloc(z.part_ml)?,
+            rlog: cx.alloc(c * z.rlog_w)?,
+            idx: cx.alloc(c * d.top_k)?,
+            wt: cx.alloc(c * d.top_k)?,
+            gu: cx.alloc(c * z.slots * 2 * d.moe_intermediate_size)?,
+            aq: cx.alloc(z.aq)?,
+            asc: cx.alloc(z.asc)?,
+            ys: cx.alloc(c * z.slots * d.hidden_size)?,
+            amax: cx.alloc(1)?,
+            logits1: Arc::new(cx.alloc(d.vocab_size)?),
+        })
+    }
+}
+
+impl Backend for CudaBackend {
+    type Linear<P: Prec> = CudaLinear<P>;
+    type Experts<G: Prec, U: Prec, D: Prec> = CudaExperts<G, U, D>;
+    type Vector = CudaVector;
+    type Embedding = CudaSlice<u8>;
+    type Act = CudaAct;
+    type GdnState = CudaGdnState;
+    type KvCache = CudaKvCache;
+    type Logits = CudaLogits;
+
+    fn load_linear<P: Prec>(&self, ck: &Checkpoint, module: &str, out_features: usize, in_features: usize) -> Result<CudaLinear<P>> {
+        self.linear(ck, module, out_features, in_features)
+    }
+
+    fn load_experts<G: Prec, U: Prec, D: Prec>(
+        &self,
+        ck: &Checkpoint,
+        module: &str,
+        layout: ExpertLayout,
+        num_experts: usize,
+        intermediate: usize,
+        hidden: usize,
+    ) -> Result<CudaExperts<G, U, D>> {
+        self.experts(ck, module, layout, num_experts, intermediate, hidden)
+    }
+
+    fn load_vector(&self, ck: &Checkpoint, name: &str, shape: &[usize]) -> Result<CudaVector> {
+        self.vector(ck, name, shape)
+    }
+
+    fn load_embedding(&self, ck: &Checkpoint, name: &str, vocab: usize, hidden: usize) -> Result<CudaSlice<u8>> {
+        self.embedding(ck, name, vocab, hidden)
+    }
+
+    fn new_gdn_state(&self, d: &ModelDims) -> Result<CudaGdnState> {
+        let st = self.cx.stream();
+        Ok(CudaGdnState {
+            conv: st.alloc_zeros(3 * d.conv_dim())?,
+            ssm: st.alloc_zeros(d.linear_num_value_heads * d.linear_key_head_dim * d.linear_value_head_dim)?,
+        })
+    }
+
+    fn new_kv_cache(&self, d: &ModelDims, max_context: usize) -> Result<CudaKvCache> {
+        ensure!(
+            max_context <= self.plan.max_context,
+            "a K/V cache of {max_context} tokens exceeds the {} tokens the memory plan was checked for",
+            self.plan.max_context
+        );
+        let n = max_context * d.num_key_value_heads * d.head_dim;
+        Ok(CudaKvCache { k: self.cx.alloc(n)?, v: self.cx.alloc(n)?, len: 0, max_context })
+    }
+
+    fn reset_gdn_state(&self, s: &mut CudaGdnState) {
+        let st = self.cx.stream();
+        if let Err(e) = st.memset_zeros(&mut s.conv).and_then(|_| st.memset_zeros(&mut s.ssm)) {
+            *self.deferred.lock().unwrap_or_else(|e| e.into_inner()) = Some(anyhow::Error::new(e).context("clearing the recurrent state"));
+        }
+    }
+
+    /// Positions past `len` are never read (attention masks by position), so no clearing is needed.
+    fn reset_kv_cache(&self, c: &mut CudaKvCache) {
+        c.len = 0;
+    }
+
+    fn embed(&self, d: &ModelDims, table: &CudaSlice<u8>, ids: &[u32]) -> Result<CudaAct> {
+        self.check_deferred()?;
+        ensure!(!ids.is_empty(), "embedding of no tokens");
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= d.vocab_size) {
+            bail!("token id {bad} is outside the vocabulary of {}", d.vocab_size);
+        }
+        let t = ids.len();
+        let ids32: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+        let dev_ids = self.cx.upload(&ids32)?;
+        let h = self.cx.alloc::<u16>(t * d.hidden_size)?;
+        let delta = self.cx.alloc::<u16>(t * d.hidden_size)?;
+        self.k_embed(at(self, &dev_ids, 0), at(self, table, 0), at(self, &h, 0), t, d.hidden_size, d.vocab_size)?;
+        // `dev_ids` is freed stream-ordered after the gather that reads it.
+        Ok(CudaAct { t, h, delta, pending: Cell::new(0) })
+    }
+
+    fn gated_deltanet_prefill<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
+        &self,
+        _d: &ModelDims,
+        norm: &CudaVector,
+        w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
+        state: &mut CudaGdnState,
+        h: &mut CudaAct,
+    ) -> Result<()> {
+        self.gdn_layer(norm, w, state, h)
+    }
+
+    fn gated_deltanet_decode<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
+        &self,
+        _d: &ModelDims,
+        norm: &CudaVector,
+        w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
+        state: &mut CudaGdnState,
+        h: &mut CudaAct,
+    ) -> Result<()> {
+        ensure!(h.t == 1, "decode runs one token, got {}", h.t);
+        self.gdn_layer(norm, w, state, h)
+    }
+
+    fn attention_prefill<Q: Prec, K: Prec, V: Prec, O: Prec>(
+        &self,
+        _d: &ModelDims,
+        norm: &CudaVector,
+        w: &GatedAttention<Self, Q, K, V, O>,
+        cache: &mut CudaKvCache,
+        pos: usize,
+        h: &mut CudaAct,
+    ) -> Result<()> {
+        self.attention_layer(norm, w, cache, pos, h)
+    }
+
+    fn attention_decode<Q: Prec, K: Prec, V: Prec, O: Prec>(
+        &self,
+        _d: &ModelDims,
+        norm: &CudaVector,
+        w: &GatedAttention<Self, Q, K, V, O>,
+        cache: &mut CudaKvCache,
+        pos: usize,
+        h: &mut CudaAct,
+    ) -> Result<()> {
+        ensure!(h.t == 1, "decode runs one token, got {}", h.t);
+        self.attention_layer(norm, w, cache, pos, h)
+    }
+
+    fn sparse_moe<R: Prec, Eg: Prec, Eu: Prec, Ed: Prec, Sg: Prec, Su: Prec, Sd: Prec, Sgate: Prec>(
+        &self,
+        d: &ModelDims,
+        norm: &CudaVector,
+        w: &SparseMoe<Self, R, Eg, Eu, Ed, Sg, Su, Sd, Sgate>,
+        h: &mut CudaAct,
+    ) -> Result<()> {
+        self.layer_start(h)?;
+        ensure!(w.shared_up_proj.dev.is_none(), "shared_expert.up_proj must be fused into gate_proj");
+        let (hs, e, k, inter) = (d.hidden_size, w.experts.experts, d.top_k, d.moe_intermediate_size);
+        let (sgu, sdn) = (w.shared_gate_proj.dev("shared gate_up")?, w.shared_down_proj.dev("shared down")?);
+        let (sgu_s, sdn_s) = match (&sgu.scale, &sdn.scale) {
+            (Some(a), Some(b)) => (a, b),
+            _ => bail!("the CUDA MoE kernel needs an FP8 shared expert"),
+        };
+        let slots = k + 1;
+        let rw = self.sz.rlog_w;
+        let s = &self.s;
+        let rl = at(self, &s.rlog, 0);
+        for r0 in (0..h.t).step_by(CHUNK) {
+            let n = CHUNK.min(h.t - r0);
+            let x = self.norm_rows(h, norm, r0, n)?;
+            let (xq, xs) = x.q8.expect("norm_rows quantises");
+            // Router logits in columns 0..E, the shared-expert gate logit in column E.
+            self.lin(&w.gate, "mlp.gate", x, rl, rw, n)?;
+            self.lin(&w.shared_expert_gate, "shared_expert_gate", x, rl + 2 * e as u64, rw, n)?;
+            self.k_router(rl, at(self, &s.idx, 0), at(self, &s.wt, 0), n, e, k, rw)?;
+            self.k_moe_gemv(OrnithMoeGemvParams {
+                xq: xq as _, xs: xs as _, idx: at(self, &s.idx, 0) as _, w: at(self, &w.experts.gu, 0) as _, ws: at(self, &w.experts.gus, 0) as _,
+                shared_w: at(self, &sgu.w, 0) as _, shared_ws: at(self, sgu_s, 0) as _, y: at(self, &s.gu, 0) as _,
+                tokens: n as i32, top_k: k as i32, experts: e as i32, in_: hs as i32, out: (2 * inter) as i32,
+                x_tok_stride: hs as i32, x_slot_stride: 0, xs_tok_stride: 1, xs_slot_stride: 0,
+            })?;
+            self.k_swiglu(at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), n * slots, inter)?;
+            self.k_moe_gemv(OrnithMoeGemvParams {
+                xq: at(self, &s.aq, 0) as _, xs: at(self, &s.asc, 0) as _, idx: at(self, &s.idx, 0) as _, w: at(self, &w.experts.dn, 0) as _,
+                ws: at(self, &w.experts.dns, 0) as _, shared_w: at(self, &sdn.w, 0) as _, shared_ws: at(self, sdn_s, 0) as _, y: at(self, &s.ys, 0) as _,
+                tokens: n as i32, top_k: k as i32, experts: e as i32, in_: inter as i32, out: hs as i32,
+                x_tok_stride: (slots * inter) as i32, x_slot_stride: inter as i32, xs_tok_stride: slots as i32, xs_slot_stride: 1,
+            })?;
+            self.k_combine(at(self, &s.ys, 0), at(self, &s.wt, 0), rl + 2 * e as u64, at(self, &h.delta, r0 * hs), n, k, hs, rw)?;
+        }
+        h.pending.set(h.t);
+        Ok(())
+    }
+
+    fn logits<P: Prec>(&self, d: &ModelDims, norm: &CudaVector, lm_head: &CudaLinear<P>, h: &CudaAct, all_rows: bool) -> Result<CudaLogits> {
+        self.check_deferred()?;
+        let v = d.vocab_size;
+        let (first, rows) = if all_rows { (0, h.t) } else { (h.t - 1, 1) };
+        let buf = if all_rows { Arc::new(self.cx.alloc::<u16>(rows * v)?) } else { self.s.logits1.clone() };
+        for r0 in (0..rows).step_by(CHUNK) {
+            let n = CHUNK.min(rows - r0);
+            let x = self.norm_rows(h, norm, first + r0, n)?;
+            self.lin(lm_head, "lm_head", x, at(self, &buf, r0 * v), v, n)?;
+        }
+        // The rows normalised above now hold h + delta; earlier rows (last-row call) do not.
+        if h.pending.get() > 0 {
+            h.pending.set(first);
+        }
+        Ok(CudaLogits { rows, vocab: v, buf })
+    }
+
+    fn sample(&self, logits: &CudaLogits, params: &SamplingParams, step: u64) -> Result<u32> {
+        let v = logits.vocab;
+        let last = (logits.rows - 1) * v;
+        if !(params.temperature >= crate::sampling::GREEDY_EPS) {
+            self.k_argmax(at(self, &logits.buf, last), at(self, &self.s.amax, 0), v)?;
+            let mut i = [0i32];
+            self.cx.stream().memcpy_dtoh(&self.s.amax, &mut i)?;
+            ensure!(i[0] >= 0, "every logit is NaN");
+            return Ok(i[0] as u32);
+        }
+        let mut row = vec![0u16; v];
+        self.cx.stream().memcpy_dtoh(&logits.buf.slice(last..last + v), &mut row)?;
+        let f: Vec<f32> = row.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
+        Ok(crate::sampling::sample(&f, params, step))
+    }
+
+    fn logits_to_host(&self, logits: &CudaLogits) -> Result<Vec<f32>> {
+        let n = logits.rows * logits.vocab;
+        let mut b = vec![0u16; n];
+        self.cx.stream().memcpy_dtoh(&logits.buf.slice(0..n), &mut b)?;
+        Ok(b.iter().map(|&x| bf16::from_bits(x).to_f32()).collect())
+    }
+
+    /// `h`, with the pending delta added in bf16 as the next RMSNorm kernel would.
+    fn act_to_host(&self, h: &CudaAct) -> Result<Vec<f32>> {
+        let hs = self.dims.hidden_size;
+        let hv = self.cx.download(&h.h)?;
+        let dv = self.cx.download(&h.delta)?;
+        let pend = h.pending.get() * hs;
+        Ok(hv
+            .iter()
+            .zip(&dv)
+            .enumerate()
+            .map(|(i, (&a, &b))| {
+                let a = bf16::from_bits(a).to_f32();
+                if i < pend { bf16::from_f32(a + bf16::from_bits(b).to_f32()).to_f32() } else { a }
+            })
+            .collect())
+    }
+}

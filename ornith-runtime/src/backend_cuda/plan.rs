@@ -1,0 +1,172 @@
+//! What the CUDA backend will allocate, computed before anything is allocated and checked
+//! against the device's free memory (`cuMemGetInfo`): on a unified-memory machine (DGX Spark) an
+//! overcommit wedges the whole system instead of failing an allocation.
+use crate::graph::ModelDims;
+use crate::weights::Checkpoint;
+use anyhow::{ensure, Result};
+use model_spec::{DType, LayerKind};
+
+/// Rows of one prefill chunk: a layer runs its prompt in chunks of this many tokens (exact: the
+/// conv/recurrent states and the K/V cache carry across chunks), so scratch does not grow with
+/// the prompt.
+pub const CHUNK: usize = 512;
+/// Query rows of one attention launch during prefill (the split-K partials scale with it).
+pub const ATTN_ROWS: usize = 8;
+/// Most sequence splits of one attention launch, and the shortest split.
+pub const MAX_SPLITS: usize = 256;
+pub const MIN_SPLIT: usize = 32;
+/// Kept free for the driver, module images, allocator granularity and the host side of a
+/// unified-memory device.
+pub const MARGIN: u64 = 1 << 30;
+
+/// Sequence split of an attention launch whose last query sits at `total - 1`:
+/// `splits · split_len >= total`, `splits <= MAX_SPLITS`, `split_len >= MIN_SPLIT`.
+pub fn split_for(total: usize) -> (usize, usize) {
+    let len = total.div_ceil(MAX_SPLITS).max(MIN_SPLIT);
+    (len, total.div_ceil(len))
+}
+
+/// Refuses models whose shapes the decode kernels were not written for (before any allocation).
+pub fn check_dims(d: &ModelDims) -> Result<()> {
+    let fix = "the CUDA kernels are written for the Ornith 35B shapes (shallow/full presets); use --backend cpu for this checkpoint";
+    ensure!(d.linear_key_head_dim == 128 && d.linear_value_head_dim == 128, "Gated DeltaNet head dims {}x{} (kernel: 128x128): {fix}", d.linear_key_head_dim, d.linear_value_head_dim);
+    ensure!(d.linear_num_value_heads % d.linear_num_key_heads == 0, "v heads {} not a multiple of k heads {}: {fix}", d.linear_num_value_heads, d.linear_num_key_heads);
+    ensure!(d.conv_kernel == 4, "conv kernel {} (kernel: 4): {fix}", d.conv_kernel);
+    ensure!(d.head_dim == 256, "attention head_dim {} (kernel: 256): {fix}", d.head_dim);
+    ensure!(d.num_key_value_heads > 0 && d.num_attention_heads % d.num_key_value_heads == 0 && d.num_attention_heads / d.num_key_value_heads <= 8, "GQA group {}/{}: {fix}", d.num_attention_heads, d.num_key_value_heads);
+    ensure!(d.rotary_dim % 2 == 0 && d.rotary_dim <= d.head_dim, "rotary dim {}: {fix}", d.rotary_dim);
+    ensure!(d.hidden_size % 16 == 0 && d.hidden_size <= 8192, "hidden {} (multiple of 16, <= 8192): {fix}", d.hidden_size);
+    ensure!(d.num_experts <= 256 && d.top_k >= 1 && d.top_k <= d.num_experts, "experts {} / top-k {}: {fix}", d.num_experts, d.top_k);
+    ensure!(d.moe_intermediate_size <= 1024 && d.moe_intermediate_size % 16 == 0, "expert width {}: {fix}", d.moe_intermediate_size);
+    ensure!(d.shared_intermediate_size == d.moe_intermediate_size, "shared expert width {} != routed {} (one MoE launch serves both): {fix}", d.shared_intermediate_size, d.moe_intermediate_size);
+    Ok(())
+}
+
+/// Element counts of the scratch buffers (one prefill chunk).
+#[derive(Debug, Clone, Copy)]
+pub struct ScratchSizes {
+    pub xb: usize,
+    pub xq: usize,
+    pub xs: usize,
+    /// SwiGLU output codes `[CHUNK · slots, I]` and their scales.
+    pub aq: usize,
+    pub asc: usize,
+    /// GDN projection row `[qkv | z | b | a]`.
+    pub proj_w: usize,
+    pub conv: usize,
+    pub o: usize,
+    pub qg: usize,
+    pub kv: usize,
+    pub part_o: usize,
+    pub part_ml: usize,
+    pub rlog_w: usize,
+    pub slots: usize,
+}
+
+impl ScratchSizes {
+    pub fn new(d: &ModelDims) -> Self {
+        let vdim = d.value_dim().max(d.num_attention_heads * d.head_dim);
+        let slots = d.top_k + 1;
+        ScratchSizes {
+            xb: CHUNK * d.hidden_size,
+            xq: CHUNK * d.hidden_size.max(vdim),
+            xs: CHUNK,
+            aq: CHUNK * slots * d.moe_intermediate_size,
+            asc: CHUNK * slots,
+            proj_w: d.conv_dim() + d.value_dim() + 2 * d.linear_num_value_heads,
+            conv: CHUNK * d.conv_dim(),
+            o: CHUNK * vdim,
+            qg: CHUNK * d.num_attention_heads * 2 * d.head_dim,
+            kv: CHUNK * d.num_key_value_heads * d.head_dim,
+            part_o: ATTN_ROWS * d.num_attention_heads * MAX_SPLITS * d.head_dim,
+            part_ml: ATTN_ROWS * d.num_attention_heads * MAX_SPLITS * 2,
+            rlog_w: d.num_experts + 1,
+            slots,
+        }
+    }
+
+    /// Bytes of all scratch buffers (see `Scratch::new` for the list).
+    pub fn bytes(&self, d: &ModelDims) -> u64 {
+        let c = CHUNK;
+        let bf = 2 * (self.xb + c * self.proj_w + self.conv + 2 * self.o + self.qg + 2 * self.kv + c * d.num_attention_heads * d.head_dim
+            + c * self.rlog_w + c * self.slots * 2 * d.moe_intermediate_size + c * self.slots * d.hidden_size + d.vocab_size);
+        let f4 = 4 * (self.xs + self.asc + self.part_o + self.part_ml + c * d.top_k * 2 + 1);
+        (bf + self.xq + self.aq + f4) as u64
+    }
+}
+
+/// The device memory the backend will hold, by purpose.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct MemoryPlan {
+    pub weights: u64,
+    pub kv_cache: u64,
+    pub recurrent_state: u64,
+    pub scratch: u64,
+    /// Hidden states of a prompt as long as the context (two `[T, hidden]` bf16 buffers).
+    pub activations: u64,
+    pub margin: u64,
+    pub max_context: usize,
+    pub attention_layers: usize,
+    pub gdn_layers: usize,
+}
+
+impl MemoryPlan {
+    pub fn new(ck: &Checkpoint, d: &ModelDims, max_context: usize) -> Self {
+        let spec = &ck.spec;
+        // Weights are uploaded as stored, except that scales and vectors are widened to f32
+        // (vectors are also kept as bf16) — count 4 more bytes per element for those.
+        let mut weights = spec.device_weight_bytes();
+        for (name, t) in &spec.tensors {
+            if name.contains("visual.") || name.starts_with("mtp.") {
+                continue;
+            }
+            let small = t.shape.len() == 1 || (t.shape.len() == 3 && t.shape[1] == 1) || name.ends_with("_scale");
+            if small && matches!(t.dtype, DType::BF16 | DType::F32) {
+                weights += 4 * t.numel() as u64;
+            }
+        }
+        let attention_layers = spec.layers.iter().filter(|l| l.kind == LayerKind::FullAttention).count();
+        let gdn_layers = spec.layers.len() - attention_layers;
+        let kv_cache = (attention_layers * max_context * d.num_key_value_heads * d.head_dim * 2 * 2) as u64;
+        let recurrent_state = (gdn_layers * (3 * d.conv_dim() * 2 + d.linear_num_value_heads * d.linear_key_head_dim * d.linear_value_head_dim * 4)) as u64;
+        let scratch = ScratchSizes::new(d).bytes(d);
+        let activations = (max_context * (d.hidden_size * 4 + 4)) as u64;
+        MemoryPlan { weights, kv_cache, recurrent_state, scratch, activations, margin: MARGIN, max_context, attention_layers, gdn_layers }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.weights + self.kv_cache + self.recurrent_state + self.scratch + self.activations + self.margin
+    }
+
+    /// Bytes of K/V + recurrent state per token of context (for `--kv-budget`).
+    pub fn kv_bytes_per_token(d: &ModelDims, attention_layers: usize) -> u64 {
+        (attention_layers * d.num_key_value_heads * d.head_dim * 2 * 2) as u64
+    }
+
+    /// Errors with the numbers when the plan does not fit `free` bytes.
+    pub fn check(&self, free: u64, total_mem: u64, device: &str) -> Result<()> {
+        let g = |b: u64| b as f64 / (1u64 << 30) as f64;
+        ensure!(
+            self.total() <= free,
+            "not enough GPU memory on '{device}': the CUDA backend needs {:.2} GiB (weights {:.2}, K/V cache {:.2} for {} tokens, \
+             recurrent state {:.2}, scratch {:.2}, activations {:.2}, margin {:.2}) but only {:.2} GiB of {:.2} GiB is free. \
+             Fix: lower --max-context or --kv-budget, free GPU memory, or use --backend cpu.",
+            g(self.total()), g(self.weights), g(self.kv_cache), self.max_context, g(self.recurrent_state), g(self.scratch),
+            g(self.activations), g(self.margin), g(free), g(total_mem)
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_cover_the_sequence() {
+        for total in [1, 31, 32, 33, 4096, 8191, 65536, 262144, 262145] {
+            let (len, n) = split_for(total);
+            assert!(len >= MIN_SPLIT && n <= MAX_SPLITS && n * len >= total && (n - 1) * len < total, "{total}: {len} x {n}");
+        }
+    }
+}
