@@ -195,6 +195,15 @@ impl CudaBackend {
         profile::collect(l)
     }
 
+    /// Hidden states from host values (bf16-exact f32, `[t, hidden]`): tests feed both backends
+    /// the same layer input.
+    pub fn act_from_host(&self, data: &[f32]) -> Result<CudaAct> {
+        let hs = self.dims.hidden_size;
+        ensure!(!data.is_empty() && data.len() % hs == 0, "act_from_host: {} values is not a whole number of rows of {hs}", data.len());
+        let b: Vec<u16> = data.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+        Ok(CudaAct { t: data.len() / hs, h: self.cx.upload(&b)?, delta: self.cx.alloc(b.len())?, pending: Cell::new(0) })
+    }
+
     fn check_deferred(&self) -> Result<()> {
         match self.deferred.lock().unwrap_or_else(|e| e.into_inner()).take() {
             Some(e) => Err(e),

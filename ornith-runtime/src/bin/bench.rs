@@ -1,0 +1,223 @@
+//! `ornith-bench`: batch-1 speed of the CUDA backend on the checkpoint this binary was compiled
+//! for. For each prompt length: TTFT (prefill + first token), prefill tok/s, decode tok/s over
+//! `--gen` greedy tokens (warm), the bytes a decode step must read and the fraction of the
+//! measured device copy bandwidth that implies, and per-kernel times of one decode step (CUDA
+//! events). JSON on stdout, a table on stderr.
+use anyhow::{Context, Result};
+use clap::Parser;
+use cudarc::driver::sys::CUevent_flags;
+use ornith_runtime::backend_cuda::profile::{summarize, KernelSummary};
+use ornith_runtime::backend_cuda::CudaBackend;
+use ornith_runtime::cuda::CudaContext;
+use ornith_runtime::engine::SamplingParams;
+use ornith_runtime::graph::Backend;
+use ornith_runtime::weights::Checkpoint;
+use serde::Serialize;
+use std::path::PathBuf;
+use std::time::Instant;
+
+mod compiled {
+    ornith_macros::model!();
+}
+
+#[derive(Parser)]
+#[command(name = "ornith-bench", about = "Batch-1 prefill/decode speed of the CUDA backend (JSON on stdout)")]
+struct Args {
+    /// Checkpoint directory (default: the one the binary was compiled for).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Prompt lengths in tokens, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "512,2048,8192,32768,131072")]
+    prompts: Vec<usize>,
+    /// Greedy tokens generated (timed) after each prefill.
+    #[arg(long, default_value_t = 128)]
+    gen: usize,
+    /// Skip prompt lengths once this many seconds have passed.
+    #[arg(long, default_value_t = 1e9)]
+    budget_s: f64,
+}
+
+#[derive(Serialize)]
+struct Run {
+    prompt_tokens: usize,
+    ttft_s: f64,
+    prefill_tok_s: f64,
+    decode_tokens: usize,
+    decode_tok_s: f64,
+    decode_ms_per_token: f64,
+    bytes_per_decoded_token: u64,
+    achieved_gb_s: f64,
+    fraction_of_ceiling: f64,
+    decode_step_kernels: Vec<KernelSummary>,
+    decode_step_kernel_us: f64,
+    decode_step_launches: usize,
+}
+
+#[derive(Serialize)]
+struct Report {
+    device: String,
+    model: String,
+    copy_bandwidth_gb_s: f64,
+    load_s: f64,
+    weight_bytes: u64,
+    routed_expert_bytes: u64,
+    kv_cache_bytes: u64,
+    max_context: usize,
+    memory_plan: ornith_runtime::backend_cuda::plan::MemoryPlan,
+    runs: Vec<Run>,
+}
+
+/// Device-to-device copy bandwidth (bytes read + written per second), median of 10 copies of 2 GiB.
+fn copy_bandwidth(cx: &CudaContext) -> Result<f64> {
+    let n = 2usize << 30;
+    let src = cx.stream().alloc_zeros::<u8>(n)?;
+    let mut dst = cx.stream().alloc_zeros::<u8>(n)?;
+    let mut v = Vec::new();
+    for i in 0..13 {
+        let a = cx.driver().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        let b = cx.driver().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        a.record(cx.stream())?;
+        cx.stream().memcpy_dtod(&src, &mut dst)?;
+        b.record(cx.stream())?;
+        let ms = a.elapsed_ms(&b)? as f64;
+        if i >= 3 {
+            v.push(2.0 * n as f64 / (ms * 1e-3));
+        }
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    Ok(v[v.len() / 2])
+}
+
+fn prompt(n: usize, vocab: usize) -> Vec<u32> {
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("ornith-bench: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    let args = Args::parse();
+    let dir = args.model.clone().unwrap_or_else(|| PathBuf::from(compiled::MODEL_DIR));
+    let ck = Checkpoint::open(&dir, compiled::FINGERPRINT)?;
+    let d = compiled::DIMS;
+    let max_prompt = args.prompts.iter().copied().max().unwrap_or(512);
+    let ctx = (max_prompt + args.gen + 16).min(d.max_position_embeddings);
+    let cx = CudaContext::new(0)?;
+    let device = cx.device_name().to_string();
+    let bw = copy_bandwidth(&cx)?;
+    eprintln!("ornith-bench: {device}: device copy bandwidth {:.0} GB/s (read + write)", bw / 1e9);
+    let t0 = Instant::now();
+    let b = CudaBackend::new(cx, &ck, &d, ctx, false)?;
+    let model = compiled::Model::load(&b, &ck).with_context(|| format!("loading {}", dir.display()))?;
+    let mut st = compiled::Model::new_state(&b, ctx)?;
+    b.context().synchronize()?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let plan = *b.plan();
+
+    // Bytes a decode step must read: every weight once, except the embedding table (one row)
+    // and the routed experts (top_k of E per layer); plus K/V and the recurrent state.
+    let expert_bytes: u64 = ck.spec.tensors.iter().filter(|(n, _)| n.contains(".mlp.experts.")).map(|(_, t)| t.nbytes()).sum();
+    let embed_bytes = (d.vocab_size * d.hidden_size * 2) as u64;
+    let static_bytes = plan.weights - expert_bytes - embed_bytes + (d.hidden_size * 2) as u64 + expert_bytes * d.top_k as u64 / d.num_experts as u64;
+    let state_bytes = 2 * plan.recurrent_state;
+    let kv_per_pos = (plan.attention_layers * d.num_key_value_heads * d.head_dim * 2 * 2) as u64;
+
+    let greedy = SamplingParams::greedy();
+    // Warm-up: module JIT, allocator pools, clocks.
+    {
+        st.reset(&b);
+        let l = model.prefill(&b, &mut st, &prompt(64, d.vocab_size), false, &mut |_, _| {})?;
+        let mut t = b.sample(&l, &greedy, 0)?;
+        for i in 0..16 {
+            t = b.sample(&model.decode_step(&b, &mut st, t)?, &greedy, i + 1)?;
+        }
+    }
+    let started = Instant::now();
+    let mut runs = Vec::new();
+    for &p in &args.prompts {
+        if p + args.gen + 1 > ctx {
+            eprintln!("ornith-bench: skipping prompt {p}: exceeds the context {ctx}");
+            continue;
+        }
+        if started.elapsed().as_secs_f64() > args.budget_s {
+            eprintln!("ornith-bench: skipping prompt {p}: time budget of {}s spent", args.budget_s);
+            continue;
+        }
+        let ids = prompt(p, d.vocab_size);
+        st.reset(&b);
+        let t0 = Instant::now();
+        let l = model.prefill(&b, &mut st, &ids, false, &mut |_, _| {})?;
+        let mut tok = b.sample(&l, &greedy, 0)?;
+        let ttft = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        for i in 0..args.gen {
+            tok = b.sample(&model.decode_step(&b, &mut st, tok)?, &greedy, i as u64 + 1)?;
+        }
+        let dec = t1.elapsed().as_secs_f64();
+        // One more step with every launch timed by events.
+        b.profile_begin();
+        let l = model.decode_step(&b, &mut st, tok)?;
+        let _ = b.sample(&l, &greedy, 0)?;
+        let times = b.profile_end()?;
+        let kernels = summarize(&times);
+        let kernel_us: f64 = times.iter().map(|t| t.us).sum();
+        let avg_pos = (p + args.gen / 2) as u64;
+        let bytes = static_bytes + state_bytes + kv_per_pos * avg_pos;
+        let tok_s = args.gen as f64 / dec;
+        let achieved = bytes as f64 * tok_s;
+        runs.push(Run {
+            prompt_tokens: p,
+            ttft_s: ttft,
+            prefill_tok_s: p as f64 / ttft,
+            decode_tokens: args.gen,
+            decode_tok_s: tok_s,
+            decode_ms_per_token: dec * 1e3 / args.gen as f64,
+            bytes_per_decoded_token: bytes,
+            achieved_gb_s: achieved / 1e9,
+            fraction_of_ceiling: achieved / bw,
+            decode_step_kernels: kernels,
+            decode_step_kernel_us: kernel_us,
+            decode_step_launches: times.len(),
+        });
+    }
+
+    eprintln!("\n{:>8} {:>9} {:>11} {:>10} {:>9} {:>11} {:>9} {:>8}", "prompt", "TTFT s", "prefill t/s", "decode t/s", "ms/tok", "MB/token", "GB/s", "% ceil");
+    for r in &runs {
+        eprintln!(
+            "{:>8} {:>9.3} {:>11.0} {:>10.1} {:>9.2} {:>11.1} {:>9.0} {:>7.1}%",
+            r.prompt_tokens, r.ttft_s, r.prefill_tok_s, r.decode_tok_s, r.decode_ms_per_token,
+            r.bytes_per_decoded_token as f64 / 1e6, r.achieved_gb_s, 100.0 * r.fraction_of_ceiling
+        );
+    }
+    if let Some(r) = runs.last() {
+        eprintln!("\none decode step at prompt {} ({} launches, {:.0} us of kernel time):", r.prompt_tokens, r.decode_step_launches, r.decode_step_kernel_us);
+        eprintln!("{:>22} {:>8} {:>10} {:>10} {:>8}", "kernel", "launches", "total us", "MB", "GB/s");
+        for k in &r.decode_step_kernels {
+            eprintln!("{:>22} {:>8} {:>10.1} {:>10.2} {:>8.0}", k.kernel, k.launches, k.total_us, k.bytes as f64 / 1e6, k.gb_per_s);
+        }
+    }
+    let report = Report {
+        device,
+        model: dir.display().to_string(),
+        copy_bandwidth_gb_s: bw / 1e9,
+        load_s,
+        weight_bytes: plan.weights,
+        routed_expert_bytes: expert_bytes,
+        kv_cache_bytes: plan.kv_cache,
+        max_context: ctx,
+        memory_plan: plan,
+        runs,
+    };
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}
