@@ -6,7 +6,8 @@
 //!   minijinja-contrib `pycompat`;
 //! * `tojson` = Python `json.dumps(x, ensure_ascii=False)`: separators `", "` and `": "`, keys in
 //!   insertion order, non-ASCII kept (transformers overrides jinja's HTML-escaping `tojson`);
-//! * printing and `|string` follow Python `str()`: `True`, `False`, `None`;
+//! * printing and `|string` follow Python `str()`: `True`, `False`, `None` (minijinja 3 already
+//!   displays values this way; the formatter and filter pin it);
 //! * `trim` strips Python's whitespace set (Rust's plus U+001C…U+001F);
 //! * `raise_exception(msg)` fails the render with `msg`.
 //!
