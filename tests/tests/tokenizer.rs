@@ -65,8 +65,29 @@ fn cases() -> Vec<Case> {
 }
 
 #[test]
-fn ids_match_hugging_face_tokenizers() {
+fn ids_match_tiktoken_exactly() {
+    // The shipped tokenizer.json (ignore_merges = true) must give tiktoken's ids on every case:
+    // this checks the derived merges, the pre-tokenizer regex and the added tokens completely.
     let tok = tokenizer();
+    for c in cases() {
+        assert_eq!(tok.encode(&c.text).unwrap(), c.tiktoken, "case {}", c.name);
+    }
+}
+
+/// Our tokenizer.json with `ignore_merges` switched off, as transformers' Qwen3_5Tokenizer
+/// rebuilds it (the generator's `hf_ids` come from Python `tokenizers` in that setting).
+fn tokenizer_without_whole_word_lookup() -> Tokenizer {
+    let src = std::fs::read_to_string(tokenizer_dir().join("tokenizer.json")).unwrap();
+    let mut tj: Value = serde_json::from_str(&src).unwrap();
+    tj["model"]["ignore_merges"] = Value::Bool(false);
+    let path = tokenizer_dir().join("tokenizer_no_ignore_merges.json");
+    std::fs::write(&path, serde_json::to_string(&tj).unwrap()).unwrap();
+    Tokenizer::from_file(&path).unwrap()
+}
+
+#[test]
+fn without_whole_word_lookup_ids_match_hugging_face_tokenizers() {
+    let tok = tokenizer_without_whole_word_lookup();
     for c in cases() {
         assert_eq!(tok.encode(&c.text).unwrap(), c.hf, "case {}", c.name);
     }
@@ -95,16 +116,12 @@ fn unreachable_ids() -> HashSet<u32> {
 }
 
 #[test]
-fn ids_match_tiktoken_up_to_unreachable_whole_words() {
-    // With ignore_merges=false (the Qwen3.5 setting) our ids equal tiktoken's except where
+fn without_whole_word_lookup_only_unreachable_entries_differ() {
+    // With ignore_merges = false (transformers' setting) ids equal tiktoken's except where
     // tiktoken emits a vocabulary entry that BPE merging cannot build; the corpus has such cases.
-    let tok = tokenizer();
+    let tok = tokenizer_without_whole_word_lookup();
     let unreachable = unreachable_ids();
-    assert_eq!(
-        unreachable.len(),
-        201,
-        "merge-unreachable vocabulary entries"
-    );
+    assert_eq!(unreachable.len(), 201, "merge-unreachable vocabulary entries");
     let mut differing = 0;
     for c in cases() {
         let ours = tok.encode(&c.text).unwrap();
@@ -118,25 +135,7 @@ fn ids_match_tiktoken_up_to_unreachable_whole_words() {
             );
         }
     }
-    assert!(
-        differing > 0,
-        "the corpus should exercise the whole-word lookup difference"
-    );
-}
-
-#[test]
-fn ids_match_tiktoken_exactly_with_ignore_merges() {
-    // Switching on the whole-pre-token vocabulary lookup makes the Hugging Face BPE behave like
-    // tiktoken: equality on every case checks the derived merges and the regex completely.
-    let src = std::fs::read_to_string(tokenizer_dir().join("tokenizer.json")).unwrap();
-    let mut tj: Value = serde_json::from_str(&src).unwrap();
-    tj["model"]["ignore_merges"] = Value::Bool(true);
-    let path = tokenizer_dir().join("tokenizer_ignore_merges.json");
-    std::fs::write(&path, serde_json::to_string(&tj).unwrap()).unwrap();
-    let tok = Tokenizer::from_file(&path).unwrap();
-    for c in cases() {
-        assert_eq!(tok.encode(&c.text).unwrap(), c.tiktoken, "case {}", c.name);
-    }
+    assert!(differing > 0, "the corpus should exercise the whole-word lookup difference");
 }
 
 #[test]

@@ -135,9 +135,12 @@ fn tokenizer_json(tokens: &[Vec<u8>]) -> Value {
             "end_of_word_suffix": "",
             "fuse_unk": false,
             "byte_fallback": false,
-            // Qwen2/Qwen3 tokenizer.json files have `false`, and transformers 5's
-            // Qwen3_5Tokenizer rebuilds its BPE with the default (false) whatever the file says.
-            "ignore_merges": false,
+            // `true`: a pre-token that is itself a vocabulary entry maps to that entry, as in
+            // tiktoken (the reference for our ids: the vocabulary ships as tiktoken ranks, and 201
+            // entries such as "加拿大" are reachable only this way). transformers 5's
+            // Qwen3_5Tokenizer rebuilds its BPE with `false`; it then differs from tiktoken only on
+            // those whole-word entries (tests/tests/tokenizer.rs shows both).
+            "ignore_merges": true,
             "vocab": vocab,
             "merges": merges,
         },
