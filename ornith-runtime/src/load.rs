@@ -33,7 +33,7 @@ pub fn build_generator(args: &Args) -> anyhow::Result<Box<dyn Generator>> {
             }
             check_host_memory(&ck)?;
             let started = std::time::Instant::now();
-            let engine = compiled::Engine::load(CpuBackend, &ck, max_context).with_context(|| format!("loading {}", dir.display()))?;
+            let engine = compiled::Engine::load(CpuBackend::new(), &ck, max_context).with_context(|| format!("loading {}", dir.display()))?;
             if !args.quiet {
                 eprintln!("ornith: loaded {} in {:.1?}", dir.display(), started.elapsed());
             }
