@@ -211,3 +211,33 @@ fn micro_fp8_engine_arithmetic_stays_within_oracle_noise() {
         assert!(ours.max <= gap.max && ours.mean <= gap.mean, "{what}: {ours:?} outside the oracle's bf16-vs-fp32 gap {gap:?}");
     }
 }
+
+/// prefill(T) then n single-token decode steps gives the logits of prefill(T + n): the chunked
+/// Gated DeltaNet and the cached attention continue exactly where the recurrent/decode path
+/// would. Differences come only from the chunked vs recurrent fp32 summation order inside the
+/// delta rule; after bf16 rounding they must stay within a few bf16 ulps of the logits.
+#[test]
+fn prefill_then_decode_equals_longer_prefill() {
+    let g = Golden::open("micro-bf16");
+    let b = CpuBackend::new();
+    let ck = Checkpoint::open(&root().join("fixtures").join("micro-bf16"), bf16::FINGERPRINT).unwrap();
+    let model = bf16::Model::load(&b, &ck).unwrap();
+    let prompt = g.ids("prompt_ids");
+    let vocab = bf16::DIMS.vocab_size;
+    for (t, n) in [(1usize, 5usize), (63, 3), (64, 2), (65, 4)] {
+        let mut st = bf16::Model::new_state(&b, 256).unwrap();
+        let mut last = b.logits_to_host(&model.prefill(&b, &mut st, &prompt[..t], false, &mut |_, _| {}).unwrap()).unwrap();
+        for &tok in &prompt[t..t + n] {
+            last = b.logits_to_host(&model.decode_step(&b, &mut st, tok).unwrap()).unwrap();
+        }
+        let mut st2 = bf16::Model::new_state(&b, 256).unwrap();
+        let full = b.logits_to_host(&model.prefill(&b, &mut st2, &prompt[..t + n], true, &mut |_, _| {}).unwrap()).unwrap();
+        let want = &full[(t + n - 1) * vocab..];
+        let d = diff(&last, want);
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        // 4 bf16 ulps of the largest logit (2^-8 relative each).
+        assert!(d.max <= 4.0 * scale / 256.0, "T={t} n={n}: {d:?} (max |logit| {scale})");
+        assert_eq!(argmax(&last), argmax(want), "T={t} n={n}");
+        assert_eq!(st.pos, st2.pos);
+    }
+}
