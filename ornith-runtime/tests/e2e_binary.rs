@@ -114,3 +114,15 @@ fn tokenize_counts_tokens() {
     assert!(lines[1]["count"].as_u64().unwrap() > 3, "the chat template adds its markers");
     assert!(!lines[2]["error"].is_null());
 }
+
+#[test]
+fn kv_budget_caps_the_context() {
+    // The tiny model's K/V cache takes 256 bytes per token (1 attention layer, 2 kv heads × 32 × bf16 K+V).
+    let (lines, stderr) = run(
+        &["--backend", "cpu", "--kv-budget", "2560"],
+        br#"{"custom_id":"k","messages":[{"role":"user","content":"Hello there"}],"max_tokens":4}"#,
+    );
+    assert!(stderr.contains("context 10 tokens"), "{stderr}");
+    assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0]["error"]["code"], "context_length_exceeded", "{}", lines[0]);
+}
