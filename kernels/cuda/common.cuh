@@ -61,3 +61,10 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-
 __device__ __forceinline__ uint8_t quant_e4m3(float v, float scale) {
     return scale > 0.f ? f2e4m3(__fdiv_rn(v, scale)) : (uint8_t)0;
 }
+// compressed-tensors activation code: e4m3(clamp(bf16(v / scale) + 0, -448, 448)) (RNE, saturating);
+// the `+ 0` (zero point) turns -0 into +0.
+__device__ __forceinline__ uint8_t quant_e4m3_ct(float v, float scale) {
+    float s = rbf(__fdiv_rn(v, scale));
+    s = (s == 0.f) ? 0.f : s;
+    return f2e4m3(fminf(fmaxf(s, -ORNITH_FP8_MAX), ORNITH_FP8_MAX));
+}
