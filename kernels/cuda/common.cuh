@@ -57,7 +57,15 @@ __device__ __forceinline__ float block_max(float v, float *sh32) {
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 
-// Per-token FP8 activation scale: amax / 448. A zero row gets scale 0 and all-zero codes.
+// Per-token FP8 activation quantisation exactly as compressed-tensors 0.19 does it (the CPU
+// reference is ornith-runtime/src/cpu/fp8.rs):
+//   scale = bf16(amax / 448), or 2^-7 (bf16 eps) when that is 0;
+//   q     = e4m3(clamp(bf16(x / scale) + 0, -448, 448))   (x/scale rounded to bf16 first; +0 maps -0 to +0)
+__device__ __forceinline__ float act_scale(float amax) {
+    float s = rbf(__fdiv_rn(amax, ORNITH_FP8_MAX));
+    return s == 0.f ? 0.0078125f : s;
+}
 __device__ __forceinline__ uint8_t quant_e4m3(float v, float scale) {
-    return scale > 0.f ? f2e4m3(__fdiv_rn(v, scale)) : (uint8_t)0;
+    float q = __fadd_rn(rbf(__fdiv_rn(v, scale)), 0.f);
+    return f2e4m3(fminf(fmaxf(q, -ORNITH_FP8_MAX), ORNITH_FP8_MAX));
 }

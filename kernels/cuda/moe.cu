@@ -71,7 +71,7 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_quant(const OrnithSwigl
         }
     }
     amax = block_max(amax, sh);
-    float scale = amax / ORNITH_FP8_MAX;
+    float scale = act_scale(amax);
     if (threadIdx.x == 0) p.scale[r] = scale;
 #pragma unroll
     for (int j = 0; j < 4; j++) {

@@ -54,7 +54,7 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_residual(const
     }
     if (!p.q8) return;
     amax = block_max(amax, sh);
-    float scale = amax / ORNITH_FP8_MAX;
+    float scale = act_scale(amax);
     if (threadIdx.x == 0) p.scale[t] = scale;
 #pragma unroll
     for (int j = 0; j < RMS_PER_THREAD; j++) {
@@ -63,7 +63,7 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_residual(const
     }
 }
 
-// One block of 256 threads per row: scale = amax/448, q8 = e4m3(x / scale).
+// One block of 256 threads per row: per-token FP8 quantisation (act_scale / quant_e4m3).
 extern "C" __global__ void __launch_bounds__(256) quantize_fp8_rows(const OrnithQuantParams p) {
     __shared__ float sh[32];
     int t = blockIdx.x;
@@ -71,7 +71,7 @@ extern "C" __global__ void __launch_bounds__(256) quantize_fp8_rows(const Ornith
     float amax = 0.f;
     for (int i = threadIdx.x; i < p.cols; i += blockDim.x) amax = fmaxf(amax, fabsf(bf2f(x[i])));
     amax = block_max(amax, sh);
-    float scale = amax / ORNITH_FP8_MAX;
+    float scale = act_scale(amax);
     if (threadIdx.x == 0) p.scale[t] = scale;
     for (int i = threadIdx.x; i < p.cols; i += blockDim.x)
         p.q8[(size_t)t * p.cols + i] = quant_e4m3(bf2f(x[i]), scale);

@@ -251,4 +251,86 @@ typedef struct OrnithArgmaxParams {
     int32_t stride;
 } OrnithArgmaxParams;
 
+/* ---- Prefill (many tokens) ---- */
+
+/* Prefill GEMM on tensor cores (mma.sync), tiles of 128 rows x 128 outputs.
+ *   FP8  (gemm_fp8):  y[r, o] = bf16( (sum_i e4m3(A[r, i]) * e4m3(w[o, i])) * a_scale[A row of r] * w_scale[o] )
+ *   BF16 (gemm_bf16): y[r, o] = bf16( sum_i A[r, i] * w[o, i] )          (a_scale, w_scale unused)
+ * fp32 accumulation. A row of output row r: a_rows[r] if a_rows != NULL (gather), else r; A rows
+ * are `a_stride` elements apart (16-byte aligned), y rows `y_stride`. `in` % 16 == 0 (FP8) or
+ * % 8 == 0 (BF16). w [groups, out, in], w_scale [groups, out].
+ * Plain: group_offsets == NULL, rows 0..rows, grid (ceil(out/128), ceil(rows/128)).
+ * Grouped (MoE experts): output rows group_offsets[g]..group_offsets[g+1] use group g's weights;
+ * tile_offsets[g] = sum_{g' < g} ceil(count_g' / 128); grid.y >= tile_offsets[groups] (extra
+ * blocks exit). Both arrays have groups + 1 entries and live on the device. */
+typedef struct OrnithGemmParams {
+    const void *a;
+    const float *a_scale;
+    const int32_t *a_rows;
+    const void *w;
+    const float *w_scale;
+    uint16_t *y;
+    const int32_t *group_offsets;
+    const int32_t *tile_offsets;
+    int32_t rows;
+    int32_t in;
+    int32_t out;
+    int32_t a_stride;
+    int32_t y_stride;
+    int32_t groups;
+} OrnithGemmParams;
+
+/* MoE prefill: counting sort of the (token, slot) assignments by expert, one block.
+ * idx [tokens, top_k] expert ids. Writes group_offsets [experts + 1] (exclusive prefix of counts),
+ * tile_offsets [experts + 1] (prefix of ceil(count / 128)), row_token [tokens * top_k] (token of each
+ * expert-sorted row), row_of [tokens * top_k] (sorted row of assignment t * top_k + j).
+ * Rows within one expert are in no particular order (each row is computed independently). */
+typedef struct OrnithMoeSortParams {
+    const int32_t *idx;
+    int32_t *group_offsets;
+    int32_t *tile_offsets;
+    int32_t *row_token;
+    int32_t *row_of;
+    int32_t tokens;
+    int32_t top_k;
+    int32_t experts;
+} OrnithMoeSortParams;
+
+/* MoE prefill combine, per token t and column c (ys: expert-sorted down outputs [tokens*top_k, hidden]):
+ *   routed = bf16( sum_j float(bf16( ys[row_of[t*top_k + j], c] * weight[t, j] )) )   (slot order, fp32 sum)
+ *   shared = bf16( bf16(sigmoid(gate_logit[t * gate_stride])) * shared_y[t, c] )
+ *   out[t, c] = bf16( routed + shared ) */
+typedef struct OrnithMoeCombinePrefillParams {
+    const uint16_t *ys;
+    const int32_t *row_of;
+    const float *weight;
+    const uint16_t *shared_y;
+    const uint16_t *gate_logit;
+    uint16_t *out;
+    int32_t tokens;
+    int32_t top_k;
+    int32_t hidden;
+    int32_t gate_stride;
+} OrnithMoeCombinePrefillParams;
+
+/* Causal flash attention for prefill (head_dim 256, GQA), over the bf16 KV cache.
+ * q [tokens, q_heads, 256]; k_cache/v_cache [max_seq, kv_heads, 256] holding positions 0..pos0+tokens.
+ * Query t (position pos0 + t), head h, kv head h / (q_heads / kv_heads):
+ *   s_j = (q . k_j) * scale (fp32), j <= pos0 + t;  o = sum_j softmax(s)_j v_j  (fp32, P rounded to bf16 for the mma)
+ *   out = bf16(o), or if qg != NULL:  out = bf16( bf16(o) * bf16(sigmoid(qg[t, h, 256 + d])) )
+ * out [tokens, q_heads * 256]. */
+typedef struct OrnithFlashAttnParams {
+    const uint16_t *q;
+    const uint16_t *k_cache;
+    const uint16_t *v_cache;
+    const uint16_t *qg;
+    uint16_t *out;
+    int32_t tokens;
+    int32_t pos0;
+    int32_t q_heads;
+    int32_t kv_heads;
+    float scale;
+} OrnithFlashAttnParams;
+
+
 #endif

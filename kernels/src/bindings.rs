@@ -690,3 +690,201 @@ impl Default for OrnithArgmaxParams {
         }
     }
 }
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct OrnithGemmParams {
+    pub a: *const ::std::os::raw::c_void,
+    pub a_scale: *const f32,
+    pub a_rows: *const i32,
+    pub w: *const ::std::os::raw::c_void,
+    pub w_scale: *const f32,
+    pub y: *mut u16,
+    pub group_offsets: *const i32,
+    pub tile_offsets: *const i32,
+    pub rows: i32,
+    pub in_: i32,
+    pub out: i32,
+    pub a_stride: i32,
+    pub y_stride: i32,
+    pub groups: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of OrnithGemmParams"][::std::mem::size_of::<OrnithGemmParams>() - 88usize];
+    ["Alignment of OrnithGemmParams"][::std::mem::align_of::<OrnithGemmParams>() - 8usize];
+    ["Offset of field: OrnithGemmParams::a"][::std::mem::offset_of!(OrnithGemmParams, a) - 0usize];
+    ["Offset of field: OrnithGemmParams::a_scale"]
+        [::std::mem::offset_of!(OrnithGemmParams, a_scale) - 8usize];
+    ["Offset of field: OrnithGemmParams::a_rows"]
+        [::std::mem::offset_of!(OrnithGemmParams, a_rows) - 16usize];
+    ["Offset of field: OrnithGemmParams::w"][::std::mem::offset_of!(OrnithGemmParams, w) - 24usize];
+    ["Offset of field: OrnithGemmParams::w_scale"]
+        [::std::mem::offset_of!(OrnithGemmParams, w_scale) - 32usize];
+    ["Offset of field: OrnithGemmParams::y"][::std::mem::offset_of!(OrnithGemmParams, y) - 40usize];
+    ["Offset of field: OrnithGemmParams::group_offsets"]
+        [::std::mem::offset_of!(OrnithGemmParams, group_offsets) - 48usize];
+    ["Offset of field: OrnithGemmParams::tile_offsets"]
+        [::std::mem::offset_of!(OrnithGemmParams, tile_offsets) - 56usize];
+    ["Offset of field: OrnithGemmParams::rows"]
+        [::std::mem::offset_of!(OrnithGemmParams, rows) - 64usize];
+    ["Offset of field: OrnithGemmParams::in_"]
+        [::std::mem::offset_of!(OrnithGemmParams, in_) - 68usize];
+    ["Offset of field: OrnithGemmParams::out"]
+        [::std::mem::offset_of!(OrnithGemmParams, out) - 72usize];
+    ["Offset of field: OrnithGemmParams::a_stride"]
+        [::std::mem::offset_of!(OrnithGemmParams, a_stride) - 76usize];
+    ["Offset of field: OrnithGemmParams::y_stride"]
+        [::std::mem::offset_of!(OrnithGemmParams, y_stride) - 80usize];
+    ["Offset of field: OrnithGemmParams::groups"]
+        [::std::mem::offset_of!(OrnithGemmParams, groups) - 84usize];
+};
+impl Default for OrnithGemmParams {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct OrnithMoeSortParams {
+    pub idx: *const i32,
+    pub group_offsets: *mut i32,
+    pub tile_offsets: *mut i32,
+    pub row_token: *mut i32,
+    pub row_of: *mut i32,
+    pub tokens: i32,
+    pub top_k: i32,
+    pub experts: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of OrnithMoeSortParams"][::std::mem::size_of::<OrnithMoeSortParams>() - 56usize];
+    ["Alignment of OrnithMoeSortParams"][::std::mem::align_of::<OrnithMoeSortParams>() - 8usize];
+    ["Offset of field: OrnithMoeSortParams::idx"]
+        [::std::mem::offset_of!(OrnithMoeSortParams, idx) - 0usize];
+    ["Offset of field: OrnithMoeSortParams::group_offsets"]
+        [::std::mem::offset_of!(OrnithMoeSortParams, group_offsets) - 8usize];
+    ["Offset of field: OrnithMoeSortParams::tile_offsets"]
+        [::std::mem::offset_of!(OrnithMoeSortParams, tile_offsets) - 16usize];
+    ["Offset of field: OrnithMoeSortParams::row_token"]
+        [::std::mem::offset_of!(OrnithMoeSortParams, row_token) - 24usize];
+    ["Offset of field: OrnithMoeSortParams::row_of"]
+        [::std::mem::offset_of!(OrnithMoeSortParams, row_of) - 32usize];
+    ["Offset of field: OrnithMoeSortParams::tokens"]
+        [::std::mem::offset_of!(OrnithMoeSortParams, tokens) - 40usize];
+    ["Offset of field: OrnithMoeSortParams::top_k"]
+        [::std::mem::offset_of!(OrnithMoeSortParams, top_k) - 44usize];
+    ["Offset of field: OrnithMoeSortParams::experts"]
+        [::std::mem::offset_of!(OrnithMoeSortParams, experts) - 48usize];
+};
+impl Default for OrnithMoeSortParams {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct OrnithMoeCombinePrefillParams {
+    pub ys: *const u16,
+    pub row_of: *const i32,
+    pub weight: *const f32,
+    pub shared_y: *const u16,
+    pub gate_logit: *const u16,
+    pub out: *mut u16,
+    pub tokens: i32,
+    pub top_k: i32,
+    pub hidden: i32,
+    pub gate_stride: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of OrnithMoeCombinePrefillParams"]
+        [::std::mem::size_of::<OrnithMoeCombinePrefillParams>() - 64usize];
+    ["Alignment of OrnithMoeCombinePrefillParams"]
+        [::std::mem::align_of::<OrnithMoeCombinePrefillParams>() - 8usize];
+    ["Offset of field: OrnithMoeCombinePrefillParams::ys"]
+        [::std::mem::offset_of!(OrnithMoeCombinePrefillParams, ys) - 0usize];
+    ["Offset of field: OrnithMoeCombinePrefillParams::row_of"]
+        [::std::mem::offset_of!(OrnithMoeCombinePrefillParams, row_of) - 8usize];
+    ["Offset of field: OrnithMoeCombinePrefillParams::weight"]
+        [::std::mem::offset_of!(OrnithMoeCombinePrefillParams, weight) - 16usize];
+    ["Offset of field: OrnithMoeCombinePrefillParams::shared_y"]
+        [::std::mem::offset_of!(OrnithMoeCombinePrefillParams, shared_y) - 24usize];
+    ["Offset of field: OrnithMoeCombinePrefillParams::gate_logit"]
+        [::std::mem::offset_of!(OrnithMoeCombinePrefillParams, gate_logit) - 32usize];
+    ["Offset of field: OrnithMoeCombinePrefillParams::out"]
+        [::std::mem::offset_of!(OrnithMoeCombinePrefillParams, out) - 40usize];
+    ["Offset of field: OrnithMoeCombinePrefillParams::tokens"]
+        [::std::mem::offset_of!(OrnithMoeCombinePrefillParams, tokens) - 48usize];
+    ["Offset of field: OrnithMoeCombinePrefillParams::top_k"]
+        [::std::mem::offset_of!(OrnithMoeCombinePrefillParams, top_k) - 52usize];
+    ["Offset of field: OrnithMoeCombinePrefillParams::hidden"]
+        [::std::mem::offset_of!(OrnithMoeCombinePrefillParams, hidden) - 56usize];
+    ["Offset of field: OrnithMoeCombinePrefillParams::gate_stride"]
+        [::std::mem::offset_of!(OrnithMoeCombinePrefillParams, gate_stride) - 60usize];
+};
+impl Default for OrnithMoeCombinePrefillParams {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct OrnithFlashAttnParams {
+    pub q: *const u16,
+    pub k_cache: *const u16,
+    pub v_cache: *const u16,
+    pub qg: *const u16,
+    pub out: *mut u16,
+    pub tokens: i32,
+    pub pos0: i32,
+    pub q_heads: i32,
+    pub kv_heads: i32,
+    pub scale: f32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of OrnithFlashAttnParams"][::std::mem::size_of::<OrnithFlashAttnParams>() - 64usize];
+    ["Alignment of OrnithFlashAttnParams"]
+        [::std::mem::align_of::<OrnithFlashAttnParams>() - 8usize];
+    ["Offset of field: OrnithFlashAttnParams::q"]
+        [::std::mem::offset_of!(OrnithFlashAttnParams, q) - 0usize];
+    ["Offset of field: OrnithFlashAttnParams::k_cache"]
+        [::std::mem::offset_of!(OrnithFlashAttnParams, k_cache) - 8usize];
+    ["Offset of field: OrnithFlashAttnParams::v_cache"]
+        [::std::mem::offset_of!(OrnithFlashAttnParams, v_cache) - 16usize];
+    ["Offset of field: OrnithFlashAttnParams::qg"]
+        [::std::mem::offset_of!(OrnithFlashAttnParams, qg) - 24usize];
+    ["Offset of field: OrnithFlashAttnParams::out"]
+        [::std::mem::offset_of!(OrnithFlashAttnParams, out) - 32usize];
+    ["Offset of field: OrnithFlashAttnParams::tokens"]
+        [::std::mem::offset_of!(OrnithFlashAttnParams, tokens) - 40usize];
+    ["Offset of field: OrnithFlashAttnParams::pos0"]
+        [::std::mem::offset_of!(OrnithFlashAttnParams, pos0) - 44usize];
+    ["Offset of field: OrnithFlashAttnParams::q_heads"]
+        [::std::mem::offset_of!(OrnithFlashAttnParams, q_heads) - 48usize];
+    ["Offset of field: OrnithFlashAttnParams::kv_heads"]
+        [::std::mem::offset_of!(OrnithFlashAttnParams, kv_heads) - 52usize];
+    ["Offset of field: OrnithFlashAttnParams::scale"]
+        [::std::mem::offset_of!(OrnithFlashAttnParams, scale) - 56usize];
+};
+impl Default for OrnithFlashAttnParams {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}

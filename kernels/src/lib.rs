@@ -38,11 +38,25 @@ pub enum Module {
     Gdn,
     Attention,
     Sample,
+    Gemm,
+    GdnChunk,
+    FlashAttn,
+    MoePrefill,
 }
 
 impl Module {
-    pub const ALL: [Module; 6] =
-        [Module::Norm, Module::Gemv, Module::Moe, Module::Gdn, Module::Attention, Module::Sample];
+    pub const ALL: [Module; 10] = [
+        Module::Norm,
+        Module::Gemv,
+        Module::Moe,
+        Module::Gdn,
+        Module::Attention,
+        Module::Sample,
+        Module::Gemm,
+        Module::GdnChunk,
+        Module::FlashAttn,
+        Module::MoePrefill,
+    ];
     /// Source file stem in `kernels/cuda/`.
     pub fn stem(self) -> &'static str {
         match self {
@@ -52,6 +66,10 @@ impl Module {
             Module::Gdn => "gdn",
             Module::Attention => "attention",
             Module::Sample => "sample",
+            Module::Gemm => "gemm",
+            Module::GdnChunk => "gdn_chunk",
+            Module::FlashAttn => "flash_attn",
+            Module::MoePrefill => "moe_prefill",
         }
     }
 }
@@ -69,7 +87,10 @@ macro_rules! ptx_table {
         }
     };
 }
-ptx_table!(Norm => "norm", Gemv => "gemv", Moe => "moe", Gdn => "gdn", Attention => "attention", Sample => "sample");
+ptx_table!(
+    Norm => "norm", Gemv => "gemv", Moe => "moe", Gdn => "gdn", Attention => "attention", Sample => "sample",
+    Gemm => "gemm", GdnChunk => "gdn_chunk", FlashAttn => "flash_attn", MoePrefill => "moe_prefill",
+);
 
 /// The digest stamped in a PTX text (its first line), if present.
 pub fn stamped_digest(ptx: &str) -> Option<&str> {

@@ -7,8 +7,8 @@ use quote::{format_ident, quote};
 
 fn prec(p: Precision) -> TokenStream {
     match p {
-        Precision::Bf16 => quote!(::ornith_runtime::graph::Bf16),
-        Precision::Fp8 => quote!(::ornith_runtime::graph::Fp8),
+        Precision::Bf16 => quote!(Bf16),
+        Precision::Fp8 => quote!(Fp8),
     }
 }
 
@@ -35,7 +35,9 @@ fn load_lin(l: &LinearSpec) -> TokenStream {
 /// The whole generated module body for `spec`.
 pub fn generate(spec: &ModelSpec) -> TokenStream {
     let d = &spec.dims;
-    let g = quote!(::ornith_runtime::graph);
+    // The expansion is meant to sit in a module of its own (`mod compiled { model!(); }`), so it
+    // imports the graph vocabulary unqualified to read like the model.
+    let g = quote!(graph);
     let fp = &spec.fingerprint;
     let model_dir = spec.model_dir.display().to_string();
 
@@ -214,6 +216,8 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
     let eps_lit = proc_macro2::Literal::f64_suffixed(eps);
 
     quote! {
+        use ::ornith_runtime::graph::{self, Backend, Bf16, DecoderLayer, Fp8, GatedAttention, GatedDeltaNet, SparseMoe};
+
         /// sha256 fingerprint of the checkpoint this graph was generated from.
         pub const FINGERPRINT: &str = #fp;
         /// The checkpoint directory the spec was made from (the default `--model`).

@@ -6,7 +6,8 @@
 //!   minijinja-contrib `pycompat`;
 //! * `tojson` = Python `json.dumps(x, ensure_ascii=False)`: separators `", "` and `": "`, keys in
 //!   insertion order, non-ASCII kept (transformers overrides jinja's HTML-escaping `tojson`);
-//! * printing and `|string` follow Python `str()`: `True`, `False`, `None`;
+//! * printing and `|string` follow Python `str()`: `True`, `False`, `None` (minijinja 3 already
+//!   displays values this way; the formatter and filter pin it);
 //! * `trim` strips Python's whitespace set (Rust's plus U+001C…U+001F);
 //! * `raise_exception(msg)` fails the render with `msg`.
 //!
@@ -46,14 +47,22 @@ fn py_str(v: &Value) -> String {
 struct PyJsonFormatter;
 
 impl serde_json::ser::Formatter for PyJsonFormatter {
-    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
         if first {
             Ok(())
         } else {
             w.write_all(b", ")
         }
     }
-    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        w: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
         if first {
             Ok(())
         } else {
@@ -105,7 +114,8 @@ fn build_env(source: String) -> Result<Environment<'static>> {
     env.add_filter("string", |v: Value| py_str(&v));
     env.add_filter("trim", |s: String| s.trim_matches(is_py_space).to_string());
     env.add_function("raise_exception", raise_exception);
-    env.add_template_owned(TEMPLATE_NAME, source).map_err(|e| anyhow!("chat template does not parse: {e:#}"))?;
+    env.add_template_owned(TEMPLATE_NAME, source)
+        .map_err(|e| anyhow!("chat template does not parse: {e:#}"))?;
     Ok(env)
 }
 
@@ -121,10 +131,15 @@ fn normalise_messages(messages: &serde_json::Value) -> Result<serde_json::Value>
             continue;
         };
         for (j, call) in calls.iter_mut().enumerate() {
-            let func = if call.get("function").is_some_and(|f| f.is_object()) { &mut call["function"] } else { call };
+            let func = if call.get("function").is_some_and(|f| f.is_object()) {
+                &mut call["function"]
+            } else {
+                call
+            };
             if let Some(serde_json::Value::String(s)) = func.get("arguments") {
-                let parsed: serde_json::Value = serde_json::from_str(s)
-                    .with_context(|| format!("message {i}, tool call {j}: arguments is not valid JSON"))?;
+                let parsed: serde_json::Value = serde_json::from_str(s).with_context(|| {
+                    format!("message {i}, tool call {j}: arguments is not valid JSON")
+                })?;
                 func["arguments"] = parsed;
             }
         }
@@ -134,12 +149,15 @@ fn normalise_messages(messages: &serde_json::Value) -> Result<serde_json::Value>
 
 impl ChatTemplate {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let source = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let source =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         Self::from_source(source).with_context(|| format!("loading {}", path.display()))
     }
 
     pub fn from_source(source: String) -> Result<Self> {
-        Ok(Self { env: build_env(source)? })
+        Ok(Self {
+            env: build_env(source)?,
+        })
     }
 
     /// messages: OpenAI-style array; tools: optional OpenAI tools array; kwargs: chat_template_kwargs (e.g. enable_thinking).
@@ -157,10 +175,17 @@ impl ChatTemplate {
             ctx.insert(k.clone(), v.clone());
         }
         ctx.insert("messages".into(), messages);
-        ctx.insert("tools".into(), tools.cloned().unwrap_or(serde_json::Value::Null));
+        ctx.insert(
+            "tools".into(),
+            tools.cloned().unwrap_or(serde_json::Value::Null),
+        );
         ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
-        let tmpl = self.env.get_template(TEMPLATE_NAME).expect("template added at construction");
-        tmpl.render(Value::from(minijinja::value::Serde(&ctx))).map_err(template_error)
+        let tmpl = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .expect("template added at construction");
+        tmpl.render(Value::from(minijinja::value::Serde(&ctx)))
+            .map_err(template_error)
     }
 }
 
@@ -189,21 +214,31 @@ mod tests {
     #[test]
     fn json_dumps_matches_python() {
         let v = json!({"b": 1, "a": [true, null, 1.5, "é\n\"x\""], "c": {}});
-        assert_eq!(py_json_dumps(&v).unwrap(), r#"{"b": 1, "a": [true, null, 1.5, "é\n\"x\""], "c": {}}"#);
+        assert_eq!(
+            py_json_dumps(&v).unwrap(),
+            r#"{"b": 1, "a": [true, null, 1.5, "é\n\"x\""], "c": {}}"#
+        );
     }
 
     #[test]
     fn python_str_and_trim() {
-        let t = ChatTemplate::from_source("{{ a }}|{{ b|string }}|{{ c }}|{{ d|trim }}|".into()).unwrap();
+        let t = ChatTemplate::from_source("{{ a }}|{{ b|string }}|{{ c }}|{{ d|trim }}|".into())
+            .unwrap();
         let tmpl = t.env.get_template(TEMPLATE_NAME).unwrap();
-        let out = tmpl.render(minijinja::context! { a => true, b => false, c => (), d => "\u{1f} x \n" }).unwrap();
+        let out = tmpl
+            .render(minijinja::context! { a => true, b => false, c => (), d => "\u{1f} x \n" })
+            .unwrap();
         assert_eq!(out, "True|False|None|x|");
     }
 
     #[test]
     fn raise_exception_message_is_the_error() {
-        let t = ChatTemplate::from_source("{{ raise_exception('nope: ' ~ messages|length) }}".into()).unwrap();
-        let e = t.render(&json!([]), None, false, &Default::default()).unwrap_err();
+        let t =
+            ChatTemplate::from_source("{{ raise_exception('nope: ' ~ messages|length) }}".into())
+                .unwrap();
+        let e = t
+            .render(&json!([]), None, false, &Default::default())
+            .unwrap_err();
         assert_eq!(e.to_string(), "chat template: nope: 0");
     }
 }

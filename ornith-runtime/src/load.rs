@@ -25,8 +25,7 @@ pub fn model_dir(args: &Args) -> anyhow::Result<PathBuf> {
 pub fn build_generator(args: &Args) -> anyhow::Result<Box<dyn Generator>> {
     let dir = model_dir(args)?;
     let ck = Checkpoint::open(&dir, compiled::FINGERPRINT)?;
-    let max_context = args.max_context.unwrap_or(compiled::DIMS.max_position_embeddings);
-    anyhow::ensure!(max_context >= 1, "--max-context must be at least 1");
+    let max_context = context_for(args)?;
     let cuda = match args.backend {
         BackendChoice::Cpu => None,
         BackendChoice::Cuda => Some(ornith_runtime::cuda::CudaContext::new(0)?),
@@ -43,10 +42,7 @@ pub fn build_generator(args: &Args) -> anyhow::Result<Box<dyn Generator>> {
     let started = std::time::Instant::now();
     let engine: Box<dyn Generator> = match cuda {
         Some(cx) => {
-            let mut ctx = max_context;
-            if let Some(budget) = args.kv_budget {
-                ctx = CudaBackend::context_for_budget(&ck, &compiled::DIMS, budget, ctx)?;
-            }
+            let ctx = max_context;
             if !args.quiet {
                 eprintln!("ornith: using the CUDA backend on '{}' (context {ctx} tokens)", cx.device_name());
             }
@@ -58,13 +54,38 @@ pub fn build_generator(args: &Args) -> anyhow::Result<Box<dyn Generator>> {
                 eprintln!("ornith: using the CPU backend");
             }
             check_host_memory(&ck)?;
-            Box::new(compiled::Engine::load(CpuBackend, &ck, max_context).with_context(|| format!("loading {}", dir.display()))?)
+            Box::new(compiled::Engine::load(CpuBackend::new(), &ck, max_context).with_context(|| format!("loading {}", dir.display()))?)
         }
     };
     if !args.quiet {
         eprintln!("ornith: loaded {} in {:.1?}", dir.display(), started.elapsed());
     }
     Ok(engine)
+}
+
+/// K/V-cache bytes per token: BF16 K and V of every full-attention layer.
+pub fn kv_bytes_per_token() -> u64 {
+    let full = compiled::LAYER_KINDS.iter().filter(|k| **k == model_spec::LayerKind::FullAttention).count();
+    (full * 2 * compiled::DIMS.num_key_value_heads * compiled::DIMS.head_dim * 2) as u64
+}
+
+/// The context the caches are sized for: `--max-context` (default: the model's window), capped
+/// by `--kv-budget` when given.
+pub fn context_for(args: &Args) -> anyhow::Result<usize> {
+    let window = compiled::DIMS.max_position_embeddings;
+    let mut ctx = args.max_context.unwrap_or(window);
+    anyhow::ensure!(ctx >= 1, "--max-context must be at least 1");
+    anyhow::ensure!(ctx <= window, "--max-context {ctx} exceeds the model's window of {window} tokens");
+    if let Some(budget) = args.kv_budget {
+        let fit = (budget / kv_bytes_per_token().max(1)) as usize;
+        anyhow::ensure!(
+            fit >= 1,
+            "--kv-budget {budget} bytes holds no token: the K/V cache needs {} bytes per token",
+            kv_bytes_per_token()
+        );
+        ctx = ctx.min(fit);
+    }
+    Ok(ctx)
 }
 
 /// The tokenizer and chat template of the checkpoint.

@@ -79,7 +79,7 @@ fn cuda_matches_cpu() {
     let gpu = cuda_backend(&ck, ctx);
     let gm = compiled::Model::load(&gpu, &ck).expect("CUDA load");
     let mut gs = compiled::Model::new_state(&gpu, ctx).unwrap();
-    let cpu = CpuBackend;
+    let cpu = CpuBackend::new();
     let cm = compiled::Model::load(&cpu, &ck).expect("CPU load");
     let mut cs = compiled::Model::new_state(&cpu, ctx).unwrap();
 
@@ -128,7 +128,7 @@ fn cuda_ops_vs_cpu() {
     let gpu = cuda_backend(&ck, ctx);
     let gm = compiled::Model::load(&gpu, &ck).expect("CUDA load");
     let mut gs = compiled::Model::new_state(&gpu, ctx).unwrap();
-    let cpu = CpuBackend;
+    let cpu = CpuBackend::new();
     let cm = compiled::Model::load(&cpu, &ck).expect("CPU load");
     let mut cs = compiled::Model::new_state(&cpu, ctx).unwrap();
     let ids = prompt(100, d.vocab_size);

@@ -15,13 +15,13 @@ References
   text NFC changes (decomposed é, Vietnamese, …) — for those, ``decode(encode(text))`` is
   ``nfc_text`` (the NFC form), not the text itself.
 * ``hf_ids``: Python ``tokenizers`` (the Hugging Face library transformers uses, Oniguruma regex)
-  loading our generated tokenizer.json. The Rust runtime (``tokenizers`` crate, fancy-regex) must
-  reproduce these exactly.
+  loading our generated tokenizer.json with ``ignore_merges`` switched off (transformers'
+  setting). The Rust runtime with the same switch must reproduce these exactly.
 
 The two references differ in one known way: tiktoken first looks a whole pre-token up in the
 vocabulary (like Hugging Face's ``ignore_merges=true``), while the Qwen3.5 tokenizer.json (and
 transformers 5's ``Qwen3_5Tokenizer``, which rebuilds its BPE with the default) has
-``ignore_merges=false``. The two disagree exactly when a pre-token equals one of the 201
+``ignore_merges=false``; our shipped tokenizer.json sets it true so that its ids equal tiktoken's. The two disagree exactly when a pre-token equals one of the 201
 vocabulary entries that BPE merging cannot reach (e.g. `` психологии``, ``加拿大`` standing alone);
 the corpus contains such cases on purpose. The Rust test checks that every disagreement is of
 that kind and that with ``ignore_merges`` switched on, our tokenizer equals tiktoken everywhere.
@@ -124,7 +124,12 @@ def main():
         sys.exit(__doc__)
     tok_json = sys.argv[1]
     qt = get_tokenizer("qwen3.5-35b-a3b")
-    hf = tokenizers.Tokenizer.from_file(tok_json)
+    # hf_ids: our tokenizer.json with ignore_merges switched off, as transformers 5's
+    # Qwen3_5Tokenizer rebuilds it (the shipped file has it on, to equal tiktoken).
+    with open(tok_json, encoding="utf-8") as f:
+        tj = json.load(f)
+    tj["model"]["ignore_merges"] = False
+    hf = tokenizers.Tokenizer.from_str(json.dumps(tj))
     names = [n for n, _ in CASES]
     assert len(names) == len(set(names)), "duplicate case names"
     out = []

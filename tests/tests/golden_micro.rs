@@ -1,9 +1,16 @@
 //! The CPU backend against the transformers oracle on the micro fixtures (made by
-//! transformers 5.17 + llm-compressor 0.14; goldens by tests/generators/golden_forward.py).
+//! transformers 5.17 + llm-compressor 0.14; goldens by tests/generators/golden_forward.py, run
+//! in bf16 on the CPU with HF's default grouped_mm experts and the torch GDN fallbacks).
+//!
+//! Tolerances come from the oracle itself: `meta.json` records how far the oracle's bf16 run is
+//! from its own fp32 run (`oracle_gap_bf16_vs_fp32`). A re-implementation that follows HF's cast
+//! points must sit well inside that bf16 noise; where an exact match is possible (the first
+//! token, which no cross-token op touches, in the FP8 fixture) it must be exact.
 
-use ornith_runtime::backend_cpu::CpuBackend;
+use ornith_runtime::backend_cpu::{CpuBackend, Fp8Arith};
 use ornith_runtime::graph::Backend;
 use ornith_runtime::weights::Checkpoint;
+use serde_json::Value;
 use std::path::PathBuf;
 
 mod fp8 {
@@ -19,11 +26,16 @@ fn root() -> PathBuf {
 
 struct Golden {
     bytes: Vec<u8>,
+    meta: Value,
 }
 
 impl Golden {
     fn open(name: &str) -> Self {
-        Golden { bytes: std::fs::read(root().join("golden").join(name).join("golden.safetensors")).unwrap() }
+        let dir = root().join("golden").join(name);
+        Golden {
+            bytes: std::fs::read(dir.join("golden.safetensors")).unwrap(),
+            meta: serde_json::from_slice(&std::fs::read(dir.join("meta.json")).unwrap()).unwrap(),
+        }
     }
     fn f32(&self, key: &str) -> Vec<f32> {
         let st = safetensors::SafeTensors::deserialize(&self.bytes).unwrap();
@@ -40,10 +52,25 @@ impl Golden {
         assert_eq!(t.dtype(), safetensors::Dtype::I64);
         t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect()
     }
+    /// (max, mean) |bf16 oracle − fp32 oracle| for `what` ("prefill_logits", ...).
+    fn gap(&self, what: &str) -> Gap {
+        let g = &self.meta["oracle_gap_bf16_vs_fp32"][what];
+        Gap { max: g["max_abs"].as_f64().unwrap() as f32, mean: g["mean_abs"].as_f64().unwrap() as f32 }
+    }
+    fn hidden_gap(&self, layer: usize) -> Gap {
+        let g = &self.meta["oracle_gap_bf16_vs_fp32"]["hidden_after_layer"][layer.to_string()];
+        Gap { max: g["max_abs"].as_f64().unwrap() as f32, mean: g["mean_abs"].as_f64().unwrap() as f32 }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Gap {
+    max: f32,
+    mean: f32,
 }
 
 /// max and mean |a - b|.
-fn diff(a: &[f32], b: &[f32]) -> (f32, f32) {
+fn diff(a: &[f32], b: &[f32]) -> Gap {
     assert_eq!(a.len(), b.len());
     let mut max = 0f32;
     let mut sum = 0f64;
@@ -52,7 +79,7 @@ fn diff(a: &[f32], b: &[f32]) -> (f32, f32) {
         max = max.max(d);
         sum += d as f64;
     }
-    (max, (sum / a.len() as f64) as f32)
+    Gap { max, mean: (sum / a.len() as f64) as f32 }
 }
 
 fn argmax(x: &[f32]) -> u32 {
@@ -65,71 +92,152 @@ fn argmax(x: &[f32]) -> u32 {
     best as u32
 }
 
-macro_rules! golden_run {
-    ($m:ident, $fixture:literal, $golden:literal) => {{
-        let b = CpuBackend;
-        let ck = Checkpoint::open(&root().join("fixtures").join($fixture), $m::FINGERPRINT).unwrap();
-        let model = $m::Model::load(&b, &ck).unwrap();
-        let g = Golden::open($golden);
-        let prompt = g.ids("prompt_ids");
-        let greedy = g.ids("greedy_tokens");
-        let vocab = $m::DIMS.vocab_size;
-        let hidden = $m::DIMS.hidden_size;
-
-        // Prefill: logits of all 70 rows, and each layer's output for the first token (what the
-        // generator stored: the decoder layer's output tensor indexed [0]).
-        let mut st = $m::Model::new_state(&b, 256).unwrap();
-        let mut taps: Vec<Vec<f32>> = vec![Vec::new(); $m::DIMS.num_layers];
-        let logits = model
-            .prefill(&b, &mut st, &prompt, true, &mut |i, h| {
-                let all = b.act_to_host(h).unwrap();
-                taps[i] = all[..hidden].to_vec();
-            })
-            .unwrap();
-        let logits = b.logits_to_host(&logits).unwrap();
-        let mut hid = Vec::new();
-        for i in 0..$m::DIMS.num_layers {
-            hid.push(diff(&taps[i], &g.f32(&format!("hidden_after_layer_{i}"))));
-        }
-        let pre = diff(&logits, &g.f32("prefill_logits"));
-        let want_pre = g.f32("prefill_logits");
-        let rows: Vec<String> = (0..prompt.len()).map(|r| format!("{:.2}", diff(&logits[r*vocab..(r+1)*vocab], &want_pre[r*vocab..(r+1)*vocab]).0)).collect();
-        eprintln!("per-row max: {}", rows.join(" "));
-
-        // Teacher-forced decode of the oracle's greedy tokens, and our own greedy choice.
-        let mut step_logits = Vec::new();
-        let mut ours = vec![argmax(&logits[(prompt.len() - 1) * vocab..])];
-        for (s, &tok) in greedy.iter().enumerate().take(greedy.len() - 1) {
-            let l = b.logits_to_host(&model.decode_step(&b, &mut st, tok).unwrap()).unwrap();
-            ours.push(argmax(&l));
-            step_logits.extend_from_slice(&l);
-            let _ = s;
-        }
-        let want_steps = g.f32("step_logits");
-        let steps = diff(&step_logits, &want_steps[vocab..]);
-        Report { hid, pre, steps, ours, greedy }
-    }};
-}
-
 #[derive(Debug)]
 struct Report {
-    hid: Vec<(f32, f32)>,
-    pre: (f32, f32),
-    steps: (f32, f32),
+    /// First-token hidden states after each layer vs the oracle's.
+    hidden: Vec<Gap>,
+    prefill: Gap,
+    steps: Gap,
+    /// Our greedy choice at each teacher-forced step (step 0 = from the prefill).
     ours: Vec<u32>,
+    /// The oracle's step logits `[steps, vocab]` (step 0 = last prefill row).
+    oracle_steps: Vec<f32>,
     greedy: Vec<u32>,
 }
 
-#[test]
-fn micro_fp8_matches_transformers() {
-    let r = golden_run!(fp8, "micro-fp8", "micro-fp8");
-    eprintln!("{r:#?}");
-    assert_eq!(r.ours, r.greedy, "greedy continuation differs from transformers");
+macro_rules! golden_run {
+    ($m:ident, $fixture:literal, $g:expr, $arith:expr) => {{
+        let g: &Golden = $g;
+        let b = CpuBackend { fp8: $arith };
+        let ck = Checkpoint::open(&root().join("fixtures").join($fixture), $m::FINGERPRINT).unwrap();
+        let model = $m::Model::load(&b, &ck).unwrap();
+        let prompt = g.ids("prompt_ids");
+        let greedy = g.ids("greedy_tokens");
+        let (vocab, hidden) = ($m::DIMS.vocab_size, $m::DIMS.hidden_size);
+
+        // Prefill: logits of all 70 rows (two GDN chunks), and each layer's output for the first
+        // token (what the generator stored: the decoder layer's output indexed [0]).
+        let mut st = $m::Model::new_state(&b, 256).unwrap();
+        let mut taps: Vec<Vec<f32>> = vec![Vec::new(); $m::DIMS.num_layers];
+        let logits = model
+            .prefill(&b, &mut st, &prompt, true, &mut |i, h| taps[i] = b.act_to_host(h).unwrap()[..hidden].to_vec())
+            .unwrap();
+        let logits = b.logits_to_host(&logits).unwrap();
+        let hidden_gaps = (0..$m::DIMS.num_layers).map(|i| diff(&taps[i], &g.f32(&format!("hidden_after_layer_{i}")))).collect();
+        let prefill = diff(&logits, &g.f32("prefill_logits"));
+
+        // Decode with the cache, teacher-forced on the oracle's greedy tokens; at each step record
+        // our own greedy choice.
+        let oracle_steps = g.f32("step_logits");
+        let mut ours = vec![argmax(&logits[(prompt.len() - 1) * vocab..])];
+        let mut step_logits = Vec::new();
+        for &tok in &greedy[..greedy.len() - 1] {
+            let l = b.logits_to_host(&model.decode_step(&b, &mut st, tok).unwrap()).unwrap();
+            ours.push(argmax(&l));
+            step_logits.extend_from_slice(&l);
+        }
+        let steps = diff(&step_logits, &oracle_steps[vocab..]);
+        Report { hidden: hidden_gaps, prefill, steps, ours, oracle_steps, greedy }
+    }};
+}
+
+/// The greedy continuation is the oracle's: at every step our argmax is the oracle's token, or —
+/// where the oracle's own top two logits are exactly equal in bf16 (no right answer at this
+/// precision) — another token at the oracle's maximum.
+fn assert_greedy_identical(r: &Report, vocab: usize) {
+    for (s, (&o, &want)) in r.ours.iter().zip(&r.greedy).enumerate() {
+        let row = &r.oracle_steps[s * vocab..(s + 1) * vocab];
+        let max = row[want as usize];
+        assert!(
+            o == want || row[o as usize] == max,
+            "step {s}: greedy token {o} (oracle logit {}) where transformers chose {want} (logit {max})",
+            row[o as usize]
+        );
+    }
+}
+
+/// Logits within the oracle's own bf16 noise: max |Δ| no larger than the oracle's bf16-vs-fp32
+/// max gap, mean |Δ| at most half its mean gap (a faithful copy of HF's bf16 cast points lands
+/// far closer to HF bf16 than HF bf16 is to exact arithmetic).
+fn assert_within_oracle_noise(what: &str, ours: Gap, oracle: Gap) {
+    assert!(ours.max <= oracle.max, "{what}: max |Δ| {} exceeds the oracle's own bf16-vs-fp32 max gap {}", ours.max, oracle.max);
+    assert!(ours.mean <= 0.5 * oracle.mean, "{what}: mean |Δ| {} exceeds half the oracle's bf16-vs-fp32 mean gap {}", ours.mean, oracle.mean);
 }
 
 #[test]
 fn micro_bf16_matches_transformers() {
-    let r = golden_run!(bf16, "micro-bf16", "micro-bf16");
-    eprintln!("{r:#?}");
-    assert_eq!(r.ours, r.greedy, "greedy continuation differs from transformers");
+    let g = Golden::open("micro-bf16");
+    let r = golden_run!(bf16, "micro-bf16", &g, Fp8Arith::Exact);
+    eprintln!("{:?} {:?} {:?}", r.hidden, r.prefill, r.steps);
+    for (i, h) in r.hidden.iter().enumerate() {
+        // First token: no cross-token mixing; the only differences left are bf16 roundings in
+        // op order (torch's CPU grouped_mm, its matmul blocking), a small fraction of the oracle's
+        // own noise at that layer.
+        let gap = g.hidden_gap(i);
+        assert!(h.max <= 0.25 * gap.max, "layer {i}: first-token hidden max |Δ| {} vs oracle gap {}", h.max, gap.max);
+    }
+    assert_within_oracle_noise("prefill logits", r.prefill, g.gap("prefill_logits"));
+    assert_within_oracle_noise("decode logits", r.steps, g.gap("step_logits_teacher_forced"));
+    assert_greedy_identical(&r, bf16::DIMS.vocab_size);
+}
+
+#[test]
+fn micro_fp8_matches_transformers_fake_quant_arithmetic() {
+    // transformers models W8A8 by dequantising weights and activations to bf16 before a bf16
+    // matmul. With the CPU backend computing FP8 Linears the same way, everything that is not
+    // an FP8 Linear is checked as tightly as possible: the first token matches bit for bit.
+    let g = Golden::open("micro-fp8");
+    let r = golden_run!(fp8, "micro-fp8", &g, Fp8Arith::OracleFakeQuant);
+    eprintln!("{:?} {:?} {:?}", r.hidden, r.prefill, r.steps);
+    for (i, h) in r.hidden.iter().enumerate() {
+        assert_eq!(h.max, 0.0, "layer {i}: first-token hidden state differs from transformers");
+    }
+    assert_within_oracle_noise("prefill logits", r.prefill, g.gap("prefill_logits"));
+    assert_within_oracle_noise("decode logits", r.steps, g.gap("step_logits_teacher_forced"));
+    assert_greedy_identical(&r, fp8::DIMS.vocab_size);
+}
+
+#[test]
+fn micro_fp8_engine_arithmetic_stays_within_oracle_noise() {
+    // The engine's FP8 arithmetic (exact E4M3 products, scales applied to the fp32 sum — what the
+    // CUDA kernels and vLLM compute) differs from the oracle's simulation only by the bf16
+    // roundings of dequantised values; each flips some downstream E4M3 codes (a 1/16 step), so
+    // the gap is larger than in fake-quant arithmetic, but it must stay inside the oracle's own
+    // bf16-vs-fp32 noise.
+    let g = Golden::open("micro-fp8");
+    let r = golden_run!(fp8, "micro-fp8", &g, Fp8Arith::Exact);
+    eprintln!("{:?} {:?} {:?}", r.hidden, r.prefill, r.steps);
+    for (what, ours, gap) in [("prefill logits", r.prefill, g.gap("prefill_logits")), ("decode logits", r.steps, g.gap("step_logits_teacher_forced"))] {
+        assert!(ours.max <= gap.max && ours.mean <= gap.mean, "{what}: {ours:?} outside the oracle's bf16-vs-fp32 gap {gap:?}");
+    }
+}
+
+/// prefill(T) then n single-token decode steps gives the logits of prefill(T + n): the chunked
+/// Gated DeltaNet and the cached attention continue exactly where the recurrent/decode path
+/// would. Differences come only from the chunked vs recurrent fp32 summation order inside the
+/// delta rule; after bf16 rounding they must stay within a few bf16 ulps of the logits.
+#[test]
+fn prefill_then_decode_equals_longer_prefill() {
+    let g = Golden::open("micro-bf16");
+    let b = CpuBackend::new();
+    let ck = Checkpoint::open(&root().join("fixtures").join("micro-bf16"), bf16::FINGERPRINT).unwrap();
+    let model = bf16::Model::load(&b, &ck).unwrap();
+    let prompt = g.ids("prompt_ids");
+    let vocab = bf16::DIMS.vocab_size;
+    for (t, n) in [(1usize, 5usize), (63, 3), (64, 2), (65, 4)] {
+        let mut st = bf16::Model::new_state(&b, 256).unwrap();
+        let mut last = b.logits_to_host(&model.prefill(&b, &mut st, &prompt[..t], false, &mut |_, _| {}).unwrap()).unwrap();
+        for &tok in &prompt[t..t + n] {
+            last = b.logits_to_host(&model.decode_step(&b, &mut st, tok).unwrap()).unwrap();
+        }
+        let mut st2 = bf16::Model::new_state(&b, 256).unwrap();
+        let full = b.logits_to_host(&model.prefill(&b, &mut st2, &prompt[..t + n], true, &mut |_, _| {}).unwrap()).unwrap();
+        let want = &full[(t + n - 1) * vocab..];
+        let d = diff(&last, want);
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        // 4 bf16 ulps of the largest logit (2^-8 relative each).
+        assert!(d.max <= 4.0 * scale / 256.0, "T={t} n={n}: {d:?} (max |logit| {scale})");
+        assert_eq!(argmax(&last), argmax(want), "T={t} n={n}");
+        assert_eq!(st.pos, st2.pos);
+    }
 }

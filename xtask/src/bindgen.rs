@@ -13,6 +13,9 @@ pub fn run_bindgen(root: &Path) -> Result<()> {
         .derive_default(true)
         .derive_debug(true)
         .layout_tests(true)
+        // rustfmt (from the toolchain) formats the output: bindgen's prettyplease feature would
+        // pull a syn major version that conflicts with the workspace's.
+        .formatter(bindgen::Formatter::Rustfmt)
         .generate()
         .context("bindgen failed (is libclang installed? apt-get install libclang-dev)")?;
     let text = format!(

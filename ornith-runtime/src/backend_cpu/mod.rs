@@ -17,7 +17,28 @@ use std::marker::PhantomData;
 
 /// Multi-threaded CPU execution (rayon's global pool).
 #[derive(Debug, Default, Clone, Copy)]
-pub struct CpuBackend;
+pub struct CpuBackend {
+    /// How FP8 Linears are computed; [`Fp8Arith::Exact`] unless a test asks otherwise.
+    pub fp8: Fp8Arith,
+}
+
+/// FP8 W8A8 arithmetic.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8Arith {
+    /// The engine's: E4M3 products exact in fp32, accumulated, times `sx · sw` (as the CUDA
+    /// kernels and vLLM's scaled_mm compute it).
+    #[default]
+    Exact,
+    /// transformers' simulation (dequantise weights and activations to bf16, bf16 matmul):
+    /// only to show, in tests, that the remaining gap to the oracle is these roundings.
+    OracleFakeQuant,
+}
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        CpuBackend::default()
+    }
+}
 
 /// A Linear `[out, in]`: BF16 weights in `w`, or E4M3 codes in `w8` with per-channel `scale`.
 pub struct CpuLinear<P: Prec> {
@@ -32,17 +53,18 @@ pub struct CpuLinear<P: Prec> {
 impl<P: Prec> CpuLinear<P> {
     /// The weight in the CPU ops' form; `P::KIND` is a constant, so this is resolved at
     /// compile time for each Linear of the graph.
-    pub fn weight(&self) -> LinearWeight<'_> {
-        match P::KIND {
-            Precision::Bf16 => LinearWeight::Bf16(&self.w),
-            Precision::Fp8 => LinearWeight::Fp8 { w: &self.w8, scale: &self.scale },
+    pub fn weight(&self, arith: Fp8Arith) -> LinearWeight<'_> {
+        match (P::KIND, arith) {
+            (Precision::Bf16, _) => LinearWeight::Bf16(&self.w),
+            (Precision::Fp8, Fp8Arith::Exact) => LinearWeight::Fp8 { w: &self.w8, scale: &self.scale },
+            (Precision::Fp8, Fp8Arith::OracleFakeQuant) => LinearWeight::Fp8FakeQuant { w: &self.w8, scale: &self.scale },
         }
     }
 
     /// `y = x @ W^T` for `t` rows.
-    pub fn apply(&self, x: &[bf16], t: usize) -> Vec<bf16> {
+    pub fn apply(&self, b: &CpuBackend, x: &[bf16], t: usize) -> Vec<bf16> {
         let mut y = vec![bf16::ZERO; t * self.out_features];
-        self.weight().apply(x, t, self.in_features, self.out_features, &mut y);
+        self.weight(b.fp8).apply(x, t, self.in_features, self.out_features, &mut y);
         y
     }
 
@@ -108,10 +130,10 @@ impl CpuBackend {
         let (t, hs) = (h.t, d.hidden_size);
         let mut x = vec![bf16::ZERO; t * hs];
         norm::rms_norm(&h.data, norm_w, hs, eps(d), &mut x);
-        let qkv = w.in_proj_qkv.apply(&x, t);
-        let z = w.in_proj_z.apply(&x, t);
-        let b = w.in_proj_b.apply(&x, t);
-        let a = w.in_proj_a.apply(&x, t);
+        let qkv = w.in_proj_qkv.apply(self, &x, t);
+        let z = w.in_proj_z.apply(self, &x, t);
+        let b = w.in_proj_b.apply(self, &x, t);
+        let a = w.in_proj_a.apply(self, &x, t);
         let c = d.conv_dim();
         let mut y = vec![bf16::ZERO; t * c];
         conv::conv_silu(&qkv, t, c, &w.conv1d, d.conv_kernel, &mut st.conv, &mut y);
@@ -121,7 +143,7 @@ impl CpuBackend {
         gdn::gated_delta_rule(&y, &b, &a, &a_log, &w.dt_bias, t, gd, &mut st.ssm, &mut o);
         let mut on = vec![bf16::ZERO; t * d.value_dim()];
         norm::gated_rms_norm(&o, &z, &w.norm, d.linear_value_head_dim, eps(d), &mut on);
-        let out = w.out_proj.apply(&on, t);
+        let out = w.out_proj.apply(self, &on, t);
         norm::add_into(&mut h.data, &out);
         Ok(())
     }
@@ -142,12 +164,12 @@ impl CpuBackend {
         ensure!(pos + t <= cache.max_context, "K/V cache of {} tokens is full", cache.max_context);
         let mut x = vec![bf16::ZERO; t * hs];
         norm::rms_norm(&h.data, norm_w, hs, eps(d), &mut x);
-        let qg = w.q_proj.apply(&x, t);
+        let qg = w.q_proj.apply(self, &x, t);
         let mut q = vec![bf16::ZERO; t * nh * hd];
         let mut gate = vec![bf16::ZERO; t * nh * hd];
         attention::split_q_gate(&qg, t, nh, hd, &mut q, &mut gate);
-        let mut k = w.k_proj.apply(&x, t);
-        let v = w.v_proj.apply(&x, t);
+        let mut k = w.k_proj.apply(self, &x, t);
+        let v = w.v_proj.apply(self, &x, t);
         // q/k RMSNorm per head (zero-centred), then partial RoPE.
         let mut qn = vec![bf16::ZERO; q.len()];
         norm::rms_norm(&q, &w.q_norm, hd, eps(d), &mut qn);
@@ -162,7 +184,7 @@ impl CpuBackend {
         let mut o = vec![bf16::ZERO; t * nh * hd];
         attention::attention(&qn, t, pos, &cache.k, &cache.v, nh, nkv, hd, &mut o);
         attention::output_gate(&mut o, &gate);
-        let out = w.o_proj.apply(&o, t);
+        let out = w.o_proj.apply(self, &o, t);
         norm::add_into(&mut h.data, &out);
         Ok(())
     }
@@ -290,13 +312,13 @@ impl Backend for CpuBackend {
         let mut x = vec![bf16::ZERO; t * hs];
         norm::rms_norm(&h.data, norm_w, hs, eps(d), &mut x);
         let experts: Vec<moe::Mlp<'_>> = (0..w.experts.gate.len())
-            .map(|e| moe::Mlp { gate: w.experts.gate[e].weight(), up: w.experts.up[e].weight(), down: w.experts.down[e].weight() })
+            .map(|e| moe::Mlp { gate: w.experts.gate[e].weight(self.fp8), up: w.experts.up[e].weight(self.fp8), down: w.experts.down[e].weight(self.fp8) })
             .collect();
         let wts = moe::MoeWeights {
             router: w.gate.bf16_weight("the router mlp.gate")?,
             experts: &experts,
             moe_inter: d.moe_intermediate_size,
-            shared: moe::Mlp { gate: w.shared_gate_proj.weight(), up: w.shared_up_proj.weight(), down: w.shared_down_proj.weight() },
+            shared: moe::Mlp { gate: w.shared_gate_proj.weight(self.fp8), up: w.shared_up_proj.weight(self.fp8), down: w.shared_down_proj.weight(self.fp8) },
             shared_inter: d.shared_intermediate_size,
             shared_gate: w.shared_expert_gate.bf16_weight("mlp.shared_expert_gate")?,
             top_k: d.top_k,
@@ -312,7 +334,7 @@ impl Backend for CpuBackend {
         let (rows, src) = if all_rows { (h.t, &h.data[..]) } else { (1, &h.data[(h.t - 1) * hs..]) };
         let mut x = vec![bf16::ZERO; rows * hs];
         norm::rms_norm(src, norm_w, hs, eps(d), &mut x);
-        let y = lm_head.apply(&x, rows);
+        let y = lm_head.apply(self, &x, rows);
         Ok(CpuLogits { rows, vocab: d.vocab_size, data: y.iter().map(|v| v.to_f32()).collect() })
     }
 

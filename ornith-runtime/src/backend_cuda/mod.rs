@@ -167,15 +167,6 @@ impl CudaBackend {
         })
     }
 
-    /// Largest context whose K/V cache fits `budget` bytes (`--kv-budget`), at most `max`.
-    pub fn context_for_budget(ck: &Checkpoint, dims: &ModelDims, budget: u64, max: usize) -> Result<usize> {
-        let attn = ck.spec.num_full_attention_layers();
-        let per = MemoryPlan::kv_bytes_per_token(dims, attn).max(1);
-        let n = (budget / per).min(max as u64) as usize;
-        ensure!(n >= 1, "--kv-budget of {budget} bytes holds no token (one token needs {per} bytes of K/V)");
-        Ok(n)
-    }
-
     pub fn context(&self) -> &CudaContext {
         &self.cx
     }
@@ -199,7 +190,7 @@ impl CudaBackend {
     /// the same layer input.
     pub fn act_from_host(&self, data: &[f32]) -> Result<CudaAct> {
         let hs = self.dims.hidden_size;
-        ensure!(!data.is_empty() && data.len() % hs == 0, "act_from_host: {} values is not a whole number of rows of {hs}", data.len());
+        ensure!(!data.is_empty() && data.len().is_multiple_of(hs), "act_from_host: {} values is not a whole number of rows of {hs}", data.len());
         let b: Vec<u16> = data.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
         Ok(CudaAct { t: data.len() / hs, h: self.cx.upload(&b)?, delta: self.cx.alloc(b.len())?, pending: Cell::new(0) })
     }
@@ -546,7 +537,10 @@ impl Backend for CudaBackend {
     fn sample(&self, logits: &CudaLogits, params: &SamplingParams, step: u64) -> Result<u32> {
         let v = logits.vocab;
         let last = (logits.rows - 1) * v;
-        if !(params.temperature >= crate::sampling::GREEDY_EPS) {
+        // Negated so that a NaN temperature is greedy, as in `crate::sampling::sample`.
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
+        let greedy = !(params.temperature >= crate::sampling::GREEDY_EPS);
+        if greedy {
             self.k_argmax(at(self, &logits.buf, last), at(self, &self.s.amax, 0), v)?;
             let mut i = [0i32];
             self.cx.stream().memcpy_dtoh(&self.s.amax, &mut i)?;

@@ -30,14 +30,14 @@ pub fn split_for(total: usize) -> (usize, usize) {
 pub fn check_dims(d: &ModelDims) -> Result<()> {
     let fix = "the CUDA kernels are written for the Ornith 35B shapes (shallow/full presets); use --backend cpu for this checkpoint";
     ensure!(d.linear_key_head_dim == 128 && d.linear_value_head_dim == 128, "Gated DeltaNet head dims {}x{} (kernel: 128x128): {fix}", d.linear_key_head_dim, d.linear_value_head_dim);
-    ensure!(d.linear_num_value_heads % d.linear_num_key_heads == 0, "v heads {} not a multiple of k heads {}: {fix}", d.linear_num_value_heads, d.linear_num_key_heads);
+    ensure!(d.linear_num_value_heads.is_multiple_of(d.linear_num_key_heads), "v heads {} not a multiple of k heads {}: {fix}", d.linear_num_value_heads, d.linear_num_key_heads);
     ensure!(d.conv_kernel == 4, "conv kernel {} (kernel: 4): {fix}", d.conv_kernel);
     ensure!(d.head_dim == 256, "attention head_dim {} (kernel: 256): {fix}", d.head_dim);
-    ensure!(d.num_key_value_heads > 0 && d.num_attention_heads % d.num_key_value_heads == 0 && d.num_attention_heads / d.num_key_value_heads <= 8, "GQA group {}/{}: {fix}", d.num_attention_heads, d.num_key_value_heads);
-    ensure!(d.rotary_dim % 2 == 0 && d.rotary_dim <= d.head_dim, "rotary dim {}: {fix}", d.rotary_dim);
-    ensure!(d.hidden_size % 16 == 0 && d.hidden_size <= 8192, "hidden {} (multiple of 16, <= 8192): {fix}", d.hidden_size);
+    ensure!(d.num_key_value_heads > 0 && d.num_attention_heads.is_multiple_of(d.num_key_value_heads) && d.num_attention_heads / d.num_key_value_heads <= 8, "GQA group {}/{}: {fix}", d.num_attention_heads, d.num_key_value_heads);
+    ensure!(d.rotary_dim.is_multiple_of(2) && d.rotary_dim <= d.head_dim, "rotary dim {}: {fix}", d.rotary_dim);
+    ensure!(d.hidden_size.is_multiple_of(16) && d.hidden_size <= 8192, "hidden {} (multiple of 16, <= 8192): {fix}", d.hidden_size);
     ensure!(d.num_experts <= 256 && d.top_k >= 1 && d.top_k <= d.num_experts, "experts {} / top-k {}: {fix}", d.num_experts, d.top_k);
-    ensure!(d.moe_intermediate_size <= 1024 && d.moe_intermediate_size % 16 == 0, "expert width {}: {fix}", d.moe_intermediate_size);
+    ensure!(d.moe_intermediate_size <= 1024 && d.moe_intermediate_size.is_multiple_of(16), "expert width {}: {fix}", d.moe_intermediate_size);
     ensure!(d.shared_intermediate_size == d.moe_intermediate_size, "shared expert width {} != routed {} (one MoE launch serves both): {fix}", d.shared_intermediate_size, d.moe_intermediate_size);
     Ok(())
 }
@@ -136,11 +136,6 @@ impl MemoryPlan {
 
     pub fn total(&self) -> u64 {
         self.weights + self.kv_cache + self.recurrent_state + self.scratch + self.activations + self.margin
-    }
-
-    /// Bytes of K/V + recurrent state per token of context (for `--kv-budget`).
-    pub fn kv_bytes_per_token(d: &ModelDims, attention_layers: usize) -> u64 {
-        (attention_layers * d.num_key_value_heads * d.head_dim * 2 * 2) as u64
     }
 
     /// Errors with the numbers when the plan does not fit `free` bytes.

@@ -26,6 +26,9 @@ pub enum LinearWeight<'a> {
     /// `[n_out, n_in]` E4M3 codes and the per-output-channel scale `[n_out]` (the stored
     /// `weight_scale`, widened to f32).
     Fp8 { w: &'a [u8], scale: &'a [f32] },
+    /// The same stored FP8 weight computed the way the transformers oracle simulates it
+    /// ([`linear_fp8_fake_quant`]); for tests that explain the oracle, never for serving.
+    Fp8FakeQuant { w: &'a [u8], scale: &'a [f32] },
 }
 
 impl LinearWeight<'_> {
@@ -34,6 +37,7 @@ impl LinearWeight<'_> {
         match *self {
             LinearWeight::Bf16(w) => linear_bf16(x, w, t, n_in, n_out, y),
             LinearWeight::Fp8 { w, scale } => linear_fp8(x, w, scale, t, n_in, n_out, y),
+            LinearWeight::Fp8FakeQuant { w, scale } => linear_fp8_fake_quant(x, w, scale, t, n_in, n_out, y),
         }
     }
 }
@@ -96,6 +100,49 @@ pub fn linear_fp8(
             }
         },
         |tt, o, acc| acc * sx[tt] * w_scale[o],
+        y,
+    );
+}
+
+/// The transformers oracle's simulation of W8A8 (compressed-tensors decompression + fake
+/// quantisation), used only to explain the oracle in tests — the engine computes [`linear_fp8`].
+/// Weights are dequantised to bf16, `wd[o,i] = bf16(e4m3(w8[o,i]) · sw[o])`; each activation row
+/// is quantised per token and dequantised to bf16, `xd[t,i] = bf16(e4m3(qx[t,i]) · sx[t])`; then a
+/// bf16 Linear: `y = bf16(Σ_i xd[t,i] · wd[o,i])` with fp32 accumulation. It differs from
+/// [`linear_fp8`] only by the two bf16 roundings of dequantised values (≤ 2^-9 relative each).
+pub fn linear_fp8_fake_quant(
+    x: &[bf16],
+    w8: &[u8],
+    w_scale: &[f32],
+    t: usize,
+    n_in: usize,
+    n_out: usize,
+    y: &mut [bf16],
+) {
+    check_len("linear_fp8_fake_quant x", x.len(), t * n_in);
+    check_len("linear_fp8_fake_quant w8", w8.len(), n_out * n_in);
+    check_len("linear_fp8_fake_quant w_scale", w_scale.len(), n_out);
+    check_len("linear_fp8_fake_quant y", y.len(), t * n_out);
+    let round = |v: f32| bf16::from_f32(v).to_f32();
+    let mut xf = vec![0f32; t * n_in];
+    xf.par_chunks_mut(n_in.max(1)).zip(x.par_chunks(n_in.max(1))).for_each(|(xr, src)| {
+        let mut q = vec![0u8; n_in];
+        let s = quantize_act_row(src, &mut q);
+        for (d, &c) in xr.iter_mut().zip(&q) {
+            *d = round(E4M3_TABLE[c as usize] * s);
+        }
+    });
+    gemm(
+        &xf,
+        t,
+        n_in,
+        n_out,
+        |o, row| {
+            for (d, &c) in row.iter_mut().zip(&w8[o * n_in..(o + 1) * n_in]) {
+                *d = round(E4M3_TABLE[c as usize] * w_scale[o]);
+            }
+        },
+        |_, _, acc| acc,
         y,
     );
 }

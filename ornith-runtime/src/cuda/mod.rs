@@ -10,17 +10,24 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 pub mod launch;
+pub mod prefill;
+#[cfg(test)]
+mod prefill_tests;
 #[cfg(test)]
 mod tests;
 
 /// Kernels per PTX module (names of the `extern "C"` entry points).
-const KERNELS: [(Module, &[&str]); 6] = [
+const KERNELS: [(Module, &[&str]); 10] = [
     (Module::Norm, &["embed_gather", "rmsnorm_residual", "quantize_fp8_rows"]),
     (Module::Gemv, &["gemv_bf16", "gemv_fp8", "moe_gemv_fp8"]),
     (Module::Moe, &["moe_router_topk", "swiglu_quant", "moe_combine"]),
     (Module::Gdn, &["conv1d_silu", "gdn_recurrent", "gated_rmsnorm"]),
     (Module::Attention, &["qk_norm_rope", "attn_decode_split", "attn_decode_combine"]),
     (Module::Sample, &["argmax_bf16"]),
+    (Module::Gemm, &["gemm_fp8", "gemm_bf16", "quantize_fp8_ct"]),
+    (Module::GdnChunk, &["gdn_chunked"]),
+    (Module::FlashAttn, &["flash_attn_prefill"]),
+    (Module::MoePrefill, &["moe_sort", "swiglu_quant_ct", "moe_combine_prefill"]),
 ];
 
 /// The PTX arch shipped for a compute capability.

@@ -20,7 +20,7 @@ use std::path::Path;
 
 /// Version of the generator's output; bump whenever the bytes for a given preset and seed
 /// change (`cargo xtask gen` re-synthesises a cached checkpoint whose stamp differs).
-pub const GENERATOR_VERSION: u32 = 1;
+pub const GENERATOR_VERSION: u32 = 2;
 
 /// Default seed.
 pub const DEFAULT_SEED: u64 = 0;
@@ -53,11 +53,7 @@ pub fn synth(out: &Path, opts: SynthOptions) -> Result<Plan> {
     write("generation_config.json", config::to_pretty(&config::generation_config_json()))?;
     write("model.safetensors.index.json", config::to_pretty(&plan.index_json()))?;
     write::write_shards(&plan, out, opts.contents, opts.progress)?;
-    // TOKENIZER-PENDING: the tokenizer writer is still a placeholder that returns an error;
-    // until it lands a checkpoint without tokenizer files is accepted with a warning.
-    if let Err(e) = crate::tokenizer::write_tokenizer_files(out) {
-        eprintln!("warning: tokenizer files not written: {e:#}");
-    }
+    crate::tokenizer::write_tokenizer_files(out)?;
     Ok(plan)
 }
 

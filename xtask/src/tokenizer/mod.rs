@@ -64,7 +64,8 @@ pub const ADDED_TOKENS: [(&str, bool); 33] = [
 /// Writes tokenizer.json, tokenizer_config.json and chat_template.jinja into `dir`.
 pub fn write_tokenizer_files(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let tokens = bpe::parse_tiktoken(TIKTOKEN_RANKS).context("parsing the vendored tiktoken ranks")?;
+    let tokens =
+        bpe::parse_tiktoken(TIKTOKEN_RANKS).context("parsing the vendored tiktoken ranks")?;
     anyhow::ensure!(
         tokens.len() == FIRST_ADDED_ID as usize,
         "vendored vocabulary has {} ranks, expected {FIRST_ADDED_ID}",
@@ -72,7 +73,11 @@ pub fn write_tokenizer_files(dir: &Path) -> Result<()> {
     );
     let tj = tokenizer_json(&tokens);
     write(dir, "tokenizer.json", &serde_json::to_string(&tj)?)?;
-    write(dir, "tokenizer_config.json", &serde_json::to_string_pretty(&tokenizer_config())?)?;
+    write(
+        dir,
+        "tokenizer_config.json",
+        &serde_json::to_string_pretty(&tokenizer_config())?,
+    )?;
     write(dir, "chat_template.jinja", CHAT_TEMPLATE)?;
     Ok(())
 }
@@ -130,9 +135,12 @@ fn tokenizer_json(tokens: &[Vec<u8>]) -> Value {
             "end_of_word_suffix": "",
             "fuse_unk": false,
             "byte_fallback": false,
-            // Qwen2/Qwen3 tokenizer.json files have `false`, and transformers 5's
-            // Qwen3_5Tokenizer rebuilds its BPE with the default (false) whatever the file says.
-            "ignore_merges": false,
+            // `true`: a pre-token that is itself a vocabulary entry maps to that entry, as in
+            // tiktoken (the reference for our ids: the vocabulary ships as tiktoken ranks, and 201
+            // entries such as "加拿大" are reachable only this way). transformers 5's
+            // Qwen3_5Tokenizer rebuilds its BPE with `false`; it then differs from tiktoken only on
+            // those whole-word entries (tests/tests/tokenizer.rs shows both).
+            "ignore_merges": true,
             "vocab": vocab,
             "merges": merges,
         },

@@ -1,0 +1,170 @@
+// Causal flash attention for prefill (head_dim 256, GQA), bf16 mma.sync m16n8k16 with fp32
+// online softmax (see OrnithFlashAttnParams).
+//
+// Block = 64 queries of one q head, 4 warps x 16 query rows; keys in tiles of 32, K/V tiles double
+// buffered with cp.async. Shared memory: Q [64][256], K and V [2][32][256] bf16 = 96 KiB. Rows are
+// 512 bytes = 32 chunks of 16 bytes; chunk c of row r lives at c ^ (r & 7) (conflict-free ldmatrix).
+// Per tile: S = Q K^T (fp32), m' = max(m, rowmax S), P = e^{S - m'}, l = l e^{m - m'} + rowsum P,
+// O = O e^{m - m'} + bf16(P) V; at the end o = O / l.
+#include "common.cuh"
+#include "mma.cuh"
+
+#define FA_D 256
+#define FA_BQ 64
+#define FA_BK 32
+#define FA_ROW 512  // bytes per row
+
+__device__ __forceinline__ uint32_t fswz(int row, int chunk) {
+    return (uint32_t)(row * FA_ROW + ((chunk ^ (row & 7)) << 4));
+}
+
+extern "C" __global__ void __launch_bounds__(128) flash_attn_prefill(const OrnithFlashAttnParams p) {
+    extern __shared__ __align__(128) uint8_t smem[];
+    const uint32_t sq = smem_u32(smem);
+    const uint32_t sk0 = sq + FA_BQ * FA_ROW;                 // K: 2 x 32 rows
+    const uint32_t sv0 = sk0 + 2 * FA_BK * FA_ROW;            // V: 2 x 32 rows
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int qb = gridDim.x - 1 - blockIdx.x;  // longest blocks first
+    const int h = blockIdx.y, kvh = h / (p.q_heads / p.kv_heads);
+    const int q0 = qb * FA_BQ;
+    const int qend = min(q0 + FA_BQ, p.tokens);
+    const int nkeys = p.pos0 + qend;  // keys 0..nkeys-1 are visible to some query of the block
+    const int ntiles = (nkeys + FA_BK - 1) / FA_BK;
+    const size_t kv_pitch = (size_t)p.kv_heads * FA_D;  // elements between cache rows
+
+    // Q tile: 64 rows x 32 chunks = 2048 chunks, 16 per thread.
+    for (int id = tid; id < FA_BQ * 32; id += 128) {
+        int r = id >> 5, c = id & 31, t = q0 + r;
+        const uint16_t *src = p.q + ((size_t)t * p.q_heads + h) * FA_D + c * 8;
+        cp_async16(sq + fswz(r, c), t < p.tokens ? (const void *)src : (const void *)p.q, t < p.tokens ? 16 : 0);
+    }
+    auto load_kv = [&](int buf, int tile) {
+        const uint32_t sk = sk0 + buf * FA_BK * FA_ROW, sv = sv0 + buf * FA_BK * FA_ROW;
+        for (int id = tid; id < FA_BK * 32; id += 128) {
+            int r = id >> 5, c = id & 31, j = tile * FA_BK + r;
+            bool ok = j < nkeys;
+            size_t off = (size_t)j * kv_pitch + (size_t)kvh * FA_D + c * 8;
+            cp_async16(sk + fswz(r, c), ok ? (const void *)(p.k_cache + off) : (const void *)p.k_cache, ok ? 16 : 0);
+            cp_async16(sv + fswz(r, c), ok ? (const void *)(p.v_cache + off) : (const void *)p.v_cache, ok ? 16 : 0);
+        }
+    };
+    load_kv(0, 0);
+    cp_commit();
+
+    const int gq = lane >> 2, tq = lane & 3;
+    // This thread's two query rows (gq and gq + 8 of the warp's 16) and their positions.
+    const int qrow0 = warp * 16 + gq;
+    const int qpos[2] = {p.pos0 + q0 + qrow0, p.pos0 + q0 + qrow0 + 8};
+    float o[32][4];
+#pragma unroll
+    for (int i = 0; i < 32; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
+
+    for (int tile = 0; tile < ntiles; tile++) {
+        cp_wait<0>();
+        __syncthreads();
+        if (tile + 1 < ntiles) load_kv((tile + 1) & 1, tile + 1);
+        cp_commit();
+        const uint32_t sk = sk0 + (tile & 1) * FA_BK * FA_ROW, sv = sv0 + (tile & 1) * FA_BK * FA_ROW;
+        // S = Q K^T: 16 rows x 32 keys per warp (4 n-tiles of 8 keys), 16 k-steps of 16 dims.
+        float s[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < FA_D / 16; ks++) {
+            uint32_t a[4], b[4][2];
+            {
+                int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                ldsm_x4(sq + fswz(r, 2 * ks + (lane >> 4)), a[0], a[1], a[2], a[3]);
+            }
+#pragma unroll
+            for (int nj = 0; nj < 4; nj += 2) {
+                int r = nj * 8 + (lane >> 4) * 8 + (lane & 7);
+                ldsm_x4(sk + fswz(r, 2 * ks + ((lane >> 3) & 1)), b[nj][0], b[nj][1], b[nj + 1][0], b[nj + 1][1]);
+            }
+#pragma unroll
+            for (int nj = 0; nj < 4; nj++) mma_bf16(s[nj], a, b[nj]);
+        }
+        // Scale, causal mask, online softmax (row max over the quad of 4 lanes sharing a row).
+        const int kbase = tile * FA_BK;
+        float mx[2] = {mrow[0], mrow[1]};
+#pragma unroll
+        for (int nj = 0; nj < 4; nj++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int hr = e >> 1, key = kbase + nj * 8 + tq * 2 + (e & 1);
+                float v = s[nj][e] * p.scale;
+                v = key <= qpos[hr] ? v : -INFINITY;
+                s[nj][e] = v;
+                mx[hr] = fmaxf(mx[hr], v);
+            }
+        float alpha[2];
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
+            mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
+            alpha[hr] = expf(mrow[hr] - mx[hr]);  // mrow = -inf at first: alpha = 0
+            mrow[hr] = mx[hr];
+        }
+        float rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nj = 0; nj < 4; nj++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int hr = e >> 1;
+                float pv = expf(s[nj][e] - mx[hr]);
+                s[nj][e] = pv;
+                rs[hr] += pv;
+            }
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            rs[hr] += __shfl_xor_sync(0xffffffffu, rs[hr], 1);
+            rs[hr] += __shfl_xor_sync(0xffffffffu, rs[hr], 2);
+            lrow[hr] = lrow[hr] * alpha[hr] + rs[hr];
+        }
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            o[i][0] *= alpha[0];
+            o[i][1] *= alpha[0];
+            o[i][2] *= alpha[1];
+            o[i][3] *= alpha[1];
+        }
+        // O += P V: P as bf16 A fragments (2 k-steps of 16 keys), V via ldmatrix.trans.
+#pragma unroll
+        for (int ks = 0; ks < 2; ks++) {
+            uint32_t a[4];
+            a[0] = pack_bf16x2(s[2 * ks][0], s[2 * ks][1]);
+            a[1] = pack_bf16x2(s[2 * ks][2], s[2 * ks][3]);
+            a[2] = pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+            a[3] = pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+#pragma unroll
+            for (int dj = 0; dj < 32; dj += 2) {
+                uint32_t b0[2], b1[2];
+                int r = ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+                int c = dj + (lane >> 4);
+                ldsm_x4_t(sv + fswz(r, c), b0[0], b0[1], b1[0], b1[1]);
+                mma_bf16(o[dj], a, b0);
+                mma_bf16(o[dj + 1], a, b1);
+            }
+        }
+    }
+    cp_wait<0>();
+
+    // o = O / l, bf16; optional sigmoid output gate.
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        const int t = q0 + qrow0 + hr * 8;
+        if (t >= p.tokens) continue;
+        uint16_t *dst = p.out + ((size_t)t * p.q_heads + h) * FA_D;
+        const uint16_t *gate = p.qg ? p.qg + ((size_t)t * p.q_heads + h) * 2 * FA_D + FA_D : nullptr;
+#pragma unroll
+        for (int dj = 0; dj < 32; dj++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                int d = dj * 8 + tq * 2 + e;
+                float v = rbf(o[dj][hr * 2 + e] / lrow[hr]);
+                if (gate) v = v * rbf(sigmoid_f(bf2f(gate[d])));
+                dst[d] = f2bf(v);
+            }
+    }
+}

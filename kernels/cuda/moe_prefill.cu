@@ -1,0 +1,78 @@
+// MoE prefill, grouped by expert: counting sort of (token, slot) assignments, SwiGLU + FP8
+// requantisation (compressed-tensors semantics) and the weighted combine. The expert GEMMs are
+// gemm_fp8 in grouped mode (gemm.cu); the router is moe_router_topk (moe.cu).
+#include "common.cuh"
+
+#define MS_THREADS 1024
+#define MS_MAX_EXPERTS 1024
+#define MS_TILE 128  // rows per GEMM tile (GB_M in gemm.cu)
+
+// One block: histogram, prefix sums, scatter (see OrnithMoeSortParams).
+extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_sort(const OrnithMoeSortParams p) {
+    __shared__ int cnt[MS_MAX_EXPERTS];
+    __shared__ int cur[MS_MAX_EXPERTS];
+    const int n = p.tokens * p.top_k;
+    for (int e = threadIdx.x; e < p.experts; e += MS_THREADS) cnt[e] = 0;
+    __syncthreads();
+    for (int a = threadIdx.x; a < n; a += MS_THREADS) atomicAdd(&cnt[p.idx[a]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int off = 0, toff = 0;
+        for (int e = 0; e < p.experts; e++) {
+            p.group_offsets[e] = off;
+            p.tile_offsets[e] = toff;
+            cur[e] = off;
+            off += cnt[e];
+            toff += (cnt[e] + MS_TILE - 1) / MS_TILE;
+        }
+        p.group_offsets[p.experts] = off;
+        p.tile_offsets[p.experts] = toff;
+    }
+    __syncthreads();
+    for (int a = threadIdx.x; a < n; a += MS_THREADS) {
+        int pos = atomicAdd(&cur[p.idx[a]], 1);
+        p.row_token[pos] = a / p.top_k;
+        p.row_of[a] = pos;
+    }
+}
+
+// SwiGLU + per-row FP8 quantisation with compressed-tensors semantics, one block per row:
+//   a_i = bf16( bf16(silu(g_i)) * u_i ),  g = gate_up[r, 0:inter], u = gate_up[r, inter:2 inter]
+//   scale = bf16(amax / 448) (2^-7 if 0);  q = e4m3(clamp(bf16(a / scale) + 0, -448, 448))
+// (`cpu::moe::Mlp::forward` then `cpu::fp8::quantize_act_row`). inter <= 2048.
+extern "C" __global__ void __launch_bounds__(256) swiglu_quant_ct(const OrnithSwigluQuantParams p) {
+    __shared__ float a[2048];
+    __shared__ float sh[32];
+    const int r = blockIdx.x;
+    const uint16_t *gu = p.gate_up + (size_t)r * 2 * p.inter;
+    float amax = 0.f, nan = 0.f;
+    for (int i = threadIdx.x; i < p.inter; i += blockDim.x) {
+        float v = rbf(rbf(silu_f(bf2f(gu[i]))) * bf2f(gu[p.inter + i]));
+        a[i] = v;
+        if (v != v) nan = 1.f;
+        amax = fmaxf(amax, fabsf(v));
+    }
+    amax = block_max(amax, sh);
+    nan = block_max(nan, sh);
+    float scale = act_scale(amax);
+    if (nan > 0.f) scale = __int_as_float(0x7fc00000);
+    if (threadIdx.x == 0) p.scale[r] = scale;
+    for (int i = threadIdx.x; i < p.inter; i += blockDim.x)
+        p.q8[(size_t)r * p.inter + i] = nan > 0.f ? (uint8_t)0x7F : quant_e4m3(a[i], scale);
+}
+
+// Weighted combine + gated shared expert (see OrnithMoeCombinePrefillParams). grid (ceil(hidden/256), tokens).
+extern "C" __global__ void __launch_bounds__(256) moe_combine_prefill(const OrnithMoeCombinePrefillParams p) {
+    const int t = blockIdx.y, c = blockIdx.x * 256 + threadIdx.x;
+    if (c >= p.hidden) return;
+    float acc = 0.f;
+    for (int j = 0; j < p.top_k; j++) {
+        const int a = t * p.top_k + j;
+        const float y = bf2f(p.ys[(size_t)p.row_of[a] * p.hidden + c]);
+        acc += rbf(y * p.weight[a]);
+    }
+    const float routed = rbf(acc);
+    const float gate = rbf(sigmoid_f(bf2f(p.gate_logit[(size_t)t * p.gate_stride])));
+    const float sh = rbf(gate * bf2f(p.shared_y[(size_t)t * p.hidden + c]));
+    p.out[(size_t)t * p.hidden + c] = f2bf(routed + sh);
+}
