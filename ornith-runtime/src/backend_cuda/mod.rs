@@ -8,8 +8,9 @@
 //!   RMSNorm kernel adds it in (`h = bf16(h + delta)`) while normalising, so no separate add runs.
 //! * Prefill runs each layer in chunks of [`plan::CHUNK`] tokens with the decode kernels (GEMV
 //!   in blocks of 8 rows, the recurrent delta rule over the chunk, split-K attention over blocks
-//!   of [`plan::ATTN_ROWS`] queries). The prefill kernels (GEMM, chunked GDN, flash attention)
-//!   replace the three `*_rows` calls of a chunk when they land; nothing else changes.
+//!   of [`plan::ATTN_ROWS`] queries). The prefill kernels (GEMM, chunked GDN, flash attention,
+//!   MoE prefill; [`crate::cuda::prefill`]) are merged but not wired in yet: they replace
+//!   `linear_rows`, `k_gdn` and `k_attention` inside a chunk when it has more than 8 rows.
 //! * Decode is eager (one launch per kernel, ~20 per layer); a captured graph is not done yet.
 mod load;
 mod ops;
