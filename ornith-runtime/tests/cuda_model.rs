@@ -60,13 +60,16 @@ fn cuda_backend(ck: &Checkpoint, ctx: usize) -> CudaBackend {
     CudaBackend::new(cx, ck, &compiled::DIMS, ctx, false).expect("CUDA backend")
 }
 
-/// Tolerance. Both backends round to bf16 at the same points and quantise activations to E4M3
-/// the same way; they differ only in fp32 summation order (GEMV warp reductions vs. the CPU's
-/// sequential dot products), ~1e-7 relative. Such a difference changes a bf16 rounding (2^-9
-/// relative) only near a rounding boundary, and an E4M3 code (2^-4 relative) more rarely still,
-/// but each such flip propagates through the following layers. A handful of flipped elements
-/// among the ~10^4 activations of each of 4 layers moves the logits by well under 1% in L2; we
-/// allow 2^-7 (0.78%) relative L2 per row — a few bf16 ulps — and require identical greedy tokens.
+/// Tolerance floor. Both backends round to bf16 at the same points and quantise activations to
+/// E4M3 the same way (each op agrees to ~1e-3 relative L2 with row 0 bit-exact: `cuda_ops_vs_cpu`);
+/// they differ in fp32 summation order and, in prefill, in the form of the delta rule (the CUDA
+/// prefill runs the recurrent kernel, the CPU the chunked form). A summation-order difference
+/// changes a bf16 rounding (2^-9 relative) near a rounding boundary, and sometimes an E4M3 code
+/// (2^-4 relative) of the next FP8 Linear's input, and each flip propagates through the later
+/// layers — so the end-to-end gap is set by the model's own sensitivity, which the test measures:
+/// the CPU backend run two legitimate ways (one chunked prefill, and token by token through the
+/// recurrent decode path) differs by `cpu_gap`. CUDA must be within twice that (and never need
+/// less than 2^-7, a few bf16 ulps), and produce identical greedy tokens.
 const REL_L2: f64 = 1.0 / 128.0;
 
 #[test]
@@ -87,13 +90,26 @@ fn cuda_matches_cpu() {
     let gl = gpu.logits_to_host(&gm.prefill(&gpu, &mut gs, &ids, true, &mut |_, _| {}).unwrap()).unwrap();
     let cl = cpu.logits_to_host(&cm.prefill(&cpu, &mut cs, &ids, true, &mut |_, _| {}).unwrap()).unwrap();
     assert_eq!(gl.len(), cl.len());
+    // The model's own sensitivity: the CPU backend token by token (recurrent delta rule).
+    let mut cs2 = compiled::Model::new_state(&cpu, ctx).unwrap();
+    let mut cpu_gap = 0f64;
+    for r in 0..ids.len() {
+        let l = if r == 0 {
+            cpu.logits_to_host(&cm.prefill(&cpu, &mut cs2, &ids[..1], false, &mut |_, _| {}).unwrap()).unwrap()
+        } else {
+            cpu.logits_to_host(&cm.decode_step(&cpu, &mut cs2, ids[r]).unwrap()).unwrap()
+        };
+        cpu_gap = cpu_gap.max(dist(&l, &cl[r * d.vocab_size..(r + 1) * d.vocab_size]).0);
+    }
+    let tol = REL_L2.max(2.0 * cpu_gap);
+    eprintln!("CPU chunked vs CPU token-by-token: worst relative L2 {cpu_gap:.3e}; tolerance {tol:.3e}");
     let mut worst = 0f64;
     for r in 0..ids.len() {
         let row = r * d.vocab_size..(r + 1) * d.vocab_size;
         assert!(gl[row.clone()].iter().all(|v| v.is_finite()), "prefill row {r}: non-finite CUDA logits");
         let (rel, mx) = dist(&gl[row.clone()], &cl[row.clone()]);
         worst = worst.max(rel);
-        assert!(rel <= REL_L2, "prefill row {r}: relative L2 {rel:.2e} (max |d| {mx:.3e}) > {REL_L2:.2e}");
+        assert!(rel <= tol, "prefill row {r}: relative L2 {rel:.2e} (max |d| {mx:.3e}) > {tol:.2e}");
     }
     eprintln!("prefill: 100 rows, worst relative L2 {worst:.3e}");
 
@@ -110,7 +126,7 @@ fn cuda_matches_cpu() {
         assert!(g_last.iter().all(|v| v.is_finite()), "decode step {step}: non-finite CUDA logits");
         let (rel, mx) = dist(&g_last, &c_last);
         worst = worst.max(rel);
-        assert!(rel <= REL_L2, "decode step {step}: relative L2 {rel:.2e} (max |d| {mx:.3e}) > {REL_L2:.2e}");
+        assert!(rel <= tol, "decode step {step}: relative L2 {rel:.2e} (max |d| {mx:.3e}) > {tol:.2e}");
     }
     eprintln!("decode: 64 greedy steps, identical tokens, worst relative L2 {worst:.3e}; tokens {tokens:?}");
 }
