@@ -210,3 +210,35 @@ fn cuda_decode_1000_steps_finite() {
     assert_eq!(st.pos, 16 + 1000);
     eprintln!("1000 decode steps: all logits finite, {} distinct tokens, {:.1?} (with a 0.5 MB logits download per step)", distinct.len(), started.elapsed());
 }
+
+/// The model's own sensitivity, CPU only: the CPU backend run two legitimate ways — one chunked
+/// prefill, and token by token through the recurrent decode path — then 16 greedy steps from each
+/// state. Prints where the greedy tokens first differ (diagnostic for `cuda_matches_cpu`).
+#[test]
+#[ignore]
+fn cpu_orderings_greedy_agreement() {
+    let ck = Checkpoint::open(&model_dir(), compiled::FINGERPRINT).expect("checkpoint");
+    let d = compiled::DIMS;
+    let cpu = CpuBackend::new();
+    let m = compiled::Model::load(&cpu, &ck).expect("CPU load");
+    let ids = prompt(100, d.vocab_size);
+    let mut a = compiled::Model::new_state(&cpu, 256).unwrap();
+    let mut la = cpu.logits_to_host(&m.prefill(&cpu, &mut a, &ids, false, &mut |_, _| {}).unwrap()).unwrap();
+    let mut b = compiled::Model::new_state(&cpu, 256).unwrap();
+    let mut lb = cpu.logits_to_host(&m.prefill(&cpu, &mut b, &ids[..1], false, &mut |_, _| {}).unwrap()).unwrap();
+    for &t in &ids[1..] {
+        lb = cpu.logits_to_host(&m.decode_step(&cpu, &mut b, t).unwrap()).unwrap();
+    }
+    let (mut ta, mut tb) = (Vec::new(), Vec::new());
+    for _ in 0..16 {
+        let (x, y) = (argmax(&la), argmax(&lb));
+        let mut top: Vec<f32> = la.clone();
+        top.sort_by(|p, q| q.partial_cmp(p).unwrap());
+        eprintln!("chunked {x} (top-2 margin {:.4}) token-by-token {y}; rel L2 {:.3e}", top[0] - top[1], dist(&la, &lb).0);
+        ta.push(x);
+        tb.push(y);
+        la = cpu.logits_to_host(&m.decode_step(&cpu, &mut a, x as u32).unwrap()).unwrap();
+        lb = cpu.logits_to_host(&m.decode_step(&cpu, &mut b, y as u32).unwrap()).unwrap();
+    }
+    eprintln!("greedy chunked {ta:?}\ngreedy token-by-token {tb:?}");
+}
