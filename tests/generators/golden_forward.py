@@ -267,7 +267,7 @@ def golden(name: str, loader, fake_quant: bool) -> None:
         "router_gap_ulp": r["router_gap_ulp"].float(),
     }
     for i in CAPTURE_LAYERS:
-        tensors[f"hidden_after_layer_{i}"] = r["hidden"][i][0].to(torch.bfloat16)
+        tensors[f"hidden_after_layer_{i}"] = r["hidden"][i].to(torch.bfloat16)  # [T, hidden], every prompt token
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "golden.safetensors"))
 
     per_layer = {str(i): gap(r["hidden"][i], r32["hidden"][i]) for i in CAPTURE_LAYERS}

@@ -96,6 +96,8 @@ fn argmax(x: &[f32]) -> u32 {
 struct Report {
     /// First-token hidden states after each layer vs the oracle's.
     hidden: Vec<Gap>,
+    /// All 70 rows of the hidden states after each layer vs the oracle's.
+    hidden_all: Vec<Gap>,
     prefill: Gap,
     steps: Gap,
     /// Our greedy choice at each teacher-forced step (step 0 = from the prefill).
@@ -115,15 +117,14 @@ macro_rules! golden_run {
         let greedy = g.ids("greedy_tokens");
         let (vocab, hidden) = ($m::DIMS.vocab_size, $m::DIMS.hidden_size);
 
-        // Prefill: logits of all 70 rows (two GDN chunks), and each layer's output for the first
-        // token (what the generator stored: the decoder layer's output indexed [0]).
+        // Prefill: logits of all 70 rows (two GDN chunks), and each layer's output for every row.
         let mut st = $m::Model::new_state(&b, 256).unwrap();
         let mut taps: Vec<Vec<f32>> = vec![Vec::new(); $m::DIMS.num_layers];
-        let logits = model
-            .prefill(&b, &mut st, &prompt, true, &mut |i, h| taps[i] = b.act_to_host(h).unwrap()[..hidden].to_vec())
-            .unwrap();
+        let logits = model.prefill(&b, &mut st, &prompt, true, &mut |i, h| taps[i] = b.act_to_host(h).unwrap()).unwrap();
         let logits = b.logits_to_host(&logits).unwrap();
-        let hidden_gaps = (0..$m::DIMS.num_layers).map(|i| diff(&taps[i], &g.f32(&format!("hidden_after_layer_{i}")))).collect();
+        let want_hidden: Vec<Vec<f32>> = (0..$m::DIMS.num_layers).map(|i| g.f32(&format!("hidden_after_layer_{i}"))).collect();
+        let hidden_gaps = (0..$m::DIMS.num_layers).map(|i| diff(&taps[i][..hidden], &want_hidden[i][..hidden])).collect();
+        let hidden_all = (0..$m::DIMS.num_layers).map(|i| diff(&taps[i], &want_hidden[i])).collect();
         let prefill = diff(&logits, &g.f32("prefill_logits"));
 
         // Decode with the cache, teacher-forced on the oracle's greedy tokens; at each step record
@@ -137,7 +138,7 @@ macro_rules! golden_run {
             step_logits.extend_from_slice(&l);
         }
         let steps = diff(&step_logits, &oracle_steps[vocab..]);
-        Report { hidden: hidden_gaps, prefill, steps, ours, oracle_steps, greedy }
+        Report { hidden: hidden_gaps, hidden_all, prefill, steps, ours, oracle_steps, greedy }
     }};
 }
 
@@ -168,13 +169,14 @@ fn assert_within_oracle_noise(what: &str, ours: Gap, oracle: Gap) {
 fn micro_bf16_matches_transformers() {
     let g = Golden::open("micro-bf16");
     let r = golden_run!(bf16, "micro-bf16", &g, Fp8Arith::Exact);
-    eprintln!("{:?} {:?} {:?}", r.hidden, r.prefill, r.steps);
+    eprintln!("{:?} {:?} {:?} {:?}", r.hidden, r.hidden_all, r.prefill, r.steps);
     for (i, h) in r.hidden.iter().enumerate() {
         // First token: no cross-token mixing; the only differences left are bf16 roundings in
         // op order (torch's CPU grouped_mm, its matmul blocking), a small fraction of the oracle's
         // own noise at that layer.
         let gap = g.hidden_gap(i);
         assert!(h.max <= 0.25 * gap.max, "layer {i}: first-token hidden max |Δ| {} vs oracle gap {}", h.max, gap.max);
+        assert_within_oracle_noise(&format!("layer {i} hidden states, all rows"), r.hidden_all[i], gap);
     }
     assert_within_oracle_noise("prefill logits", r.prefill, g.gap("prefill_logits"));
     assert_within_oracle_noise("decode logits", r.steps, g.gap("step_logits_teacher_forced"));
@@ -188,9 +190,10 @@ fn micro_fp8_matches_transformers_fake_quant_arithmetic() {
     // an FP8 Linear is checked as tightly as possible: the first token matches bit for bit.
     let g = Golden::open("micro-fp8");
     let r = golden_run!(fp8, "micro-fp8", &g, Fp8Arith::OracleFakeQuant);
-    eprintln!("{:?} {:?} {:?}", r.hidden, r.prefill, r.steps);
+    eprintln!("{:?} {:?} {:?} {:?}", r.hidden, r.hidden_all, r.prefill, r.steps);
     for (i, h) in r.hidden.iter().enumerate() {
         assert_eq!(h.max, 0.0, "layer {i}: first-token hidden state differs from transformers");
+        assert_within_oracle_noise(&format!("layer {i} hidden states, all rows"), r.hidden_all[i], g.hidden_gap(i));
     }
     assert_within_oracle_noise("prefill logits", r.prefill, g.gap("prefill_logits"));
     assert_within_oracle_noise("decode logits", r.steps, g.gap("step_logits_teacher_forced"));
@@ -206,7 +209,7 @@ fn micro_fp8_engine_arithmetic_stays_within_oracle_noise() {
     // bf16-vs-fp32 noise.
     let g = Golden::open("micro-fp8");
     let r = golden_run!(fp8, "micro-fp8", &g, Fp8Arith::Exact);
-    eprintln!("{:?} {:?} {:?}", r.hidden, r.prefill, r.steps);
+    eprintln!("{:?} {:?} {:?} {:?}", r.hidden, r.hidden_all, r.prefill, r.steps);
     for (what, ours, gap) in [("prefill logits", r.prefill, g.gap("prefill_logits")), ("decode logits", r.steps, g.gap("step_logits_teacher_forced"))] {
         assert!(ours.max <= gap.max && ours.mean <= gap.mean, "{what}: {ours:?} outside the oracle's bf16-vs-fp32 gap {gap:?}");
     }
