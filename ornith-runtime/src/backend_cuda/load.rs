@@ -75,10 +75,30 @@ impl CudaBackend {
         }
     }
 
-    /// Loads a Linear. The shared expert's `gate_proj` is loaded together with its `up_proj` as
+    /// Loads a Linear. The router `mlp.gate` `[E, H]` is loaded together with
+    /// `mlp.shared_expert_gate` `[1, H]` as one `[E + 1, H]` BF16 matrix (one router GEMM/GEMV
+    /// writes the E router logits and the shared-expert gate logit as one row); the shared gate
+    /// then holds no memory of its own. The shared expert's `gate_proj` is loaded together with its `up_proj` as
     /// one `[2I, H]` gate|up matrix (the MoE kernel runs the shared expert as one more slot of the
     /// routed-expert launch); `up_proj` then holds no memory of its own and is marked as fused.
     pub(super) fn linear<P: Prec>(&self, ck: &Checkpoint, module: &str, out_f: usize, in_f: usize) -> Result<CudaLinear<P>> {
+        if let Some(base) = module.strip_suffix(".mlp.gate") {
+            ensure!(P::KIND == Precision::Bf16, "{module}: the CUDA MoE needs a BF16 router (found {})", P::NAME);
+            let (gn, sgn) = (format!("{module}.weight"), format!("{base}.mlp.shared_expert_gate.weight"));
+            let g = ck.tensor(&gn, &[DType::BF16], &[out_f, in_f])?;
+            let sg = ck.tensor(&sgn, &[DType::BF16], &[1, in_f])?;
+            let n = g.bytes.len();
+            let mut w = self.cx.alloc::<u8>(n + sg.bytes.len())?;
+            self.cx.stream().memcpy_htod(g.bytes, &mut w.slice_mut(0..n))?;
+            self.cx.stream().memcpy_htod(sg.bytes, &mut w.slice_mut(n..n + sg.bytes.len()))?;
+            self.progress.lock().unwrap_or_else(|e| e.into_inner()).add((n + sg.bytes.len()) as u64);
+            let d = DevLinear { out_features: out_f + 1, in_features: in_f, w, scale: None };
+            return Ok(CudaLinear { dev: Some(d), _p: PhantomData });
+        }
+        if module.ends_with(".mlp.shared_expert_gate") {
+            ensure!(P::KIND == Precision::Bf16, "{module}: the CUDA MoE needs a BF16 shared_expert_gate (found {})", P::NAME);
+            return Ok(CudaLinear { dev: None, _p: PhantomData });
+        }
         if let Some(base) = module.strip_suffix("shared_expert.gate_proj") {
             ensure!(P::KIND == Precision::Fp8, "{module}: the CUDA MoE kernel needs an FP8 shared expert (found {})", P::NAME);
             let up = format!("{base}shared_expert.up_proj");

@@ -6,14 +6,16 @@
 //!   ([`plan::MemoryPlan`]) was checked against the device's free memory.
 //! * The residual stream is `h` plus a pending `delta` (the last layer output): the next
 //!   RMSNorm kernel adds it in (`h = bf16(h + delta)`) while normalising, so no separate add runs.
-//! * Prefill runs each layer in chunks of [`plan::CHUNK`] tokens with the decode kernels (GEMV
-//!   in blocks of 8 rows, the recurrent delta rule over the chunk, split-K attention over blocks
-//!   of [`plan::ATTN_ROWS`] queries). The prefill kernels (GEMM, chunked GDN, flash attention,
-//!   MoE prefill; [`crate::cuda::prefill`]) are merged but not wired in yet: they replace
-//!   `linear_rows`, `k_gdn` and `k_attention` inside a chunk when it has more than 8 rows.
+//! * Prefill runs each layer in chunks of [`plan::CHUNK`] tokens. A chunk of more than 8 rows
+//!   runs the prefill kernels ([`prefill_ops`]): tensor-core GEMMs for every Linear, the chunked
+//!   gated delta rule, causal flash attention over the cache, and the MoE grouped by expert
+//!   (counting sort, grouped FP8 GEMMs, shared expert as plain GEMMs). A chunk of up to 8 rows
+//!   (decode, short tails) runs the decode kernels: GEMV, the recurrent delta rule, split-K
+//!   attention, the per-slot MoE GEMV. Both paths round at the same points as the CPU backend.
 //! * Decode is eager (one launch per kernel, ~20 per layer); a captured graph is not done yet.
 mod load;
 mod ops;
+mod prefill_ops;
 pub mod plan;
 pub mod profile;
 
@@ -28,6 +30,7 @@ use model_spec::ExpertLayout;
 use ops::{at, Ptr, XIn};
 use ornith_kernels::bindings::*;
 use plan::{MemoryPlan, ScratchSizes, ATTN_ROWS, CHUNK};
+use prefill_ops::use_prefill;
 use std::cell::Cell;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
@@ -41,7 +44,8 @@ pub struct DevLinear {
 }
 
 /// A Linear of precision `P`. `dev` is None only for the shared expert's `up_proj`, whose rows
-/// live in the shared `gate_proj`'s fused `[2I, H]` matrix (see `load`).
+/// live in the shared `gate_proj`'s fused `[2I, H]` matrix, and for `shared_expert_gate`, whose
+/// row is the last of the router's fused `[E + 1, H]` matrix (see `load`).
 pub struct CudaLinear<P: Prec> {
     dev: Option<DevLinear>,
     _p: PhantomData<P>,
@@ -123,6 +127,11 @@ struct Scratch {
     asc: CudaSlice<f32>,
     ys: CudaSlice<u16>,
     amax: CudaSlice<i32>,
+    /// MoE prefill: expert-sorted row bookkeeping (`OrnithMoeSortParams`).
+    group_offsets: CudaSlice<i32>,
+    tile_offsets: CudaSlice<i32>,
+    row_token: CudaSlice<i32>,
+    row_of: CudaSlice<i32>,
     logits1: Arc<CudaSlice<u16>>,
 }
 
@@ -254,11 +263,18 @@ impl CudaBackend {
             self.lin(&w.in_proj_b, "in_proj_b", x, b_at, pw, n)?;
             self.lin(&w.in_proj_a, "in_proj_a", x, b_at + 2 * hv as u64, pw, n)?;
             self.k_conv(proj, at(self, &w.conv1d.bf, 0), at(self, &st.conv, 0), at(self, &s.conv, 0), n, cd, pw)?;
-            self.k_gdn(OrnithGdnParams {
+            let gp = OrnithGdnParams {
                 qkv: at(self, &s.conv, 0) as _, ba: b_at as _, a_log: at(self, &w.a_log.f, 0) as _, dt_bias: at(self, &w.dt_bias.bf, 0) as _,
                 state: at(self, &st.ssm, 0) as _, o: at(self, &s.o, 0) as _, tokens: n as i32, k_heads: hk as i32, v_heads: hv as i32,
                 qkv_stride: cd as i32, ba_stride: pw as i32, a_offset: hv as i32,
-            })?;
+            };
+            // The chunked form (chunks of 64 inside the kernel) and the recurrent form compute the
+            // same delta rule in fp32; they differ in summation order only.
+            if use_prefill(n) {
+                self.k_gdn_chunked(gp)?;
+            } else {
+                self.k_gdn(gp)?;
+            }
             self.k_gated_norm(at(self, &s.o, 0), z_at, at(self, &w.norm.bf, 0), at(self, &s.on, 0), n, hv, d.linear_value_head_dim, pw, self.eps())?;
             let on = XIn { bf: at(self, &s.on, 0), q8: None, stride: vd };
             self.lin(&w.out_proj, "out_proj", on, at(self, &h.delta, r0 * hs), hs, n)?;
@@ -295,15 +311,23 @@ impl CudaBackend {
                 q_heads: nh as i32, kv_heads: nkv as i32, head_dim: hd as i32, rot: d.rotary_dim as i32, max_seq: cache.max_context as i32,
                 theta: d.rope_theta as f32, eps: self.eps(),
             })?;
-            for a0 in (0..n).step_by(ATTN_ROWS) {
-                let m = ATTN_ROWS.min(n - a0);
-                let (split_len, splits) = plan::split_for(p0 + a0 + m);
-                self.k_attention(OrnithAttnParams {
-                    q: at(self, &s.q, a0 * nh * hd) as _, k_cache: at(self, &cache.k, 0) as _, v_cache: at(self, &cache.v, 0) as _,
-                    qg: at(self, &s.qg, a0 * nh * 2 * hd) as _, part_o: at(self, &s.part_o, 0) as _, part_ml: at(self, &s.part_ml, 0) as _,
-                    out: at(self, &s.on, a0 * nh * hd) as _, tokens: m as i32, pos0: (p0 + a0) as i32, q_heads: nh as i32, kv_heads: nkv as i32,
-                    head_dim: hd as i32, split_len: split_len as i32, splits: splits as i32, scale: 1.0 / (hd as f32).sqrt(),
+            if use_prefill(n) {
+                self.k_flash_attn(OrnithFlashAttnParams {
+                    q: at(self, &s.q, 0) as _, k_cache: at(self, &cache.k, 0) as _, v_cache: at(self, &cache.v, 0) as _,
+                    qg: at(self, &s.qg, 0) as _, out: at(self, &s.on, 0) as _, tokens: n as i32, pos0: p0 as i32, q_heads: nh as i32,
+                    kv_heads: nkv as i32, scale: 1.0 / (hd as f32).sqrt(),
                 })?;
+            } else {
+                for a0 in (0..n).step_by(ATTN_ROWS) {
+                    let m = ATTN_ROWS.min(n - a0);
+                    let (split_len, splits) = plan::split_for(p0 + a0 + m);
+                    self.k_attention(OrnithAttnParams {
+                        q: at(self, &s.q, a0 * nh * hd) as _, k_cache: at(self, &cache.k, 0) as _, v_cache: at(self, &cache.v, 0) as _,
+                        qg: at(self, &s.qg, a0 * nh * 2 * hd) as _, part_o: at(self, &s.part_o, 0) as _, part_ml: at(self, &s.part_ml, 0) as _,
+                        out: at(self, &s.on, a0 * nh * hd) as _, tokens: m as i32, pos0: (p0 + a0) as i32, q_heads: nh as i32, kv_heads: nkv as i32,
+                        head_dim: hd as i32, split_len: split_len as i32, splits: splits as i32, scale: 1.0 / (hd as f32).sqrt(),
+                    })?;
+                }
             }
             let att = XIn { bf: at(self, &s.on, 0), q8: None, stride: nh * hd };
             self.lin(&w.o_proj, "o_proj", att, at(self, &h.delta, r0 * hs), hs, n)?;
@@ -312,6 +336,56 @@ impl CudaBackend {
         h.pending.set(h.t);
         Ok(())
     }
+
+    /// The MoE of `n` prefill rows grouped by expert, after the router (`s.rlog`, `s.idx`,
+    /// `s.wt`), from the FP8 rows `x` of the post-attention norm, into `out [n, hidden]`:
+    /// sort the `n·k` (token, slot) assignments by expert; grouped FP8 gate|up GEMM (row r reads
+    /// token `row_token[r]`); SwiGLU + requantisation; grouped FP8 down GEMM; the shared expert
+    /// as plain GEMMs on rows `n·k ..` of the same scratch; the combine
+    /// `out = bf16(bf16(Σ_j bf16(y_j · w_j)) + bf16(bf16(sigmoid(g)) · y_shared))` — the cast
+    /// points of `cpu::moe::moe` and of the decode chain.
+    fn moe_grouped<G: Prec, U: Prec, D: Prec>(&self, ex: &CudaExperts<G, U, D>, sh: SharedExpert, x: (ops::Ptr, ops::Ptr), n: usize, out: ops::Ptr) -> Result<()> {
+        let d = &self.dims;
+        let (hs, e, k, inter) = (d.hidden_size, ex.experts, d.top_k, d.moe_intermediate_size);
+        let s = &self.s;
+        let nk = n * k;
+        let (go, to, rt, ro) = (at(self, &s.group_offsets, 0), at(self, &s.tile_offsets, 0), at(self, &s.row_token, 0), at(self, &s.row_of, 0));
+        let (gu, aq, asc, ys) = (at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), at(self, &s.ys, 0));
+        self.k_moe_sort(OrnithMoeSortParams {
+            idx: at(self, &s.idx, 0) as _, group_offsets: go as _, tile_offsets: to as _, row_token: rt as _, row_of: ro as _,
+            tokens: n as i32, top_k: k as i32, experts: e as i32,
+        })?;
+        self.k_gemm_grouped(OrnithGemmParams {
+            a: x.0 as _, a_scale: x.1 as _, a_rows: rt as _, w: at(self, &ex.gu, 0) as _, w_scale: at(self, &ex.gus, 0) as _, y: gu as _,
+            group_offsets: go as _, tile_offsets: to as _, rows: nk as i32, in_: hs as i32, out: (2 * inter) as i32, a_stride: hs as i32,
+            y_stride: (2 * inter) as i32, groups: e as i32,
+        })?;
+        self.k_swiglu_ct(gu, aq, asc, nk, inter)?;
+        self.k_gemm_grouped(OrnithGemmParams {
+            a: aq as _, a_scale: asc as _, a_rows: std::ptr::null(), w: at(self, &ex.dn, 0) as _, w_scale: at(self, &ex.dns, 0) as _,
+            y: ys as _, group_offsets: go as _, tile_offsets: to as _, rows: nk as i32, in_: inter as i32, out: hs as i32,
+            a_stride: inter as i32, y_stride: hs as i32, groups: e as i32,
+        })?;
+        // Shared expert: rows nk .. nk + n of the slot scratch (sized for n·(k + 1) rows).
+        let (sgu, saq, sas, sy) = (gu + (2 * nk * 2 * inter) as u64, aq + (nk * inter) as u64, asc + (4 * nk) as u64, ys + (2 * nk * hs) as u64);
+        self.k_gemm_fp8(x.0, x.1, sh.gu, sh.gus, sgu, n, hs, 2 * inter, hs, 2 * inter)?;
+        self.k_swiglu_ct(sgu, saq, sas, n, inter)?;
+        self.k_gemm_fp8(saq, sas, sh.dn, sh.dns, sy, n, inter, hs, inter, hs)?;
+        let rw = self.sz.rlog_w;
+        self.k_combine_prefill(OrnithMoeCombinePrefillParams {
+            ys: ys as _, row_of: ro as _, weight: at(self, &s.wt, 0) as _, shared_y: sy as _, gate_logit: (at(self, &s.rlog, 0) + 2 * e as u64) as _,
+            out: out as _, tokens: n as i32, top_k: k as i32, hidden: hs as i32, gate_stride: rw as i32,
+        })
+    }
+}
+
+/// Device addresses of the shared expert's fused gate|up `[2I, H]` and down `[H, I]` (FP8 + scales).
+#[derive(Clone, Copy)]
+struct SharedExpert {
+    gu: ops::Ptr,
+    gus: ops::Ptr,
+    dn: ops::Ptr,
+    dns: ops::Ptr,
 }
 
 impl Scratch {
@@ -339,6 +413,10 @@ impl Scratch {
             asc: cx.alloc(z.asc)?,
             ys: cx.alloc(c * z.slots * d.hidden_size)?,
             amax: cx.alloc(1)?,
+            group_offsets: cx.alloc(d.num_experts + 1)?,
+            tile_offsets: cx.alloc(d.num_experts + 1)?,
+            row_token: cx.alloc(c * d.top_k)?,
+            row_of: cx.alloc(c * d.top_k)?,
             logits1: Arc::new(cx.alloc(d.vocab_size)?),
         })
     }
@@ -487,6 +565,10 @@ impl Backend for CudaBackend {
             (Some(a), Some(b)) => (a, b),
             _ => bail!("the CUDA MoE kernel needs an FP8 shared expert"),
         };
+        ensure!(
+            w.shared_expert_gate.dev.is_none() && w.gate.dev("mlp.gate")?.out_features == e + 1,
+            "mlp.gate must hold the router and shared_expert_gate rows as one [E + 1, H] matrix"
+        );
         let slots = k + 1;
         let rw = self.sz.rlog_w;
         let s = &self.s;
@@ -495,10 +577,14 @@ impl Backend for CudaBackend {
             let n = CHUNK.min(h.t - r0);
             let x = self.norm_rows(h, norm, r0, n)?;
             let (xq, xs) = x.q8.expect("norm_rows quantises");
-            // Router logits in columns 0..E, the shared-expert gate logit in column E.
+            // Router logits in columns 0..E, the shared-expert gate logit in column E (one Linear).
             self.lin(&w.gate, "mlp.gate", x, rl, rw, n)?;
-            self.lin(&w.shared_expert_gate, "shared_expert_gate", x, rl + 2 * e as u64, rw, n)?;
             self.k_router(rl, at(self, &s.idx, 0), at(self, &s.wt, 0), n, e, k, rw)?;
+            if use_prefill(n) {
+                let sh = SharedExpert { gu: at(self, &sgu.w, 0), gus: at(self, sgu_s, 0), dn: at(self, &sdn.w, 0), dns: at(self, sdn_s, 0) };
+                self.moe_grouped(&w.experts, sh, (xq, xs), n, at(self, &h.delta, r0 * hs))?;
+                continue;
+            }
             self.k_moe_gemv(OrnithMoeGemvParams {
                 xq: xq as _, xs: xs as _, idx: at(self, &s.idx, 0) as _, w: at(self, &w.experts.gu, 0) as _, ws: at(self, &w.experts.gus, 0) as _,
                 shared_w: at(self, &sgu.w, 0) as _, shared_ws: at(self, sgu_s, 0) as _, y: at(self, &s.gu, 0) as _,

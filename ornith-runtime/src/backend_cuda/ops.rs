@@ -36,17 +36,22 @@ impl CudaBackend {
     /// Launches `name` (timed when profiling). `bytes` is what the launch must move at least
     /// (weights + activations read and written), for the GB/s report.
     pub(super) fn go<P: Copy>(&self, name: &'static str, grid: (u32, u32, u32), block: u32, bytes: u64, p: P) -> Result<()> {
+        self.go_smem(name, grid, block, 0, bytes, p)
+    }
+
+    /// [`Self::go`] with `smem` bytes of dynamic shared memory (the prefill kernels).
+    pub(super) fn go_smem<P: Copy>(&self, name: &'static str, grid: (u32, u32, u32), block: u32, smem: u32, bytes: u64, p: P) -> Result<()> {
         let mut prof = self.prof.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(pr) = prof.as_mut() {
             let a = self.cx.driver().new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
             let z = self.cx.driver().new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
             a.record(self.cx.stream())?;
-            self.cx.launch(name, grid, block, p)?;
+            self.cx.launch_smem(name, grid, block, smem, p)?;
             z.record(self.cx.stream())?;
             pr.push(super::profile::Launch { name, bytes, start: a, end: z });
             Ok(())
         } else {
-            self.cx.launch(name, grid, block, p)
+            self.cx.launch_smem(name, grid, block, smem, p)
         }
     }
 
@@ -162,14 +167,20 @@ impl CudaBackend {
         self.go("argmax_bf16", (1, 1, 1), 1024, (n * 2) as u64, p)
     }
 
-    /// `y = x @ W^T` for `t` rows in blocks of 8 (the decode GEMV; the prefill GEMMs will replace
-    /// this loop for long row counts). FP8 Linears quantise `x` first unless `x.q8` is given.
+    /// `y = x @ W^T` for `t` rows: the prefill GEMM when `t > 8` (and the operands are 16-byte
+    /// aligned), else the decode GEMV in blocks of 8 rows. FP8 Linears quantise `x` first (per
+    /// token, compressed-tensors semantics) unless `x.q8` is given. Both kernels compute the same
+    /// cast points (fp32 sums, one bf16 rounding of the scaled sum); they differ in summation order.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn linear_rows(&self, w: &super::DevLinear, x: XIn, q8_scratch: (Ptr, Ptr), y: Ptr, y_stride: usize, t: usize) -> Result<()> {
+        use super::prefill_ops::{gemm_aligned, use_prefill};
         ensure!(t >= 1, "linear on zero rows");
         let (in_, out) = (w.in_features, w.out_features);
         match &w.scale {
             None => {
+                if use_prefill(t) && gemm_aligned(x.bf, x.stride * 2, in_ * 2) {
+                    return self.k_gemm_bf16(x.bf, at(self, &w.w, 0), y, t, in_, out, x.stride, y_stride);
+                }
                 for r0 in (0..t).step_by(GEMV_ROWS) {
                     let n = GEMV_ROWS.min(t - r0);
                     self.k_gemv_bf16(x.bf + (r0 * x.stride * 2) as u64, at(self, &w.w, 0), y + (r0 * y_stride * 2) as u64, n, in_, out, x.stride, y_stride)?;
@@ -183,6 +194,9 @@ impl CudaBackend {
                         (q8_scratch.0, q8_scratch.1, in_)
                     }
                 };
+                if use_prefill(t) && gemm_aligned(xq, xstride, in_) {
+                    return self.k_gemm_fp8(xq, xsc, at(self, &w.w, 0), at(self, ws, 0), y, t, in_, out, xstride, y_stride);
+                }
                 for r0 in (0..t).step_by(GEMV_ROWS) {
                     let n = GEMV_ROWS.min(t - r0);
                     self.k_gemv_fp8(xq + (r0 * xstride) as u64, xsc + (r0 * 4) as u64, at(self, &w.w, 0), at(self, ws, 0), y + (r0 * y_stride * 2) as u64, n, in_, out, xstride, y_stride)?;

@@ -8,8 +8,10 @@ use model_spec::{DType, LayerKind};
 
 /// Rows of one prefill chunk: a layer runs its prompt in chunks of this many tokens (exact: the
 /// conv/recurrent states and the K/V cache carry across chunks), so scratch does not grow with
-/// the prompt.
-pub const CHUNK: usize = 512;
+/// the prompt. 2048 rows give the MoE's grouped GEMMs ~64 rows per expert (top-8 of 256), so each
+/// chunk reads every expert's weights once for 4x the rows of a 512-row chunk; the scratch is
+/// ~0.4 GiB at the 35B shapes.
+pub const CHUNK: usize = 2048;
 /// Query rows of one attention launch during prefill (the split-K partials scale with it).
 pub const ATTN_ROWS: usize = 8;
 /// Most sequence splits of one attention launch, and the shortest split.
@@ -90,7 +92,8 @@ impl ScratchSizes {
         let c = CHUNK;
         let bf = 2 * (self.xb + c * self.proj_w + self.conv + 2 * self.o + self.qg + 2 * self.kv + c * d.num_attention_heads * d.head_dim
             + c * self.rlog_w + c * self.slots * 2 * d.moe_intermediate_size + c * self.slots * d.hidden_size + d.vocab_size);
-        let f4 = 4 * (self.xs + self.asc + self.part_o + self.part_ml + c * d.top_k * 2 + 1);
+        // idx + wt, amax, and the MoE prefill's group/tile offsets, row_token and row_of.
+        let f4 = 4 * (self.xs + self.asc + self.part_o + self.part_ml + c * d.top_k * 2 + 1 + 2 * (d.num_experts + 1) + 2 * c * d.top_k);
         (bf + self.xq + self.aq + f4) as u64
     }
 }

@@ -1,7 +1,7 @@
 //! `ornith-bench`: batch-1 speed of the CUDA backend on the checkpoint this binary was compiled
 //! for. For each prompt length: TTFT (prefill + first token), prefill tok/s, decode tok/s over
 //! `--gen` greedy tokens (warm), the bytes a decode step must read and the fraction of the
-//! measured device copy bandwidth that implies, and per-kernel times of one decode step (CUDA
+//! measured device copy bandwidth that implies, and per-kernel times of one decode step and of one prefill (CUDA
 //! events). JSON on stdout, a table on stderr.
 use anyhow::{Context, Result};
 use clap::Parser;
@@ -51,6 +51,10 @@ struct Run {
     decode_step_kernels: Vec<KernelSummary>,
     decode_step_kernel_us: f64,
     decode_step_launches: usize,
+    /// One more prefill of the same prompt with every launch timed by events.
+    prefill_kernels: Vec<KernelSummary>,
+    prefill_kernel_us: f64,
+    prefill_launches: usize,
 }
 
 #[derive(Serialize)]
@@ -171,6 +175,11 @@ fn run() -> Result<()> {
         let times = b.profile_end()?;
         let kernels = summarize(&times);
         let kernel_us: f64 = times.iter().map(|t| t.us).sum();
+        // One more prefill with every launch timed (after the timed runs, so it cannot slow them).
+        st.reset(&b);
+        b.profile_begin();
+        let _ = model.prefill(&b, &mut st, &ids, false, &mut |_, _| {})?;
+        let ptimes = b.profile_end()?;
         let avg_pos = (p + args.gen / 2) as u64;
         let bytes = static_bytes + state_bytes + kv_per_pos * avg_pos;
         let tok_s = args.gen as f64 / dec;
@@ -188,6 +197,9 @@ fn run() -> Result<()> {
             decode_step_kernels: kernels,
             decode_step_kernel_us: kernel_us,
             decode_step_launches: times.len(),
+            prefill_kernels: summarize(&ptimes),
+            prefill_kernel_us: ptimes.iter().map(|t| t.us).sum(),
+            prefill_launches: ptimes.len(),
         });
     }
 
@@ -203,6 +215,13 @@ fn run() -> Result<()> {
         eprintln!("\none decode step at prompt {} ({} launches, {:.0} us of kernel time):", r.prompt_tokens, r.decode_step_launches, r.decode_step_kernel_us);
         eprintln!("{:>22} {:>8} {:>10} {:>10} {:>8}", "kernel", "launches", "total us", "MB", "GB/s");
         for k in &r.decode_step_kernels {
+            eprintln!("{:>22} {:>8} {:>10.1} {:>10.2} {:>8.0}", k.kernel, k.launches, k.total_us, k.bytes as f64 / 1e6, k.gb_per_s);
+        }
+    }
+    if let Some(r) = runs.last() {
+        eprintln!("\nprefill of {} tokens ({} launches, {:.0} us of kernel time):", r.prompt_tokens, r.prefill_launches, r.prefill_kernel_us);
+        eprintln!("{:>22} {:>8} {:>10} {:>10} {:>8}", "kernel", "launches", "total us", "MB", "GB/s");
+        for k in &r.prefill_kernels {
             eprintln!("{:>22} {:>8} {:>10.1} {:>10.2} {:>8.0}", k.kernel, k.launches, k.total_us, k.bytes as f64 / 1e6, k.gb_per_s);
         }
     }

@@ -14,9 +14,9 @@ type Bf = CudaSlice<u16>;
 /// GEMM tile (rows x outputs), as `GB_M`/`GB_N` in `gemm.cu`.
 pub const GEMM_TILE: usize = 128;
 /// Dynamic shared memory of the kernels (bytes); all within the 99 KiB per block of sm_121.
-const GEMM_SMEM: u32 = 3 * 2 * 128 * 128;
-const GDN_SMEM: u32 = 4 * (2 * 64 * 129 + 64 * 65 + 128 * 32 + 4 * 64);
-const FA_SMEM: u32 = 64 * 512 + 4 * 32 * 512;
+pub(crate) const GEMM_SMEM: u32 = 3 * 2 * 128 * 128;
+pub(crate) const GDN_SMEM: u32 = 4 * (2 * 64 * 129 + 64 * 65 + 128 * 32 + 4 * 64);
+pub(crate) const FA_SMEM: u32 = 64 * 512 + 4 * 32 * 512;
 
 fn need<T>(what: &str, s: &CudaSlice<T>, n: usize) -> Result<()> {
     ensure!(s.len() >= n, "{what}: buffer has {} elements, the launch needs {n}", s.len());
@@ -34,7 +34,7 @@ enum GemmKind {
 }
 
 impl CudaContext {
-    fn launch_smem<P: Copy>(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, p: P) -> Result<()> {
+    pub(crate) fn launch_smem<P: Copy>(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, p: P) -> Result<()> {
         let f = self.func(name);
         if smem > 48 * 1024 {
             f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
