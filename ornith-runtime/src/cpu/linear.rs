@@ -77,18 +77,7 @@ pub fn linear_fp8(
     check_len("linear_fp8 w8", w8.len(), n_out * n_in);
     check_len("linear_fp8 w_scale", w_scale.len(), n_out);
     check_len("linear_fp8 y", y.len(), t * n_out);
-    // Per-token quantisation, then exact decode of the codes to f32.
-    let mut xf = vec![0f32; t * n_in];
-    let mut sx = vec![0f32; t];
-    xf.par_chunks_mut(n_in.max(1)).zip(x.par_chunks(n_in.max(1))).zip(sx.par_iter_mut()).for_each(
-        |((xr, src), s)| {
-            let mut q = vec![0u8; n_in];
-            *s = quantize_act_row(src, &mut q);
-            for (d, &c) in xr.iter_mut().zip(&q) {
-                *d = E4M3_TABLE[c as usize];
-            }
-        },
-    );
+    let (xf, sx) = quantize_rows(x, t, n_in);
     gemm(
         &xf,
         t,
@@ -102,6 +91,21 @@ pub fn linear_fp8(
         |tt, o, acc| acc * sx[tt] * w_scale[o],
         y,
     );
+}
+
+/// Per-token quantisation of `x [t, n_in]`: the E4M3 values decoded exactly to f32 (unscaled)
+/// and the per-token scales `sx [t]`.
+fn quantize_rows(x: &[bf16], t: usize, n_in: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut xf = vec![0f32; t * n_in];
+    let mut sx = vec![0f32; t];
+    xf.par_chunks_mut(n_in.max(1)).zip(x.par_chunks(n_in.max(1))).zip(sx.par_iter_mut()).for_each(|((xr, src), s)| {
+        let mut q = vec![0u8; n_in];
+        *s = quantize_act_row(src, &mut q);
+        for (d, &c) in xr.iter_mut().zip(&q) {
+            *d = E4M3_TABLE[c as usize];
+        }
+    });
+    (xf, sx)
 }
 
 /// The transformers oracle's simulation of W8A8 (compressed-tensors decompression + fake
@@ -124,14 +128,9 @@ pub fn linear_fp8_fake_quant(
     check_len("linear_fp8_fake_quant w_scale", w_scale.len(), n_out);
     check_len("linear_fp8_fake_quant y", y.len(), t * n_out);
     let round = |v: f32| bf16::from_f32(v).to_f32();
-    let mut xf = vec![0f32; t * n_in];
-    xf.par_chunks_mut(n_in.max(1)).zip(x.par_chunks(n_in.max(1))).for_each(|(xr, src)| {
-        let mut q = vec![0u8; n_in];
-        let s = quantize_act_row(src, &mut q);
-        for (d, &c) in xr.iter_mut().zip(&q) {
-            *d = round(E4M3_TABLE[c as usize] * s);
-        }
-    });
+    // Dequantised activations, rounded to bf16 as compressed-tensors' fake quantisation does.
+    let (mut xf, sx) = quantize_rows(x, t, n_in);
+    xf.par_chunks_mut(n_in.max(1)).zip(&sx).for_each(|(xr, &s)| xr.iter_mut().for_each(|v| *v = round(*v * s)));
     gemm(
         &xf,
         t,
