@@ -14,6 +14,8 @@ pub mod prefill;
 #[cfg(test)]
 mod prefill_tests;
 #[cfg(test)]
+mod test_util;
+#[cfg(test)]
 mod tests;
 
 /// Kernels per PTX module (names of the `extern "C"` entry points).

@@ -3,28 +3,18 @@
 //! `PERF` line at the real 2K-token shapes (median of 20 event-timed launches after 3 warm-ups).
 use super::launch::GdnArgs;
 use super::prefill::*;
-use super::CudaContext;
 use crate::cpu::attention::{attention, output_gate};
 use crate::cpu::fp8::quantize_act_row;
 use crate::cpu::gdn::{gated_delta_rule, GdnDims};
 use crate::cpu::linear::{linear_bf16, linear_fp8, LinearWeight};
 use crate::cpu::moe::{moe, route, Mlp, MoeWeights};
-use cudarc::driver::sys::CUevent_flags;
+use super::test_util::{ctx, rng, time_it, POISON, R};
 use half::bf16;
-use rand::{Rng, SeedableRng};
-
-type R = rand::rngs::StdRng;
-const POISON: u16 = 0xffff; // NaN: an output left unwritten fails every check below
+use rand::Rng;
 
 /// The H200's dense bf16 tensor-core rate (TFLOP/s); FP8 through mma.sync runs at the same rate.
 const H200_MMA_TFLOPS: f64 = 790.0;
 
-fn ctx() -> CudaContext {
-    CudaContext::new(0).expect("these tests need a CUDA device")
-}
-fn rng(seed: u64) -> R {
-    R::seed_from_u64(seed)
-}
 fn bfv(r: &mut R, n: usize, scale: f32) -> Vec<bf16> {
     (0..n).map(|_| bf16::from_f32(r.random_range(-1.0f32..1.0) * scale)).collect()
 }
@@ -42,23 +32,6 @@ fn fp8_pattern(n: usize, seed: u64) -> Vec<u8> {
 /// Spacing of bf16 numbers at |v| (one ulp).
 fn ulp(v: f64) -> f64 {
     2f64.powi(v.abs().max(1e-30).log2().floor() as i32 - 7)
-}
-fn time_it(c: &CudaContext, mut f: impl FnMut()) -> f64 {
-    for _ in 0..3 {
-        f();
-    }
-    let mut v = Vec::new();
-    for _ in 0..20 {
-        let a = c.driver().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
-        let b = c.driver().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
-        a.record(c.stream()).unwrap();
-        f();
-        b.record(c.stream()).unwrap();
-        b.synchronize().unwrap();
-        v.push(a.elapsed_ms(&b).unwrap() as f64 / 1e3);
-    }
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
 }
 
 /// Elementwise check of a bf16 output against a reference that went through the same cast points:

@@ -2,21 +2,10 @@
 //! References are straightforward f64 loops that copy the kernels' bf16 cast points (HF's);
 //! tolerance rationale at `close`.
 use super::launch::*;
-use super::CudaContext;
-use cudarc::driver::sys::CUevent_flags;
+use super::test_util::{ctx, rng, time_it, POISON, R};
 use half::bf16;
 use model_spec::fp8::e4m3_to_f32;
-use rand::{Rng, SeedableRng};
-
-type R = rand::rngs::StdRng;
-const POISON: u16 = 0xffff; // a NaN pattern: an output element left unwritten fails `close`
-
-fn ctx() -> CudaContext {
-    CudaContext::new(0).expect("these tests need a CUDA device")
-}
-fn rng(seed: u64) -> R {
-    R::seed_from_u64(seed)
-}
+use rand::Rng;
 fn bfv(r: &mut R, n: usize, scale: f32) -> Vec<u16> {
     (0..n).map(|_| bf16::from_f32(r.random_range(-1.0f32..1.0) * scale).to_bits()).collect()
 }
@@ -69,24 +58,6 @@ fn check_quant(name: &str, y: &[u16], q8: &[u8], scale: &[f32], cols: usize) {
     }
 }
 
-/// Times `f` with device events: median of 20 runs after 3 warm-ups, in seconds.
-fn time_it(c: &CudaContext, mut f: impl FnMut()) -> f64 {
-    for _ in 0..3 {
-        f();
-    }
-    let mut v = Vec::new();
-    for _ in 0..20 {
-        let a = c.driver().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
-        let b = c.driver().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
-        a.record(c.stream()).unwrap();
-        f();
-        b.record(c.stream()).unwrap();
-        b.synchronize().unwrap();
-        v.push(a.elapsed_ms(&b).unwrap() as f64 / 1e3);
-    }
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
 
 #[test]
 #[ignore]

@@ -1,0 +1,35 @@
+//! Helpers shared by the GPU test modules (`tests`, `prefill_tests`).
+use super::CudaContext;
+use cudarc::driver::sys::CUevent_flags;
+use rand::SeedableRng;
+
+pub(super) type R = rand::rngs::StdRng;
+/// A NaN bf16 pattern: outputs are poisoned with it first, so an element left unwritten fails.
+pub(super) const POISON: u16 = 0xffff;
+
+pub(super) fn ctx() -> CudaContext {
+    CudaContext::new(0).expect("these tests need a CUDA device")
+}
+
+pub(super) fn rng(seed: u64) -> R {
+    R::seed_from_u64(seed)
+}
+
+/// Times `f` with device events: median of 20 runs after 3 warm-ups, in seconds.
+pub(super) fn time_it(c: &CudaContext, mut f: impl FnMut()) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    let mut v = Vec::new();
+    for _ in 0..20 {
+        let a = c.driver().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+        let b = c.driver().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+        a.record(c.stream()).unwrap();
+        f();
+        b.record(c.stream()).unwrap();
+        b.synchronize().unwrap();
+        v.push(a.elapsed_ms(&b).unwrap() as f64 / 1e3);
+    }
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
