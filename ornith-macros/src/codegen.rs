@@ -212,6 +212,7 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
         })
         .collect();
     let eos: Vec<u32> = spec.eos_token_ids.clone();
+    let kv_per_token = d.kv_bytes_per_token(spec.num_full_attention_layers());
     let theta_lit = proc_macro2::Literal::f64_suffixed(theta);
     let eps_lit = proc_macro2::Literal::f64_suffixed(eps);
 
@@ -248,6 +249,8 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
         pub const LAYER_KINDS: [::model_spec::LayerKind; #layers_n] = [#(#kinds),*];
         /// Stop tokens from generation_config.json.
         pub const EOS_TOKEN_IDS: &[u32] = &[#(#eos),*];
+        /// K/V-cache bytes per token (BF16 K and V of every full-attention layer).
+        pub const KV_BYTES_PER_TOKEN: u64 = #kv_per_token;
 
         #(#aliases)*
 

@@ -63,12 +63,6 @@ pub fn build_generator(args: &Args) -> anyhow::Result<Box<dyn Generator>> {
     Ok(engine)
 }
 
-/// K/V-cache bytes per token: BF16 K and V of every full-attention layer.
-pub fn kv_bytes_per_token() -> u64 {
-    let full = compiled::LAYER_KINDS.iter().filter(|k| **k == model_spec::LayerKind::FullAttention).count();
-    (full * 2 * compiled::DIMS.num_key_value_heads * compiled::DIMS.head_dim * 2) as u64
-}
-
 /// The context the caches are sized for: `--max-context` (default: the model's window), capped
 /// by `--kv-budget` when given.
 pub fn context_for(args: &Args) -> anyhow::Result<usize> {
@@ -77,11 +71,11 @@ pub fn context_for(args: &Args) -> anyhow::Result<usize> {
     anyhow::ensure!(ctx >= 1, "--max-context must be at least 1");
     anyhow::ensure!(ctx <= window, "--max-context {ctx} exceeds the model's window of {window} tokens");
     if let Some(budget) = args.kv_budget {
-        let fit = (budget / kv_bytes_per_token().max(1)) as usize;
+        let fit = (budget / compiled::KV_BYTES_PER_TOKEN.max(1)) as usize;
         anyhow::ensure!(
             fit >= 1,
             "--kv-budget {budget} bytes holds no token: the K/V cache needs {} bytes per token",
-            kv_bytes_per_token()
+            compiled::KV_BYTES_PER_TOKEN
         );
         ctx = ctx.min(fit);
     }
