@@ -54,12 +54,10 @@ impl Golden {
     }
     /// (max, mean) |bf16 oracle − fp32 oracle| for `what` ("prefill_logits", ...).
     fn gap(&self, what: &str) -> Gap {
-        let g = &self.meta["oracle_gap_bf16_vs_fp32"][what];
-        Gap { max: g["max_abs"].as_f64().unwrap() as f32, mean: g["mean_abs"].as_f64().unwrap() as f32 }
+        Gap::from_meta(&self.meta["oracle_gap_bf16_vs_fp32"][what])
     }
     fn hidden_gap(&self, layer: usize) -> Gap {
-        let g = &self.meta["oracle_gap_bf16_vs_fp32"]["hidden_after_layer"][layer.to_string()];
-        Gap { max: g["max_abs"].as_f64().unwrap() as f32, mean: g["mean_abs"].as_f64().unwrap() as f32 }
+        Gap::from_meta(&self.meta["oracle_gap_bf16_vs_fp32"]["hidden_after_layer"][layer.to_string()])
     }
 }
 
@@ -67,6 +65,13 @@ impl Golden {
 struct Gap {
     max: f32,
     mean: f32,
+}
+
+impl Gap {
+    /// `{"max_abs": …, "mean_abs": …}` as the generator writes it.
+    fn from_meta(g: &Value) -> Gap {
+        Gap { max: g["max_abs"].as_f64().unwrap() as f32, mean: g["mean_abs"].as_f64().unwrap() as f32 }
+    }
 }
 
 /// max and mean |a - b|.
