@@ -7,7 +7,7 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const OrnithQkRop
     __shared__ float xs[256];
     __shared__ float sh[32];
     const int hh = blockIdx.x, t = blockIdx.y, i = threadIdx.x, D = p.head_dim;
-    const int pos = p.pos0 + t;
+    const int pos = (p.pos_dev ? *p.pos_dev : p.pos0) + t;
     const bool is_q = hh < p.q_heads;
     const int kvh = hh - p.q_heads;
     const uint16_t *src = is_q ? p.qg + ((size_t)t * p.q_heads + hh) * 2 * D
@@ -47,9 +47,15 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode_split(const Ornith
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp >= group) return;
     const int h = kvh * group + warp;
-    const int len = p.pos0 + t + 1;  // causal: keys 0..pos
-    const int k0 = split * p.split_len;
-    const int k1 = min(k0 + p.split_len, len);
+    const int pos0 = p.pos_dev ? *p.pos_dev : p.pos0;
+    const int len = pos0 + t + 1;  // causal: keys 0..pos
+    int split_len = p.split_len;
+    if (p.pos_dev) {  // device-position form: the host's split_for formula over `splits` blocks
+        const int total = pos0 + p.tokens;
+        split_len = max((total + p.splits - 1) / p.splits, p.min_split);
+    }
+    const int k0 = split * split_len;
+    const int k1 = min(k0 + split_len, len);
     float q[8], o[8];
     {
         uint4 qv = *reinterpret_cast<const uint4 *>(p.q + ((size_t)t * p.q_heads + h) * ATT_D + lane * 8);

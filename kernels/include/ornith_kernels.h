@@ -197,7 +197,9 @@ typedef struct OrnithGatedNormParams {
  * qg [tokens, q_heads, 2*head_dim] (query | gate per head), k, v [tokens, kv_heads * head_dim].
  * Token t sits at position pos0 + t.  cos/sin = bf16(cos/sin(float(pos) * inv_freq[i % (rot/2)])),
  * inv_freq[i] = 1 / theta^(2i/rot); x' = bf16(bf16(x*cos) + bf16(rot_half(x)*sin)) on the first `rot` dims.
- * Writes q_out [tokens, q_heads, head_dim]; k_cache/v_cache [max_seq, kv_heads, head_dim] at row pos. */
+ * Writes q_out [tokens, q_heads, head_dim]; k_cache/v_cache [max_seq, kv_heads, head_dim] at row pos.
+ * pos_dev: when non-null, pos0 is read from device memory (*pos_dev) instead of the field, so that a
+ * captured decode graph replays at the next position without re-capture. */
 typedef struct OrnithQkRopeParams {
     const uint16_t *qg;
     const uint16_t *k;
@@ -216,13 +218,19 @@ typedef struct OrnithQkRopeParams {
     int32_t max_seq;
     float theta;
     float eps;
+    const int32_t *pos_dev;
 } OrnithQkRopeParams;
 
 /* Causal attention over the bf16 KV cache, split along the sequence (flash-decoding).
  * Token t (position pos0 + t) attends keys 0..pos0+t. q [tokens, q_heads, head_dim] (head_dim 256).
  * Pass 1 (split): each (t, head, split) writes m, l and unnormalised o[head_dim] (fp32) to part_*.
  * Pass 2 (combine): o = sum of rescaled partials / l;  out = bf16( bf16(o) * bf16(sigmoid(gate)) ),
- * gate = qg[t, h, head_dim:2*head_dim]. out [tokens, q_heads * head_dim]. */
+ * gate = qg[t, h, head_dim:2*head_dim]. out [tokens, q_heads * head_dim].
+ * Split layout: split s covers keys s*split_len .. (s+1)*split_len; partials are indexed with
+ * `splits` (the grid's x size). Device-position form (pos_dev non-null, for captured decode graphs):
+ * pos0 = *pos_dev and, with total = pos0 + tokens, split_len = max(ceil(total / splits), min_split)
+ * is computed on the device (the host's `split_for` formula); the grid keeps `splits` blocks and
+ * those past the causal end write m = -inf, l = 0, which the combine skips. */
 typedef struct OrnithAttnParams {
     const uint16_t *q;
     const uint16_t *k_cache;
@@ -239,6 +247,8 @@ typedef struct OrnithAttnParams {
     int32_t split_len;
     int32_t splits;
     float scale;
+    const int32_t *pos_dev;
+    int32_t min_split;
 } OrnithAttnParams;
 
 /* Greedy sampling: idx[t] = argmax_i float(logits[t, i]) over the first `n` columns

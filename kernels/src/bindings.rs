@@ -546,10 +546,11 @@ pub struct OrnithQkRopeParams {
     pub max_seq: i32,
     pub theta: f32,
     pub eps: f32,
+    pub pos_dev: *const i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithQkRopeParams"][::std::mem::size_of::<OrnithQkRopeParams>() - 104usize];
+    ["Size of OrnithQkRopeParams"][::std::mem::size_of::<OrnithQkRopeParams>() - 112usize];
     ["Alignment of OrnithQkRopeParams"][::std::mem::align_of::<OrnithQkRopeParams>() - 8usize];
     ["Offset of field: OrnithQkRopeParams::qg"]
         [::std::mem::offset_of!(OrnithQkRopeParams, qg) - 0usize];
@@ -585,6 +586,8 @@ const _: () = {
         [::std::mem::offset_of!(OrnithQkRopeParams, theta) - 92usize];
     ["Offset of field: OrnithQkRopeParams::eps"]
         [::std::mem::offset_of!(OrnithQkRopeParams, eps) - 96usize];
+    ["Offset of field: OrnithQkRopeParams::pos_dev"]
+        [::std::mem::offset_of!(OrnithQkRopeParams, pos_dev) - 104usize];
 };
 impl Default for OrnithQkRopeParams {
     fn default() -> Self {
@@ -613,10 +616,12 @@ pub struct OrnithAttnParams {
     pub split_len: i32,
     pub splits: i32,
     pub scale: f32,
+    pub pos_dev: *const i32,
+    pub min_split: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithAttnParams"][::std::mem::size_of::<OrnithAttnParams>() - 88usize];
+    ["Size of OrnithAttnParams"][::std::mem::size_of::<OrnithAttnParams>() - 104usize];
     ["Alignment of OrnithAttnParams"][::std::mem::align_of::<OrnithAttnParams>() - 8usize];
     ["Offset of field: OrnithAttnParams::q"][::std::mem::offset_of!(OrnithAttnParams, q) - 0usize];
     ["Offset of field: OrnithAttnParams::k_cache"]
@@ -647,6 +652,10 @@ const _: () = {
         [::std::mem::offset_of!(OrnithAttnParams, splits) - 80usize];
     ["Offset of field: OrnithAttnParams::scale"]
         [::std::mem::offset_of!(OrnithAttnParams, scale) - 84usize];
+    ["Offset of field: OrnithAttnParams::pos_dev"]
+        [::std::mem::offset_of!(OrnithAttnParams, pos_dev) - 88usize];
+    ["Offset of field: OrnithAttnParams::min_split"]
+        [::std::mem::offset_of!(OrnithAttnParams, min_split) - 96usize];
 };
 impl Default for OrnithAttnParams {
     fn default() -> Self {

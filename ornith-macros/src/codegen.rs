@@ -273,6 +273,8 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
             pub pos: usize,
             /// Capacity of the K/V caches in tokens.
             pub max_context: usize,
+            /// The backend's record of a decode step over this state (a CUDA graph).
+            pub decode_graph: B::DecodeGraph,
         }
 
         impl<B: #g::Backend> State<B> {
@@ -295,7 +297,7 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
             }
 
             pub fn new_state(b: &B, max_context: usize) -> ::anyhow::Result<State<B>> {
-                Ok(State { #(#state_inits)* pos: 0, max_context })
+                Ok(State { #(#state_inits)* pos: 0, max_context, decode_graph: b.new_decode_graph()? })
             }
 
             /// Runs `ids` after what `st` already holds; returns the logits (last row, or all
@@ -317,14 +319,19 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
                 b.logits(&DIMS, &self.norm, &self.lm_head, &h, all_rows)
             }
 
-            /// Runs one token (recurrent Gated DeltaNet, cached attention).
+            /// Runs one token (recurrent Gated DeltaNet, cached attention). The step is handed
+            /// to the backend as one unit, which may record it once and replay it (a CUDA graph).
             pub fn decode_step(&self, b: &B, st: &mut State<B>, id: u32) -> ::anyhow::Result<B::Logits> {
                 ::anyhow::ensure!(st.pos < st.max_context, "context of {} tokens is full", st.max_context);
+                ::anyhow::ensure!((id as usize) < DIMS.vocab_size, "token id {} is outside the vocabulary of {}", id, DIMS.vocab_size);
                 let pos = st.pos;
-                let mut h = b.embed(&DIMS, &self.embed_tokens, &[id])?;
-                #(#decode)*
+                let logits = b.decode_step(&mut st.decode_graph, &self.embed_tokens, id, pos, &mut || {
+                    let mut h = b.embed(&DIMS, &self.embed_tokens, &[id])?;
+                    #(#decode)*
+                    b.logits(&DIMS, &self.norm, &self.lm_head, &h, false)
+                })?;
                 st.pos += 1;
-                b.logits(&DIMS, &self.norm, &self.lm_head, &h, false)
+                Ok(logits)
             }
         }
 

@@ -129,6 +129,10 @@ pub trait Backend: Sized + Send + Sync {
     type KvCache: Send;
     /// Logits of the last position, host-readable.
     type Logits;
+    /// What a backend keeps between decode steps of one sequence to replay them (the CUDA
+    /// backend: one captured CUDA graph of the whole step). One per [`State`](crate) of the
+    /// generated model.
+    type DecodeGraph: Send;
 
     // ---- loading: every tensor by its exact checkpoint name -------------------------
     fn load_linear<P: Prec>(&self, ck: &Checkpoint, module: &str, out_features: usize, in_features: usize) -> anyhow::Result<Self::Linear<P>>;
@@ -151,6 +155,25 @@ pub trait Backend: Sized + Send + Sync {
     fn new_kv_cache(&self, d: &ModelDims, max_context: usize) -> anyhow::Result<Self::KvCache>;
     fn reset_gdn_state(&self, s: &mut Self::GdnState);
     fn reset_kv_cache(&self, c: &mut Self::KvCache);
+    fn new_decode_graph(&self) -> anyhow::Result<Self::DecodeGraph>;
+
+    // ---- one decode step ----------------------------------------------------------------
+    /// Runs one decode step of token `id` at position `pos`. `step` issues the step's
+    /// operations (embed, every layer's `*_decode`, `logits` of the last row) and returns the
+    /// logits. A backend may run `step` once while recording it and replay the recording on
+    /// later calls with the same `g` and `table` instead of calling `step` (the CUDA backend
+    /// captures a CUDA graph; its decode kernels read the token and the position from device
+    /// memory this method fills). `step` must therefore issue the same operations at every
+    /// position, with all host-side checks done before (the generated `decode_step` checks the
+    /// context length). The CPU backend just calls `step`.
+    fn decode_step(
+        &self,
+        g: &mut Self::DecodeGraph,
+        table: &Self::Embedding,
+        id: u32,
+        pos: usize,
+        step: &mut dyn FnMut() -> anyhow::Result<Self::Logits>,
+    ) -> anyhow::Result<Self::Logits>;
 
     // ---- layer operations -------------------------------------------------------------
     fn embed(&self, d: &ModelDims, table: &Self::Embedding, ids: &[u32]) -> anyhow::Result<Self::Act>;

@@ -3,7 +3,9 @@
 //! spec's own directory). See docs/TESTING.md for the exact build and run commands.
 //!
 //! * `cuda_matches_cpu` — build for the **shallow** preset (real widths, all 256 experts):
-//!   100-token prefill (all rows) and 64 greedy decode steps, CUDA against the CPU reference.
+//!   100-token prefill (all rows) and 64 teacher-forced greedy decode steps, CUDA against the
+//!   CPU reference.
+//! * `cuda_decode_graph_matches_eager` — the captured decode graph against eager launches.
 //! * `cuda_decode_1000_steps_finite` — build for the **full** preset: 1,000 greedy decode steps.
 #![cfg(feature = "cuda")]
 
@@ -92,17 +94,19 @@ fn cuda_matches_cpu() {
     assert_eq!(gl.len(), cl.len());
     // The model's own sensitivity: the CPU backend token by token (recurrent delta rule).
     let mut cs2 = compiled::Model::new_state(&cpu, ctx).unwrap();
-    let mut cpu_gap = 0f64;
+    let (mut cpu_gap, mut cpu_abs) = (0f64, 0f64);
     for r in 0..ids.len() {
         let l = if r == 0 {
             cpu.logits_to_host(&cm.prefill(&cpu, &mut cs2, &ids[..1], false, &mut |_, _| {}).unwrap()).unwrap()
         } else {
             cpu.logits_to_host(&cm.decode_step(&cpu, &mut cs2, ids[r]).unwrap()).unwrap()
         };
-        cpu_gap = cpu_gap.max(dist(&l, &cl[r * d.vocab_size..(r + 1) * d.vocab_size]).0);
+        let (rel, mx) = dist(&l, &cl[r * d.vocab_size..(r + 1) * d.vocab_size]);
+        cpu_gap = cpu_gap.max(rel);
+        cpu_abs = cpu_abs.max(mx);
     }
     let tol = REL_L2.max(2.0 * cpu_gap);
-    eprintln!("CPU chunked vs CPU token-by-token: worst relative L2 {cpu_gap:.3e}; tolerance {tol:.3e}");
+    eprintln!("CPU chunked vs CPU token-by-token: worst relative L2 {cpu_gap:.3e}, largest |d| {cpu_abs:.4}; tolerance {tol:.3e}");
     let mut worst = 0f64;
     for r in 0..ids.len() {
         let row = r * d.vocab_size..(r + 1) * d.vocab_size;
@@ -113,22 +117,79 @@ fn cuda_matches_cpu() {
     }
     eprintln!("prefill: 100 rows, worst relative L2 {worst:.3e}");
 
+    // Decode, 64 greedy steps, teacher-forced: both backends consume the CPU's greedy token, so
+    // every step compares the same sequence (after a disagreement, free-running sequences would
+    // no longer be comparable). Logits must stay within `tol` at every step, and the greedy
+    // tokens must be identical at every step where the decision is not a tie within the model's
+    // own noise: the largest absolute logit difference between the CPU's two orderings over the
+    // prefill rows (`cpu_abs`). On this random-weight checkpoint the top-2 margin is sometimes a
+    // single bf16 ulp (see `cpu_orderings_greedy_agreement`), where the CPU's own two orderings
+    // already pick different tokens; a CUDA token whose CPU logit is more than 2·cpu_abs below
+    // the CPU's maximum fails.
+    let tie = 2.0 * cpu_abs;
     let last = |v: &[f32]| v[v.len() - d.vocab_size..].to_vec();
     let (mut g_last, mut c_last) = (last(&gl), last(&cl));
     let mut worst = 0f64;
-    let mut tokens = Vec::new();
+    let (mut tokens, mut ties) = (Vec::new(), Vec::new());
     for step in 0..64 {
         let (gt, ct) = (argmax(&g_last), argmax(&c_last));
-        assert_eq!(gt, ct, "greedy token differs at decode step {step}");
+        if gt != ct {
+            let short = (c_last[ct] - c_last[gt]) as f64;
+            assert!(short <= tie, "greedy token differs at decode step {step}: CUDA {gt}, CPU {ct}; the CPU ranks CUDA's token {short:.4} below its own, beyond the tie threshold {tie:.4}");
+            ties.push((step, short));
+        }
         tokens.push(ct);
-        g_last = gpu.logits_to_host(&gm.decode_step(&gpu, &mut gs, gt as u32).unwrap()).unwrap();
+        g_last = gpu.logits_to_host(&gm.decode_step(&gpu, &mut gs, ct as u32).unwrap()).unwrap();
         c_last = cpu.logits_to_host(&cm.decode_step(&cpu, &mut cs, ct as u32).unwrap()).unwrap();
         assert!(g_last.iter().all(|v| v.is_finite()), "decode step {step}: non-finite CUDA logits");
         let (rel, mx) = dist(&g_last, &c_last);
         worst = worst.max(rel);
         assert!(rel <= tol, "decode step {step}: relative L2 {rel:.2e} (max |d| {mx:.3e}) > {tol:.2e}");
     }
-    eprintln!("decode: 64 greedy steps, identical tokens, worst relative L2 {worst:.3e}; tokens {tokens:?}");
+    eprintln!(
+        "decode: 64 teacher-forced greedy steps, worst relative L2 {worst:.3e}; {} of 64 tokens identical, ties within {tie:.4} at (step, gap) {ties:?}; tokens {tokens:?}",
+        64 - ties.len()
+    );
+}
+
+/// The captured decode graph replays exactly the eager launches: the same prompt and 48 greedy
+/// steps run eagerly and through the graph (captured at the first step, replayed at the rest,
+/// across a state reset and in a second state) give bit-identical logits.
+#[test]
+#[ignore]
+fn cuda_decode_graph_matches_eager() {
+    let ck = Checkpoint::open(&model_dir(), compiled::FINGERPRINT).expect("checkpoint");
+    let d = compiled::DIMS;
+    let ctx = 512;
+    let gpu = cuda_backend(&ck, ctx);
+    let m = compiled::Model::load(&gpu, &ck).expect("CUDA load");
+    let ids = prompt(40, d.vocab_size);
+    let run = |st: &mut compiled::State<CudaBackend>, graph: bool| -> (Vec<Vec<f32>>, f64) {
+        gpu.set_decode_graph(graph);
+        st.reset(&gpu);
+        let mut l = gpu.logits_to_host(&m.prefill(&gpu, st, &ids, false, &mut |_, _| {}).unwrap()).unwrap();
+        let mut out = Vec::new();
+        let t0 = std::time::Instant::now();
+        for _ in 0..48 {
+            let t = argmax(&l) as u32;
+            l = gpu.logits_to_host(&m.decode_step(&gpu, st, t).unwrap()).unwrap();
+            out.push(l.clone());
+        }
+        (out, t0.elapsed().as_secs_f64() / 48.0)
+    };
+    let mut st = compiled::Model::new_state(&gpu, ctx).unwrap();
+    let (eager, te) = run(&mut st, false);
+    let (graph, tg) = run(&mut st, true);
+    let (again, _) = run(&mut st, true);
+    let mut st2 = compiled::Model::new_state(&gpu, ctx).unwrap();
+    let (other, _) = run(&mut st2, true);
+    for (step, l) in eager.iter().enumerate() {
+        assert!(l.iter().all(|v| v.is_finite()), "eager step {step}: non-finite logits");
+        assert!(graph[step] == *l, "decode step {step}: graph logits differ from eager");
+        assert!(again[step] == *l, "decode step {step}: replay after a state reset differs");
+        assert!(other[step] == *l, "decode step {step}: a second state's graph differs");
+    }
+    eprintln!("decode graph: 48 steps bit-identical to eager (also after reset and in a second state); {:.1} us/step eager, {:.1} us/step graph (with a logits download per step)", te * 1e6, tg * 1e6);
 }
 
 /// Op-by-op comparison on the 100-token prompt: each layer op (mixer, MoE) of layers 0..3 runs on

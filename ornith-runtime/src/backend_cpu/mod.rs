@@ -199,6 +199,7 @@ impl Backend for CpuBackend {
     type GdnState = CpuGdnState;
     type KvCache = CpuKvCache;
     type Logits = CpuLogits;
+    type DecodeGraph = ();
 
     fn load_linear<P: Prec>(&self, ck: &Checkpoint, module: &str, out_features: usize, in_features: usize) -> Result<CpuLinear<P>> {
         self.linear(ck, module, out_features, in_features)
@@ -245,6 +246,15 @@ impl Backend for CpuBackend {
     fn reset_kv_cache(&self, c: &mut CpuKvCache) {
         c.k.clear();
         c.v.clear();
+    }
+
+    fn new_decode_graph(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// The CPU backend records nothing: every step runs `step`.
+    fn decode_step(&self, _g: &mut (), _t: &Vec<bf16>, _id: u32, _pos: usize, step: &mut dyn FnMut() -> Result<CpuLogits>) -> Result<CpuLogits> {
+        step()
     }
 
     fn embed(&self, d: &ModelDims, table: &Vec<bf16>, ids: &[u32]) -> Result<CpuAct> {

@@ -82,6 +82,16 @@ impl CudaBackend {
     /// one `[2I, H]` gate|up matrix (the MoE kernel runs the shared expert as one more slot of the
     /// routed-expert launch); `up_proj` then holds no memory of its own and is marked as fused.
     pub(super) fn linear<P: Prec>(&self, ck: &Checkpoint, module: &str, out_f: usize, in_f: usize) -> Result<CudaLinear<P>> {
+        if let Some(base) = module.strip_suffix(".in_proj_qkv").filter(|b| b.ends_with(".linear_attn")) {
+            if P::KIND == Precision::Bf16 && gdn_inputs_fused(ck, base) {
+                return self.gdn_in_proj(ck, base, in_f);
+            }
+        }
+        if let Some(base) = ["in_proj_z", "in_proj_b", "in_proj_a"].iter().find_map(|p| module.strip_suffix(p)?.strip_suffix('.')).filter(|b| b.ends_with(".linear_attn")) {
+            if P::KIND == Precision::Bf16 && gdn_inputs_fused(ck, base) {
+                return Ok(CudaLinear { dev: None, _p: PhantomData });
+            }
+        }
         if let Some(base) = module.strip_suffix(".mlp.gate") {
             ensure!(P::KIND == Precision::Bf16, "{module}: the CUDA MoE needs a BF16 router (found {})", P::NAME);
             let (gn, sgn) = (format!("{module}.weight"), format!("{base}.mlp.shared_expert_gate.weight"));
@@ -120,6 +130,25 @@ impl CudaBackend {
             return Ok(CudaLinear { dev: None, _p: PhantomData });
         }
         Ok(CudaLinear { dev: Some(self.dev_linear(ck, module, P::KIND, out_f, in_f)?), _p: PhantomData })
+    }
+
+    /// The Gated DeltaNet's four input projections as one BF16 matrix `[qkv; z; b; a]`
+    /// (`[conv_dim + value_dim + 2·Hv, H]`): one GEMV/GEMM writes the `[qkv | z | b | a]`
+    /// projection row the layer reads, instead of four launches (two of them 32 rows tall).
+    fn gdn_in_proj<P: Prec>(&self, ck: &Checkpoint, base: &str, in_f: usize) -> Result<CudaLinear<P>> {
+        let d = &self.dims;
+        let parts = [("in_proj_qkv", d.conv_dim()), ("in_proj_z", d.value_dim()), ("in_proj_b", d.linear_num_value_heads), ("in_proj_a", d.linear_num_value_heads)];
+        let rows: usize = parts.iter().map(|p| p.1).sum();
+        let mut w = self.cx.alloc::<u8>(rows * in_f * 2)?;
+        let mut r0 = 0;
+        for (p, n) in parts {
+            let name = format!("{base}.{p}.weight");
+            let v = ck.tensor(&name, &[DType::BF16], &[n, in_f])?;
+            self.cx.stream().memcpy_htod(v.bytes, &mut w.slice_mut(r0 * in_f * 2..(r0 + n) * in_f * 2))?;
+            self.progress.lock().unwrap_or_else(|e| e.into_inner()).add(v.bytes.len() as u64);
+            r0 += n;
+        }
+        Ok(CudaLinear { dev: Some(DevLinear { out_features: rows, in_features: in_f, w, scale: None }), _p: PhantomData })
     }
 
     pub(super) fn experts<G: Prec, U: Prec, D: Prec>(
@@ -174,4 +203,12 @@ impl CudaBackend {
     pub(super) fn embedding(&self, ck: &Checkpoint, name: &str, vocab: usize, hidden: usize) -> Result<CudaSlice<u8>> {
         self.put(ck.tensor(name, &[DType::BF16], &[vocab, hidden])?.bytes)
     }
+}
+
+/// Whether the four Gated DeltaNet input projections under `base` (`…linear_attn`) are all stored
+/// BF16 (the vendor's export keeps `linear_attn.*` in BF16), so that they load as one matrix.
+fn gdn_inputs_fused(ck: &Checkpoint, base: &str) -> bool {
+    ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
+        .iter()
+        .all(|p| ck.spec.tensors.get(&format!("{base}.{p}.weight")).is_some_and(|t| t.dtype == DType::BF16))
 }

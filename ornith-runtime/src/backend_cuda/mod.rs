@@ -12,7 +12,12 @@
 //!   (counting sort, grouped FP8 GEMMs, shared expert as plain GEMMs). A chunk of up to 8 rows
 //!   (decode, short tails) runs the decode kernels: GEMV, the recurrent delta rule, split-K
 //!   attention, the per-slot MoE GEMV. Both paths round at the same points as the CPU backend.
-//! * Decode is eager (one launch per kernel, ~20 per layer); a captured graph is not done yet.
+//! * Decode (`Backend::decode_step`) is captured once per sequence state as a CUDA graph and
+//!   replayed: the decode kernels that depend on the token or the position read them from a
+//!   device buffer written before each replay (`DecodeBufs`), the attention split count is fixed
+//!   (the kernel derives the split length from the position), and the step's activations live in
+//!   static buffers. With profiling on (`ornith-bench`), or `set_decode_graph(false)`, the same
+//!   launches run eagerly.
 mod load;
 mod ops;
 mod prefill_ops;
@@ -23,7 +28,7 @@ use crate::cuda::CudaContext;
 use crate::engine::SamplingParams;
 use crate::graph::*;
 use crate::weights::Checkpoint;
-use anyhow::{bail, ensure, Result};
+use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use model_spec::ExpertLayout;
@@ -44,8 +49,9 @@ pub struct DevLinear {
 }
 
 /// A Linear of precision `P`. `dev` is None only for the shared expert's `up_proj`, whose rows
-/// live in the shared `gate_proj`'s fused `[2I, H]` matrix, and for `shared_expert_gate`, whose
-/// row is the last of the router's fused `[E + 1, H]` matrix (see `load`).
+/// live in the shared `gate_proj`'s fused `[2I, H]` matrix, for `shared_expert_gate`, whose
+/// row is the last of the router's fused `[E + 1, H]` matrix, and for the Gated DeltaNet's
+/// `in_proj_z|b|a`, whose rows follow `in_proj_qkv`'s in one matrix (see `load`).
 pub struct CudaLinear<P: Prec> {
     dev: Option<DevLinear>,
     _p: PhantomData<P>,
@@ -75,12 +81,35 @@ pub struct CudaVector {
 }
 
 /// Hidden states `[t, hidden]`: `h` plus, for the first `pending` rows, a `delta` still to add.
+/// A decode step's one row lives in the backend's static [`DecodeBufs`] (shared `Arc`s).
 pub struct CudaAct {
     pub t: usize,
-    h: CudaSlice<u16>,
-    delta: CudaSlice<u16>,
+    h: Arc<CudaSlice<u16>>,
+    delta: Arc<CudaSlice<u16>>,
     pending: Cell<usize>,
 }
+
+/// Static buffers of the decode step, so that a captured graph sees the same addresses at every
+/// replay: `io = [token id, position]` (written before each step), the residual row `h` and the
+/// pending `delta`.
+struct DecodeBufs {
+    io: CudaSlice<i32>,
+    h: Arc<CudaSlice<u16>>,
+    delta: Arc<CudaSlice<u16>>,
+}
+
+/// The decode step of one sequence state, captured as a CUDA graph on first use, and the
+/// address of the embedding table it was captured with (a graph bakes in every weight address,
+/// so a different model recaptures).
+pub struct CudaDecodeGraph {
+    graph: Option<SendGraph>,
+    key: u64,
+}
+
+/// A captured graph. SAFETY: it is launched only on the backend's one stream, from the thread
+/// that drives the engine (one sequence at a time), never concurrently.
+struct SendGraph(cudarc::driver::CudaGraph);
+unsafe impl Send for SendGraph {}
 
 /// Conv state `[3, conv_dim]` bf16 (oldest first) and recurrent state `[Hv, dk, dv]` f32.
 pub struct CudaGdnState {
@@ -88,11 +117,12 @@ pub struct CudaGdnState {
     ssm: CudaSlice<f32>,
 }
 
-/// K (normed, rotated) and V `[max_context, Hkv, head_dim]` bf16; `len` positions written.
+/// K (normed, rotated) and V `[max_context, Hkv, head_dim]` bf16. The positions written are
+/// the generated `State::pos` (one count for every layer, kept by the generated code; a replayed
+/// decode graph could not update a count kept here).
 pub struct CudaKvCache {
     k: CudaSlice<u16>,
     v: CudaSlice<u16>,
-    len: usize,
     max_context: usize,
 }
 
@@ -146,6 +176,11 @@ pub struct CudaBackend {
     prof: Mutex<Option<Vec<profile::Launch>>>,
     /// An error from a method that cannot return one (state resets), reported by the next call.
     deferred: Mutex<Option<anyhow::Error>>,
+    dec: DecodeBufs,
+    /// True while a decode step's operations are issued (static buffers, device position).
+    decoding: Cell<bool>,
+    /// Capture and replay decode steps (default); false runs them eagerly.
+    graphs: Cell<bool>,
 }
 
 // SAFETY: all device work goes through the one stream of `cx`; the scratch buffers are only
@@ -165,6 +200,7 @@ impl CudaBackend {
         plan.check(free as u64, total as u64, cx.device_name())?;
         let sz = ScratchSizes::new(dims);
         let s = Scratch::new(&cx, dims, &sz)?;
+        let dec = DecodeBufs { io: cx.alloc(2)?, h: Arc::new(cx.alloc(dims.hidden_size)?), delta: Arc::new(cx.alloc(dims.hidden_size)?) };
         Ok(CudaBackend {
             cx,
             dims: *dims,
@@ -174,7 +210,36 @@ impl CudaBackend {
             progress: Mutex::new(load::Progress::new(plan.weights, quiet)),
             prof: Mutex::new(None),
             deferred: Mutex::new(None),
+            dec,
+            decoding: Cell::new(false),
+            graphs: Cell::new(true),
         })
+    }
+
+    /// Capture decode steps as CUDA graphs and replay them (true, the default), or run every
+    /// decode launch eagerly (false: the comparison in the tests and the bench).
+    pub fn set_decode_graph(&self, on: bool) {
+        self.graphs.set(on);
+    }
+
+    /// Replays `g`, capturing `step` into it first when it holds no graph for this model.
+    fn replay(&self, g: &mut CudaDecodeGraph, table: &CudaSlice<u8>, step: &mut dyn FnMut() -> Result<CudaLogits>) -> Result<CudaLogits> {
+        let key = self.cx.addr(table);
+        if g.graph.is_none() || g.key != key {
+            g.graph = None;
+            let st = self.cx.stream();
+            // Thread-local mode: a call on this thread that is illegal while capturing (an
+            // allocation, a synchronisation) fails instead of silently leaving the graph.
+            st.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let r = step();
+            let end = st.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+            r.context("capturing the decode step")?;
+            let graph = end.context("instantiating the decode graph")?.ok_or_else(|| anyhow::anyhow!("the captured decode step is empty"))?;
+            graph.upload()?;
+            *g = CudaDecodeGraph { graph: Some(SendGraph(graph)), key };
+        }
+        g.graph.as_ref().expect("captured above").0.launch()?;
+        Ok(CudaLogits { rows: 1, vocab: self.dims.vocab_size, buf: self.s.logits1.clone() })
     }
 
     pub fn context(&self) -> &CudaContext {
@@ -202,7 +267,7 @@ impl CudaBackend {
         let hs = self.dims.hidden_size;
         ensure!(!data.is_empty() && data.len().is_multiple_of(hs), "act_from_host: {} values is not a whole number of rows of {hs}", data.len());
         let b: Vec<u16> = data.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
-        Ok(CudaAct { t: data.len() / hs, h: self.cx.upload(&b)?, delta: self.cx.alloc(b.len())?, pending: Cell::new(0) })
+        Ok(CudaAct { t: data.len() / hs, h: Arc::new(self.cx.upload(&b)?), delta: Arc::new(self.cx.alloc(b.len())?), pending: Cell::new(0) })
     }
 
     fn check_deferred(&self) -> Result<()> {
@@ -258,10 +323,15 @@ impl CudaBackend {
             let x = self.norm_rows(h, norm, r0, n)?;
             let proj = at(self, &s.proj, 0);
             let (z_at, b_at) = (proj + 2 * cd as u64, proj + 2 * (cd + vd) as u64);
-            self.lin(&w.in_proj_qkv, "in_proj_qkv", x, proj, pw, n)?;
-            self.lin(&w.in_proj_z, "in_proj_z", x, z_at, pw, n)?;
-            self.lin(&w.in_proj_b, "in_proj_b", x, b_at, pw, n)?;
-            self.lin(&w.in_proj_a, "in_proj_a", x, b_at + 2 * hv as u64, pw, n)?;
+            if w.in_proj_z.dev.is_none() {
+                // Loaded fused (`load::gdn_in_proj`): one Linear writes the whole row.
+                self.lin(&w.in_proj_qkv, "in_proj_qkv|z|b|a", x, proj, pw, n)?;
+            } else {
+                self.lin(&w.in_proj_qkv, "in_proj_qkv", x, proj, pw, n)?;
+                self.lin(&w.in_proj_z, "in_proj_z", x, z_at, pw, n)?;
+                self.lin(&w.in_proj_b, "in_proj_b", x, b_at, pw, n)?;
+                self.lin(&w.in_proj_a, "in_proj_a", x, b_at + 2 * hv as u64, pw, n)?;
+            }
             self.k_conv(proj, at(self, &w.conv1d.bf, 0), at(self, &st.conv, 0), at(self, &s.conv, 0), n, cd, pw)?;
             let gp = OrnithGdnParams {
                 qkv: at(self, &s.conv, 0) as _, ba: b_at as _, a_log: at(self, &w.a_log.f, 0) as _, dt_bias: at(self, &w.dt_bias.bf, 0) as _,
@@ -294,8 +364,15 @@ impl CudaBackend {
         self.layer_start(h)?;
         let d = &self.dims;
         let (hs, nh, nkv, hd) = (d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim);
-        ensure!(cache.len == pos, "K/V cache holds {} positions, expected {pos}", cache.len);
         ensure!(pos + h.t <= cache.max_context, "K/V cache of {} tokens is full", cache.max_context);
+        // A decode step reads its position from the device (the same launches serve every
+        // position of a captured graph); prefill passes it by value.
+        let pos_dev = if self.decoding.get() {
+            ensure!(h.t == 1, "a decode step runs one token, got {}", h.t);
+            at(self, &self.dec.io, 1) as *const i32
+        } else {
+            std::ptr::null()
+        };
         let s = &self.s;
         for r0 in (0..h.t).step_by(CHUNK) {
             let n = CHUNK.min(h.t - r0);
@@ -309,7 +386,7 @@ impl CudaBackend {
                 q_norm: at(self, &w.q_norm.bf, 0) as _, k_norm: at(self, &w.k_norm.bf, 0) as _, q_out: at(self, &s.q, 0) as _,
                 k_cache: at(self, &cache.k, 0) as _, v_cache: at(self, &cache.v, 0) as _, tokens: n as i32, pos0: p0 as i32,
                 q_heads: nh as i32, kv_heads: nkv as i32, head_dim: hd as i32, rot: d.rotary_dim as i32, max_seq: cache.max_context as i32,
-                theta: d.rope_theta as f32, eps: self.eps(),
+                theta: d.rope_theta as f32, eps: self.eps(), pos_dev,
             })?;
             if use_prefill(n) {
                 self.k_flash_attn(OrnithFlashAttnParams {
@@ -320,19 +397,21 @@ impl CudaBackend {
             } else {
                 for a0 in (0..n).step_by(ATTN_ROWS) {
                     let m = ATTN_ROWS.min(n - a0);
-                    let (split_len, splits) = plan::split_for(p0 + a0 + m);
+                    // Device-position form: a fixed grid of MAX_SPLITS splits, the kernel derives
+                    // split_for's length (identical splits, so identical results).
+                    let (split_len, splits) = if pos_dev.is_null() { plan::split_for(p0 + a0 + m) } else { (0, plan::MAX_SPLITS) };
                     self.k_attention(OrnithAttnParams {
                         q: at(self, &s.q, a0 * nh * hd) as _, k_cache: at(self, &cache.k, 0) as _, v_cache: at(self, &cache.v, 0) as _,
                         qg: at(self, &s.qg, a0 * nh * 2 * hd) as _, part_o: at(self, &s.part_o, 0) as _, part_ml: at(self, &s.part_ml, 0) as _,
                         out: at(self, &s.on, a0 * nh * hd) as _, tokens: m as i32, pos0: (p0 + a0) as i32, q_heads: nh as i32, kv_heads: nkv as i32,
                         head_dim: hd as i32, split_len: split_len as i32, splits: splits as i32, scale: 1.0 / (hd as f32).sqrt(),
+                        pos_dev, min_split: plan::MIN_SPLIT as i32,
                     })?;
                 }
             }
             let att = XIn { bf: at(self, &s.on, 0), q8: None, stride: nh * hd };
             self.lin(&w.o_proj, "o_proj", att, at(self, &h.delta, r0 * hs), hs, n)?;
         }
-        cache.len = pos + h.t;
         h.pending.set(h.t);
         Ok(())
     }
@@ -431,6 +510,7 @@ impl Backend for CudaBackend {
     type GdnState = CudaGdnState;
     type KvCache = CudaKvCache;
     type Logits = CudaLogits;
+    type DecodeGraph = CudaDecodeGraph;
 
     fn load_linear<P: Prec>(&self, ck: &Checkpoint, module: &str, out_features: usize, in_features: usize) -> Result<CudaLinear<P>> {
         self.linear(ck, module, out_features, in_features)
@@ -471,7 +551,7 @@ impl Backend for CudaBackend {
             self.plan.max_context
         );
         let n = max_context * d.num_key_value_heads * d.head_dim;
-        Ok(CudaKvCache { k: self.cx.alloc(n)?, v: self.cx.alloc(n)?, len: 0, max_context })
+        Ok(CudaKvCache { k: self.cx.alloc(n)?, v: self.cx.alloc(n)?, max_context })
     }
 
     fn reset_gdn_state(&self, s: &mut CudaGdnState) {
@@ -481,9 +561,30 @@ impl Backend for CudaBackend {
         }
     }
 
-    /// Positions past `len` are never read (attention masks by position), so no clearing is needed.
-    fn reset_kv_cache(&self, c: &mut CudaKvCache) {
-        c.len = 0;
+    /// Positions past the sequence are never read (attention masks by position), so no
+    /// clearing is needed.
+    fn reset_kv_cache(&self, _c: &mut CudaKvCache) {}
+
+    fn new_decode_graph(&self) -> Result<CudaDecodeGraph> {
+        Ok(CudaDecodeGraph { graph: None, key: 0 })
+    }
+
+    /// Writes `[id, pos]` to the device, then replays the captured step, capturing it first if
+    /// `g` holds none (or one of another model). Profiling runs the step eagerly (events cannot
+    /// bracket launches inside a graph).
+    fn decode_step(&self, g: &mut CudaDecodeGraph, table: &CudaSlice<u8>, id: u32, pos: usize, step: &mut dyn FnMut() -> Result<CudaLogits>) -> Result<CudaLogits> {
+        self.check_deferred()?;
+        ensure!((id as usize) < self.dims.vocab_size, "token id {id} is outside the vocabulary of {}", self.dims.vocab_size);
+        let p = i32::try_from(pos).map_err(|_| anyhow::anyhow!("position {pos} does not fit the kernels' int32"))?;
+        let io = [id as i32, p];
+        // SAFETY: `io` is 8 bytes into the 2-element device buffer; a copy from pageable host
+        // memory returns once the bytes are staged, so the stack array may go out of scope.
+        unsafe { cudarc::driver::result::memcpy_htod_async(self.cx.addr(&self.dec.io), &io, self.cx.stream().cu_stream()) }?;
+        let profiling = self.prof.lock().unwrap_or_else(|e| e.into_inner()).is_some();
+        self.decoding.set(true);
+        let r = if profiling || !self.graphs.get() { step() } else { self.replay(g, table, step) };
+        self.decoding.set(false);
+        r
     }
 
     fn embed(&self, d: &ModelDims, table: &CudaSlice<u8>, ids: &[u32]) -> Result<CudaAct> {
@@ -493,10 +594,18 @@ impl Backend for CudaBackend {
             bail!("token id {bad} is outside the vocabulary of {}", d.vocab_size);
         }
         let t = ids.len();
+        if self.decoding.get() {
+            // A decode step: the token was written to `dec.io` by `decode_step`; the row goes to
+            // the static buffers (no allocation, so the step can be captured).
+            ensure!(t == 1, "a decode step embeds one token, got {t}");
+            let (h, delta) = (self.dec.h.clone(), self.dec.delta.clone());
+            self.k_embed(at(self, &self.dec.io, 0), at(self, table, 0), at(self, &h, 0), 1, d.hidden_size, d.vocab_size)?;
+            return Ok(CudaAct { t, h, delta, pending: Cell::new(0) });
+        }
         let ids32: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
         let dev_ids = self.cx.upload(&ids32)?;
-        let h = self.cx.alloc::<u16>(t * d.hidden_size)?;
-        let delta = self.cx.alloc::<u16>(t * d.hidden_size)?;
+        let h = Arc::new(self.cx.alloc::<u16>(t * d.hidden_size)?);
+        let delta = Arc::new(self.cx.alloc::<u16>(t * d.hidden_size)?);
         self.k_embed(at(self, &dev_ids, 0), at(self, table, 0), at(self, &h, 0), t, d.hidden_size, d.vocab_size)?;
         // `dev_ids` is freed stream-ordered after the gather that reads it.
         Ok(CudaAct { t, h, delta, pending: Cell::new(0) })

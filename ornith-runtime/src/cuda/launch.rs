@@ -244,19 +244,27 @@ impl CudaContext {
             q_out: self.addr(q_out) as _, k_cache: self.addr(k_cache) as _, v_cache: self.addr(v_cache) as _,
             tokens: a.tokens as i32, pos0: a.pos0 as i32, q_heads: a.q_heads as i32, kv_heads: a.kv_heads as i32, head_dim: d as i32,
             rot: a.rot as i32, max_seq: a.max_seq as i32, theta: a.theta, eps: a.eps,
+            pos_dev: a.pos_dev.map_or(std::ptr::null(), |d| self.addr(d) as _),
         };
         self.launch("qk_norm_rope", ((a.q_heads + a.kv_heads) as u32, a.tokens as u32, 1), d as u32, p)
     }
 
     /// Split-sequence causal attention (head_dim 256) + sigmoid output gate. Scratch buffers
     /// `part_o` [tokens*q_heads*splits*256] and `part_ml` [tokens*q_heads*splits*2] with
-    /// splits = ceil((pos0 + tokens) / split_len).
+    /// splits = ceil((pos0 + tokens) / split_len), or, in the device-position form
+    /// (`a.pos_dev` = (position buffer, splits, min_split)), the given grid of splits.
     pub fn attention_decode(&self, a: &AttnArgs, part_o: &mut CudaSlice<f32>, part_ml: &mut CudaSlice<f32>, out: &mut Bf) -> Result<()> {
         ensure!(a.head_dim == 256, "attention: head_dim {} (kernel is written for 256)", a.head_dim);
         ensure!(a.kv_heads > 0 && a.q_heads % a.kv_heads == 0 && a.q_heads / a.kv_heads <= 8, "attention: q_heads/kv_heads must be an integer <= 8");
         ensure!(a.tokens > 0 && a.split_len > 0, "attention: empty");
         let total = a.pos0 + a.tokens;
-        let splits = total.div_ceil(a.split_len);
+        let splits = match a.pos_dev {
+            Some((_, n, min)) => {
+                ensure!(n > 0 && min > 0 && n * total.div_ceil(n).max(min) >= total, "attention: {n} splits of at least {min} keys");
+                n
+            }
+            None => total.div_ceil(a.split_len),
+        };
         need("attn q", a.q, a.tokens * a.q_heads * 256)?;
         need("attn qg", a.qg, a.tokens * a.q_heads * 512)?;
         need("attn k cache", a.k_cache, total * a.kv_heads * 256)?;
@@ -269,6 +277,7 @@ impl CudaContext {
             part_o: self.addr(part_o) as _, part_ml: self.addr(part_ml) as _, out: self.addr(out) as _,
             tokens: a.tokens as i32, pos0: a.pos0 as i32, q_heads: a.q_heads as i32, kv_heads: a.kv_heads as i32, head_dim: 256,
             split_len: a.split_len as i32, splits: splits as i32, scale: 1.0 / (a.head_dim as f32).sqrt(),
+            pos_dev: a.pos_dev.map_or(std::ptr::null(), |d| self.addr(d.0) as _), min_split: a.pos_dev.map_or(0, |d| d.2 as i32),
         };
         let group = (a.q_heads / a.kv_heads) as u32;
         self.launch("attn_decode_split", (splits as u32, a.kv_heads as u32, a.tokens as u32), 32 * group, p)?;
@@ -335,6 +344,8 @@ pub struct QkRopeArgs<'a> {
     pub max_seq: usize,
     pub theta: f32,
     pub eps: f32,
+    /// Device-position form: pos0 read from this buffer (which must hold `pos0`).
+    pub pos_dev: Option<&'a CudaSlice<i32>>,
 }
 
 /// Inputs of [`CudaContext::attention_decode`].
@@ -349,4 +360,7 @@ pub struct AttnArgs<'a> {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub split_len: usize,
+    /// Device-position form: (buffer holding `pos0`, grid splits, minimum split length); the
+    /// kernel then derives the split length itself and `split_len` is ignored.
+    pub pos_dev: Option<(&'a CudaSlice<i32>, usize, usize)>,
 }

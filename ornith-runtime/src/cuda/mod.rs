@@ -69,7 +69,9 @@ impl CudaContext {
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
         let (major, minor) = ctx.compute_capability()?;
         let arch = arch_for(major, minor, &name)?;
-        let stream = ctx.default_stream();
+        // A stream of our own, not the legacy default stream, which cannot be captured into a
+        // CUDA graph (the decode step is captured once and replayed).
+        let stream = ctx.new_stream().with_context(|| format!("creating a stream on '{name}'"))?;
         let mut modules = Vec::new();
         let mut funcs = HashMap::new();
         for (m, names) in KERNELS {

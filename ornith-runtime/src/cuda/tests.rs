@@ -438,7 +438,7 @@ fn attention_decode_matches_reference() {
         let mut dkc = c.upload(&kc).unwrap();
         let mut dvc = c.upload(&vc).unwrap();
         let mut q = c.upload(&vec![POISON; tokens * qh * d]).unwrap();
-        let a = QkRopeArgs { qg: &dqg, k: &dk, v: &dv, q_norm: &dqn, k_norm: &dkn, tokens, pos0, q_heads: qh, kv_heads: kvh, head_dim: d, rot, max_seq, theta, eps: 1e-6 };
+        let a = QkRopeArgs { qg: &dqg, k: &dk, v: &dv, q_norm: &dqn, k_norm: &dkn, tokens, pos0, q_heads: qh, kv_heads: kvh, head_dim: d, rot, max_seq, theta, eps: 1e-6, pos_dev: None };
         c.qk_norm_rope(&a, &mut q, &mut dkc, &mut dvc).unwrap();
         // reference q/k: zero-centred RMSNorm then rotate-half RoPE with bf16 cos/sin and bf16 products
         let rope = |x: &[f64], pos: usize| -> Vec<f64> {
@@ -474,12 +474,20 @@ fn attention_decode_matches_reference() {
         let gkc = c.download(&dkc).unwrap();
         close(&format!("k cache pos {pos0}"), &gkc, &kc.iter().map(|&b| f(b)).collect::<Vec<_>>());
         assert_eq!(c.download(&dvc).unwrap(), vc, "v cache");
+        // Device-position form (what a captured decode graph runs): pos0 read from device memory.
+        // It must write the same q and cache rows (rewriting the rows just written).
+        let dpos = c.upload(&[pos0 as i32]).unwrap();
+        let (grid, min_split) = (256usize, 32usize);
+        let mut q2 = c.upload(&vec![POISON; tokens * qh * d]).unwrap();
+        c.qk_norm_rope(&QkRopeArgs { pos_dev: Some(&dpos), pos0: 0, ..a }, &mut q2, &mut dkc, &mut dvc).unwrap();
+        assert_eq!(c.download(&q2).unwrap(), gq, "device-position q, pos {pos0}");
+        assert_eq!(c.download(&dkc).unwrap(), gkc, "device-position k cache, pos {pos0}");
         // attention from the GPU's q and cache (checked above)
         let splits = max_seq.div_ceil(split);
         let mut po = c.alloc::<f32>(tokens * qh * splits * d).unwrap();
         let mut pml = c.alloc::<f32>(tokens * qh * splits * 2).unwrap();
         let mut out = c.upload(&vec![POISON; tokens * qh * d]).unwrap();
-        let aa = AttnArgs { q: &q, qg: &dqg, k_cache: &dkc, v_cache: &dvc, tokens, pos0, q_heads: qh, kv_heads: kvh, head_dim: d, split_len: split };
+        let aa = AttnArgs { q: &q, qg: &dqg, k_cache: &dkc, v_cache: &dvc, tokens, pos0, q_heads: qh, kv_heads: kvh, head_dim: d, split_len: split, pos_dev: None };
         c.attention_decode(&aa, &mut po, &mut pml, &mut out).unwrap();
         let mut want = Vec::new();
         for t in 0..tokens {
@@ -498,6 +506,18 @@ fn attention_decode_matches_reference() {
             }
         }
         close(&format!("attention pos {pos0} t{tokens}"), &c.download(&out).unwrap(), &want);
+        // Device-position form (what a captured decode graph runs): pos0 read from device memory,
+        // the split length derived on the device over a fixed grid of 256 splits (minimum 32
+        // keys). It must equal the host form with the same split length bit for bit, and write
+        // the same q and cache rows.
+        let dsplit = max_seq.div_ceil(grid).max(min_split);
+        let mut po2 = c.alloc::<f32>(tokens * qh * grid * d).unwrap();
+        let mut pml2 = c.alloc::<f32>(tokens * qh * grid * 2).unwrap();
+        let mut out_host = c.upload(&vec![POISON; tokens * qh * d]).unwrap();
+        let mut out_dev = c.upload(&vec![POISON; tokens * qh * d]).unwrap();
+        c.attention_decode(&AttnArgs { split_len: dsplit, ..aa }, &mut po2, &mut pml2, &mut out_host).unwrap();
+        c.attention_decode(&AttnArgs { pos_dev: Some((&dpos, grid, min_split)), pos0: 0, ..aa }, &mut po2, &mut pml2, &mut out_dev).unwrap();
+        assert_eq!(c.download(&out_dev).unwrap(), c.download(&out_host).unwrap(), "device-position attention, pos {pos0} t{tokens}");
         if pos0 == 4095 {
             let s = time_it(&c, || c.attention_decode(&aa, &mut po, &mut pml, &mut out).unwrap());
             let bytes = (2 * max_seq * kvh * d * 2) as f64;
