@@ -1,4 +1,5 @@
-// Gated DeltaNet decode path: causal conv1d + SiLU with state, recurrent gated delta rule, gated RMSNorm.
+// Gated DeltaNet: causal conv1d + SiLU with state (decode and token-parallel prefill forms), recurrent
+// gated delta rule, gated RMSNorm.
 #include "common.cuh"
 
 // One thread per channel; tokens in order, so the same kernel serves decode (1 token) and prefill.
@@ -21,6 +22,70 @@ extern "C" __global__ void __launch_bounds__(256) conv1d_silu(const OrnithConvPa
     p.state[c] = f2bf(s0);
     p.state[p.channels + c] = f2bf(s1);
     p.state[2 * p.channels + c] = f2bf(s2);
+}
+
+// Prefill form of conv1d_silu: token-parallel, bit-identical to it (y and the final state).
+//   grid  (ceil(channels / 256), ceil(tokens / CONV_TT)), block 256 (threadIdx = channel in block).
+//   x [tokens, x_stride] bf16 (first `channels` columns), w [channels, 4], state [3, channels]
+//   (oldest first), y [tokens, channels]; OrnithConvParams as conv1d_silu.
+// Thread (channel c, token block b) computes tokens t0 = b*CONV_TT .. t0+CONV_TT-1 (clipped to
+// `tokens`) with ext = [state ; x] (ext[i] = state[i] for i < 3, x[i-3] after):
+//   acc     = w0*ext[t] ; acc = fma(w1, ext[t+1], acc) ; fma(w2, ext[t+2], .) ; fma(w3, ext[t+3] = x[t], .)
+//   y[t, c] = bf16(silu(bf16(acc)))
+// the same fp32 operations in the same order as conv1d_silu (every bf16 x bf16 product is exact in
+// fp32, so the sums are the sequential kernel's bit for bit). Its window starts at x rows t0-3..t0-1
+// (b > 0; CONV_TT >= 3 so these are inside x) or at the old state (b = 0). All CONV_TT x rows are
+// loaded into registers before the first y store (without __restrict__ the compiler may not move
+// loads past stores), so each thread has CONV_TT loads in flight; a warp reads 32 consecutive
+// channels of a row (coalesced). x is read once, plus 3 rows per block for the window (L2 hits).
+// State: only the b = 0 blocks read the old state, and the same thread (same channel) writes the
+// new one after reading it: state' = ext[tokens .. tokens+2] (x rows tokens-3..tokens-1, or old
+// state rows for chunks shorter than 3 tokens). No other block touches the state, so no race.
+#define CONV_TT 32
+extern "C" __global__ void __launch_bounds__(256) conv1d_silu_chunk(const OrnithConvParams p) {
+    const int c = blockIdx.x * 256 + threadIdx.x;
+    if (c >= p.channels) return;
+    const int t0 = blockIdx.y * CONV_TT;
+    const int n = min(CONV_TT, p.tokens - t0);  // same for the whole block: the guards below do not diverge
+    const size_t xs = (size_t)p.x_stride, ch = (size_t)p.channels;
+    const uint16_t *xc = p.x + c;
+    const float w0 = bf2f(p.w[c * 4 + 0]), w1 = bf2f(p.w[c * 4 + 1]), w2 = bf2f(p.w[c * 4 + 2]),
+                w3 = bf2f(p.w[c * 4 + 3]);
+    uint16_t old0 = 0, old1 = 0, old2 = 0;
+    float s0, s1, s2;
+    if (blockIdx.y == 0) {
+        old0 = p.state[c];
+        old1 = p.state[ch + c];
+        old2 = p.state[2 * ch + c];
+        s0 = bf2f(old0); s1 = bf2f(old1); s2 = bf2f(old2);
+    } else {
+        s0 = bf2f(xc[(size_t)(t0 - 3) * xs]);
+        s1 = bf2f(xc[(size_t)(t0 - 2) * xs]);
+        s2 = bf2f(xc[(size_t)(t0 - 1) * xs]);
+    }
+    uint16_t xv[CONV_TT];
+#pragma unroll
+    for (int i = 0; i < CONV_TT; i++) xv[i] = i < n ? xc[(size_t)(t0 + i) * xs] : (uint16_t)0;
+#pragma unroll
+    for (int i = 0; i < CONV_TT; i++) {
+        if (i < n) {
+            const float x = bf2f(xv[i]);
+            float acc = w0 * s0;
+            acc = fmaf(w1, s1, acc);
+            acc = fmaf(w2, s2, acc);
+            acc = fmaf(w3, x, acc);
+            p.y[(size_t)(t0 + i) * ch + c] = f2bf(silu_f(rbf(acc)));
+            s0 = s1; s1 = s2; s2 = x;
+        }
+    }
+    if (blockIdx.y == 0) {
+#pragma unroll
+        for (int j = 0; j < 3; j++) {
+            const int e = p.tokens + j;  // ext index of new state row j
+            const uint16_t v = e == 0 ? old0 : e == 1 ? old1 : e == 2 ? old2 : xc[(size_t)(e - 3) * xs];
+            p.state[j * ch + c] = f2bf(bf2f(v));  // conv1d_silu's float -> bf16 store (identity, NaN as it does)
+        }
+    }
 }
 
 #define GDN_D 128    // dk = dv

@@ -332,7 +332,8 @@ impl CudaBackend {
                 self.lin(&w.in_proj_b, "in_proj_b", x, b_at, pw, n)?;
                 self.lin(&w.in_proj_a, "in_proj_a", x, b_at + 2 * hv as u64, pw, n)?;
             }
-            self.k_conv(proj, at(self, &w.conv1d.bf, 0), at(self, &st.conv, 0), at(self, &s.conv, 0), n, cd, pw)?;
+            let conv = if use_prefill(n) { Self::k_conv_chunk } else { Self::k_conv }; // bit-identical forms
+            conv(self, proj, at(self, &w.conv1d.bf, 0), at(self, &st.conv, 0), at(self, &s.conv, 0), n, cd, pw)?;
             let gp = OrnithGdnParams {
                 qkv: at(self, &s.conv, 0) as _, ba: b_at as _, a_log: at(self, &w.a_log.f, 0) as _, dt_bias: at(self, &w.dt_bias.bf, 0) as _,
                 state: at(self, &st.ssm, 0) as _, o: at(self, &s.o, 0) as _, tokens: n as i32, k_heads: hk as i32, v_heads: hv as i32,

@@ -1,11 +1,12 @@
-//! Launches of the prefill kernels (`kernels/cuda/{gemm,gdn_chunk,flash_attn,moe_prefill}.cu`) on
-//! raw device addresses, as [`super::ops`] does for the decode kernels. Their math and shape
+//! Launches of the prefill kernels (`kernels/cuda/{gemm,gdn_chunk,flash_attn,moe_prefill}.cu` and
+//! `conv1d_silu_chunk` in `gdn.cu`) on raw device addresses, as [`super::ops`] does for the decode
+//! kernels. Their math and shape
 //! assumptions are in `kernels/include/ornith_kernels.h`; the checked, slice-based launchers in
 //! [`crate::cuda::prefill`] are their unit-tested entry points (against the CPU reference ops).
 //! A prefill chunk uses them when it has more than [`GEMV_ROWS`] rows; decode keeps the GEMVs.
 use super::ops::{Ptr, GEMV_ROWS};
 use super::CudaBackend;
-use crate::cuda::prefill::{FA_SMEM, GDN_SMEM, GEMM_SMEM, GEMM_TILE};
+use crate::cuda::prefill::{CONV_TT, FA_SMEM, GDN_SMEM, GEMM_SMEM, GEMM_TILE};
 use anyhow::Result;
 use ornith_kernels::bindings::*;
 
@@ -53,6 +54,15 @@ impl CudaBackend {
         let tiles = rows.div_ceil(GEMM_TILE) + g.min(rows);
         let bytes = g * (out * in_ + out * 4) + rows * (in_ + 4 + out * 2);
         self.go_smem("gemm_fp8", (out.div_ceil(GEMM_TILE) as u32, tiles as u32, 1), 256, GEMM_SMEM, bytes as u64, p)
+    }
+
+    /// Token-parallel causal conv + SiLU of `t` tokens: the same parameters, output and state update
+    /// as [`Self::k_conv`], bit for bit. Bytes: x and y once, w, and the state read and written.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn k_conv_chunk(&self, x: Ptr, w: Ptr, state: Ptr, y: Ptr, t: usize, channels: usize, x_stride: usize) -> Result<()> {
+        let p = OrnithConvParams { x: x as _, w: w as _, state: state as _, y: y as _, tokens: t as i32, channels: channels as i32, x_stride: x_stride as i32 };
+        let grid = (channels.div_ceil(256) as u32, t.div_ceil(CONV_TT) as u32, 1);
+        self.go("conv1d_silu_chunk", grid, 256, (channels * (8 + 12) + t * channels * 4) as u64, p)
     }
 
     /// Chunked gated delta rule: the same parameters, state and output as `gdn_recurrent`.

@@ -23,7 +23,7 @@ const KERNELS: [(Module, &[&str]); 10] = [
     (Module::Norm, &["embed_gather", "rmsnorm_residual", "quantize_fp8_rows"]),
     (Module::Gemv, &["gemv_bf16", "gemv_fp8", "moe_gemv_fp8"]),
     (Module::Moe, &["moe_router_topk", "swiglu_quant", "moe_combine"]),
-    (Module::Gdn, &["conv1d_silu", "gdn_recurrent", "gated_rmsnorm"]),
+    (Module::Gdn, &["conv1d_silu", "conv1d_silu_chunk", "gdn_recurrent", "gated_rmsnorm"]),
     (Module::Attention, &["qk_norm_rope", "attn_decode_split", "attn_decode_combine"]),
     (Module::Sample, &["argmax_bf16"]),
     (Module::Gemm, &["gemm_fp8", "gemm_bf16", "quantize_fp8_ct"]),

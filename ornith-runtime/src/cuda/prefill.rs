@@ -1,6 +1,6 @@
 //! Launchers of the prefill kernels (many tokens): tensor-core GEMMs (FP8 W8A8 and BF16, plain or
-//! grouped by MoE expert), compressed-tensors activation quantisation, the chunked gated delta rule,
-//! causal flash attention and the grouped MoE block. Each checks its kernel's shape assumptions and
+//! grouped by MoE expert), compressed-tensors activation quantisation, the token-parallel causal
+//! conv + SiLU, the chunked gated delta rule, causal flash attention and the grouped MoE block. Each checks its kernel's shape assumptions and
 //! buffer sizes and returns an error rather than launching on bad input.
 use super::launch::GdnArgs;
 use super::{CudaContext, Param};
@@ -17,6 +17,8 @@ pub const GEMM_TILE: usize = 128;
 pub(crate) const GEMM_SMEM: u32 = 3 * 2 * 128 * 128;
 pub(crate) const GDN_SMEM: u32 = 4 * (2 * 64 * 129 + 64 * 65 + 128 * 32 + 4 * 64);
 pub(crate) const FA_SMEM: u32 = 64 * 512 + 4 * 32 * 512;
+/// Tokens per block of `conv1d_silu_chunk` (`CONV_TT` in `gdn.cu`).
+pub const CONV_TT: usize = 32;
 
 fn need<T>(what: &str, s: &CudaSlice<T>, n: usize) -> Result<()> {
     ensure!(s.len() >= n, "{what}: buffer has {} elements, the launch needs {n}", s.len());
@@ -106,6 +108,24 @@ impl CudaContext {
         need("quantize_fp8_ct scale", scale, rows)?;
         let p = OrnithQuantParams { x: self.addr(x) as _, q8: self.addr(q8) as _, scale: self.addr(scale) as _, tokens: i32of("rows", rows)?, cols: i32of("cols", cols)? };
         self.launch_smem("quantize_fp8_ct", (rows as u32, 1, 1), 256, 0, p)
+    }
+
+    /// Causal depthwise conv (kernel 4) + SiLU of a prefill chunk, token-parallel: the same inputs,
+    /// outputs and state update as [`CudaContext::conv1d_silu`], bit for bit (see `gdn.cu`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv1d_silu_chunk(&self, x: &Bf, w: &Bf, state: &mut Bf, y: &mut Bf, tokens: usize, channels: usize, x_stride: usize) -> Result<()> {
+        ensure!(tokens > 0 && channels > 0 && x_stride >= channels, "conv chunk: tokens {tokens}, channels {channels}, stride {x_stride}");
+        ensure!(tokens.div_ceil(CONV_TT) <= 65535, "conv chunk: tokens {tokens} need more than 65535 blocks of {CONV_TT}");
+        need("conv chunk x", x, (tokens - 1) * x_stride + channels)?;
+        need("conv chunk w", w, channels * 4)?;
+        need("conv chunk state", state, 3 * channels)?;
+        need("conv chunk y", y, tokens * channels)?;
+        i32of("channels * 4", channels * 4)?;
+        let p = OrnithConvParams {
+            x: self.addr(x) as _, w: self.addr(w) as _, state: self.addr(state) as _, y: self.addr(y) as _, tokens: tokens as i32,
+            channels: channels as i32, x_stride: i32of("x_stride", x_stride)?,
+        };
+        self.launch_smem("conv1d_silu_chunk", (channels.div_ceil(256) as u32, tokens.div_ceil(CONV_TT) as u32, 1), 256, 0, p)
     }
 
     /// Chunked gated delta rule (chunk 64, dk = dv = 128) for prefill; same inputs, state and

@@ -4,6 +4,7 @@
 use super::launch::GdnArgs;
 use super::prefill::*;
 use crate::cpu::attention::{attention, output_gate};
+use crate::cpu::conv::conv_silu;
 use crate::cpu::fp8::quantize_act_row;
 use crate::cpu::gdn::{gated_delta_rule, GdnDims};
 use crate::cpu::linear::{linear_bf16, linear_fp8, LinearWeight};
@@ -152,6 +153,66 @@ fn gemm_bf16_matches_reference() {
 
 // ---------------------------------------------------------------------------------------------
 // Gated DeltaNet
+
+/// Token-parallel conv + SiLU (`conv1d_silu_chunk`) against the sequential kernel `conv1d_silu`:
+/// y and the final state must be identical bit for bit (same fp32 operations in the same order),
+/// over token counts below, at and around the 32-token block (1, 2, 3 take the short-chunk state
+/// path), odd channel counts (partial 256-channel blocks), strided x with NaN padding, and a random
+/// start state. Against the CPU reference `cpu::conv::conv_silu`: the state exactly (it is a copy
+/// of inputs); y within the decode conv test's tolerance (tests.rs `close`: |d| <= (|want| +
+/// rms) / 128, L2 4e-3; written here as 1 ulp(want) + rms/128, which is no looser since
+/// ulp(want) <= |want| / 128). Why it holds: every bf16 x bf16 product is exact in fp32 and both
+/// add them in the same order, so bf16(acc) agrees; only SiLU's exp (CUDA expf vs Rust's) can
+/// differ by a few fp32 ulps and move y across one bf16 rounding boundary.
+#[test]
+#[ignore]
+fn conv1d_chunk_matches_reference() {
+    let c = ctx();
+    let mut r = rng(26);
+    // (tokens, channels, x_stride)
+    for (t, ch, xs) in [
+        (1, 257, 260), (2, 8192, 12352), (3, 100, 100), (5, 1000, 1003), (17, 8192, 12352), (31, 33, 40), (32, 257, 257),
+        (33, 8192, 12352), (65, 129, 131), (300, 1000, 1001), (777, 4097, 4100), (2048, 8192, 12352),
+    ] {
+        let x = bfv(&mut r, t * ch, 2.0);
+        let w = bfv(&mut r, ch * 4, 1.0);
+        let st = bfv(&mut r, 3 * ch, 2.0);
+        let mut xpad = vec![POISON; (t - 1) * xs + ch]; // NaN between rows: a wrong stride shows up in y
+        for tt in 0..t {
+            xpad[tt * xs..tt * xs + ch].copy_from_slice(&bits(&x[tt * ch..(tt + 1) * ch]));
+        }
+        let (dx, dw) = (c.upload(&xpad).unwrap(), c.upload(&bits(&w)).unwrap());
+        let (mut st_seq, mut st_par) = (c.upload(&bits(&st)).unwrap(), c.upload(&bits(&st)).unwrap());
+        let (mut y_seq, mut y_par) = (c.upload(&vec![POISON; t * ch]).unwrap(), c.upload(&vec![POISON; t * ch]).unwrap());
+        c.conv1d_silu(&dx, &dw, &mut st_seq, &mut y_seq, t, ch, xs).unwrap();
+        c.conv1d_silu_chunk(&dx, &dw, &mut st_par, &mut y_par, t, ch, xs).unwrap();
+        let (gy, gs) = (c.download(&y_par).unwrap(), c.download(&st_par).unwrap());
+        let (sy, ss) = (c.download(&y_seq).unwrap(), c.download(&st_seq).unwrap());
+        for (i, (a, b)) in gy.iter().zip(&sy).enumerate() {
+            assert_eq!(a, b, "conv chunk t{t} c{ch}: y[{}, {}] = {a:#06x}, sequential kernel {b:#06x}", i / ch, i % ch);
+        }
+        assert_eq!(gs, ss, "conv chunk t{t} c{ch}: state differs from the sequential kernel's");
+        // CPU reference
+        let (mut s_cpu, mut y_cpu) = (st.clone(), vec![bf16::ZERO; t * ch]);
+        conv_silu(&x, t, ch, &w, 4, &mut s_cpu, &mut y_cpu);
+        assert_eq!(gs, bits(&s_cpu), "conv chunk t{t} c{ch}: state != last 3 rows of [state; x]");
+        let want: Vec<f64> = y_cpu.iter().map(|v| v.to_f64()).collect();
+        let (worst, rel) = check(&format!("conv chunk t{t} c{ch}"), &gy, &want, 1.0, 2f64.powi(-7), 4e-3);
+        let differ = gy.iter().zip(&y_cpu).filter(|(a, b)| **a != b.to_bits()).count();
+        eprintln!("conv1d_silu_chunk t{t} c{ch} stride {xs}: bit-identical to conv1d_silu; vs CPU {differ} of {} differ, max |d|/rms {worst:.2e}, rel L2 {rel:.2e}", t * ch);
+    }
+    // Timing at the real prefill shape: 2048-token chunk, conv_dim 8192 inside the 12352-wide
+    // in_proj row. Bytes: x and y once (the minimum); the sequential kernel is the old prefill path.
+    let (t, ch, xs) = (2048, 8192, 12352);
+    let dx = c.upload(&bits(&bfv(&mut r, (t - 1) * xs + ch, 2.0))).unwrap();
+    let dw = c.upload(&bits(&bfv(&mut r, ch * 4, 1.0))).unwrap();
+    let mut st = c.upload(&vec![0u16; 3 * ch]).unwrap();
+    let mut y = c.alloc::<u16>(t * ch).unwrap();
+    let seq = time_it(&c, || c.conv1d_silu(&dx, &dw, &mut st, &mut y, t, ch, xs).unwrap());
+    let par = time_it(&c, || c.conv1d_silu_chunk(&dx, &dw, &mut st, &mut y, t, ch, xs).unwrap());
+    let gbs = (2 * t * ch * 2) as f64 / par / 1e9;
+    eprintln!("PERF conv1d {t} tokens x {ch} channels (x stride {xs}): sequential conv1d_silu {:.1} us, conv1d_silu_chunk {:.1} us ({gbs:.0} GB/s), {:.1}x", seq * 1e6, par * 1e6, seq / par);
+}
 
 /// Chunked gated delta rule = `cpu::gdn::gated_delta_rule` (gates, l2norm, chunked form, one bf16
 /// rounding), from a random non-zero state, at the real head counts (16 k, 32 v heads, d 128).
