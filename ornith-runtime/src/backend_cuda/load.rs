@@ -82,15 +82,25 @@ impl CudaBackend {
     /// one `[2I, H]` gate|up matrix (the MoE kernel runs the shared expert as one more slot of the
     /// routed-expert launch); `up_proj` then holds no memory of its own and is marked as fused.
     pub(super) fn linear<P: Prec>(&self, ck: &Checkpoint, module: &str, out_f: usize, in_f: usize) -> Result<CudaLinear<P>> {
-        if let Some(base) = module.strip_suffix(".in_proj_qkv").filter(|b| b.ends_with(".linear_attn")) {
-            if P::KIND == Precision::Bf16 && gdn_inputs_fused(ck, base) {
-                return self.gdn_in_proj(ck, base, in_f);
+        // The Gated DeltaNet's four input projections as one `[qkv; z; b; a]` matrix (the layer's
+        // `[qkv | z | b | a]` projection row in one launch, instead of four, two of them 32 rows
+        // tall), and attention's q, k, v as one `[q; k; v]` matrix, when each group shares one
+        // stored precision; the later members then hold no memory of their own.
+        let d = &self.dims;
+        let groups: [(&str, &[(&str, usize)]); 2] = [
+            (".linear_attn", &[("in_proj_qkv", d.conv_dim()), ("in_proj_z", d.value_dim()), ("in_proj_b", d.linear_num_value_heads), ("in_proj_a", d.linear_num_value_heads)]),
+            (".self_attn", &[("q_proj", 2 * d.num_attention_heads * d.head_dim), ("k_proj", d.num_key_value_heads * d.head_dim), ("v_proj", d.num_key_value_heads * d.head_dim)]),
+        ];
+        for (parent, members) in groups {
+            let Some((base, idx)) = members.iter().enumerate().find_map(|(i, (m, _))| Some((module.strip_suffix(&format!("{parent}.{m}"))?, i))) else { continue };
+            let parts: Vec<(String, usize)> = members.iter().map(|(m, n)| (format!("{base}{parent}.{m}"), *n)).collect();
+            if !same_precision(ck, &parts, P::KIND) {
+                break;
             }
-        }
-        if let Some(base) = ["in_proj_z", "in_proj_b", "in_proj_a"].iter().find_map(|p| module.strip_suffix(p)?.strip_suffix('.')).filter(|b| b.ends_with(".linear_attn")) {
-            if P::KIND == Precision::Bf16 && gdn_inputs_fused(ck, base) {
+            if idx > 0 {
                 return Ok(CudaLinear { dev: None, _p: PhantomData });
             }
+            return Ok(CudaLinear { dev: Some(self.fused(ck, &parts, P::KIND, in_f)?), _p: PhantomData });
         }
         if let Some(base) = module.strip_suffix(".mlp.gate") {
             ensure!(P::KIND == Precision::Bf16, "{module}: the CUDA MoE needs a BF16 router (found {})", P::NAME);
@@ -132,23 +142,28 @@ impl CudaBackend {
         Ok(CudaLinear { dev: Some(self.dev_linear(ck, module, P::KIND, out_f, in_f)?), _p: PhantomData })
     }
 
-    /// The Gated DeltaNet's four input projections as one BF16 matrix `[qkv; z; b; a]`
-    /// (`[conv_dim + value_dim + 2·Hv, H]`): one GEMV/GEMM writes the `[qkv | z | b | a]`
-    /// projection row the layer reads, instead of four launches (two of them 32 rows tall).
-    fn gdn_in_proj<P: Prec>(&self, ck: &Checkpoint, base: &str, in_f: usize) -> Result<CudaLinear<P>> {
-        let d = &self.dims;
-        let parts = [("in_proj_qkv", d.conv_dim()), ("in_proj_z", d.value_dim()), ("in_proj_b", d.linear_num_value_heads), ("in_proj_a", d.linear_num_value_heads)];
+    /// Linears that read the same input, stored one after the other as one matrix `[Σ rows, in]`
+    /// of precision `kind` (FP8 scales concatenated likewise): one GEMV/GEMM writes all their
+    /// outputs as one row. `parts` = (module, rows).
+    fn fused(&self, ck: &Checkpoint, parts: &[(String, usize)], kind: Precision, in_f: usize) -> Result<DevLinear> {
         let rows: usize = parts.iter().map(|p| p.1).sum();
-        let mut w = self.cx.alloc::<u8>(rows * in_f * 2)?;
+        let elem = if kind == Precision::Fp8 { 1 } else { 2 };
+        let mut w = self.cx.alloc::<u8>(rows * in_f * elem)?;
+        let mut scales = Vec::new();
         let mut r0 = 0;
-        for (p, n) in parts {
-            let name = format!("{base}.{p}.weight");
-            let v = ck.tensor(&name, &[DType::BF16], &[n, in_f])?;
-            self.cx.stream().memcpy_htod(v.bytes, &mut w.slice_mut(r0 * in_f * 2..(r0 + n) * in_f * 2))?;
+        for (m, n) in parts {
+            let (name, n) = (format!("{m}.weight"), *n);
+            let dt = if kind == Precision::Fp8 { DType::F8_E4M3 } else { DType::BF16 };
+            let v = ck.tensor(&name, &[dt], &[n, in_f])?;
+            self.cx.stream().memcpy_htod(v.bytes, &mut w.slice_mut(r0 * in_f * elem..(r0 + n) * in_f * elem))?;
             self.progress.lock().unwrap_or_else(|e| e.into_inner()).add(v.bytes.len() as u64);
+            if kind == Precision::Fp8 {
+                scales.extend(to_f32(&ck.tensor(&format!("{m}.weight_scale"), VEC, &[n, 1])?));
+            }
             r0 += n;
         }
-        Ok(CudaLinear { dev: Some(DevLinear { out_features: rows, in_features: in_f, w, scale: None }), _p: PhantomData })
+        let scale = if kind == Precision::Fp8 { Some(self.put_f32(&scales)?) } else { None };
+        Ok(DevLinear { out_features: rows, in_features: in_f, w, scale })
     }
 
     pub(super) fn experts<G: Prec, U: Prec, D: Prec>(
@@ -205,10 +220,9 @@ impl CudaBackend {
     }
 }
 
-/// Whether the four Gated DeltaNet input projections under `base` (`…linear_attn`) are all stored
-/// BF16 (the vendor's export keeps `linear_attn.*` in BF16), so that they load as one matrix.
-fn gdn_inputs_fused(ck: &Checkpoint, base: &str) -> bool {
-    ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
-        .iter()
-        .all(|p| ck.spec.tensors.get(&format!("{base}.{p}.weight")).is_some_and(|t| t.dtype == DType::BF16))
+/// Whether every Linear of `parts` is stored with the precision `kind` (the spec cross-checked
+/// stored dtypes against the compiled precisions), so that they can load as one matrix.
+fn same_precision(ck: &Checkpoint, parts: &[(String, usize)], kind: Precision) -> bool {
+    let dt = if kind == Precision::Fp8 { DType::F8_E4M3 } else { DType::BF16 };
+    parts.iter().all(|(m, _)| ck.spec.tensors.get(&format!("{m}.weight")).is_some_and(|t| t.dtype == dt))
 }

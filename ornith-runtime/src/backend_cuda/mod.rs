@@ -50,8 +50,9 @@ pub struct DevLinear {
 
 /// A Linear of precision `P`. `dev` is None only for the shared expert's `up_proj`, whose rows
 /// live in the shared `gate_proj`'s fused `[2I, H]` matrix, for `shared_expert_gate`, whose
-/// row is the last of the router's fused `[E + 1, H]` matrix, and for the Gated DeltaNet's
-/// `in_proj_z|b|a`, whose rows follow `in_proj_qkv`'s in one matrix (see `load`).
+/// row is the last of the router's fused `[E + 1, H]` matrix, for the Gated DeltaNet's
+/// `in_proj_z|b|a`, whose rows follow `in_proj_qkv`'s in one matrix, and for attention's
+/// `k_proj|v_proj`, whose rows follow `q_proj`'s (see `load`).
 pub struct CudaLinear<P: Prec> {
     dev: Option<DevLinear>,
     _p: PhantomData<P>,
@@ -295,7 +296,7 @@ impl CudaBackend {
     }
 
     fn lin<P: Prec>(&self, l: &CudaLinear<P>, what: &str, x: XIn, y: Ptr, y_stride: usize, n: usize) -> Result<()> {
-        self.linear_rows(l.dev(what)?, x, self.q8_scratch(), y, y_stride, n)
+        self.linear_rows(l.dev(what)?.all(self), x, self.q8_scratch(), y, y_stride, n)
     }
 
     /// Every layer starts with a fully pending or fully applied residual.
@@ -378,12 +379,31 @@ impl CudaBackend {
         for r0 in (0..h.t).step_by(CHUNK) {
             let n = CHUNK.min(h.t - r0);
             let x = self.norm_rows(h, norm, r0, n)?;
-            self.lin(&w.q_proj, "q_proj", x, at(self, &s.qg, 0), nh * 2 * hd, n)?;
-            self.lin(&w.k_proj, "k_proj", x, at(self, &s.k, 0), nkv * hd, n)?;
-            self.lin(&w.v_proj, "v_proj", x, at(self, &s.v, 0), nkv * hd, n)?;
+            let (qn, kn) = (nh * 2 * hd, nkv * hd);
+            let (qg, kp, vp) = (at(self, &s.qg, 0), at(self, &s.k, 0), at(self, &s.v, 0));
+            let (kp, vp) = if w.k_proj.dev.is_none() {
+                // Loaded fused as `[q; k; v]` (`load::linear`): one token's row [q | k | v] in one
+                // launch into `qg` (room for CHUNK rows of q); more rows, one launch per part
+                // (the attention kernels read q, k and v with their own row strides).
+                let f = w.q_proj.dev("q_proj|k_proj|v_proj")?;
+                if n == 1 {
+                    self.linear_rows(f.all(self), x, self.q8_scratch(), qg, qn + 2 * kn, 1)?;
+                    (qg + 2 * qn as u64, qg + 2 * (qn + kn) as u64)
+                } else {
+                    self.linear_rows(f.rows(self, 0, qn), x, self.q8_scratch(), qg, qn, n)?;
+                    self.linear_rows(f.rows(self, qn, kn), x, self.q8_scratch(), kp, kn, n)?;
+                    self.linear_rows(f.rows(self, qn + kn, kn), x, self.q8_scratch(), vp, kn, n)?;
+                    (kp, vp)
+                }
+            } else {
+                self.lin(&w.q_proj, "q_proj", x, qg, qn, n)?;
+                self.lin(&w.k_proj, "k_proj", x, kp, kn, n)?;
+                self.lin(&w.v_proj, "v_proj", x, vp, kn, n)?;
+                (kp, vp)
+            };
             let p0 = pos + r0;
             self.k_qk_rope(OrnithQkRopeParams {
-                qg: at(self, &s.qg, 0) as _, k: at(self, &s.k, 0) as _, v: at(self, &s.v, 0) as _,
+                qg: qg as _, k: kp as _, v: vp as _,
                 q_norm: at(self, &w.q_norm.bf, 0) as _, k_norm: at(self, &w.k_norm.bf, 0) as _, q_out: at(self, &s.q, 0) as _,
                 k_cache: at(self, &cache.k, 0) as _, v_cache: at(self, &cache.v, 0) as _, tokens: n as i32, pos0: p0 as i32,
                 q_heads: nh as i32, kv_heads: nkv as i32, head_dim: hd as i32, rot: d.rotary_dim as i32, max_seq: cache.max_context as i32,

@@ -32,6 +32,34 @@ pub struct XIn {
     pub stride: usize,
 }
 
+/// Rows `r0 .. r0 + out_features` of a device Linear: weight address (BF16 or E4M3 rows of
+/// `in_features`) and, for FP8, the address of the f32 scales of those rows.
+#[derive(Clone, Copy)]
+pub struct WRows {
+    pub w: Ptr,
+    pub scale: Option<Ptr>,
+    pub in_features: usize,
+    pub out_features: usize,
+}
+
+impl super::DevLinear {
+    /// All rows.
+    pub fn all(&self, b: &CudaBackend) -> WRows {
+        self.rows(b, 0, self.out_features)
+    }
+    /// Rows `r0 .. r0 + n` (a part of a fused matrix).
+    pub fn rows(&self, b: &CudaBackend, r0: usize, n: usize) -> WRows {
+        debug_assert!(r0 + n <= self.out_features);
+        let elem = if self.scale.is_some() { 1 } else { 2 };
+        WRows {
+            w: at(b, &self.w, r0 * self.in_features * elem),
+            scale: self.scale.as_ref().map(|s| at(b, s, r0)),
+            in_features: self.in_features,
+            out_features: n,
+        }
+    }
+}
+
 impl CudaBackend {
     /// Launches `name` (timed when profiling). `bytes` is what the launch must move at least
     /// (weights + activations read and written), for the GB/s report.
@@ -172,18 +200,18 @@ impl CudaBackend {
     /// token, compressed-tensors semantics) unless `x.q8` is given. Both kernels compute the same
     /// cast points (fp32 sums, one bf16 rounding of the scaled sum); they differ in summation order.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn linear_rows(&self, w: &super::DevLinear, x: XIn, q8_scratch: (Ptr, Ptr), y: Ptr, y_stride: usize, t: usize) -> Result<()> {
+    pub(super) fn linear_rows(&self, w: WRows, x: XIn, q8_scratch: (Ptr, Ptr), y: Ptr, y_stride: usize, t: usize) -> Result<()> {
         use super::prefill_ops::{gemm_aligned, use_prefill};
         ensure!(t >= 1, "linear on zero rows");
         let (in_, out) = (w.in_features, w.out_features);
-        match &w.scale {
+        match w.scale {
             None => {
                 if use_prefill(t) && gemm_aligned(x.bf, x.stride * 2, in_ * 2) {
-                    return self.k_gemm_bf16(x.bf, at(self, &w.w, 0), y, t, in_, out, x.stride, y_stride);
+                    return self.k_gemm_bf16(x.bf, w.w, y, t, in_, out, x.stride, y_stride);
                 }
                 for r0 in (0..t).step_by(GEMV_ROWS) {
                     let n = GEMV_ROWS.min(t - r0);
-                    self.k_gemv_bf16(x.bf + (r0 * x.stride * 2) as u64, at(self, &w.w, 0), y + (r0 * y_stride * 2) as u64, n, in_, out, x.stride, y_stride)?;
+                    self.k_gemv_bf16(x.bf + (r0 * x.stride * 2) as u64, w.w, y + (r0 * y_stride * 2) as u64, n, in_, out, x.stride, y_stride)?;
                 }
             }
             Some(ws) => {
@@ -195,11 +223,11 @@ impl CudaBackend {
                     }
                 };
                 if use_prefill(t) && gemm_aligned(xq, xstride, in_) {
-                    return self.k_gemm_fp8(xq, xsc, at(self, &w.w, 0), at(self, ws, 0), y, t, in_, out, xstride, y_stride);
+                    return self.k_gemm_fp8(xq, xsc, w.w, ws, y, t, in_, out, xstride, y_stride);
                 }
                 for r0 in (0..t).step_by(GEMV_ROWS) {
                     let n = GEMV_ROWS.min(t - r0);
-                    self.k_gemv_fp8(xq + (r0 * xstride) as u64, xsc + (r0 * 4) as u64, at(self, &w.w, 0), at(self, ws, 0), y + (r0 * y_stride * 2) as u64, n, in_, out, xstride, y_stride)?;
+                    self.k_gemv_fp8(xq + (r0 * xstride) as u64, xsc + (r0 * 4) as u64, w.w, ws, y + (r0 * y_stride * 2) as u64, n, in_, out, xstride, y_stride)?;
                 }
             }
         }
