@@ -437,11 +437,18 @@ def bench(model, device: torch.device, prompts: list[int], gen: int, warmup_gen:
         tok, cache, _ = prefill(model, ids)
         tok_host = int(tok.item())  # the first token is on the host: TTFT ends here
         ttft = time.perf_counter() - t0
+        # Decode: each step's token comes back to the host, as in ornith-bench (its sampler returns the id) and
+        # in transformers' generate(); the per-step times show any slow first steps.
         sync(device)
+        step_s, toks = [], []
         t1 = time.perf_counter()
-        toks = decode(model, tok, cache, gen)
-        sync(device)
+        for _ in range(gen):
+            ts = time.perf_counter()
+            tok = decode(model, tok, cache, 1)[0]
+            toks.append(int(tok.item()))
+            step_s.append(time.perf_counter() - ts)
         dec = time.perf_counter() - t1
+        steps_sorted = sorted(step_s)
         run = {
             "prompt_tokens": p,
             "ttft_s": ttft,
@@ -449,12 +456,18 @@ def bench(model, device: torch.device, prompts: list[int], gen: int, warmup_gen:
             "decode_tokens": gen,
             "decode_tok_s": gen / dec if gen else None,
             "decode_ms_per_token": dec * 1e3 / gen if gen else None,
-            "first_tokens": [tok_host] + [int(t.item()) for t in toks[:7]],
+            "decode_step_ms_first": step_s[0] * 1e3 if gen else None,
+            "decode_step_ms_median": steps_sorted[len(steps_sorted) // 2] * 1e3 if gen else None,
+            "decode_step_ms_max": steps_sorted[-1] * 1e3 if gen else None,
+            "decode_step_ms": [round(t * 1e3, 3) for t in step_s],
+            "first_tokens": [tok_host] + toks[:7],
         }
         if device.type == "cuda":
             run["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         runs.append(run)
-        log(f"prompt {p}: TTFT {ttft:.3f} s, prefill {p / ttft:,.0f} tok/s, decode {run['decode_tok_s'] or 0:.2f} tok/s")
+        log(f"prompt {p}: TTFT {ttft:.3f} s, prefill {p / ttft:,.0f} tok/s, decode {run['decode_tok_s'] or 0:.2f} tok/s "
+            f"(step ms: first {run['decode_step_ms_first'] or 0:.1f}, median {run['decode_step_ms_median'] or 0:.1f}, "
+            f"max {run['decode_step_ms_max'] or 0:.1f})")
         del cache
     return runs
 
@@ -488,6 +501,8 @@ def profile(model, device: torch.device, prompt_len: int, top: int = 25) -> dict
                 t = ev.self_cpu_time_total
             rows.append((t, ev.count, ev.key))
         rows.sort(reverse=True)
+        host = sorted(((ev.self_cpu_time_total, ev.count, ev.key) for ev in prof.key_averages()
+                       if ev.self_cpu_time_total > 0), reverse=True)
         total = sum(r[0] for r in rows)
         fla_us = sum(t for t, _, k in rows if k in fla_names)
         result[phase] = {
@@ -495,9 +510,41 @@ def profile(model, device: torch.device, prompt_len: int, top: int = 25) -> dict
             "fla_kernel_us": fla_us,
             "fla_kernels": sorted({k for _, _, k in rows if k in fla_names}),
             "top": [{"name": k[:120], "count": c, "self_us": t, "fla": k in fla_names} for t, c, k in rows[:top]],
+            "host_top": [{"name": k[:120], "count": c, "self_cpu_us": t} for t, c, k in host[:top]],
         }
     del cache
     return result
+
+
+@torch.inference_mode()
+def python_profile_decode(model, device: torch.device, prompt_len: int, steps: int, top: int = 20) -> dict:
+    """Where the host time of `steps` decode steps goes (cProfile; functions by own time and by cumulative time)."""
+    import cProfile
+    import pstats
+
+    ids = torch.tensor([ornith_prompt(prompt_len, model.config.vocab_size)], device=device)
+    tok, cache, _ = prefill(model, ids)
+    decode(model, tok, cache, 2)
+    sync(device)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    decode(model, tok, cache, steps)
+    sync(device)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    st = pstats.Stats(prof)
+
+    def rows(key: int) -> list[dict]:
+        out = []
+        for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():
+            out.append({"function": f"{Path(file).name}:{line}({fn})", "calls": nc, "own_ms": tt * 1e3, "cum_ms": ct * 1e3})
+        out.sort(key=lambda r: -r["own_ms" if key == 0 else "cum_ms"])
+        return out[:top]
+
+    del cache
+    return {"prompt_tokens": prompt_len, "steps": steps, "wall_ms_per_step": wall * 1e3 / steps,
+            "by_own_time": rows(0), "by_cumulative_time": rows(1)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -527,15 +574,17 @@ def compare(ornith: dict, runs: list[dict]) -> list[dict]:
     return rows
 
 
-def print_table(rows: list[dict], runs: list[dict]) -> None:
-    print("\nHugging Face transformers peer (batch 1):")
-    print(f"{'prompt':>8} {'TTFT s':>9} {'prefill t/s':>12} {'decode t/s':>11} {'ms/tok':>9}")
+def print_table(rows: list[dict], runs: list[dict], variant: str) -> None:
+    print(f"\nHugging Face transformers peer (batch 1, SDPA variant {variant}):")
+    print(f"{'prompt':>8} {'TTFT s':>9} {'prefill t/s':>12} {'decode t/s':>11} {'ms/tok':>9} {'step ms first/median/max':>26}")
     for r in runs:
+        steps = (f"{r['decode_step_ms_first']:.1f}/{r['decode_step_ms_median']:.1f}/{r['decode_step_ms_max']:.1f}"
+                 if r["decode_tokens"] else "-")
         print(f"{r['prompt_tokens']:>8} {r['ttft_s']:>9.3f} {r['prefill_tok_s']:>12,.0f} "
-              f"{r['decode_tok_s'] or 0:>11.2f} {r['decode_ms_per_token'] or 0:>9.1f}")
+              f"{r['decode_tok_s'] or 0:>11.2f} {r['decode_ms_per_token'] or 0:>9.1f} {steps:>26}")
     if not rows:
         return
-    print("\nornith / transformers (same GPU, same checkpoint, same prompt ids):")
+    print(f"\nornith / transformers (same GPU, same checkpoint, same prompt ids; HF SDPA variant {variant}):")
     print(f"{'prompt':>8} | {'prefill tok/s: ornith':>21} {'HF':>9} {'ratio':>7} | "
           f"{'decode tok/s: ornith':>20} {'HF':>7} {'ratio':>7} | {'TTFT s: ornith':>14} {'HF':>7}")
     for r in rows:
@@ -666,6 +715,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="write the whole report as JSON here")
     ap.add_argument("--profile", type=int, default=256, metavar="N",
                     help="profile one prefill of N tokens and one decode step (0: off; default 256)")
+    ap.add_argument("--sdpa", default="default,no-cudnn",
+                    help="SDPA backend variants to benchmark on CUDA, in order; the first is the headline "
+                         "(default: 'default,no-cudnn'; see main())")
+    ap.add_argument("--pyprofile-steps", type=int, default=8, metavar="N",
+                    help="cProfile N decode steps after the benchmark to show where host time goes (0: off; default 8)")
     ap.add_argument("--unquantised-dtype", choices=("checkpoint", "bfloat16"), default="checkpoint",
                     help="dtype of unquantised tensors (F32 A_log / gated-norm weight): keep the checkpoint's, as "
                          "AutoModelForCausalLM.from_pretrained does (default), or cast to bfloat16")
@@ -747,8 +801,25 @@ def main() -> int:
             write_report(args.out, report)
             return 1
 
-    runs = bench(model, device, prompts, args.gen, args.warmup_gen)
+    # SDPA variants: "default" is what a user gets. "no-cudnn" switches off torch's cuDNN attention backend
+    # (torch.backends.cuda.enable_cudnn_sdp(False)), so SDPA falls to flash / memory-efficient attention: on the
+    # H200 the cuDNN backend was seen to build a new plan for every new key length in decode (steps beyond the
+    # lengths seen in warm-up took ~60 ms each on a 4-layer model, ~11 ms before), which that variant shows.
+    variants = [v for v in args.sdpa.split(",") if v]
+    if device.type != "cuda":
+        variants = ["default"]
+    default_flags = torch.backends.cuda.cudnn_sdp_enabled()
+    runs_by = {}
+    for v in variants:
+        if v not in ("default", "no-cudnn"):
+            raise PeerError(f"--sdpa: unknown variant {v!r} (default, no-cudnn)")
+        torch.backends.cuda.enable_cudnn_sdp(default_flags if v == "default" else False)
+        log(f"SDPA variant {v}: cudnn_sdp_enabled={torch.backends.cuda.cudnn_sdp_enabled()}")
+        runs_by[v] = bench(model, device, prompts, args.gen, args.warmup_gen)
+    torch.backends.cuda.enable_cudnn_sdp(default_flags)
+    runs = runs_by[variants[0]]
     report["runs"] = runs
+    report["runs_by_sdpa_variant"] = runs_by
     if args.profile > 0:
         report["profile"] = profile(model, device, args.profile)
         for phase in ("prefill", "decode_step"):
@@ -758,17 +829,32 @@ def main() -> int:
                 f"({', '.join(p['fla_kernels']) or 'none'})")
             for row in p["top"][:12]:
                 log(f"    {row['self_us'] / 1e3:9.3f} ms {row['count']:6d}x {'[fla] ' if row['fla'] else ''}{row['name']}")
+            if device.type == "cuda":
+                log(f"  host (CPU) self time of the {phase}, top ops:")
+                for row in p["host_top"][:8]:
+                    log(f"    {row['self_cpu_us'] / 1e3:9.3f} ms {row['count']:6d}x {row['name']}")
+    if args.pyprofile_steps > 0:
+        pp = report["python_profile_decode"] = python_profile_decode(model, device, min(prompts), args.pyprofile_steps)
+        log(f"cProfile of {pp['steps']} decode steps: {pp['wall_ms_per_step']:.1f} ms/step (profiled); top by own time:")
+        for row in pp["by_own_time"][:10]:
+            log(f"    {row['own_ms'] / pp['steps']:8.2f} ms/step own {row['cum_ms'] / pp['steps']:8.2f} cum "
+                f"{row['calls'] // pp['steps']:6d} calls/step  {row['function']}")
+        log("  top by cumulative time:")
+        for row in pp["by_cumulative_time"][:12]:
+            log(f"    {row['cum_ms'] / pp['steps']:8.2f} ms/step cum {row['calls'] // pp['steps']:6d} calls/step  {row['function']}")
     if ornith is not None:
         report["ornith"] = {k: ornith.get(k) for k in ("device", "model", "load_s", "weight_bytes")}
         report["ornith"]["runs"] = [{k: r.get(k) for k in ("prompt_tokens", "ttft_s", "prefill_tok_s", "decode_tokens",
                                                             "decode_tok_s")} for r in ornith.get("runs", [])]
         report["comparison"] = compare(ornith, runs)
+        report["comparison_by_sdpa_variant"] = {v: compare(ornith, r) for v, r in runs_by.items()}
         if ornith.get("device") and device.type == "cuda" and ornith["device"] != vers.get("gpu"):
             log(f"warning: ornith-bench ran on {ornith['device']!r}, this run on {vers.get('gpu')!r}")
         missing = sorted(set(prompts) - {r["prompt_tokens"] for r in report["comparison"]})
         if missing:
             log(f"warning: ornith-bench JSON has no run for prompt lengths {missing}")
-    print_table(report.get("comparison", []), runs)
+    for v, r in runs_by.items():
+        print_table(report.get("comparison_by_sdpa_variant", {}).get(v, []), r, v)
     write_report(args.out, report)
     return 0
 
