@@ -434,9 +434,10 @@ def bench(model, device: torch.device, prompts: list[int], gen: int, warmup_gen:
             torch.cuda.reset_peak_memory_stats(device)
         sync(device)
         t0 = time.perf_counter()
-        tok, cache, _ = prefill(model, ids)
+        tok, cache, last = prefill(model, ids)
         tok_host = int(tok.item())  # the first token is on the host: TTFT ends here
         ttft = time.perf_counter() - t0
+        top2 = last.float().topk(2, dim=-1).values[0]
         # Decode: each step's token comes back to the host, as in ornith-bench (its sampler returns the id) and
         # in transformers' generate(); the per-step times show any slow first steps.
         sync(device)
@@ -461,6 +462,10 @@ def bench(model, device: torch.device, prompts: list[int], gen: int, warmup_gen:
             "decode_step_ms_max": steps_sorted[-1] * 1e3 if gen else None,
             "decode_step_ms": [round(t * 1e3, 3) for t in step_s],
             "first_tokens": [tok_host] + toks[:7],
+            # top-1 minus top-2 logit of the first token: on random weights it is often below BF16 resolution,
+            # so another attention backend (or engine) may legitimately pick another first token.
+            "first_token_logit_margin": (top2[0] - top2[1]).item(),
+            "first_token_logit": top2[0].item(),
         }
         if device.type == "cuda":
             run["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
