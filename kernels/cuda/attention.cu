@@ -122,21 +122,41 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode_split(const Ornith
     }
 }
 
+#define ATT_MAX_SPLITS 1024  // launcher-checked
+
 // grid (q_heads, tokens), block ATT_D threads: merge the splits, normalise, gate.
+//   M = max_s m_s,  f_s = e^{m_s - M} (0 for an empty split, m_s = -inf),  L = sum_s l_s f_s,
+//   o_i = (sum_s f_s o_{s,i}) / L.
+// The split statistics are read in parallel (thread j takes splits j, j + 256, ...) and the
+// weights f_s kept in shared memory, so the per-dimension loop over the splits is only
+// independent loads and FMAs.
 extern "C" __global__ void __launch_bounds__(ATT_D) attn_decode_combine(const OrnithAttnParams p) {
+    __shared__ float f[ATT_MAX_SPLITS];
+    __shared__ float sh[32];
     const int h = blockIdx.x, t = blockIdx.y, i = threadIdx.x;
     const size_t base = ((size_t)t * p.q_heads + h) * p.splits;
-    float M = -INFINITY;
-    for (int s = 0; s < p.splits; s++) M = fmaxf(M, p.part_ml[(base + s) * 2]);
-    float L = 0.f, acc = 0.f;
-    for (int s = 0; s < p.splits; s++) {
+    float mx = -INFINITY;
+    for (int s = i; s < p.splits; s += ATT_D) mx = fmaxf(mx, p.part_ml[(base + s) * 2]);
+    const float M = block_max(mx, sh);
+    float lsum = 0.f;
+    for (int s = i; s < p.splits; s += ATT_D) {
         const float ms = p.part_ml[(base + s) * 2];
-        if (ms == -INFINITY) continue;
-        const float f = expf(ms - M);
-        L = fmaf(p.part_ml[(base + s) * 2 + 1], f, L);
-        acc = fmaf(p.part_o[(base + s) * ATT_D + i], f, acc);
+        const float w = ms == -INFINITY ? 0.f : expf(ms - M);
+        f[s] = w;
+        lsum = fmaf(p.part_ml[(base + s) * 2 + 1], w, lsum);
     }
-    const float o = rbf(acc / L);
+    const float L = block_sum(lsum, sh);  // block_sum ends with a barrier: f[] is complete
+    float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
+    const float *po = p.part_o + base * ATT_D + i;
+    int s = 0;
+    for (; s + 4 <= p.splits; s += 4) {
+        acc0 = fmaf(po[(size_t)(s + 0) * ATT_D], f[s + 0], acc0);
+        acc1 = fmaf(po[(size_t)(s + 1) * ATT_D], f[s + 1], acc1);
+        acc2 = fmaf(po[(size_t)(s + 2) * ATT_D], f[s + 2], acc2);
+        acc3 = fmaf(po[(size_t)(s + 3) * ATT_D], f[s + 3], acc3);
+    }
+    for (; s < p.splits; s++) acc0 = fmaf(po[(size_t)s * ATT_D], f[s], acc0);
+    const float o = rbf(((acc0 + acc1) + (acc2 + acc3)) / L);
     const float gate = bf2f(p.qg[((size_t)t * p.q_heads + h) * 2 * ATT_D + ATT_D + i]);
     p.out[((size_t)t * p.q_heads + h) * ATT_D + i] = f2bf(o * rbf(sigmoid_f(gate)));
 }

@@ -51,7 +51,7 @@ __device__ __forceinline__ float block_max(float v, float *sh32) {
     __syncthreads();
     if (lane == 0) sh32[wid] = v;
     __syncthreads();
-    float r = lane < nw ? sh32[lane] : 0.f;
+    float r = lane < nw ? sh32[lane] : -INFINITY;  // padding must not win for negative maxima
     return warp_max(r);
 }
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }

@@ -265,6 +265,7 @@ impl CudaContext {
             }
             None => total.div_ceil(a.split_len),
         };
+        ensure!(splits <= 1024, "attention: {splits} splits (the combine kernel holds at most 1024 split weights)");
         need("attn q", a.q, a.tokens * a.q_heads * 256)?;
         need("attn qg", a.qg, a.tokens * a.q_heads * 512)?;
         need("attn k cache", a.k_cache, total * a.kv_heads * 256)?;
