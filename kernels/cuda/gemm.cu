@@ -1,9 +1,11 @@
 // Prefill GEMMs on tensor cores (mma.sync, ldmatrix, cp.async): FP8 W8A8 and BF16, plain or
 // grouped by MoE expert (see OrnithGemmParams).
 //
-// Tile: 128 rows x 128 outputs x 128 bytes of K per stage (128 E4M3 codes or 64 bf16), 3 stages of
-// cp.async (3 x 32 KiB = 96 KiB dynamic shared memory), 8 warps as 2 (rows) x 4 (outputs), each
-// warp 64 x 32 = 4 x 4 mma tiles. FP8 uses m16n8k32.e4m3 and BF16 m16n8k16.bf16: both consume 32
+// Tile: BM rows x 128 outputs x 128 bytes of K per stage (128 E4M3 codes or 64 bf16), 3 stages of
+// cp.async, 8 warps as 2 (rows) x 4 (outputs), each warp BM/2 x 32 = BM/32 x 4 mma tiles.
+// BM = 128 for the plain GEMMs (3 x 32 KiB = 96 KiB dynamic shared memory); BM = 64 for the grouped
+// MoE GEMM (72 KiB), where a 2,048-token chunk gives each of 256 experts ~64 rows, so 128-row
+// tiles would run half empty. FP8 uses m16n8k32.e4m3 and BF16 m16n8k16.bf16: both consume 32
 // bytes of K per mma with the same byte layout of fragments, so one kernel body serves both.
 //
 // Shared memory rows are 128 bytes = 8 chunks of 16 bytes; chunk c of row r is stored at chunk
@@ -15,12 +17,11 @@
 #include "common.cuh"
 #include "mma.cuh"
 
-#define GB_M 128
 #define GB_N 128
 #define GB_K 128  // bytes
 #define GB_STAGES 3
 #define GB_THREADS 256
-#define GB_STAGE_BYTES ((GB_M + GB_N) * GB_K)
+#define GB_GROUPED_M 64  // rows per tile of the grouped GEMM (MS_TILE in moe_prefill.cu)
 
 template <bool FP8> __device__ __forceinline__ void mma32(float *c, const uint32_t *a, const uint32_t *b) {
     if (FP8) mma_e4m3(c, a, b); else mma_bf16(c, a, b);
@@ -29,8 +30,10 @@ template <bool FP8> __device__ __forceinline__ void mma32(float *c, const uint32
 __device__ __forceinline__ uint32_t swz(int row, int chunk) { return (uint32_t)(row * GB_K + ((chunk ^ (row & 7)) << 4)); }
 
 // Element size in bytes: 1 (E4M3) or 2 (bf16).
-template <bool FP8> __device__ __forceinline__ void gemm_body(const OrnithGemmParams &p) {
+template <bool FP8, int BM> __device__ __forceinline__ void gemm_body(const OrnithGemmParams &p) {
     constexpr int ES = FP8 ? 1 : 2;
+    constexpr int MI = BM / 32;  // mma row tiles per warp, and A chunks per thread per stage
+    constexpr int STAGE_BYTES = (BM + GB_N) * GB_K;
     extern __shared__ __align__(128) uint8_t smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 2, wn = warp & 3;
@@ -46,10 +49,10 @@ template <bool FP8> __device__ __forceinline__ void gemm_body(const OrnithGemmPa
             if (p.tile_offsets[mid] <= tile) lo = mid; else hi = mid - 1;
         }
         g = lo;
-        row0 = p.group_offsets[g] + (tile - p.tile_offsets[g]) * GB_M;
+        row0 = p.group_offsets[g] + (tile - p.tile_offsets[g]) * BM;
         row_end = p.group_offsets[g + 1];
     } else {
-        row0 = blockIdx.y * GB_M;
+        row0 = blockIdx.y * BM;
         row_end = p.rows;
     }
     const int n0 = blockIdx.x * GB_N;
@@ -59,38 +62,47 @@ template <bool FP8> __device__ __forceinline__ void gemm_body(const OrnithGemmPa
     const int kbytes = p.in * ES;
     const int ktiles = (kbytes + GB_K - 1) / GB_K;
 
-    // Each thread copies 4 chunks of A and 4 of B per stage: chunk id = tid + 256 * i,
+    // Each thread copies MI chunks of A and 4 of B per stage: chunk id = tid + 256 * i,
     // row = id / 8, chunk = id % 8. Source rows are fixed over K, so resolve them once.
-    const uint8_t *a_src[4];
+    const uint8_t *a_src[MI];
     const uint8_t *w_src[4];
-    bool a_ok[4], w_ok[4];
+    bool a_ok[MI], w_ok[4];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < MI; i++) {
         int id = tid + GB_THREADS * i, r = id >> 3;
         int gr = row0 + r;
         a_ok[i] = gr < row_end;
         int ar = a_ok[i] ? (p.a_rows ? p.a_rows[gr] : gr) : 0;
         a_src[i] = A + (size_t)ar * a_pitch + ((id & 7) << 4);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int id = tid + GB_THREADS * i, r = id >> 3;
         int gn = n0 + r;
         w_ok[i] = gn < p.out;
         w_src[i] = W + (size_t)(w_ok[i] ? gn : 0) * w_pitch + ((id & 7) << 4);
     }
     const uint32_t sbase = smem_u32(smem);
     auto load_stage = [&](int stage, int kt) {
-        const uint32_t sa = sbase + stage * GB_STAGE_BYTES, sb = sa + GB_M * GB_K;
+        const uint32_t sa = sbase + stage * STAGE_BYTES, sb = sa + BM * GB_K;
         const int kb = kt * GB_K;
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < MI; i++) {
             int id = tid + GB_THREADS * i, r = id >> 3, c = id & 7;
             bool kin = kb + (c << 4) < kbytes;  // in % 16 == 0 elements: chunks are all-in or all-out
             cp_async16(sa + swz(r, c), a_ok[i] && kin ? a_src[i] + kb : A, a_ok[i] && kin ? 16 : 0);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int id = tid + GB_THREADS * i, r = id >> 3, c = id & 7;
+            bool kin = kb + (c << 4) < kbytes;
             cp_async16(sb + swz(r, c), w_ok[i] && kin ? w_src[i] + kb : W, w_ok[i] && kin ? 16 : 0);
         }
     };
 
-    float acc[4][4][4];
+    float acc[MI][4][4];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < MI; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++)
 #pragma unroll
@@ -109,20 +121,20 @@ template <bool FP8> __device__ __forceinline__ void gemm_body(const OrnithGemmPa
             if (nk < ktiles) load_stage(nk % GB_STAGES, nk);
             cp_commit();
         }
-        const uint32_t sa = sbase + (kt % GB_STAGES) * GB_STAGE_BYTES, sb = sa + GB_M * GB_K;
-        float part[4][4][4];
+        const uint32_t sa = sbase + (kt % GB_STAGES) * STAGE_BYTES, sb = sa + BM * GB_K;
+        float part[MI][4][4];
 #pragma unroll
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < MI; i++)
 #pragma unroll
             for (int j = 0; j < 4; j++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) part[i][j][e] = 0.f;
 #pragma unroll
         for (int ks = 0; ks < GB_K / 32; ks++) {
-            uint32_t af[4][4], bfr[4][2];
+            uint32_t af[MI][4], bfr[4][2];
 #pragma unroll
-            for (int mi = 0; mi < 4; mi++) {
-                int r = wm * 64 + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            for (int mi = 0; mi < MI; mi++) {
+                int r = wm * (BM / 2) + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
                 int c = 2 * ks + (lane >> 4);
                 ldsm_x4(sa + swz(r, c), af[mi][0], af[mi][1], af[mi][2], af[mi][3]);
             }
@@ -133,12 +145,12 @@ template <bool FP8> __device__ __forceinline__ void gemm_body(const OrnithGemmPa
                 ldsm_x4(sb + swz(r, c), bfr[nj][0], bfr[nj][1], bfr[nj + 1][0], bfr[nj + 1][1]);
             }
 #pragma unroll
-            for (int mi = 0; mi < 4; mi++)
+            for (int mi = 0; mi < MI; mi++)
 #pragma unroll
                 for (int nj = 0; nj < 4; nj++) mma32<FP8>(part[mi][nj], af[mi], bfr[nj]);
         }
 #pragma unroll
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < MI; i++)
 #pragma unroll
             for (int j = 0; j < 4; j++)
 #pragma unroll
@@ -150,10 +162,10 @@ template <bool FP8> __device__ __forceinline__ void gemm_body(const OrnithGemmPa
     const float *ws = FP8 ? p.w_scale + (size_t)g * p.out : nullptr;
     const int gq = lane >> 2, tq = lane & 3;
 #pragma unroll
-    for (int mi = 0; mi < 4; mi++) {
+    for (int mi = 0; mi < MI; mi++) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            int r = row0 + wm * 64 + mi * 16 + gq + h * 8;
+            int r = row0 + wm * (BM / 2) + mi * 16 + gq + h * 8;
             if (r >= row_end) continue;
             float sx = 1.f;
             if (FP8) sx = p.a_scale[p.a_rows ? p.a_rows[r] : r];
@@ -174,8 +186,10 @@ template <bool FP8> __device__ __forceinline__ void gemm_body(const OrnithGemmPa
     }
 }
 
-extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_fp8(const OrnithGemmParams p) { gemm_body<true>(p); }
-extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_bf16(const OrnithGemmParams p) { gemm_body<false>(p); }
+extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_fp8(const OrnithGemmParams p) { gemm_body<true, 128>(p); }
+extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_bf16(const OrnithGemmParams p) { gemm_body<false, 128>(p); }
+// The grouped MoE GEMM (p.group_offsets set; tiles of GB_GROUPED_M rows, see moe_sort).
+extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_fp8_grouped(const OrnithGemmParams p) { gemm_body<true, GB_GROUPED_M>(p); }
 
 // Per-row FP8 activation quantisation with compressed-tensors semantics (the CPU reference
 // `cpu::fp8::quantize_act_row`), the input of gemm_fp8 in prefill:

@@ -5,7 +5,7 @@
 
 #define MS_THREADS 1024
 #define MS_MAX_EXPERTS 1024
-#define MS_TILE 128  // rows per GEMM tile (GB_M in gemm.cu)
+#define MS_TILE 64  // rows per tile of gemm_fp8_grouped (GB_GROUPED_M in gemm.cu)
 
 // One block: histogram, prefix sums, scatter (see OrnithMoeSortParams).
 extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_sort(const OrnithMoeSortParams p) {

@@ -263,15 +263,16 @@ typedef struct OrnithArgmaxParams {
 
 /* ---- Prefill (many tokens) ---- */
 
-/* Prefill GEMM on tensor cores (mma.sync), tiles of 128 rows x 128 outputs.
+/* Prefill GEMM on tensor cores (mma.sync), tiles of 128 rows x 128 outputs (gemm_fp8, gemm_bf16)
+ * or, for the grouped MoE GEMM (gemm_fp8_grouped), 64 rows x 128 outputs.
  *   FP8  (gemm_fp8):  y[r, o] = bf16( (sum_i e4m3(A[r, i]) * e4m3(w[o, i])) * a_scale[A row of r] * w_scale[o] )
  *   BF16 (gemm_bf16): y[r, o] = bf16( sum_i A[r, i] * w[o, i] )          (a_scale, w_scale unused)
  * fp32 accumulation. A row of output row r: a_rows[r] if a_rows != NULL (gather), else r; A rows
  * are `a_stride` elements apart (16-byte aligned), y rows `y_stride`. `in` % 16 == 0 (FP8) or
  * % 8 == 0 (BF16). w [groups, out, in], w_scale [groups, out].
  * Plain: group_offsets == NULL, rows 0..rows, grid (ceil(out/128), ceil(rows/128)).
- * Grouped (MoE experts): output rows group_offsets[g]..group_offsets[g+1] use group g's weights;
- * tile_offsets[g] = sum_{g' < g} ceil(count_g' / 128); grid.y >= tile_offsets[groups] (extra
+ * Grouped (MoE experts, gemm_fp8_grouped): output rows group_offsets[g]..group_offsets[g+1] use
+ * group g's weights; tile_offsets[g] = sum_{g' < g} ceil(count_g' / 64); grid.y >= tile_offsets[groups] (extra
  * blocks exit). Both arrays have groups + 1 entries and live on the device. */
 typedef struct OrnithGemmParams {
     const void *a;
@@ -292,7 +293,7 @@ typedef struct OrnithGemmParams {
 
 /* MoE prefill: counting sort of the (token, slot) assignments by expert, one block.
  * idx [tokens, top_k] expert ids. Writes group_offsets [experts + 1] (exclusive prefix of counts),
- * tile_offsets [experts + 1] (prefix of ceil(count / 128)), row_token [tokens * top_k] (token of each
+ * tile_offsets [experts + 1] (prefix of ceil(count / 64): gemm_fp8_grouped's tiles), row_token [tokens * top_k] (token of each
  * expert-sorted row), row_of [tokens * top_k] (sorted row of assignment t * top_k + j).
  * Rows within one expert are in no particular order (each row is computed independently). */
 typedef struct OrnithMoeSortParams {

@@ -6,7 +6,7 @@
 //! A prefill chunk uses them when it has more than [`GEMV_ROWS`] rows; decode keeps the GEMVs.
 use super::ops::{Ptr, GEMV_ROWS};
 use super::CudaBackend;
-use crate::cuda::prefill::{CONV_TT, FA_SMEM, GDN_SMEM, GEMM_SMEM, GEMM_TILE};
+use crate::cuda::prefill::{CONV_TT, FA_SMEM, GDN_SMEM, GEMM_GROUPED_ROWS, GEMM_GROUPED_SMEM, GEMM_SMEM, GEMM_TILE};
 use anyhow::Result;
 use ornith_kernels::bindings::*;
 
@@ -47,13 +47,13 @@ impl CudaBackend {
     }
 
     /// Grouped FP8 GEMM over the expert-sorted rows of `p` (`p.groups` experts): at most
-    /// `ceil(rows / 128) + min(groups, rows)` row tiles (each expert's last tile is partial).
-    /// Bytes count every expert's weights once (all are read when the chunk is long).
+    /// `ceil(rows / 64) + min(groups, rows)` row tiles of 64 rows (each expert's last tile is
+    /// partial). Bytes count every expert's weights once (all are read when the chunk is long).
     pub(super) fn k_gemm_grouped(&self, p: OrnithGemmParams) -> Result<()> {
         let (rows, in_, out, g) = (p.rows as usize, p.in_ as usize, p.out as usize, p.groups as usize);
-        let tiles = rows.div_ceil(GEMM_TILE) + g.min(rows);
+        let tiles = rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows);
         let bytes = g * (out * in_ + out * 4) + rows * (in_ + 4 + out * 2);
-        self.go_smem("gemm_fp8", (out.div_ceil(GEMM_TILE) as u32, tiles as u32, 1), 256, GEMM_SMEM, bytes as u64, p)
+        self.go_smem("gemm_fp8_grouped", (out.div_ceil(GEMM_TILE) as u32, tiles as u32, 1), 256, GEMM_GROUPED_SMEM, bytes as u64, p)
     }
 
     /// Token-parallel causal conv + SiLU of `t` tokens: the same parameters, output and state update

@@ -26,7 +26,7 @@ const KERNELS: [(Module, &[&str]); 10] = [
     (Module::Gdn, &["conv1d_silu", "conv1d_silu_chunk", "gdn_recurrent", "gated_rmsnorm"]),
     (Module::Attention, &["qk_norm_rope", "attn_decode_split", "attn_decode_combine"]),
     (Module::Sample, &["argmax_bf16"]),
-    (Module::Gemm, &["gemm_fp8", "gemm_bf16", "quantize_fp8_ct"]),
+    (Module::Gemm, &["gemm_fp8", "gemm_bf16", "gemm_fp8_grouped", "quantize_fp8_ct"]),
     (Module::GdnChunk, &["gdn_chunked"]),
     (Module::FlashAttn, &["flash_attn_prefill"]),
     (Module::MoePrefill, &["moe_sort", "swiglu_quant_ct", "moe_combine_prefill"]),

@@ -11,10 +11,14 @@ use ornith_kernels::bindings::*;
 
 type Bf = CudaSlice<u16>;
 
-/// GEMM tile (rows x outputs), as `GB_M`/`GB_N` in `gemm.cu`.
+/// GEMM tile (rows x outputs) of the plain GEMMs (`gemm.cu`: BM = GB_N = 128).
 pub const GEMM_TILE: usize = 128;
+/// Rows per tile of the grouped MoE GEMM `gemm_fp8_grouped` (`GB_GROUPED_M`, `MS_TILE`).
+pub const GEMM_GROUPED_ROWS: usize = 64;
 /// Dynamic shared memory of the kernels (bytes); all within the 99 KiB per block of sm_121.
+/// GEMMs: 3 stages of (BM + 128) rows x 128 bytes.
 pub(crate) const GEMM_SMEM: u32 = 3 * 2 * 128 * 128;
+pub(crate) const GEMM_GROUPED_SMEM: u32 = 3 * (64 + 128) * 128;
 pub(crate) const GDN_SMEM: u32 = 4 * (2 * 64 * 129 + 64 * 65 + 128 * 32 + 4 * 64);
 pub(crate) const FA_SMEM: u32 = 64 * 512 + 4 * 32 * 512;
 /// Tokens per block of `conv1d_silu_chunk` (`CONV_TT` in `gdn.cu`).
@@ -203,14 +207,14 @@ impl CudaContext {
         };
         self.launch_smem("moe_sort", (1, 1, 1), 1024, 0, sp)?;
         // Grouped gate_up: row r (expert-sorted) reads token row_token[r] of xq.
-        let tiles = n.div_ceil(GEMM_TILE) + e.min(n);
+        let tiles = n.div_ceil(GEMM_GROUPED_ROWS) + e.min(n);
         let gu = OrnithGemmParams {
             a: self.addr(&s.xq) as _, a_scale: self.addr(&s.xs) as _, a_rows: self.addr(&s.row_token) as _,
             w: self.addr(a.w_gate_up) as _, w_scale: self.addr(a.ws_gate_up) as _, y: self.addr(&s.gate_up) as _,
             group_offsets: self.addr(&s.group_offsets) as _, tile_offsets: self.addr(&s.tile_offsets) as _,
             rows: n as i32, in_: d as i32, out: (2 * i) as i32, a_stride: d as i32, y_stride: (2 * i) as i32, groups: e as i32,
         };
-        self.launch_smem("gemm_fp8", ((2 * i).div_ceil(GEMM_TILE) as u32, tiles as u32, 1), 256, GEMM_SMEM, gu)?;
+        self.launch_smem("gemm_fp8_grouped", ((2 * i).div_ceil(GEMM_TILE) as u32, tiles as u32, 1), 256, GEMM_GROUPED_SMEM, gu)?;
         let sq = OrnithSwigluQuantParams { gate_up: self.addr(&s.gate_up) as _, q8: self.addr(&s.aq) as _, scale: self.addr(&s.as_) as _, rows: n as i32, inter: i as i32 };
         self.launch_smem("swiglu_quant_ct", (n as u32, 1, 1), 256, 0, sq)?;
         let dn = OrnithGemmParams {
@@ -218,7 +222,7 @@ impl CudaContext {
             y: self.addr(&s.down) as _, group_offsets: self.addr(&s.group_offsets) as _, tile_offsets: self.addr(&s.tile_offsets) as _,
             rows: n as i32, in_: i as i32, out: d as i32, a_stride: i as i32, y_stride: d as i32, groups: e as i32, ..Default::default()
         };
-        self.launch_smem("gemm_fp8", (d.div_ceil(GEMM_TILE) as u32, tiles as u32, 1), 256, GEMM_SMEM, dn)?;
+        self.launch_smem("gemm_fp8_grouped", (d.div_ceil(GEMM_TILE) as u32, tiles as u32, 1), 256, GEMM_GROUPED_SMEM, dn)?;
         // Shared expert on every token.
         self.gemm_fp8(&s.xq, &s.xs, a.shared_gate_up, a.shared_gate_up_scale, &mut s.shared_gu, t, d, 2 * si, d, 2 * si)?;
         let sq = OrnithSwigluQuantParams { gate_up: self.addr(&s.shared_gu) as _, q8: self.addr(&s.saq) as _, scale: self.addr(&s.sas) as _, rows: t as i32, inter: si as i32 };
