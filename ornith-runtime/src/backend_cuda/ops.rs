@@ -32,6 +32,25 @@ pub struct XIn {
     pub stride: usize,
 }
 
+/// What an RMSNorm adds to the residual first: a bf16 row, or the decode MoE combine of the
+/// expert outputs (computed in the norm kernel; see `OrnithRmsNormParams`).
+#[derive(Clone, Copy)]
+pub enum Add {
+    Row(Ptr),
+    Moe(MoeAdd),
+}
+
+/// Inputs of the MoE combine: `ys [t, top_k + 1, hidden]`, routing weights `[t, top_k]` f32,
+/// the shared-expert gate logit at `gate + t * gate_stride` (bf16).
+#[derive(Clone, Copy)]
+pub struct MoeAdd {
+    pub ys: Ptr,
+    pub weight: Ptr,
+    pub gate: Ptr,
+    pub top_k: usize,
+    pub gate_stride: usize,
+}
+
 /// Rows `r0 .. r0 + out_features` of a device Linear: weight address (BF16 or E4M3 rows of
 /// `in_features`) and, for FP8, the address of the f32 scales of those rows.
 #[derive(Clone, Copy)]
@@ -90,12 +109,23 @@ impl CudaBackend {
 
     /// `residual += add` (if any), then zero-centred RMSNorm into bf16 `out` and FP8 `q8`.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn k_rmsnorm(&self, residual: Ptr, add: Option<Ptr>, w: Ptr, out: Ptr, q8: Option<(Ptr, Ptr)>, t: usize, hidden: usize, eps: f32) -> Result<()> {
+    pub(super) fn k_rmsnorm(&self, residual: Ptr, add: Option<Add>, w: Ptr, out: Ptr, q8: Option<(Ptr, Ptr)>, t: usize, hidden: usize, eps: f32) -> Result<()> {
         let mut p = OrnithRmsNormParams { residual: residual as _, weight: w as _, out: out as _, tokens: t as i32, hidden: hidden as i32, eps, ..Default::default() };
         let mut bytes = t * hidden * 4 + hidden * 2;
-        if let Some(a) = add {
-            p.add = a as _;
-            bytes += t * hidden * 4;
+        match add {
+            Some(Add::Row(a)) => {
+                p.add = a as _;
+                bytes += t * hidden * 4;
+            }
+            Some(Add::Moe(m)) => {
+                p.moe_ys = m.ys as _;
+                p.moe_weight = m.weight as _;
+                p.moe_gate = m.gate as _;
+                p.moe_top_k = m.top_k as i32;
+                p.moe_gate_stride = m.gate_stride as i32;
+                bytes += t * ((m.top_k + 1) * hidden * 2 + m.top_k * 4 + 2 + hidden * 2);
+            }
+            None => {}
         }
         if let Some((q, s)) = q8 {
             p.q8 = q as _;
