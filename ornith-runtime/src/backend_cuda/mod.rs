@@ -338,7 +338,7 @@ impl CudaBackend {
             let gp = OrnithGdnParams {
                 qkv: at(self, &s.conv, 0) as _, ba: b_at as _, a_log: at(self, &w.a_log.f, 0) as _, dt_bias: at(self, &w.dt_bias.bf, 0) as _,
                 state: at(self, &st.ssm, 0) as _, o: at(self, &s.o, 0) as _, tokens: n as i32, k_heads: hk as i32, v_heads: hv as i32,
-                qkv_stride: cd as i32, ba_stride: pw as i32, a_offset: hv as i32,
+                qkv_stride: cd as i32, ba_stride: pw as i32, a_offset: hv as i32, work: std::ptr::null_mut(),
             };
             // The chunked form (chunks of 64 inside the kernel) and the recurrent form compute the
             // same delta rule in fp32; they differ in summation order only.
