@@ -70,7 +70,7 @@ impl CudaBackend {
     /// `TWO_PHASE` picks `gdn_chunk_prep` + `gdn_chunk_scan` (p.work: `ScratchSizes::gdn_work`)
     /// over the one-kernel `gdn_chunked`.
     pub(super) fn k_gdn_chunked(&self, p: OrnithGdnParams) -> Result<()> {
-        const TWO_PHASE: bool = false;
+        const TWO_PHASE: bool = true;
         let (t, hv, hk) = (p.tokens as usize, p.v_heads as usize, p.k_heads as usize);
         let bytes = hv * 128 * 128 * 4 * 2 + t * ((2 * hk * 128 + hv * 128) * 2 + 4 * hv + hv * 128 * 2);
         if TWO_PHASE {
