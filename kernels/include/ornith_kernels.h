@@ -172,7 +172,10 @@ typedef struct OrnithConvParams {
  * b, a [tokens, ba_stride] bf16 (v_heads columns each, a at column offset a_offset).
  * beta = bf16(sigmoid(b)),  g = -exp(A_log) * softplus(float(a) + float(dt_bias)).
  * q = l2norm(q) * dk^-0.5, k = l2norm(k) (fp32, eps 1e-6 inside the sqrt); v-head h uses k-head h / (v_heads/k_heads).
- * state [v_heads, dk, dv] fp32 updated in place; o [tokens, v_heads, dv] bf16. dk = dv = 128. */
+ * state [v_heads, dk, dv] fp32 updated in place; o [tokens, v_heads, dv] bf16. dk = dv = 128.
+ * work: fp32 workspace of the two-phase chunked form (gdn_chunk_prep writes, gdn_chunk_scan reads):
+ * v_heads * ceil(tokens / 64) * ORNITH_GDN_WORK_PER_CHUNK floats; unused (may be null) elsewhere. */
+#define ORNITH_GDN_WORK_PER_CHUNK 8832
 typedef struct OrnithGdnParams {
     const uint16_t *qkv;
     const uint16_t *ba;
@@ -186,6 +189,7 @@ typedef struct OrnithGdnParams {
     int32_t qkv_stride;
     int32_t ba_stride;
     int32_t a_offset;
+    float *work;
 } OrnithGdnParams;
 
 /* Gated RMSNorm per (t, head) over `dim`:

@@ -3,6 +3,7 @@
 
 pub const ORNITH_FP8_MAX: f64 = 448.0;
 pub const ORNITH_GEMV_MAX_TOKENS: u32 = 8;
+pub const ORNITH_GDN_WORK_PER_CHUNK: u32 = 8832;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct OrnithEmbedParams {
@@ -458,10 +459,11 @@ pub struct OrnithGdnParams {
     pub qkv_stride: i32,
     pub ba_stride: i32,
     pub a_offset: i32,
+    pub work: *mut f32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithGdnParams"][::std::mem::size_of::<OrnithGdnParams>() - 72usize];
+    ["Size of OrnithGdnParams"][::std::mem::size_of::<OrnithGdnParams>() - 80usize];
     ["Alignment of OrnithGdnParams"][::std::mem::align_of::<OrnithGdnParams>() - 8usize];
     ["Offset of field: OrnithGdnParams::qkv"]
         [::std::mem::offset_of!(OrnithGdnParams, qkv) - 0usize];
@@ -485,6 +487,8 @@ const _: () = {
         [::std::mem::offset_of!(OrnithGdnParams, ba_stride) - 64usize];
     ["Offset of field: OrnithGdnParams::a_offset"]
         [::std::mem::offset_of!(OrnithGdnParams, a_offset) - 68usize];
+    ["Offset of field: OrnithGdnParams::work"]
+        [::std::mem::offset_of!(OrnithGdnParams, work) - 72usize];
 };
 impl Default for OrnithGdnParams {
     fn default() -> Self {

@@ -166,6 +166,8 @@ struct Scratch {
     tile_offsets: CudaSlice<i32>,
     row_token: CudaSlice<i32>,
     row_of: CudaSlice<i32>,
+    /// Two-phase chunked gated delta rule workspace (`ScratchSizes::gdn_work`).
+    gdn_work: CudaSlice<f32>,
     logits1: Arc<CudaSlice<u16>>,
 }
 
@@ -347,7 +349,7 @@ impl CudaBackend {
             let gp = OrnithGdnParams {
                 qkv: at(self, &s.conv, 0) as _, ba: b_at as _, a_log: at(self, &w.a_log.f, 0) as _, dt_bias: at(self, &w.dt_bias.bf, 0) as _,
                 state: at(self, &st.ssm, 0) as _, o: at(self, &s.o, 0) as _, tokens: n as i32, k_heads: hk as i32, v_heads: hv as i32,
-                qkv_stride: cd as i32, ba_stride: pw as i32, a_offset: hv as i32,
+                qkv_stride: cd as i32, ba_stride: pw as i32, a_offset: hv as i32, work: at(self, &s.gdn_work, 0) as _,
             };
             // The chunked form (chunks of 64 inside the kernel) and the recurrent form compute the
             // same delta rule in fp32; they differ in summation order only.
@@ -526,6 +528,7 @@ impl Scratch {
             tile_offsets: cx.alloc(d.num_experts + 1)?,
             row_token: cx.alloc(c * d.top_k)?,
             row_of: cx.alloc(c * d.top_k)?,
+            gdn_work: cx.alloc(z.gdn_work)?,
             logits1: Arc::new(cx.alloc(d.vocab_size)?),
         })
     }

@@ -63,6 +63,8 @@ pub struct ScratchSizes {
     pub part_ml: usize,
     pub rlog_w: usize,
     pub slots: usize,
+    /// fp32 workspace of the two-phase chunked gated delta rule (`gdn_work_len(CHUNK, hv)`).
+    pub gdn_work: usize,
 }
 
 impl ScratchSizes {
@@ -84,6 +86,7 @@ impl ScratchSizes {
             part_ml: ATTN_ROWS * d.num_attention_heads * MAX_SPLITS * 2,
             rlog_w: d.num_experts + 1,
             slots,
+            gdn_work: crate::cuda::prefill::gdn_work_len(CHUNK, d.linear_num_value_heads),
         }
     }
 
@@ -93,8 +96,9 @@ impl ScratchSizes {
         let bf = 2 * (self.xb + c * self.proj_w + self.conv + 2 * self.o + self.qg + 2 * self.kv + c * d.num_attention_heads * d.head_dim
             + c * self.rlog_w + c * self.slots * 2 * d.moe_intermediate_size + c * self.slots * d.hidden_size + d.vocab_size);
         // idx + wt, amax, and the MoE prefill's group/tile offsets, row_token and row_of.
+        // (gdn_work: fp32, counted below.)
         let f4 = 4 * (self.xs + self.asc + self.part_o + self.part_ml + c * d.top_k * 2 + 1 + 2 * (d.num_experts + 1) + 2 * c * d.top_k);
-        (bf + self.xq + self.aq + f4) as u64
+        (bf + self.xq + self.aq + f4 + 4 * self.gdn_work) as u64
     }
 }
 

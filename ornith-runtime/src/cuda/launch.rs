@@ -238,7 +238,7 @@ impl CudaContext {
         let p = OrnithGdnParams {
             qkv: self.addr(a.qkv) as _, ba: self.addr(a.ba) as _, a_log: self.addr(a.a_log) as _, dt_bias: self.addr(a.dt_bias) as _,
             state: self.addr(state) as _, o: self.addr(o) as _, tokens: a.tokens as i32, k_heads: a.k_heads as i32, v_heads: a.v_heads as i32,
-            qkv_stride: a.qkv_stride as i32, ba_stride: a.ba_stride as i32, a_offset: a.a_offset as i32,
+            qkv_stride: a.qkv_stride as i32, ba_stride: a.ba_stride as i32, a_offset: a.a_offset as i32, work: std::ptr::null_mut(),
         };
         self.launch("gdn_recurrent", (a.v_heads as u32, 4, 1), 128, p)
     }

@@ -20,6 +20,17 @@ pub const GEMM_GROUPED_ROWS: usize = 64;
 pub(crate) const GEMM_SMEM: u32 = 3 * 2 * 128 * 128;
 pub(crate) const GEMM_GROUPED_SMEM: u32 = 3 * (64 + 128) * 128;
 pub(crate) const GDN_SMEM: u32 = 4 * (2 * 64 * 129 + 64 * 65 + 128 * 32 + 4 * 64);
+/// `GdnPrepSmem` / `GdnScanSmem` of the two-phase chunked form (`gdn_chunk.cu`).
+pub(crate) const GDN_PREP_SMEM: u32 = 4 * (2 * 64 * 129 + 2 * 64);
+pub(crate) const GDN_SCAN_SMEM: u32 = 4 * (64 * 132 + 8704 + 128 * 16 + 4 * 64 * 16 + 2 * 64);
+/// Value columns per `gdn_chunk_scan` block (`GS_C`): grid (v_heads, 128 / GDN_SCAN_COLS).
+pub const GDN_SCAN_COLS: usize = 16;
+
+/// fp32 workspace of the two-phase chunked gated delta rule for `tokens` tokens and `v_heads`
+/// heads: per (head, 64-token chunk) A' [64][68], QKd [64][68], e^G [64], e^(G_last - G) [64].
+pub fn gdn_work_len(tokens: usize, v_heads: usize) -> usize {
+    v_heads * tokens.div_ceil(64) * ORNITH_GDN_WORK_PER_CHUNK as usize
+}
 pub(crate) const FA_SMEM: u32 = 64 * 512 + 4 * 32 * 512;
 /// Tokens per block of `conv1d_silu_chunk` (`CONV_TT` in `gdn.cu`).
 pub const CONV_TT: usize = 32;
@@ -135,6 +146,12 @@ impl CudaContext {
     /// Chunked gated delta rule (chunk 64, dk = dv = 128) for prefill; same inputs, state and
     /// output as [`CudaContext::gdn_recurrent`].
     pub fn gdn_chunked(&self, a: &GdnArgs, state: &mut CudaSlice<f32>, o: &mut Bf) -> Result<()> {
+        let p = self.gdn_params(a, state, o)?;
+        self.launch_smem("gdn_chunked", (a.v_heads as u32, 4, 1), 256, GDN_SMEM, p)
+    }
+
+    /// Checked parameters of the chunked kernels (shapes, strides, buffer sizes); `work` null.
+    pub(crate) fn gdn_params(&self, a: &GdnArgs, state: &mut CudaSlice<f32>, o: &mut Bf) -> Result<OrnithGdnParams> {
         ensure!(a.tokens > 0 && a.k_heads > 0 && a.v_heads % a.k_heads == 0, "gdn: v_heads {} must be a multiple of k_heads {}", a.v_heads, a.k_heads);
         let kdim = a.k_heads * 128;
         let width = 2 * kdim + a.v_heads * 128;
@@ -150,8 +167,34 @@ impl CudaContext {
             qkv: self.addr(a.qkv) as _, ba: self.addr(a.ba) as _, a_log: self.addr(a.a_log) as _, dt_bias: self.addr(a.dt_bias) as _,
             state: self.addr(state) as _, o: self.addr(o) as _, tokens: i32of("tokens", a.tokens)?, k_heads: a.k_heads as i32,
             v_heads: a.v_heads as i32, qkv_stride: a.qkv_stride as i32, ba_stride: a.ba_stride as i32, a_offset: a.a_offset as i32,
+            work: std::ptr::null_mut(),
         };
-        self.launch_smem("gdn_chunked", (a.v_heads as u32, 4, 1), 256, GDN_SMEM, p)
+        Ok(p)
+    }
+
+    /// The same rule in two phases (`gdn_chunk.cu`): `gdn_chunk_prep` (all chunks and heads in
+    /// parallel: A' = (I + M)^{-1} diag(beta), decayed Q K^T, gate exponentials into `work`), then
+    /// `gdn_chunk_scan` (sequential over chunks per head and 16 value columns). Same inputs, state
+    /// and output as [`CudaContext::gdn_chunked`]; `work` holds [`gdn_work_len`] floats.
+    pub fn gdn_chunked2(&self, a: &GdnArgs, state: &mut CudaSlice<f32>, o: &mut Bf, work: &mut CudaSlice<f32>) -> Result<()> {
+        let mut p = self.gdn_params(a, state, o)?;
+        need("gdn work", work, gdn_work_len(a.tokens, a.v_heads))?;
+        p.work = self.addr(work) as _;
+        self.gdn_chunked2_raw(p)
+    }
+
+    /// Launches both phases on checked parameters (`p.work` sized by [`gdn_work_len`]).
+    pub(crate) fn gdn_chunked2_raw(&self, p: OrnithGdnParams) -> Result<()> {
+        ensure!(p.tokens > 0 && !p.work.is_null(), "gdn two-phase: tokens {} and a workspace are required", p.tokens);
+        ensure!(p.k_heads > 0 && p.v_heads > 0 && p.v_heads % p.k_heads == 0 && p.v_heads <= 65535, "gdn two-phase: v_heads {} / k_heads {}", p.v_heads, p.k_heads);
+        self.gdn_chunk_prep_raw(p)?;
+        self.launch_smem("gdn_chunk_scan", (p.v_heads as u32, (128 / GDN_SCAN_COLS) as u32, 1), 256, GDN_SCAN_SMEM, p)
+    }
+
+    /// Phase 1 alone (timed separately by the test).
+    pub(crate) fn gdn_chunk_prep_raw(&self, p: OrnithGdnParams) -> Result<()> {
+        let chunks = (p.tokens as usize).div_ceil(64);
+        self.launch_smem("gdn_chunk_prep", (chunks as u32, p.v_heads as u32, 1), 256, GDN_PREP_SMEM, p)
     }
 
     /// Causal flash attention (head_dim 256) of `tokens` queries at positions `pos0..` over the KV
