@@ -205,6 +205,12 @@ __device__ __forceinline__ int gemv2_team(int n16, int u) {
     return g;
 }
 
+// Asks L2 for the weight chunks this lane reads in its first pass over a row: issued before the
+// block stages x (a dependent global read plus a barrier), so the first weight loads find L2 warm.
+__device__ __forceinline__ void prefetch_first_pass(const uint4 *w, int n16, int G, int lt, int u) {
+    for (int i = 0, c = lt; i < u && c < n16; i++, c += G) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + c));
+}
+
 // Sum over the G lanes of a team (xor offsets < G stay inside it); every lane gets the sum.
 __device__ __forceinline__ float team_sum(float v, int g) {
     for (int o = g >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -335,10 +341,14 @@ __device__ __forceinline__ void gemv_fp8_v2_impl(const OrnithGemvFp8Params &p, f
     const int G = gemv2_team(n16, gemv2_fp8_u(T)), R = 32 / G;
     const int groups = (p.out + R - 1) / R, nwarps = gridDim.x * GEMV2_WARPS;
     if ((int)blockIdx.x >= groups) return;  // no work for this block (uniform, before the barrier)
+    const int lane = threadIdx.x & 31, team = lane / G, lt = lane & (G - 1);
+    const int g0 = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
+    if (g0 < groups)
+        prefetch_first_pass(reinterpret_cast<const uint4 *>(p.w + (size_t)min(g0 * R + team, p.out - 1) * p.in), n16, G, lt,
+                            gemv2_fp8_u(T));
     stage_x_fp8(xs, p.xq, (size_t)p.x_stride, 0, T, 1, p.in);
     __syncthreads();
-    const int lane = threadIdx.x & 31, team = lane / G, lt = lane & (G - 1);
-    for (int g = (threadIdx.x >> 5) * gridDim.x + blockIdx.x; g < groups; g += nwarps) {
+    for (int g = g0; g < groups; g += nwarps) {
         const int row = g * R + team, rrow = min(row, p.out - 1);
         float acc[T];
 #pragma unroll
@@ -378,23 +388,29 @@ extern "C" __global__ void __launch_bounds__(GEMV2_WARPS * 32, GEMV2_MIN_BLOCKS)
     const int G = gemv2_team(n16, gemv2_fp8_u(1)), R = 32 / G;
     const int rgroups = (p.out + R - 1) / R, items = p.tokens * slots * rgroups, nwarps = gridDim.x * GEMV2_WARPS;
     if ((int)blockIdx.x >= items) return;
+    const int lane = threadIdx.x & 31, team = lane / G, lt = lane & (G - 1);
+    // weight row and row scale of work item `it` for this lane's team (the row clamped in bounds)
+    auto row_of = [&](int it, float *ws) -> const uint8_t * {
+        const int rg = it % rgroups, ts = it / rgroups, slot = ts % slots, t = ts / slots;
+        const int rrow = min(rg * R + team, p.out - 1);
+        if (slot == p.top_k) {
+            if (ws) *ws = __ldg(p.shared_ws + rrow);
+            return p.shared_w + (size_t)rrow * p.in;
+        }
+        int e = __ldg(p.idx + t * p.top_k + slot);
+        if (e < 0 || e >= p.experts) e = 0;  // the router never writes such an index; stay in bounds
+        if (ws) *ws = __ldg(p.ws + (size_t)e * p.out + rrow);
+        return p.w + ((size_t)e * p.out + rrow) * p.in;
+    };
+    const int it0 = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
+    if (it0 < items) prefetch_first_pass(reinterpret_cast<const uint4 *>(row_of(it0, nullptr)), n16, G, lt, gemv2_fp8_u(1));
     stage_x_fp8(xs, p.xq, (size_t)p.x_tok_stride, (size_t)p.x_slot_stride, p.tokens, per_tok, p.in);
     __syncthreads();
-    const int lane = threadIdx.x & 31, team = lane / G, lt = lane & (G - 1);
-    for (int it = (threadIdx.x >> 5) * gridDim.x + blockIdx.x; it < items; it += nwarps) {
+    for (int it = it0; it < items; it += nwarps) {
         const int rg = it % rgroups, ts = it / rgroups, slot = ts % slots, t = ts / slots;
-        const int row = rg * R + team, rrow = min(row, p.out - 1);
-        const uint8_t *w;
+        const int row = rg * R + team;
         float ws;
-        if (slot < p.top_k) {
-            int e = __ldg(p.idx + t * p.top_k + slot);
-            if (e < 0 || e >= p.experts) e = 0;  // the router never writes such an index; stay in bounds
-            w = p.w + ((size_t)e * p.out + rrow) * p.in;
-            ws = __ldg(p.ws + (size_t)e * p.out + rrow);
-        } else {
-            w = p.shared_w + (size_t)rrow * p.in;
-            ws = __ldg(p.shared_ws + rrow);
-        }
+        const uint8_t *w = row_of(it, &ws);
         float acc[1] = {0.f};
         const int xr = t * per_tok + (per_tok > 1 ? slot : 0);
         fp8_team_dot<1>(reinterpret_cast<const uint4 *>(w), xs + (size_t)xr * 4 * n16, 0, n16, G, lt, acc);

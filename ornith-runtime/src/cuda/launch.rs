@@ -100,8 +100,7 @@ impl CudaContext {
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_bf16_v2(&self, x: &Bf, w: &Bf, y: &mut Bf, tokens: usize, in_: usize, out: usize, x_stride: usize, y_stride: usize) -> Result<()> {
         let p = self.gemv_bf16_params(x, w, y, tokens, in_, out, x_stride, y_stride)?;
-        let rows_per_warp = 32 / super::gemv2_team(in_ / 8, super::gemv2_bf16_u(tokens));
-        let grid = self.gemv2_grid("gemv_bf16_v2", out.div_ceil(rows_per_warp));
+        let grid = self.gemv_bf16_v2_grid(tokens, in_, out);
         self.launch("gemv_bf16_v2", (grid, 1, 1), 256, p)
     }
 
@@ -134,10 +133,10 @@ impl CudaContext {
         &self, xq: &CudaSlice<u8>, xs: &CudaSlice<f32>, w: &CudaSlice<u8>, ws: &CudaSlice<f32>, y: &mut Bf,
         tokens: usize, in_: usize, out: usize, x_stride: usize, y_stride: usize,
     ) -> Result<()> {
-        ensure!(tokens * in_ <= super::GEMV2_X_FLOATS, "gemv_fp8_v2: tokens {tokens} x in {in_} exceeds the {} staged x values", super::GEMV2_X_FLOATS);
         let p = self.gemv_fp8_params(xq, xs, w, ws, y, tokens, in_, out, x_stride, y_stride)?;
-        let rows_per_warp = 32 / super::gemv2_team(in_ / 16, super::gemv2_fp8_u(tokens));
-        let grid = self.gemv2_grid("gemv_fp8_v2", out.div_ceil(rows_per_warp));
+        let grid = self.gemv_fp8_v2_grid(tokens, in_, out).ok_or_else(|| {
+            anyhow::anyhow!("gemv_fp8_v2: tokens {tokens} x in {in_} exceeds the {} staged x values", super::GEMV2_X_FLOATS)
+        })?;
         self.launch("gemv_fp8_v2", (grid, 1, 1), 256, p)
     }
 
@@ -181,12 +180,11 @@ impl CudaContext {
     /// stages the decoded x rows in shared memory: needs `tokens * (x_slot_stride > 0 ? top_k + 1
     /// : 1) * in <= GEMV2_X_FLOATS` (8192).
     pub fn moe_gemv_v2(&self, a: &MoeGemvArgs, y: &mut Bf) -> Result<()> {
-        let slots = a.top_k + 1;
-        let x_rows = a.tokens * if a.x_slot_stride > 0 { slots } else { 1 };
-        ensure!(x_rows * a.in_ <= super::GEMV2_X_FLOATS, "moe_gemv_v2: {x_rows} x rows of {} exceed the {} staged x values", a.in_, super::GEMV2_X_FLOATS);
         let p = self.moe_gemv_params(a, y)?;
-        let rows_per_warp = 32 / super::gemv2_team(a.in_ / 16, super::gemv2_fp8_u(1));
-        let grid = self.gemv2_grid("moe_gemv_fp8_v2", a.tokens * slots * a.out.div_ceil(rows_per_warp));
+        let grid = self.moe_gemv_v2_grid(a.tokens, a.top_k, a.in_, a.out, a.x_slot_stride > 0).ok_or_else(|| {
+            let x_rows = a.tokens * if a.x_slot_stride > 0 { a.top_k + 1 } else { 1 };
+            anyhow::anyhow!("moe_gemv_v2: {x_rows} x rows of {} exceed the {} staged x values", a.in_, super::GEMV2_X_FLOATS)
+        })?;
         self.launch("moe_gemv_fp8_v2", (grid, 1, 1), 256, p)
     }
 

@@ -143,9 +143,27 @@ impl CudaContext {
     /// Grid of a persistent v2 GEMV with `warp_items` warp-sized work items: one block per 8 items
     /// but at least one per SM (small matrices spread over the whole device: items go to blocks
     /// first, warps second) and at most the resident blocks (one wave, no tail wave).
-    pub(crate) fn gemv2_grid(&self, name: &str, warp_items: usize) -> u32 {
+    fn gemv2_grid(&self, name: &str, warp_items: usize) -> u32 {
         let want = warp_items.div_ceil(GEMV2_WARPS).max(self.sms as usize);
         want.min(self.resident[name] as usize) as u32
+    }
+    /// 1-D grid of `gemv_bf16_v2` (a warp item = one team of rows).
+    pub(crate) fn gemv_bf16_v2_grid(&self, tokens: usize, in_: usize, out: usize) -> u32 {
+        let rows_per_warp = 32 / gemv2_team(in_ / 8, gemv2_bf16_u(tokens));
+        self.gemv2_grid("gemv_bf16_v2", out.div_ceil(rows_per_warp))
+    }
+    /// 1-D grid of `gemv_fp8_v2`, or `None` where its staged x (tokens * in floats) does not fit.
+    pub(crate) fn gemv_fp8_v2_grid(&self, tokens: usize, in_: usize, out: usize) -> Option<u32> {
+        let rows_per_warp = 32 / gemv2_team(in_ / 16, gemv2_fp8_u(tokens));
+        (tokens * in_ <= GEMV2_X_FLOATS).then(|| self.gemv2_grid("gemv_fp8_v2", out.div_ceil(rows_per_warp)))
+    }
+    /// 1-D grid of `moe_gemv_fp8_v2` over tokens x (top_k + 1) slots x row teams, or `None` where
+    /// its staged x rows (tokens, times the slots when each slot has its own input) do not fit.
+    pub(crate) fn moe_gemv_v2_grid(&self, tokens: usize, top_k: usize, in_: usize, out: usize, x_per_slot: bool) -> Option<u32> {
+        let slots = top_k + 1;
+        let x_rows = tokens * if x_per_slot { slots } else { 1 };
+        let rows_per_warp = 32 / gemv2_team(in_ / 16, gemv2_fp8_u(1));
+        (x_rows * in_ <= GEMV2_X_FLOATS).then(|| self.gemv2_grid("moe_gemv_fp8_v2", tokens * slots * out.div_ceil(rows_per_warp)))
     }
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
