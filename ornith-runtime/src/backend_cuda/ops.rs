@@ -23,9 +23,9 @@ pub fn at<T>(b: &CudaBackend, s: &CudaSlice<T>, off: usize) -> Ptr {
 /// GEMV kernel choice, one switch per kernel: the persistent row-team kernels of gemv.cu ("v2")
 /// or the original one-warp-per-row kernels. `gemv_fp8_v2` / `moe_gemv_fp8_v2` stage the decoded
 /// x rows in shared memory and fall back to the originals where those do not fit (long prefill tails).
-const GEMV_BF16_V2: bool = false;
-const GEMV_FP8_V2: bool = false;
-const MOE_GEMV_V2: bool = false;
+const GEMV_BF16_V2: bool = true;
+const GEMV_FP8_V2: bool = true;
+const MOE_GEMV_V2: bool = true;
 
 /// Rows of up to 8 tokens: the GEMV kernels' limit (`ORNITH_GEMV_MAX_TOKENS`).
 pub const GEMV_ROWS: usize = ORNITH_GEMV_MAX_TOKENS as usize;
