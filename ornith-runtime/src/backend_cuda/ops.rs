@@ -20,6 +20,13 @@ pub fn at<T>(b: &CudaBackend, s: &CudaSlice<T>, off: usize) -> Ptr {
     b.cx.addr(s) + (off * std::mem::size_of::<T>()) as u64
 }
 
+/// GEMV kernel choice, one switch per kernel: the persistent row-team kernels of gemv.cu ("v2")
+/// or the original one-warp-per-row kernels. `gemv_fp8_v2` / `moe_gemv_fp8_v2` stage the decoded
+/// x rows in shared memory and fall back to the originals where those do not fit (long prefill tails).
+const GEMV_BF16_V2: bool = true;
+const GEMV_FP8_V2: bool = true;
+const MOE_GEMV_V2: bool = true;
+
 /// Rows of up to 8 tokens: the GEMV kernels' limit (`ORNITH_GEMV_MAX_TOKENS`).
 pub const GEMV_ROWS: usize = ORNITH_GEMV_MAX_TOKENS as usize;
 
@@ -145,7 +152,11 @@ impl CudaBackend {
     pub(super) fn k_gemv_bf16(&self, x: Ptr, w: Ptr, y: Ptr, t: usize, in_: usize, out: usize, xs: usize, ys: usize) -> Result<()> {
         debug_assert!((1..=GEMV_ROWS).contains(&t));
         let p = OrnithGemvBf16Params { x: x as _, w: w as _, y: y as _, tokens: t as i32, in_: in_ as i32, out: out as i32, x_stride: xs as i32, y_stride: ys as i32 };
-        self.go("gemv_bf16", (out.div_ceil(8) as u32, 1, 1), 256, (out * in_ * 2 + t * (in_ + out) * 2) as u64, p)
+        let bytes = (out * in_ * 2 + t * (in_ + out) * 2) as u64;
+        if GEMV_BF16_V2 {
+            return self.go("gemv_bf16_v2", (self.cx.gemv_bf16_v2_grid(t, in_, out), 1, 1), 256, bytes, p);
+        }
+        self.go("gemv_bf16", (out.div_ceil(8) as u32, 1, 1), 256, bytes, p)
     }
 
     /// FP8 W8A8 GEMV for up to 8 rows.
@@ -156,7 +167,11 @@ impl CudaBackend {
             xq: xq as _, xs: xsc as _, w: w as _, ws: ws as _, y: y as _, tokens: t as i32, in_: in_ as i32, out: out as i32,
             x_stride: xs as i32, y_stride: ys as i32,
         };
-        self.go("gemv_fp8", (out.div_ceil(8) as u32, 1, 1), 256, (out * in_ + out * 4 + t * (in_ + 4 + out * 2)) as u64, p)
+        let bytes = (out * in_ + out * 4 + t * (in_ + 4 + out * 2)) as u64;
+        if let (true, Some(grid)) = (GEMV_FP8_V2, self.cx.gemv_fp8_v2_grid(t, in_, out)) {
+            return self.go("gemv_fp8_v2", (grid, 1, 1), 256, bytes, p);
+        }
+        self.go("gemv_fp8", (out.div_ceil(8) as u32, 1, 1), 256, bytes, p)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -171,6 +186,9 @@ impl CudaBackend {
         let slots = (p.top_k + 1) as usize;
         let (t, in_, out) = (p.tokens as usize, p.in_ as usize, p.out as usize);
         let bytes = t * slots * (out * in_ + out * 4 + in_ + 4 + out * 2);
+        if let (true, Some(grid)) = (MOE_GEMV_V2, self.cx.moe_gemv_v2_grid(t, p.top_k as usize, in_, out, p.x_slot_stride > 0)) {
+            return self.go("moe_gemv_fp8_v2", (grid, 1, 1), 256, bytes as u64, p);
+        }
         self.go("moe_gemv_fp8", (out.div_ceil(8) as u32, slots as u32, t as u32), 256, bytes as u64, p)
     }
 

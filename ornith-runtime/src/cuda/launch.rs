@@ -120,15 +120,29 @@ impl CudaContext {
     /// y[t, o] = bf16(sum_i x[t, i] w[o, i]) for 1..=8 tokens.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_bf16(&self, x: &Bf, w: &Bf, y: &mut Bf, tokens: usize, in_: usize, out: usize, x_stride: usize, y_stride: usize) -> Result<()> {
+        let p = self.gemv_bf16_params(x, w, y, tokens, in_, out, x_stride, y_stride)?;
+        self.launch("gemv_bf16", (out.div_ceil(8) as u32, 1, 1), 256, p)
+    }
+
+    /// [`Self::gemv_bf16`] by the persistent row-team kernel `gemv_bf16_v2` (same result up to
+    /// the fp32 summation order).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_bf16_v2(&self, x: &Bf, w: &Bf, y: &mut Bf, tokens: usize, in_: usize, out: usize, x_stride: usize, y_stride: usize) -> Result<()> {
+        let p = self.gemv_bf16_params(x, w, y, tokens, in_, out, x_stride, y_stride)?;
+        let grid = self.gemv_bf16_v2_grid(tokens, in_, out);
+        self.launch("gemv_bf16_v2", (grid, 1, 1), 256, p)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_bf16_params(&self, x: &Bf, w: &Bf, y: &Bf, tokens: usize, in_: usize, out: usize, x_stride: usize, y_stride: usize) -> Result<OrnithGemvBf16Params> {
         Self::gemv_checks(tokens, in_, out, x_stride, y_stride, 8)?;
         need("gemv x", x, (tokens - 1) * x_stride + in_)?;
         need("gemv w", w, out * in_)?;
         need("gemv y", y, (tokens - 1) * y_stride + out)?;
-        let p = OrnithGemvBf16Params {
+        Ok(OrnithGemvBf16Params {
             x: self.addr(x) as _, w: self.addr(w) as _, y: self.addr(y) as _, tokens: tokens as i32,
             in_: i32of("in", in_)?, out: i32of("out", out)?, x_stride: x_stride as i32, y_stride: i32of("y_stride", y_stride)?,
-        };
-        self.launch("gemv_bf16", (out.div_ceil(8) as u32, 1, 1), 256, p)
+        })
     }
 
     /// FP8 W8A8: y[t, o] = bf16((sum_i xq w) * xs[t] * ws[o]).
@@ -137,17 +151,39 @@ impl CudaContext {
         &self, xq: &CudaSlice<u8>, xs: &CudaSlice<f32>, w: &CudaSlice<u8>, ws: &CudaSlice<f32>, y: &mut Bf,
         tokens: usize, in_: usize, out: usize, x_stride: usize, y_stride: usize,
     ) -> Result<()> {
+        let p = self.gemv_fp8_params(xq, xs, w, ws, y, tokens, in_, out, x_stride, y_stride)?;
+        self.launch("gemv_fp8", (out.div_ceil(8) as u32, 1, 1), 256, p)
+    }
+
+    /// [`Self::gemv_fp8`] by the persistent row-team kernel `gemv_fp8_v2`, which stages the
+    /// decoded x rows in shared memory: needs `tokens * in <= GEMV2_X_FLOATS` (8192).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_fp8_v2(
+        &self, xq: &CudaSlice<u8>, xs: &CudaSlice<f32>, w: &CudaSlice<u8>, ws: &CudaSlice<f32>, y: &mut Bf,
+        tokens: usize, in_: usize, out: usize, x_stride: usize, y_stride: usize,
+    ) -> Result<()> {
+        let p = self.gemv_fp8_params(xq, xs, w, ws, y, tokens, in_, out, x_stride, y_stride)?;
+        let grid = self.gemv_fp8_v2_grid(tokens, in_, out).ok_or_else(|| {
+            anyhow::anyhow!("gemv_fp8_v2: tokens {tokens} x in {in_} exceeds the {} staged x values", super::GEMV2_X_FLOATS)
+        })?;
+        self.launch("gemv_fp8_v2", (grid, 1, 1), 256, p)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_fp8_params(
+        &self, xq: &CudaSlice<u8>, xs: &CudaSlice<f32>, w: &CudaSlice<u8>, ws: &CudaSlice<f32>, y: &Bf,
+        tokens: usize, in_: usize, out: usize, x_stride: usize, y_stride: usize,
+    ) -> Result<OrnithGemvFp8Params> {
         Self::gemv_checks(tokens, in_, out, x_stride, y_stride, 16)?;
         need("gemv_fp8 x", xq, (tokens - 1) * x_stride + in_)?;
         need("gemv_fp8 xs", xs, tokens)?;
         need("gemv_fp8 w", w, out * in_)?;
         need("gemv_fp8 ws", ws, out)?;
         need("gemv_fp8 y", y, (tokens - 1) * y_stride + out)?;
-        let p = OrnithGemvFp8Params {
+        Ok(OrnithGemvFp8Params {
             xq: self.addr(xq) as _, xs: self.addr(xs) as _, w: self.addr(w) as _, ws: self.addr(ws) as _, y: self.addr(y) as _,
             tokens: tokens as i32, in_: i32of("in", in_)?, out: i32of("out", out)?, x_stride: x_stride as i32, y_stride: i32of("y_stride", y_stride)?,
-        };
-        self.launch("gemv_fp8", (out.div_ceil(8) as u32, 1, 1), 256, p)
+        })
     }
 
     /// Router: softmax over `experts` logits (row stride `stride`), top-k, renormalised bf16 weights.
@@ -165,6 +201,23 @@ impl CudaContext {
 
     /// Expert GEMV for top_k routed slots + the shared slot (see `OrnithMoeGemvParams`).
     pub fn moe_gemv(&self, a: &MoeGemvArgs, y: &mut Bf) -> Result<()> {
+        let p = self.moe_gemv_params(a, y)?;
+        self.launch("moe_gemv_fp8", (a.out.div_ceil(8) as u32, (a.top_k + 1) as u32, a.tokens as u32), 256, p)
+    }
+
+    /// [`Self::moe_gemv`] by the persistent row-team kernel `moe_gemv_fp8_v2` (1-D grid), which
+    /// stages the decoded x rows in shared memory: needs `tokens * (x_slot_stride > 0 ? top_k + 1
+    /// : 1) * in <= GEMV2_X_FLOATS` (8192).
+    pub fn moe_gemv_v2(&self, a: &MoeGemvArgs, y: &mut Bf) -> Result<()> {
+        let p = self.moe_gemv_params(a, y)?;
+        let grid = self.moe_gemv_v2_grid(a.tokens, a.top_k, a.in_, a.out, a.x_slot_stride > 0).ok_or_else(|| {
+            let x_rows = a.tokens * if a.x_slot_stride > 0 { a.top_k + 1 } else { 1 };
+            anyhow::anyhow!("moe_gemv_v2: {x_rows} x rows of {} exceed the {} staged x values", a.in_, super::GEMV2_X_FLOATS)
+        })?;
+        self.launch("moe_gemv_fp8_v2", (grid, 1, 1), 256, p)
+    }
+
+    fn moe_gemv_params(&self, a: &MoeGemvArgs, y: &Bf) -> Result<OrnithMoeGemvParams> {
         let slots = a.top_k + 1;
         ensure!(a.tokens > 0 && a.in_ % 16 == 0 && a.in_ > 0 && a.out > 0 && a.top_k >= 1, "moe_gemv: in {} % 16, out {}", a.in_, a.out);
         ensure!(a.x_tok_stride % 16 == 0 && a.x_slot_stride % 16 == 0, "moe_gemv: activation strides must keep 16-byte alignment");
@@ -183,7 +236,7 @@ impl CudaContext {
             x_tok_stride: a.x_tok_stride as i32, x_slot_stride: a.x_slot_stride as i32,
             xs_tok_stride: a.xs_tok_stride as i32, xs_slot_stride: a.xs_slot_stride as i32,
         };
-        self.launch("moe_gemv_fp8", (a.out.div_ceil(8) as u32, slots as u32, a.tokens as u32), 256, p)
+        Ok(p)
     }
 
     /// a = bf16(bf16(silu(g)) * u) per row of gate_up [rows, 2*inter], then FP8 per row.

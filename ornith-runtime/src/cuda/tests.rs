@@ -2,7 +2,7 @@
 //! References are straightforward f64 loops that copy the kernels' bf16 cast points (HF's);
 //! tolerance rationale at `close`.
 use super::launch::*;
-use super::test_util::{ctx, rng, time_it, POISON, R};
+use super::test_util::{ctx, rng, time_cold, time_it, POISON, R};
 use half::bf16;
 use model_spec::fp8::e4m3_to_f32;
 use rand::Rng;
@@ -171,29 +171,61 @@ fn quantize_fp8_matches_reference() {
     }
 }
 
+/// PERF line for one GEMV launch: L2-warm (operands resident from the previous run) and L2-cold
+/// times; the cold one is what a decode step sees.
+fn perf(c: &super::CudaContext, what: &str, bytes: f64, mut f: impl FnMut()) {
+    let warm = time_it(c, &mut f);
+    let cold = time_cold(c, &mut f);
+    eprintln!(
+        "PERF {what}: cold {:.2} us = {:.0} GB/s; warm {:.2} us = {:.0} GB/s",
+        cold * 1e6, bytes / cold / 1e9, warm * 1e6, bytes / warm / 1e9
+    );
+}
+
+/// Whether a GEMV shape is one whose speed is reported: the real decode shapes (batch 1).
+fn decode_shape(inp: usize, tokens: usize) -> bool {
+    tokens == 1 && inp >= 2048
+}
+
 #[test]
 #[ignore]
 fn gemv_bf16_matches_reference() {
     let c = ctx();
     let mut r = rng(4);
-    // (in, out, tokens): odd row counts, real GDN/router/lm_head shapes, several tokens
-    for (inp, out, tokens) in [(64, 67, 3), (2048, 8192, 1), (2048, 257, 2), (4096, 2048, 8), (2048, 33, 5), (2048, 248320, 1)] {
-        let x = bfv(&mut r, tokens * inp, 1.0);
+    // (in, out, tokens, extra x / y stride): odd row counts, tiny rows (in 16: one 16-byte chunk,
+    // team of 1 lane), every token count, strided rows, and the real decode shapes: GDN fused input
+    // projection 2048 -> 12352, out_proj 4096 -> 2048, router (+ shared gate) 2048 -> 257, lm_head.
+    let shapes = [
+        (64, 67, 3, 0), (16, 45, 4, 8), (2048, 8192, 1, 0), (2048, 257, 2, 0), (4096, 2048, 8, 0), (2048, 33, 5, 0),
+        (1024, 100, 6, 24), (512, 70, 7, 0), (4096, 77, 2, 16), (2048, 12352, 1, 0), (4096, 2048, 1, 0), (2048, 257, 1, 0),
+        (2048, 248320, 1, 0),
+    ];
+    for (inp, out, tokens, pad) in shapes {
+        let (xst, yst) = (inp + pad, out + pad);
+        let x = bfv(&mut r, tokens * xst, 1.0);
         let w = bfv(&mut r, out * inp, 0.05);
         let (dx, dw) = (c.upload(&x).unwrap(), c.upload(&w).unwrap());
-        let mut y = c.upload(&vec![POISON; tokens * out]).unwrap();
-        c.gemv_bf16(&dx, &dw, &mut y, tokens, inp, out, inp, out).unwrap();
-        let got = c.download(&y).unwrap();
         let xf: Vec<f64> = x.iter().map(|&b| f(b)).collect();
         let want: Vec<f64> = (0..tokens * out).map(|k| {
             let (t, o) = (k / out, k % out);
-            (0..inp).map(|i| xf[t * inp + i] * f(w[o * inp + i])).sum()
+            (0..inp).map(|i| xf[t * xst + i] * f(w[o * inp + i])).sum()
         }).collect();
-        close(&format!("gemv_bf16 {inp}x{out} t{tokens}"), &got, &want);
-        if out * inp >= 2048 * 8192 {
-            let s = time_it(&c, || c.gemv_bf16(&dx, &dw, &mut y, tokens, inp, out, inp, out).unwrap());
-            let bytes = (out * inp * 2 + tokens * (inp + out) * 2) as f64;
-            eprintln!("PERF gemv_bf16 in {inp} out {out} tokens {tokens}: {:.2} us, {:.0} GB/s", s * 1e6, bytes / s / 1e9);
+        for v2 in [false, true] {
+            let name = if v2 { "gemv_bf16_v2" } else { "gemv_bf16" };
+            let mut y = c.upload(&vec![POISON; tokens * yst]).unwrap();
+            let run = |y: &mut cudarc::driver::CudaSlice<u16>| {
+                if v2 { c.gemv_bf16_v2(&dx, &dw, y, tokens, inp, out, xst, yst) } else { c.gemv_bf16(&dx, &dw, y, tokens, inp, out, xst, yst) }.unwrap()
+            };
+            run(&mut y);
+            let got = c.download(&y).unwrap();
+            // the padding between output rows stays untouched
+            assert!((0..tokens).all(|t| got[t * yst + out..(t + 1) * yst].iter().all(|&b| b == POISON)), "{name}: wrote outside the rows");
+            let got: Vec<u16> = (0..tokens * out).map(|k| got[(k / out) * yst + k % out]).collect();
+            close(&format!("{name} {inp}x{out} t{tokens}"), &got, &want);
+            if decode_shape(inp, tokens) {
+                let bytes = (out * inp * 2 + tokens * (inp + out) * 2) as f64;
+                perf(&c, &format!("{name} in {inp} out {out} tokens {tokens}"), bytes, || run(&mut y));
+            }
         }
     }
 }
@@ -208,27 +240,62 @@ fn fp8v(r: &mut R, n: usize) -> Vec<u8> {
 fn gemv_fp8_matches_reference() {
     let c = ctx();
     let mut r = rng(5);
-    for (inp, out, tokens) in [(64, 67, 3), (2048, 8192, 1), (2048, 1024, 2), (512, 2048, 1), (4096, 2048, 8), (2048, 250000, 1)] {
-        let xq = fp8v(&mut r, tokens * inp);
+    // (in, out, tokens, extra x / y stride): as for BF16, plus the decode shapes q|k|v 2048 -> 9216
+    // and o_proj 4096 -> 2048. gemv_fp8_v2 needs tokens * in <= 8192; above it must refuse.
+    let shapes = [
+        (64, 67, 3, 0), (16, 40, 6, 16), (2048, 8192, 1, 0), (2048, 1024, 2, 0), (512, 2048, 1, 0), (4096, 2048, 8, 0),
+        (1024, 300, 8, 32), (2048, 100, 4, 0), (4096, 77, 2, 16), (1024, 51, 5, 0), (1024, 90, 7, 0),
+        (2048, 9216, 1, 0), (4096, 2048, 1, 0), (2048, 250000, 1, 0),
+    ];
+    for (inp, out, tokens, pad) in shapes {
+        let (xst, yst) = (inp + pad, out + pad);
+        let xq = fp8v(&mut r, tokens * xst);
         let xs: Vec<f32> = (0..tokens).map(|_| r.random_range(0.001f32..0.01)).collect();
         let w = fp8v(&mut r, out * inp);
         let ws: Vec<f32> = (0..out).map(|_| bf16::from_f32(r.random_range(0.0001f32..0.001)).to_f32()).collect();
         let (dxq, dxs, dw, dws) = (c.upload(&xq).unwrap(), c.upload(&xs).unwrap(), c.upload(&w).unwrap(), c.upload(&ws).unwrap());
-        let mut y = c.upload(&vec![POISON; tokens * out]).unwrap();
-        c.gemv_fp8(&dxq, &dxs, &dw, &dws, &mut y, tokens, inp, out, inp, out).unwrap();
-        let got = c.download(&y).unwrap();
         let want: Vec<f64> = (0..tokens * out).map(|k| {
             let (t, o) = (k / out, k % out);
-            let acc: f64 = (0..inp).map(|i| e4m3_to_f32(xq[t * inp + i]) as f64 * e4m3_to_f32(w[o * inp + i]) as f64).sum();
+            let acc: f64 = (0..inp).map(|i| e4m3_to_f32(xq[t * xst + i]) as f64 * e4m3_to_f32(w[o * inp + i]) as f64).sum();
             acc * xs[t] as f64 * ws[o] as f64
         }).collect();
-        close(&format!("gemv_fp8 {inp}x{out} t{tokens}"), &got, &want);
-        if out * inp >= 2048 * 8192 {
-            let s = time_it(&c, || c.gemv_fp8(&dxq, &dxs, &dw, &dws, &mut y, tokens, inp, out, inp, out).unwrap());
-            let bytes = (out * inp + out * 4 + tokens * (inp + out * 2)) as f64;
-            eprintln!("PERF gemv_fp8 in {inp} out {out} tokens {tokens}: {:.2} us, {:.0} GB/s", s * 1e6, bytes / s / 1e9);
+        for v2 in [false, true] {
+            let name = if v2 { "gemv_fp8_v2" } else { "gemv_fp8" };
+            let mut y = c.upload(&vec![POISON; tokens * yst]).unwrap();
+            let run = |y: &mut cudarc::driver::CudaSlice<u16>| {
+                if v2 { c.gemv_fp8_v2(&dxq, &dxs, &dw, &dws, y, tokens, inp, out, xst, yst) } else { c.gemv_fp8(&dxq, &dxs, &dw, &dws, y, tokens, inp, out, xst, yst) }
+            };
+            if v2 && tokens * inp > super::GEMV2_X_FLOATS {
+                let e = run(&mut y).unwrap_err().to_string();
+                assert!(e.contains("gemv_fp8_v2") && e.contains("staged"), "{e}");
+                continue;
+            }
+            run(&mut y).unwrap();
+            let got = c.download(&y).unwrap();
+            assert!((0..tokens).all(|t| got[t * yst + out..(t + 1) * yst].iter().all(|&b| b == POISON)), "{name}: wrote outside the rows");
+            let got: Vec<u16> = (0..tokens * out).map(|k| got[(k / out) * yst + k % out]).collect();
+            close(&format!("{name} {inp}x{out} t{tokens}"), &got, &want);
+            if decode_shape(inp, tokens) {
+                let bytes = (out * inp + out * 4 + tokens * (inp + out * 2)) as f64;
+                perf(&c, &format!("{name} in {inp} out {out} tokens {tokens}"), bytes, || run(&mut y).unwrap());
+            }
         }
     }
+}
+
+/// `moe_gemv_v2` on the same inputs as a checked `moe_gemv` call: the same reference, or, where
+/// the staged x rows exceed its shared memory, a clear refusal.
+fn moe_gemv_v2_check(c: &super::CudaContext, a: &MoeGemvArgs, want: &[f64], name: &str) {
+    let slots = a.top_k + 1;
+    let mut y = c.upload(&vec![POISON; a.tokens * slots * a.out]).unwrap();
+    let x_rows = a.tokens * if a.x_slot_stride > 0 { slots } else { 1 };
+    if x_rows * a.in_ > super::GEMV2_X_FLOATS {
+        let e = c.moe_gemv_v2(a, &mut y).unwrap_err().to_string();
+        assert!(e.contains("moe_gemv_v2") && e.contains("staged"), "{e}");
+        return;
+    }
+    c.moe_gemv_v2(a, &mut y).unwrap();
+    close(&format!("{name} (v2)"), &c.download(&y).unwrap(), want);
 }
 
 /// The whole MoE decode chain on the device (router -> gate_up -> SwiGLU+FP8 -> down -> combine)
@@ -296,6 +363,7 @@ fn moe_decode_matches_reference() {
             }
         }
         close("moe gate_up", &ggu, &want_gu);
+        moe_gemv_v2_check(&c, &a1, &want_gu, "moe gate_up");
         let rows = tokens * slots;
         let mut aq = c.upload(&vec![0xAAu8; rows * inter]).unwrap();
         let mut asc = c.upload(&vec![-1f32; rows]).unwrap();
@@ -330,6 +398,17 @@ fn moe_decode_matches_reference() {
             }
         }
         close("moe down", &gys, &want_ys);
+        moe_gemv_v2_check(&c, &a2, &want_ys, "moe down");
+        if tokens == 1 && e == 256 {
+            // decode: gate|up (in 2048, out 1024) and down (in 512, out 2048) over 9 slots
+            for (a, what) in [(&a1, "gate_up"), (&a2, "down")] {
+                let (in_, out) = (a.in_, a.out);
+                let bytes = (slots * (out * in_ + out * 4 + out * 2) + in_ * if a.x_slot_stride > 0 { slots } else { 1 }) as f64;
+                let mut y = c.upload(&vec![POISON; slots * out]).unwrap();
+                perf(&c, &format!("moe_gemv_fp8 {what} in {in_} out {out} slots {slots} experts {e}"), bytes, || c.moe_gemv(a, &mut y).unwrap());
+                perf(&c, &format!("moe_gemv_fp8_v2 {what} in {in_} out {out} slots {slots} experts {e}"), bytes, || c.moe_gemv_v2(a, &mut y).unwrap());
+            }
+        }
         let mut out = c.upload(&vec![POISON; tokens * h]).unwrap();
         let gate = c.upload(&logits[e..]).unwrap(); // shared-gate logit at column e of each row
         c.moe_combine(&ys, &wt, &gate, &mut out, tokens, k, h, e + 1).unwrap();
