@@ -23,10 +23,6 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_residual(const
     int t = blockIdx.x;
     uint16_t *res = p.residual + (size_t)t * p.hidden;
     const uint16_t *add = p.add ? p.add + (size_t)t * p.hidden : nullptr;
-    const int slots = p.moe_top_k + 1;
-    const uint16_t *ys = p.moe_ys ? p.moe_ys + (size_t)t * slots * p.hidden : nullptr;
-    float gsh = 0.f;  // bf16(sigmoid(shared-expert gate logit)), as moe_combine
-    if (ys) gsh = rbf(sigmoid_f(bf2f(p.moe_gate[(size_t)t * p.moe_gate_stride])));
     float r[RMS_PER_THREAD];
     float ss = 0.f;
 #pragma unroll
@@ -35,15 +31,7 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_residual(const
         r[j] = 0.f;
         if (i < p.hidden) {
             float v = bf2f(res[i]);
-            if (ys) {  // moe_combine's output, same operations in the same order
-                float routed = 0.f;
-                for (int e = 0; e < p.moe_top_k; e++)
-                    routed += rbf(bf2f(ys[(size_t)e * p.hidden + i]) * p.moe_weight[t * p.moe_top_k + e]);
-                routed = rbf(routed);
-                const float shared = rbf(gsh * bf2f(ys[(size_t)p.moe_top_k * p.hidden + i]));
-                v = rbf(v + rbf(routed + shared));
-                res[i] = f2bf(v);
-            } else if (add) {
+            if (add) {
                 v = rbf(v + bf2f(add[i]));  // h = bf16(r + x): the residual stream is bf16
                 res[i] = f2bf(v);
             }

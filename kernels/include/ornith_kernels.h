@@ -27,12 +27,7 @@ typedef struct OrnithEmbedParams {
  *   if add != NULL:  residual[t] = bf16(residual[t] + add[t])       (in place)
  *   y[t]  = bf16( r * rsqrt(mean(r^2) + eps) * (1 + w) ),  r = float(residual[t]), fp32 inside
  *   if out != NULL:  out[t] = y[t]
- *   if q8  != NULL:  scale[t] = amax|y[t]| / 448;  q8[t, i] = e4m3(y[t, i] / scale[t])  (RNE, saturating)
- * Decode MoE combine fused into the add (moe_ys != NULL; `add` unused): the added row is
- * moe_combine's output, computed in place of reading it (OrnithMoeCombineParams' formula):
- *   add[t, i] = bf16( bf16(sum_j bf16(ys[t, j, i] * weight[t, j])) + bf16(bf16(sigmoid(gate[t])) * ys[t, top_k, i]) )
- * with ys [tokens, top_k + 1, hidden] (slot top_k = shared expert), weight [tokens, top_k] f32,
- * gate = moe_gate[t * moe_gate_stride]. */
+ *   if q8  != NULL:  scale[t] = amax|y[t]| / 448;  q8[t, i] = e4m3(y[t, i] / scale[t])  (RNE, saturating) */
 typedef struct OrnithRmsNormParams {
     uint16_t *residual;
     const uint16_t *add;
@@ -43,11 +38,6 @@ typedef struct OrnithRmsNormParams {
     int32_t tokens;
     int32_t hidden;
     float eps;
-    const uint16_t *moe_ys;
-    const float *moe_weight;
-    const uint16_t *moe_gate;
-    int32_t moe_top_k;
-    int32_t moe_gate_stride;
 } OrnithRmsNormParams;
 
 /* Per-token FP8 quantisation of bf16 rows: scale[t] = amax/448, q8 = e4m3(x / scale). */

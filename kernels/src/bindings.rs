@@ -52,15 +52,10 @@ pub struct OrnithRmsNormParams {
     pub tokens: i32,
     pub hidden: i32,
     pub eps: f32,
-    pub moe_ys: *const u16,
-    pub moe_weight: *const f32,
-    pub moe_gate: *const u16,
-    pub moe_top_k: i32,
-    pub moe_gate_stride: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithRmsNormParams"][::std::mem::size_of::<OrnithRmsNormParams>() - 96usize];
+    ["Size of OrnithRmsNormParams"][::std::mem::size_of::<OrnithRmsNormParams>() - 64usize];
     ["Alignment of OrnithRmsNormParams"][::std::mem::align_of::<OrnithRmsNormParams>() - 8usize];
     ["Offset of field: OrnithRmsNormParams::residual"]
         [::std::mem::offset_of!(OrnithRmsNormParams, residual) - 0usize];
@@ -80,16 +75,6 @@ const _: () = {
         [::std::mem::offset_of!(OrnithRmsNormParams, hidden) - 52usize];
     ["Offset of field: OrnithRmsNormParams::eps"]
         [::std::mem::offset_of!(OrnithRmsNormParams, eps) - 56usize];
-    ["Offset of field: OrnithRmsNormParams::moe_ys"]
-        [::std::mem::offset_of!(OrnithRmsNormParams, moe_ys) - 64usize];
-    ["Offset of field: OrnithRmsNormParams::moe_weight"]
-        [::std::mem::offset_of!(OrnithRmsNormParams, moe_weight) - 72usize];
-    ["Offset of field: OrnithRmsNormParams::moe_gate"]
-        [::std::mem::offset_of!(OrnithRmsNormParams, moe_gate) - 80usize];
-    ["Offset of field: OrnithRmsNormParams::moe_top_k"]
-        [::std::mem::offset_of!(OrnithRmsNormParams, moe_top_k) - 88usize];
-    ["Offset of field: OrnithRmsNormParams::moe_gate_stride"]
-        [::std::mem::offset_of!(OrnithRmsNormParams, moe_gate_stride) - 92usize];
 };
 impl Default for OrnithRmsNormParams {
     fn default() -> Self {

@@ -88,9 +88,6 @@ pub struct CudaAct {
     h: Arc<CudaSlice<u16>>,
     delta: Arc<CudaSlice<u16>>,
     pending: Cell<usize>,
-    /// Decode: the pending delta is the MoE combine of these scratch rows, not yet computed;
-    /// the next RMSNorm computes it as it adds it (one launch fewer per layer).
-    moe: Cell<Option<ops::MoeAdd>>,
 }
 
 /// Static buffers of the decode step, so that a captured graph sees the same addresses at every
@@ -273,7 +270,7 @@ impl CudaBackend {
         let hs = self.dims.hidden_size;
         ensure!(!data.is_empty() && data.len().is_multiple_of(hs), "act_from_host: {} values is not a whole number of rows of {hs}", data.len());
         let b: Vec<u16> = data.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
-        Ok(CudaAct { t: data.len() / hs, h: Arc::new(self.cx.upload(&b)?), delta: Arc::new(self.cx.alloc(b.len())?), pending: Cell::new(0), moe: Cell::new(None) })
+        Ok(CudaAct { t: data.len() / hs, h: Arc::new(self.cx.upload(&b)?), delta: Arc::new(self.cx.alloc(b.len())?), pending: Cell::new(0) })
     }
 
     fn check_deferred(&self) -> Result<()> {
@@ -290,13 +287,7 @@ impl CudaBackend {
     /// RMSNorm of rows `r0 .. r0 + n` of `h` into the scratch `xb`/`xq` (adding the pending delta).
     fn norm_rows(&self, h: &CudaAct, w: &CudaVector, r0: usize, n: usize) -> Result<XIn> {
         let hs = self.dims.hidden_size;
-        let add = match h.moe.take() {
-            Some(m) => {
-                ensure!(r0 == 0 && n == h.t, "a fused MoE combine is pending on {} rows, the norm reads rows {r0}..{}", h.t, r0 + n);
-                Some(ops::Add::Moe(m))
-            }
-            None => (h.pending.get() > r0).then(|| ops::Add::Row(at(self, &h.delta, r0 * hs))),
-        };
+        let add = (h.pending.get() > r0).then(|| at(self, &h.delta, r0 * hs));
         let (xq, xs) = (at(self, &self.s.xq, 0), at(self, &self.s.xs, 0));
         self.k_rmsnorm(at(self, &h.h, r0 * hs), add, at(self, &w.bf, 0), at(self, &self.s.xb, 0), Some((xq, xs)), n, hs, self.eps())?;
         Ok(XIn { bf: at(self, &self.s.xb, 0), q8: Some((xq, xs)), stride: hs })
@@ -633,7 +624,7 @@ impl Backend for CudaBackend {
             ensure!(t == 1, "a decode step embeds one token, got {t}");
             let (h, delta) = (self.dec.h.clone(), self.dec.delta.clone());
             self.k_embed(at(self, &self.dec.io, 0), at(self, table, 0), at(self, &h, 0), 1, d.hidden_size, d.vocab_size)?;
-            return Ok(CudaAct { t, h, delta, pending: Cell::new(0), moe: Cell::new(None) });
+            return Ok(CudaAct { t, h, delta, pending: Cell::new(0) });
         }
         let ids32: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
         let dev_ids = self.cx.upload(&ids32)?;
@@ -641,7 +632,7 @@ impl Backend for CudaBackend {
         let delta = Arc::new(self.cx.alloc::<u16>(t * d.hidden_size)?);
         self.k_embed(at(self, &dev_ids, 0), at(self, table, 0), at(self, &h, 0), t, d.hidden_size, d.vocab_size)?;
         // `dev_ids` is freed stream-ordered after the gather that reads it.
-        Ok(CudaAct { t, h, delta, pending: Cell::new(0), moe: Cell::new(None) })
+        Ok(CudaAct { t, h, delta, pending: Cell::new(0) })
     }
 
     fn gated_deltanet_prefill<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
@@ -740,14 +731,7 @@ impl Backend for CudaBackend {
                 tokens: n as i32, top_k: k as i32, experts: e as i32, in_: inter as i32, out: hs as i32,
                 x_tok_stride: (slots * inter) as i32, x_slot_stride: inter as i32, xs_tok_stride: slots as i32, xs_slot_stride: 1,
             })?;
-            let m = ops::MoeAdd { ys: at(self, &s.ys, 0), weight: at(self, &s.wt, 0), gate: rl + 2 * e as u64, top_k: k, gate_stride: rw };
-            if self.decoding.get() {
-                // The next RMSNorm (next layer or the logits) computes the combine as it adds it;
-                // nothing runs between, so the scratch rows are still intact then.
-                h.moe.set(Some(m));
-            } else {
-                self.k_combine(m.ys, m.weight, m.gate, at(self, &h.delta, r0 * hs), n, k, hs, rw)?;
-            }
+            self.k_combine(at(self, &s.ys, 0), at(self, &s.wt, 0), rl + 2 * e as u64, at(self, &h.delta, r0 * hs), n, k, hs, rw)?;
         }
         h.pending.set(h.t);
         Ok(())
@@ -799,9 +783,6 @@ impl Backend for CudaBackend {
     /// `h`, with the pending delta added in bf16 as the next RMSNorm kernel would.
     fn act_to_host(&self, h: &CudaAct) -> Result<Vec<f32>> {
         let hs = self.dims.hidden_size;
-        if let Some(m) = h.moe.take() {
-            self.k_combine(m.ys, m.weight, m.gate, at(self, &h.delta, 0), h.t, m.top_k, hs, m.gate_stride)?;
-        }
         let hv = self.cx.download(&h.h)?;
         let dv = self.cx.download(&h.delta)?;
         let pend = h.pending.get() * hs;

@@ -23,9 +23,14 @@ pub fn at<T>(b: &CudaBackend, s: &CudaSlice<T>, off: usize) -> Ptr {
 /// GEMV kernel choice, one switch per kernel: the persistent row-team kernels of gemv.cu ("v2")
 /// or the original one-warp-per-row kernels. `gemv_fp8_v2` / `moe_gemv_fp8_v2` stage the decoded
 /// x rows in shared memory and fall back to the originals where those do not fit (long prefill tails).
-const GEMV_BF16_V2: bool = true;
-const GEMV_FP8_V2: bool = true;
-const MOE_GEMV_V2: bool = true;
+/// All off: measured on the H200 (2026-11-30, L2-cold, docs/PERF.md) the originals are faster on
+/// the decode shapes that matter (per token 2.67 ms of GEMV time vs 2.94 ms: MoE gate|up 12.7 vs
+/// 14.7 µs, down 9.5 vs 13.2 µs, lm_head 238 vs 262 µs; v2 wins only the 12,352-row BF16 GDN
+/// projection, 21.0 vs 22.7 µs), and a full-model decode with v2 ran at 237 tok/s. Kept, tested, for
+/// the DGX Spark (48 SMs, 273 GB/s LPDDR5x), where they have not been measured yet.
+const GEMV_BF16_V2: bool = false;
+const GEMV_FP8_V2: bool = false;
+const MOE_GEMV_V2: bool = false;
 
 /// Rows of up to 8 tokens: the GEMV kernels' limit (`ORNITH_GEMV_MAX_TOKENS`).
 pub const GEMV_ROWS: usize = ORNITH_GEMV_MAX_TOKENS as usize;
@@ -37,25 +42,6 @@ pub struct XIn {
     pub bf: Ptr,
     pub q8: Option<(Ptr, Ptr)>,
     pub stride: usize,
-}
-
-/// What an RMSNorm adds to the residual first: a bf16 row, or the decode MoE combine of the
-/// expert outputs (computed in the norm kernel; see `OrnithRmsNormParams`).
-#[derive(Clone, Copy)]
-pub enum Add {
-    Row(Ptr),
-    Moe(MoeAdd),
-}
-
-/// Inputs of the MoE combine: `ys [t, top_k + 1, hidden]`, routing weights `[t, top_k]` f32,
-/// the shared-expert gate logit at `gate + t * gate_stride` (bf16).
-#[derive(Clone, Copy)]
-pub struct MoeAdd {
-    pub ys: Ptr,
-    pub weight: Ptr,
-    pub gate: Ptr,
-    pub top_k: usize,
-    pub gate_stride: usize,
 }
 
 /// Rows `r0 .. r0 + out_features` of a device Linear: weight address (BF16 or E4M3 rows of
@@ -116,23 +102,12 @@ impl CudaBackend {
 
     /// `residual += add` (if any), then zero-centred RMSNorm into bf16 `out` and FP8 `q8`.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn k_rmsnorm(&self, residual: Ptr, add: Option<Add>, w: Ptr, out: Ptr, q8: Option<(Ptr, Ptr)>, t: usize, hidden: usize, eps: f32) -> Result<()> {
+    pub(super) fn k_rmsnorm(&self, residual: Ptr, add: Option<Ptr>, w: Ptr, out: Ptr, q8: Option<(Ptr, Ptr)>, t: usize, hidden: usize, eps: f32) -> Result<()> {
         let mut p = OrnithRmsNormParams { residual: residual as _, weight: w as _, out: out as _, tokens: t as i32, hidden: hidden as i32, eps, ..Default::default() };
         let mut bytes = t * hidden * 4 + hidden * 2;
-        match add {
-            Some(Add::Row(a)) => {
-                p.add = a as _;
-                bytes += t * hidden * 4;
-            }
-            Some(Add::Moe(m)) => {
-                p.moe_ys = m.ys as _;
-                p.moe_weight = m.weight as _;
-                p.moe_gate = m.gate as _;
-                p.moe_top_k = m.top_k as i32;
-                p.moe_gate_stride = m.gate_stride as i32;
-                bytes += t * ((m.top_k + 1) * hidden * 2 + m.top_k * 4 + 2 + hidden * 2);
-            }
-            None => {}
+        if let Some(a) = add {
+            p.add = a as _;
+            bytes += t * hidden * 4;
         }
         if let Some((q, s)) = q8 {
             p.q8 = q as _;

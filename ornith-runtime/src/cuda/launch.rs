@@ -45,24 +45,6 @@ impl CudaContext {
         &self, residual: &mut Bf, add: Option<&Bf>, weight: &Bf, out: Option<&mut Bf>,
         q8: Option<(&mut CudaSlice<u8>, &mut CudaSlice<f32>)>, tokens: usize, hidden: usize, eps: f32,
     ) -> Result<()> {
-        self.rmsnorm_inner(residual, add, None, weight, out, q8, tokens, hidden, eps)
-    }
-
-    /// [`Self::rmsnorm_residual`] whose added row is the decode MoE combine of `moe` (the
-    /// `moe_combine` formula computed in the norm kernel, instead of a launch of its own).
-    #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm_moe_residual(
-        &self, residual: &mut Bf, moe: &MoeAddArgs, weight: &Bf, out: Option<&mut Bf>,
-        q8: Option<(&mut CudaSlice<u8>, &mut CudaSlice<f32>)>, tokens: usize, hidden: usize, eps: f32,
-    ) -> Result<()> {
-        self.rmsnorm_inner(residual, None, Some(moe), weight, out, q8, tokens, hidden, eps)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn rmsnorm_inner(
-        &self, residual: &mut Bf, add: Option<&Bf>, moe: Option<&MoeAddArgs>, weight: &Bf, out: Option<&mut Bf>,
-        q8: Option<(&mut CudaSlice<u8>, &mut CudaSlice<f32>)>, tokens: usize, hidden: usize, eps: f32,
-    ) -> Result<()> {
         ensure!(tokens > 0 && hidden > 0 && hidden <= 8192, "rmsnorm: 0 < hidden {hidden} <= 8192");
         ensure!(out.is_some() || q8.is_some(), "rmsnorm: no output requested");
         need("rmsnorm residual", residual, tokens * hidden)?;
@@ -74,17 +56,6 @@ impl CudaContext {
         if let Some(a) = add {
             need("rmsnorm add", a, tokens * hidden)?;
             p.add = self.addr(a) as _;
-        }
-        if let Some(m) = moe {
-            ensure!(m.top_k >= 1, "rmsnorm moe: top_k {}", m.top_k);
-            need("rmsnorm moe ys", m.ys, tokens * (m.top_k + 1) * hidden)?;
-            need("rmsnorm moe weight", m.weight, tokens * m.top_k)?;
-            need("rmsnorm moe gate", m.gate, (tokens - 1) * m.gate_stride + 1)?;
-            p.moe_ys = self.addr(m.ys) as _;
-            p.moe_weight = self.addr(m.weight) as _;
-            p.moe_gate = self.addr(m.gate) as _;
-            p.moe_top_k = m.top_k as i32;
-            p.moe_gate_stride = m.gate_stride as i32;
         }
         if let Some(o) = out {
             need("rmsnorm out", o, tokens * hidden)?;
@@ -375,16 +346,6 @@ impl CudaContext {
         let p = OrnithArgmaxParams { logits: self.addr(logits) as _, idx: self.addr(idx) as _, tokens: tokens as i32, n: i32of("n", n)?, stride: i32of("stride", stride)? };
         self.launch("argmax_bf16", (tokens as u32, 1, 1), 1024, p)
     }
-}
-
-/// The decode MoE combine's inputs (as [`CudaContext::moe_combine`]) for
-/// [`CudaContext::rmsnorm_moe_residual`].
-pub struct MoeAddArgs<'a> {
-    pub ys: &'a Bf,
-    pub weight: &'a CudaSlice<f32>,
-    pub gate: &'a Bf,
-    pub top_k: usize,
-    pub gate_stride: usize,
 }
 
 /// Inputs of [`CudaContext::moe_gemv`].
