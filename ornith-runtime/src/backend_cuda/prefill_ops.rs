@@ -7,7 +7,7 @@
 use super::ops::{Ptr, GEMV_ROWS};
 use super::plan::CHUNK;
 use super::CudaBackend;
-use crate::cuda::prefill::{CONV_TT, FA_SMEM, GDN_PREP_SMEM, GDN_SCAN_COLS, GDN_SCAN_SMEM, GDN_SMEM, GEMM_GROUPED_ROWS, GEMM_GROUPED_SMEM, GEMM_SMEM, GEMM_TILE};
+use crate::cuda::prefill::{CONV_TT, FA_SMEM, GDN_PREP_SMEM, GDN_SCAN_COLS, GDN_SCAN_SMEM, GEMM_GROUPED_ROWS, GEMM_GROUPED_SMEM, GEMM_SMEM, GEMM_TILE};
 use anyhow::{ensure, Result};
 use ornith_kernels::bindings::*;
 
@@ -66,24 +66,18 @@ impl CudaBackend {
         self.go("conv1d_silu_chunk", grid, 256, (channels * (8 + 12) + t * channels * 4) as u64, p)
     }
 
-    /// Chunked gated delta rule: the same parameters, state and output as `gdn_recurrent`.
-    /// `TWO_PHASE` picks `gdn_chunk_prep` + `gdn_chunk_scan` (p.work: `ScratchSizes::gdn_work`)
-    /// over the one-kernel `gdn_chunked`.
+    /// Chunked gated delta rule: the same parameters, state and output as `gdn_recurrent`, in two
+    /// phases, `gdn_chunk_prep` + `gdn_chunk_scan` (p.work: `ScratchSizes::gdn_work`).
     pub(super) fn k_gdn_chunked(&self, p: OrnithGdnParams) -> Result<()> {
-        const TWO_PHASE: bool = true;
         let (t, hv, hk) = (p.tokens as usize, p.v_heads as usize, p.k_heads as usize);
         let bytes = hv * 128 * 128 * 4 * 2 + t * ((2 * hk * 128 + hv * 128) * 2 + 4 * hv + hv * 128 * 2);
-        if TWO_PHASE {
-            ensure!(t <= CHUNK && !p.work.is_null(), "gdn two-phase: {t} tokens > the workspace's {CHUNK}");
-            // Bytes: the prep reads q, k, b, a and writes the workspace; the scan reads q, k, v
-            // per column block (L2) and the workspace, the state once, and writes o.
-            let work = hv * t.div_ceil(64) * ORNITH_GDN_WORK_PER_CHUNK as usize * 4;
-            let chunks = t.div_ceil(64) as u32;
-            self.go_smem("gdn_chunk_prep", (chunks, hv as u32, 1), 256, GDN_PREP_SMEM, (t * (2 * hk * 128 * 2 + 4 * hv) + work) as u64, p)?;
-            self.go_smem("gdn_chunk_scan", (hv as u32, (128 / GDN_SCAN_COLS) as u32, 1), 256, GDN_SCAN_SMEM, (bytes + work) as u64, p)
-        } else {
-            self.go_smem("gdn_chunked", (hv as u32, 4, 1), 256, GDN_SMEM, bytes as u64, p)
-        }
+        ensure!(t <= CHUNK && !p.work.is_null(), "gdn two-phase: {t} tokens > the workspace's {CHUNK}");
+        // Bytes: the prep reads q, k, b, a and writes the workspace; the scan reads q, k, v
+        // per column block (L2) and the workspace, the state once, and writes o.
+        let work = hv * t.div_ceil(64) * ORNITH_GDN_WORK_PER_CHUNK as usize * 4;
+        let chunks = t.div_ceil(64) as u32;
+        self.go_smem("gdn_chunk_prep", (chunks, hv as u32, 1), 256, GDN_PREP_SMEM, (t * (2 * hk * 128 * 2 + 4 * hv) + work) as u64, p)?;
+        self.go_smem("gdn_chunk_scan", (hv as u32, (128 / GDN_SCAN_COLS) as u32, 1), 256, GDN_SCAN_SMEM, (bytes + work) as u64, p)
     }
 
     /// Causal flash attention of `p.tokens` queries at positions `pos0..` over the K/V cache, with

@@ -27,7 +27,7 @@ const KERNELS: [(Module, &[&str]); 10] = [
     (Module::Attention, &["qk_norm_rope", "attn_decode_split", "attn_decode_combine"]),
     (Module::Sample, &["argmax_bf16"]),
     (Module::Gemm, &["gemm_fp8", "gemm_bf16", "gemm_fp8_grouped", "quantize_fp8_ct"]),
-    (Module::GdnChunk, &["gdn_chunked", "gdn_chunk_prep", "gdn_chunk_scan"]),
+    (Module::GdnChunk, &["gdn_chunk_prep", "gdn_chunk_scan"]),
     (Module::FlashAttn, &["flash_attn_prefill"]),
     (Module::MoePrefill, &["moe_sort", "swiglu_quant_ct", "moe_combine_prefill"]),
 ];

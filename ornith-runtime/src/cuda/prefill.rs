@@ -19,7 +19,6 @@ pub const GEMM_GROUPED_ROWS: usize = 64;
 /// GEMMs: 3 stages of (BM + 128) rows x 128 bytes.
 pub(crate) const GEMM_SMEM: u32 = 3 * 2 * 128 * 128;
 pub(crate) const GEMM_GROUPED_SMEM: u32 = 3 * (64 + 128) * 128;
-pub(crate) const GDN_SMEM: u32 = 4 * (2 * 64 * 129 + 64 * 65 + 128 * 32 + 4 * 64);
 /// `GdnPrepSmem` / `GdnScanSmem` of the two-phase chunked form (`gdn_chunk.cu`).
 pub(crate) const GDN_PREP_SMEM: u32 = 4 * (2 * 64 * 129 + 2 * 64);
 pub(crate) const GDN_SCAN_SMEM: u32 = 4 * (64 * 132 + 8704 + 128 * 16 + 4 * 64 * 16 + 2 * 64);
@@ -143,13 +142,6 @@ impl CudaContext {
         self.launch_smem("conv1d_silu_chunk", (channels.div_ceil(256) as u32, tokens.div_ceil(CONV_TT) as u32, 1), 256, 0, p)
     }
 
-    /// Chunked gated delta rule (chunk 64, dk = dv = 128) for prefill; same inputs, state and
-    /// output as [`CudaContext::gdn_recurrent`].
-    pub fn gdn_chunked(&self, a: &GdnArgs, state: &mut CudaSlice<f32>, o: &mut Bf) -> Result<()> {
-        let p = self.gdn_params(a, state, o)?;
-        self.launch_smem("gdn_chunked", (a.v_heads as u32, 4, 1), 256, GDN_SMEM, p)
-    }
-
     /// Checked parameters of the chunked kernels (shapes, strides, buffer sizes); `work` null.
     pub(crate) fn gdn_params(&self, a: &GdnArgs, state: &mut CudaSlice<f32>, o: &mut Bf) -> Result<OrnithGdnParams> {
         ensure!(a.tokens > 0 && a.k_heads > 0 && a.v_heads % a.k_heads == 0, "gdn: v_heads {} must be a multiple of k_heads {}", a.v_heads, a.k_heads);
@@ -172,19 +164,20 @@ impl CudaContext {
         Ok(p)
     }
 
-    /// The same rule in two phases (`gdn_chunk.cu`): `gdn_chunk_prep` (all chunks and heads in
-    /// parallel: A' = (I + M)^{-1} diag(beta), decayed Q K^T, gate exponentials into `work`), then
-    /// `gdn_chunk_scan` (sequential over chunks per head and 16 value columns). Same inputs, state
-    /// and output as [`CudaContext::gdn_chunked`]; `work` holds [`gdn_work_len`] floats.
-    pub fn gdn_chunked2(&self, a: &GdnArgs, state: &mut CudaSlice<f32>, o: &mut Bf, work: &mut CudaSlice<f32>) -> Result<()> {
+    /// Chunked gated delta rule (chunk 64, dk = dv = 128) for prefill, in two phases
+    /// (`gdn_chunk.cu`): `gdn_chunk_prep` (all chunks and heads in parallel: A' = (I + M)^{-1}
+    /// diag(beta), decayed Q K^T, gate exponentials into `work`), then `gdn_chunk_scan` (sequential
+    /// over chunks per head and 16 value columns). Same inputs, state and output as
+    /// [`CudaContext::gdn_recurrent`]; `work` holds [`gdn_work_len`] floats.
+    pub fn gdn_chunked(&self, a: &GdnArgs, state: &mut CudaSlice<f32>, o: &mut Bf, work: &mut CudaSlice<f32>) -> Result<()> {
         let mut p = self.gdn_params(a, state, o)?;
         need("gdn work", work, gdn_work_len(a.tokens, a.v_heads))?;
         p.work = self.addr(work) as _;
-        self.gdn_chunked2_raw(p)
+        self.gdn_chunked_raw(p)
     }
 
     /// Launches both phases on checked parameters (`p.work` sized by [`gdn_work_len`]).
-    pub(crate) fn gdn_chunked2_raw(&self, p: OrnithGdnParams) -> Result<()> {
+    pub(crate) fn gdn_chunked_raw(&self, p: OrnithGdnParams) -> Result<()> {
         ensure!(p.tokens > 0 && !p.work.is_null(), "gdn two-phase: tokens {} and a workspace are required", p.tokens);
         ensure!(p.k_heads > 0 && p.v_heads > 0 && p.v_heads % p.k_heads == 0 && p.v_heads <= 65535, "gdn two-phase: v_heads {} / k_heads {}", p.v_heads, p.k_heads);
         self.gdn_chunk_prep_raw(p)?;
