@@ -16,35 +16,26 @@ pub(super) fn rng(seed: u64) -> R {
 }
 
 /// Times `f` with device events: median of 20 runs after 3 warm-ups, in seconds.
-pub(super) fn time_it(c: &CudaContext, mut f: impl FnMut()) -> f64 {
-    for _ in 0..3 {
-        f();
-    }
-    let mut v = Vec::new();
-    for _ in 0..20 {
-        let a = c.driver().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
-        let b = c.driver().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
-        a.record(c.stream()).unwrap();
-        f();
-        b.record(c.stream()).unwrap();
-        b.synchronize().unwrap();
-        v.push(a.elapsed_ms(&b).unwrap() as f64 / 1e3);
-    }
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
+pub(super) fn time_it(c: &CudaContext, f: impl FnMut()) -> f64 {
+    timed(c, f, || {})
 }
 
 /// Times `f` with device events like [`time_it`], but with L2 cold: before each run a 256 MiB
 /// buffer (more than any L2: 50 MB on the H200) is zeroed, evicting the operands, as in decode,
 /// where each weight matrix is read once per token between ~5 GB of other reads. Median of 20.
-pub(super) fn time_cold(c: &CudaContext, mut f: impl FnMut()) -> f64 {
+pub(super) fn time_cold(c: &CudaContext, f: impl FnMut()) -> f64 {
     let mut flush = c.alloc::<u8>(256 << 20).unwrap();
+    timed(c, f, || c.stream().memset_zeros(&mut flush).unwrap())
+}
+
+/// Median event time of 20 runs of `f` after 3 warm-ups, `before` run (untimed) ahead of each.
+fn timed(c: &CudaContext, mut f: impl FnMut(), mut before: impl FnMut()) -> f64 {
     for _ in 0..3 {
         f();
     }
     let mut v = Vec::new();
     for _ in 0..20 {
-        c.stream().memset_zeros(&mut flush).unwrap();
+        before();
         let a = c.driver().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
         let b = c.driver().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
         a.record(c.stream()).unwrap();
