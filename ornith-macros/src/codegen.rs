@@ -338,10 +338,12 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
         /// A loaded model with one sequence's state: the [`Generator`] the front end drives.
         ///
         /// [`Generator`]: ::ornith_runtime::engine::Generator
+        /// Fields drop in declaration order: the state (with its captured decode graph) and the
+        /// model go before the backend that owns their device context.
         pub struct Engine<B: #g::Backend> {
-            pub backend: B,
-            pub model: Model<B>,
             pub state: State<B>,
+            pub model: Model<B>,
+            pub backend: B,
             step: u64,
         }
 

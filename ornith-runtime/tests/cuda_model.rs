@@ -35,6 +35,15 @@ fn prompt(n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
+/// Indices of the `k` largest values (any order).
+fn top_indices(v: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    let k = k.min(v.len());
+    idx.select_nth_unstable_by(k - 1, |&a, &b| v[b].total_cmp(&v[a]));
+    idx.truncate(k);
+    idx
+}
+
 fn argmax(v: &[f32]) -> usize {
     let mut b = 0;
     for (i, &x) in v.iter().enumerate() {
@@ -94,19 +103,24 @@ fn cuda_matches_cpu() {
     assert_eq!(gl.len(), cl.len());
     // The model's own sensitivity: the CPU backend token by token (recurrent delta rule).
     let mut cs2 = compiled::Model::new_state(&cpu, ctx).unwrap();
-    let (mut cpu_gap, mut cpu_abs) = (0f64, 0f64);
+    let (mut cpu_gap, mut cpu_abs, mut cpu_top) = (0f64, 0f64, 0f64);
     for r in 0..ids.len() {
         let l = if r == 0 {
             cpu.logits_to_host(&cm.prefill(&cpu, &mut cs2, &ids[..1], false, &mut |_, _| {}).unwrap()).unwrap()
         } else {
             cpu.logits_to_host(&cm.decode_step(&cpu, &mut cs2, ids[r]).unwrap()).unwrap()
         };
-        let (rel, mx) = dist(&l, &cl[r * d.vocab_size..(r + 1) * d.vocab_size]);
+        let row = &cl[r * d.vocab_size..(r + 1) * d.vocab_size];
+        let (rel, mx) = dist(&l, row);
         cpu_gap = cpu_gap.max(rel);
         cpu_abs = cpu_abs.max(mx);
+        // The noise where greedy decisions are made: at the row's 8 largest logits.
+        for i in top_indices(row, 8) {
+            cpu_top = cpu_top.max((l[i] - row[i]).abs() as f64);
+        }
     }
     let tol = REL_L2.max(2.0 * cpu_gap);
-    eprintln!("CPU chunked vs CPU token-by-token: worst relative L2 {cpu_gap:.3e}, largest |d| {cpu_abs:.4}; tolerance {tol:.3e}");
+    eprintln!("CPU chunked vs CPU token-by-token: worst relative L2 {cpu_gap:.3e}, largest |d| {cpu_abs:.4} (at the 8 largest logits of a row: {cpu_top:.4}); tolerance {tol:.3e}");
     let mut worst = 0f64;
     for r in 0..ids.len() {
         let row = r * d.vocab_size..(r + 1) * d.vocab_size;
@@ -121,12 +135,13 @@ fn cuda_matches_cpu() {
     // every step compares the same sequence (after a disagreement, free-running sequences would
     // no longer be comparable). Logits must stay within `tol` at every step, and the greedy
     // tokens must be identical at every step where the decision is not a tie within the model's
-    // own noise: the largest absolute logit difference between the CPU's two orderings over the
-    // prefill rows (`cpu_abs`). On this random-weight checkpoint the top-2 margin is sometimes a
-    // single bf16 ulp (see `cpu_orderings_greedy_agreement`), where the CPU's own two orderings
-    // already pick different tokens; a CUDA token whose CPU logit is more than 2·cpu_abs below
-    // the CPU's maximum fails.
-    let tie = 2.0 * cpu_abs;
+    // own noise where decisions are made: the largest absolute difference, between the CPU's two
+    // orderings over the prefill rows, of the logits of each row's 8 most likely tokens
+    // (`cpu_top`). On this random-weight checkpoint the top-2 margin is sometimes a single bf16
+    // ulp (see `cpu_orderings_greedy_agreement`), where the CPU's own two orderings already pick
+    // different tokens; a CUDA token whose CPU logit is more than 2·cpu_top below the CPU's
+    // maximum fails.
+    let tie = 2.0 * cpu_top;
     let last = |v: &[f32]| v[v.len() - d.vocab_size..].to_vec();
     let (mut g_last, mut c_last) = (last(&gl), last(&cl));
     let mut worst = 0f64;

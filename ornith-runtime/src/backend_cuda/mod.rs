@@ -38,6 +38,7 @@ use plan::{MemoryPlan, ScratchSizes, ATTN_ROWS, CHUNK};
 use prefill_ops::use_prefill;
 use std::cell::Cell;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 /// A Linear on the device: BF16 weights (`scale` None) or E4M3 codes with f32 per-row scales.
@@ -105,6 +106,37 @@ struct DecodeBufs {
 pub struct CudaDecodeGraph {
     graph: Option<SendGraph>,
     key: u64,
+}
+
+/// The embedding table `[vocab, hidden]` BF16, and a number unique to this load: a captured decode
+/// graph bakes in every weight address of the model it was captured with, so it is keyed by
+/// this number (an address could be reused by a later load).
+pub struct CudaEmbedding {
+    table: CudaSlice<u8>,
+    id: u64,
+}
+
+/// Marks the backend as issuing a decode step for as long as it lives; on drop (also when the
+/// step panics) it leaves that mode and closes a capture still open.
+struct DecodeMode<'a> {
+    b: &'a CudaBackend,
+    capturing: bool,
+}
+
+impl<'a> DecodeMode<'a> {
+    fn enter(b: &'a CudaBackend) -> Self {
+        b.decoding.store(true, Relaxed);
+        DecodeMode { b, capturing: false }
+    }
+}
+
+impl Drop for DecodeMode<'_> {
+    fn drop(&mut self) {
+        if self.capturing {
+            let _ = self.b.cx.stream().end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        }
+        self.b.decoding.store(false, Relaxed);
+    }
 }
 
 /// A captured graph. SAFETY: it is launched only on the backend's one stream, from the thread
@@ -181,9 +213,9 @@ pub struct CudaBackend {
     deferred: Mutex<Option<anyhow::Error>>,
     dec: DecodeBufs,
     /// True while a decode step's operations are issued (static buffers, device position).
-    decoding: Cell<bool>,
+    decoding: AtomicBool,
     /// Capture and replay decode steps (default); false runs them eagerly.
-    graphs: Cell<bool>,
+    graphs: AtomicBool,
 }
 
 // SAFETY: all device work goes through the one stream of `cx`; the scratch buffers are only
@@ -214,28 +246,32 @@ impl CudaBackend {
             prof: Mutex::new(None),
             deferred: Mutex::new(None),
             dec,
-            decoding: Cell::new(false),
-            graphs: Cell::new(true),
+            decoding: AtomicBool::new(false),
+            graphs: AtomicBool::new(true),
         })
     }
 
     /// Capture decode steps as CUDA graphs and replay them (true, the default), or run every
     /// decode launch eagerly (false: the comparison in the tests and the bench).
     pub fn set_decode_graph(&self, on: bool) {
-        self.graphs.set(on);
+        self.graphs.store(on, Relaxed);
     }
 
     /// Replays `g`, capturing `step` into it first when it holds no graph for this model.
-    fn replay(&self, g: &mut CudaDecodeGraph, table: &CudaSlice<u8>, step: &mut dyn FnMut() -> Result<CudaLogits>) -> Result<CudaLogits> {
-        let key = self.cx.addr(table);
+    fn replay(&self, mode: &mut DecodeMode, g: &mut CudaDecodeGraph, table: &CudaEmbedding, step: &mut dyn FnMut() -> Result<CudaLogits>) -> Result<CudaLogits> {
+        let key = table.id;
         if g.graph.is_none() || g.key != key {
             g.graph = None;
             let st = self.cx.stream();
-            // Thread-local mode: a call on this thread that is illegal while capturing (an
-            // allocation, a synchronisation) fails instead of silently leaving the graph.
+            // Thread-local mode: a synchronising call on this thread fails the capture. An
+            // allocation or a free would NOT fail (stream-ordered ones become graph nodes), so
+            // the decode path allocates nothing: `embed` and `logits` use static buffers there
+            // (and assert it).
             st.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            mode.capturing = true;
             let r = step();
             let end = st.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+            mode.capturing = false;
             r.context("capturing the decode step")?;
             let graph = end.context("instantiating the decode graph")?.ok_or_else(|| anyhow::anyhow!("the captured decode step is empty"))?;
             graph.upload()?;
@@ -371,7 +407,7 @@ impl CudaBackend {
         ensure!(pos + h.t <= cache.max_context, "K/V cache of {} tokens is full", cache.max_context);
         // A decode step reads its position from the device (the same launches serve every
         // position of a captured graph); prefill passes it by value.
-        let pos_dev = if self.decoding.get() {
+        let pos_dev = if self.decoding.load(Relaxed) {
             ensure!(h.t == 1, "a decode step runs one token, got {}", h.t);
             at(self, &self.dec.io, 1) as *const i32
         } else {
@@ -529,7 +565,7 @@ impl Backend for CudaBackend {
     type Linear<P: Prec> = CudaLinear<P>;
     type Experts<G: Prec, U: Prec, D: Prec> = CudaExperts<G, U, D>;
     type Vector = CudaVector;
-    type Embedding = CudaSlice<u8>;
+    type Embedding = CudaEmbedding;
     type Act = CudaAct;
     type GdnState = CudaGdnState;
     type KvCache = CudaKvCache;
@@ -556,8 +592,9 @@ impl Backend for CudaBackend {
         self.vector(ck, name, shape)
     }
 
-    fn load_embedding(&self, ck: &Checkpoint, name: &str, vocab: usize, hidden: usize) -> Result<CudaSlice<u8>> {
-        self.embedding(ck, name, vocab, hidden)
+    fn load_embedding(&self, ck: &Checkpoint, name: &str, vocab: usize, hidden: usize) -> Result<CudaEmbedding> {
+        static LOADS: AtomicU64 = AtomicU64::new(1);
+        Ok(CudaEmbedding { table: self.embedding(ck, name, vocab, hidden)?, id: LOADS.fetch_add(1, Relaxed) })
     }
 
     fn new_gdn_state(&self, d: &ModelDims) -> Result<CudaGdnState> {
@@ -596,7 +633,7 @@ impl Backend for CudaBackend {
     /// Writes `[id, pos]` to the device, then replays the captured step, capturing it first if
     /// `g` holds none (or one of another model). Profiling runs the step eagerly (events cannot
     /// bracket launches inside a graph).
-    fn decode_step(&self, g: &mut CudaDecodeGraph, table: &CudaSlice<u8>, id: u32, pos: usize, step: &mut dyn FnMut() -> Result<CudaLogits>) -> Result<CudaLogits> {
+    fn decode_step(&self, g: &mut CudaDecodeGraph, table: &CudaEmbedding, id: u32, pos: usize, step: &mut dyn FnMut() -> Result<CudaLogits>) -> Result<CudaLogits> {
         self.check_deferred()?;
         ensure!((id as usize) < self.dims.vocab_size, "token id {id} is outside the vocabulary of {}", self.dims.vocab_size);
         let p = i32::try_from(pos).map_err(|_| anyhow::anyhow!("position {pos} does not fit the kernels' int32"))?;
@@ -605,20 +642,23 @@ impl Backend for CudaBackend {
         // memory returns once the bytes are staged, so the stack array may go out of scope.
         unsafe { cudarc::driver::result::memcpy_htod_async(self.cx.addr(&self.dec.io), &io, self.cx.stream().cu_stream()) }?;
         let profiling = self.prof.lock().unwrap_or_else(|e| e.into_inner()).is_some();
-        self.decoding.set(true);
-        let r = if profiling || !self.graphs.get() { step() } else { self.replay(g, table, step) };
-        self.decoding.set(false);
-        r
+        let mut mode = DecodeMode::enter(self);
+        if profiling || !self.graphs.load(Relaxed) {
+            step()
+        } else {
+            self.replay(&mut mode, g, table, step)
+        }
     }
 
-    fn embed(&self, d: &ModelDims, table: &CudaSlice<u8>, ids: &[u32]) -> Result<CudaAct> {
+    fn embed(&self, d: &ModelDims, table: &CudaEmbedding, ids: &[u32]) -> Result<CudaAct> {
+        let table = &table.table;
         self.check_deferred()?;
         ensure!(!ids.is_empty(), "embedding of no tokens");
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= d.vocab_size) {
             bail!("token id {bad} is outside the vocabulary of {}", d.vocab_size);
         }
         let t = ids.len();
-        if self.decoding.get() {
+        if self.decoding.load(Relaxed) {
             // A decode step: the token was written to `dec.io` by `decode_step`; the row goes to
             // the static buffers (no allocation, so the step can be captured).
             ensure!(t == 1, "a decode step embeds one token, got {t}");
@@ -741,6 +781,8 @@ impl Backend for CudaBackend {
         self.check_deferred()?;
         let v = d.vocab_size;
         let (first, rows) = if all_rows { (0, h.t) } else { (h.t - 1, 1) };
+        // A decode step must not allocate (it may be being captured: see `replay`).
+        ensure!(!(all_rows && self.decoding.load(Relaxed)), "a decode step asks for the last row's logits only");
         let buf = if all_rows { Arc::new(self.cx.alloc::<u16>(rows * v)?) } else { self.s.logits1.clone() };
         for r0 in (0..rows).step_by(CHUNK) {
             let n = CHUNK.min(rows - r0);
