@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Builds everything the H200 run needs, here (x86-64; the device has no Rust toolchain), into
+# .gpu/<name>/ (git-ignored), xz-compressed so that binaries + the working tree stay under the
+# device tool's 64 MiB carry limit:
+#   kernels       the ornith-runtime lib tests (every CUDA kernel test, spec-independent)
+#   test_shallow  tests/cuda_model.rs compiled for the shallow preset's spec
+#   test_full     the same for the full preset
+#   bench_full    ornith-bench for the full preset
+#   xtask         to synthesise the real-data checkpoints on the device
+# Usage: tests/gpu/build.sh NAME        then, on the device: bash tests/gpu/run_h200.sh NAME
+# The specs come from headers-only checkpoints (sparse files, seconds); their fingerprints equal
+# those of the real-data checkpoints synthesised on the device with the same preset.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+name=${1:?usage: tests/gpu/build.sh NAME}
+out=.gpu/$name
+specs=${ORNITH_GPU_SPECS:-/tmp/ornith-gpu-specs}
+rm -rf "$out" && mkdir -p "$out" "$specs"
+for preset in shallow full; do
+    if [ ! -f "$specs/$preset.spec.json" ]; then
+        cargo xtask synth --preset $preset --headers-only --out "$specs/$preset" >&2
+        ORNITH_SPEC="$specs/$preset.spec.json" cargo xtask gen --model "$specs/$preset" >&2
+    fi
+done
+# The test executable of a cargo test build (the path does not change with the spec: copy at once).
+test_exe() {
+    cargo test --release "$@" --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] != ["bin"]:
+        print(m["executable"])' | tail -1
+}
+cp "$(test_exe -p ornith-runtime --lib)" "$out/kernels"
+cp "$(ORNITH_SPEC=$specs/shallow.spec.json test_exe -p ornith-runtime --test cuda_model)" "$out/test_shallow"
+cp "$(ORNITH_SPEC=$specs/full.spec.json test_exe -p ornith-runtime --test cuda_model)" "$out/test_full"
+ORNITH_SPEC=$specs/full.spec.json cargo build -q --release -p ornith-runtime --bin ornith-bench
+cp target/release/ornith-bench "$out/bench_full"
+cargo build -q --release -p xtask
+cp target/release/xtask "$out/xtask"
+strip "$out"/*
+xz -T0 -6 "$out"/*
+git rev-parse --short HEAD > "$out/COMMIT"
+du -sh "$out"

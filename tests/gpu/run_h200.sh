@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The whole H200 check in one device call (about 7–8 minutes of device time), from the binaries
+# that tests/gpu/build.sh NAME left in .gpu/NAME (carry it, and .gpu/wheels for the peer):
+#   1. every CUDA kernel test (vs the CPU reference; PERF lines);
+#   2. shallow preset: the decode graph against eager launches, CUDA against the CPU backend;
+#   3. full preset (37.7 GB synthesised here, ~150 s): ornith-bench at 512 / 2K / 8K / 32K / 128K;
+#   4. the transformers + fla peer on the same checkpoint (tests/peer/run_h200.sh);
+#   5. full preset: 1,000 greedy steps finite, the decode graph against eager.
+# Logs and JSON go to $OUT; a short table to stdout.
+set -uo pipefail
+name=${1:?usage: tests/gpu/run_h200.sh NAME [PROMPTS]}
+prompts=${2:-512,2048,8192,32768,131072}
+src=.gpu/$name; G=/tmp/ornith-gpu/$name; C=/tmp/ornith-ck; OUT=${OUT:-/tmp/ornith-out}
+mkdir -p "$G" "$C" "$OUT"
+for f in "$src"/*.xz; do
+    b=$(basename "$f" .xz)
+    python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' "$f" "$G/$b"
+    chmod +x "$G/$b"
+done
+echo "commit $(cat "$src/COMMIT" 2>/dev/null)"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+t0=$SECONDS
+timeout 150 "$G/kernels" --ignored --test-threads=1 --nocapture > "$OUT/kernels.log" 2>&1; echo "kernels rc=$? $((SECONDS - t0))s"
+grep -E "PERF|panicked|test result" "$OUT/kernels.log" | cut -c1-220
+t0=$SECONDS
+"$G/xtask" synth --preset shallow --out "$C/shallow" > "$OUT/synth_shallow.log" 2>&1; echo "synth shallow rc=$? $((SECONDS - t0))s"
+ORNITH_TEST_MODEL=$C/shallow timeout 120 "$G/test_shallow" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu cuda_ops_vs_cpu > "$OUT/test_shallow.log" 2>&1
+echo "test_shallow rc=$? $((SECONDS - t0))s"
+grep -E "^OP|CPU chunked|prefill:|decode|panicked|test result" "$OUT/test_shallow.log" | cut -c1-330
+rm -rf "$C/shallow"
+t0=$SECONDS
+"$G/xtask" synth --preset full --out "$C/full" > "$OUT/synth_full.log" 2>&1; echo "synth full rc=$? $((SECONDS - t0))s"
+t0=$SECONDS
+timeout 200 "$G/bench_full" --model "$C/full" --prompts "$prompts" --gen 64 --budget-s 120 > "$OUT/bench_full.json" 2> "$OUT/bench_full.err"
+echo "bench rc=$? $((SECONDS - t0))s"
+grep -v uploading "$OUT/bench_full.err" | head -75
+if [ -d .gpu/wheels ]; then
+    t0=$SECONDS
+    OUT=$OUT timeout 220 bash tests/peer/run_h200.sh "$C/full" "$OUT/bench_full.json" .gpu/wheels 512,2048 > "$OUT/peer.out" 2> "$OUT/peer.err"
+    echo "peer rc=$? $((SECONDS - t0))s"
+    tail -25 "$OUT/peer.out"
+fi
+t0=$SECONDS
+ORNITH_TEST_MODEL=$C/full timeout 60 "$G/test_full" --ignored --nocapture --test-threads=1 cuda_decode_1000 cuda_decode_graph > "$OUT/test_full.log" 2>&1
+echo "test_full rc=$? $((SECONDS - t0))s"
+grep -E "1000|graph|panicked|test result" "$OUT/test_full.log" | cut -c1-300
