@@ -231,8 +231,11 @@ impl CudaBackend {
         plan::check_dims(dims)?;
         ensure!(max_context >= 1, "the context must hold at least one token");
         let plan = MemoryPlan::new(ck, dims, max_context);
-        let (free, total) = cx.driver().mem_get_info()?;
-        plan.check(free as u64, total as u64, cx.device_name())?;
+        let (driver_free, total) = cx.driver().mem_get_info()?;
+        let integrated = cx.driver().attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED)? != 0;
+        let meminfo = if integrated { std::fs::read_to_string("/proc/meminfo").ok() } else { None };
+        let (free, source) = plan::usable_free(driver_free as u64, integrated, meminfo.as_deref());
+        plan.check(free, source, total as u64, cx.device_name())?;
         let sz = ScratchSizes::new(dims);
         let s = Scratch::new(&cx, dims, &sz)?;
         let dec = DecodeBufs { io: cx.alloc(2)?, h: Arc::new(cx.alloc(dims.hidden_size)?), delta: Arc::new(cx.alloc(dims.hidden_size)?) };

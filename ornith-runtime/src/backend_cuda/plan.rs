@@ -145,13 +145,14 @@ impl MemoryPlan {
         self.weights + self.kv_cache + self.recurrent_state + self.scratch + self.activations + self.margin
     }
 
-    /// Errors with the numbers when the plan does not fit `free` bytes.
-    pub fn check(&self, free: u64, total_mem: u64, device: &str) -> Result<()> {
+    /// Errors with the numbers when the plan does not fit `free` bytes (`source`: where that
+    /// number came from, see [`usable_free`]).
+    pub fn check(&self, free: u64, source: &str, total_mem: u64, device: &str) -> Result<()> {
         let g = |b: u64| b as f64 / (1u64 << 30) as f64;
         ensure!(
             self.total() <= free,
             "not enough GPU memory on '{device}': the CUDA backend needs {:.2} GiB (weights {:.2}, K/V cache {:.2} for {} tokens, \
-             recurrent state {:.2}, scratch {:.2}, activations {:.2}, margin {:.2}) but only {:.2} GiB of {:.2} GiB is free. \
+             recurrent state {:.2}, scratch {:.2}, activations {:.2}, margin {:.2}) but only {:.2} GiB of {:.2} GiB is free ({source}). \
              Fix: lower --max-context or --kv-budget, free GPU memory, or use --backend cpu.",
             g(self.total()), g(self.weights), g(self.kv_cache), self.max_context, g(self.recurrent_state), g(self.scratch),
             g(self.activations), g(self.margin), g(free), g(total_mem)
@@ -160,9 +161,70 @@ impl MemoryPlan {
     }
 }
 
+/// The memory the plan may use, and where the number comes from. `driver_free` is
+/// `cuMemGetInfo`'s free bytes. On an integrated GPU (unified memory: the DGX Spark's GB10) that
+/// number is the kernel's `MemFree`, which counts the page cache — the checkpoint's own mmapped
+/// shards among it — as used although the kernel reclaims it on demand (NVIDIA's DGX Spark known
+/// issue "memory reporting differences with unified memory architecture"): a Spark that has just
+/// read the 35 GB checkpoint would be refused. There the usable amount is `/proc/meminfo`'s
+/// `MemAvailable`. Swap is not counted: weights paged out to swap are the wedge this check is for.
+pub fn usable_free(driver_free: u64, integrated: bool, meminfo: Option<&str>) -> (u64, &'static str) {
+    if integrated {
+        if let Some(avail) = meminfo.and_then(mem_available) {
+            return (avail, "MemAvailable of /proc/meminfo: unified memory");
+        }
+    }
+    (driver_free, "cuMemGetInfo")
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes (None when absent or malformed).
+pub fn mem_available(meminfo: &str) -> Option<u64> {
+    meminfo.lines().find_map(|l| {
+        let mut it = l.strip_prefix("MemAvailable:")?.split_whitespace();
+        let v: u64 = it.next()?.parse().ok()?;
+        match (it.next(), it.next()) {
+            (Some("kB"), None) => v.checked_mul(1024),
+            _ => None,
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const MEMINFO: &str = "MemTotal:       127603508 kB\nMemFree:         4194304 kB\nMemAvailable:   115855360 kB\nBuffers:           12345 kB\nCached:         72640000 kB\nSwapFree:        8388604 kB\n";
+
+    #[test]
+    fn unified_memory_counts_reclaimable_page_cache() {
+        assert_eq!(mem_available(MEMINFO), Some(115855360 * 1024));
+        // A discrete GPU: the driver's number, whatever the host has.
+        assert_eq!(usable_free(10 << 30, false, Some(MEMINFO)), (10 << 30, "cuMemGetInfo"));
+        // Integrated (GB10): MemFree (4 GiB, what cuMemGetInfo reports there) is not the limit;
+        // MemAvailable (page cache included, swap not) is.
+        let (free, src) = usable_free(4 << 30, true, Some(MEMINFO));
+        assert_eq!(free, 115855360 * 1024);
+        assert!(src.contains("MemAvailable"), "{src}");
+        // No readable /proc/meminfo: fall back to the driver.
+        assert_eq!(usable_free(4 << 30, true, None).0, 4 << 30);
+        assert_eq!(usable_free(4 << 30, true, Some("MemTotal: 1 kB\n")).0, 4 << 30);
+        // Malformed values are not guessed at.
+        for bad in ["MemAvailable: x kB\n", "MemAvailable: 12 MB\n", "MemAvailable: 12 kB 3\n"] {
+            assert_eq!(mem_available(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn plan_refused_with_the_numbers_and_the_source() {
+        let gib = 1u64 << 30;
+        let p = MemoryPlan { weights: 37 * gib, kv_cache: 5 * gib, recurrent_state: 0, scratch: gib, activations: 0, margin: MARGIN, max_context: 262144, attention_layers: 10, gdn_layers: 30 };
+        assert_eq!(p.total(), 44 * gib);
+        assert!(p.check(44 * gib, "cuMemGetInfo", 48 * gib, "GB10").is_ok());
+        let e = p.check(44 * gib - 1, "MemAvailable of /proc/meminfo: unified memory", 120 * gib, "NVIDIA GB10").unwrap_err().to_string();
+        for want in ["NVIDIA GB10", "needs 44.00 GiB", "weights 37.00", "262144 tokens", "of 120.00 GiB", "MemAvailable", "--kv-budget"] {
+            assert!(e.contains(want), "missing {want:?} in: {e}");
+        }
+    }
 
     #[test]
     fn splits_cover_the_sequence() {
