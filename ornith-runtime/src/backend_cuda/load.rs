@@ -3,12 +3,12 @@
 //! them (`[E, 2I, H]` gate|up rows and `[E, H, I]` down, FP8, with f32 scales), a progress line on
 //! stderr.
 use super::{CudaBackend, CudaExperts, CudaLinear, CudaVector, DevLinear};
-use crate::graph::Prec;
+use crate::graph::{ModelDims, Prec};
 use crate::weights::{to_f32, Checkpoint};
 use anyhow::{ensure, Context, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use model_spec::{DType, ExpertLayout, Precision};
+use model_spec::{DType, ExpertLayout, ModelSpec, Precision};
 use std::io::Write;
 use std::marker::PhantomData;
 
@@ -82,21 +82,7 @@ impl CudaBackend {
     /// one `[2I, H]` gate|up matrix (the MoE kernel runs the shared expert as one more slot of the
     /// routed-expert launch); `up_proj` then holds no memory of its own and is marked as fused.
     pub(super) fn linear<P: Prec>(&self, ck: &Checkpoint, module: &str, out_f: usize, in_f: usize) -> Result<CudaLinear<P>> {
-        // The Gated DeltaNet's four input projections as one `[qkv; z; b; a]` matrix (the layer's
-        // `[qkv | z | b | a]` projection row in one launch, instead of four, two of them 32 rows
-        // tall), and attention's q, k, v as one `[q; k; v]` matrix, when each group shares one
-        // stored precision; the later members then hold no memory of their own.
-        let d = &self.dims;
-        let groups: [(&str, &[(&str, usize)]); 2] = [
-            (".linear_attn", &[("in_proj_qkv", d.conv_dim()), ("in_proj_z", d.value_dim()), ("in_proj_b", d.linear_num_value_heads), ("in_proj_a", d.linear_num_value_heads)]),
-            (".self_attn", &[("q_proj", 2 * d.num_attention_heads * d.head_dim), ("k_proj", d.num_key_value_heads * d.head_dim), ("v_proj", d.num_key_value_heads * d.head_dim)]),
-        ];
-        for (parent, members) in groups {
-            let Some((base, idx)) = members.iter().enumerate().find_map(|(i, (m, _))| Some((module.strip_suffix(&format!("{parent}.{m}"))?, i))) else { continue };
-            let parts: Vec<(String, usize)> = members.iter().map(|(m, n)| (format!("{base}{parent}.{m}"), *n)).collect();
-            if !same_precision(ck, &parts, P::KIND) {
-                break;
-            }
+        if let Some((parts, idx)) = fused_group(&ck.spec, &self.dims, module, P::KIND) {
             if idx > 0 {
                 return Ok(CudaLinear { dev: None, _p: PhantomData });
             }
@@ -220,9 +206,72 @@ impl CudaBackend {
     }
 }
 
-/// Whether every Linear of `parts` is stored with the precision `kind` (the spec cross-checked
-/// stored dtypes against the compiled precisions), so that they can load as one matrix.
-fn same_precision(ck: &Checkpoint, parts: &[(String, usize)], kind: Precision) -> bool {
+/// Linears that read the same input and load as one matrix: the Gated DeltaNet's four input
+/// projections as `[qkv; z; b; a]` (the layer's `[qkv | z | b | a]` projection row in one launch
+/// instead of four, two of them 32 rows tall) and attention's `[q; k; v]`, when every member is
+/// stored with the precision `kind`. Returns the group's parts (module, rows) in order and the
+/// index of `module` among them (0 loads the matrix, the others then hold no memory), or None.
+pub(super) fn fused_group(spec: &ModelSpec, d: &ModelDims, module: &str, kind: Precision) -> Option<(Vec<(String, usize)>, usize)> {
+    let groups: [(&str, &[(&str, usize)]); 2] = [
+        (".linear_attn", &[("in_proj_qkv", d.conv_dim()), ("in_proj_z", d.value_dim()), ("in_proj_b", d.linear_num_value_heads), ("in_proj_a", d.linear_num_value_heads)]),
+        (".self_attn", &[("q_proj", 2 * d.num_attention_heads * d.head_dim), ("k_proj", d.num_key_value_heads * d.head_dim), ("v_proj", d.num_key_value_heads * d.head_dim)]),
+    ];
     let dt = if kind == Precision::Fp8 { DType::F8_E4M3 } else { DType::BF16 };
-    parts.iter().all(|(m, _)| ck.spec.tensors.get(&format!("{m}.weight")).is_some_and(|t| t.dtype == dt))
+    groups.iter().find_map(|(parent, members)| {
+        let (base, idx) = members.iter().enumerate().find_map(|(i, (m, _))| Some((module.strip_suffix(&format!("{parent}.{m}"))?, i)))?;
+        let parts: Vec<(String, usize)> = members.iter().map(|(m, n)| (format!("{base}{parent}.{m}"), *n)).collect();
+        // The spec cross-checked stored dtypes against the compiled precisions, so the stored
+        // dtype decides the same way for every member.
+        let same = parts.iter().all(|(m, _)| spec.tensors.get(&format!("{m}.weight")).is_some_and(|t| t.dtype == dt));
+        same.then_some((parts, idx))
+    })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The micro dims (tests/fixtures: hidden 64, GDN 2 k / 4 v heads of 32, attention 4 q / 2 kv
+    /// heads of 32); only the projection widths matter here.
+    fn micro_dims() -> ModelDims {
+        ModelDims {
+            vocab_size: 0, hidden_size: 64, num_layers: 4, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 32, rotary_dim: 8,
+            rope_theta: 1e7, linear_num_key_heads: 2, linear_num_value_heads: 4, linear_key_head_dim: 32, linear_value_head_dim: 32,
+            conv_kernel: 4, num_experts: 8, top_k: 2, moe_intermediate_size: 32, shared_intermediate_size: 32, rms_norm_eps: 1e-6,
+            max_position_embeddings: 1024,
+        }
+    }
+
+    fn fixture(name: &str) -> ModelSpec {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name);
+        model_spec::load_checkpoint(&dir).expect("fixture checkpoint")
+    }
+
+    #[test]
+    fn fused_groups_follow_the_stored_precision() {
+        let d = micro_dims();
+        let l0 = "model.language_model.layers.0.linear_attn";
+        let l3 = "model.language_model.layers.3.self_attn";
+        // The vendor-tool FP8 export: linear_attn.* BF16 (ignored by the quantiser), q/k/v FP8.
+        let fp8 = fixture("micro-fp8");
+        let (parts, idx) = fused_group(&fp8, &d, &format!("{l0}.in_proj_qkv"), Precision::Bf16).expect("GDN group");
+        assert_eq!(idx, 0);
+        let want: Vec<(String, usize)> = [("in_proj_qkv", 256), ("in_proj_z", 128), ("in_proj_b", 4), ("in_proj_a", 4)].iter().map(|(m, n)| (format!("{l0}.{m}"), *n)).collect();
+        assert_eq!(parts, want);
+        assert_eq!(fused_group(&fp8, &d, &format!("{l0}.in_proj_a"), Precision::Bf16).map(|g| g.1), Some(3));
+        let (parts, idx) = fused_group(&fp8, &d, &format!("{l3}.v_proj"), Precision::Fp8).expect("attention group");
+        assert_eq!((parts.iter().map(|p| p.1).collect::<Vec<_>>(), idx), (vec![256, 64, 64], 2));
+        // A precision the checkpoint does not store: no fusion (loaded one by one, and refused there).
+        assert!(fused_group(&fp8, &d, &format!("{l3}.q_proj"), Precision::Bf16).is_none());
+        assert!(fused_group(&fp8, &d, &format!("{l0}.in_proj_qkv"), Precision::Fp8).is_none());
+        // Not in a group.
+        for m in [format!("{l3}.o_proj"), format!("{l0}.out_proj"), "model.language_model.layers.0.mlp.gate".into(), "lm_head".into()] {
+            assert!(fused_group(&fp8, &d, &m, Precision::Bf16).is_none() && fused_group(&fp8, &d, &m, Precision::Fp8).is_none(), "{m}");
+        }
+        // The BF16 export fuses both groups in BF16.
+        let bf16 = fixture("micro-bf16");
+        assert!(fused_group(&bf16, &d, &format!("{l3}.q_proj"), Precision::Bf16).is_some());
+        assert!(fused_group(&bf16, &d, &format!("{l0}.in_proj_z"), Precision::Bf16).is_some());
+    }
+}
+
