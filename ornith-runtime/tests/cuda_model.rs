@@ -80,7 +80,8 @@ fn cuda_backend(ck: &Checkpoint, ctx: usize) -> CudaBackend {
 /// layers — so the end-to-end gap is set by the model's own sensitivity, which the test measures:
 /// the CPU backend run two legitimate ways (one chunked prefill, and token by token through the
 /// recurrent decode path) differs by `cpu_gap`. CUDA must be within twice that (and never need
-/// less than 2^-7, a few bf16 ulps), and produce identical greedy tokens.
+/// less than 2^-7, a few bf16 ulps), and produce the same greedy tokens except ties within the
+/// model's own noise (the decode loop of `cuda_matches_cpu` states the criterion).
 const REL_L2: f64 = 1.0 / 128.0;
 
 #[test]
