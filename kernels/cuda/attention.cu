@@ -4,6 +4,7 @@
 
 // grid (q_heads + kv_heads, tokens), block head_dim threads (head_dim <= 256, multiple of 32).
 extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const OrnithQkRopeParams p) {
+    pdl_entry();
     __shared__ float xs[256];
     __shared__ float sh[32];
     const int hh = blockIdx.x, t = blockIdx.y, i = threadIdx.x, D = p.head_dim;
@@ -42,6 +43,7 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const OrnithQkRop
 // grid (splits, kv_heads, tokens), block 32 * (q_heads / kv_heads) threads: warp g handles q head
 // kvh * group + g. Lane l holds dims 8l..8l+7. Online softmax in fp32.
 extern "C" __global__ void __launch_bounds__(256) attn_decode_split(const OrnithAttnParams p) {
+    pdl_entry();
     const int split = blockIdx.x, kvh = blockIdx.y, t = blockIdx.z;
     const int group = p.q_heads / p.kv_heads;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -131,6 +133,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode_split(const Ornith
 // weights f_s kept in shared memory, so the per-dimension loop over the splits is only
 // independent loads and FMAs.
 extern "C" __global__ void __launch_bounds__(ATT_D) attn_decode_combine(const OrnithAttnParams p) {
+    pdl_entry();
     __shared__ float f[ATT_MAX_SPLITS];
     __shared__ float sh[32];
     const int h = blockIdx.x, t = blockIdx.y, i = threadIdx.x;

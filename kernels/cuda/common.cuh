@@ -5,6 +5,29 @@
 #include <stdint.h>
 #include "../include/ornith_kernels.h"
 
+// Programmatic dependent launch (PTX griddepcontrol: sm_90 and sm_121 alike). The runtime launches
+// every kernel with the programmatic-stream-serialization attribute, so a kernel's blocks may be
+// scheduled while the previous kernel in the stream is still running:
+//  * pdl_wait() returns once every prerequisite grid has completed and its writes are visible. A
+//    kernel calls it before its first read of anything an earlier kernel wrote AND before its first
+//    global write (an earlier kernel may still be reading that memory). Every kernel calls it on
+//    every path that touches global memory (kernels/src/lib.rs checks each PTX entry has one), so
+//    ordering stays transitive: a grid completes only after its own wait, hence after its
+//    predecessor's completion.
+//  * pdl_launch_dependents() lets the next kernel be scheduled once every block of this grid has
+//    issued it (or exited). It changes when the next kernel starts, never what it sees.
+//  * Before the wait a kernel may only prefetch read-only data (weights) toward L2 (prefetch_l2):
+//    L2 is the point of coherence, so a prefetch cannot change what a later load returns.
+// Launched without the attribute (or by a driver that ignores it) both instructions are no-ops.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+// The usual kernel entry: let the next kernel be scheduled, then wait for the previous one.
+__device__ __forceinline__ void pdl_entry() {
+    pdl_launch_dependents();
+    pdl_wait();
+}
+__device__ __forceinline__ void prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // bf16 bits <-> float. bf16 -> float is exact; float -> bf16 rounds to nearest even (NaN kept).
 __device__ __forceinline__ float bf2f(uint16_t b) { return __uint_as_float(((uint32_t)b) << 16); }
 __device__ __forceinline__ uint16_t f2bf(float f) {

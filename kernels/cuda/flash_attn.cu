@@ -19,6 +19,7 @@ __device__ __forceinline__ uint32_t fswz(int row, int chunk) {
 }
 
 extern "C" __global__ void __launch_bounds__(128) flash_attn_prefill(const OrnithFlashAttnParams p) {
+    pdl_entry();
     extern __shared__ __align__(128) uint8_t smem[];
     const uint32_t sq = smem_u32(smem);
     const uint32_t sk0 = sq + FA_BQ * FA_ROW;                 // K: 2 x 32 rows

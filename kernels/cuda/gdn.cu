@@ -4,6 +4,7 @@
 
 // One thread per channel; tokens in order, so the same kernel serves decode (1 token) and prefill.
 extern "C" __global__ void __launch_bounds__(256) conv1d_silu(const OrnithConvParams p) {
+    pdl_entry();
     const int c = blockIdx.x * 256 + threadIdx.x;
     if (c >= p.channels) return;
     const float w0 = bf2f(p.w[c * 4 + 0]), w1 = bf2f(p.w[c * 4 + 1]), w2 = bf2f(p.w[c * 4 + 2]),
@@ -43,6 +44,7 @@ extern "C" __global__ void __launch_bounds__(256) conv1d_silu(const OrnithConvPa
 // state rows for chunks shorter than 3 tokens). No other block touches the state, so no race.
 #define CONV_TT 32
 extern "C" __global__ void __launch_bounds__(256) conv1d_silu_chunk(const OrnithConvParams p) {
+    pdl_entry();
     const int c = blockIdx.x * 256 + threadIdx.x;
     if (c >= p.channels) return;
     const int t0 = blockIdx.y * CONV_TT;
@@ -94,6 +96,7 @@ extern "C" __global__ void __launch_bounds__(256) conv1d_silu_chunk(const Ornith
 
 // grid (v_heads, GDN_D / GDN_VC). Thread (warp kg, lane v) keeps state rows kg*32..kg*32+31 of column v.
 extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_recurrent(const OrnithGdnParams p) {
+    pdl_entry();
     __shared__ float qs[GDN_D], ks[GDN_D];
     __shared__ float red[4][GDN_VC];
     __shared__ float sh[32];
@@ -155,6 +158,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_recurrent(const Or
 
 // One block of 128 threads per (t, head); dim <= 128.
 extern "C" __global__ void __launch_bounds__(128) gated_rmsnorm(const OrnithGatedNormParams p) {
+    pdl_entry();
     __shared__ float sh[32];
     const int t = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
     const int i = threadIdx.x;

@@ -98,6 +98,7 @@ struct GdnPrepSmem {
 };
 
 extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const OrnithGdnParams p) {
+    pdl_entry();
     extern __shared__ __align__(16) uint8_t smem_raw[];
     GdnPrepSmem &sm = *reinterpret_cast<GdnPrepSmem *>(smem_raw);
     const int ci = blockIdx.x, h = blockIdx.y, nchunks = gridDim.x;
@@ -205,6 +206,7 @@ __device__ __forceinline__ void fma4(float (&acc)[4], float a, float4 b) {
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_scan(const OrnithGdnParams p) {
+    pdl_entry();
     extern __shared__ __align__(16) uint8_t smem_raw[];
     GdnScanSmem &sm = *reinterpret_cast<GdnScanSmem *>(smem_raw);
     const int h = blockIdx.x, c0 = blockIdx.y * GS_C;

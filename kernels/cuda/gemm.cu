@@ -186,10 +186,10 @@ template <bool FP8, int BM> __device__ __forceinline__ void gemm_body(const Orni
     }
 }
 
-extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_fp8(const OrnithGemmParams p) { gemm_body<true, 128>(p); }
-extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_bf16(const OrnithGemmParams p) { gemm_body<false, 128>(p); }
+extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_fp8(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, 128>(p); }
+extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, 128>(p); }
 // The grouped MoE GEMM (p.group_offsets set; tiles of GB_GROUPED_M rows, see moe_sort).
-extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_fp8_grouped(const OrnithGemmParams p) { gemm_body<true, GB_GROUPED_M>(p); }
+extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_fp8_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, GB_GROUPED_M>(p); }
 
 // Per-row FP8 activation quantisation with compressed-tensors semantics (the CPU reference
 // `cpu::fp8::quantize_act_row`), the input of gemm_fp8 in prefill:
@@ -197,6 +197,7 @@ extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_fp8_grouped(const 
 // (x / scale rounded to bf16 before E4M3; -0 -> +0). A NaN in the row: scale NaN, every code 0x7F.
 // Shared by gemm.cu's users and moe_prefill.cu (swiglu_quant_ct).
 extern "C" __global__ void __launch_bounds__(256) quantize_fp8_ct(const OrnithQuantParams p) {
+    pdl_entry();
     __shared__ float sh[32];
     const int t = blockIdx.x;
     const uint16_t *x = p.x + (size_t)t * p.cols;

@@ -5,6 +5,7 @@
 
 // One warp per token.
 extern "C" __global__ void __launch_bounds__(32) moe_router_topk(const OrnithRouterParams p) {
+    pdl_entry();
     const int t = blockIdx.x, lane = threadIdx.x;
     const uint16_t *lg = p.logits + (size_t)t * p.logit_stride;
     float v[ROUTER_MAX_PER_LANE];
@@ -56,6 +57,7 @@ extern "C" __global__ void __launch_bounds__(32) moe_router_topk(const OrnithRou
 
 // One block per (t, slot) row: a = bf16(bf16(silu(g)) * u), then per-row FP8 quantisation.
 extern "C" __global__ void __launch_bounds__(256) swiglu_quant(const OrnithSwigluQuantParams p) {
+    pdl_entry();
     __shared__ float sh[32];
     const int r = blockIdx.x;
     const uint16_t *gu = p.gate_up + (size_t)r * 2 * p.inter;
@@ -82,6 +84,7 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_quant(const OrnithSwigl
 
 // grid (ceil(hidden / 256), tokens): routed + gated shared expert.
 extern "C" __global__ void __launch_bounds__(256) moe_combine(const OrnithMoeCombineParams p) {
+    pdl_entry();
     const int t = blockIdx.y;
     const int i = blockIdx.x * 256 + threadIdx.x;
     if (i >= p.hidden) return;

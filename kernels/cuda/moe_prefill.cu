@@ -9,6 +9,7 @@
 
 // One block: histogram, prefix sums, scatter (see OrnithMoeSortParams).
 extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_sort(const OrnithMoeSortParams p) {
+    pdl_entry();
     __shared__ int cnt[MS_MAX_EXPERTS];
     __shared__ int cur[MS_MAX_EXPERTS];
     const int n = p.tokens * p.top_k;
@@ -41,6 +42,7 @@ extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_sort(const OrnithMo
 //   scale = bf16(amax / 448) (2^-7 if 0);  q = e4m3(clamp(bf16(a / scale) + 0, -448, 448))
 // (`cpu::moe::Mlp::forward` then `cpu::fp8::quantize_act_row`). inter <= 2048.
 extern "C" __global__ void __launch_bounds__(256) swiglu_quant_ct(const OrnithSwigluQuantParams p) {
+    pdl_entry();
     __shared__ float a[2048];
     __shared__ float sh[32];
     const int r = blockIdx.x;
@@ -63,6 +65,7 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_quant_ct(const OrnithSw
 
 // Weighted combine + gated shared expert (see OrnithMoeCombinePrefillParams). grid (ceil(hidden/256), tokens).
 extern "C" __global__ void __launch_bounds__(256) moe_combine_prefill(const OrnithMoeCombinePrefillParams p) {
+    pdl_entry();
     const int t = blockIdx.y, c = blockIdx.x * 256 + threadIdx.x;
     if (c >= p.hidden) return;
     float acc = 0.f;

@@ -3,6 +3,7 @@
 
 // One block per token; 16-byte copies of the embedding row.
 extern "C" __global__ void embed_gather(const OrnithEmbedParams p) {
+    pdl_entry();
     int t = blockIdx.x;
     int id = p.ids[t];
     uint16_t *dst = p.out + (size_t)t * p.hidden;
@@ -19,6 +20,7 @@ extern "C" __global__ void embed_gather(const OrnithEmbedParams p) {
 #define RMS_THREADS 256
 #define RMS_PER_THREAD 32
 extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_residual(const OrnithRmsNormParams p) {
+    pdl_entry();
     __shared__ float sh[32];
     int t = blockIdx.x;
     uint16_t *res = p.residual + (size_t)t * p.hidden;
@@ -65,6 +67,7 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_residual(const
 
 // One block of 256 threads per row: per-token FP8 quantisation (act_scale / quant_e4m3).
 extern "C" __global__ void __launch_bounds__(256) quantize_fp8_rows(const OrnithQuantParams p) {
+    pdl_entry();
     __shared__ float sh[32];
     int t = blockIdx.x;
     const uint16_t *x = p.x + (size_t)t * p.cols;

@@ -3,6 +3,7 @@
 
 // One block of 1024 threads per row: argmax, first index among equal maxima, NaN skipped.
 extern "C" __global__ void __launch_bounds__(1024) argmax_bf16(const OrnithArgmaxParams p) {
+    pdl_entry();
     __shared__ float sv[32];
     __shared__ int si[32];
     const int t = blockIdx.x, lane = threadIdx.x & 31, wid = threadIdx.x >> 5;

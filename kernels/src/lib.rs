@@ -175,6 +175,29 @@ mod tests {
         }
     }
 
+    /// The runtime launches every kernel with programmatic dependent launch (see `pdl_wait` in
+    /// common.cuh): a kernel without `griddepcontrol.wait` could read its inputs before the
+    /// previous kernel wrote them. Every entry point of every PTX must contain the wait.
+    #[test]
+    fn every_kernel_waits_for_its_predecessor() {
+        let mut entries = 0;
+        for m in Module::ALL {
+            for a in Arch::ALL {
+                let p = ptx(a, m);
+                let mut parts = p.split(".entry ").skip(1).peekable();
+                assert!(parts.peek().is_some(), "{:?} {:?}: no entry point", a, m);
+                for body in parts {
+                    let name: String = body.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+                    // the body runs to the next entry (or the end): functions are all inlined
+                    assert!(body.contains("griddepcontrol.wait"), "{:?} {}: kernel {name} never executes griddepcontrol.wait", a, m.stem());
+                    assert!(body.contains("griddepcontrol.launch_dependents"), "{:?} {}: kernel {name} never lets its dependents launch", a, m.stem());
+                    entries += 1;
+                }
+            }
+        }
+        assert!(entries >= 2 * Module::ALL.len(), "found only {entries} entry points");
+    }
+
     /// The digest changes with any byte of the sources.
     #[test]
     fn digest_is_sensitive() {

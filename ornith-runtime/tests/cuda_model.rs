@@ -170,7 +170,9 @@ fn cuda_matches_cpu() {
 
 /// The captured decode graph replays exactly the eager launches: the same prompt and 48 greedy
 /// steps run eagerly and through the graph (captured at the first step, replayed at the rest,
-/// across a state reset and in a second state) give bit-identical logits.
+/// across a state reset and in a second state) give bit-identical logits — with programmatic
+/// dependent launch on and off (a missing `griddepcontrol.wait` would show up as a difference
+/// from plain stream order, in the prefill as well as in decode).
 #[test]
 #[ignore]
 fn cuda_decode_graph_matches_eager() {
@@ -180,11 +182,13 @@ fn cuda_decode_graph_matches_eager() {
     let gpu = cuda_backend(&ck, ctx);
     let m = compiled::Model::load(&gpu, &ck).expect("CUDA load");
     let ids = prompt(40, d.vocab_size);
-    let run = |st: &mut compiled::State<CudaBackend>, graph: bool| -> (Vec<Vec<f32>>, f64) {
+    // (graph?, PDL?) -> the prefill's logits, then 48 greedy decode steps' logits.
+    let run = |st: &mut compiled::State<CudaBackend>, graph: bool, pdl: bool| -> (Vec<Vec<f32>>, f64) {
         gpu.set_decode_graph(graph);
+        gpu.context().set_pdl(pdl);
         st.reset(&gpu);
         let mut l = gpu.logits_to_host(&m.prefill(&gpu, st, &ids, false, &mut |_, _| {}).unwrap()).unwrap();
-        let mut out = Vec::new();
+        let mut out = vec![l.clone()];
         let t0 = std::time::Instant::now();
         for _ in 0..48 {
             let t = argmax(&l) as u32;
@@ -194,18 +198,26 @@ fn cuda_decode_graph_matches_eager() {
         (out, t0.elapsed().as_secs_f64() / 48.0)
     };
     let mut st = compiled::Model::new_state(&gpu, ctx).unwrap();
-    let (eager, te) = run(&mut st, false);
-    let (graph, tg) = run(&mut st, true);
-    let (again, _) = run(&mut st, true);
+    // The reference: plain stream order, every launch issued eagerly.
+    let (plain, tp) = run(&mut st, false, false);
+    let (eager, te) = run(&mut st, false, true);
+    let (graph, tg) = run(&mut st, true, true);
+    let (graph_nopdl, tn) = run(&mut st, true, false);
+    let (again, _) = run(&mut st, true, true);
     let mut st2 = compiled::Model::new_state(&gpu, ctx).unwrap();
-    let (other, _) = run(&mut st2, true);
-    for (step, l) in eager.iter().enumerate() {
-        assert!(l.iter().all(|v| v.is_finite()), "eager step {step}: non-finite logits");
-        assert!(graph[step] == *l, "decode step {step}: graph logits differ from eager");
-        assert!(again[step] == *l, "decode step {step}: replay after a state reset differs");
-        assert!(other[step] == *l, "decode step {step}: a second state's graph differs");
+    let (other, _) = run(&mut st2, true, true);
+    for (step, l) in plain.iter().enumerate() {
+        assert!(l.iter().all(|v| v.is_finite()), "step {step}: non-finite logits");
+        assert!(eager[step] == *l, "step {step}: eager launches with PDL differ from plain stream order");
+        assert!(graph[step] == *l, "step {step}: graph logits (PDL) differ from plain stream order");
+        assert!(graph_nopdl[step] == *l, "step {step}: graph logits (no PDL) differ from plain stream order");
+        assert!(again[step] == *l, "step {step}: replay after a state reset differs");
+        assert!(other[step] == *l, "step {step}: a second state's graph differs");
     }
-    eprintln!("decode graph: 48 steps bit-identical to eager (also after reset and in a second state); {:.1} us/step eager, {:.1} us/step graph (with a logits download per step)", te * 1e6, tg * 1e6);
+    eprintln!(
+        "decode graph: prefill + 48 steps bit-identical across eager/graph x PDL on/off (also after reset and in a second state); us/step with a logits download per step: eager {:.1} (PDL {:.1}), graph {:.1} (PDL {:.1})",
+        tp * 1e6, te * 1e6, tn * 1e6, tg * 1e6
+    );
 }
 
 /// Op-by-op comparison on the 100-token prompt: each layer op (mixer, MoE) of layers 0..3 runs on

@@ -106,6 +106,8 @@ struct DecodeBufs {
 pub struct CudaDecodeGraph {
     graph: Option<SendGraph>,
     key: u64,
+    /// Whether the captured launches carry the programmatic-dependent-launch attribute.
+    pdl: bool,
 }
 
 /// The embedding table `[vocab, hidden]` BF16, and a number unique to this load: a captured decode
@@ -262,8 +264,8 @@ impl CudaBackend {
 
     /// Replays `g`, capturing `step` into it first when it holds no graph for this model.
     fn replay(&self, mode: &mut DecodeMode, g: &mut CudaDecodeGraph, table: &CudaEmbedding, step: &mut dyn FnMut() -> Result<CudaLogits>) -> Result<CudaLogits> {
-        let key = table.id;
-        if g.graph.is_none() || g.key != key {
+        let (key, pdl) = (table.id, self.cx.pdl());
+        if g.graph.is_none() || g.key != key || g.pdl != pdl {
             g.graph = None;
             let st = self.cx.stream();
             // Thread-local mode: a synchronising call on this thread fails the capture. An
@@ -278,7 +280,7 @@ impl CudaBackend {
             r.context("capturing the decode step")?;
             let graph = end.context("instantiating the decode graph")?.ok_or_else(|| anyhow::anyhow!("the captured decode step is empty"))?;
             graph.upload()?;
-            *g = CudaDecodeGraph { graph: Some(SendGraph(graph)), key };
+            *g = CudaDecodeGraph { graph: Some(SendGraph(graph)), key, pdl };
         }
         g.graph.as_ref().expect("captured above").0.launch()?;
         Ok(CudaLogits { rows: 1, vocab: self.dims.vocab_size, buf: self.s.logits1.clone() })
@@ -630,7 +632,7 @@ impl Backend for CudaBackend {
     fn reset_kv_cache(&self, _c: &mut CudaKvCache) {}
 
     fn new_decode_graph(&self) -> Result<CudaDecodeGraph> {
-        Ok(CudaDecodeGraph { graph: None, key: 0 })
+        Ok(CudaDecodeGraph { graph: None, key: 0, pdl: false })
     }
 
     /// Writes `[id, pos]` to the device, then replays the captured step, capturing it first if

@@ -20,18 +20,6 @@ pub fn at<T>(b: &CudaBackend, s: &CudaSlice<T>, off: usize) -> Ptr {
     b.cx.addr(s) + (off * std::mem::size_of::<T>()) as u64
 }
 
-/// GEMV kernel choice, one switch per kernel: the persistent row-team kernels of gemv.cu ("v2")
-/// or the original one-warp-per-row kernels. `gemv_fp8_v2` / `moe_gemv_fp8_v2` stage the decoded
-/// x rows in shared memory and fall back to the originals where those do not fit (long prefill tails).
-/// All off: measured on the H200 (2026-11-30, L2-cold, docs/PERF.md) the originals are faster on
-/// the decode shapes that matter (per token 2.67 ms of GEMV time vs 2.94 ms: MoE gate|up 12.7 vs
-/// 14.7 µs, down 9.5 vs 13.2 µs, lm_head 238 vs 262 µs; v2 wins only the 12,352-row BF16 GDN
-/// projection, 21.0 vs 22.7 µs), and a full-model decode with v2 ran at 237 tok/s. Kept, tested, for
-/// the DGX Spark (48 SMs, 273 GB/s LPDDR5x), where they have not been measured yet.
-const GEMV_BF16_V2: bool = false;
-const GEMV_FP8_V2: bool = false;
-const MOE_GEMV_V2: bool = false;
-
 /// Rows of up to 8 tokens: the GEMV kernels' limit (`ORNITH_GEMV_MAX_TOKENS`).
 pub const GEMV_ROWS: usize = ORNITH_GEMV_MAX_TOKENS as usize;
 
@@ -128,8 +116,8 @@ impl CudaBackend {
         debug_assert!((1..=GEMV_ROWS).contains(&t));
         let p = OrnithGemvBf16Params { x: x as _, w: w as _, y: y as _, tokens: t as i32, in_: in_ as i32, out: out as i32, x_stride: xs as i32, y_stride: ys as i32 };
         let bytes = (out * in_ * 2 + t * (in_ + out) * 2) as u64;
-        if GEMV_BF16_V2 {
-            return self.go("gemv_bf16_v2", (self.cx.gemv_bf16_v2_grid(t, in_, out), 1, 1), 256, bytes, p);
+        if t == 1 {
+            return self.go("gemv_bf16_t1", (crate::cuda::gemv1_blocks(in_ / 8, out), 1, 1), 256, bytes, p);
         }
         self.go("gemv_bf16", (out.div_ceil(8) as u32, 1, 1), 256, bytes, p)
     }
@@ -143,8 +131,8 @@ impl CudaBackend {
             x_stride: xs as i32, y_stride: ys as i32,
         };
         let bytes = (out * in_ + out * 4 + t * (in_ + 4 + out * 2)) as u64;
-        if let (true, Some(grid)) = (GEMV_FP8_V2, self.cx.gemv_fp8_v2_grid(t, in_, out)) {
-            return self.go("gemv_fp8_v2", (grid, 1, 1), 256, bytes, p);
+        if t == 1 {
+            return self.go("gemv_fp8_t1", (crate::cuda::gemv1_blocks(in_ / 16, out), 1, 1), 256, bytes, p);
         }
         self.go("gemv_fp8", (out.div_ceil(8) as u32, 1, 1), 256, bytes, p)
     }
@@ -161,10 +149,7 @@ impl CudaBackend {
         let slots = (p.top_k + 1) as usize;
         let (t, in_, out) = (p.tokens as usize, p.in_ as usize, p.out as usize);
         let bytes = t * slots * (out * in_ + out * 4 + in_ + 4 + out * 2);
-        if let (true, Some(grid)) = (MOE_GEMV_V2, self.cx.moe_gemv_v2_grid(t, p.top_k as usize, in_, out, p.x_slot_stride > 0)) {
-            return self.go("moe_gemv_fp8_v2", (grid, 1, 1), 256, bytes as u64, p);
-        }
-        self.go("moe_gemv_fp8", (out.div_ceil(8) as u32, slots as u32, t as u32), 256, bytes as u64, p)
+        self.go("moe_gemv_fp8", (crate::cuda::gemv1_blocks(in_ / 16, out), slots as u32, t as u32), 256, bytes as u64, p)
     }
 
     pub(super) fn k_swiglu(&self, gu: Ptr, q8: Ptr, scale: Ptr, rows: usize, inter: usize) -> Result<()> {

@@ -1,9 +1,9 @@
 //! One launcher per kernel. Each checks the shape assumptions of its kernel (and the buffer sizes)
 //! and returns an error rather than launching on bad input. bf16 tensors are `CudaSlice<u16>`
 //! (bit patterns), FP8 E4M3 codes `CudaSlice<u8>`.
-use super::{CudaContext, Param};
+use super::CudaContext;
 use anyhow::{ensure, Result};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::CudaSlice;
 use ornith_kernels::bindings::*;
 
 type Bf = CudaSlice<u16>;
@@ -18,12 +18,7 @@ fn i32of(what: &str, v: usize) -> Result<i32> {
 
 impl CudaContext {
     pub(crate) fn launch<P: Copy>(&self, name: &str, grid: (u32, u32, u32), block: u32, p: P) -> Result<()> {
-        let param = Param(p);
-        let mut b = self.stream.launch_builder(self.func(name));
-        b.arg(&param);
-        let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 };
-        unsafe { b.launch(cfg) }?;
-        Ok(())
+        self.launch_with(name, grid, block, 0, p)
     }
 
     /// out[t] = table[ids[t]] (rows of `hidden` bf16; hidden % 8 == 0 for 16-byte copies).
@@ -95,13 +90,11 @@ impl CudaContext {
         self.launch("gemv_bf16", (out.div_ceil(8) as u32, 1, 1), 256, p)
     }
 
-    /// [`Self::gemv_bf16`] by the persistent row-team kernel `gemv_bf16_v2` (same result up to
-    /// the fp32 summation order).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv_bf16_v2(&self, x: &Bf, w: &Bf, y: &mut Bf, tokens: usize, in_: usize, out: usize, x_stride: usize, y_stride: usize) -> Result<()> {
-        let p = self.gemv_bf16_params(x, w, y, tokens, in_, out, x_stride, y_stride)?;
-        let grid = self.gemv_bf16_v2_grid(tokens, in_, out);
-        self.launch("gemv_bf16_v2", (grid, 1, 1), 256, p)
+    /// [`Self::gemv_bf16`] for one token by the single-token kernel `gemv_bf16_t1` (the decode
+    /// path; the same bits as `gemv_bf16`).
+    pub fn gemv_bf16_t1(&self, x: &Bf, w: &Bf, y: &mut Bf, in_: usize, out: usize) -> Result<()> {
+        let p = self.gemv_bf16_params(x, w, y, 1, in_, out, in_, out)?;
+        self.launch("gemv_bf16_t1", (super::gemv1_blocks(in_ / 8, out), 1, 1), 256, p)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -126,18 +119,12 @@ impl CudaContext {
         self.launch("gemv_fp8", (out.div_ceil(8) as u32, 1, 1), 256, p)
     }
 
-    /// [`Self::gemv_fp8`] by the persistent row-team kernel `gemv_fp8_v2`, which stages the
-    /// decoded x rows in shared memory: needs `tokens * in <= GEMV2_X_FLOATS` (8192).
+    /// [`Self::gemv_fp8`] for one token by the single-token kernel `gemv_fp8_t1` (the decode
+    /// path; the same bits as `gemv_fp8`).
     #[allow(clippy::too_many_arguments)]
-    pub fn gemv_fp8_v2(
-        &self, xq: &CudaSlice<u8>, xs: &CudaSlice<f32>, w: &CudaSlice<u8>, ws: &CudaSlice<f32>, y: &mut Bf,
-        tokens: usize, in_: usize, out: usize, x_stride: usize, y_stride: usize,
-    ) -> Result<()> {
-        let p = self.gemv_fp8_params(xq, xs, w, ws, y, tokens, in_, out, x_stride, y_stride)?;
-        let grid = self.gemv_fp8_v2_grid(tokens, in_, out).ok_or_else(|| {
-            anyhow::anyhow!("gemv_fp8_v2: tokens {tokens} x in {in_} exceeds the {} staged x values", super::GEMV2_X_FLOATS)
-        })?;
-        self.launch("gemv_fp8_v2", (grid, 1, 1), 256, p)
+    pub fn gemv_fp8_t1(&self, xq: &CudaSlice<u8>, xs: &CudaSlice<f32>, w: &CudaSlice<u8>, ws: &CudaSlice<f32>, y: &mut Bf, in_: usize, out: usize) -> Result<()> {
+        let p = self.gemv_fp8_params(xq, xs, w, ws, y, 1, in_, out, in_, out)?;
+        self.launch("gemv_fp8_t1", (super::gemv1_blocks(in_ / 16, out), 1, 1), 256, p)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -173,19 +160,7 @@ impl CudaContext {
     /// Expert GEMV for top_k routed slots + the shared slot (see `OrnithMoeGemvParams`).
     pub fn moe_gemv(&self, a: &MoeGemvArgs, y: &mut Bf) -> Result<()> {
         let p = self.moe_gemv_params(a, y)?;
-        self.launch("moe_gemv_fp8", (a.out.div_ceil(8) as u32, (a.top_k + 1) as u32, a.tokens as u32), 256, p)
-    }
-
-    /// [`Self::moe_gemv`] by the persistent row-team kernel `moe_gemv_fp8_v2` (1-D grid), which
-    /// stages the decoded x rows in shared memory: needs `tokens * (x_slot_stride > 0 ? top_k + 1
-    /// : 1) * in <= GEMV2_X_FLOATS` (8192).
-    pub fn moe_gemv_v2(&self, a: &MoeGemvArgs, y: &mut Bf) -> Result<()> {
-        let p = self.moe_gemv_params(a, y)?;
-        let grid = self.moe_gemv_v2_grid(a.tokens, a.top_k, a.in_, a.out, a.x_slot_stride > 0).ok_or_else(|| {
-            let x_rows = a.tokens * if a.x_slot_stride > 0 { a.top_k + 1 } else { 1 };
-            anyhow::anyhow!("moe_gemv_v2: {x_rows} x rows of {} exceed the {} staged x values", a.in_, super::GEMV2_X_FLOATS)
-        })?;
-        self.launch("moe_gemv_fp8_v2", (grid, 1, 1), 256, p)
+        self.launch("moe_gemv_fp8", (super::gemv1_blocks(a.in_ / 16, a.out), (a.top_k + 1) as u32, a.tokens as u32), 256, p)
     }
 
     fn moe_gemv_params(&self, a: &MoeGemvArgs, y: &Bf) -> Result<OrnithMoeGemvParams> {

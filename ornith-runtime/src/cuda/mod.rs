@@ -7,6 +7,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{CudaContext as DriverContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 use ornith_kernels::{Arch, Module};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 
 pub mod launch;
@@ -21,7 +22,7 @@ mod tests;
 /// Kernels per PTX module (names of the `extern "C"` entry points).
 const KERNELS: [(Module, &[&str]); 10] = [
     (Module::Norm, &["embed_gather", "rmsnorm_residual", "quantize_fp8_rows"]),
-    (Module::Gemv, &["gemv_bf16", "gemv_fp8", "moe_gemv_fp8", "gemv_bf16_v2", "gemv_fp8_v2", "moe_gemv_fp8_v2"]),
+    (Module::Gemv, &["gemv_bf16", "gemv_fp8", "gemv_bf16_t1", "gemv_fp8_t1", "moe_gemv_fp8"]),
     (Module::Moe, &["moe_router_topk", "swiglu_quant", "moe_combine"]),
     (Module::Gdn, &["conv1d_silu", "conv1d_silu_chunk", "gdn_recurrent", "gated_rmsnorm"]),
     (Module::Attention, &["qk_norm_rope", "attn_decode_split", "attn_decode_combine"]),
@@ -32,31 +33,20 @@ const KERNELS: [(Module, &[&str]); 10] = [
     (Module::MoePrefill, &["moe_sort", "swiglu_quant_ct", "moe_combine_prefill"]),
 ];
 
-/// Persistent-warp kernels (gemv.cu "v2"): their grids are sized to the blocks that fit on the
-/// device at once, measured at load time (256 threads per block, static shared memory only).
-const PERSISTENT: [&str; 3] = ["gemv_bf16_v2", "gemv_fp8_v2", "moe_gemv_fp8_v2"];
-
-/// Warps per block of the v2 GEMVs (`GEMV2_WARPS` in gemv.cu).
-pub(crate) const GEMV2_WARPS: usize = 8;
-/// Decoded-x capacity of the FP8 v2 GEMVs in floats (`GEMV2_X_FLOATS` in gemv.cu).
-pub(crate) const GEMV2_X_FLOATS: usize = 8192;
-
-/// Lanes per weight row in the v2 GEMVs (`gemv2_team` in gemv.cu): the largest power of two
-/// `g <= 32` with `g * u <= n16` chunks of 16 bytes per row, 1 if none.
-pub(crate) fn gemv2_team(n16: usize, u: usize) -> usize {
-    let mut g = 32;
-    while g > 1 && g * u > n16 {
-        g >>= 1;
-    }
-    g
+/// Rows per warp of the single-token GEMVs (`gemv1_rows` in gemv.cu) for rows of `n16` 16-byte
+/// chunks: each lane keeps 8 loads in flight, 8, 4, 2 or 1 per row where a row has more than 7, 3
+/// or 1 chunks per lane (n16 / 32), and R = 8 / that.
+pub(crate) fn gemv1_rows(n16: usize) -> usize {
+    let u = if n16 > 7 * 32 { 8 } else if n16 > 3 * 32 { 4 } else if n16 > 32 { 2 } else { 1 };
+    8 / u
 }
-/// 16-byte loads in flight per lane of the BF16 v2 GEMV (`U` in `gemv_bf16_v2_impl`).
-pub(crate) fn gemv2_bf16_u(tokens: usize) -> usize {
-    if tokens <= 2 { 8 } else { 4 }
-}
-/// 16-byte loads in flight per lane of the FP8 v2 GEMVs (`gemv2_fp8_u` in gemv.cu).
-pub(crate) fn gemv2_fp8_u(tokens: usize) -> usize {
-    if tokens <= 2 { 8 } else if tokens <= 4 { 4 } else { 2 }
+
+/// Warps per block of the GEMV kernels (`GEMV_WARPS` in gemv.cu).
+pub(crate) const GEMV_WARPS: usize = 8;
+
+/// Blocks of a single-token GEMV (and of the MoE GEMV per slot): `out` rows, R rows per warp.
+pub(crate) fn gemv1_blocks(n16: usize, out: usize) -> u32 {
+    out.div_ceil(GEMV_WARPS * gemv1_rows(n16)) as u32
 }
 
 /// The PTX arch shipped for a compute capability.
@@ -78,10 +68,8 @@ pub struct CudaContext {
     name: String,
     _modules: Vec<Arc<CudaModule>>,
     funcs: HashMap<&'static str, CudaFunction>,
-    /// Streaming multiprocessors of the device.
-    sms: u32,
-    /// Blocks of 256 threads resident at once on the whole device, per [`PERSISTENT`] kernel.
-    resident: HashMap<&'static str, u32>,
+    /// Launch with programmatic dependent launch (the default; see [`CudaContext::set_pdl`]).
+    pdl: AtomicBool,
 }
 
 /// A kernel parameter struct passed by value (`#[repr(C)]` from bindgen, plain data).
@@ -116,13 +104,55 @@ impl CudaContext {
             }
             modules.push(module);
         }
-        let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
-        let mut resident = HashMap::new();
-        for n in PERSISTENT {
-            let per_sm = funcs[n].occupancy_max_active_blocks_per_multiprocessor((GEMV2_WARPS * 32) as u32, 0, None)?;
-            resident.insert(n, (per_sm * sms).max(1));
-        }
-        Ok(Self { ctx, stream, arch, name, _modules: modules, funcs, sms, resident })
+        Ok(Self { ctx, stream, arch, name, _modules: modules, funcs, pdl: AtomicBool::new(true) })
+    }
+
+    /// Programmatic dependent launch (on by default): every kernel is launched with the
+    /// programmatic-stream-serialization attribute, so its blocks may be scheduled, and prefetch
+    /// weights toward L2, while the previous kernel finishes; each kernel waits
+    /// (`griddepcontrol.wait`) before it reads an input or writes anything, so results are the
+    /// same bit for bit with it off. Off: plain stream order (the comparison in tests and bench).
+    /// A captured decode graph keeps the setting it was captured with (it is part of its key).
+    pub fn set_pdl(&self, on: bool) {
+        self.pdl.store(on, Relaxed);
+    }
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(Relaxed)
+    }
+
+    /// Launches kernel `name` with one by-value parameter struct `p` on the stream (`smem` bytes
+    /// of dynamic shared memory), with the programmatic-serialization attribute when
+    /// [`Self::pdl`] is on. `cuLaunchKernelEx` directly: cudarc's builder has no attributes.
+    pub(crate) fn launch_with<P: Copy>(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, p: P) -> Result<()> {
+        use cudarc::driver::sys;
+        let f = self.func(name);
+        let mut param = Param(p);
+        let mut args = [&mut param as *mut Param<P> as *mut std::ffi::c_void];
+        // SAFETY: a zeroed attribute is a valid plain-data value (id 0 = ignored, value union of
+        // plain integers); only the serialization flag is set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.pdl()),
+        };
+        self.ctx.bind_to_thread()?;
+        // SAFETY: `args` points at one parameter, the kernel's single by-value `const Params`
+        // argument (`P` is the bindgen `#[repr(C)]` struct of the shared header); the config and
+        // the attribute outlive the call, which copies them.
+        unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .with_context(|| format!("launching kernel {name} (grid {grid:?}, block {block}, {smem} B shared)"))?;
+        Ok(())
     }
 
     pub fn arch(&self) -> Arch {
@@ -139,31 +169,6 @@ impl CudaContext {
     }
     pub(crate) fn func(&self, name: &str) -> &CudaFunction {
         &self.funcs[name]
-    }
-    /// Grid of a persistent v2 GEMV with `warp_items` warp-sized work items: one block per 8 items
-    /// but at least one per SM (small matrices spread over the whole device: items go to blocks
-    /// first, warps second) and at most the resident blocks (one wave, no tail wave).
-    fn gemv2_grid(&self, name: &str, warp_items: usize) -> u32 {
-        let want = warp_items.div_ceil(GEMV2_WARPS).max(self.sms as usize);
-        want.min(self.resident[name] as usize) as u32
-    }
-    /// 1-D grid of `gemv_bf16_v2` (a warp item = one team of rows).
-    pub(crate) fn gemv_bf16_v2_grid(&self, tokens: usize, in_: usize, out: usize) -> u32 {
-        let rows_per_warp = 32 / gemv2_team(in_ / 8, gemv2_bf16_u(tokens));
-        self.gemv2_grid("gemv_bf16_v2", out.div_ceil(rows_per_warp))
-    }
-    /// 1-D grid of `gemv_fp8_v2`, or `None` where its staged x (tokens * in floats) does not fit.
-    pub(crate) fn gemv_fp8_v2_grid(&self, tokens: usize, in_: usize, out: usize) -> Option<u32> {
-        let rows_per_warp = 32 / gemv2_team(in_ / 16, gemv2_fp8_u(tokens));
-        (tokens * in_ <= GEMV2_X_FLOATS).then(|| self.gemv2_grid("gemv_fp8_v2", out.div_ceil(rows_per_warp)))
-    }
-    /// 1-D grid of `moe_gemv_fp8_v2` over tokens x (top_k + 1) slots x row teams, or `None` where
-    /// its staged x rows (tokens, times the slots when each slot has its own input) do not fit.
-    pub(crate) fn moe_gemv_v2_grid(&self, tokens: usize, top_k: usize, in_: usize, out: usize, x_per_slot: bool) -> Option<u32> {
-        let slots = top_k + 1;
-        let x_rows = tokens * if x_per_slot { slots } else { 1 };
-        let rows_per_warp = 32 / gemv2_team(in_ / 16, gemv2_fp8_u(1));
-        (x_rows * in_ <= GEMV2_X_FLOATS).then(|| self.gemv2_grid("moe_gemv_fp8_v2", tokens * slots * out.div_ceil(rows_per_warp)))
     }
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)

@@ -3,10 +3,10 @@
 //! conv + SiLU, the chunked gated delta rule, causal flash attention and the grouped MoE block. Each checks its kernel's shape assumptions and
 //! buffer sizes and returns an error rather than launching on bad input.
 use super::launch::GdnArgs;
-use super::{CudaContext, Param};
+use super::CudaContext;
 use anyhow::{ensure, Result};
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::CudaSlice;
 use ornith_kernels::bindings::*;
 
 type Bf = CudaSlice<u16>;
@@ -55,12 +55,7 @@ impl CudaContext {
         if smem > 48 * 1024 {
             f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
         }
-        let param = Param(p);
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&param);
-        let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
-        unsafe { b.launch(cfg) }?;
-        Ok(())
+        self.launch_with(name, grid, block, smem, p)
     }
 
     fn gemm_checks(kind: GemmKind, rows: usize, in_: usize, out: usize, a_stride: usize, y_stride: usize) -> Result<()> {
