@@ -142,23 +142,30 @@ extern "C" __global__ void __launch_bounds__(ATT_D) attn_decode_combine(const Or
     for (int s = i; s < p.splits; s += ATT_D) mx = fmaxf(mx, p.part_ml[(base + s) * 2]);
     const float M = block_max(mx, sh);
     float lsum = 0.f;
+    int last = -1;  // the last split with a non-zero weight
     for (int s = i; s < p.splits; s += ATT_D) {
         const float ms = p.part_ml[(base + s) * 2];
         const float w = ms == -INFINITY ? 0.f : expf(ms - M);
         f[s] = w;
+        if (w != 0.f) last = s;
         lsum = fmaf(p.part_ml[(base + s) * 2 + 1], w, lsum);
     }
+    // Splits past `used` have weight 0 (empty: past the causal end, as most of the fixed grid of a
+    // decode graph is) and finite partials, so they add exactly 0: the loop stops at `used`
+    // rounded up to the 4-way grouping, which leaves every sum as the full loop forms it.
+    const int used = (int)block_max((float)(last + 1), sh);
     const float L = block_sum(lsum, sh);  // block_sum ends with a barrier: f[] is complete
+    const int lim = min(p.splits, (used + 3) & ~3);
     float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
     const float *po = p.part_o + base * ATT_D + i;
     int s = 0;
-    for (; s + 4 <= p.splits; s += 4) {
+    for (; s + 4 <= lim; s += 4) {
         acc0 = fmaf(po[(size_t)(s + 0) * ATT_D], f[s + 0], acc0);
         acc1 = fmaf(po[(size_t)(s + 1) * ATT_D], f[s + 1], acc1);
         acc2 = fmaf(po[(size_t)(s + 2) * ATT_D], f[s + 2], acc2);
         acc3 = fmaf(po[(size_t)(s + 3) * ATT_D], f[s + 3], acc3);
     }
-    for (; s < p.splits; s++) acc0 = fmaf(po[(size_t)s * ATT_D], f[s], acc0);
+    for (; s < lim; s++) acc0 = fmaf(po[(size_t)s * ATT_D], f[s], acc0);
     const float o = rbf(((acc0 + acc1) + (acc2 + acc3)) / L);
     const float gate = bf2f(p.qg[((size_t)t * p.q_heads + h) * 2 * ATT_D + ATT_D + i]);
     p.out[((size_t)t * p.q_heads + h) * ATT_D + i] = f2bf(o * rbf(sigmoid_f(gate)));

@@ -92,37 +92,3 @@ __device__ __forceinline__ uint8_t quant_e4m3(float v, float scale) {
     float q = __fadd_rn(rbf(__fdiv_rn(v, scale)), 0.f);
     return f2e4m3(fminf(fmaxf(q, -ORNITH_FP8_MAX), ORNITH_FP8_MAX));
 }
-
-// Dot of 16 E4M3 weights with 16 E4M3 activations, fp32 accumulation (products of E4M3 values
-// are exact in fp32; the sum rounds).
-__device__ __forceinline__ float dot16_e4m3(const uint4 &w, const uint4 &x, float acc) {
-    const uint32_t wa[4] = {w.x, w.y, w.z, w.w};
-    const uint32_t xa[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        float2 w0 = e4m3x2_to_f2((uint16_t)(wa[e] & 0xffff)), w1 = e4m3x2_to_f2((uint16_t)(wa[e] >> 16));
-        float2 x0 = e4m3x2_to_f2((uint16_t)(xa[e] & 0xffff)), x1 = e4m3x2_to_f2((uint16_t)(xa[e] >> 16));
-        acc = fmaf(w0.x, x0.x, acc);
-        acc = fmaf(w0.y, x0.y, acc);
-        acc = fmaf(w1.x, x1.x, acc);
-        acc = fmaf(w1.y, x1.y, acc);
-    }
-    return acc;
-}
-
-// Dot of 8 bf16 weights with 8 bf16 activations (the multi-token kernel's FMA order).
-__device__ __forceinline__ float dot8_bf16(const uint4 &w, const uint4 &x, float acc) {
-    const uint32_t wa[4] = {w.x, w.y, w.z, w.w};
-    const uint32_t xa[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        acc = fmaf(__uint_as_float(wa[e] << 16), __uint_as_float(xa[e] << 16), acc);
-        acc = fmaf(__uint_as_float(wa[e] & 0xffff0000u), __uint_as_float(xa[e] & 0xffff0000u), acc);
-    }
-    return acc;
-}
-
-// Before pdl_wait: pull the bytes [b, b + n) toward L2 (this warp's rows are contiguous).
-__device__ __forceinline__ void prefetch_range_l2(const uint8_t *b, size_t n) {
-    for (size_t off = (size_t)(threadIdx.x & 31) * 128; off < n; off += 32 * 128) prefetch_l2(b + off);
-}

@@ -72,6 +72,23 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_bf16(const Or
     }
 }
 
+// Dot of 16 E4M3 weights with 16 E4M3 activations, fp32 accumulation (products of E4M3 values
+// are exact in fp32; the sum rounds).
+__device__ __forceinline__ float dot16_e4m3(const uint4 &w, const uint4 &x, float acc) {
+    const uint32_t wa[4] = {w.x, w.y, w.z, w.w};
+    const uint32_t xa[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        float2 w0 = e4m3x2_to_f2((uint16_t)(wa[e] & 0xffff)), w1 = e4m3x2_to_f2((uint16_t)(wa[e] >> 16));
+        float2 x0 = e4m3x2_to_f2((uint16_t)(xa[e] & 0xffff)), x1 = e4m3x2_to_f2((uint16_t)(xa[e] >> 16));
+        acc = fmaf(w0.x, x0.x, acc);
+        acc = fmaf(w0.y, x0.y, acc);
+        acc = fmaf(w1.x, x1.x, acc);
+        acc = fmaf(w1.y, x1.y, acc);
+    }
+    return acc;
+}
+
 // acc[t] = sum_i e4m3(w[i]) * e4m3(x_t[i]) over one row of `in` codes, one warp.
 template <int T>
 __device__ __forceinline__ void fp8_row_dot(const uint8_t *wrow, const uint8_t *x, size_t x_stride, int in,
@@ -152,11 +169,22 @@ __host__ __device__ constexpr int gemv1_u(int n16) {
 }
 __host__ __device__ constexpr int gemv1_rows(int n16) { return 8 / gemv1_u(n16); }
 
+// Dot of 8 bf16 weights with 8 bf16 activations (the multi-token kernel's FMA order).
+__device__ __forceinline__ float dot8_bf16(const uint4 &w, const uint4 &x, float acc) {
+    const uint32_t wa[4] = {w.x, w.y, w.z, w.w};
+    const uint32_t xa[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        acc = fmaf(__uint_as_float(wa[e] << 16), __uint_as_float(xa[e] << 16), acc);
+        acc = fmaf(__uint_as_float(wa[e] & 0xffff0000u), __uint_as_float(xa[e] & 0xffff0000u), acc);
+    }
+    return acc;
+}
+
 // acc[r] = warp-summed dot of row r (rows of n16 chunks, consecutive from w; only the first nr
 // exist, the others read as zeros) with x; FP8 selects E4M3 x E4M3 chunks of 16, else bf16 x bf16
 // chunks of 8. Every lane gets the sums.
-// XS: x lives in shared memory (plain loads; __ldg is for global memory only).
-template <bool FP8, int R, int U, bool XS = false>
+template <bool FP8, int R, int U>
 __device__ __forceinline__ void rows_dot1(const uint4 *w, int nr, const uint4 *x, int n16, float (&acc)[R]) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -174,13 +202,18 @@ __device__ __forceinline__ void rows_dot1(const uint4 *w, int nr, const uint4 *x
         for (int u = 0; u < U; u++) {
             const int c = base + u * 32;
             if (c >= n16) break;
-            const uint4 xv = XS ? x[c] : __ldg(x + c);
+            const uint4 xv = __ldg(x + c);
 #pragma unroll
             for (int r = 0; r < R; r++) acc[r] = FP8 ? dot16_e4m3(wv[r][u], xv, acc[r]) : dot8_bf16(wv[r][u], xv, acc[r]);
         }
     }
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
+}
+
+// Before pdl_wait: pull the bytes [b, b + n) toward L2 (this warp's rows are contiguous).
+__device__ __forceinline__ void prefetch_range_l2(const uint8_t *b, size_t n) {
+    for (size_t off = (size_t)(threadIdx.x & 31) * 128; off < n; off += 32 * 128) prefetch_l2(b + off);
 }
 
 // y[row] = bf16(x . w[row]) (BF16) or bf16((xq . w[row]) * xs * ws[row]) (FP8) for one token.
@@ -223,74 +256,6 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_bf16_t1(co
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_fp8_t1(const OrnithGemvFp8Params p) {
     pdl_launch_dependents();
     gemv1<true>(p.w, p.ws, p.xq, p.xs, p.y, p.in, p.out);
-}
-
-// The Gated DeltaNet's out_proj with its gated RMSNorm in front (OrnithGnormGemvParams), one
-// token: every block first forms on = gated_rmsnorm(o, z) for all heads in shared memory, with the
-// arithmetic of gated_rmsnorm bit for bit (one warp per head; lane l holds elements l + 32k, the
-// sum of squares is built as that kernel's 128-thread block_sum builds it: four warp sums, then a
-// warp sum of them), then warp w computes row blockIdx.x * 8 + w as gemv_bf16_t1 (one row per warp,
-// 8 loads in flight per lane for in >= 2048). grid ceil(out / 8), block 256.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_gnorm_t1(const OrnithGnormGemvParams p) {
-    __shared__ __align__(16) uint16_t on[ORNITH_GNORM_GEMV_MAX_IN];
-    pdl_launch_dependents();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row = blockIdx.x * GEMV_WARPS + warp, in = p.heads * 128;
-    const uint16_t *wrow = p.w + (size_t)min(row, p.out - 1) * in;
-    if (row < p.out) prefetch_range_l2(reinterpret_cast<const uint8_t *>(wrow), (size_t)in * 2);
-    pdl_wait();
-    for (int h = warp; h < p.heads; h += GEMV_WARPS) {
-        float x[4], s[4];
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            x[k] = bf2f(p.o[h * 128 + 32 * k + lane]);
-            s[k] = warp_sum(x[k] * x[k]);
-        }
-        const float ss = warp_sum(lane == 0 ? s[0] : lane == 1 ? s[1] : lane == 2 ? s[2] : lane == 3 ? s[3] : 0.f);
-        const float inv = rsqrtf(ss / 128.f + p.eps);
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const int i = 32 * k + lane;
-            float n = rbf(x[k] * inv);
-            n = rbf(bf2f(p.norm_w[i]) * n);
-            on[h * 128 + i] = f2bf(n * silu_f(bf2f(p.z[h * 128 + i])));
-        }
-    }
-    __syncthreads();
-    if (row >= p.out) return;
-    float acc[1];
-    switch (gemv1_u(in / 8)) {
-        case 8: rows_dot1<false, 1, 8, true>(reinterpret_cast<const uint4 *>(wrow), 1, reinterpret_cast<const uint4 *>(on), in / 8, acc); break;
-        default: rows_dot1<false, 1, 4, true>(reinterpret_cast<const uint4 *>(wrow), 1, reinterpret_cast<const uint4 *>(on), in / 8, acc); break;
-    }
-    if (lane == 0) p.y[row] = f2bf(acc[0]);
-}
-
-// An FP8 Linear whose bf16 input is quantised per token on the way in (OrnithGemvQuantParams), one
-// token: every block quantises x into shared memory exactly as quantize_fp8_rows does (amax over
-// the row, act_scale, quant_e4m3), then warp w computes row blockIdx.x * 8 + w as gemv_fp8_t1 does
-// with one row per warp. grid ceil(out / 8), block 256. (The attention o_proj.)
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_fp8_quant_t1(const OrnithGemvQuantParams p) {
-    __shared__ __align__(16) uint8_t xq[ORNITH_GEMV_QUANT_MAX_IN];
-    __shared__ float sh[32];
-    pdl_launch_dependents();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int row = blockIdx.x * GEMV_WARPS + warp;
-    const uint8_t *wrow = p.w + (size_t)min(row, p.out - 1) * p.in;
-    if (row < p.out) prefetch_range_l2(wrow, (size_t)p.in);
-    pdl_wait();
-    float amax = 0.f;
-    for (int i = threadIdx.x; i < p.in; i += blockDim.x) amax = fmaxf(amax, fabsf(bf2f(p.x[i])));
-    const float scale = act_scale(block_max(amax, sh));
-    for (int i = threadIdx.x; i < p.in; i += blockDim.x) xq[i] = quant_e4m3(bf2f(p.x[i]), scale);
-    __syncthreads();
-    if (row >= p.out) return;
-    float acc[1];
-    switch (gemv1_u(p.in / 16)) {
-        case 8: rows_dot1<true, 1, 8, true>(reinterpret_cast<const uint4 *>(wrow), 1, reinterpret_cast<const uint4 *>(xq), p.in / 16, acc); break;
-        default: rows_dot1<true, 1, 4, true>(reinterpret_cast<const uint4 *>(wrow), 1, reinterpret_cast<const uint4 *>(xq), p.in / 16, acc); break;
-    }
-    if (lane == 0) p.y[row] = f2bf(acc[0] * scale * p.ws[row]);
 }
 
 // MoE expert GEMV: grid (ceil(out / (GEMV_WARPS * R)), top_k + 1 slots, tokens), R = gemv1_rows(in / 16).

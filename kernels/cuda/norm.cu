@@ -16,15 +16,28 @@ extern "C" __global__ void embed_gather(const OrnithEmbedParams p) {
     for (int i = threadIdx.x; i < p.hidden / 8; i += blockDim.x) d4[i] = src[i];
 }
 
-// One block of 256 threads per token; the row (hidden <= 8192) is kept in registers, 32 per thread.
+// One block of 256 threads per token; the row (hidden <= 8192) is kept in registers, 32 per thread
+// (element i = threadIdx.x + 256 j). Every global load (residual, add, weight) is issued before the
+// first store: the pointers are not __restrict__, so a load placed after a store must wait for it,
+// and a store waits for the loads it depends on; interleaved, each of the up to 32 element groups
+// would cost a full memory round trip in turn. Same arithmetic in the same order as before.
 #define RMS_THREADS 256
 #define RMS_PER_THREAD 32
-extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_residual(const OrnithRmsNormParams p) {
+extern "C" __global__ void __launch_bounds__(RMS_THREADS, 2) rmsnorm_residual(const OrnithRmsNormParams p) {
     pdl_entry();
     __shared__ float sh[32];
     int t = blockIdx.x;
     uint16_t *res = p.residual + (size_t)t * p.hidden;
     const uint16_t *add = p.add ? p.add + (size_t)t * p.hidden : nullptr;
+    uint16_t rv[RMS_PER_THREAD], av[RMS_PER_THREAD], wv[RMS_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < RMS_PER_THREAD; j++) {
+        const int i = threadIdx.x + j * RMS_THREADS;
+        const bool in = i < p.hidden;
+        rv[j] = in ? res[i] : (uint16_t)0;
+        av[j] = in && add ? add[i] : (uint16_t)0;
+        wv[j] = in ? p.weight[i] : (uint16_t)0;
+    }
     float r[RMS_PER_THREAD];
     float ss = 0.f;
 #pragma unroll
@@ -32,9 +45,9 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_residual(const
         int i = threadIdx.x + j * RMS_THREADS;
         r[j] = 0.f;
         if (i < p.hidden) {
-            float v = bf2f(res[i]);
+            float v = bf2f(rv[j]);
             if (add) {
-                v = rbf(v + bf2f(add[i]));  // h = bf16(r + x): the residual stream is bf16
+                v = rbf(v + bf2f(av[j]));  // h = bf16(r + x): the residual stream is bf16
                 res[i] = f2bf(v);
             }
             r[j] = v;
@@ -48,7 +61,7 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_residual(const
     for (int j = 0; j < RMS_PER_THREAD; j++) {
         int i = threadIdx.x + j * RMS_THREADS;
         if (i < p.hidden) {
-            float y = rbf(r[j] * inv * (1.f + bf2f(p.weight[i])));
+            float y = rbf(r[j] * inv * (1.f + bf2f(wv[j])));
             r[j] = y;
             amax = fmaxf(amax, fabsf(y));
             if (p.out) p.out[(size_t)t * p.hidden + i] = f2bf(y);

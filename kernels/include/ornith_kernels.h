@@ -127,56 +127,21 @@ typedef struct OrnithSwigluQuantParams {
     int32_t inter;
 } OrnithSwigluQuantParams;
 
-/* Router GEMV fused with the top-k (decode, one token): grid ceil((experts + 1) / (8 * R)) blocks of
- * 256 threads (R rows per warp as the single-token GEMVs), then the last block to finish routes:
- *   logits[o] = bf16(x . w[o])  for o < experts + 1  (router rows, then the shared-expert gate row)
- *   idx, weight = the top-k of softmax(logits[0 .. experts]) exactly as moe_router_topk.
- * `counter` is a device word that is 0 before the launch; the last block resets it to 0. */
-typedef struct OrnithRouterGemvParams {
-    const uint16_t *x;
-    const uint16_t *w;
-    uint16_t *logits;
-    int32_t *idx;
-    float *weight;
-    uint32_t *counter;
-    int32_t in;
-    int32_t experts;
-    int32_t top_k;
-} OrnithRouterGemvParams;
-
-/* The MoE decode tail in one kernel, per token t: grid (ceil(hidden / 8), 1, tokens), block 256,
- * one warp per output row o, every slot j < top_k + 1 (slot top_k = the shared expert):
- *   a_j     = bf16( bf16(silu(g)) * u ) over gate_up[t, j] = [g (inter) | u (inter)]
- *   s_j     = act_scale(amax|a_j|);  aq_j = e4m3 codes of a_j / s_j   (common.cuh's quantiser)
- *   y_j[o]  = bf16( (aq_j . w_j[o]) * s_j * ws_j[o] ),  w_j = expert idx[t, j] (shared_w for j = top_k)
- *   routed  = bf16( sum_j<top_k float(bf16(y_j[o] * weight[t, j])) )     (fp32 sum, j ascending)
- *   out[t, o] = bf16( routed + bf16( bf16(sigmoid(gate_logit[t * gate_stride])) * y_top_k[o] ) )
- * (the residual add is done by the next RMSNorm kernel). The dot sums chunk c = lane, lane + 32, ...
- * per lane and then across the warp, as moe_gemv_fp8 does for one token. top_k <= 8,
- * inter <= 1024, inter % 16 == 0. Optional outputs for tests (NULL in the engine): ys
- * [tokens, top_k + 1, hidden] (y_j), aq [tokens, top_k + 1, inter] and ascale [tokens, top_k + 1]. */
-typedef struct OrnithMoeDownParams {
-    const uint16_t *gate_up;
-    const int32_t *idx;
+/* MoE combine for each token t (ys = expert outputs [tokens, top_k + 1, hidden] bf16):
+ *   routed = bf16( sum_j float(bf16(ys[t, j] * bf16(w[t, j]))) )       (fp32 sum, one rounding)
+ *   shared = bf16( bf16(sigmoid(gate_logit[t * gate_stride])) * ys[t, top_k] )
+ *   moe    = bf16( routed + shared )
+ *   out[t] = moe  (the residual add is done by the next RMSNorm kernel). */
+typedef struct OrnithMoeCombineParams {
+    const uint16_t *ys;
     const float *weight;
     const uint16_t *gate_logit;
-    const uint8_t *w;
-    const float *ws;
-    const uint8_t *shared_w;
-    const float *shared_ws;
     uint16_t *out;
-    uint16_t *ys;
-    uint8_t *aq;
-    float *ascale;
     int32_t tokens;
     int32_t top_k;
-    int32_t experts;
-    int32_t inter;
     int32_t hidden;
     int32_t gate_stride;
-} OrnithMoeDownParams;
-#define ORNITH_MOE_DOWN_MAX_SLOTS 9
-#define ORNITH_MOE_DOWN_MAX_INTER 1024
+} OrnithMoeCombineParams;
 
 /* Causal depthwise conv1d (kernel 4) + SiLU with state, tokens processed in order.
  *   x [tokens, x_stride] bf16 (first `channels` columns), w [channels, 4] bf16,
@@ -231,34 +196,6 @@ typedef struct OrnithGatedNormParams {
     int32_t z_stride;
     float eps;
 } OrnithGatedNormParams;
-
-/* Gated RMSNorm (as OrnithGatedNormParams, dim = 128, one token) fused into the BF16 Linear after it:
- *   on = gated_rmsnorm(o [heads * 128], z [heads * 128], norm_w [128], eps)
- *   y[r] = bf16( on . w[r] )  for r < out,  w [out, heads * 128];  heads * 128 <= ORNITH_GNORM_GEMV_MAX_IN. */
-typedef struct OrnithGnormGemvParams {
-    const uint16_t *o;
-    const uint16_t *z;
-    const uint16_t *norm_w;
-    const uint16_t *w;
-    uint16_t *y;
-    int32_t heads;
-    int32_t out;
-    float eps;
-} OrnithGnormGemvParams;
-#define ORNITH_GNORM_GEMV_MAX_IN 8192
-
-/* Per-token FP8 quantisation (as OrnithQuantParams) fused into the FP8 Linear after it, one token:
- *   s = act_scale(amax|x|);  xq = e4m3 codes of x / s;  y[r] = bf16( (xq . w[r]) * s * ws[r] )
- * x [in] bf16, w [out, in] E4M3, ws [out]; in % 16 == 0, in <= ORNITH_GEMV_QUANT_MAX_IN. */
-typedef struct OrnithGemvQuantParams {
-    const uint16_t *x;
-    const uint8_t *w;
-    const float *ws;
-    uint16_t *y;
-    int32_t in;
-    int32_t out;
-} OrnithGemvQuantParams;
-#define ORNITH_GEMV_QUANT_MAX_IN 8192
 
 /* q/k RMSNorm (zero-centred, fp32 inside) + partial rotate-half RoPE, and KV-cache write.
  * qg [tokens, q_heads, 2*head_dim] (query | gate per head), k, v [tokens, kv_heads * head_dim].

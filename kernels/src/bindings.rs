@@ -3,11 +3,7 @@
 
 pub const ORNITH_FP8_MAX: f64 = 448.0;
 pub const ORNITH_GEMV_MAX_TOKENS: u32 = 8;
-pub const ORNITH_MOE_DOWN_MAX_SLOTS: u32 = 9;
-pub const ORNITH_MOE_DOWN_MAX_INTER: u32 = 1024;
 pub const ORNITH_GDN_WORK_PER_CHUNK: u32 = 8832;
-pub const ORNITH_GNORM_GEMV_MAX_IN: u32 = 8192;
-pub const ORNITH_GEMV_QUANT_MAX_IN: u32 = 8192;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct OrnithEmbedParams {
@@ -356,114 +352,39 @@ impl Default for OrnithSwigluQuantParams {
 }
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
-pub struct OrnithRouterGemvParams {
-    pub x: *const u16,
-    pub w: *const u16,
-    pub logits: *mut u16,
-    pub idx: *mut i32,
-    pub weight: *mut f32,
-    pub counter: *mut u32,
-    pub in_: i32,
-    pub experts: i32,
-    pub top_k: i32,
-}
-#[allow(clippy::unnecessary_operation, clippy::identity_op)]
-const _: () = {
-    ["Size of OrnithRouterGemvParams"][::std::mem::size_of::<OrnithRouterGemvParams>() - 64usize];
-    ["Alignment of OrnithRouterGemvParams"]
-        [::std::mem::align_of::<OrnithRouterGemvParams>() - 8usize];
-    ["Offset of field: OrnithRouterGemvParams::x"]
-        [::std::mem::offset_of!(OrnithRouterGemvParams, x) - 0usize];
-    ["Offset of field: OrnithRouterGemvParams::w"]
-        [::std::mem::offset_of!(OrnithRouterGemvParams, w) - 8usize];
-    ["Offset of field: OrnithRouterGemvParams::logits"]
-        [::std::mem::offset_of!(OrnithRouterGemvParams, logits) - 16usize];
-    ["Offset of field: OrnithRouterGemvParams::idx"]
-        [::std::mem::offset_of!(OrnithRouterGemvParams, idx) - 24usize];
-    ["Offset of field: OrnithRouterGemvParams::weight"]
-        [::std::mem::offset_of!(OrnithRouterGemvParams, weight) - 32usize];
-    ["Offset of field: OrnithRouterGemvParams::counter"]
-        [::std::mem::offset_of!(OrnithRouterGemvParams, counter) - 40usize];
-    ["Offset of field: OrnithRouterGemvParams::in_"]
-        [::std::mem::offset_of!(OrnithRouterGemvParams, in_) - 48usize];
-    ["Offset of field: OrnithRouterGemvParams::experts"]
-        [::std::mem::offset_of!(OrnithRouterGemvParams, experts) - 52usize];
-    ["Offset of field: OrnithRouterGemvParams::top_k"]
-        [::std::mem::offset_of!(OrnithRouterGemvParams, top_k) - 56usize];
-};
-impl Default for OrnithRouterGemvParams {
-    fn default() -> Self {
-        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
-        unsafe {
-            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
-            s.assume_init()
-        }
-    }
-}
-#[repr(C)]
-#[derive(Debug, Copy, Clone)]
-pub struct OrnithMoeDownParams {
-    pub gate_up: *const u16,
-    pub idx: *const i32,
+pub struct OrnithMoeCombineParams {
+    pub ys: *const u16,
     pub weight: *const f32,
     pub gate_logit: *const u16,
-    pub w: *const u8,
-    pub ws: *const f32,
-    pub shared_w: *const u8,
-    pub shared_ws: *const f32,
     pub out: *mut u16,
-    pub ys: *mut u16,
-    pub aq: *mut u8,
-    pub ascale: *mut f32,
     pub tokens: i32,
     pub top_k: i32,
-    pub experts: i32,
-    pub inter: i32,
     pub hidden: i32,
     pub gate_stride: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithMoeDownParams"][::std::mem::size_of::<OrnithMoeDownParams>() - 120usize];
-    ["Alignment of OrnithMoeDownParams"][::std::mem::align_of::<OrnithMoeDownParams>() - 8usize];
-    ["Offset of field: OrnithMoeDownParams::gate_up"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, gate_up) - 0usize];
-    ["Offset of field: OrnithMoeDownParams::idx"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, idx) - 8usize];
-    ["Offset of field: OrnithMoeDownParams::weight"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, weight) - 16usize];
-    ["Offset of field: OrnithMoeDownParams::gate_logit"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, gate_logit) - 24usize];
-    ["Offset of field: OrnithMoeDownParams::w"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, w) - 32usize];
-    ["Offset of field: OrnithMoeDownParams::ws"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, ws) - 40usize];
-    ["Offset of field: OrnithMoeDownParams::shared_w"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, shared_w) - 48usize];
-    ["Offset of field: OrnithMoeDownParams::shared_ws"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, shared_ws) - 56usize];
-    ["Offset of field: OrnithMoeDownParams::out"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, out) - 64usize];
-    ["Offset of field: OrnithMoeDownParams::ys"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, ys) - 72usize];
-    ["Offset of field: OrnithMoeDownParams::aq"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, aq) - 80usize];
-    ["Offset of field: OrnithMoeDownParams::ascale"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, ascale) - 88usize];
-    ["Offset of field: OrnithMoeDownParams::tokens"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, tokens) - 96usize];
-    ["Offset of field: OrnithMoeDownParams::top_k"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, top_k) - 100usize];
-    ["Offset of field: OrnithMoeDownParams::experts"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, experts) - 104usize];
-    ["Offset of field: OrnithMoeDownParams::inter"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, inter) - 108usize];
-    ["Offset of field: OrnithMoeDownParams::hidden"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, hidden) - 112usize];
-    ["Offset of field: OrnithMoeDownParams::gate_stride"]
-        [::std::mem::offset_of!(OrnithMoeDownParams, gate_stride) - 116usize];
+    ["Size of OrnithMoeCombineParams"][::std::mem::size_of::<OrnithMoeCombineParams>() - 48usize];
+    ["Alignment of OrnithMoeCombineParams"]
+        [::std::mem::align_of::<OrnithMoeCombineParams>() - 8usize];
+    ["Offset of field: OrnithMoeCombineParams::ys"]
+        [::std::mem::offset_of!(OrnithMoeCombineParams, ys) - 0usize];
+    ["Offset of field: OrnithMoeCombineParams::weight"]
+        [::std::mem::offset_of!(OrnithMoeCombineParams, weight) - 8usize];
+    ["Offset of field: OrnithMoeCombineParams::gate_logit"]
+        [::std::mem::offset_of!(OrnithMoeCombineParams, gate_logit) - 16usize];
+    ["Offset of field: OrnithMoeCombineParams::out"]
+        [::std::mem::offset_of!(OrnithMoeCombineParams, out) - 24usize];
+    ["Offset of field: OrnithMoeCombineParams::tokens"]
+        [::std::mem::offset_of!(OrnithMoeCombineParams, tokens) - 32usize];
+    ["Offset of field: OrnithMoeCombineParams::top_k"]
+        [::std::mem::offset_of!(OrnithMoeCombineParams, top_k) - 36usize];
+    ["Offset of field: OrnithMoeCombineParams::hidden"]
+        [::std::mem::offset_of!(OrnithMoeCombineParams, hidden) - 40usize];
+    ["Offset of field: OrnithMoeCombineParams::gate_stride"]
+        [::std::mem::offset_of!(OrnithMoeCombineParams, gate_stride) - 44usize];
 };
-impl Default for OrnithMoeDownParams {
+impl Default for OrnithMoeCombineParams {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
         unsafe {
@@ -601,86 +522,6 @@ const _: () = {
         [::std::mem::offset_of!(OrnithGatedNormParams, eps) - 48usize];
 };
 impl Default for OrnithGatedNormParams {
-    fn default() -> Self {
-        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
-        unsafe {
-            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
-            s.assume_init()
-        }
-    }
-}
-#[repr(C)]
-#[derive(Debug, Copy, Clone)]
-pub struct OrnithGnormGemvParams {
-    pub o: *const u16,
-    pub z: *const u16,
-    pub norm_w: *const u16,
-    pub w: *const u16,
-    pub y: *mut u16,
-    pub heads: i32,
-    pub out: i32,
-    pub eps: f32,
-}
-#[allow(clippy::unnecessary_operation, clippy::identity_op)]
-const _: () = {
-    ["Size of OrnithGnormGemvParams"][::std::mem::size_of::<OrnithGnormGemvParams>() - 56usize];
-    ["Alignment of OrnithGnormGemvParams"]
-        [::std::mem::align_of::<OrnithGnormGemvParams>() - 8usize];
-    ["Offset of field: OrnithGnormGemvParams::o"]
-        [::std::mem::offset_of!(OrnithGnormGemvParams, o) - 0usize];
-    ["Offset of field: OrnithGnormGemvParams::z"]
-        [::std::mem::offset_of!(OrnithGnormGemvParams, z) - 8usize];
-    ["Offset of field: OrnithGnormGemvParams::norm_w"]
-        [::std::mem::offset_of!(OrnithGnormGemvParams, norm_w) - 16usize];
-    ["Offset of field: OrnithGnormGemvParams::w"]
-        [::std::mem::offset_of!(OrnithGnormGemvParams, w) - 24usize];
-    ["Offset of field: OrnithGnormGemvParams::y"]
-        [::std::mem::offset_of!(OrnithGnormGemvParams, y) - 32usize];
-    ["Offset of field: OrnithGnormGemvParams::heads"]
-        [::std::mem::offset_of!(OrnithGnormGemvParams, heads) - 40usize];
-    ["Offset of field: OrnithGnormGemvParams::out"]
-        [::std::mem::offset_of!(OrnithGnormGemvParams, out) - 44usize];
-    ["Offset of field: OrnithGnormGemvParams::eps"]
-        [::std::mem::offset_of!(OrnithGnormGemvParams, eps) - 48usize];
-};
-impl Default for OrnithGnormGemvParams {
-    fn default() -> Self {
-        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
-        unsafe {
-            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
-            s.assume_init()
-        }
-    }
-}
-#[repr(C)]
-#[derive(Debug, Copy, Clone)]
-pub struct OrnithGemvQuantParams {
-    pub x: *const u16,
-    pub w: *const u8,
-    pub ws: *const f32,
-    pub y: *mut u16,
-    pub in_: i32,
-    pub out: i32,
-}
-#[allow(clippy::unnecessary_operation, clippy::identity_op)]
-const _: () = {
-    ["Size of OrnithGemvQuantParams"][::std::mem::size_of::<OrnithGemvQuantParams>() - 40usize];
-    ["Alignment of OrnithGemvQuantParams"]
-        [::std::mem::align_of::<OrnithGemvQuantParams>() - 8usize];
-    ["Offset of field: OrnithGemvQuantParams::x"]
-        [::std::mem::offset_of!(OrnithGemvQuantParams, x) - 0usize];
-    ["Offset of field: OrnithGemvQuantParams::w"]
-        [::std::mem::offset_of!(OrnithGemvQuantParams, w) - 8usize];
-    ["Offset of field: OrnithGemvQuantParams::ws"]
-        [::std::mem::offset_of!(OrnithGemvQuantParams, ws) - 16usize];
-    ["Offset of field: OrnithGemvQuantParams::y"]
-        [::std::mem::offset_of!(OrnithGemvQuantParams, y) - 24usize];
-    ["Offset of field: OrnithGemvQuantParams::in_"]
-        [::std::mem::offset_of!(OrnithGemvQuantParams, in_) - 32usize];
-    ["Offset of field: OrnithGemvQuantParams::out"]
-        [::std::mem::offset_of!(OrnithGemvQuantParams, out) - 36usize];
-};
-impl Default for OrnithGemvQuantParams {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
         unsafe {

@@ -192,8 +192,6 @@ struct Scratch {
     asc: CudaSlice<f32>,
     ys: CudaSlice<u16>,
     amax: CudaSlice<i32>,
-    /// Blocks finished in the fused router (`moe_router_gemv`): 0 between launches.
-    counter: CudaSlice<u32>,
     /// MoE prefill: expert-sorted row bookkeeping (`OrnithMoeSortParams`).
     group_offsets: CudaSlice<i32>,
     tile_offsets: CudaSlice<i32>,
@@ -392,12 +390,6 @@ impl CudaBackend {
             } else {
                 self.k_gdn(gp)?;
             }
-            let op = w.out_proj.dev("out_proj")?;
-            if n == 1 && op.scale.is_none() && op.in_features == vd && vd <= ORNITH_GNORM_GEMV_MAX_IN as usize {
-                // decode: the gated RMSNorm inside the out_proj GEMV (`gemv_gnorm_t1`, the same bits)
-                self.k_gnorm_gemv(at(self, &s.o, 0), z_at, at(self, &w.norm.bf, 0), at(self, &op.w, 0), at(self, &h.delta, r0 * hs), hv, hs, self.eps())?;
-                continue;
-            }
             self.k_gated_norm(at(self, &s.o, 0), z_at, at(self, &w.norm.bf, 0), at(self, &s.on, 0), n, hv, d.linear_value_head_dim, pw, self.eps())?;
             let on = XIn { bf: at(self, &s.on, 0), q8: None, stride: vd };
             self.lin(&w.out_proj, "out_proj", on, at(self, &h.delta, r0 * hs), hs, n)?;
@@ -564,7 +556,6 @@ impl Scratch {
             asc: cx.alloc(z.asc)?,
             ys: cx.alloc(c * z.slots * d.hidden_size)?,
             amax: cx.alloc(1)?,
-            counter: cx.stream().alloc_zeros(1)?,
             group_offsets: cx.alloc(d.num_experts + 1)?,
             tile_offsets: cx.alloc(d.num_experts + 1)?,
             row_token: cx.alloc(c * d.top_k)?,
@@ -756,6 +747,7 @@ impl Backend for CudaBackend {
             w.shared_expert_gate.dev.is_none() && w.gate.dev("mlp.gate")?.out_features == e + 1,
             "mlp.gate must hold the router and shared_expert_gate rows as one [E + 1, H] matrix"
         );
+        let slots = k + 1;
         let rw = self.sz.rlog_w;
         let s = &self.s;
         let rl = at(self, &s.rlog, 0);
@@ -764,15 +756,8 @@ impl Backend for CudaBackend {
             let x = self.norm_rows(h, norm, r0, n)?;
             let (xq, xs) = x.q8.expect("norm_rows quantises");
             // Router logits in columns 0..E, the shared-expert gate logit in column E (one Linear).
-            if n == 1 {
-                // decode: the router GEMV and the top-k in one launch
-                let g = w.gate.dev("mlp.gate")?;
-                ensure!(g.scale.is_none(), "the fused router needs a BF16 mlp.gate");
-                self.k_router_gemv(x.bf, at(self, &g.w, 0), rl, at(self, &s.idx, 0), at(self, &s.wt, 0), at(self, &s.counter, 0), hs, e, k)?;
-            } else {
-                self.lin(&w.gate, "mlp.gate", x, rl, rw, n)?;
-                self.k_router(rl, at(self, &s.idx, 0), at(self, &s.wt, 0), n, e, k, rw)?;
-            }
+            self.lin(&w.gate, "mlp.gate", x, rl, rw, n)?;
+            self.k_router(rl, at(self, &s.idx, 0), at(self, &s.wt, 0), n, e, k, rw)?;
             if use_prefill(n) {
                 let sh = SharedExpert { gu: at(self, &sgu.w, 0), gus: at(self, sgu_s, 0), dn: at(self, &sdn.w, 0), dns: at(self, sdn_s, 0) };
                 self.moe_grouped(&w.experts, sh, (xq, xs), n, at(self, &h.delta, r0 * hs))?;
@@ -784,14 +769,14 @@ impl Backend for CudaBackend {
                 tokens: n as i32, top_k: k as i32, experts: e as i32, in_: hs as i32, out: (2 * inter) as i32,
                 x_tok_stride: hs as i32, x_slot_stride: 0, xs_tok_stride: 1, xs_slot_stride: 0,
             })?;
-            // SwiGLU + FP8, the down projections of every slot and the weighted combine in one launch.
-            self.k_moe_down(OrnithMoeDownParams {
-                gate_up: at(self, &s.gu, 0) as _, idx: at(self, &s.idx, 0) as _, weight: at(self, &s.wt, 0) as _,
-                gate_logit: (rl + 2 * e as u64) as _, w: at(self, &w.experts.dn, 0) as _, ws: at(self, &w.experts.dns, 0) as _,
-                shared_w: at(self, &sdn.w, 0) as _, shared_ws: at(self, sdn_s, 0) as _, out: at(self, &h.delta, r0 * hs) as _,
-                ys: std::ptr::null_mut(), aq: std::ptr::null_mut(), ascale: std::ptr::null_mut(),
-                tokens: n as i32, top_k: k as i32, experts: e as i32, inter: inter as i32, hidden: hs as i32, gate_stride: rw as i32,
+            self.k_swiglu(at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), n * slots, inter)?;
+            self.k_moe_gemv(OrnithMoeGemvParams {
+                xq: at(self, &s.aq, 0) as _, xs: at(self, &s.asc, 0) as _, idx: at(self, &s.idx, 0) as _, w: at(self, &w.experts.dn, 0) as _,
+                ws: at(self, &w.experts.dns, 0) as _, shared_w: at(self, &sdn.w, 0) as _, shared_ws: at(self, sdn_s, 0) as _, y: at(self, &s.ys, 0) as _,
+                tokens: n as i32, top_k: k as i32, experts: e as i32, in_: inter as i32, out: hs as i32,
+                x_tok_stride: (slots * inter) as i32, x_slot_stride: inter as i32, xs_tok_stride: slots as i32, xs_slot_stride: 1,
             })?;
+            self.k_combine(at(self, &s.ys, 0), at(self, &s.wt, 0), rl + 2 * e as u64, at(self, &h.delta, r0 * hs), n, k, hs, rw)?;
         }
         h.pending.set(h.t);
         Ok(())

@@ -152,31 +152,15 @@ impl CudaBackend {
         self.go("moe_gemv_fp8", (crate::cuda::gemv1_blocks(in_ / 16, out), slots as u32, t as u32), 256, bytes as u64, p)
     }
 
-    /// Gated RMSNorm of one token's `o` / `z` (heads of 128) and the BF16 Linear after it (`gemv_gnorm_t1`).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn k_gnorm_gemv(&self, o: Ptr, z: Ptr, norm_w: Ptr, w: Ptr, y: Ptr, heads: usize, out: usize, eps: f32) -> Result<()> {
-        let p = OrnithGnormGemvParams { o: o as _, z: z as _, norm_w: norm_w as _, w: w as _, y: y as _, heads: heads as i32, out: out as i32, eps };
-        let in_ = heads * 128;
-        let bytes = (out * in_ * 2 + 2 * in_ * 2 + out * 2) as u64;
-        self.go("gemv_gnorm_t1", (out.div_ceil(crate::cuda::GEMV_WARPS) as u32, 1, 1), 256, bytes, p)
+    pub(super) fn k_swiglu(&self, gu: Ptr, q8: Ptr, scale: Ptr, rows: usize, inter: usize) -> Result<()> {
+        let p = OrnithSwigluQuantParams { gate_up: gu as _, q8: q8 as _, scale: scale as _, rows: rows as i32, inter: inter as i32 };
+        self.go("swiglu_quant", (rows as u32, 1, 1), 256, (rows * (inter * 5 + 4)) as u64, p)
     }
 
-    /// Router GEMV (`[experts + 1, hidden]` BF16) + top-k for one token (`moe_router_gemv`).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn k_router_gemv(&self, x: Ptr, w: Ptr, logits: Ptr, idx: Ptr, weight: Ptr, counter: Ptr, in_: usize, experts: usize, top_k: usize) -> Result<()> {
-        let p = OrnithRouterGemvParams {
-            x: x as _, w: w as _, logits: logits as _, idx: idx as _, weight: weight as _, counter: counter as _,
-            in_: in_ as i32, experts: experts as i32, top_k: top_k as i32,
-        };
-        let bytes = ((experts + 1) * (in_ + 1) * 2 + in_ * 2 + top_k * 8) as u64;
-        self.go("moe_router_gemv", ((experts + 1).div_ceil(crate::cuda::GEMV_WARPS) as u32, 1, 1), 256, bytes, p)
-    }
-
-    /// SwiGLU + FP8, every slot's down projection and the combine (`moe_down_combine`).
-    pub(super) fn k_moe_down(&self, p: OrnithMoeDownParams) -> Result<()> {
-        let (t, slots, inter, hidden) = (p.tokens as usize, (p.top_k + 1) as usize, p.inter as usize, p.hidden as usize);
-        let bytes = t * (slots * (hidden * inter + hidden * 4 + 2 * inter * 2) + hidden * 2);
-        self.go("moe_down_combine", (hidden.div_ceil(crate::cuda::GEMV_WARPS) as u32, 1, t as u32), 256, bytes as u64, p)
+    pub(super) fn k_combine(&self, ys: Ptr, weight: Ptr, gate: Ptr, out: Ptr, t: usize, top_k: usize, hidden: usize, gate_stride: usize) -> Result<()> {
+        let p = OrnithMoeCombineParams { ys: ys as _, weight: weight as _, gate_logit: gate as _, out: out as _, tokens: t as i32, top_k: top_k as i32, hidden: hidden as i32, gate_stride: gate_stride as i32 };
+        self.go("moe_combine", (hidden.div_ceil(256) as u32, t as u32, 1), 256, (t * ((top_k + 2) * hidden * 2 + top_k * 4 + 2)) as u64, p)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -239,12 +223,6 @@ impl CudaBackend {
                 }
             }
             Some(ws) => {
-                if t == 1 && x.q8.is_none() && in_ % 16 == 0 && in_ <= ORNITH_GEMV_QUANT_MAX_IN as usize {
-                    // one token: quantised inside the GEMV (`gemv_fp8_quant_t1`, the same codes)
-                    let p = OrnithGemvQuantParams { x: x.bf as _, w: w.w as _, ws: ws as _, y: y as _, in_: in_ as i32, out: out as i32 };
-                    let bytes = (out * in_ + out * 4 + in_ * 2 + out * 2) as u64;
-                    return self.go("gemv_fp8_quant_t1", (out.div_ceil(crate::cuda::GEMV_WARPS) as u32, 1, 1), 256, bytes, p);
-                }
                 let (xq, xsc, xstride) = match x.q8 {
                     Some((q, s)) => (q, s, x.stride),
                     None => {

@@ -38,7 +38,7 @@ pub fn check_dims(d: &ModelDims) -> Result<()> {
     ensure!(d.num_key_value_heads > 0 && d.num_attention_heads.is_multiple_of(d.num_key_value_heads) && d.num_attention_heads / d.num_key_value_heads <= 8, "GQA group {}/{}: {fix}", d.num_attention_heads, d.num_key_value_heads);
     ensure!(d.rotary_dim.is_multiple_of(2) && d.rotary_dim <= d.head_dim, "rotary dim {}: {fix}", d.rotary_dim);
     ensure!(d.hidden_size.is_multiple_of(16) && d.hidden_size <= 8192, "hidden {} (multiple of 16, <= 8192): {fix}", d.hidden_size);
-    ensure!(d.num_experts <= 256 && d.top_k >= 1 && d.top_k <= 8 && d.top_k <= d.num_experts, "experts {} / top-k {} (at most 8): {fix}", d.num_experts, d.top_k);
+    ensure!(d.num_experts <= 256 && d.top_k >= 1 && d.top_k <= 32 && d.top_k <= d.num_experts, "experts {} / top-k {} (at most 32): {fix}", d.num_experts, d.top_k);
     ensure!(d.moe_intermediate_size <= 1024 && d.moe_intermediate_size.is_multiple_of(16), "expert width {}: {fix}", d.moe_intermediate_size);
     ensure!(d.shared_intermediate_size == d.moe_intermediate_size, "shared expert width {} != routed {} (one MoE launch serves both): {fix}", d.shared_intermediate_size, d.moe_intermediate_size);
     Ok(())

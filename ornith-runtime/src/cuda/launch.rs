@@ -127,37 +127,6 @@ impl CudaContext {
         self.launch("gemv_fp8_t1", (super::gemv1_blocks(in_ / 16, out), 1, 1), 256, p)
     }
 
-    /// Gated RMSNorm (heads of 128, one token) + the BF16 Linear `w` `[out, heads * 128]` in one
-    /// launch (`gemv_gnorm_t1`): the same bits as `gated_rmsnorm` then `gemv_bf16_t1`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv_gnorm_t1(&self, o: &Bf, z: &Bf, norm_w: &Bf, w: &Bf, y: &mut Bf, heads: usize, out: usize, eps: f32) -> Result<()> {
-        let in_ = heads * 128;
-        ensure!(heads > 0 && out > 0 && in_ <= ORNITH_GNORM_GEMV_MAX_IN as usize, "gemv_gnorm: heads {heads} x 128 must be in 1..={}", ORNITH_GNORM_GEMV_MAX_IN);
-        need("gemv_gnorm o", o, in_)?;
-        need("gemv_gnorm z", z, in_)?;
-        need("gemv_gnorm norm", norm_w, 128)?;
-        need("gemv_gnorm w", w, out * in_)?;
-        need("gemv_gnorm y", y, out)?;
-        let p = OrnithGnormGemvParams {
-            o: self.addr(o) as _, z: self.addr(z) as _, norm_w: self.addr(norm_w) as _, w: self.addr(w) as _, y: self.addr(y) as _,
-            heads: heads as i32, out: i32of("out", out)?, eps,
-        };
-        self.launch("gemv_gnorm_t1", (out.div_ceil(super::GEMV_WARPS) as u32, 1, 1), 256, p)
-    }
-
-    /// Per-token FP8 quantisation + the FP8 Linear in one launch (`gemv_fp8_quant_t1`): the same
-    /// bits as `quantize_fp8` then `gemv_fp8_t1`.
-    pub fn gemv_fp8_quant_t1(&self, x: &Bf, w: &CudaSlice<u8>, ws: &CudaSlice<f32>, y: &mut Bf, in_: usize, out: usize) -> Result<()> {
-        ensure!(in_ > 0 && in_ % 16 == 0 && in_ <= ORNITH_GEMV_QUANT_MAX_IN as usize, "gemv_fp8_quant: in {in_} must be a multiple of 16 <= {}", ORNITH_GEMV_QUANT_MAX_IN);
-        ensure!(out > 0, "gemv_fp8_quant: no rows");
-        need("gemv_fp8_quant x", x, in_)?;
-        need("gemv_fp8_quant w", w, out * in_)?;
-        need("gemv_fp8_quant ws", ws, out)?;
-        need("gemv_fp8_quant y", y, out)?;
-        let p = OrnithGemvQuantParams { x: self.addr(x) as _, w: self.addr(w) as _, ws: self.addr(ws) as _, y: self.addr(y) as _, in_: in_ as i32, out: i32of("out", out)? };
-        self.launch("gemv_fp8_quant_t1", (out.div_ceil(super::GEMV_WARPS) as u32, 1, 1), 256, p)
-    }
-
     #[allow(clippy::too_many_arguments)]
     fn gemv_fp8_params(
         &self, xq: &CudaSlice<u8>, xs: &CudaSlice<f32>, w: &CudaSlice<u8>, ws: &CudaSlice<f32>, y: &Bf,
@@ -177,7 +146,7 @@ impl CudaContext {
 
     /// Router: softmax over `experts` logits (row stride `stride`), top-k, renormalised bf16 weights.
     pub fn moe_router(&self, logits: &Bf, idx: &mut CudaSlice<i32>, weight: &mut CudaSlice<f32>, tokens: usize, experts: usize, top_k: usize, stride: usize) -> Result<()> {
-        ensure!(tokens > 0 && experts <= 256 && top_k >= 1 && top_k <= experts && stride >= experts, "router: experts {experts} <= 256, 1 <= top_k {top_k} <= experts, stride {stride}");
+        ensure!(tokens > 0 && experts <= 256 && top_k >= 1 && top_k <= 32 && top_k <= experts && stride >= experts, "router: experts {experts} <= 256, 1 <= top_k {top_k} <= min(32, experts), stride {stride}");
         need("router logits", logits, (tokens - 1) * stride + experts)?;
         need("router idx", idx, tokens * top_k)?;
         need("router weight", weight, tokens * top_k)?;
@@ -216,60 +185,29 @@ impl CudaContext {
         Ok(p)
     }
 
-    /// Router GEMV + top-k for one token in one launch (`moe_router_gemv`): `logits` gets the
-    /// `experts + 1` outputs of `w` `[experts + 1, in]`, `idx` / `weight` the routing. `counter`
-    /// must be 0 (the kernel leaves it 0).
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_router_gemv(
-        &self, x: &Bf, w: &Bf, logits: &mut Bf, idx: &mut CudaSlice<i32>, weight: &mut CudaSlice<f32>, counter: &mut CudaSlice<u32>,
-        in_: usize, experts: usize, top_k: usize,
-    ) -> Result<()> {
-        ensure!(in_ > 0 && in_ % 8 == 0, "router gemv: in {in_} must be a positive multiple of 8");
-        ensure!(experts <= 256 && top_k >= 1 && top_k <= experts, "router gemv: experts {experts} <= 256, 1 <= top_k {top_k} <= experts");
-        need("router gemv x", x, in_)?;
-        need("router gemv w", w, (experts + 1) * in_)?;
-        need("router gemv logits", logits, experts + 1)?;
-        need("router gemv idx", idx, top_k)?;
-        need("router gemv weight", weight, top_k)?;
-        need("router gemv counter", counter, 1)?;
-        let p = OrnithRouterGemvParams {
-            x: self.addr(x) as _, w: self.addr(w) as _, logits: self.addr(logits) as _, idx: self.addr(idx) as _,
-            weight: self.addr(weight) as _, counter: self.addr(counter) as _, in_: in_ as i32, experts: experts as i32, top_k: top_k as i32,
-        };
-        self.launch("moe_router_gemv", ((experts + 1).div_ceil(super::GEMV_WARPS) as u32, 1, 1), 256, p)
+    /// a = bf16(bf16(silu(g)) * u) per row of gate_up [rows, 2*inter], then FP8 per row.
+    pub fn swiglu_quant(&self, gate_up: &Bf, q8: &mut CudaSlice<u8>, scale: &mut CudaSlice<f32>, rows: usize, inter: usize) -> Result<()> {
+        ensure!(rows > 0 && inter > 0 && inter <= 1024, "swiglu: 0 < inter {inter} <= 1024");
+        need("swiglu gate_up", gate_up, rows * 2 * inter)?;
+        need("swiglu q8", q8, rows * inter)?;
+        need("swiglu scale", scale, rows)?;
+        let p = OrnithSwigluQuantParams { gate_up: self.addr(gate_up) as _, q8: self.addr(q8) as _, scale: self.addr(scale) as _, rows: rows as i32, inter: inter as i32 };
+        self.launch("swiglu_quant", (rows as u32, 1, 1), 256, p)
     }
 
-    /// The MoE decode tail (`moe_down_combine`, see `OrnithMoeDownParams`): SwiGLU + FP8 of each
-    /// slot's gate_up row, the down projections, the weighted combine into `out` `[tokens, hidden]`;
-    /// with `debug`, also each slot's output `ys` and the staged codes / scales.
-    pub fn moe_down_combine(&self, a: &MoeDownArgs, out: &mut Bf, debug: Option<(&mut Bf, &mut CudaSlice<u8>, &mut CudaSlice<f32>)>) -> Result<()> {
-        let slots = a.top_k + 1;
-        ensure!(a.tokens > 0 && a.top_k >= 1 && a.top_k + 1 <= ORNITH_MOE_DOWN_MAX_SLOTS as usize, "moe_down: 1 <= top_k {} <= 8", a.top_k);
-        ensure!(a.inter > 0 && a.inter % 16 == 0 && a.inter <= ORNITH_MOE_DOWN_MAX_INTER as usize, "moe_down: inter {} must be a multiple of 16 <= 1024", a.inter);
-        ensure!(a.hidden > 0 && a.gate_stride > 0, "moe_down: hidden {}, gate stride {}", a.hidden, a.gate_stride);
-        need("moe_down gate_up", a.gate_up, a.tokens * slots * 2 * a.inter)?;
-        need("moe_down idx", a.idx, a.tokens * a.top_k)?;
-        need("moe_down weight", a.weight, a.tokens * a.top_k)?;
-        need("moe_down gate", a.gate_logit, (a.tokens - 1) * a.gate_stride + 1)?;
-        need("moe_down w", a.w, a.experts * a.hidden * a.inter)?;
-        need("moe_down ws", a.ws, a.experts * a.hidden)?;
-        need("moe_down shared w", a.shared_w, a.hidden * a.inter)?;
-        need("moe_down shared ws", a.shared_ws, a.hidden)?;
-        need("moe_down out", out, a.tokens * a.hidden)?;
-        let mut p = OrnithMoeDownParams {
-            gate_up: self.addr(a.gate_up) as _, idx: self.addr(a.idx) as _, weight: self.addr(a.weight) as _, gate_logit: self.addr(a.gate_logit) as _,
-            w: self.addr(a.w) as _, ws: self.addr(a.ws) as _, shared_w: self.addr(a.shared_w) as _, shared_ws: self.addr(a.shared_ws) as _,
-            out: self.addr(out) as _, ys: std::ptr::null_mut(), aq: std::ptr::null_mut(), ascale: std::ptr::null_mut(),
-            tokens: a.tokens as i32, top_k: a.top_k as i32, experts: a.experts as i32, inter: a.inter as i32, hidden: a.hidden as i32,
-            gate_stride: a.gate_stride as i32,
+    /// out = bf16(routed + sigmoid-gated shared), see `OrnithMoeCombineParams`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine(&self, ys: &Bf, weight: &CudaSlice<f32>, gate_logit: &Bf, out: &mut Bf, tokens: usize, top_k: usize, hidden: usize, gate_stride: usize) -> Result<()> {
+        ensure!(tokens > 0 && hidden > 0 && top_k > 0, "moe_combine: empty");
+        need("combine ys", ys, tokens * (top_k + 1) * hidden)?;
+        need("combine weight", weight, tokens * top_k)?;
+        need("combine gate", gate_logit, (tokens - 1) * gate_stride + 1)?;
+        need("combine out", out, tokens * hidden)?;
+        let p = OrnithMoeCombineParams {
+            ys: self.addr(ys) as _, weight: self.addr(weight) as _, gate_logit: self.addr(gate_logit) as _, out: self.addr(out) as _,
+            tokens: tokens as i32, top_k: top_k as i32, hidden: hidden as i32, gate_stride: gate_stride as i32,
         };
-        if let Some((ys, aq, asc)) = debug {
-            need("moe_down ys", ys, a.tokens * slots * a.hidden)?;
-            need("moe_down aq", aq, a.tokens * slots * a.inter)?;
-            need("moe_down ascale", asc, a.tokens * slots)?;
-            (p.ys, p.aq, p.ascale) = (self.addr(ys) as _, self.addr(aq) as _, self.addr(asc) as _);
-        }
-        self.launch("moe_down_combine", (a.hidden.div_ceil(super::GEMV_WARPS) as u32, 1, a.tokens as u32), 256, p)
+        self.launch("moe_combine", (hidden.div_ceil(256) as u32, tokens as u32, 1), 256, p)
     }
 
     /// Causal depthwise conv (kernel 4) + SiLU over `tokens` in order, updating `state` [3, channels].
@@ -403,24 +341,6 @@ pub struct MoeGemvArgs<'a> {
     pub x_slot_stride: usize,
     pub xs_tok_stride: usize,
     pub xs_slot_stride: usize,
-}
-
-/// Inputs of [`CudaContext::moe_down_combine`] (see `OrnithMoeDownParams`).
-pub struct MoeDownArgs<'a> {
-    pub gate_up: &'a Bf,
-    pub idx: &'a CudaSlice<i32>,
-    pub weight: &'a CudaSlice<f32>,
-    pub gate_logit: &'a Bf,
-    pub w: &'a CudaSlice<u8>,
-    pub ws: &'a CudaSlice<f32>,
-    pub shared_w: &'a CudaSlice<u8>,
-    pub shared_ws: &'a CudaSlice<f32>,
-    pub tokens: usize,
-    pub top_k: usize,
-    pub experts: usize,
-    pub inter: usize,
-    pub hidden: usize,
-    pub gate_stride: usize,
 }
 
 /// Inputs of [`CudaContext::gdn_recurrent`].

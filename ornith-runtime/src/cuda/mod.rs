@@ -22,8 +22,8 @@ mod tests;
 /// Kernels per PTX module (names of the `extern "C"` entry points).
 const KERNELS: [(Module, &[&str]); 10] = [
     (Module::Norm, &["embed_gather", "rmsnorm_residual", "quantize_fp8_rows"]),
-    (Module::Gemv, &["gemv_bf16", "gemv_fp8", "gemv_bf16_t1", "gemv_fp8_t1", "gemv_gnorm_t1", "gemv_fp8_quant_t1", "moe_gemv_fp8"]),
-    (Module::Moe, &["moe_router_topk", "moe_router_gemv", "moe_down_combine"]),
+    (Module::Gemv, &["gemv_bf16", "gemv_fp8", "gemv_bf16_t1", "gemv_fp8_t1", "moe_gemv_fp8"]),
+    (Module::Moe, &["moe_router_topk", "swiglu_quant", "moe_combine"]),
     (Module::Gdn, &["conv1d_silu", "conv1d_silu_chunk", "gdn_recurrent", "gated_rmsnorm"]),
     (Module::Attention, &["qk_norm_rope", "attn_decode_split", "attn_decode_combine"]),
     (Module::Sample, &["argmax_bf16"]),
@@ -108,7 +108,7 @@ impl CudaContext {
     }
 
     /// Programmatic dependent launch (off by default: on the H200 a decode graph captured with it
-    /// ran 2-3% slower, eager decode 11% faster; docs/PERF.md): every kernel is launched with the
+    /// ran 1-2% slower, eager decode 11% faster; docs/PERF.md): every kernel is launched with the
     /// programmatic-stream-serialization attribute, so its blocks may be scheduled, and prefetch
     /// weights toward L2, while the previous kernel finishes; each kernel waits
     /// (`griddepcontrol.wait`) before it reads an input or writes anything, so results are the
