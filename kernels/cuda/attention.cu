@@ -14,10 +14,13 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const OrnithQkRop
     const uint16_t *src = is_q ? p.qg + ((size_t)t * p.q_heads + hh) * 2 * D
                                : p.k + ((size_t)t * p.kv_heads + kvh) * D;
     const uint16_t *w = is_q ? p.q_norm : p.k_norm;
+    // every input is loaded before the reduction and before any store
     float x = bf2f(src[i]);
+    const float wi = bf2f(w[i]);
+    const uint16_t vi = is_q ? (uint16_t)0 : p.v[((size_t)t * p.kv_heads + kvh) * D + i];
     float ss = block_sum(x * x, sh);
     // zero-centred RMSNorm, fp32 inside, one rounding
-    float y = rbf(x * rsqrtf(ss / (float)D + p.eps) * (1.f + bf2f(w[i])));
+    float y = rbf(x * rsqrtf(ss / (float)D + p.eps) * (1.f + wi));
     xs[i] = y;
     __syncthreads();
     if (i < p.rot) {
@@ -33,7 +36,7 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const OrnithQkRop
     } else {
         size_t off = ((size_t)pos * p.kv_heads + kvh) * D + i;
         p.k_cache[off] = f2bf(y);
-        p.v_cache[off] = p.v[((size_t)t * p.kv_heads + kvh) * D + i];
+        p.v_cache[off] = vi;
     }
 }
 

@@ -163,11 +163,14 @@ extern "C" __global__ void __launch_bounds__(128) gated_rmsnorm(const OrnithGate
     const int t = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
     const int i = threadIdx.x;
     const size_t off = ((size_t)t * p.heads + h) * p.dim;
-    float x = i < p.dim ? bf2f(p.o[off + i]) : 0.f;
+    // weight and gate are loaded with o, before the reduction (their latency overlaps it)
+    const bool in = i < p.dim;
+    float x = in ? bf2f(p.o[off + i]) : 0.f;
+    const float wi = in ? bf2f(p.weight[i]) : 0.f;
+    const float z = in ? bf2f(p.z[(size_t)t * p.z_stride + h * p.dim + i]) : 0.f;
     float ss = block_sum(x * x, sh);
-    if (i >= p.dim) return;
+    if (!in) return;
     float n = rbf(x * rsqrtf(ss / (float)p.dim + p.eps));
-    n = rbf(bf2f(p.weight[i]) * n);  // weight is plain (not 1 + w), product in bf16
-    float z = bf2f(p.z[(size_t)t * p.z_stride + h * p.dim + i]);
+    n = rbf(wi * n);  // weight is plain (not 1 + w), product in bf16
     p.y[off + i] = f2bf(n * silu_f(z));
 }
