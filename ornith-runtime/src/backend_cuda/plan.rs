@@ -10,12 +10,12 @@ use model_spec::{DType, LayerKind};
 /// conv/recurrent states and the K/V cache carry across chunks), so scratch does not grow with
 /// the prompt. 2048 rows give the MoE's grouped GEMMs ~64 rows per expert (top-8 of 256), so each
 /// chunk reads every expert's weights once for 4x the rows of a 512-row chunk; the scratch is
-/// ~0.5 GiB at the 35B shapes (0.13 GiB of it the split-attention partials).
+/// ~0.4 GiB at the 35B shapes.
 pub const CHUNK: usize = 2048;
 /// Query rows of one attention launch during prefill (the split-K partials scale with it).
 pub const ATTN_ROWS: usize = 8;
 /// Most sequence splits of one attention launch, and the shortest split.
-pub const MAX_SPLITS: usize = 1024;
+pub const MAX_SPLITS: usize = 256;
 pub const MIN_SPLIT: usize = 32;
 /// Kept free for the driver, module images, allocator granularity and the host side of a
 /// unified-memory device.
