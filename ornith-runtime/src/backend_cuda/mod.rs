@@ -108,6 +108,8 @@ pub struct CudaDecodeGraph {
     key: u64,
     /// Whether the captured launches carry the programmatic-dependent-launch attribute.
     pdl: bool,
+    /// The kernel left out of the capture (`CudaBackend::set_skip_kernel`).
+    skip: Option<&'static str>,
 }
 
 /// The embedding table `[vocab, hidden]` BF16, and a number unique to this load: a captured decode
@@ -218,6 +220,8 @@ pub struct CudaBackend {
     decoding: AtomicBool,
     /// Capture and replay decode steps (default); false runs them eagerly.
     graphs: AtomicBool,
+    /// A kernel whose launches are not issued (`ornith-bench`'s in-graph ablation; None normally).
+    skip: Mutex<Option<&'static str>>,
 }
 
 // SAFETY: all device work goes through the one stream of `cx`; the scratch buffers are only
@@ -253,6 +257,7 @@ impl CudaBackend {
             dec,
             decoding: AtomicBool::new(false),
             graphs: AtomicBool::new(true),
+            skip: Mutex::new(None),
         })
     }
 
@@ -262,10 +267,19 @@ impl CudaBackend {
         self.graphs.store(on, Relaxed);
     }
 
+    /// Measurement only (`ornith-bench`'s in-graph ablation): launches of kernel `name` are not
+    /// issued, so a decode graph captured now shows what that kernel costs inside the graph.
+    /// Results are garbage while it is set (every buffer stays valid: static scratch, clamped expert
+    /// indices, device-held positions). A captured graph keeps the setting it was captured with.
+    pub fn set_skip_kernel(&self, name: Option<&'static str>) {
+        *self.skip.lock().unwrap_or_else(|e| e.into_inner()) = name;
+    }
+
     /// Replays `g`, capturing `step` into it first when it holds no graph for this model.
     fn replay(&self, mode: &mut DecodeMode, g: &mut CudaDecodeGraph, table: &CudaEmbedding, step: &mut dyn FnMut() -> Result<CudaLogits>) -> Result<CudaLogits> {
         let (key, pdl) = (table.id, self.cx.pdl());
-        if g.graph.is_none() || g.key != key || g.pdl != pdl {
+        let skip = *self.skip.lock().unwrap_or_else(|e| e.into_inner());
+        if g.graph.is_none() || g.key != key || g.pdl != pdl || g.skip != skip {
             g.graph = None;
             let st = self.cx.stream();
             // Thread-local mode: a synchronising call on this thread fails the capture. An
@@ -280,7 +294,7 @@ impl CudaBackend {
             r.context("capturing the decode step")?;
             let graph = end.context("instantiating the decode graph")?.ok_or_else(|| anyhow::anyhow!("the captured decode step is empty"))?;
             graph.upload()?;
-            *g = CudaDecodeGraph { graph: Some(SendGraph(graph)), key, pdl };
+            *g = CudaDecodeGraph { graph: Some(SendGraph(graph)), key, pdl, skip };
         }
         g.graph.as_ref().expect("captured above").0.launch()?;
         Ok(CudaLogits { rows: 1, vocab: self.dims.vocab_size, buf: self.s.logits1.clone() })
@@ -632,7 +646,7 @@ impl Backend for CudaBackend {
     fn reset_kv_cache(&self, _c: &mut CudaKvCache) {}
 
     fn new_decode_graph(&self) -> Result<CudaDecodeGraph> {
-        Ok(CudaDecodeGraph { graph: None, key: 0, pdl: false })
+        Ok(CudaDecodeGraph { graph: None, key: 0, pdl: false, skip: None })
     }
 
     /// Writes `[id, pos]` to the device, then replays the captured step, capturing it first if

@@ -69,6 +69,9 @@ impl CudaBackend {
 
     /// [`Self::go`] with `smem` bytes of dynamic shared memory (the prefill kernels).
     pub(super) fn go_smem<P: Copy>(&self, name: &'static str, grid: (u32, u32, u32), block: u32, smem: u32, bytes: u64, p: P) -> Result<()> {
+        if *self.skip.lock().unwrap_or_else(|e| e.into_inner()) == Some(name) {
+            return Ok(()); // measurement only: see `set_skip_kernel`
+        }
         let mut prof = self.prof.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(pr) = prof.as_mut() {
             let a = self.cx.driver().new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;

@@ -55,6 +55,11 @@ struct Run {
     decode_step_kernels: Vec<KernelSummary>,
     decode_step_kernel_us: f64,
     decode_step_launches: usize,
+    /// GPU time of one replayed decode step (graph, no per-step host sync), for the ablation.
+    decode_graph_us_per_step: f64,
+    /// Each kernel's cost inside the graph: the step's time minus the time of a graph captured
+    /// without that kernel's launches.
+    decode_graph_ablation: Vec<Ablation>,
     /// One more prefill of the same prompt with every launch timed by events.
     prefill_kernels: Vec<KernelSummary>,
     prefill_kernel_us: f64,
@@ -106,6 +111,49 @@ fn prompt(n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
+/// One kernel's share of a captured decode step (see [`ablate`]).
+#[derive(Serialize)]
+struct Ablation {
+    kernel: &'static str,
+    launches: usize,
+    in_graph_us: f64,
+}
+
+/// Steps timed per ablated graph (after one step that captures it).
+const ABLATION_STEPS: usize = 24;
+/// Positions the ablation may use: the full graph plus up to 24 kernels, each `ABLATION_STEPS + 1`.
+const ABLATION_ROOM: usize = 25 * (ABLATION_STEPS + 1);
+
+/// In-graph cost of each kernel of the decode step. Event brackets (the per-kernel table) stop the
+/// GPU between launches and inflate small kernels; here the step is captured as the engine runs
+/// it, once whole and once per kernel without that kernel's launches
+/// (`CudaBackend::set_skip_kernel`), and each graph is replayed `ABLATION_STEPS` times with one
+/// synchronisation at the end. A kernel's in-graph cost is the difference. The skipped kernels
+/// leave garbage behind (the state is reset by the caller afterwards); a fixed token is fed, so no
+/// garbage logits reach the host.
+fn ablate(b: &CudaBackend, model: &compiled::Model<CudaBackend>, st: &mut compiled::State<CudaBackend>, kernels: &[KernelSummary]) -> Result<(f64, Vec<Ablation>)> {
+    let mut time = |skip: Option<&'static str>| -> Result<f64> {
+        b.set_skip_kernel(skip);
+        model.decode_step(b, st, 0)?; // captures this graph
+        b.context().synchronize()?;
+        let t = Instant::now();
+        for _ in 0..ABLATION_STEPS {
+            model.decode_step(b, st, 0)?;
+        }
+        b.context().synchronize()?;
+        Ok(t.elapsed().as_secs_f64() * 1e6 / ABLATION_STEPS as f64)
+    };
+    let whole = time(None)?;
+    let mut out = Vec::new();
+    for k in kernels.iter().take(24) {
+        let without = time(Some(k.kernel));
+        b.set_skip_kernel(None);
+        out.push(Ablation { kernel: k.kernel, launches: k.launches, in_graph_us: whole - without? });
+    }
+    b.set_skip_kernel(None);
+    Ok((whole, out))
+}
+
 fn main() {
     if let Err(e) = run() {
         eprintln!("ornith-bench: error: {e:#}");
@@ -119,8 +167,9 @@ fn run() -> Result<()> {
     let ck = Checkpoint::open(&dir, compiled::FINGERPRINT)?;
     let d = compiled::DIMS;
     let max_prompt = args.prompts.iter().copied().max().unwrap_or(512);
-    // Room for the graph-decoded tokens, as many with PDL, as many eager ones, and the profiled step.
-    let ctx = (max_prompt + 3 * args.gen + 16).min(d.max_position_embeddings);
+    // Room for the graph-decoded tokens, as many with PDL, as many eager ones, the profiled step
+    // and the ablation's steps.
+    let ctx = (max_prompt + 3 * args.gen + 16 + ABLATION_ROOM).min(d.max_position_embeddings);
     let cx = CudaContext::new(0)?;
     let device = cx.device_name().to_string();
     let bw = copy_bandwidth(&cx)?;
@@ -154,7 +203,7 @@ fn run() -> Result<()> {
     let started = Instant::now();
     let mut runs = Vec::new();
     for &p in &args.prompts {
-        if p + 3 * args.gen + 2 > ctx {
+        if p + 3 * args.gen + 2 + ABLATION_ROOM > ctx {
             eprintln!("ornith-bench: skipping prompt {p}: exceeds the context {ctx}");
             continue;
         }
@@ -196,6 +245,12 @@ fn run() -> Result<()> {
         let times = b.profile_end()?;
         let kernels = summarize(&times);
         let kernel_us: f64 = times.iter().map(|t| t.us).sum();
+        // A measurement aid: a failure here is reported, and the run's other figures are kept.
+        let (graph_us, ablation) = ablate(&b, &model, &mut st, &kernels).unwrap_or_else(|e| {
+            b.set_skip_kernel(None);
+            eprintln!("ornith-bench: in-graph ablation at prompt {p} failed: {e:#}");
+            (0.0, Vec::new())
+        });
         // One more prefill with every launch timed (after the timed runs, so it cannot slow them).
         st.reset(&b);
         b.profile_begin();
@@ -220,6 +275,8 @@ fn run() -> Result<()> {
             decode_step_kernels: kernels,
             decode_step_kernel_us: kernel_us,
             decode_step_launches: times.len(),
+            decode_graph_us_per_step: graph_us,
+            decode_graph_ablation: ablation,
             prefill_kernels: summarize(&ptimes),
             prefill_kernel_us: ptimes.iter().map(|t| t.us).sum(),
             prefill_launches: ptimes.len(),
@@ -242,6 +299,16 @@ fn run() -> Result<()> {
         eprintln!("{:>22} {:>8} {:>10} {:>10} {:>8}", "kernel", "launches", "total us", "MB", "GB/s");
         for k in &r.decode_step_kernels {
             eprintln!("{:>22} {:>8} {:>10.1} {:>10.2} {:>8.0}", k.kernel, k.launches, k.total_us, k.bytes as f64 / 1e6, k.gb_per_s);
+        }
+    }
+    if let Some(r) = runs.last() {
+        eprintln!(
+            "\nin-graph cost per kernel at prompt {} (step {:.0} us as replayed; each: step minus a graph captured without it):",
+            r.prompt_tokens, r.decode_graph_us_per_step
+        );
+        eprintln!("{:>22} {:>8} {:>10} {:>8}", "kernel", "launches", "us/step", "share");
+        for a in &r.decode_graph_ablation {
+            eprintln!("{:>22} {:>8} {:>10.1} {:>7.1}%", a.kernel, a.launches, a.in_graph_us, 100.0 * a.in_graph_us / r.decode_graph_us_per_step);
         }
     }
     if let Some(r) = runs.last() {
