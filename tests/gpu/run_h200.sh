@@ -32,7 +32,7 @@ t0=$SECONDS
 t0=$SECONDS
 timeout 200 "$G/bench_full" --model "$C/full" --prompts "$prompts" --gen 64 --budget-s 120 > "$OUT/bench_full.json" 2> "$OUT/bench_full.err"
 echo "bench rc=$? $((SECONDS - t0))s"
-grep -v uploading "$OUT/bench_full.err" | head -75
+grep -v uploading "$OUT/bench_full.err" | head -110
 if [ -d .gpu/wheels ]; then
     t0=$SECONDS
     OUT=$OUT timeout 220 bash tests/peer/run_h200.sh "$C/full" "$OUT/bench_full.json" .gpu/wheels 512,2048 > "$OUT/peer.out" 2> "$OUT/peer.err"
