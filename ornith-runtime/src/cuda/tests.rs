@@ -149,6 +149,20 @@ fn decode_shape(inp: usize, tokens: usize) -> bool {
     tokens == 1 && inp >= 2048
 }
 
+/// Checks a GEMV output `y` (`tokens` rows of stride `yst`, `out` values each) against the f64
+/// reference: the padding between rows untouched, values within `close`'s tolerance, and — for
+/// the second kernel run on the same shape (the single-token kernel after the multi-token one,
+/// which sums in the same order) — the same bits as the first.
+fn check_gemv_rows(name: &str, y: &[u16], (inp, out, tokens, yst): (usize, usize, usize, usize), want: &[f64], first: &mut Option<Vec<u16>>) {
+    assert!((0..tokens).all(|t| y[t * yst + out..(t + 1) * yst].iter().all(|&b| b == POISON)), "{name}: wrote outside the rows");
+    let got: Vec<u16> = (0..tokens * out).map(|k| y[(k / out) * yst + k % out]).collect();
+    close(&format!("{name} {inp}x{out} t{tokens}"), &got, want);
+    match first {
+        None => *first = Some(got),
+        Some(g) => assert!(*g == got, "{name} {inp}x{out}: differs from the multi-token kernel"),
+    }
+}
+
 #[test]
 #[ignore]
 fn gemv_bf16_matches_reference() {
@@ -186,16 +200,7 @@ fn gemv_bf16_matches_reference() {
                 if t1 { c.gemv_bf16_t1(&dx, &dw, y, inp, out) } else { c.gemv_bf16(&dx, &dw, y, tokens, inp, out, xst, yst) }.unwrap()
             };
             run(&mut y);
-            let got = c.download(&y).unwrap();
-            // the padding between output rows stays untouched
-            assert!((0..tokens).all(|t| got[t * yst + out..(t + 1) * yst].iter().all(|&b| b == POISON)), "{name}: wrote outside the rows");
-            let got: Vec<u16> = (0..tokens * out).map(|k| got[(k / out) * yst + k % out]).collect();
-            close(&format!("{name} {inp}x{out} t{tokens}"), &got, &want);
-            // the single-token kernel sums in the generic kernel's order: the same bits
-            match &generic {
-                None => generic = Some(got),
-                Some(g) => assert!(*g == got, "{name} {inp}x{out}: differs from gemv_bf16"),
-            }
+            check_gemv_rows(name, &c.download(&y).unwrap(), (inp, out, tokens, yst), &want, &mut generic);
             if decode_shape(inp, tokens) {
                 let bytes = (out * inp * 2 + tokens * (inp + out) * 2) as f64;
                 perf(&c, &format!("{name} in {inp} out {out} tokens {tokens}"), bytes, || run(&mut y));
@@ -245,14 +250,7 @@ fn gemv_fp8_matches_reference() {
                 if t1 { c.gemv_fp8_t1(&dxq, &dxs, &dw, &dws, y, inp, out) } else { c.gemv_fp8(&dxq, &dxs, &dw, &dws, y, tokens, inp, out, xst, yst) }
             };
             run(&mut y).unwrap();
-            let got = c.download(&y).unwrap();
-            assert!((0..tokens).all(|t| got[t * yst + out..(t + 1) * yst].iter().all(|&b| b == POISON)), "{name}: wrote outside the rows");
-            let got: Vec<u16> = (0..tokens * out).map(|k| got[(k / out) * yst + k % out]).collect();
-            close(&format!("{name} {inp}x{out} t{tokens}"), &got, &want);
-            match &generic {
-                None => generic = Some(got),
-                Some(g) => assert!(*g == got, "{name} {inp}x{out}: differs from gemv_fp8"),
-            }
+            check_gemv_rows(name, &c.download(&y).unwrap(), (inp, out, tokens, yst), &want, &mut generic);
             if decode_shape(inp, tokens) {
                 let bytes = (out * inp + out * 4 + tokens * (inp + out * 2)) as f64;
                 perf(&c, &format!("{name} in {inp} out {out} tokens {tokens}"), bytes, || run(&mut y).unwrap());
