@@ -5,12 +5,25 @@
 #define GEMV_WARPS 8
 #define GEMV_UNROLL 4
 
-// Before pdl_wait (see common.cuh): pull one weight row of `bytes` toward L2, one 128-byte line
-// per lane per step, so the row's first loads after the wait hit L2 instead of DRAM. Weights are
-// never written during decode, so this is safe while the previous kernel still runs.
-__device__ __forceinline__ void prefetch_row_l2(const void *row, size_t bytes) {
+// Before pdl_wait (see common.cuh): pull the `bytes` of weights from `row` on (one warp's rows,
+// contiguous) toward L2, one 128-byte line per lane per step, so the first loads after the wait hit
+// L2 instead of DRAM. Weights are never written during decode, so this is safe while the previous
+// kernel still runs.
+__device__ __forceinline__ void prefetch_range_l2(const void *row, size_t bytes) {
     const char *b = static_cast<const char *>(row);
     for (size_t off = (size_t)(threadIdx.x & 31) * 128; off < bytes; off += 32 * 128) prefetch_l2(b + off);
+}
+
+// Dot of 8 bf16 weights with 8 bf16 activations, fp32 FMAs in element order.
+__device__ __forceinline__ float dot8_bf16(const uint4 &w, const uint4 &x, float acc) {
+    const uint32_t wa[4] = {w.x, w.y, w.z, w.w};
+    const uint32_t xa[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        acc = fmaf(__uint_as_float(wa[e] << 16), __uint_as_float(xa[e] << 16), acc);
+        acc = fmaf(__uint_as_float(wa[e] & 0xffff0000u), __uint_as_float(xa[e] & 0xffff0000u), acc);
+    }
+    return acc;
 }
 
 // y[t, row] for t < T: one warp, row of `in` bf16 weights; x rows read through L1 (shared by all warps).
@@ -33,17 +46,9 @@ __device__ __forceinline__ void gemv_bf16_row(const OrnithGemvBf16Params &p, int
         for (int u = 0; u < GEMV_UNROLL; u++) {
             int c = base + u * 32;
             if (c >= n16) break;
-            const uint32_t wa[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
 #pragma unroll
-            for (int t = 0; t < T; t++) {
-                uint4 xv = __ldg(reinterpret_cast<const uint4 *>(p.x + (size_t)t * p.x_stride) + c);
-                const uint32_t xa[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    acc[t] = fmaf(__uint_as_float(wa[e] << 16), __uint_as_float(xa[e] << 16), acc[t]);
-                    acc[t] = fmaf(__uint_as_float(wa[e] & 0xffff0000u), __uint_as_float(xa[e] & 0xffff0000u), acc[t]);
-                }
-            }
+            for (int t = 0; t < T; t++)
+                acc[t] = dot8_bf16(wv[u], __ldg(reinterpret_cast<const uint4 *>(p.x + (size_t)t * p.x_stride) + c), acc[t]);
         }
     }
 #pragma unroll
@@ -56,7 +61,7 @@ __device__ __forceinline__ void gemv_bf16_row(const OrnithGemvBf16Params &p, int
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_bf16(const OrnithGemvBf16Params p) {
     pdl_launch_dependents();
     int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row < p.out) prefetch_row_l2(p.w + (size_t)row * p.in, (size_t)p.in * 2);
+    if (row < p.out) prefetch_range_l2(p.w + (size_t)row * p.in, (size_t)p.in * 2);
     pdl_wait();
     if (row >= p.out) return;
     switch (p.tokens) {
@@ -134,7 +139,7 @@ __device__ __forceinline__ void gemv_fp8_row(const OrnithGemvFp8Params &p, int r
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_fp8(const OrnithGemvFp8Params p) {
     pdl_launch_dependents();
     int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row < p.out) prefetch_row_l2(p.w + (size_t)row * p.in, (size_t)p.in);
+    if (row < p.out) prefetch_range_l2(p.w + (size_t)row * p.in, (size_t)p.in);
     pdl_wait();
     if (row >= p.out) return;
     switch (p.tokens) {
@@ -169,18 +174,6 @@ __host__ __device__ constexpr int gemv1_u(int n16) {
 }
 __host__ __device__ constexpr int gemv1_rows(int n16) { return 8 / gemv1_u(n16); }
 
-// Dot of 8 bf16 weights with 8 bf16 activations (the multi-token kernel's FMA order).
-__device__ __forceinline__ float dot8_bf16(const uint4 &w, const uint4 &x, float acc) {
-    const uint32_t wa[4] = {w.x, w.y, w.z, w.w};
-    const uint32_t xa[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        acc = fmaf(__uint_as_float(wa[e] << 16), __uint_as_float(xa[e] << 16), acc);
-        acc = fmaf(__uint_as_float(wa[e] & 0xffff0000u), __uint_as_float(xa[e] & 0xffff0000u), acc);
-    }
-    return acc;
-}
-
 // acc[r] = warp-summed dot of row r (rows of n16 chunks, consecutive from w; only the first nr
 // exist, the others read as zeros) with x; FP8 selects E4M3 x E4M3 chunks of 16, else bf16 x bf16
 // chunks of 8. Every lane gets the sums.
@@ -209,11 +202,6 @@ __device__ __forceinline__ void rows_dot1(const uint4 *w, int nr, const uint4 *x
     }
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
-}
-
-// Before pdl_wait: pull the bytes [b, b + n) toward L2 (this warp's rows are contiguous).
-__device__ __forceinline__ void prefetch_range_l2(const uint8_t *b, size_t n) {
-    for (size_t off = (size_t)(threadIdx.x & 31) * 128; off < n; off += 32 * 128) prefetch_l2(b + off);
 }
 
 // y[row] = bf16(x . w[row]) (BF16) or bf16((xq . w[row]) * xs * ws[row]) (FP8) for one token.

@@ -146,9 +146,8 @@ fn ablate(b: &CudaBackend, model: &compiled::Model<CudaBackend>, st: &mut compil
     let whole = time(None)?;
     let mut out = Vec::new();
     for k in kernels.iter().take(24) {
-        let without = time(Some(k.kernel));
-        b.set_skip_kernel(None);
-        out.push(Ablation { kernel: k.kernel, launches: k.launches, in_graph_us: whole - without? });
+        let without = time(Some(k.kernel))?; // on an error the caller clears the skip
+        out.push(Ablation { kernel: k.kernel, launches: k.launches, in_graph_us: whole - without });
     }
     b.set_skip_kernel(None);
     Ok((whole, out))
