@@ -18,18 +18,12 @@ pub struct OrnithEmbedParams {
 const _: () = {
     ["Size of OrnithEmbedParams"][::std::mem::size_of::<OrnithEmbedParams>() - 40usize];
     ["Alignment of OrnithEmbedParams"][::std::mem::align_of::<OrnithEmbedParams>() - 8usize];
-    ["Offset of field: OrnithEmbedParams::ids"]
-        [::std::mem::offset_of!(OrnithEmbedParams, ids) - 0usize];
-    ["Offset of field: OrnithEmbedParams::table"]
-        [::std::mem::offset_of!(OrnithEmbedParams, table) - 8usize];
-    ["Offset of field: OrnithEmbedParams::out"]
-        [::std::mem::offset_of!(OrnithEmbedParams, out) - 16usize];
-    ["Offset of field: OrnithEmbedParams::tokens"]
-        [::std::mem::offset_of!(OrnithEmbedParams, tokens) - 24usize];
-    ["Offset of field: OrnithEmbedParams::hidden"]
-        [::std::mem::offset_of!(OrnithEmbedParams, hidden) - 28usize];
-    ["Offset of field: OrnithEmbedParams::vocab"]
-        [::std::mem::offset_of!(OrnithEmbedParams, vocab) - 32usize];
+    ["Offset of field: OrnithEmbedParams::ids"][::std::mem::offset_of!(OrnithEmbedParams, ids) - 0usize];
+    ["Offset of field: OrnithEmbedParams::table"][::std::mem::offset_of!(OrnithEmbedParams, table) - 8usize];
+    ["Offset of field: OrnithEmbedParams::out"][::std::mem::offset_of!(OrnithEmbedParams, out) - 16usize];
+    ["Offset of field: OrnithEmbedParams::tokens"][::std::mem::offset_of!(OrnithEmbedParams, tokens) - 24usize];
+    ["Offset of field: OrnithEmbedParams::hidden"][::std::mem::offset_of!(OrnithEmbedParams, hidden) - 28usize];
+    ["Offset of field: OrnithEmbedParams::vocab"][::std::mem::offset_of!(OrnithEmbedParams, vocab) - 32usize];
 };
 impl Default for OrnithEmbedParams {
     fn default() -> Self {
@@ -57,24 +51,15 @@ pub struct OrnithRmsNormParams {
 const _: () = {
     ["Size of OrnithRmsNormParams"][::std::mem::size_of::<OrnithRmsNormParams>() - 64usize];
     ["Alignment of OrnithRmsNormParams"][::std::mem::align_of::<OrnithRmsNormParams>() - 8usize];
-    ["Offset of field: OrnithRmsNormParams::residual"]
-        [::std::mem::offset_of!(OrnithRmsNormParams, residual) - 0usize];
-    ["Offset of field: OrnithRmsNormParams::add"]
-        [::std::mem::offset_of!(OrnithRmsNormParams, add) - 8usize];
-    ["Offset of field: OrnithRmsNormParams::weight"]
-        [::std::mem::offset_of!(OrnithRmsNormParams, weight) - 16usize];
-    ["Offset of field: OrnithRmsNormParams::out"]
-        [::std::mem::offset_of!(OrnithRmsNormParams, out) - 24usize];
-    ["Offset of field: OrnithRmsNormParams::q8"]
-        [::std::mem::offset_of!(OrnithRmsNormParams, q8) - 32usize];
-    ["Offset of field: OrnithRmsNormParams::scale"]
-        [::std::mem::offset_of!(OrnithRmsNormParams, scale) - 40usize];
-    ["Offset of field: OrnithRmsNormParams::tokens"]
-        [::std::mem::offset_of!(OrnithRmsNormParams, tokens) - 48usize];
-    ["Offset of field: OrnithRmsNormParams::hidden"]
-        [::std::mem::offset_of!(OrnithRmsNormParams, hidden) - 52usize];
-    ["Offset of field: OrnithRmsNormParams::eps"]
-        [::std::mem::offset_of!(OrnithRmsNormParams, eps) - 56usize];
+    ["Offset of field: OrnithRmsNormParams::residual"][::std::mem::offset_of!(OrnithRmsNormParams, residual) - 0usize];
+    ["Offset of field: OrnithRmsNormParams::add"][::std::mem::offset_of!(OrnithRmsNormParams, add) - 8usize];
+    ["Offset of field: OrnithRmsNormParams::weight"][::std::mem::offset_of!(OrnithRmsNormParams, weight) - 16usize];
+    ["Offset of field: OrnithRmsNormParams::out"][::std::mem::offset_of!(OrnithRmsNormParams, out) - 24usize];
+    ["Offset of field: OrnithRmsNormParams::q8"][::std::mem::offset_of!(OrnithRmsNormParams, q8) - 32usize];
+    ["Offset of field: OrnithRmsNormParams::scale"][::std::mem::offset_of!(OrnithRmsNormParams, scale) - 40usize];
+    ["Offset of field: OrnithRmsNormParams::tokens"][::std::mem::offset_of!(OrnithRmsNormParams, tokens) - 48usize];
+    ["Offset of field: OrnithRmsNormParams::hidden"][::std::mem::offset_of!(OrnithRmsNormParams, hidden) - 52usize];
+    ["Offset of field: OrnithRmsNormParams::eps"][::std::mem::offset_of!(OrnithRmsNormParams, eps) - 56usize];
 };
 impl Default for OrnithRmsNormParams {
     fn default() -> Self {
@@ -98,16 +83,11 @@ pub struct OrnithQuantParams {
 const _: () = {
     ["Size of OrnithQuantParams"][::std::mem::size_of::<OrnithQuantParams>() - 32usize];
     ["Alignment of OrnithQuantParams"][::std::mem::align_of::<OrnithQuantParams>() - 8usize];
-    ["Offset of field: OrnithQuantParams::x"]
-        [::std::mem::offset_of!(OrnithQuantParams, x) - 0usize];
-    ["Offset of field: OrnithQuantParams::q8"]
-        [::std::mem::offset_of!(OrnithQuantParams, q8) - 8usize];
-    ["Offset of field: OrnithQuantParams::scale"]
-        [::std::mem::offset_of!(OrnithQuantParams, scale) - 16usize];
-    ["Offset of field: OrnithQuantParams::tokens"]
-        [::std::mem::offset_of!(OrnithQuantParams, tokens) - 24usize];
-    ["Offset of field: OrnithQuantParams::cols"]
-        [::std::mem::offset_of!(OrnithQuantParams, cols) - 28usize];
+    ["Offset of field: OrnithQuantParams::x"][::std::mem::offset_of!(OrnithQuantParams, x) - 0usize];
+    ["Offset of field: OrnithQuantParams::q8"][::std::mem::offset_of!(OrnithQuantParams, q8) - 8usize];
+    ["Offset of field: OrnithQuantParams::scale"][::std::mem::offset_of!(OrnithQuantParams, scale) - 16usize];
+    ["Offset of field: OrnithQuantParams::tokens"][::std::mem::offset_of!(OrnithQuantParams, tokens) - 24usize];
+    ["Offset of field: OrnithQuantParams::cols"][::std::mem::offset_of!(OrnithQuantParams, cols) - 28usize];
 };
 impl Default for OrnithQuantParams {
     fn default() -> Self {
@@ -134,18 +114,12 @@ pub struct OrnithGemvBf16Params {
 const _: () = {
     ["Size of OrnithGemvBf16Params"][::std::mem::size_of::<OrnithGemvBf16Params>() - 48usize];
     ["Alignment of OrnithGemvBf16Params"][::std::mem::align_of::<OrnithGemvBf16Params>() - 8usize];
-    ["Offset of field: OrnithGemvBf16Params::x"]
-        [::std::mem::offset_of!(OrnithGemvBf16Params, x) - 0usize];
-    ["Offset of field: OrnithGemvBf16Params::w"]
-        [::std::mem::offset_of!(OrnithGemvBf16Params, w) - 8usize];
-    ["Offset of field: OrnithGemvBf16Params::y"]
-        [::std::mem::offset_of!(OrnithGemvBf16Params, y) - 16usize];
-    ["Offset of field: OrnithGemvBf16Params::tokens"]
-        [::std::mem::offset_of!(OrnithGemvBf16Params, tokens) - 24usize];
-    ["Offset of field: OrnithGemvBf16Params::in_"]
-        [::std::mem::offset_of!(OrnithGemvBf16Params, in_) - 28usize];
-    ["Offset of field: OrnithGemvBf16Params::out"]
-        [::std::mem::offset_of!(OrnithGemvBf16Params, out) - 32usize];
+    ["Offset of field: OrnithGemvBf16Params::x"][::std::mem::offset_of!(OrnithGemvBf16Params, x) - 0usize];
+    ["Offset of field: OrnithGemvBf16Params::w"][::std::mem::offset_of!(OrnithGemvBf16Params, w) - 8usize];
+    ["Offset of field: OrnithGemvBf16Params::y"][::std::mem::offset_of!(OrnithGemvBf16Params, y) - 16usize];
+    ["Offset of field: OrnithGemvBf16Params::tokens"][::std::mem::offset_of!(OrnithGemvBf16Params, tokens) - 24usize];
+    ["Offset of field: OrnithGemvBf16Params::in_"][::std::mem::offset_of!(OrnithGemvBf16Params, in_) - 28usize];
+    ["Offset of field: OrnithGemvBf16Params::out"][::std::mem::offset_of!(OrnithGemvBf16Params, out) - 32usize];
     ["Offset of field: OrnithGemvBf16Params::x_stride"]
         [::std::mem::offset_of!(OrnithGemvBf16Params, x_stride) - 36usize];
     ["Offset of field: OrnithGemvBf16Params::y_stride"]
@@ -178,26 +152,16 @@ pub struct OrnithGemvFp8Params {
 const _: () = {
     ["Size of OrnithGemvFp8Params"][::std::mem::size_of::<OrnithGemvFp8Params>() - 64usize];
     ["Alignment of OrnithGemvFp8Params"][::std::mem::align_of::<OrnithGemvFp8Params>() - 8usize];
-    ["Offset of field: OrnithGemvFp8Params::xq"]
-        [::std::mem::offset_of!(OrnithGemvFp8Params, xq) - 0usize];
-    ["Offset of field: OrnithGemvFp8Params::xs"]
-        [::std::mem::offset_of!(OrnithGemvFp8Params, xs) - 8usize];
-    ["Offset of field: OrnithGemvFp8Params::w"]
-        [::std::mem::offset_of!(OrnithGemvFp8Params, w) - 16usize];
-    ["Offset of field: OrnithGemvFp8Params::ws"]
-        [::std::mem::offset_of!(OrnithGemvFp8Params, ws) - 24usize];
-    ["Offset of field: OrnithGemvFp8Params::y"]
-        [::std::mem::offset_of!(OrnithGemvFp8Params, y) - 32usize];
-    ["Offset of field: OrnithGemvFp8Params::tokens"]
-        [::std::mem::offset_of!(OrnithGemvFp8Params, tokens) - 40usize];
-    ["Offset of field: OrnithGemvFp8Params::in_"]
-        [::std::mem::offset_of!(OrnithGemvFp8Params, in_) - 44usize];
-    ["Offset of field: OrnithGemvFp8Params::out"]
-        [::std::mem::offset_of!(OrnithGemvFp8Params, out) - 48usize];
-    ["Offset of field: OrnithGemvFp8Params::x_stride"]
-        [::std::mem::offset_of!(OrnithGemvFp8Params, x_stride) - 52usize];
-    ["Offset of field: OrnithGemvFp8Params::y_stride"]
-        [::std::mem::offset_of!(OrnithGemvFp8Params, y_stride) - 56usize];
+    ["Offset of field: OrnithGemvFp8Params::xq"][::std::mem::offset_of!(OrnithGemvFp8Params, xq) - 0usize];
+    ["Offset of field: OrnithGemvFp8Params::xs"][::std::mem::offset_of!(OrnithGemvFp8Params, xs) - 8usize];
+    ["Offset of field: OrnithGemvFp8Params::w"][::std::mem::offset_of!(OrnithGemvFp8Params, w) - 16usize];
+    ["Offset of field: OrnithGemvFp8Params::ws"][::std::mem::offset_of!(OrnithGemvFp8Params, ws) - 24usize];
+    ["Offset of field: OrnithGemvFp8Params::y"][::std::mem::offset_of!(OrnithGemvFp8Params, y) - 32usize];
+    ["Offset of field: OrnithGemvFp8Params::tokens"][::std::mem::offset_of!(OrnithGemvFp8Params, tokens) - 40usize];
+    ["Offset of field: OrnithGemvFp8Params::in_"][::std::mem::offset_of!(OrnithGemvFp8Params, in_) - 44usize];
+    ["Offset of field: OrnithGemvFp8Params::out"][::std::mem::offset_of!(OrnithGemvFp8Params, out) - 48usize];
+    ["Offset of field: OrnithGemvFp8Params::x_stride"][::std::mem::offset_of!(OrnithGemvFp8Params, x_stride) - 52usize];
+    ["Offset of field: OrnithGemvFp8Params::y_stride"][::std::mem::offset_of!(OrnithGemvFp8Params, y_stride) - 56usize];
 };
 impl Default for OrnithGemvFp8Params {
     fn default() -> Self {
@@ -223,18 +187,12 @@ pub struct OrnithRouterParams {
 const _: () = {
     ["Size of OrnithRouterParams"][::std::mem::size_of::<OrnithRouterParams>() - 40usize];
     ["Alignment of OrnithRouterParams"][::std::mem::align_of::<OrnithRouterParams>() - 8usize];
-    ["Offset of field: OrnithRouterParams::logits"]
-        [::std::mem::offset_of!(OrnithRouterParams, logits) - 0usize];
-    ["Offset of field: OrnithRouterParams::idx"]
-        [::std::mem::offset_of!(OrnithRouterParams, idx) - 8usize];
-    ["Offset of field: OrnithRouterParams::weight"]
-        [::std::mem::offset_of!(OrnithRouterParams, weight) - 16usize];
-    ["Offset of field: OrnithRouterParams::tokens"]
-        [::std::mem::offset_of!(OrnithRouterParams, tokens) - 24usize];
-    ["Offset of field: OrnithRouterParams::experts"]
-        [::std::mem::offset_of!(OrnithRouterParams, experts) - 28usize];
-    ["Offset of field: OrnithRouterParams::top_k"]
-        [::std::mem::offset_of!(OrnithRouterParams, top_k) - 32usize];
+    ["Offset of field: OrnithRouterParams::logits"][::std::mem::offset_of!(OrnithRouterParams, logits) - 0usize];
+    ["Offset of field: OrnithRouterParams::idx"][::std::mem::offset_of!(OrnithRouterParams, idx) - 8usize];
+    ["Offset of field: OrnithRouterParams::weight"][::std::mem::offset_of!(OrnithRouterParams, weight) - 16usize];
+    ["Offset of field: OrnithRouterParams::tokens"][::std::mem::offset_of!(OrnithRouterParams, tokens) - 24usize];
+    ["Offset of field: OrnithRouterParams::experts"][::std::mem::offset_of!(OrnithRouterParams, experts) - 28usize];
+    ["Offset of field: OrnithRouterParams::top_k"][::std::mem::offset_of!(OrnithRouterParams, top_k) - 32usize];
     ["Offset of field: OrnithRouterParams::logit_stride"]
         [::std::mem::offset_of!(OrnithRouterParams, logit_stride) - 36usize];
 };
@@ -272,32 +230,20 @@ pub struct OrnithMoeGemvParams {
 const _: () = {
     ["Size of OrnithMoeGemvParams"][::std::mem::size_of::<OrnithMoeGemvParams>() - 104usize];
     ["Alignment of OrnithMoeGemvParams"][::std::mem::align_of::<OrnithMoeGemvParams>() - 8usize];
-    ["Offset of field: OrnithMoeGemvParams::xq"]
-        [::std::mem::offset_of!(OrnithMoeGemvParams, xq) - 0usize];
-    ["Offset of field: OrnithMoeGemvParams::xs"]
-        [::std::mem::offset_of!(OrnithMoeGemvParams, xs) - 8usize];
-    ["Offset of field: OrnithMoeGemvParams::idx"]
-        [::std::mem::offset_of!(OrnithMoeGemvParams, idx) - 16usize];
-    ["Offset of field: OrnithMoeGemvParams::w"]
-        [::std::mem::offset_of!(OrnithMoeGemvParams, w) - 24usize];
-    ["Offset of field: OrnithMoeGemvParams::ws"]
-        [::std::mem::offset_of!(OrnithMoeGemvParams, ws) - 32usize];
-    ["Offset of field: OrnithMoeGemvParams::shared_w"]
-        [::std::mem::offset_of!(OrnithMoeGemvParams, shared_w) - 40usize];
+    ["Offset of field: OrnithMoeGemvParams::xq"][::std::mem::offset_of!(OrnithMoeGemvParams, xq) - 0usize];
+    ["Offset of field: OrnithMoeGemvParams::xs"][::std::mem::offset_of!(OrnithMoeGemvParams, xs) - 8usize];
+    ["Offset of field: OrnithMoeGemvParams::idx"][::std::mem::offset_of!(OrnithMoeGemvParams, idx) - 16usize];
+    ["Offset of field: OrnithMoeGemvParams::w"][::std::mem::offset_of!(OrnithMoeGemvParams, w) - 24usize];
+    ["Offset of field: OrnithMoeGemvParams::ws"][::std::mem::offset_of!(OrnithMoeGemvParams, ws) - 32usize];
+    ["Offset of field: OrnithMoeGemvParams::shared_w"][::std::mem::offset_of!(OrnithMoeGemvParams, shared_w) - 40usize];
     ["Offset of field: OrnithMoeGemvParams::shared_ws"]
         [::std::mem::offset_of!(OrnithMoeGemvParams, shared_ws) - 48usize];
-    ["Offset of field: OrnithMoeGemvParams::y"]
-        [::std::mem::offset_of!(OrnithMoeGemvParams, y) - 56usize];
-    ["Offset of field: OrnithMoeGemvParams::tokens"]
-        [::std::mem::offset_of!(OrnithMoeGemvParams, tokens) - 64usize];
-    ["Offset of field: OrnithMoeGemvParams::top_k"]
-        [::std::mem::offset_of!(OrnithMoeGemvParams, top_k) - 68usize];
-    ["Offset of field: OrnithMoeGemvParams::experts"]
-        [::std::mem::offset_of!(OrnithMoeGemvParams, experts) - 72usize];
-    ["Offset of field: OrnithMoeGemvParams::in_"]
-        [::std::mem::offset_of!(OrnithMoeGemvParams, in_) - 76usize];
-    ["Offset of field: OrnithMoeGemvParams::out"]
-        [::std::mem::offset_of!(OrnithMoeGemvParams, out) - 80usize];
+    ["Offset of field: OrnithMoeGemvParams::y"][::std::mem::offset_of!(OrnithMoeGemvParams, y) - 56usize];
+    ["Offset of field: OrnithMoeGemvParams::tokens"][::std::mem::offset_of!(OrnithMoeGemvParams, tokens) - 64usize];
+    ["Offset of field: OrnithMoeGemvParams::top_k"][::std::mem::offset_of!(OrnithMoeGemvParams, top_k) - 68usize];
+    ["Offset of field: OrnithMoeGemvParams::experts"][::std::mem::offset_of!(OrnithMoeGemvParams, experts) - 72usize];
+    ["Offset of field: OrnithMoeGemvParams::in_"][::std::mem::offset_of!(OrnithMoeGemvParams, in_) - 76usize];
+    ["Offset of field: OrnithMoeGemvParams::out"][::std::mem::offset_of!(OrnithMoeGemvParams, out) - 80usize];
     ["Offset of field: OrnithMoeGemvParams::x_tok_stride"]
         [::std::mem::offset_of!(OrnithMoeGemvParams, x_tok_stride) - 84usize];
     ["Offset of field: OrnithMoeGemvParams::x_slot_stride"]
@@ -328,16 +274,13 @@ pub struct OrnithSwigluQuantParams {
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
     ["Size of OrnithSwigluQuantParams"][::std::mem::size_of::<OrnithSwigluQuantParams>() - 32usize];
-    ["Alignment of OrnithSwigluQuantParams"]
-        [::std::mem::align_of::<OrnithSwigluQuantParams>() - 8usize];
+    ["Alignment of OrnithSwigluQuantParams"][::std::mem::align_of::<OrnithSwigluQuantParams>() - 8usize];
     ["Offset of field: OrnithSwigluQuantParams::gate_up"]
         [::std::mem::offset_of!(OrnithSwigluQuantParams, gate_up) - 0usize];
-    ["Offset of field: OrnithSwigluQuantParams::q8"]
-        [::std::mem::offset_of!(OrnithSwigluQuantParams, q8) - 8usize];
+    ["Offset of field: OrnithSwigluQuantParams::q8"][::std::mem::offset_of!(OrnithSwigluQuantParams, q8) - 8usize];
     ["Offset of field: OrnithSwigluQuantParams::scale"]
         [::std::mem::offset_of!(OrnithSwigluQuantParams, scale) - 16usize];
-    ["Offset of field: OrnithSwigluQuantParams::rows"]
-        [::std::mem::offset_of!(OrnithSwigluQuantParams, rows) - 24usize];
+    ["Offset of field: OrnithSwigluQuantParams::rows"][::std::mem::offset_of!(OrnithSwigluQuantParams, rows) - 24usize];
     ["Offset of field: OrnithSwigluQuantParams::inter"]
         [::std::mem::offset_of!(OrnithSwigluQuantParams, inter) - 28usize];
 };
@@ -365,20 +308,16 @@ pub struct OrnithMoeCombineParams {
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
     ["Size of OrnithMoeCombineParams"][::std::mem::size_of::<OrnithMoeCombineParams>() - 48usize];
-    ["Alignment of OrnithMoeCombineParams"]
-        [::std::mem::align_of::<OrnithMoeCombineParams>() - 8usize];
-    ["Offset of field: OrnithMoeCombineParams::ys"]
-        [::std::mem::offset_of!(OrnithMoeCombineParams, ys) - 0usize];
+    ["Alignment of OrnithMoeCombineParams"][::std::mem::align_of::<OrnithMoeCombineParams>() - 8usize];
+    ["Offset of field: OrnithMoeCombineParams::ys"][::std::mem::offset_of!(OrnithMoeCombineParams, ys) - 0usize];
     ["Offset of field: OrnithMoeCombineParams::weight"]
         [::std::mem::offset_of!(OrnithMoeCombineParams, weight) - 8usize];
     ["Offset of field: OrnithMoeCombineParams::gate_logit"]
         [::std::mem::offset_of!(OrnithMoeCombineParams, gate_logit) - 16usize];
-    ["Offset of field: OrnithMoeCombineParams::out"]
-        [::std::mem::offset_of!(OrnithMoeCombineParams, out) - 24usize];
+    ["Offset of field: OrnithMoeCombineParams::out"][::std::mem::offset_of!(OrnithMoeCombineParams, out) - 24usize];
     ["Offset of field: OrnithMoeCombineParams::tokens"]
         [::std::mem::offset_of!(OrnithMoeCombineParams, tokens) - 32usize];
-    ["Offset of field: OrnithMoeCombineParams::top_k"]
-        [::std::mem::offset_of!(OrnithMoeCombineParams, top_k) - 36usize];
+    ["Offset of field: OrnithMoeCombineParams::top_k"][::std::mem::offset_of!(OrnithMoeCombineParams, top_k) - 36usize];
     ["Offset of field: OrnithMoeCombineParams::hidden"]
         [::std::mem::offset_of!(OrnithMoeCombineParams, hidden) - 40usize];
     ["Offset of field: OrnithMoeCombineParams::gate_stride"]
@@ -410,15 +349,11 @@ const _: () = {
     ["Alignment of OrnithConvParams"][::std::mem::align_of::<OrnithConvParams>() - 8usize];
     ["Offset of field: OrnithConvParams::x"][::std::mem::offset_of!(OrnithConvParams, x) - 0usize];
     ["Offset of field: OrnithConvParams::w"][::std::mem::offset_of!(OrnithConvParams, w) - 8usize];
-    ["Offset of field: OrnithConvParams::state"]
-        [::std::mem::offset_of!(OrnithConvParams, state) - 16usize];
+    ["Offset of field: OrnithConvParams::state"][::std::mem::offset_of!(OrnithConvParams, state) - 16usize];
     ["Offset of field: OrnithConvParams::y"][::std::mem::offset_of!(OrnithConvParams, y) - 24usize];
-    ["Offset of field: OrnithConvParams::tokens"]
-        [::std::mem::offset_of!(OrnithConvParams, tokens) - 32usize];
-    ["Offset of field: OrnithConvParams::channels"]
-        [::std::mem::offset_of!(OrnithConvParams, channels) - 36usize];
-    ["Offset of field: OrnithConvParams::x_stride"]
-        [::std::mem::offset_of!(OrnithConvParams, x_stride) - 40usize];
+    ["Offset of field: OrnithConvParams::tokens"][::std::mem::offset_of!(OrnithConvParams, tokens) - 32usize];
+    ["Offset of field: OrnithConvParams::channels"][::std::mem::offset_of!(OrnithConvParams, channels) - 36usize];
+    ["Offset of field: OrnithConvParams::x_stride"][::std::mem::offset_of!(OrnithConvParams, x_stride) - 40usize];
 };
 impl Default for OrnithConvParams {
     fn default() -> Self {
@@ -450,30 +385,19 @@ pub struct OrnithGdnParams {
 const _: () = {
     ["Size of OrnithGdnParams"][::std::mem::size_of::<OrnithGdnParams>() - 80usize];
     ["Alignment of OrnithGdnParams"][::std::mem::align_of::<OrnithGdnParams>() - 8usize];
-    ["Offset of field: OrnithGdnParams::qkv"]
-        [::std::mem::offset_of!(OrnithGdnParams, qkv) - 0usize];
+    ["Offset of field: OrnithGdnParams::qkv"][::std::mem::offset_of!(OrnithGdnParams, qkv) - 0usize];
     ["Offset of field: OrnithGdnParams::ba"][::std::mem::offset_of!(OrnithGdnParams, ba) - 8usize];
-    ["Offset of field: OrnithGdnParams::a_log"]
-        [::std::mem::offset_of!(OrnithGdnParams, a_log) - 16usize];
-    ["Offset of field: OrnithGdnParams::dt_bias"]
-        [::std::mem::offset_of!(OrnithGdnParams, dt_bias) - 24usize];
-    ["Offset of field: OrnithGdnParams::state"]
-        [::std::mem::offset_of!(OrnithGdnParams, state) - 32usize];
+    ["Offset of field: OrnithGdnParams::a_log"][::std::mem::offset_of!(OrnithGdnParams, a_log) - 16usize];
+    ["Offset of field: OrnithGdnParams::dt_bias"][::std::mem::offset_of!(OrnithGdnParams, dt_bias) - 24usize];
+    ["Offset of field: OrnithGdnParams::state"][::std::mem::offset_of!(OrnithGdnParams, state) - 32usize];
     ["Offset of field: OrnithGdnParams::o"][::std::mem::offset_of!(OrnithGdnParams, o) - 40usize];
-    ["Offset of field: OrnithGdnParams::tokens"]
-        [::std::mem::offset_of!(OrnithGdnParams, tokens) - 48usize];
-    ["Offset of field: OrnithGdnParams::k_heads"]
-        [::std::mem::offset_of!(OrnithGdnParams, k_heads) - 52usize];
-    ["Offset of field: OrnithGdnParams::v_heads"]
-        [::std::mem::offset_of!(OrnithGdnParams, v_heads) - 56usize];
-    ["Offset of field: OrnithGdnParams::qkv_stride"]
-        [::std::mem::offset_of!(OrnithGdnParams, qkv_stride) - 60usize];
-    ["Offset of field: OrnithGdnParams::ba_stride"]
-        [::std::mem::offset_of!(OrnithGdnParams, ba_stride) - 64usize];
-    ["Offset of field: OrnithGdnParams::a_offset"]
-        [::std::mem::offset_of!(OrnithGdnParams, a_offset) - 68usize];
-    ["Offset of field: OrnithGdnParams::work"]
-        [::std::mem::offset_of!(OrnithGdnParams, work) - 72usize];
+    ["Offset of field: OrnithGdnParams::tokens"][::std::mem::offset_of!(OrnithGdnParams, tokens) - 48usize];
+    ["Offset of field: OrnithGdnParams::k_heads"][::std::mem::offset_of!(OrnithGdnParams, k_heads) - 52usize];
+    ["Offset of field: OrnithGdnParams::v_heads"][::std::mem::offset_of!(OrnithGdnParams, v_heads) - 56usize];
+    ["Offset of field: OrnithGdnParams::qkv_stride"][::std::mem::offset_of!(OrnithGdnParams, qkv_stride) - 60usize];
+    ["Offset of field: OrnithGdnParams::ba_stride"][::std::mem::offset_of!(OrnithGdnParams, ba_stride) - 64usize];
+    ["Offset of field: OrnithGdnParams::a_offset"][::std::mem::offset_of!(OrnithGdnParams, a_offset) - 68usize];
+    ["Offset of field: OrnithGdnParams::work"][::std::mem::offset_of!(OrnithGdnParams, work) - 72usize];
 };
 impl Default for OrnithGdnParams {
     fn default() -> Self {
@@ -500,26 +424,17 @@ pub struct OrnithGatedNormParams {
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
     ["Size of OrnithGatedNormParams"][::std::mem::size_of::<OrnithGatedNormParams>() - 56usize];
-    ["Alignment of OrnithGatedNormParams"]
-        [::std::mem::align_of::<OrnithGatedNormParams>() - 8usize];
-    ["Offset of field: OrnithGatedNormParams::o"]
-        [::std::mem::offset_of!(OrnithGatedNormParams, o) - 0usize];
-    ["Offset of field: OrnithGatedNormParams::z"]
-        [::std::mem::offset_of!(OrnithGatedNormParams, z) - 8usize];
-    ["Offset of field: OrnithGatedNormParams::weight"]
-        [::std::mem::offset_of!(OrnithGatedNormParams, weight) - 16usize];
-    ["Offset of field: OrnithGatedNormParams::y"]
-        [::std::mem::offset_of!(OrnithGatedNormParams, y) - 24usize];
-    ["Offset of field: OrnithGatedNormParams::tokens"]
-        [::std::mem::offset_of!(OrnithGatedNormParams, tokens) - 32usize];
-    ["Offset of field: OrnithGatedNormParams::heads"]
-        [::std::mem::offset_of!(OrnithGatedNormParams, heads) - 36usize];
-    ["Offset of field: OrnithGatedNormParams::dim"]
-        [::std::mem::offset_of!(OrnithGatedNormParams, dim) - 40usize];
+    ["Alignment of OrnithGatedNormParams"][::std::mem::align_of::<OrnithGatedNormParams>() - 8usize];
+    ["Offset of field: OrnithGatedNormParams::o"][::std::mem::offset_of!(OrnithGatedNormParams, o) - 0usize];
+    ["Offset of field: OrnithGatedNormParams::z"][::std::mem::offset_of!(OrnithGatedNormParams, z) - 8usize];
+    ["Offset of field: OrnithGatedNormParams::weight"][::std::mem::offset_of!(OrnithGatedNormParams, weight) - 16usize];
+    ["Offset of field: OrnithGatedNormParams::y"][::std::mem::offset_of!(OrnithGatedNormParams, y) - 24usize];
+    ["Offset of field: OrnithGatedNormParams::tokens"][::std::mem::offset_of!(OrnithGatedNormParams, tokens) - 32usize];
+    ["Offset of field: OrnithGatedNormParams::heads"][::std::mem::offset_of!(OrnithGatedNormParams, heads) - 36usize];
+    ["Offset of field: OrnithGatedNormParams::dim"][::std::mem::offset_of!(OrnithGatedNormParams, dim) - 40usize];
     ["Offset of field: OrnithGatedNormParams::z_stride"]
         [::std::mem::offset_of!(OrnithGatedNormParams, z_stride) - 44usize];
-    ["Offset of field: OrnithGatedNormParams::eps"]
-        [::std::mem::offset_of!(OrnithGatedNormParams, eps) - 48usize];
+    ["Offset of field: OrnithGatedNormParams::eps"][::std::mem::offset_of!(OrnithGatedNormParams, eps) - 48usize];
 };
 impl Default for OrnithGatedNormParams {
     fn default() -> Self {
@@ -556,42 +471,24 @@ pub struct OrnithQkRopeParams {
 const _: () = {
     ["Size of OrnithQkRopeParams"][::std::mem::size_of::<OrnithQkRopeParams>() - 112usize];
     ["Alignment of OrnithQkRopeParams"][::std::mem::align_of::<OrnithQkRopeParams>() - 8usize];
-    ["Offset of field: OrnithQkRopeParams::qg"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, qg) - 0usize];
-    ["Offset of field: OrnithQkRopeParams::k"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, k) - 8usize];
-    ["Offset of field: OrnithQkRopeParams::v"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, v) - 16usize];
-    ["Offset of field: OrnithQkRopeParams::q_norm"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, q_norm) - 24usize];
-    ["Offset of field: OrnithQkRopeParams::k_norm"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, k_norm) - 32usize];
-    ["Offset of field: OrnithQkRopeParams::q_out"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, q_out) - 40usize];
-    ["Offset of field: OrnithQkRopeParams::k_cache"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, k_cache) - 48usize];
-    ["Offset of field: OrnithQkRopeParams::v_cache"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, v_cache) - 56usize];
-    ["Offset of field: OrnithQkRopeParams::tokens"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, tokens) - 64usize];
-    ["Offset of field: OrnithQkRopeParams::pos0"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, pos0) - 68usize];
-    ["Offset of field: OrnithQkRopeParams::q_heads"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, q_heads) - 72usize];
-    ["Offset of field: OrnithQkRopeParams::kv_heads"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, kv_heads) - 76usize];
-    ["Offset of field: OrnithQkRopeParams::head_dim"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, head_dim) - 80usize];
-    ["Offset of field: OrnithQkRopeParams::rot"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, rot) - 84usize];
-    ["Offset of field: OrnithQkRopeParams::max_seq"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, max_seq) - 88usize];
-    ["Offset of field: OrnithQkRopeParams::theta"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, theta) - 92usize];
-    ["Offset of field: OrnithQkRopeParams::eps"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, eps) - 96usize];
-    ["Offset of field: OrnithQkRopeParams::pos_dev"]
-        [::std::mem::offset_of!(OrnithQkRopeParams, pos_dev) - 104usize];
+    ["Offset of field: OrnithQkRopeParams::qg"][::std::mem::offset_of!(OrnithQkRopeParams, qg) - 0usize];
+    ["Offset of field: OrnithQkRopeParams::k"][::std::mem::offset_of!(OrnithQkRopeParams, k) - 8usize];
+    ["Offset of field: OrnithQkRopeParams::v"][::std::mem::offset_of!(OrnithQkRopeParams, v) - 16usize];
+    ["Offset of field: OrnithQkRopeParams::q_norm"][::std::mem::offset_of!(OrnithQkRopeParams, q_norm) - 24usize];
+    ["Offset of field: OrnithQkRopeParams::k_norm"][::std::mem::offset_of!(OrnithQkRopeParams, k_norm) - 32usize];
+    ["Offset of field: OrnithQkRopeParams::q_out"][::std::mem::offset_of!(OrnithQkRopeParams, q_out) - 40usize];
+    ["Offset of field: OrnithQkRopeParams::k_cache"][::std::mem::offset_of!(OrnithQkRopeParams, k_cache) - 48usize];
+    ["Offset of field: OrnithQkRopeParams::v_cache"][::std::mem::offset_of!(OrnithQkRopeParams, v_cache) - 56usize];
+    ["Offset of field: OrnithQkRopeParams::tokens"][::std::mem::offset_of!(OrnithQkRopeParams, tokens) - 64usize];
+    ["Offset of field: OrnithQkRopeParams::pos0"][::std::mem::offset_of!(OrnithQkRopeParams, pos0) - 68usize];
+    ["Offset of field: OrnithQkRopeParams::q_heads"][::std::mem::offset_of!(OrnithQkRopeParams, q_heads) - 72usize];
+    ["Offset of field: OrnithQkRopeParams::kv_heads"][::std::mem::offset_of!(OrnithQkRopeParams, kv_heads) - 76usize];
+    ["Offset of field: OrnithQkRopeParams::head_dim"][::std::mem::offset_of!(OrnithQkRopeParams, head_dim) - 80usize];
+    ["Offset of field: OrnithQkRopeParams::rot"][::std::mem::offset_of!(OrnithQkRopeParams, rot) - 84usize];
+    ["Offset of field: OrnithQkRopeParams::max_seq"][::std::mem::offset_of!(OrnithQkRopeParams, max_seq) - 88usize];
+    ["Offset of field: OrnithQkRopeParams::theta"][::std::mem::offset_of!(OrnithQkRopeParams, theta) - 92usize];
+    ["Offset of field: OrnithQkRopeParams::eps"][::std::mem::offset_of!(OrnithQkRopeParams, eps) - 96usize];
+    ["Offset of field: OrnithQkRopeParams::pos_dev"][::std::mem::offset_of!(OrnithQkRopeParams, pos_dev) - 104usize];
 };
 impl Default for OrnithQkRopeParams {
     fn default() -> Self {
@@ -628,38 +525,22 @@ const _: () = {
     ["Size of OrnithAttnParams"][::std::mem::size_of::<OrnithAttnParams>() - 104usize];
     ["Alignment of OrnithAttnParams"][::std::mem::align_of::<OrnithAttnParams>() - 8usize];
     ["Offset of field: OrnithAttnParams::q"][::std::mem::offset_of!(OrnithAttnParams, q) - 0usize];
-    ["Offset of field: OrnithAttnParams::k_cache"]
-        [::std::mem::offset_of!(OrnithAttnParams, k_cache) - 8usize];
-    ["Offset of field: OrnithAttnParams::v_cache"]
-        [::std::mem::offset_of!(OrnithAttnParams, v_cache) - 16usize];
-    ["Offset of field: OrnithAttnParams::qg"]
-        [::std::mem::offset_of!(OrnithAttnParams, qg) - 24usize];
-    ["Offset of field: OrnithAttnParams::part_o"]
-        [::std::mem::offset_of!(OrnithAttnParams, part_o) - 32usize];
-    ["Offset of field: OrnithAttnParams::part_ml"]
-        [::std::mem::offset_of!(OrnithAttnParams, part_ml) - 40usize];
-    ["Offset of field: OrnithAttnParams::out"]
-        [::std::mem::offset_of!(OrnithAttnParams, out) - 48usize];
-    ["Offset of field: OrnithAttnParams::tokens"]
-        [::std::mem::offset_of!(OrnithAttnParams, tokens) - 56usize];
-    ["Offset of field: OrnithAttnParams::pos0"]
-        [::std::mem::offset_of!(OrnithAttnParams, pos0) - 60usize];
-    ["Offset of field: OrnithAttnParams::q_heads"]
-        [::std::mem::offset_of!(OrnithAttnParams, q_heads) - 64usize];
-    ["Offset of field: OrnithAttnParams::kv_heads"]
-        [::std::mem::offset_of!(OrnithAttnParams, kv_heads) - 68usize];
-    ["Offset of field: OrnithAttnParams::head_dim"]
-        [::std::mem::offset_of!(OrnithAttnParams, head_dim) - 72usize];
-    ["Offset of field: OrnithAttnParams::split_len"]
-        [::std::mem::offset_of!(OrnithAttnParams, split_len) - 76usize];
-    ["Offset of field: OrnithAttnParams::splits"]
-        [::std::mem::offset_of!(OrnithAttnParams, splits) - 80usize];
-    ["Offset of field: OrnithAttnParams::scale"]
-        [::std::mem::offset_of!(OrnithAttnParams, scale) - 84usize];
-    ["Offset of field: OrnithAttnParams::pos_dev"]
-        [::std::mem::offset_of!(OrnithAttnParams, pos_dev) - 88usize];
-    ["Offset of field: OrnithAttnParams::min_split"]
-        [::std::mem::offset_of!(OrnithAttnParams, min_split) - 96usize];
+    ["Offset of field: OrnithAttnParams::k_cache"][::std::mem::offset_of!(OrnithAttnParams, k_cache) - 8usize];
+    ["Offset of field: OrnithAttnParams::v_cache"][::std::mem::offset_of!(OrnithAttnParams, v_cache) - 16usize];
+    ["Offset of field: OrnithAttnParams::qg"][::std::mem::offset_of!(OrnithAttnParams, qg) - 24usize];
+    ["Offset of field: OrnithAttnParams::part_o"][::std::mem::offset_of!(OrnithAttnParams, part_o) - 32usize];
+    ["Offset of field: OrnithAttnParams::part_ml"][::std::mem::offset_of!(OrnithAttnParams, part_ml) - 40usize];
+    ["Offset of field: OrnithAttnParams::out"][::std::mem::offset_of!(OrnithAttnParams, out) - 48usize];
+    ["Offset of field: OrnithAttnParams::tokens"][::std::mem::offset_of!(OrnithAttnParams, tokens) - 56usize];
+    ["Offset of field: OrnithAttnParams::pos0"][::std::mem::offset_of!(OrnithAttnParams, pos0) - 60usize];
+    ["Offset of field: OrnithAttnParams::q_heads"][::std::mem::offset_of!(OrnithAttnParams, q_heads) - 64usize];
+    ["Offset of field: OrnithAttnParams::kv_heads"][::std::mem::offset_of!(OrnithAttnParams, kv_heads) - 68usize];
+    ["Offset of field: OrnithAttnParams::head_dim"][::std::mem::offset_of!(OrnithAttnParams, head_dim) - 72usize];
+    ["Offset of field: OrnithAttnParams::split_len"][::std::mem::offset_of!(OrnithAttnParams, split_len) - 76usize];
+    ["Offset of field: OrnithAttnParams::splits"][::std::mem::offset_of!(OrnithAttnParams, splits) - 80usize];
+    ["Offset of field: OrnithAttnParams::scale"][::std::mem::offset_of!(OrnithAttnParams, scale) - 84usize];
+    ["Offset of field: OrnithAttnParams::pos_dev"][::std::mem::offset_of!(OrnithAttnParams, pos_dev) - 88usize];
+    ["Offset of field: OrnithAttnParams::min_split"][::std::mem::offset_of!(OrnithAttnParams, min_split) - 96usize];
 };
 impl Default for OrnithAttnParams {
     fn default() -> Self {
@@ -683,16 +564,11 @@ pub struct OrnithArgmaxParams {
 const _: () = {
     ["Size of OrnithArgmaxParams"][::std::mem::size_of::<OrnithArgmaxParams>() - 32usize];
     ["Alignment of OrnithArgmaxParams"][::std::mem::align_of::<OrnithArgmaxParams>() - 8usize];
-    ["Offset of field: OrnithArgmaxParams::logits"]
-        [::std::mem::offset_of!(OrnithArgmaxParams, logits) - 0usize];
-    ["Offset of field: OrnithArgmaxParams::idx"]
-        [::std::mem::offset_of!(OrnithArgmaxParams, idx) - 8usize];
-    ["Offset of field: OrnithArgmaxParams::tokens"]
-        [::std::mem::offset_of!(OrnithArgmaxParams, tokens) - 16usize];
-    ["Offset of field: OrnithArgmaxParams::n"]
-        [::std::mem::offset_of!(OrnithArgmaxParams, n) - 20usize];
-    ["Offset of field: OrnithArgmaxParams::stride"]
-        [::std::mem::offset_of!(OrnithArgmaxParams, stride) - 24usize];
+    ["Offset of field: OrnithArgmaxParams::logits"][::std::mem::offset_of!(OrnithArgmaxParams, logits) - 0usize];
+    ["Offset of field: OrnithArgmaxParams::idx"][::std::mem::offset_of!(OrnithArgmaxParams, idx) - 8usize];
+    ["Offset of field: OrnithArgmaxParams::tokens"][::std::mem::offset_of!(OrnithArgmaxParams, tokens) - 16usize];
+    ["Offset of field: OrnithArgmaxParams::n"][::std::mem::offset_of!(OrnithArgmaxParams, n) - 20usize];
+    ["Offset of field: OrnithArgmaxParams::stride"][::std::mem::offset_of!(OrnithArgmaxParams, stride) - 24usize];
 };
 impl Default for OrnithArgmaxParams {
     fn default() -> Self {
@@ -726,30 +602,21 @@ const _: () = {
     ["Size of OrnithGemmParams"][::std::mem::size_of::<OrnithGemmParams>() - 88usize];
     ["Alignment of OrnithGemmParams"][::std::mem::align_of::<OrnithGemmParams>() - 8usize];
     ["Offset of field: OrnithGemmParams::a"][::std::mem::offset_of!(OrnithGemmParams, a) - 0usize];
-    ["Offset of field: OrnithGemmParams::a_scale"]
-        [::std::mem::offset_of!(OrnithGemmParams, a_scale) - 8usize];
-    ["Offset of field: OrnithGemmParams::a_rows"]
-        [::std::mem::offset_of!(OrnithGemmParams, a_rows) - 16usize];
+    ["Offset of field: OrnithGemmParams::a_scale"][::std::mem::offset_of!(OrnithGemmParams, a_scale) - 8usize];
+    ["Offset of field: OrnithGemmParams::a_rows"][::std::mem::offset_of!(OrnithGemmParams, a_rows) - 16usize];
     ["Offset of field: OrnithGemmParams::w"][::std::mem::offset_of!(OrnithGemmParams, w) - 24usize];
-    ["Offset of field: OrnithGemmParams::w_scale"]
-        [::std::mem::offset_of!(OrnithGemmParams, w_scale) - 32usize];
+    ["Offset of field: OrnithGemmParams::w_scale"][::std::mem::offset_of!(OrnithGemmParams, w_scale) - 32usize];
     ["Offset of field: OrnithGemmParams::y"][::std::mem::offset_of!(OrnithGemmParams, y) - 40usize];
     ["Offset of field: OrnithGemmParams::group_offsets"]
         [::std::mem::offset_of!(OrnithGemmParams, group_offsets) - 48usize];
     ["Offset of field: OrnithGemmParams::tile_offsets"]
         [::std::mem::offset_of!(OrnithGemmParams, tile_offsets) - 56usize];
-    ["Offset of field: OrnithGemmParams::rows"]
-        [::std::mem::offset_of!(OrnithGemmParams, rows) - 64usize];
-    ["Offset of field: OrnithGemmParams::in_"]
-        [::std::mem::offset_of!(OrnithGemmParams, in_) - 68usize];
-    ["Offset of field: OrnithGemmParams::out"]
-        [::std::mem::offset_of!(OrnithGemmParams, out) - 72usize];
-    ["Offset of field: OrnithGemmParams::a_stride"]
-        [::std::mem::offset_of!(OrnithGemmParams, a_stride) - 76usize];
-    ["Offset of field: OrnithGemmParams::y_stride"]
-        [::std::mem::offset_of!(OrnithGemmParams, y_stride) - 80usize];
-    ["Offset of field: OrnithGemmParams::groups"]
-        [::std::mem::offset_of!(OrnithGemmParams, groups) - 84usize];
+    ["Offset of field: OrnithGemmParams::rows"][::std::mem::offset_of!(OrnithGemmParams, rows) - 64usize];
+    ["Offset of field: OrnithGemmParams::in_"][::std::mem::offset_of!(OrnithGemmParams, in_) - 68usize];
+    ["Offset of field: OrnithGemmParams::out"][::std::mem::offset_of!(OrnithGemmParams, out) - 72usize];
+    ["Offset of field: OrnithGemmParams::a_stride"][::std::mem::offset_of!(OrnithGemmParams, a_stride) - 76usize];
+    ["Offset of field: OrnithGemmParams::y_stride"][::std::mem::offset_of!(OrnithGemmParams, y_stride) - 80usize];
+    ["Offset of field: OrnithGemmParams::groups"][::std::mem::offset_of!(OrnithGemmParams, groups) - 84usize];
 };
 impl Default for OrnithGemmParams {
     fn default() -> Self {
@@ -776,22 +643,17 @@ pub struct OrnithMoeSortParams {
 const _: () = {
     ["Size of OrnithMoeSortParams"][::std::mem::size_of::<OrnithMoeSortParams>() - 56usize];
     ["Alignment of OrnithMoeSortParams"][::std::mem::align_of::<OrnithMoeSortParams>() - 8usize];
-    ["Offset of field: OrnithMoeSortParams::idx"]
-        [::std::mem::offset_of!(OrnithMoeSortParams, idx) - 0usize];
+    ["Offset of field: OrnithMoeSortParams::idx"][::std::mem::offset_of!(OrnithMoeSortParams, idx) - 0usize];
     ["Offset of field: OrnithMoeSortParams::group_offsets"]
         [::std::mem::offset_of!(OrnithMoeSortParams, group_offsets) - 8usize];
     ["Offset of field: OrnithMoeSortParams::tile_offsets"]
         [::std::mem::offset_of!(OrnithMoeSortParams, tile_offsets) - 16usize];
     ["Offset of field: OrnithMoeSortParams::row_token"]
         [::std::mem::offset_of!(OrnithMoeSortParams, row_token) - 24usize];
-    ["Offset of field: OrnithMoeSortParams::row_of"]
-        [::std::mem::offset_of!(OrnithMoeSortParams, row_of) - 32usize];
-    ["Offset of field: OrnithMoeSortParams::tokens"]
-        [::std::mem::offset_of!(OrnithMoeSortParams, tokens) - 40usize];
-    ["Offset of field: OrnithMoeSortParams::top_k"]
-        [::std::mem::offset_of!(OrnithMoeSortParams, top_k) - 44usize];
-    ["Offset of field: OrnithMoeSortParams::experts"]
-        [::std::mem::offset_of!(OrnithMoeSortParams, experts) - 48usize];
+    ["Offset of field: OrnithMoeSortParams::row_of"][::std::mem::offset_of!(OrnithMoeSortParams, row_of) - 32usize];
+    ["Offset of field: OrnithMoeSortParams::tokens"][::std::mem::offset_of!(OrnithMoeSortParams, tokens) - 40usize];
+    ["Offset of field: OrnithMoeSortParams::top_k"][::std::mem::offset_of!(OrnithMoeSortParams, top_k) - 44usize];
+    ["Offset of field: OrnithMoeSortParams::experts"][::std::mem::offset_of!(OrnithMoeSortParams, experts) - 48usize];
 };
 impl Default for OrnithMoeSortParams {
     fn default() -> Self {
@@ -818,10 +680,8 @@ pub struct OrnithMoeCombinePrefillParams {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithMoeCombinePrefillParams"]
-        [::std::mem::size_of::<OrnithMoeCombinePrefillParams>() - 64usize];
-    ["Alignment of OrnithMoeCombinePrefillParams"]
-        [::std::mem::align_of::<OrnithMoeCombinePrefillParams>() - 8usize];
+    ["Size of OrnithMoeCombinePrefillParams"][::std::mem::size_of::<OrnithMoeCombinePrefillParams>() - 64usize];
+    ["Alignment of OrnithMoeCombinePrefillParams"][::std::mem::align_of::<OrnithMoeCombinePrefillParams>() - 8usize];
     ["Offset of field: OrnithMoeCombinePrefillParams::ys"]
         [::std::mem::offset_of!(OrnithMoeCombinePrefillParams, ys) - 0usize];
     ["Offset of field: OrnithMoeCombinePrefillParams::row_of"]
@@ -869,28 +729,21 @@ pub struct OrnithFlashAttnParams {
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
     ["Size of OrnithFlashAttnParams"][::std::mem::size_of::<OrnithFlashAttnParams>() - 64usize];
-    ["Alignment of OrnithFlashAttnParams"]
-        [::std::mem::align_of::<OrnithFlashAttnParams>() - 8usize];
-    ["Offset of field: OrnithFlashAttnParams::q"]
-        [::std::mem::offset_of!(OrnithFlashAttnParams, q) - 0usize];
+    ["Alignment of OrnithFlashAttnParams"][::std::mem::align_of::<OrnithFlashAttnParams>() - 8usize];
+    ["Offset of field: OrnithFlashAttnParams::q"][::std::mem::offset_of!(OrnithFlashAttnParams, q) - 0usize];
     ["Offset of field: OrnithFlashAttnParams::k_cache"]
         [::std::mem::offset_of!(OrnithFlashAttnParams, k_cache) - 8usize];
     ["Offset of field: OrnithFlashAttnParams::v_cache"]
         [::std::mem::offset_of!(OrnithFlashAttnParams, v_cache) - 16usize];
-    ["Offset of field: OrnithFlashAttnParams::qg"]
-        [::std::mem::offset_of!(OrnithFlashAttnParams, qg) - 24usize];
-    ["Offset of field: OrnithFlashAttnParams::out"]
-        [::std::mem::offset_of!(OrnithFlashAttnParams, out) - 32usize];
-    ["Offset of field: OrnithFlashAttnParams::tokens"]
-        [::std::mem::offset_of!(OrnithFlashAttnParams, tokens) - 40usize];
-    ["Offset of field: OrnithFlashAttnParams::pos0"]
-        [::std::mem::offset_of!(OrnithFlashAttnParams, pos0) - 44usize];
+    ["Offset of field: OrnithFlashAttnParams::qg"][::std::mem::offset_of!(OrnithFlashAttnParams, qg) - 24usize];
+    ["Offset of field: OrnithFlashAttnParams::out"][::std::mem::offset_of!(OrnithFlashAttnParams, out) - 32usize];
+    ["Offset of field: OrnithFlashAttnParams::tokens"][::std::mem::offset_of!(OrnithFlashAttnParams, tokens) - 40usize];
+    ["Offset of field: OrnithFlashAttnParams::pos0"][::std::mem::offset_of!(OrnithFlashAttnParams, pos0) - 44usize];
     ["Offset of field: OrnithFlashAttnParams::q_heads"]
         [::std::mem::offset_of!(OrnithFlashAttnParams, q_heads) - 48usize];
     ["Offset of field: OrnithFlashAttnParams::kv_heads"]
         [::std::mem::offset_of!(OrnithFlashAttnParams, kv_heads) - 52usize];
-    ["Offset of field: OrnithFlashAttnParams::scale"]
-        [::std::mem::offset_of!(OrnithFlashAttnParams, scale) - 56usize];
+    ["Offset of field: OrnithFlashAttnParams::scale"][::std::mem::offset_of!(OrnithFlashAttnParams, scale) - 56usize];
 };
 impl Default for OrnithFlashAttnParams {
     fn default() -> Self {

@@ -155,7 +155,13 @@ mod tests {
             let want = source_digest(&kdir(), &cu).unwrap();
             for a in Arch::ALL {
                 let got = stamped_digest(ptx(a, m));
-                assert_eq!(got, Some(want.as_str()), "{} PTX of {} is stale: run `cargo xtask ptx`", a.name(), m.stem());
+                assert_eq!(
+                    got,
+                    Some(want.as_str()),
+                    "{} PTX of {} is stale: run `cargo xtask ptx`",
+                    a.name(),
+                    m.stem()
+                );
             }
         }
     }
@@ -189,8 +195,18 @@ mod tests {
                 for body in parts {
                     let name: String = body.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
                     // the body runs to the next entry (or the end): functions are all inlined
-                    assert!(body.contains("griddepcontrol.wait"), "{:?} {}: kernel {name} never executes griddepcontrol.wait", a, m.stem());
-                    assert!(body.contains("griddepcontrol.launch_dependents"), "{:?} {}: kernel {name} never lets its dependents launch", a, m.stem());
+                    assert!(
+                        body.contains("griddepcontrol.wait"),
+                        "{:?} {}: kernel {name} never executes griddepcontrol.wait",
+                        a,
+                        m.stem()
+                    );
+                    assert!(
+                        body.contains("griddepcontrol.launch_dependents"),
+                        "{:?} {}: kernel {name} never lets its dependents launch",
+                        a,
+                        m.stem()
+                    );
                     entries += 1;
                 }
             }

@@ -22,8 +22,10 @@ const F8: &[DType] = &[DType::F8_E4M3];
 const VEC: &[DType] = &[DType::BF16, DType::F32];
 const SCALE: &[DType] = &[DType::BF16, DType::F32];
 
-const FIX_SHAPE: &str = "this tensor does not fit the dimensions in config.json; use the config.json that came with these weights";
-const FIX_DTYPE: &str = "re-export the checkpoint with the vendor recipe (compressed-tensors FP8_DYNAMIC) or use the BF16 original";
+const FIX_SHAPE: &str =
+    "this tensor does not fit the dimensions in config.json; use the config.json that came with these weights";
+const FIX_DTYPE: &str =
+    "re-export the checkpoint with the vendor recipe (compressed-tensors FP8_DYNAMIC) or use the BF16 original";
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> SpecError + '_ {
     move |source| SpecError::Io { path: path.to_path_buf(), source }
@@ -121,16 +123,40 @@ fn dims_of(path: &Path, t: &TextConfig) -> Result<(Dims, Vec<LayerKind>)> {
         }
     }
     if t.max_position_embeddings == 0 || t.max_position_embeddings > 1 << 32 {
-        return Err(cfg_err(path, "text_config.max_position_embeddings", "a positive integer up to 2^32", t.max_position_embeddings.to_string(), fix));
+        return Err(cfg_err(
+            path,
+            "text_config.max_position_embeddings",
+            "a positive integer up to 2^32",
+            t.max_position_embeddings.to_string(),
+            fix,
+        ));
     }
     if !t.num_attention_heads.is_multiple_of(t.num_key_value_heads) {
-        return Err(cfg_err(path, "text_config.num_attention_heads", format!("a multiple of num_key_value_heads ({})", t.num_key_value_heads), t.num_attention_heads.to_string(), fix));
+        return Err(cfg_err(
+            path,
+            "text_config.num_attention_heads",
+            format!("a multiple of num_key_value_heads ({})", t.num_key_value_heads),
+            t.num_attention_heads.to_string(),
+            fix,
+        ));
     }
     if !t.linear_num_value_heads.is_multiple_of(t.linear_num_key_heads) {
-        return Err(cfg_err(path, "text_config.linear_num_value_heads", format!("a multiple of linear_num_key_heads ({})", t.linear_num_key_heads), t.linear_num_value_heads.to_string(), fix));
+        return Err(cfg_err(
+            path,
+            "text_config.linear_num_value_heads",
+            format!("a multiple of linear_num_key_heads ({})", t.linear_num_key_heads),
+            t.linear_num_value_heads.to_string(),
+            fix,
+        ));
     }
     if t.num_experts_per_tok > t.num_experts {
-        return Err(cfg_err(path, "text_config.num_experts_per_tok", format!("at most num_experts ({})", t.num_experts), t.num_experts_per_tok.to_string(), fix));
+        return Err(cfg_err(
+            path,
+            "text_config.num_experts_per_tok",
+            format!("at most num_experts ({})", t.num_experts),
+            t.num_experts_per_tok.to_string(),
+            fix,
+        ));
     }
     if t.hidden_act != "silu" {
         return Err(cfg_err(path, "text_config.hidden_act", "\"silu\"", format!("{:?}", t.hidden_act), fix));
@@ -139,10 +165,22 @@ fn dims_of(path: &Path, t: &TextConfig) -> Result<(Dims, Vec<LayerKind>)> {
         return Err(cfg_err(path, "text_config.attention_bias", "false", "true", fix));
     }
     if t.attn_output_gate == Some(false) {
-        return Err(cfg_err(path, "text_config.attn_output_gate", "true (Qwen3.5 always gates attention)", "false", fix));
+        return Err(cfg_err(
+            path,
+            "text_config.attn_output_gate",
+            "true (Qwen3.5 always gates attention)",
+            "false",
+            fix,
+        ));
     }
     if t.norm_topk_prob == Some(false) {
-        return Err(cfg_err(path, "text_config.norm_topk_prob", "true or absent (Qwen3.5 renormalises the top-k)", "false", fix));
+        return Err(cfg_err(
+            path,
+            "text_config.norm_topk_prob",
+            "true or absent (Qwen3.5 renormalises the top-k)",
+            "false",
+            fix,
+        ));
     }
     if t.tie_word_embeddings == Some(true) {
         return Err(cfg_err(path, "text_config.tie_word_embeddings", "false (separate lm_head)", "true", fix));
@@ -150,17 +188,39 @@ fn dims_of(path: &Path, t: &TextConfig) -> Result<(Dims, Vec<LayerKind>)> {
     let rp = t.rope_parameters.as_ref();
     if let Some(kind) = rp.and_then(|r| r.rope_type.as_deref()) {
         if kind != "default" {
-            return Err(cfg_err(path, "text_config.rope_parameters.rope_type", "\"default\"", format!("{kind:?} (RoPE scaling is not implemented)"), fix));
+            return Err(cfg_err(
+                path,
+                "text_config.rope_parameters.rope_type",
+                "\"default\"",
+                format!("{kind:?} (RoPE scaling is not implemented)"),
+                fix,
+            ));
         }
     }
     let partial = rp.and_then(|r| r.partial_rotary_factor).or(t.partial_rotary_factor).unwrap_or(0.25);
     let theta = rp.and_then(|r| r.rope_theta).or(t.rope_theta).unwrap_or(10_000_000.0);
     let rotary = (t.head_dim as f64 * partial) as usize;
-    if rotary == 0 || !rotary.is_multiple_of(2) || rotary > t.head_dim || (rotary as f64 - t.head_dim as f64 * partial).abs() > 1e-9 {
-        return Err(cfg_err(path, "text_config.partial_rotary_factor", format!("a factor giving an even rotary dim ≤ head_dim {}", t.head_dim), partial.to_string(), fix));
+    if rotary == 0
+        || !rotary.is_multiple_of(2)
+        || rotary > t.head_dim
+        || (rotary as f64 - t.head_dim as f64 * partial).abs() > 1e-9
+    {
+        return Err(cfg_err(
+            path,
+            "text_config.partial_rotary_factor",
+            format!("a factor giving an even rotary dim ≤ head_dim {}", t.head_dim),
+            partial.to_string(),
+            fix,
+        ));
     }
     if !(theta.is_finite() && theta > 0.0) {
-        return Err(cfg_err(path, "text_config.rope_parameters.rope_theta", "a positive number", theta.to_string(), fix));
+        return Err(cfg_err(
+            path,
+            "text_config.rope_parameters.rope_theta",
+            "a positive number",
+            theta.to_string(),
+            fix,
+        ));
     }
     if !(t.rms_norm_eps.is_finite() && t.rms_norm_eps > 0.0) {
         return Err(cfg_err(path, "text_config.rms_norm_eps", "a positive number", t.rms_norm_eps.to_string(), fix));
@@ -168,14 +228,26 @@ fn dims_of(path: &Path, t: &TextConfig) -> Result<(Dims, Vec<LayerKind>)> {
     let kinds = match &t.layer_types {
         Some(list) => {
             if list.len() != t.num_hidden_layers {
-                return Err(cfg_err(path, "text_config.layer_types", format!("{} entries (num_hidden_layers)", t.num_hidden_layers), format!("{} entries", list.len()), fix));
+                return Err(cfg_err(
+                    path,
+                    "text_config.layer_types",
+                    format!("{} entries (num_hidden_layers)", t.num_hidden_layers),
+                    format!("{} entries", list.len()),
+                    fix,
+                ));
             }
             list.iter()
                 .enumerate()
                 .map(|(i, k)| match k.as_str() {
                     "linear_attention" => Ok(LayerKind::LinearAttention),
                     "full_attention" => Ok(LayerKind::FullAttention),
-                    other => Err(cfg_err(path, &format!("text_config.layer_types[{i}]"), "\"linear_attention\" or \"full_attention\"", format!("{other:?}"), fix)),
+                    other => Err(cfg_err(
+                        path,
+                        &format!("text_config.layer_types[{i}]"),
+                        "\"linear_attention\" or \"full_attention\"",
+                        format!("{other:?}"),
+                        fix,
+                    )),
                 })
                 .collect::<Result<Vec<_>>>()?
         }
@@ -253,7 +325,11 @@ impl Planner<'_> {
                 self.expect(w, F8, vec![out_f, in_f], FIX_SHAPE);
                 self.expected.insert(
                     format!("{module}.weight_scale"),
-                    Expect { dtypes: SCALE, shapes: vec![vec![out_f, 1], vec![out_f]], fix: "a per-output-channel scale is required for FP8 weights" },
+                    Expect {
+                        dtypes: SCALE,
+                        shapes: vec![vec![out_f, 1], vec![out_f]],
+                        fix: "a per-output-channel scale is required for FP8 weights",
+                    },
                 );
             }
         }
@@ -261,7 +337,13 @@ impl Planner<'_> {
     }
 
     /// The ignore list and the stored dtype must tell the same story.
-    fn check_stored_precision(&self, weight: &str, precision: Precision, ignored_by: Option<&str>, quantizable: bool) -> Result<()> {
+    fn check_stored_precision(
+        &self,
+        weight: &str,
+        precision: Precision,
+        ignored_by: Option<&str>,
+        quantizable: bool,
+    ) -> Result<()> {
         let Some((_, e)) = self.stored.get(weight) else { return Ok(()) }; // reported as missing later
         let stored_fp8 = e.dtype == DType::F8_E4M3;
         let path = self.shard_path(weight);
@@ -315,8 +397,11 @@ pub fn load_checkpoint(dir: &Path) -> Result<ModelSpec> {
     let single = dir.join("model.safetensors");
     let (index_bytes, weight_map): (Vec<u8>, BTreeMap<String, String>) = if index_path.exists() {
         let bytes = std::fs::read(&index_path).map_err(io(&index_path))?;
-        let idx: SafetensorsIndex = serde_json::from_slice(&bytes)
-            .map_err(|source| SpecError::Json { path: index_path.clone(), what: "model.safetensors.index.json", source })?;
+        let idx: SafetensorsIndex = serde_json::from_slice(&bytes).map_err(|source| SpecError::Json {
+            path: index_path.clone(),
+            what: "model.safetensors.index.json",
+            source,
+        })?;
         (bytes, idx.weight_map)
     } else if single.exists() {
         let h = read_header(&single)?;
@@ -330,7 +415,11 @@ pub fn load_checkpoint(dir: &Path) -> Result<ModelSpec> {
     for shard in shard_names {
         let p = dir.join(shard);
         if shard.contains('/') || shard.contains('\\') || shard.starts_with('.') {
-            return Err(SpecError::IndexMismatch { path: index_path.clone(), tensor: shard.clone(), reason: "shard names must be plain file names inside the checkpoint directory".into() });
+            return Err(SpecError::IndexMismatch {
+                path: index_path.clone(),
+                tensor: shard.clone(),
+                reason: "shard names must be plain file names inside the checkpoint directory".into(),
+            });
         }
         if !p.exists() {
             let tensor = weight_map.iter().find(|(_, s)| *s == shard).map(|(t, _)| t.clone()).unwrap_or_default();
@@ -343,14 +432,22 @@ pub fn load_checkpoint(dir: &Path) -> Result<ModelSpec> {
     for (name, shard) in &weight_map {
         let h = &headers[shard];
         let Some(e) = h.tensors.get(name) else {
-            return Err(SpecError::IndexMismatch { path: dir.join(shard), tensor: name.clone(), reason: format!("the index places it in {shard}, but that shard's header does not contain it") });
+            return Err(SpecError::IndexMismatch {
+                path: dir.join(shard),
+                tensor: name.clone(),
+                reason: format!("the index places it in {shard}, but that shard's header does not contain it"),
+            });
         };
         stored.insert(name.clone(), (shard.clone(), e.clone()));
     }
     for (shard, h) in &headers {
         for name in h.tensors.keys() {
             if weight_map.get(name) != Some(shard) {
-                return Err(SpecError::IndexMismatch { path: dir.join(shard), tensor: name.clone(), reason: "stored in this shard but the index does not list it here".into() });
+                return Err(SpecError::IndexMismatch {
+                    path: dir.join(shard),
+                    tensor: name.clone(),
+                    reason: "stored in this shard but the index does not list it here".into(),
+                });
             }
         }
     }
@@ -378,7 +475,12 @@ pub fn load_checkpoint(dir: &Path) -> Result<ModelSpec> {
             LayerKind::LinearAttention => {
                 let m = format!("{l}.linear_attn");
                 let hv = dims.linear_num_value_heads;
-                pl.expect(format!("{m}.conv1d.weight"), VEC, vec![dims.conv_dim(), 1, dims.linear_conv_kernel_dim], FIX_SHAPE);
+                pl.expect(
+                    format!("{m}.conv1d.weight"),
+                    VEC,
+                    vec![dims.conv_dim(), 1, dims.linear_conv_kernel_dim],
+                    FIX_SHAPE,
+                );
                 pl.expect(format!("{m}.dt_bias"), VEC, vec![hv], FIX_SHAPE);
                 pl.expect(format!("{m}.A_log"), VEC, vec![hv], FIX_SHAPE);
                 pl.expect(format!("{m}.norm.weight"), VEC, vec![dims.linear_value_head_dim], FIX_SHAPE);
@@ -407,13 +509,29 @@ pub fn load_checkpoint(dir: &Path) -> Result<ModelSpec> {
         let m = format!("{l}.mlp");
         let gate = pl.linear(format!("{m}.gate"), dims.num_experts, h, false)?;
         let shared_expert = MlpSpec {
-            gate_proj: pl.linear(format!("{m}.shared_expert.gate_proj"), dims.shared_expert_intermediate_size, h, true)?,
+            gate_proj: pl.linear(
+                format!("{m}.shared_expert.gate_proj"),
+                dims.shared_expert_intermediate_size,
+                h,
+                true,
+            )?,
             up_proj: pl.linear(format!("{m}.shared_expert.up_proj"), dims.shared_expert_intermediate_size, h, true)?,
-            down_proj: pl.linear(format!("{m}.shared_expert.down_proj"), h, dims.shared_expert_intermediate_size, true)?,
+            down_proj: pl.linear(
+                format!("{m}.shared_expert.down_proj"),
+                h,
+                dims.shared_expert_intermediate_size,
+                true,
+            )?,
         };
         let shared_expert_gate = pl.linear(format!("{m}.shared_expert_gate"), 1, h, true)?;
         let experts = plan_experts(&mut pl, &format!("{m}.experts"), &dims)?;
-        layers.push(LayerSpec { index: i, kind, module: l, mixer, mlp: MoeSpec { gate, experts, shared_expert, shared_expert_gate } });
+        layers.push(LayerSpec {
+            index: i,
+            kind,
+            module: l,
+            mixer,
+            mlp: MoeSpec { gate, experts, shared_expert, shared_expert_gate },
+        });
     }
 
     // --- compare inventory with what is stored ------------------------------------------
@@ -445,7 +563,11 @@ pub fn load_checkpoint(dir: &Path) -> Result<ModelSpec> {
         } else if name.starts_with("mtp.") {
             mtp += 1;
         } else {
-            return Err(SpecError::ExtraTensor { path: dir.join(shard), tensor: name.clone(), found: format!("{} {:?}", e.dtype, e.shape) });
+            return Err(SpecError::ExtraTensor {
+                path: dir.join(shard),
+                tensor: name.clone(),
+                found: format!("{} {:?}", e.dtype, e.shape),
+            });
         }
     }
     for (name, exp) in &pl.expected {
@@ -512,11 +634,22 @@ fn plan_experts(pl: &mut Planner<'_>, m: &str, d: &Dims) -> Result<ExpertsSpec> 
         // them, so they must be BF16.
         pl.expect(format!("{m}.gate_up_proj"), BF16, vec![e, 2 * i, h], FIX_SHAPE);
         pl.expect(format!("{m}.down_proj"), BF16, vec![e, h, i], FIX_SHAPE);
-        return Ok(ExpertsSpec { module: m.into(), layout: ExpertLayout::Fused, num_experts: e, intermediate_size: i, hidden_size: h, gate_proj: Precision::Bf16, up_proj: Precision::Bf16, down_proj: Precision::Bf16 });
+        return Ok(ExpertsSpec {
+            module: m.into(),
+            layout: ExpertLayout::Fused,
+            num_experts: e,
+            intermediate_size: i,
+            hidden_size: h,
+            gate_proj: Precision::Bf16,
+            up_proj: Precision::Bf16,
+            down_proj: Precision::Bf16,
+        });
     }
     let mut prec = [None::<Precision>; 3];
     for x in 0..e {
-        for (k, (proj, out_f, in_f)) in [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)].into_iter().enumerate() {
+        for (k, (proj, out_f, in_f)) in
+            [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)].into_iter().enumerate()
+        {
             let spec = pl.linear(format!("{m}.{x}.{proj}"), out_f, in_f, true)?;
             match prec[k] {
                 None => prec[k] = Some(spec.precision),

@@ -6,10 +6,19 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
     #[error("{path}: cannot read: {source}. Fix: point --model (or ORNITH_MODEL) at a checkpoint directory that contains it.")]
-    Io { path: PathBuf, #[source] source: std::io::Error },
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 
     #[error("{path}: not valid JSON for {what}: {source}. Fix: restore this file from the original checkpoint.")]
-    Json { path: PathBuf, what: &'static str, #[source] source: serde_json::Error },
+    Json {
+        path: PathBuf,
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
 
     #[error("{path}: {field}: expected {expected}, found {found}. Fix: {fix}")]
     Config { path: PathBuf, field: String, expected: String, found: String, fix: String },
@@ -29,7 +38,9 @@ pub enum SpecError {
     #[error("{path}: invalid safetensors file: {reason}. Fix: the shard is truncated or corrupt; download it again.")]
     BadShard { path: PathBuf, reason: String },
 
-    #[error("{path}: tensor {tensor}: {reason}. Fix: the index and the shards disagree; download the checkpoint again.")]
+    #[error(
+        "{path}: tensor {tensor}: {reason}. Fix: the index and the shards disagree; download the checkpoint again."
+    )]
     IndexMismatch { path: PathBuf, tensor: String, reason: String },
 
     #[error("{path}: missing tensor {tensor} (expected {expected}). Fix: the checkpoint is incomplete or is not a Qwen3.5-MoE export; download it again.")]

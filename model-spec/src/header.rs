@@ -112,9 +112,9 @@ fn diagnose(bytes: &[u8]) -> Option<String> {
             None => return Some(format!("tensor {name}: shape {shape:?} × {dtype} overflows 64 bits")),
             Some(w) if w != e - s => {
                 return Some(format!(
-                    "tensor {name}: dtype {dtype} × shape {shape:?} = {w} bytes, but data_offsets [{s}, {e}] span {} bytes",
-                    e - s
-                ))
+                "tensor {name}: dtype {dtype} × shape {shape:?} = {w} bytes, but data_offsets [{s}, {e}] span {} bytes",
+                e - s
+            ))
             }
             _ => {}
         }
@@ -136,7 +136,9 @@ fn diagnose(bytes: &[u8]) -> Option<String> {
             ));
         }
         if s > pos {
-            return Some(format!("tensor {name}: data_offsets start at {s}, leaving a gap after byte {pos} of the data section"));
+            return Some(format!(
+                "tensor {name}: data_offsets start at {s}, leaving a gap after byte {pos} of the data section"
+            ));
         }
         pos = e;
         prev = Some(name);
@@ -173,6 +175,7 @@ pub fn read_header(path: &Path) -> Result<ShardHeader> {
     }
     // SAFETY: the map is read-only and lives only for this call; a concurrent writer could
     // change the bytes under us, which at worst makes the header parse fail.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| SpecError::Io { path: path.to_path_buf(), source })?;
+    let map =
+        unsafe { memmap2::Mmap::map(&file) }.map_err(|source| SpecError::Io { path: path.to_path_buf(), source })?;
     parse_header(path, &map)
 }

@@ -10,13 +10,13 @@
 //! graph at compile time; the runtime re-reads the checkpoint headers at load and compares the
 //! fingerprint.
 
+mod build;
 pub mod config;
 pub mod error;
 pub mod fp8;
 pub mod header;
 pub mod quant;
 pub mod report;
-mod build;
 
 pub use build::{load_checkpoint, text_prefix_of};
 pub use error::{Result, SpecError};
@@ -345,10 +345,8 @@ impl ModelSpec {
 
     pub fn read(path: &Path) -> Result<Self> {
         let bytes = std::fs::read(path).map_err(|source| SpecError::Io { path: path.to_path_buf(), source })?;
-        let spec: ModelSpec = serde_json::from_slice(&bytes).map_err(|e| SpecError::SpecFile {
-            path: path.to_path_buf(),
-            reason: format!("not a valid spec: {e}"),
-        })?;
+        let spec: ModelSpec = serde_json::from_slice(&bytes)
+            .map_err(|e| SpecError::SpecFile { path: path.to_path_buf(), reason: format!("not a valid spec: {e}") })?;
         if spec.format_version != SPEC_FORMAT_VERSION {
             return Err(SpecError::SpecFile {
                 path: path.to_path_buf(),

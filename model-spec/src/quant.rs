@@ -100,7 +100,10 @@ pub fn validate_scheme(path: &Path, q: &QuantizationConfig) -> Result<()> {
             }
         }
         let Some(w) = &g.weights else { return refuse(format!("config_groups.{name} has no weights scheme")) };
-        if w.num_bits != 8 || w.kind != "float" || w.strategy.as_deref() != Some("channel") || !dynamic_is(w, false)
+        if w.num_bits != 8
+            || w.kind != "float"
+            || w.strategy.as_deref() != Some("channel")
+            || !dynamic_is(w, false)
             || w.symmetric == Some(false)
         {
             return refuse(format!(
@@ -111,7 +114,10 @@ pub fn validate_scheme(path: &Path, q: &QuantizationConfig) -> Result<()> {
         let Some(a) = &g.input_activations else {
             return refuse(format!("config_groups.{name} has no input_activations (weight-only FP8 is not W8A8)"));
         };
-        if a.num_bits != 8 || a.kind != "float" || a.strategy.as_deref() != Some("token") || !dynamic_is(a, true)
+        if a.num_bits != 8
+            || a.kind != "float"
+            || a.strategy.as_deref() != Some("token")
+            || !dynamic_is(a, true)
             || a.symmetric == Some(false)
         {
             return refuse(format!(

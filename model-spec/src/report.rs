@@ -85,8 +85,13 @@ pub fn render(spec: &ModelSpec) -> String {
     }
     match &spec.quant {
         Some(q) => {
-            let _ = writeln!(s, "quantization {} / {}: FP8 E4M3 weights, per-channel scales, dynamic per-token activations", q.quant_method, q.format);
-            let _ = writeln!(s, "ignore list  {} entr{}:", q.ignore.len(), if q.ignore.len() == 1 { "y" } else { "ies" });
+            let _ = writeln!(
+                s,
+                "quantization {} / {}: FP8 E4M3 weights, per-channel scales, dynamic per-token activations",
+                q.quant_method, q.format
+            );
+            let _ =
+                writeln!(s, "ignore list  {} entr{}:", q.ignore.len(), if q.ignore.len() == 1 { "y" } else { "ies" });
             for p in q.ignore.iter().take(12) {
                 let _ = writeln!(s, "  {p}");
             }
@@ -102,7 +107,11 @@ pub fn render(spec: &ModelSpec) -> String {
     for l in &spec.layers {
         let e = &l.mlp.experts;
         for p in [e.gate_proj, e.up_proj, e.down_proj] {
-            if p == crate::Precision::Fp8 { fp8 += e.num_experts } else { bf16 += e.num_experts }
+            if p == crate::Precision::Fp8 {
+                fp8 += e.num_experts
+            } else {
+                bf16 += e.num_experts
+            }
         }
     }
     let layout = match spec.layers.first().map(|l| l.mlp.experts.layout) {
@@ -112,9 +121,15 @@ pub fn render(spec: &ModelSpec) -> String {
     };
     let _ = writeln!(s, "routed expert Linears: {fp8} FP8, {bf16} BF16 (layout: {layout})");
     let mtp = if spec.mtp_tensors > 0 {
-        format!("present: {} mtp.* tensors (config mtp_num_hidden_layers: {}) — not used by this engine", spec.mtp_tensors, spec.mtp_config_layers)
+        format!(
+            "present: {} mtp.* tensors (config mtp_num_hidden_layers: {}) — not used by this engine",
+            spec.mtp_tensors, spec.mtp_config_layers
+        )
     } else if spec.mtp_config_layers > 0 {
-        format!("absent: the config says mtp_num_hidden_layers: {} but the index holds no mtp.* tensor", spec.mtp_config_layers)
+        format!(
+            "absent: the config says mtp_num_hidden_layers: {} but the index holds no mtp.* tensor",
+            spec.mtp_config_layers
+        )
     } else {
         "absent (mtp_num_hidden_layers: 0, no mtp.* tensor)".to_string()
     };
@@ -122,6 +137,11 @@ pub fn render(spec: &ModelSpec) -> String {
     let _ = writeln!(s, "visual       {} tensors (not used: this build serves text only)", spec.visual_tensors);
     let _ = writeln!(s, "device bytes for weights  {}", gib(spec.device_weight_bytes()));
     let kv = spec.dims.kv_bytes_per_token(full);
-    let _ = writeln!(s, "KV cache     {kv} B per token (BF16 K+V, {full} layers); {} for the full {}-token window", gib(kv * spec.dims.max_position_embeddings as u64), spec.dims.max_position_embeddings);
+    let _ = writeln!(
+        s,
+        "KV cache     {kv} B per token (BF16 K+V, {full} layers); {} for the full {}-token window",
+        gib(kv * spec.dims.max_position_embeddings as u64),
+        spec.dims.max_position_embeddings
+    );
     s
 }

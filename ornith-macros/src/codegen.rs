@@ -44,8 +44,15 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
     let (vocab, hidden, layers_n) = (d.vocab_size, d.hidden_size, d.num_hidden_layers);
     let (nh, nkv, hd, rot) = (d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.rotary_dim);
     let theta = d.rope_theta;
-    let (lk, lv, lkd, lvd, ck) = (d.linear_num_key_heads, d.linear_num_value_heads, d.linear_key_head_dim, d.linear_value_head_dim, d.linear_conv_kernel_dim);
-    let (ne, topk, mi, si) = (d.num_experts, d.num_experts_per_tok, d.moe_intermediate_size, d.shared_expert_intermediate_size);
+    let (lk, lv, lkd, lvd, ck) = (
+        d.linear_num_key_heads,
+        d.linear_num_value_heads,
+        d.linear_key_head_dim,
+        d.linear_value_head_dim,
+        d.linear_conv_kernel_dim,
+    );
+    let (ne, topk, mi, si) =
+        (d.num_experts, d.num_experts_per_tok, d.moe_intermediate_size, d.shared_expert_intermediate_size);
     let eps = d.rms_norm_eps;
     let maxpos = d.max_position_embeddings;
 
@@ -77,7 +84,13 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
         let post_norm = format!("{lm}.post_attention_layernorm.weight");
         let (mixer_ty, mixer_load, kind_doc, mixer_docs) = match &l.mixer {
             MixerSpec::LinearAttention(m) => {
-                let (a, bq, c, dd, o) = (prec(m.in_proj_qkv.precision), prec(m.in_proj_z.precision), prec(m.in_proj_b.precision), prec(m.in_proj_a.precision), prec(m.out_proj.precision));
+                let (a, bq, c, dd, o) = (
+                    prec(m.in_proj_qkv.precision),
+                    prec(m.in_proj_z.precision),
+                    prec(m.in_proj_b.precision),
+                    prec(m.in_proj_a.precision),
+                    prec(m.out_proj.precision),
+                );
                 let ty = quote!(#g::GatedDeltaNet<B, #a, #bq, #c, #dd, #o>);
                 let base = m.in_proj_qkv.module.trim_end_matches(".in_proj_qkv").to_string();
                 let conv = format!("{base}.conv1d.weight");
@@ -85,7 +98,13 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
                 let alog = format!("{base}.A_log");
                 let nrm = format!("{base}.norm.weight");
                 let conv_dim = 2 * lk * lkd + lv * lvd;
-                let (lq, lz, lb, la, lo) = (load_lin(&m.in_proj_qkv), load_lin(&m.in_proj_z), load_lin(&m.in_proj_b), load_lin(&m.in_proj_a), load_lin(&m.out_proj));
+                let (lq, lz, lb, la, lo) = (
+                    load_lin(&m.in_proj_qkv),
+                    load_lin(&m.in_proj_z),
+                    load_lin(&m.in_proj_b),
+                    load_lin(&m.in_proj_a),
+                    load_lin(&m.out_proj),
+                );
                 let load = quote!(#g::GatedDeltaNet {
                     in_proj_qkv: #lq,
                     in_proj_z: #lz,
@@ -97,16 +116,28 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
                     norm: b.load_vector(ck, #nrm, &[#lvd])?,
                     out_proj: #lo,
                 });
-                let docs = vec![lin_doc(&m.in_proj_qkv), lin_doc(&m.in_proj_z), lin_doc(&m.in_proj_b), lin_doc(&m.in_proj_a), lin_doc(&m.out_proj)];
+                let docs = vec![
+                    lin_doc(&m.in_proj_qkv),
+                    lin_doc(&m.in_proj_z),
+                    lin_doc(&m.in_proj_b),
+                    lin_doc(&m.in_proj_a),
+                    lin_doc(&m.out_proj),
+                ];
                 (ty, load, "Gated DeltaNet", docs)
             }
             MixerSpec::FullAttention(m) => {
-                let (q, k, v, o) = (prec(m.q_proj.precision), prec(m.k_proj.precision), prec(m.v_proj.precision), prec(m.o_proj.precision));
+                let (q, k, v, o) = (
+                    prec(m.q_proj.precision),
+                    prec(m.k_proj.precision),
+                    prec(m.v_proj.precision),
+                    prec(m.o_proj.precision),
+                );
                 let ty = quote!(#g::GatedAttention<B, #q, #k, #v, #o>);
                 let base = m.q_proj.module.trim_end_matches(".q_proj").to_string();
                 let qn = format!("{base}.q_norm.weight");
                 let kn = format!("{base}.k_norm.weight");
-                let (lq, lk_, lv_, lo) = (load_lin(&m.q_proj), load_lin(&m.k_proj), load_lin(&m.v_proj), load_lin(&m.o_proj));
+                let (lq, lk_, lv_, lo) =
+                    (load_lin(&m.q_proj), load_lin(&m.k_proj), load_lin(&m.v_proj), load_lin(&m.o_proj));
                 let load = quote!(#g::GatedAttention {
                     q_proj: #lq,
                     k_proj: #lk_,
@@ -124,7 +155,12 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
         docs.push(lin_doc(&moe.gate));
         docs.push(format!(
             " `{}` — {} routed experts ({:?} layout), gate/up/down {}/{}/{}",
-            e.module, e.num_experts, e.layout, pname(e.gate_proj), pname(e.up_proj), pname(e.down_proj)
+            e.module,
+            e.num_experts,
+            e.layout,
+            pname(e.gate_proj),
+            pname(e.up_proj),
+            pname(e.down_proj)
         ));
         docs.push(lin_doc(&moe.shared_expert.gate_proj));
         docs.push(lin_doc(&moe.shared_expert.up_proj));
@@ -143,7 +179,12 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
             model_spec::ExpertLayout::Fused => quote!(::model_spec::ExpertLayout::Fused),
         };
         let em = &e.module;
-        let (gl, sgl, sul, sdl) = (load_lin(&moe.gate), load_lin(&moe.shared_expert.gate_proj), load_lin(&moe.shared_expert.up_proj), load_lin(&moe.shared_expert.down_proj));
+        let (gl, sgl, sul, sdl) = (
+            load_lin(&moe.gate),
+            load_lin(&moe.shared_expert.gate_proj),
+            load_lin(&moe.shared_expert.up_proj),
+            load_lin(&moe.shared_expert.down_proj),
+        );
         let segl = load_lin(&moe.shared_expert_gate);
         let (ene, emi, ehi) = (e.num_experts, e.intermediate_size, e.hidden_size);
         loads.push(quote! {

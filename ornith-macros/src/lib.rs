@@ -39,7 +39,10 @@ fn spec_path(input: TokenStream) -> Result<PathBuf, String> {
             let v = s.value();
             // `$OUT_DIR/...`: a spec the invoking crate's build script wrote.
             match v.strip_prefix("$OUT_DIR/") {
-                Some(rest) => Ok(PathBuf::from(std::env::var("OUT_DIR").map_err(|_| "`$OUT_DIR` used but the crate has no build script")?).join(rest)),
+                Some(rest) => Ok(PathBuf::from(
+                    std::env::var("OUT_DIR").map_err(|_| "`$OUT_DIR` used but the crate has no build script")?,
+                )
+                .join(rest)),
                 None => Ok(manifest.join(v)),
             }
         }

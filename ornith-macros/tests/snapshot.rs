@@ -42,8 +42,14 @@ fn precision_follows_the_checkpoint() {
     // Same model, two exports: FP8 Linears appear exactly where llm-compressor quantised.
     let fp8 = expand("micro-fp8");
     let bf16 = expand("micro-bf16");
-    assert!(fp8.contains("graph::GatedAttention<B, Fp8, Fp8, Fp8, Fp8>"), "attention q/k/v/o are FP8 in the FP8 export");
-    assert!(fp8.contains("graph::GatedDeltaNet<B, Bf16, Bf16, Bf16, Bf16, Bf16>"), "linear_attn stays BF16 (ignore pattern)");
+    assert!(
+        fp8.contains("graph::GatedAttention<B, Fp8, Fp8, Fp8, Fp8>"),
+        "attention q/k/v/o are FP8 in the FP8 export"
+    );
+    assert!(
+        fp8.contains("graph::GatedDeltaNet<B, Bf16, Bf16, Bf16, Bf16, Bf16>"),
+        "linear_attn stays BF16 (ignore pattern)"
+    );
     // Only the import names Fp8 in the BF16 export: no Linear has it as its type.
     assert_eq!(bf16.matches("Fp8").count(), 1, "the BF16 export has no FP8 Linear");
     assert_ne!(fp8, bf16);

@@ -47,22 +47,14 @@ fn py_str(v: &Value) -> String {
 struct PyJsonFormatter;
 
 impl serde_json::ser::Formatter for PyJsonFormatter {
-    fn begin_array_value<W: ?Sized + std::io::Write>(
-        &mut self,
-        w: &mut W,
-        first: bool,
-    ) -> std::io::Result<()> {
+    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
         if first {
             Ok(())
         } else {
             w.write_all(b", ")
         }
     }
-    fn begin_object_key<W: ?Sized + std::io::Write>(
-        &mut self,
-        w: &mut W,
-        first: bool,
-    ) -> std::io::Result<()> {
+    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
         if first {
             Ok(())
         } else {
@@ -86,9 +78,7 @@ fn tojson_filter(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
     // transformers' tojson accepts ensure_ascii/indent/separators/sort_keys; only the defaults
     // (the form this template uses) are implemented.
     kwargs.assert_all_used()?;
-    py_json_dumps(&value)
-        .map(Value::from)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))
+    py_json_dumps(&value).map(Value::from).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))
 }
 
 fn raise_exception(msg: String) -> Result<Value, Error> {
@@ -114,8 +104,7 @@ fn build_env(source: String) -> Result<Environment<'static>> {
     env.add_filter("string", |v: Value| py_str(&v));
     env.add_filter("trim", |s: String| s.trim_matches(is_py_space).to_string());
     env.add_function("raise_exception", raise_exception);
-    env.add_template_owned(TEMPLATE_NAME, source)
-        .map_err(|e| anyhow!("chat template does not parse: {e:#}"))?;
+    env.add_template_owned(TEMPLATE_NAME, source).map_err(|e| anyhow!("chat template does not parse: {e:#}"))?;
     Ok(env)
 }
 
@@ -131,15 +120,10 @@ fn normalise_messages(messages: &serde_json::Value) -> Result<serde_json::Value>
             continue;
         };
         for (j, call) in calls.iter_mut().enumerate() {
-            let func = if call.get("function").is_some_and(|f| f.is_object()) {
-                &mut call["function"]
-            } else {
-                call
-            };
+            let func = if call.get("function").is_some_and(|f| f.is_object()) { &mut call["function"] } else { call };
             if let Some(serde_json::Value::String(s)) = func.get("arguments") {
-                let parsed: serde_json::Value = serde_json::from_str(s).with_context(|| {
-                    format!("message {i}, tool call {j}: arguments is not valid JSON")
-                })?;
+                let parsed: serde_json::Value = serde_json::from_str(s)
+                    .with_context(|| format!("message {i}, tool call {j}: arguments is not valid JSON"))?;
                 func["arguments"] = parsed;
             }
         }
@@ -149,15 +133,12 @@ fn normalise_messages(messages: &serde_json::Value) -> Result<serde_json::Value>
 
 impl ChatTemplate {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let source =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let source = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         Self::from_source(source).with_context(|| format!("loading {}", path.display()))
     }
 
     pub fn from_source(source: String) -> Result<Self> {
-        Ok(Self {
-            env: build_env(source)?,
-        })
+        Ok(Self { env: build_env(source)? })
     }
 
     /// messages: OpenAI-style array; tools: optional OpenAI tools array; kwargs: chat_template_kwargs (e.g. enable_thinking).
@@ -175,17 +156,10 @@ impl ChatTemplate {
             ctx.insert(k.clone(), v.clone());
         }
         ctx.insert("messages".into(), messages);
-        ctx.insert(
-            "tools".into(),
-            tools.cloned().unwrap_or(serde_json::Value::Null),
-        );
+        ctx.insert("tools".into(), tools.cloned().unwrap_or(serde_json::Value::Null));
         ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
-        let tmpl = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .expect("template added at construction");
-        tmpl.render(Value::from(minijinja::value::Serde(&ctx)))
-            .map_err(template_error)
+        let tmpl = self.env.get_template(TEMPLATE_NAME).expect("template added at construction");
+        tmpl.render(Value::from(minijinja::value::Serde(&ctx))).map_err(template_error)
     }
 }
 
@@ -214,31 +188,21 @@ mod tests {
     #[test]
     fn json_dumps_matches_python() {
         let v = json!({"b": 1, "a": [true, null, 1.5, "é\n\"x\""], "c": {}});
-        assert_eq!(
-            py_json_dumps(&v).unwrap(),
-            r#"{"b": 1, "a": [true, null, 1.5, "é\n\"x\""], "c": {}}"#
-        );
+        assert_eq!(py_json_dumps(&v).unwrap(), r#"{"b": 1, "a": [true, null, 1.5, "é\n\"x\""], "c": {}}"#);
     }
 
     #[test]
     fn python_str_and_trim() {
-        let t = ChatTemplate::from_source("{{ a }}|{{ b|string }}|{{ c }}|{{ d|trim }}|".into())
-            .unwrap();
+        let t = ChatTemplate::from_source("{{ a }}|{{ b|string }}|{{ c }}|{{ d|trim }}|".into()).unwrap();
         let tmpl = t.env.get_template(TEMPLATE_NAME).unwrap();
-        let out = tmpl
-            .render(minijinja::context! { a => true, b => false, c => (), d => "\u{1f} x \n" })
-            .unwrap();
+        let out = tmpl.render(minijinja::context! { a => true, b => false, c => (), d => "\u{1f} x \n" }).unwrap();
         assert_eq!(out, "True|False|None|x|");
     }
 
     #[test]
     fn raise_exception_message_is_the_error() {
-        let t =
-            ChatTemplate::from_source("{{ raise_exception('nope: ' ~ messages|length) }}".into())
-                .unwrap();
-        let e = t
-            .render(&json!([]), None, false, &Default::default())
-            .unwrap_err();
+        let t = ChatTemplate::from_source("{{ raise_exception('nope: ' ~ messages|length) }}".into()).unwrap();
+        let e = t.render(&json!([]), None, false, &Default::default()).unwrap_err();
         assert_eq!(e.to_string(), "chat template: nope: 0");
     }
 }

@@ -6,7 +6,11 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Parser)]
-#[command(name = "ornith", version, about = "Ornith inference engine: JSONL requests on stdin, JSONL results on stdout")]
+#[command(
+    name = "ornith",
+    version,
+    about = "Ornith inference engine: JSONL requests on stdin, JSONL results on stdout"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
@@ -96,7 +100,18 @@ mod tests {
         assert_eq!(c.command, None);
         assert_eq!(c.args.max_line_bytes, 16 << 20);
         assert_eq!(c.args.backend, Backend::Auto);
-        let c = Cli::try_parse_from(["ornith", "tokenize", "--model", "/m", "--backend", "cpu", "--kv-budget", "2GiB", "--ordered"]).unwrap();
+        let c = Cli::try_parse_from([
+            "ornith",
+            "tokenize",
+            "--model",
+            "/m",
+            "--backend",
+            "cpu",
+            "--kv-budget",
+            "2GiB",
+            "--ordered",
+        ])
+        .unwrap();
         assert_eq!(c.command, Some(Command::Tokenize));
         assert_eq!(c.args.model, Some(PathBuf::from("/m")));
         assert_eq!(c.args.kv_budget, Some(2 << 30));

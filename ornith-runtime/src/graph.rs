@@ -135,7 +135,13 @@ pub trait Backend: Sized + Send + Sync {
     type DecodeGraph: Send;
 
     // ---- loading: every tensor by its exact checkpoint name -------------------------
-    fn load_linear<P: Prec>(&self, ck: &Checkpoint, module: &str, out_features: usize, in_features: usize) -> anyhow::Result<Self::Linear<P>>;
+    fn load_linear<P: Prec>(
+        &self,
+        ck: &Checkpoint,
+        module: &str,
+        out_features: usize,
+        in_features: usize,
+    ) -> anyhow::Result<Self::Linear<P>>;
     #[allow(clippy::too_many_arguments)]
     fn load_experts<G: Prec, U: Prec, D: Prec>(
         &self,
@@ -148,7 +154,13 @@ pub trait Backend: Sized + Send + Sync {
     ) -> anyhow::Result<Self::Experts<G, U, D>>;
     /// Loads a vector (BF16 or F32 on disk) whose element count is `shape.iter().product()`.
     fn load_vector(&self, ck: &Checkpoint, name: &str, shape: &[usize]) -> anyhow::Result<Self::Vector>;
-    fn load_embedding(&self, ck: &Checkpoint, name: &str, vocab: usize, hidden: usize) -> anyhow::Result<Self::Embedding>;
+    fn load_embedding(
+        &self,
+        ck: &Checkpoint,
+        name: &str,
+        vocab: usize,
+        hidden: usize,
+    ) -> anyhow::Result<Self::Embedding>;
 
     // ---- state ------------------------------------------------------------------------
     fn new_gdn_state(&self, d: &ModelDims) -> anyhow::Result<Self::GdnState>;
@@ -230,7 +242,14 @@ pub trait Backend: Sized + Send + Sync {
 
     /// Final RMSNorm and lm_head: on the last row of `h` (`all_rows` false, serving) or on
     /// every row (`all_rows` true, tests).
-    fn logits<P: Prec>(&self, d: &ModelDims, norm: &Self::Vector, lm_head: &Self::Linear<P>, h: &Self::Act, all_rows: bool) -> anyhow::Result<Self::Logits>;
+    fn logits<P: Prec>(
+        &self,
+        d: &ModelDims,
+        norm: &Self::Vector,
+        lm_head: &Self::Linear<P>,
+        h: &Self::Act,
+        all_rows: bool,
+    ) -> anyhow::Result<Self::Logits>;
 
     /// Samples the next token from the last row of `logits` where the backend runs
     /// (`crate::sampling` semantics; `step` feeds the counter-based random stream).

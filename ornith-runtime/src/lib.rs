@@ -6,6 +6,7 @@ extern crate self as ornith_runtime;
 pub mod backend_cpu;
 #[cfg(feature = "cuda")]
 pub mod backend_cuda;
+pub mod chat;
 pub mod cli;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -14,6 +15,5 @@ pub mod engine;
 pub mod graph;
 pub mod protocol;
 pub mod sampling;
-pub mod weights;
 pub mod tokenizer;
-pub mod chat;
+pub mod weights;

@@ -54,7 +54,10 @@ pub fn build_generator(args: &Args) -> anyhow::Result<Box<dyn Generator>> {
                 eprintln!("ornith: using the CPU backend");
             }
             check_host_memory(&ck)?;
-            Box::new(compiled::Engine::load(CpuBackend::new(), &ck, max_context).with_context(|| format!("loading {}", dir.display()))?)
+            Box::new(
+                compiled::Engine::load(CpuBackend::new(), &ck, max_context)
+                    .with_context(|| format!("loading {}", dir.display()))?,
+            )
         }
     };
     if !args.quiet {

@@ -25,10 +25,7 @@ fn main() -> ExitCode {
 fn eos_fallback(defaults: &mut GenerationDefaults, codec: &dyn TextCodec) {
     if defaults.eos_token_ids.is_empty() {
         defaults.eos_token_ids = ["<|im_end|>", "<|endoftext|>"].iter().filter_map(|t| codec.token_id(t)).collect();
-        eprintln!(
-            "ornith: warning: the checkpoint declares no eos_token_id; stopping on {:?}",
-            defaults.eos_token_ids
-        );
+        eprintln!("ornith: warning: the checkpoint declares no eos_token_id; stopping on {:?}", defaults.eos_token_ids);
     }
 }
 
@@ -37,7 +34,13 @@ fn run(cmd: Command, args: &Args) -> anyhow::Result<()> {
     match cmd {
         Command::Tokenize => {
             let (codec, renderer) = load::build_frontend(args)?;
-            protocol::tokenize(io::stdin().lock(), io::stdout().lock(), codec.as_ref(), renderer.as_ref(), max_line_bytes)?;
+            protocol::tokenize(
+                io::stdin().lock(),
+                io::stdout().lock(),
+                codec.as_ref(),
+                renderer.as_ref(),
+                max_line_bytes,
+            )?;
         }
         Command::Serve => {
             let dir = load::model_dir(args)?;
@@ -59,7 +62,14 @@ fn run(cmd: Command, args: &Args) -> anyhow::Result<()> {
                     opts.defaults.eos_token_ids
                 );
             }
-            protocol::serve(io::stdin().lock(), io::stdout().lock(), gen.as_mut(), codec.as_ref(), renderer.as_ref(), &opts)?;
+            protocol::serve(
+                io::stdin().lock(),
+                io::stdout().lock(),
+                gen.as_mut(),
+                codec.as_ref(),
+                renderer.as_ref(),
+                &opts,
+            )?;
         }
     }
     Ok(())

@@ -43,60 +43,40 @@ fn char_to_byte(table: &[Option<u8>; 0x144], c: char) -> Option<u8> {
 
 impl Tokenizer {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| anyhow!("loading tokenizer {}: {e}", path.display()))?;
+        let inner =
+            tokenizers::Tokenizer::from_file(path).map_err(|e| anyhow!("loading tokenizer {}: {e}", path.display()))?;
         match inner.get_decoder() {
             Some(DecoderWrapper::ByteLevel(_)) => {}
-            _ => bail!(
-                "{}: only byte-level BPE tokenizers are supported (decoder is not ByteLevel)",
-                path.display()
-            ),
+            _ => bail!("{}: only byte-level BPE tokenizers are supported (decoder is not ByteLevel)", path.display()),
         }
         let added = inner.get_added_tokens_decoder();
-        let special: HashSet<u32> = added
-            .iter()
-            .filter(|(_, t)| t.special)
-            .map(|(&id, _)| id)
-            .collect();
+        let special: HashSet<u32> = added.iter().filter(|(_, t)| t.special).map(|(&id, _)| id).collect();
         let n = inner.get_vocab_size(true);
         let table = byte_level_table();
         let mut bytes = vec![Vec::new(); n];
         for (tok, id) in inner.get_vocab(true) {
-            let slot = bytes.get_mut(id as usize).with_context(|| {
-                format!(
-                    "{}: token id {id} outside the vocabulary size {n}",
-                    path.display()
-                )
-            })?;
+            let slot = bytes
+                .get_mut(id as usize)
+                .with_context(|| format!("{}: token id {id} outside the vocabulary size {n}", path.display()))?;
             *slot = match added.get(&id) {
                 Some(t) => t.content.as_bytes().to_vec(),
                 None => tok
                     .chars()
                     .map(|c| {
                         char_to_byte(&table, c).with_context(|| {
-                            format!(
-                                "{}: vocabulary token {tok:?} (id {id}) is not byte-level",
-                                path.display()
-                            )
+                            format!("{}: vocabulary token {tok:?} (id {id}) is not byte-level", path.display())
                         })
                     })
                     .collect::<Result<Vec<u8>>>()?,
             };
         }
-        Ok(Self {
-            inner,
-            bytes,
-            special,
-        })
+        Ok(Self { inner, bytes, special })
     }
 
     /// Token ids of `text` (NFC-normalised, split by the pre-tokenizer regex, BPE). Added tokens
     /// written in the text (`<|im_start|>`, `<think>`, …) are matched whole, special or not.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| anyhow!("encoding failed: {e}"))?;
+        let enc = self.inner.encode(text, false).map_err(|e| anyhow!("encoding failed: {e}"))?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -104,14 +84,9 @@ impl Tokenizer {
     /// and the tool markers are not special and stay).
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.bytes.len()) {
-            bail!(
-                "token id {bad} is outside the vocabulary (size {})",
-                self.bytes.len()
-            );
+            bail!("token id {bad} is outside the vocabulary (size {})", self.bytes.len());
         }
-        self.inner
-            .decode(ids, skip_special)
-            .map_err(|e| anyhow!("decoding failed: {e}"))
+        self.inner.decode(ids, skip_special).map_err(|e| anyhow!("decoding failed: {e}"))
     }
 
     pub fn token_id(&self, token: &str) -> Option<u32> {
@@ -129,11 +104,7 @@ impl Tokenizer {
     }
 
     pub fn decode_stream(&self, skip_special: bool) -> DecodeStream<'_> {
-        DecodeStream {
-            tok: self,
-            skip_special,
-            pending: Vec::new(),
-        }
+        DecodeStream { tok: self, skip_special, pending: Vec::new() }
     }
 }
 
@@ -148,12 +119,11 @@ pub struct DecodeStream<'a> {
 impl DecodeStream<'_> {
     /// Adds `id`; returns the text completed by it, if any.
     pub fn push(&mut self, id: u32) -> Result<Option<String>> {
-        let b = self.tok.bytes.get(id as usize).with_context(|| {
-            format!(
-                "token id {id} is outside the vocabulary (size {})",
-                self.tok.bytes.len()
-            )
-        })?;
+        let b = self
+            .tok
+            .bytes
+            .get(id as usize)
+            .with_context(|| format!("token id {id} is outside the vocabulary (size {})", self.tok.bytes.len()))?;
         if self.skip_special && self.tok.special.contains(&id) {
             return Ok(None);
         }

@@ -39,9 +39,15 @@ impl Checkpoint {
             let path = spec.model_dir.join(&shard.file);
             let f = std::fs::File::open(&path).with_context(|| format!("{}: cannot open shard", path.display()))?;
             // SAFETY: read-only map of a file we just validated; the engine never writes it.
-            let map = unsafe { memmap2::Mmap::map(&f) }.with_context(|| format!("{}: cannot map shard", path.display()))?;
+            let map =
+                unsafe { memmap2::Mmap::map(&f) }.with_context(|| format!("{}: cannot map shard", path.display()))?;
             if map.len() as u64 != shard.file_size {
-                bail!("{}: the shard changed size since it was validated ({} → {} bytes)", path.display(), shard.file_size, map.len());
+                bail!(
+                    "{}: the shard changed size since it was validated ({} → {} bytes)",
+                    path.display(),
+                    shard.file_size,
+                    map.len()
+                );
             }
             maps.insert(shard.file.clone(), map);
         }
@@ -54,11 +60,20 @@ impl Checkpoint {
             format!("{}: missing tensor {name} (expected {:?} {shape:?}). Fix: this checkpoint does not match the compiled model; run `cargo xtask gen --model {}`", self.spec.model_dir.display(), dtypes, self.spec.model_dir.display())
         })?;
         if !dtypes.contains(&info.dtype) {
-            bail!("{}: tensor {name}: expected dtype {:?}, found {}", self.shard_path(info).display(), dtypes, info.dtype);
+            bail!(
+                "{}: tensor {name}: expected dtype {:?}, found {}",
+                self.shard_path(info).display(),
+                dtypes,
+                info.dtype
+            );
         }
         let numel: usize = shape.iter().product();
         if info.shape != shape && !(info.numel() == numel && squeeze_eq(&info.shape, shape)) {
-            bail!("{}: tensor {name}: expected shape {shape:?}, found {:?}", self.shard_path(info).display(), info.shape);
+            bail!(
+                "{}: tensor {name}: expected shape {shape:?}, found {:?}",
+                self.shard_path(info).display(),
+                info.shape
+            );
         }
         let shard = &self.spec.shards.iter().find(|s| s.file == info.shard).expect("validated shard");
         let map = &self.maps[&info.shard];

@@ -297,7 +297,11 @@ fn cuda_decode_1000_steps_finite() {
     }
     assert!(l.iter().all(|v| v.is_finite()));
     assert_eq!(st.pos, 16 + 1000);
-    eprintln!("1000 decode steps: all logits finite, {} distinct tokens, {:.1?} (with a 0.5 MB logits download per step)", distinct.len(), started.elapsed());
+    eprintln!(
+        "1000 decode steps: all logits finite, {} distinct tokens, {:.1?} (with a 0.5 MB logits download per step)",
+        distinct.len(),
+        started.elapsed()
+    );
 }
 
 /// The model's own sensitivity, CPU only: the CPU backend run two legitimate ways — one chunked
@@ -323,7 +327,11 @@ fn cpu_orderings_greedy_agreement() {
         let (x, y) = (argmax(&la), argmax(&lb));
         let mut top: Vec<f32> = la.clone();
         top.sort_by(|p, q| q.partial_cmp(p).unwrap());
-        eprintln!("chunked {x} (top-2 margin {:.4}) token-by-token {y}; rel L2 {:.3e}", top[0] - top[1], dist(&la, &lb).0);
+        eprintln!(
+            "chunked {x} (top-2 margin {:.4}) token-by-token {y}; rel L2 {:.3e}",
+            top[0] - top[1],
+            dist(&la, &lb).0
+        );
         ta.push(x);
         tb.push(y);
         la = cpu.logits_to_host(&m.decode_step(&cpu, &mut a, x as u32).unwrap()).unwrap();

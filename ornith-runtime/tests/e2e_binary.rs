@@ -35,7 +35,9 @@ fn results(lines: &[Value]) -> Vec<&Value> {
 }
 
 fn chat(id: &str, extra: &str) -> String {
-    format!(r#"{{"custom_id":"{id}","messages":[{{"role":"user","content":"Write a function"}}],"max_tokens":6{extra}}}"#)
+    format!(
+        r#"{{"custom_id":"{id}","messages":[{{"role":"user","content":"Write a function"}}],"max_tokens":6{extra}}}"#
+    )
 }
 
 #[test]
@@ -91,7 +93,11 @@ fn every_line_gets_exactly_one_result_and_good_lines_generate() {
     assert_eq!(text(res[1]), text(res[2]));
     // Streaming: chunk lines for "stream" come before its result line.
     let first_result = lines.iter().position(|l| l["custom_id"] == "stream" && l.get("response").is_some()).unwrap();
-    let chunks = lines.iter().take(first_result).filter(|l| l["custom_id"] == "stream" && l["object"] == "chat.completion.chunk").count();
+    let chunks = lines
+        .iter()
+        .take(first_result)
+        .filter(|l| l["custom_id"] == "stream" && l["object"] == "chat.completion.chunk")
+        .count();
     assert!(chunks >= 1, "streamed deltas precede the final line");
 
     for (k, r) in res.iter().enumerate().skip(good.len()) {
@@ -107,7 +113,10 @@ fn every_line_gets_exactly_one_result_and_good_lines_generate() {
 
 #[test]
 fn tokenize_counts_tokens() {
-    let (lines, _) = run(&["tokenize"], b"{\"text\":\"hello world\"}\n{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}\nnot json\n");
+    let (lines, _) = run(
+        &["tokenize"],
+        b"{\"text\":\"hello world\"}\n{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}\nnot json\n",
+    );
     assert_eq!(lines.len(), 3);
     assert_eq!(lines[0]["count"].as_u64(), Some(lines[0]["ids"].as_array().unwrap().len() as u64));
     assert!(lines[0]["count"].as_u64().unwrap() >= 2);

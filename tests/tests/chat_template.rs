@@ -11,8 +11,7 @@ fn template() -> ChatTemplate {
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!("ornith-chat-test-{}-{n}", std::process::id()));
     xtask::tokenizer::write_tokenizer_files(&dir).expect("writing tokenizer files");
-    let t = ChatTemplate::from_file(&dir.join("chat_template.jinja"))
-        .expect("loading chat_template.jinja");
+    let t = ChatTemplate::from_file(&dir.join("chat_template.jinja")).expect("loading chat_template.jinja");
     let _ = std::fs::remove_dir_all(&dir);
     t
 }
@@ -24,26 +23,14 @@ fn golden() -> Vec<Value> {
 }
 
 fn render(t: &ChatTemplate, c: &Value) -> anyhow::Result<String> {
-    let tools = if c["tools"].is_null() {
-        None
-    } else {
-        Some(&c["tools"])
-    };
-    t.render(
-        &c["messages"],
-        tools,
-        c["add_generation_prompt"].as_bool().unwrap(),
-        c["kwargs"].as_object().unwrap(),
-    )
+    let tools = if c["tools"].is_null() { None } else { Some(&c["tools"]) };
+    t.render(&c["messages"], tools, c["add_generation_prompt"].as_bool().unwrap(), c["kwargs"].as_object().unwrap())
 }
 
 #[test]
 fn renders_like_transformers() {
     let t = template();
-    let cases: Vec<Value> = golden()
-        .into_iter()
-        .filter(|c| c.get("expected").is_some())
-        .collect();
+    let cases: Vec<Value> = golden().into_iter().filter(|c| c.get("expected").is_some()).collect();
     assert!(cases.len() >= 12);
     for c in &cases {
         let got = render(&t, c).unwrap_or_else(|e| panic!("case {}: {e:#}", c["name"]));
@@ -54,28 +41,16 @@ fn renders_like_transformers() {
 #[test]
 fn template_errors_carry_the_template_message() {
     let t = template();
-    let cases: Vec<Value> = golden()
-        .into_iter()
-        .filter(|c| c.get("error").is_some())
-        .collect();
+    let cases: Vec<Value> = golden().into_iter().filter(|c| c.get("error").is_some()).collect();
     assert!(cases.len() >= 4);
     for c in &cases {
-        let err = render(&t, c)
-            .expect_err(c["name"].as_str().unwrap())
-            .to_string();
+        let err = render(&t, c).expect_err(c["name"].as_str().unwrap()).to_string();
         match c["error_source"].as_str().unwrap() {
-            "template" => assert_eq!(
-                err,
-                format!("chat template: {}", c["error"].as_str().unwrap()),
-                "case {}",
-                c["name"]
-            ),
+            "template" => {
+                assert_eq!(err, format!("chat template: {}", c["error"].as_str().unwrap()), "case {}", c["name"])
+            }
             // transformers refuses an empty conversation itself; the template's own check fires here.
-            _ => assert_eq!(
-                err, "chat template: No messages provided.",
-                "case {}",
-                c["name"]
-            ),
+            _ => assert_eq!(err, "chat template: No messages provided.", "case {}", c["name"]),
         }
     }
 }
@@ -87,13 +62,8 @@ fn bad_inputs_are_errors() {
     let bad_args = json!([{"role": "user", "content": "x"},
         {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}]}]);
     let e = t.render(&bad_args, None, false, &none).unwrap_err();
-    assert!(
-        format!("{e:#}").contains("arguments is not valid JSON"),
-        "{e:#}"
-    );
-    assert!(t
-        .render(&json!({"role": "user"}), None, false, &none)
-        .is_err());
+    assert!(format!("{e:#}").contains("arguments is not valid JSON"), "{e:#}");
+    assert!(t.render(&json!({"role": "user"}), None, false, &none).is_err());
     assert!(ChatTemplate::from_source("{% if %}".into()).is_err());
     assert!(ChatTemplate::from_file(Path::new("/nonexistent/chat_template.jinja")).is_err());
 }

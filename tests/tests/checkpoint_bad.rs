@@ -77,7 +77,8 @@ fn relayout(header: &mut Map<String, Value>) -> u64 {
         if name == "__metadata__" {
             continue;
         }
-        let n: u64 = e["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).product::<u64>() * dtype_size(e["dtype"].as_str().unwrap());
+        let n: u64 = e["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).product::<u64>()
+            * dtype_size(e["dtype"].as_str().unwrap());
         e["data_offsets"] = json!([pos, pos + n]);
         pos += n;
     }
@@ -169,7 +170,10 @@ fn misshaped_tensor() {
     let t = format!("{L}.3.self_attn.q_norm.weight");
     let file = edit_header(d.path(), &t, |h| h[&t]["shape"] = json!([16]));
     let e = load_err(d.path());
-    assert_has(&e, &[file.file_name().unwrap().to_str().unwrap(), &t, "expected shape [32], found shape [16]", "config.json"]);
+    assert_has(
+        &e,
+        &[file.file_name().unwrap().to_str().unwrap(), &t, "expected shape [32], found shape [16]", "config.json"],
+    );
 }
 
 #[test]
@@ -193,7 +197,15 @@ fn unknown_weight_strategy_tensor() {
     let d = tiny();
     edit_json(&d.path().join("config.json"), |v| quant_group(v)["weights"]["strategy"] = json!("tensor"));
     let e = load_err(d.path());
-    assert_has(&e, &["config.json", "weights: found", "strategy \"tensor\"", "expected num_bits 8 type \"float\" strategy \"channel\""]);
+    assert_has(
+        &e,
+        &[
+            "config.json",
+            "weights: found",
+            "strategy \"tensor\"",
+            "expected num_bits 8 type \"float\" strategy \"channel\"",
+        ],
+    );
 }
 
 #[test]
@@ -215,18 +227,37 @@ fn static_activations_refused() {
         quant_group(v)["input_activations"]["strategy"] = json!("tensor");
     });
     let e = load_err(d.path());
-    assert_has(&e, &["config.json", "input_activations: found", "strategy \"tensor\" dynamic false", "strategy \"token\" dynamic true"]);
+    assert_has(
+        &e,
+        &[
+            "config.json",
+            "input_activations: found",
+            "strategy \"tensor\" dynamic false",
+            "strategy \"token\" dynamic true",
+        ],
+    );
 }
 
 #[test]
 fn missing_shard() {
     let d = tiny();
     let shard = "model-00002-of-00002.safetensors";
-    let idx: Value = serde_json::from_slice(&std::fs::read(d.path().join("model.safetensors.index.json")).unwrap()).unwrap();
-    let first = idx["weight_map"].as_object().unwrap().iter().find(|(_, s)| s.as_str() == Some(shard)).unwrap().0.clone();
+    let idx: Value =
+        serde_json::from_slice(&std::fs::read(d.path().join("model.safetensors.index.json")).unwrap()).unwrap();
+    let first =
+        idx["weight_map"].as_object().unwrap().iter().find(|(_, s)| s.as_str() == Some(shard)).unwrap().0.clone();
     std::fs::remove_file(d.path().join(shard)).unwrap();
     let e = load_err(d.path());
-    assert_has(&e, &["model.safetensors.index.json", &format!("shard {shard}"), &format!("tensor {first}"), "does not exist", "download the missing shard"]);
+    assert_has(
+        &e,
+        &[
+            "model.safetensors.index.json",
+            &format!("shard {shard}"),
+            &format!("tensor {first}"),
+            "does not exist",
+            "download the missing shard",
+        ],
+    );
 }
 
 #[test]
@@ -235,11 +266,20 @@ fn truncated_shard() {
     let file = shard_of(d.path(), "lm_head.weight");
     let path = d.path().join(&file);
     let (h, _) = read_shard(&path);
-    let last = h.iter().filter(|(n, _)| *n != "__metadata__").max_by_key(|(_, e)| e["data_offsets"][1].as_u64().unwrap()).unwrap().0.clone();
+    let last = h
+        .iter()
+        .filter(|(n, _)| *n != "__metadata__")
+        .max_by_key(|(_, e)| e["data_offsets"][1].as_u64().unwrap())
+        .unwrap()
+        .0
+        .clone();
     let len = std::fs::metadata(&path).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len - 1000).unwrap();
     let e = load_err(d.path());
-    assert_has(&e, &[&file, &format!("tensor {last}"), "point past the end of the data section", "truncated", "download it again"]);
+    assert_has(
+        &e,
+        &[&file, &format!("tensor {last}"), "point past the end of the data section", "truncated", "download it again"],
+    );
 }
 
 #[test]
@@ -264,7 +304,13 @@ fn header_offsets_out_of_bounds() {
         h[&t]["data_offsets"] = json!([1u64 << 40, (1u64 << 40) + 128]);
     });
     let e = load_err(d.path());
-    assert_has(&e, &[&file, &format!("tensor {t}: data_offsets [1099511627776, 1099511627904] point past the end of the data section")]);
+    assert_has(
+        &e,
+        &[
+            &file,
+            &format!("tensor {t}: data_offsets [1099511627776, 1099511627904] point past the end of the data section"),
+        ],
+    );
 }
 
 #[test]
@@ -273,7 +319,10 @@ fn header_dtype_times_shape_is_not_the_byte_length() {
     let t = format!("{L}.1.input_layernorm.weight");
     let file = edit_header_raw(d.path(), &t, |h| h[&t]["dtype"] = json!("F32"));
     let e = load_err(d.path());
-    assert_has(&e, &[&file, &format!("tensor {t}: dtype F32 × shape [64] = 256 bytes, but data_offsets"), "span 128 bytes"]);
+    assert_has(
+        &e,
+        &[&file, &format!("tensor {t}: dtype F32 × shape [64] = 256 bytes, but data_offsets"), "span 128 bytes"],
+    );
 }
 
 #[test]
@@ -286,7 +335,16 @@ fn ignore_list_leaves_a_bf16_linear_unmatched() {
     let t = format!("{L}.0.linear_attn.in_proj_qkv.weight");
     let file = shard_of(d.path(), &t);
     let e = load_err(d.path());
-    assert_has(&e, &[&file, &format!("tensor {t}"), "expected F8_E4M3 (no entry of quantization_config.ignore matches", "found BF16", "ignore patterns"]);
+    assert_has(
+        &e,
+        &[
+            &file,
+            &format!("tensor {t}"),
+            "expected F8_E4M3 (no entry of quantization_config.ignore matches",
+            "found BF16",
+            "ignore patterns",
+        ],
+    );
 }
 
 #[test]
@@ -298,7 +356,15 @@ fn ignore_list_matches_a_stored_fp8_linear() {
     let t = format!("{L}.3.self_attn.q_proj.weight");
     let file = shard_of(d.path(), &t);
     let e = load_err(d.path());
-    assert_has(&e, &[&file, &format!("tensor {t}"), "expected BF16 (ignore entry \"re:.*self_attn.*\" keeps this module in BF16)", "found F8_E4M3"]);
+    assert_has(
+        &e,
+        &[
+            &file,
+            &format!("tensor {t}"),
+            "expected BF16 (ignore entry \"re:.*self_attn.*\" keeps this module in BF16)",
+            "found F8_E4M3",
+        ],
+    );
 }
 
 #[test]
@@ -315,7 +381,8 @@ fn gen_on_a_bad_checkpoint_keeps_the_old_spec() {
     let err = xtask::gen::gen(Some(d.path()), root.path(), &spec_path).expect_err("gen must refuse");
     assert!(format!("{err:#}").contains("model-00001-of-00002.safetensors"), "{err:#}");
     assert_eq!(std::fs::read(&spec_path).unwrap(), before);
-    let leftovers: Vec<_> = std::fs::read_dir(spec_path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let leftovers: Vec<_> =
+        std::fs::read_dir(spec_path.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(leftovers, vec![std::ffi::OsString::from("spec.json")]);
 }
 
@@ -325,7 +392,10 @@ fn absurd_dimensions_are_refused() {
     let d = tiny();
     edit_json(&d.path().join("config.json"), |v| v["text_config"]["linear_num_key_heads"] = json!(1u64 << 62));
     let e = load_err(d.path());
-    assert_has(&e, &["config.json", "text_config.linear_num_key_heads: expected at most 1048576, found 4611686018427387904"]);
+    assert_has(
+        &e,
+        &["config.json", "text_config.linear_num_key_heads: expected at most 1048576, found 4611686018427387904"],
+    );
 }
 
 #[test]
@@ -334,5 +404,12 @@ fn config_that_does_not_match_the_weights() {
     edit_json(&d.path().join("config.json"), |v| v["text_config"]["hidden_size"] = json!(128));
     let e = load_err(d.path());
     // The first stored tensor in name order whose shape depends on hidden_size.
-    assert_has(&e, &["lm_head.weight", "expected shape [248320, 128], found shape [248320, 64]", "use the config.json that came with these weights"]);
+    assert_has(
+        &e,
+        &[
+            "lm_head.weight",
+            "expected shape [248320, 128], found shape [248320, 64]",
+            "use the config.json that came with these weights",
+        ],
+    );
 }

@@ -33,16 +33,36 @@ fn weird_value(rng: &mut ChaCha8Rng) -> Value {
 }
 
 fn weird_string(rng: &mut ChaCha8Rng) -> String {
-    let pieces = ["", "\u{0}", "é", "🦀", "\u{202e}", "__metadata__", "../x", "/etc/passwd", "model.language_model.layers.0", "a\nb", "\"", "\\", "Ω≈ç√"];
+    let pieces = [
+        "",
+        "\u{0}",
+        "é",
+        "🦀",
+        "\u{202e}",
+        "__metadata__",
+        "../x",
+        "/etc/passwd",
+        "model.language_model.layers.0",
+        "a\nb",
+        "\"",
+        "\\",
+        "Ω≈ç√",
+    ];
     (0..rng.random_range(1..4)).map(|_| *pieces.choose(rng).unwrap()).collect()
 }
 
 /// Replaces one number literal of the JSON text with an out-of-range or odd literal.
 fn mangle_number(text: &str, rng: &mut ChaCha8Rng) -> String {
-    let starts: Vec<usize> = text.char_indices().filter(|&(i, c)| c.is_ascii_digit() && (i == 0 || !text.as_bytes()[i - 1].is_ascii_digit())).map(|(i, _)| i).collect();
+    let starts: Vec<usize> = text
+        .char_indices()
+        .filter(|&(i, c)| c.is_ascii_digit() && (i == 0 || !text.as_bytes()[i - 1].is_ascii_digit()))
+        .map(|(i, _)| i)
+        .collect();
     let Some(&s) = starts.choose(rng) else { return text.to_string() };
     let e = s + text[s..].find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len() - s);
-    let lit = ["99999999999999999999999999", "1e400", "-0", "-5", "18446744073709551616", "3.7", "0x10", "NaN"].choose(rng).unwrap();
+    let lit = ["99999999999999999999999999", "1e400", "-0", "-5", "18446744073709551616", "3.7", "0x10", "NaN"]
+        .choose(rng)
+        .unwrap();
     format!("{}{}{}", &text[..s], lit, &text[e..])
 }
 
@@ -91,7 +111,10 @@ fn small_shard() -> (Map<String, Value>, usize) {
     h.insert("__metadata__".into(), json!({"format": "pt"}));
     let mut pos = 0u64;
     for (_, t) in plan.tensors().filter(|(_, t)| t.nbytes() < 100_000).take(40) {
-        h.insert(t.name.clone(), json!({"dtype": t.dtype.as_str(), "shape": t.shape, "data_offsets": [pos, pos + t.nbytes()]}));
+        h.insert(
+            t.name.clone(),
+            json!({"dtype": t.dtype.as_str(), "shape": t.shape, "data_offsets": [pos, pos + t.nbytes()]}),
+        );
         pos += t.nbytes();
     }
     (h, pos as usize)
@@ -154,14 +177,20 @@ fn parse_header_never_panics() {
             Ok(Ok(h)) => {
                 oks += 1;
                 for (n, e) in &h.tensors {
-                    assert!(8 + h.header_len + e.data_offsets.1 <= bytes.len() as u64, "case {i} ({what}): {n} out of bounds accepted");
+                    assert!(
+                        8 + h.header_len + e.data_offsets.1 <= bytes.len() as u64,
+                        "case {i} ({what}): {n} out of bounds accepted"
+                    );
                 }
             }
             Ok(Err(e)) => {
                 errs += 1;
                 assert!(e.to_string().contains("fuzz.safetensors"), "case {i}: {e}");
             }
-            Err(_) => panic!("case {i} ({what}) panicked; input {:?}", String::from_utf8_lossy(&bytes[..bytes.len().min(400)])),
+            Err(_) => panic!(
+                "case {i} ({what}) panicked; input {:?}",
+                String::from_utf8_lossy(&bytes[..bytes.len().min(400)])
+            ),
         }
     }
     // Both outcomes occur: the mutations are neither all fatal nor all harmless.
@@ -173,7 +202,8 @@ fn load_checkpoint_never_panics() {
     let base = tempfile::tempdir().unwrap();
     let opts = SynthOptions { contents: Contents::HeadersOnly, ..SynthOptions::new(Preset::Tiny, 0) };
     synth::synth(base.path(), opts).unwrap();
-    let names: Vec<String> = std::fs::read_dir(base.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let names: Vec<String> =
+        std::fs::read_dir(base.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     let shards: Vec<&String> = names.iter().filter(|n| n.ends_with(".safetensors")).collect();
     let mut rng = ChaCha8Rng::seed_from_u64(0xc0ffee);
     let (mut oks, mut errs) = (0, 0);
@@ -226,7 +256,10 @@ fn load_checkpoint_never_panics() {
             Ok(Ok(_)) => oks += 1,
             Ok(Err(e)) => {
                 errs += 1;
-                assert!(e.to_string().contains("Fix:") || e.to_string().contains("invalid ignore pattern"), "case {i} ({what} of {target}): no fix in {e}");
+                assert!(
+                    e.to_string().contains("Fix:") || e.to_string().contains("invalid ignore pattern"),
+                    "case {i} ({what} of {target}): no fix in {e}"
+                );
             }
             Err(_) => panic!("case {i}: load_checkpoint panicked on a {what} of {target}"),
         }

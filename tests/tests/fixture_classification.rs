@@ -60,7 +60,13 @@ fn spec_linears(spec: &ModelSpec) -> BTreeMap<String, Precision> {
             }
         }
         let mlp = &layer.mlp;
-        for l in [&mlp.gate, &mlp.shared_expert.gate_proj, &mlp.shared_expert.up_proj, &mlp.shared_expert.down_proj, &mlp.shared_expert_gate] {
+        for l in [
+            &mlp.gate,
+            &mlp.shared_expert.gate_proj,
+            &mlp.shared_expert.up_proj,
+            &mlp.shared_expert.down_proj,
+            &mlp.shared_expert_gate,
+        ] {
             add(l);
         }
         experts.push(mlp.experts.clone());
@@ -79,7 +85,8 @@ fn spec_linears(spec: &ModelSpec) -> BTreeMap<String, Precision> {
 #[test]
 fn fp8_fixture_is_classified_as_stored() {
     let dir = fixture("micro-fp8");
-    let spec = model_spec::load_checkpoint(&dir).unwrap_or_else(|e| panic!("model-spec rejects the llm-compressor output: {e}"));
+    let spec = model_spec::load_checkpoint(&dir)
+        .unwrap_or_else(|e| panic!("model-spec rejects the llm-compressor output: {e}"));
     let stored = stored_tensors(&dir);
     let linears = spec_linears(&spec);
 
@@ -100,10 +107,15 @@ fn fp8_fixture_is_classified_as_stored() {
                 if *p == Precision::Fp8 {
                     fp8 += 1;
                     // per-output-channel scale, [out, 1], BF16 as llm-compressor writes it
-                    let (sd, ss) = stored.get(&format!("{module}.weight_scale")).unwrap_or_else(|| panic!("{module}.weight_scale missing"));
+                    let (sd, ss) = stored
+                        .get(&format!("{module}.weight_scale"))
+                        .unwrap_or_else(|| panic!("{module}.weight_scale missing"));
                     assert_eq!((sd.as_str(), ss.as_slice()), ("BF16", &[shape[0], 1][..]), "{module}.weight_scale");
                 } else {
-                    assert!(!stored.contains_key(&format!("{module}.weight_scale")), "{module}: BF16 Linear with a scale");
+                    assert!(
+                        !stored.contains_key(&format!("{module}.weight_scale")),
+                        "{module}: BF16 Linear with a scale"
+                    );
                 }
             }
             // not a Linear (norms, embedding, conv1d): never FP8
@@ -135,7 +147,8 @@ fn fp8_fixture_is_classified_as_stored() {
 #[test]
 fn bf16_fixture_is_all_bf16() {
     let dir = fixture("micro-bf16");
-    let spec = model_spec::load_checkpoint(&dir).unwrap_or_else(|e| panic!("model-spec rejects the transformers output: {e}"));
+    let spec =
+        model_spec::load_checkpoint(&dir).unwrap_or_else(|e| panic!("model-spec rejects the transformers output: {e}"));
     assert!(spec.quant.is_none(), "BF16 fixture has no quantization_config");
     let stored = stored_tensors(&dir);
     for (name, (dtype, _)) in &stored {

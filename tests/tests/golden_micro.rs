@@ -41,8 +41,12 @@ impl Golden {
         let st = safetensors::SafeTensors::deserialize(&self.bytes).unwrap();
         let t = st.tensor(key).unwrap();
         match t.dtype() {
-            safetensors::Dtype::BF16 => t.data().chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            safetensors::Dtype::F32 => t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            safetensors::Dtype::BF16 => {
+                t.data().chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
+            }
+            safetensors::Dtype::F32 => {
+                t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+            }
             d => panic!("{key}: unexpected dtype {d:?}"),
         }
     }
@@ -125,10 +129,13 @@ macro_rules! golden_run {
         // Prefill: logits of all 70 rows (two GDN chunks), and each layer's output for every row.
         let mut st = $m::Model::new_state(&b, 256).unwrap();
         let mut taps: Vec<Vec<f32>> = vec![Vec::new(); $m::DIMS.num_layers];
-        let logits = model.prefill(&b, &mut st, &prompt, true, &mut |i, h| taps[i] = b.act_to_host(h).unwrap()).unwrap();
+        let logits =
+            model.prefill(&b, &mut st, &prompt, true, &mut |i, h| taps[i] = b.act_to_host(h).unwrap()).unwrap();
         let logits = b.logits_to_host(&logits).unwrap();
-        let want_hidden: Vec<Vec<f32>> = (0..$m::DIMS.num_layers).map(|i| g.f32(&format!("hidden_after_layer_{i}"))).collect();
-        let hidden_gaps = (0..$m::DIMS.num_layers).map(|i| diff(&taps[i][..hidden], &want_hidden[i][..hidden])).collect();
+        let want_hidden: Vec<Vec<f32>> =
+            (0..$m::DIMS.num_layers).map(|i| g.f32(&format!("hidden_after_layer_{i}"))).collect();
+        let hidden_gaps =
+            (0..$m::DIMS.num_layers).map(|i| diff(&taps[i][..hidden], &want_hidden[i][..hidden])).collect();
         let hidden_all = (0..$m::DIMS.num_layers).map(|i| diff(&taps[i], &want_hidden[i])).collect();
         let prefill = diff(&logits, &g.f32("prefill_logits"));
 
@@ -166,8 +173,18 @@ fn assert_greedy_identical(r: &Report, vocab: usize) {
 /// max gap, mean |Δ| at most half its mean gap (a faithful copy of HF's bf16 cast points lands
 /// far closer to HF bf16 than HF bf16 is to exact arithmetic).
 fn assert_within_oracle_noise(what: &str, ours: Gap, oracle: Gap) {
-    assert!(ours.max <= oracle.max, "{what}: max |Δ| {} exceeds the oracle's own bf16-vs-fp32 max gap {}", ours.max, oracle.max);
-    assert!(ours.mean <= 0.5 * oracle.mean, "{what}: mean |Δ| {} exceeds half the oracle's bf16-vs-fp32 mean gap {}", ours.mean, oracle.mean);
+    assert!(
+        ours.max <= oracle.max,
+        "{what}: max |Δ| {} exceeds the oracle's own bf16-vs-fp32 max gap {}",
+        ours.max,
+        oracle.max
+    );
+    assert!(
+        ours.mean <= 0.5 * oracle.mean,
+        "{what}: mean |Δ| {} exceeds half the oracle's bf16-vs-fp32 mean gap {}",
+        ours.mean,
+        oracle.mean
+    );
 }
 
 #[test]
@@ -215,8 +232,14 @@ fn micro_fp8_engine_arithmetic_stays_within_oracle_noise() {
     let g = Golden::open("micro-fp8");
     let r = golden_run!(fp8, "micro-fp8", &g, Fp8Arith::Exact);
     eprintln!("{:?} {:?} {:?} {:?}", r.hidden, r.hidden_all, r.prefill, r.steps);
-    for (what, ours, gap) in [("prefill logits", r.prefill, g.gap("prefill_logits")), ("decode logits", r.steps, g.gap("step_logits_teacher_forced"))] {
-        assert!(ours.max <= gap.max && ours.mean <= gap.mean, "{what}: {ours:?} outside the oracle's bf16-vs-fp32 gap {gap:?}");
+    for (what, ours, gap) in [
+        ("prefill logits", r.prefill, g.gap("prefill_logits")),
+        ("decode logits", r.steps, g.gap("step_logits_teacher_forced")),
+    ] {
+        assert!(
+            ours.max <= gap.max && ours.mean <= gap.mean,
+            "{what}: {ours:?} outside the oracle's bf16-vs-fp32 gap {gap:?}"
+        );
     }
 }
 
@@ -234,12 +257,14 @@ fn prefill_then_decode_equals_longer_prefill() {
     let vocab = bf16::DIMS.vocab_size;
     for (t, n) in [(1usize, 5usize), (63, 3), (64, 2), (65, 4)] {
         let mut st = bf16::Model::new_state(&b, 256).unwrap();
-        let mut last = b.logits_to_host(&model.prefill(&b, &mut st, &prompt[..t], false, &mut |_, _| {}).unwrap()).unwrap();
+        let mut last =
+            b.logits_to_host(&model.prefill(&b, &mut st, &prompt[..t], false, &mut |_, _| {}).unwrap()).unwrap();
         for &tok in &prompt[t..t + n] {
             last = b.logits_to_host(&model.decode_step(&b, &mut st, tok).unwrap()).unwrap();
         }
         let mut st2 = bf16::Model::new_state(&b, 256).unwrap();
-        let full = b.logits_to_host(&model.prefill(&b, &mut st2, &prompt[..t + n], true, &mut |_, _| {}).unwrap()).unwrap();
+        let full =
+            b.logits_to_host(&model.prefill(&b, &mut st2, &prompt[..t + n], true, &mut |_, _| {}).unwrap()).unwrap();
         let want = &full[(t + n - 1) * vocab..];
         let d = diff(&last, want);
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));

@@ -32,7 +32,7 @@ impl TokenStream for ByteStream {
         let ok = match std::str::from_utf8(&self.pending) {
             Ok(_) => self.pending.len(),
             Err(e) if e.error_len().is_none() => e.valid_up_to(), // incomplete tail: wait
-            Err(_) => self.pending.len(),                          // invalid: emit lossily
+            Err(_) => self.pending.len(),                         // invalid: emit lossily
         };
         if ok == 0 {
             return Ok(None);
@@ -90,7 +90,13 @@ impl TextCodec for ByteCodec {
 struct ChatMl;
 
 impl PromptRenderer for ChatMl {
-    fn render(&self, messages: &Value, tools: Option<&Value>, add: bool, kwargs: &Map<String, Value>) -> anyhow::Result<String> {
+    fn render(
+        &self,
+        messages: &Value,
+        tools: Option<&Value>,
+        add: bool,
+        kwargs: &Map<String, Value>,
+    ) -> anyhow::Result<String> {
         let msgs = messages.as_array().unwrap();
         anyhow::ensure!(msgs.iter().any(|m| m["role"] == "user"), "No user query found in messages.");
         let mut s = String::new();
@@ -98,11 +104,16 @@ impl PromptRenderer for ChatMl {
             s += &format!("<|im_start|>system\n# Tools\n{t}<|im_end|>\n");
         }
         for m in msgs {
-            s += &format!("<|im_start|>{}\n{}<|im_end|>\n", m["role"].as_str().unwrap(), m["content"].as_str().unwrap());
+            s +=
+                &format!("<|im_start|>{}\n{}<|im_end|>\n", m["role"].as_str().unwrap(), m["content"].as_str().unwrap());
         }
         if add {
             s += "<|im_start|>assistant\n";
-            s += if kwargs.get("enable_thinking") == Some(&json!(false)) { "<think>\n\n</think>\n\n" } else { "<think>\n" };
+            s += if kwargs.get("enable_thinking") == Some(&json!(false)) {
+                "<think>\n\n</think>\n\n"
+            } else {
+                "<think>\n"
+            };
         }
         Ok(s)
     }
@@ -163,7 +174,13 @@ impl Generator for ScriptGen {
 }
 
 fn opts() -> ServeOptions {
-    let defaults = GenerationDefaults { temperature: 1.0, top_k: 20, top_p: 0.95, min_p: 0.0, eos_token_ids: vec![IM_END, ENDOFTEXT] };
+    let defaults = GenerationDefaults {
+        temperature: 1.0,
+        top_k: 20,
+        top_p: 0.95,
+        min_p: 0.0,
+        eos_token_ids: vec![IM_END, ENDOFTEXT],
+    };
     let mut o = ServeOptions::new("ornith-test", defaults);
     o.run_id = 0xabc;
     o.quiet = true;
@@ -176,7 +193,10 @@ fn run_with(input: impl Read, o: &ServeOptions, ctx: usize) -> (Vec<Value>, Scri
     let mut out = Vec::new();
     protocol::serve(std::io::BufReader::new(input), &mut out, &mut gen, &ByteCodec, &ChatMl, o).unwrap();
     let text = String::from_utf8(out).unwrap();
-    let lines = text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("stdout line is not JSON ({e}): {l}"))).collect();
+    let lines = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("stdout line is not JSON ({e}): {l}")))
+        .collect();
     (lines, gen)
 }
 
@@ -541,7 +561,20 @@ fn random_value(rng: &mut Rng, depth: u32) -> Value {
         5 => json!(-1),
         6 => Value::Array((0..rng.below(4)).map(|_| random_value(rng, depth + 1)).collect()),
         _ => {
-            let keys = ["role", "content", "messages", "prompt", "max_tokens", "stop", "stream", "tools", "body", "custom_id", "type", "text"];
+            let keys = [
+                "role",
+                "content",
+                "messages",
+                "prompt",
+                "max_tokens",
+                "stop",
+                "stream",
+                "tools",
+                "body",
+                "custom_id",
+                "type",
+                "text",
+            ];
             let mut m = Map::new();
             for _ in 0..rng.below(4) {
                 m.insert(keys[rng.below(keys.len())].into(), random_value(rng, depth + 1));

@@ -56,15 +56,20 @@ fn full_preset_metadata_is_the_real_inventory() {
     for (n, s) in VISION_STATE_DICT {
         if n.starts_with("blocks.B.") {
             for b in 0..27 {
-                want_visual.insert(format!("model.visual.{}", n.replace("blocks.B.", &format!("blocks.{b}."))), s.to_vec());
+                want_visual
+                    .insert(format!("model.visual.{}", n.replace("blocks.B.", &format!("blocks.{b}."))), s.to_vec());
             }
         } else {
             want_visual.insert(format!("model.visual.{n}"), s.to_vec());
         }
     }
     assert_eq!(want_visual.len(), 333);
-    let got_visual: BTreeMap<String, Vec<usize>> =
-        spec.tensors.iter().filter(|(n, _)| n.starts_with("model.visual.")).map(|(n, t)| (n.clone(), t.shape.clone())).collect();
+    let got_visual: BTreeMap<String, Vec<usize>> = spec
+        .tensors
+        .iter()
+        .filter(|(n, _)| n.starts_with("model.visual."))
+        .map(|(n, t)| (n.clone(), t.shape.clone()))
+        .collect();
     assert_eq!(got_visual, want_visual);
     assert!(spec.tensors.iter().filter(|(n, _)| n.starts_with("model.visual.")).all(|(_, t)| t.dtype == DType::BF16));
 
@@ -77,7 +82,10 @@ fn full_preset_metadata_is_the_real_inventory() {
         let names: Vec<&String> = spec.tensors.keys().filter(|n| n.starts_with(&lp)).collect();
         let count = |f: &dyn Fn(&str) -> bool| names.iter().filter(|n| f(n)).count();
         let unquantised = count(&|n| {
-            n.ends_with("input_layernorm.weight") || n.ends_with("post_attention_layernorm.weight") || n.ends_with(".mlp.gate.weight") || n.ends_with(".mlp.shared_expert_gate.weight")
+            n.ends_with("input_layernorm.weight")
+                || n.ends_with("post_attention_layernorm.weight")
+                || n.ends_with(".mlp.gate.weight")
+                || n.ends_with(".mlp.shared_expert_gate.weight")
         });
         assert_eq!(unquantised, 4, "layer {i}");
         assert_eq!(count(&|n| n.contains(".mlp.shared_expert.")), 6, "layer {i}");
@@ -105,7 +113,10 @@ fn full_preset_metadata_is_the_real_inventory() {
     assert_eq!(by_dtype(DType::F8_E4M3), 30_880);
 
     let report = model_spec::report::render(&spec);
-    assert!(report.contains("the config says mtp_num_hidden_layers: 1 but the index holds no mtp.* tensor"), "{report}");
+    assert!(
+        report.contains("the config says mtp_num_hidden_layers: 1 but the index holds no mtp.* tensor"),
+        "{report}"
+    );
     assert!(report.contains("62546"), "{report}");
     assert!(report.contains("visual       333 tensors"), "{report}");
     // KV: 10 layers × (K + V) × 2 heads × 256 × 2 bytes = 20,480 B per token; × 262,144 = 5 GiB.
@@ -129,7 +140,10 @@ fn shallow_preset_plan() {
     let plan = synth::plan(Preset::Shallow, 0);
     // 3 globals + 3 GDN layers + 1 attention layer + the real vision tower.
     assert_eq!(plan.tensor_count(), 3 + 3 * 1555 + 1556 + 333);
-    let experts = plan.tensors().filter(|(_, t)| t.name.contains(".layers.3.mlp.experts.") && t.name.ends_with("down_proj.weight")).count();
+    let experts = plan
+        .tensors()
+        .filter(|(_, t)| t.name.contains(".layers.3.mlp.experts.") && t.name.ends_with("down_proj.weight"))
+        .count();
     assert_eq!(experts, 256);
     let (_, q) = plan.find("model.language_model.layers.3.self_attn.q_proj.weight").unwrap();
     assert_eq!((q.dtype, q.shape.clone()), (DType::F8_E4M3, vec![8192, 2048]));

@@ -26,8 +26,12 @@ fn tensor_bytes(spec: &ModelSpec, name: &str) -> Vec<u8> {
 /// shared expert's gate/up/down. Everything else (lm_head, linear_attn.*, router, shared-expert
 /// gate) stays BF16. Written out independently of the ignore-pattern matcher.
 fn vendor_fp8(module: &str) -> bool {
-    let attn = [".self_attn.q_proj", ".self_attn.k_proj", ".self_attn.v_proj", ".self_attn.o_proj"].iter().any(|s| module.ends_with(s));
-    let shared = [".shared_expert.gate_proj", ".shared_expert.up_proj", ".shared_expert.down_proj"].iter().any(|s| module.ends_with(s));
+    let attn = [".self_attn.q_proj", ".self_attn.k_proj", ".self_attn.v_proj", ".self_attn.o_proj"]
+        .iter()
+        .any(|s| module.ends_with(s));
+    let shared = [".shared_expert.gate_proj", ".shared_expert.up_proj", ".shared_expert.down_proj"]
+        .iter()
+        .any(|s| module.ends_with(s));
     attn || shared || module.contains(".mlp.experts.")
 }
 
@@ -68,16 +72,37 @@ fn tiny_round_trip_classifies_every_linear_as_the_vendor_does() {
     let mut linears = vec![spec.lm_head.clone()];
     for l in &spec.layers {
         match &l.mixer {
-            MixerSpec::LinearAttention(g) => linears.extend([&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a, &g.out_proj].map(Clone::clone)),
-            MixerSpec::FullAttention(a) => linears.extend([&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj].map(Clone::clone)),
+            MixerSpec::LinearAttention(g) => linears
+                .extend([&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a, &g.out_proj].map(Clone::clone)),
+            MixerSpec::FullAttention(a) => {
+                linears.extend([&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj].map(Clone::clone))
+            }
         }
         let m = &l.mlp;
-        linears.extend([&m.gate, &m.shared_expert_gate, &m.shared_expert.gate_proj, &m.shared_expert.up_proj, &m.shared_expert.down_proj].map(Clone::clone));
+        linears.extend(
+            [
+                &m.gate,
+                &m.shared_expert_gate,
+                &m.shared_expert.gate_proj,
+                &m.shared_expert.up_proj,
+                &m.shared_expert.down_proj,
+            ]
+            .map(Clone::clone),
+        );
         assert_eq!([m.experts.gate_proj, m.experts.up_proj, m.experts.down_proj], [Precision::Fp8; 3]);
         for e in 0..m.experts.num_experts {
             for (p, o, i) in [("gate_proj", 32, 64), ("up_proj", 32, 64), ("down_proj", 64, 32)] {
                 let module = format!("{}.{e}.{p}", m.experts.module);
-                check_linear(&LinearSpec { module, precision: Precision::Fp8, out_features: o, in_features: i, ignored_by: None }, &spec);
+                check_linear(
+                    &LinearSpec {
+                        module,
+                        precision: Precision::Fp8,
+                        out_features: o,
+                        in_features: i,
+                        ignored_by: None,
+                    },
+                    &spec,
+                );
             }
         }
     }
@@ -100,12 +125,16 @@ fn tiny_round_trip_classifies_every_linear_as_the_vendor_does() {
 fn tiny_writes_the_vendor_config_files() {
     let tmp = tempfile::tempdir().unwrap();
     synth_tiny(tmp.path(), 0);
-    let read = |n: &str| -> serde_json::Value { serde_json::from_slice(&std::fs::read(tmp.path().join(n)).unwrap()).unwrap() };
+    let read =
+        |n: &str| -> serde_json::Value { serde_json::from_slice(&std::fs::read(tmp.path().join(n)).unwrap()).unwrap() };
     let c = read("config.json");
     assert_eq!(c["model_type"], "qwen3_5_moe");
     assert_eq!(c["architectures"], serde_json::json!(["Qwen3_5MoeForConditionalGeneration"]));
     assert_eq!(c["tie_word_embeddings"], false);
-    assert_eq!(c["text_config"]["layer_types"], serde_json::json!(["linear_attention", "linear_attention", "linear_attention", "full_attention"]));
+    assert_eq!(
+        c["text_config"]["layer_types"],
+        serde_json::json!(["linear_attention", "linear_attention", "linear_attention", "full_attention"])
+    );
     assert_eq!(c["text_config"]["mtp_num_hidden_layers"], 1);
     assert_eq!(c["vision_config"]["depth"], 1);
     let q = &c["quantization_config"];
@@ -115,20 +144,36 @@ fn tiny_writes_the_vendor_config_files() {
     assert!(q["kv_cache_scheme"].is_null());
     assert_eq!(
         q["ignore"],
-        serde_json::json!(["re:.*lm_head", "re:.*embed_tokens$", "re:.*mlp.gate$", "re:.*shared_expert_gate$", "re:.*linear_attn.*", "re:.*visual.*"])
+        serde_json::json!([
+            "re:.*lm_head",
+            "re:.*embed_tokens$",
+            "re:.*mlp.gate$",
+            "re:.*shared_expert_gate$",
+            "re:.*linear_attn.*",
+            "re:.*visual.*"
+        ])
     );
     let g = &q["config_groups"]["group_0"];
     assert_eq!(g["targets"], serde_json::json!(["Linear"]));
-    assert_eq!((g["weights"]["num_bits"].as_u64(), g["weights"]["type"].as_str(), g["weights"]["strategy"].as_str()), (Some(8), Some("float"), Some("channel")));
+    assert_eq!(
+        (g["weights"]["num_bits"].as_u64(), g["weights"]["type"].as_str(), g["weights"]["strategy"].as_str()),
+        (Some(8), Some("float"), Some("channel"))
+    );
     assert_eq!((g["weights"]["dynamic"].as_bool(), g["weights"]["symmetric"].as_bool()), (Some(false), Some(true)));
     let a = &g["input_activations"];
-    assert_eq!((a["num_bits"].as_u64(), a["type"].as_str(), a["strategy"].as_str(), a["dynamic"].as_bool()), (Some(8), Some("float"), Some("token"), Some(true)));
+    assert_eq!(
+        (a["num_bits"].as_u64(), a["type"].as_str(), a["strategy"].as_str(), a["dynamic"].as_bool()),
+        (Some(8), Some("float"), Some("token"), Some(true))
+    );
     assert!(g["output_activations"].is_null());
 
     let gc = read("generation_config.json");
     assert_eq!(gc["eos_token_id"], serde_json::json!([248046, 248044]));
     assert_eq!((gc["pad_token_id"].as_u64(), gc["bos_token_id"].as_u64()), (Some(248044), Some(248044)));
-    assert_eq!((gc["do_sample"].as_bool(), gc["temperature"].as_f64(), gc["top_k"].as_u64(), gc["top_p"].as_f64()), (Some(true), Some(1.0), Some(20), Some(0.95)));
+    assert_eq!(
+        (gc["do_sample"].as_bool(), gc["temperature"].as_f64(), gc["top_k"].as_u64(), gc["top_p"].as_f64()),
+        (Some(true), Some(1.0), Some(20), Some(0.95))
+    );
 
     let idx = read("model.safetensors.index.json");
     let map = idx["weight_map"].as_object().unwrap();
@@ -137,7 +182,8 @@ fn tiny_writes_the_vendor_config_files() {
     let total: u64 = spec.tensors.values().map(|t| t.nbytes()).sum();
     assert_eq!(idx["metadata"]["total_size"].as_u64(), Some(total));
     for s in &spec.shards {
-        let re_ok = s.file.starts_with("model-") && s.file.ends_with(&format!("-of-{:05}.safetensors", spec.shards.len()));
+        let re_ok =
+            s.file.starts_with("model-") && s.file.ends_with(&format!("-of-{:05}.safetensors", spec.shards.len()));
         assert!(re_ok, "{}", s.file);
     }
 }
@@ -177,7 +223,8 @@ fn stored_values_match_the_generated_f32() {
         match &t.kind {
             Kind::Dense(init) => {
                 // Embeddings are 248k rows: check the first and last 64.
-                let sample: Vec<usize> = if rows > 256 { (0..64).chain(rows - 64..rows).collect() } else { (0..rows).collect() };
+                let sample: Vec<usize> =
+                    if rows > 256 { (0..64).chain(rows - 64..rows).collect() } else { (0..rows).collect() };
                 for r in sample {
                     key.fill_row(*init, r as u64, &mut row);
                     for (j, &x) in row.iter().enumerate() {
@@ -258,7 +305,8 @@ fn gen_default_synthesises_tiny_once() {
     std::thread::sleep(std::time::Duration::from_millis(20));
     xtask::gen::gen(None, root.path(), &spec_path).unwrap();
     assert_eq!(mtime(), first, "a stamped tiny checkpoint is reused");
-    std::fs::write(tiny.join(".synth-stamp.json"), "{\"preset\":\"tiny\",\"seed\":0,\"generator_version\":0}\n").unwrap();
+    std::fs::write(tiny.join(".synth-stamp.json"), "{\"preset\":\"tiny\",\"seed\":0,\"generator_version\":0}\n")
+        .unwrap();
     let again = xtask::gen::gen(None, root.path(), &spec_path).unwrap();
     assert_ne!(mtime(), first, "a stale stamp makes gen synthesise again");
     assert_eq!(again.fingerprint, spec.fingerprint, "same preset and seed, same checkpoint");

@@ -11,8 +11,7 @@ use serde_json::Value;
 fn tokenizer_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir =
-            std::env::temp_dir().join(format!("ornith-tokenizer-test-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("ornith-tokenizer-test-{}", std::process::id()));
         xtask::tokenizer::write_tokenizer_files(&dir).expect("writing tokenizer files");
         dir
     })
@@ -20,10 +19,7 @@ fn tokenizer_dir() -> &'static Path {
 
 fn tokenizer() -> &'static Tokenizer {
     static TOK: OnceLock<Tokenizer> = OnceLock::new();
-    TOK.get_or_init(|| {
-        Tokenizer::from_file(&tokenizer_dir().join("tokenizer.json"))
-            .expect("loading tokenizer.json")
-    })
+    TOK.get_or_init(|| Tokenizer::from_file(&tokenizer_dir().join("tokenizer.json")).expect("loading tokenizer.json"))
 }
 
 struct Case {
@@ -37,13 +33,7 @@ struct Case {
 fn cases() -> Vec<Case> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("golden/tokenizer_ids.json");
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let ids = |v: &Value| {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect::<Vec<_>>()
-    };
+    let ids = |v: &Value| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
     let cases: Vec<Case> = doc["cases"]
         .as_array()
         .unwrap()
@@ -56,11 +46,7 @@ fn cases() -> Vec<Case> {
             hf: ids(&c["hf_ids"]),
         })
         .collect();
-    assert!(
-        cases.len() >= 60,
-        "golden corpus too small: {}",
-        cases.len()
-    );
+    assert!(cases.len() >= 60, "golden corpus too small: {}", cases.len());
     cases
 }
 
@@ -96,10 +82,8 @@ fn without_whole_word_lookup_ids_match_hugging_face_tokenizers() {
 /// Vocabulary ids of multi-byte BPE tokens that no merge produces (reachable only through
 /// tiktoken's whole-pre-token lookup), read from our tokenizer.json.
 fn unreachable_ids() -> HashSet<u32> {
-    let tj: Value = serde_json::from_str(
-        &std::fs::read_to_string(tokenizer_dir().join("tokenizer.json")).unwrap(),
-    )
-    .unwrap();
+    let tj: Value =
+        serde_json::from_str(&std::fs::read_to_string(tokenizer_dir().join("tokenizer.json")).unwrap()).unwrap();
     let produced: HashSet<String> = tj["model"]["merges"]
         .as_array()
         .unwrap()
@@ -143,12 +127,7 @@ fn decode_inverts_encode_up_to_nfc() {
     let tok = tokenizer();
     for c in cases() {
         let ids = tok.encode(&c.text).unwrap();
-        assert_eq!(
-            tok.decode(&ids, false).unwrap(),
-            c.nfc_text,
-            "case {}",
-            c.name
-        );
+        assert_eq!(tok.decode(&ids, false).unwrap(), c.nfc_text, "case {}", c.name);
     }
 }
 
@@ -170,10 +149,7 @@ fn stream(tok: &Tokenizer, ids: &[u32], skip_special: bool, expect_no_replacemen
     }
     if expect_no_replacement {
         // A character split across tokens must never leak out as U+FFFD.
-        assert!(
-            chunks.iter().all(|c| !c.contains('\u{FFFD}')),
-            "partial UTF-8 emitted: {chunks:?}"
-        );
+        assert!(chunks.iter().all(|c| !c.contains('\u{FFFD}')), "partial UTF-8 emitted: {chunks:?}");
     }
     out
 }
@@ -185,12 +161,7 @@ fn streaming_decode_equals_full_decode() {
         for skip in [false, true] {
             let full = tok.decode(&c.hf, skip).unwrap();
             let no_fffd = !c.text.contains('\u{FFFD}');
-            assert_eq!(
-                stream(tok, &c.hf, skip, no_fffd),
-                full,
-                "case {} skip_special={skip}",
-                c.name
-            );
+            assert_eq!(stream(tok, &c.hf, skip, no_fffd), full, "case {} skip_special={skip}", c.name);
         }
     }
 }
@@ -203,11 +174,7 @@ fn streaming_holds_back_a_split_character() {
     assert!(ids.len() > 1, "expected a multi-token emoji, got {ids:?}");
     let mut s = tok.decode_stream(false);
     for &id in &ids[..ids.len() - 1] {
-        assert_eq!(
-            s.push(id).unwrap(),
-            None,
-            "emitted before the character was complete"
-        );
+        assert_eq!(s.push(id).unwrap(), None, "emitted before the character was complete");
     }
     assert_eq!(s.push(ids[ids.len() - 1]).unwrap().as_deref(), Some("🦀"));
     assert_eq!(s.flush(), None);
@@ -236,18 +203,10 @@ fn added_tokens_and_vocabulary() {
     assert_eq!(tok.id_to_token(220).as_deref(), Some("Ġ")); // the space byte, byte-level spelling
     assert_eq!(tok.id_to_token(248_077), None);
     // <|im_start|> and <|im_end|> are special and dropped; <think> is added but not special.
-    let ids = tok
-        .encode("<|im_start|>assistant\n<think>\nx\n</think>\n\ny<|im_end|>")
-        .unwrap();
+    let ids = tok.encode("<|im_start|>assistant\n<think>\nx\n</think>\n\ny<|im_end|>").unwrap();
     assert_eq!(ids[0], 248_045);
-    assert_eq!(
-        tok.decode(&ids, true).unwrap(),
-        "assistant\n<think>\nx\n</think>\n\ny"
-    );
-    assert_eq!(
-        stream(tok, &ids, true, true),
-        "assistant\n<think>\nx\n</think>\n\ny"
-    );
+    assert_eq!(tok.decode(&ids, true).unwrap(), "assistant\n<think>\nx\n</think>\n\ny");
+    assert_eq!(stream(tok, &ids, true, true), "assistant\n<think>\nx\n</think>\n\ny");
 }
 
 #[test]
@@ -261,20 +220,10 @@ fn bad_ids_are_errors() {
 #[test]
 fn generated_files_are_deterministic() {
     let a = tokenizer_dir();
-    let b = std::env::temp_dir().join(format!(
-        "ornith-tokenizer-test-{}-again",
-        std::process::id()
-    ));
+    let b = std::env::temp_dir().join(format!("ornith-tokenizer-test-{}-again", std::process::id()));
     xtask::tokenizer::write_tokenizer_files(&b).unwrap();
-    for f in [
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "chat_template.jinja",
-    ] {
-        assert!(
-            std::fs::read(a.join(f)).unwrap() == std::fs::read(b.join(f)).unwrap(),
-            "{f} differs between runs"
-        );
+    for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"] {
+        assert!(std::fs::read(a.join(f)).unwrap() == std::fs::read(b.join(f)).unwrap(), "{f} differs between runs");
     }
     let _ = std::fs::remove_dir_all(&b);
 }

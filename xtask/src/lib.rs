@@ -1,8 +1,8 @@
 //! Library half of xtask, shared with the test crate.
-pub mod gen;
-pub mod synth;
-pub mod tokenizer;
-pub mod expand;
 #[cfg(feature = "bindgen")]
 pub mod bindgen;
+pub mod expand;
+pub mod gen;
 pub mod ptx;
+pub mod synth;
+pub mod tokenizer;

@@ -81,7 +81,9 @@ pub fn run_ptx(root: &Path) -> Result<()> {
             let body = std::fs::read_to_string(&tmp)?;
             match ptx_isa(&body) {
                 Some(v) if v <= MAX_PTX_ISA => {}
-                v => bail!("{stem} ({dir}): PTX ISA {v:?} is newer than {MAX_PTX_ISA:?}; use the NVVM that matches CUDA 13.0"),
+                v => bail!(
+                    "{stem} ({dir}): PTX ISA {v:?} is newer than {MAX_PTX_ISA:?}; use the NVVM that matches CUDA 13.0"
+                ),
             }
             let stamped = format!("{}{digest}\n{body}", ornith_kernels::STAMP_PREFIX);
             let dst = out_dir.join(format!("{stem}.ptx"));

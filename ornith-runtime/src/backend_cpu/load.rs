@@ -12,7 +12,13 @@ use std::marker::PhantomData;
 const VEC: &[DType] = &[DType::BF16, DType::F32];
 
 /// Weight bytes of one Linear as loaded: `(bf16 weights, e4m3 codes, f32 scales)`.
-pub(super) fn load_linear_parts(ck: &Checkpoint, module: &str, kind: Precision, out_f: usize, in_f: usize) -> Result<(Vec<bf16>, Vec<u8>, Vec<f32>)> {
+pub(super) fn load_linear_parts(
+    ck: &Checkpoint,
+    module: &str,
+    kind: Precision,
+    out_f: usize,
+    in_f: usize,
+) -> Result<(Vec<bf16>, Vec<u8>, Vec<f32>)> {
     let wname = format!("{module}.weight");
     match kind {
         Precision::Bf16 => {
@@ -29,7 +35,13 @@ pub(super) fn load_linear_parts(ck: &Checkpoint, module: &str, kind: Precision, 
 }
 
 impl CpuBackend {
-    pub(super) fn linear<P: Prec>(&self, ck: &Checkpoint, module: &str, out_f: usize, in_f: usize) -> Result<CpuLinear<P>> {
+    pub(super) fn linear<P: Prec>(
+        &self,
+        ck: &Checkpoint,
+        module: &str,
+        out_f: usize,
+        in_f: usize,
+    ) -> Result<CpuLinear<P>> {
         let (w, w8, scale) = load_linear_parts(ck, module, P::KIND, out_f, in_f)?;
         Ok(CpuLinear { out_features: out_f, in_features: in_f, w, w8, scale, _p: PhantomData })
     }
@@ -60,7 +72,8 @@ impl CpuBackend {
                     "{module}: fused experts are BF16 only"
                 );
                 // gate_up_proj [E, 2I, H]: per expert rows 0..I are gate_proj, I..2I up_proj.
-                let gu = to_bf16(&ck.tensor(&format!("{module}.gate_up_proj"), &[DType::BF16], &[e, 2 * inter, hidden])?);
+                let gu =
+                    to_bf16(&ck.tensor(&format!("{module}.gate_up_proj"), &[DType::BF16], &[e, 2 * inter, hidden])?);
                 let dn = to_bf16(&ck.tensor(&format!("{module}.down_proj"), &[DType::BF16], &[e, hidden, inter])?);
                 for x in 0..e {
                     let base = x * 2 * inter * hidden;

@@ -57,7 +57,9 @@ impl<P: Prec> CpuLinear<P> {
         match (P::KIND, arith) {
             (Precision::Bf16, _) => LinearWeight::Bf16(&self.w),
             (Precision::Fp8, Fp8Arith::Exact) => LinearWeight::Fp8 { w: &self.w8, scale: &self.scale },
-            (Precision::Fp8, Fp8Arith::OracleFakeQuant) => LinearWeight::Fp8FakeQuant { w: &self.w8, scale: &self.scale },
+            (Precision::Fp8, Fp8Arith::OracleFakeQuant) => {
+                LinearWeight::Fp8FakeQuant { w: &self.w8, scale: &self.scale }
+            }
         }
     }
 
@@ -109,7 +111,12 @@ pub struct CpuLogits {
 }
 
 fn gdn_dims(d: &ModelDims) -> gdn::GdnDims {
-    gdn::GdnDims { hk: d.linear_num_key_heads, hv: d.linear_num_value_heads, dk: d.linear_key_head_dim, dv: d.linear_value_head_dim }
+    gdn::GdnDims {
+        hk: d.linear_num_key_heads,
+        hv: d.linear_num_value_heads,
+        dk: d.linear_key_head_dim,
+        dv: d.linear_value_head_dim,
+    }
 }
 
 fn eps(d: &ModelDims) -> f32 {
@@ -160,7 +167,11 @@ impl CpuBackend {
     ) -> Result<()> {
         let (t, hs) = (h.t, d.hidden_size);
         let (nh, nkv, hd) = (d.num_attention_heads, d.num_key_value_heads, d.head_dim);
-        ensure!(cache.k.len() == pos * nkv * hd, "K/V cache holds {} positions, expected {pos}", cache.k.len() / (nkv * hd));
+        ensure!(
+            cache.k.len() == pos * nkv * hd,
+            "K/V cache holds {} positions, expected {pos}",
+            cache.k.len() / (nkv * hd)
+        );
         ensure!(pos + t <= cache.max_context, "K/V cache of {} tokens is full", cache.max_context);
         let mut x = vec![bf16::ZERO; t * hs];
         norm::rms_norm(&h.data, norm_w, hs, eps(d), &mut x);
@@ -201,7 +212,13 @@ impl Backend for CpuBackend {
     type Logits = CpuLogits;
     type DecodeGraph = ();
 
-    fn load_linear<P: Prec>(&self, ck: &Checkpoint, module: &str, out_features: usize, in_features: usize) -> Result<CpuLinear<P>> {
+    fn load_linear<P: Prec>(
+        &self,
+        ck: &Checkpoint,
+        module: &str,
+        out_features: usize,
+        in_features: usize,
+    ) -> Result<CpuLinear<P>> {
         self.linear(ck, module, out_features, in_features)
     }
 
@@ -253,7 +270,14 @@ impl Backend for CpuBackend {
     }
 
     /// The CPU backend records nothing: every step runs `step`.
-    fn decode_step(&self, _g: &mut (), _t: &Vec<bf16>, _id: u32, _pos: usize, step: &mut dyn FnMut() -> Result<CpuLogits>) -> Result<CpuLogits> {
+    fn decode_step(
+        &self,
+        _g: &mut (),
+        _t: &Vec<bf16>,
+        _id: u32,
+        _pos: usize,
+        step: &mut dyn FnMut() -> Result<CpuLogits>,
+    ) -> Result<CpuLogits> {
         step()
     }
 
@@ -322,13 +346,21 @@ impl Backend for CpuBackend {
         let mut x = vec![bf16::ZERO; t * hs];
         norm::rms_norm(&h.data, norm_w, hs, eps(d), &mut x);
         let experts: Vec<moe::Mlp<'_>> = (0..w.experts.gate.len())
-            .map(|e| moe::Mlp { gate: w.experts.gate[e].weight(self.fp8), up: w.experts.up[e].weight(self.fp8), down: w.experts.down[e].weight(self.fp8) })
+            .map(|e| moe::Mlp {
+                gate: w.experts.gate[e].weight(self.fp8),
+                up: w.experts.up[e].weight(self.fp8),
+                down: w.experts.down[e].weight(self.fp8),
+            })
             .collect();
         let wts = moe::MoeWeights {
             router: w.gate.bf16_weight("the router mlp.gate")?,
             experts: &experts,
             moe_inter: d.moe_intermediate_size,
-            shared: moe::Mlp { gate: w.shared_gate_proj.weight(self.fp8), up: w.shared_up_proj.weight(self.fp8), down: w.shared_down_proj.weight(self.fp8) },
+            shared: moe::Mlp {
+                gate: w.shared_gate_proj.weight(self.fp8),
+                up: w.shared_up_proj.weight(self.fp8),
+                down: w.shared_down_proj.weight(self.fp8),
+            },
             shared_inter: d.shared_intermediate_size,
             shared_gate: w.shared_expert_gate.bf16_weight("mlp.shared_expert_gate")?,
             top_k: d.top_k,
@@ -339,7 +371,14 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn logits<P: Prec>(&self, d: &ModelDims, norm_w: &Vec<bf16>, lm_head: &CpuLinear<P>, h: &CpuAct, all_rows: bool) -> Result<CpuLogits> {
+    fn logits<P: Prec>(
+        &self,
+        d: &ModelDims,
+        norm_w: &Vec<bf16>,
+        lm_head: &CpuLinear<P>,
+        h: &CpuAct,
+        all_rows: bool,
+    ) -> Result<CpuLogits> {
         let hs = d.hidden_size;
         let (rows, src) = if all_rows { (h.t, &h.data[..]) } else { (1, &h.data[(h.t - 1) * hs..]) };
         let mut x = vec![bf16::ZERO; rows * hs];

@@ -37,7 +37,13 @@ impl Progress {
         self.shown = pct;
         let secs = self.started.elapsed().as_secs_f64().max(1e-9);
         let g = |b: u64| b as f64 / (1u64 << 30) as f64;
-        eprintln!("ornith: uploading weights {:>3}%  {:.2}/{:.2} GiB  {:.2} GiB/s", pct, g(self.done), g(self.total), g(self.done) / secs);
+        eprintln!(
+            "ornith: uploading weights {:>3}%  {:.2}/{:.2} GiB  {:.2} GiB/s",
+            pct,
+            g(self.done),
+            g(self.total),
+            g(self.done) / secs
+        );
         let _ = std::io::stderr().flush();
     }
 }
@@ -60,7 +66,14 @@ impl CudaBackend {
     }
 
     /// One Linear `[out, in]` as stored: BF16 bytes, or E4M3 codes + f32 per-channel scales.
-    fn dev_linear(&self, ck: &Checkpoint, module: &str, kind: Precision, out_f: usize, in_f: usize) -> Result<DevLinear> {
+    fn dev_linear(
+        &self,
+        ck: &Checkpoint,
+        module: &str,
+        kind: Precision,
+        out_f: usize,
+        in_f: usize,
+    ) -> Result<DevLinear> {
         let wname = format!("{module}.weight");
         match kind {
             Precision::Bf16 => {
@@ -70,7 +83,12 @@ impl CudaBackend {
             Precision::Fp8 => {
                 let v = ck.tensor(&wname, &[DType::F8_E4M3], &[out_f, in_f])?;
                 let s = to_f32(&ck.tensor(&format!("{module}.weight_scale"), VEC, &[out_f, 1])?);
-                Ok(DevLinear { out_features: out_f, in_features: in_f, w: self.put(v.bytes)?, scale: Some(self.put_f32(&s)?) })
+                Ok(DevLinear {
+                    out_features: out_f,
+                    in_features: in_f,
+                    w: self.put(v.bytes)?,
+                    scale: Some(self.put_f32(&s)?),
+                })
             }
         }
     }
@@ -81,7 +99,13 @@ impl CudaBackend {
     /// then holds no memory of its own. The shared expert's `gate_proj` is loaded together with its `up_proj` as
     /// one `[2I, H]` gate|up matrix (the MoE kernel runs the shared expert as one more slot of the
     /// routed-expert launch); `up_proj` then holds no memory of its own and is marked as fused.
-    pub(super) fn linear<P: Prec>(&self, ck: &Checkpoint, module: &str, out_f: usize, in_f: usize) -> Result<CudaLinear<P>> {
+    pub(super) fn linear<P: Prec>(
+        &self,
+        ck: &Checkpoint,
+        module: &str,
+        out_f: usize,
+        in_f: usize,
+    ) -> Result<CudaLinear<P>> {
         if let Some((parts, idx)) = fused_group(&ck.spec, &self.dims, module, P::KIND) {
             if idx > 0 {
                 return Ok(CudaLinear { dev: None, _p: PhantomData });
@@ -102,11 +126,19 @@ impl CudaBackend {
             return Ok(CudaLinear { dev: Some(d), _p: PhantomData });
         }
         if module.ends_with(".mlp.shared_expert_gate") {
-            ensure!(P::KIND == Precision::Bf16, "{module}: the CUDA MoE needs a BF16 shared_expert_gate (found {})", P::NAME);
+            ensure!(
+                P::KIND == Precision::Bf16,
+                "{module}: the CUDA MoE needs a BF16 shared_expert_gate (found {})",
+                P::NAME
+            );
             return Ok(CudaLinear { dev: None, _p: PhantomData });
         }
         if let Some(base) = module.strip_suffix("shared_expert.gate_proj") {
-            ensure!(P::KIND == Precision::Fp8, "{module}: the CUDA MoE kernel needs an FP8 shared expert (found {})", P::NAME);
+            ensure!(
+                P::KIND == Precision::Fp8,
+                "{module}: the CUDA MoE kernel needs an FP8 shared expert (found {})",
+                P::NAME
+            );
             let up = format!("{base}shared_expert.up_proj");
             let (gn, un) = (format!("{module}.weight"), format!("{up}.weight"));
             let g = ck.tensor(&gn, &[DType::F8_E4M3], &[out_f, in_f])?;
@@ -122,7 +154,11 @@ impl CudaBackend {
             return Ok(CudaLinear { dev: Some(d), _p: PhantomData });
         }
         if module.ends_with("shared_expert.up_proj") {
-            ensure!(P::KIND == Precision::Fp8, "{module}: the CUDA MoE kernel needs an FP8 shared expert (found {})", P::NAME);
+            ensure!(
+                P::KIND == Precision::Fp8,
+                "{module}: the CUDA MoE kernel needs an FP8 shared expert (found {})",
+                P::NAME
+            );
             return Ok(CudaLinear { dev: None, _p: PhantomData });
         }
         Ok(CudaLinear { dev: Some(self.dev_linear(ck, module, P::KIND, out_f, in_f)?), _p: PhantomData })
@@ -174,7 +210,11 @@ impl CudaBackend {
         let stream = self.cx.stream().clone();
         for x in 0..e {
             let m = |p: &str| format!("{module}.{x}.{p}");
-            let (gn, un, dnn) = (format!("{}.weight", m("gate_proj")), format!("{}.weight", m("up_proj")), format!("{}.weight", m("down_proj")));
+            let (gn, un, dnn) = (
+                format!("{}.weight", m("gate_proj")),
+                format!("{}.weight", m("up_proj")),
+                format!("{}.weight", m("down_proj")),
+            );
             let g = ck.tensor(&gn, &[DType::F8_E4M3], &[inter, hidden])?;
             let u = ck.tensor(&un, &[DType::F8_E4M3], &[inter, hidden])?;
             let dw = ck.tensor(&dnn, &[DType::F8_E4M3], &[hidden, inter])?;
@@ -211,14 +251,37 @@ impl CudaBackend {
 /// instead of four, two of them 32 rows tall) and attention's `[q; k; v]`, when every member is
 /// stored with the precision `kind`. Returns the group's parts (module, rows) in order and the
 /// index of `module` among them (0 loads the matrix, the others then hold no memory), or None.
-pub(super) fn fused_group(spec: &ModelSpec, d: &ModelDims, module: &str, kind: Precision) -> Option<(Vec<(String, usize)>, usize)> {
+pub(super) fn fused_group(
+    spec: &ModelSpec,
+    d: &ModelDims,
+    module: &str,
+    kind: Precision,
+) -> Option<(Vec<(String, usize)>, usize)> {
     let groups: [(&str, &[(&str, usize)]); 2] = [
-        (".linear_attn", &[("in_proj_qkv", d.conv_dim()), ("in_proj_z", d.value_dim()), ("in_proj_b", d.linear_num_value_heads), ("in_proj_a", d.linear_num_value_heads)]),
-        (".self_attn", &[("q_proj", 2 * d.num_attention_heads * d.head_dim), ("k_proj", d.num_key_value_heads * d.head_dim), ("v_proj", d.num_key_value_heads * d.head_dim)]),
+        (
+            ".linear_attn",
+            &[
+                ("in_proj_qkv", d.conv_dim()),
+                ("in_proj_z", d.value_dim()),
+                ("in_proj_b", d.linear_num_value_heads),
+                ("in_proj_a", d.linear_num_value_heads),
+            ],
+        ),
+        (
+            ".self_attn",
+            &[
+                ("q_proj", 2 * d.num_attention_heads * d.head_dim),
+                ("k_proj", d.num_key_value_heads * d.head_dim),
+                ("v_proj", d.num_key_value_heads * d.head_dim),
+            ],
+        ),
     ];
     let dt = if kind == Precision::Fp8 { DType::F8_E4M3 } else { DType::BF16 };
     groups.iter().find_map(|(parent, members)| {
-        let (base, idx) = members.iter().enumerate().find_map(|(i, (m, _))| Some((module.strip_suffix(&format!("{parent}.{m}"))?, i)))?;
+        let (base, idx) = members
+            .iter()
+            .enumerate()
+            .find_map(|(i, (m, _))| Some((module.strip_suffix(&format!("{parent}.{m}"))?, i)))?;
         let parts: Vec<(String, usize)> = members.iter().map(|(m, n)| (format!("{base}{parent}.{m}"), *n)).collect();
         // The spec cross-checked stored dtypes against the compiled precisions, so the stored
         // dtype decides the same way for every member.
@@ -235,9 +298,24 @@ mod tests {
     /// heads of 32); only the projection widths matter here.
     fn micro_dims() -> ModelDims {
         ModelDims {
-            vocab_size: 0, hidden_size: 64, num_layers: 4, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 32, rotary_dim: 8,
-            rope_theta: 1e7, linear_num_key_heads: 2, linear_num_value_heads: 4, linear_key_head_dim: 32, linear_value_head_dim: 32,
-            conv_kernel: 4, num_experts: 8, top_k: 2, moe_intermediate_size: 32, shared_intermediate_size: 32, rms_norm_eps: 1e-6,
+            vocab_size: 0,
+            hidden_size: 64,
+            num_layers: 4,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 32,
+            rotary_dim: 8,
+            rope_theta: 1e7,
+            linear_num_key_heads: 2,
+            linear_num_value_heads: 4,
+            linear_key_head_dim: 32,
+            linear_value_head_dim: 32,
+            conv_kernel: 4,
+            num_experts: 8,
+            top_k: 2,
+            moe_intermediate_size: 32,
+            shared_intermediate_size: 32,
+            rms_norm_eps: 1e-6,
             max_position_embeddings: 1024,
         }
     }
@@ -256,7 +334,10 @@ mod tests {
         let fp8 = fixture("micro-fp8");
         let (parts, idx) = fused_group(&fp8, &d, &format!("{l0}.in_proj_qkv"), Precision::Bf16).expect("GDN group");
         assert_eq!(idx, 0);
-        let want: Vec<(String, usize)> = [("in_proj_qkv", 256), ("in_proj_z", 128), ("in_proj_b", 4), ("in_proj_a", 4)].iter().map(|(m, n)| (format!("{l0}.{m}"), *n)).collect();
+        let want: Vec<(String, usize)> = [("in_proj_qkv", 256), ("in_proj_z", 128), ("in_proj_b", 4), ("in_proj_a", 4)]
+            .iter()
+            .map(|(m, n)| (format!("{l0}.{m}"), *n))
+            .collect();
         assert_eq!(parts, want);
         assert_eq!(fused_group(&fp8, &d, &format!("{l0}.in_proj_a"), Precision::Bf16).map(|g| g.1), Some(3));
         let (parts, idx) = fused_group(&fp8, &d, &format!("{l3}.v_proj"), Precision::Fp8).expect("attention group");
@@ -265,8 +346,17 @@ mod tests {
         assert!(fused_group(&fp8, &d, &format!("{l3}.q_proj"), Precision::Bf16).is_none());
         assert!(fused_group(&fp8, &d, &format!("{l0}.in_proj_qkv"), Precision::Fp8).is_none());
         // Not in a group.
-        for m in [format!("{l3}.o_proj"), format!("{l0}.out_proj"), "model.language_model.layers.0.mlp.gate".into(), "lm_head".into()] {
-            assert!(fused_group(&fp8, &d, &m, Precision::Bf16).is_none() && fused_group(&fp8, &d, &m, Precision::Fp8).is_none(), "{m}");
+        for m in [
+            format!("{l3}.o_proj"),
+            format!("{l0}.out_proj"),
+            "model.language_model.layers.0.mlp.gate".into(),
+            "lm_head".into(),
+        ] {
+            assert!(
+                fused_group(&fp8, &d, &m, Precision::Bf16).is_none()
+                    && fused_group(&fp8, &d, &m, Precision::Fp8).is_none(),
+                "{m}"
+            );
         }
         // The BF16 export fuses both groups in BF16.
         let bf16 = fixture("micro-bf16");
@@ -274,4 +364,3 @@ mod tests {
         assert!(fused_group(&bf16, &d, &format!("{l0}.in_proj_z"), Precision::Bf16).is_some());
     }
 }
-

@@ -20,8 +20,8 @@
 //!   launches run eagerly.
 mod load;
 mod ops;
-mod prefill_ops;
 pub mod plan;
+mod prefill_ops;
 pub mod profile;
 
 use crate::cuda::CudaContext;
@@ -238,13 +238,18 @@ impl CudaBackend {
         ensure!(max_context >= 1, "the context must hold at least one token");
         let plan = MemoryPlan::new(ck, dims, max_context);
         let (driver_free, total) = cx.driver().mem_get_info()?;
-        let integrated = cx.driver().attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED)? != 0;
+        let integrated =
+            cx.driver().attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED)? != 0;
         let meminfo = if integrated { std::fs::read_to_string("/proc/meminfo").ok() } else { None };
         let (free, source) = plan::usable_free(driver_free as u64, integrated, meminfo.as_deref());
         plan.check(free, source, total as u64, cx.device_name())?;
         let sz = ScratchSizes::new(dims);
         let s = Scratch::new(&cx, dims, &sz)?;
-        let dec = DecodeBufs { io: cx.alloc(2)?, h: Arc::new(cx.alloc(dims.hidden_size)?), delta: Arc::new(cx.alloc(dims.hidden_size)?) };
+        let dec = DecodeBufs {
+            io: cx.alloc(2)?,
+            h: Arc::new(cx.alloc(dims.hidden_size)?),
+            delta: Arc::new(cx.alloc(dims.hidden_size)?),
+        };
         Ok(CudaBackend {
             cx,
             dims: *dims,
@@ -276,7 +281,13 @@ impl CudaBackend {
     }
 
     /// Replays `g`, capturing `step` into it first when it holds no graph for this model.
-    fn replay(&self, mode: &mut DecodeMode, g: &mut CudaDecodeGraph, table: &CudaEmbedding, step: &mut dyn FnMut() -> Result<CudaLogits>) -> Result<CudaLogits> {
+    fn replay(
+        &self,
+        mode: &mut DecodeMode,
+        g: &mut CudaDecodeGraph,
+        table: &CudaEmbedding,
+        step: &mut dyn FnMut() -> Result<CudaLogits>,
+    ) -> Result<CudaLogits> {
         let (key, pdl) = (table.id, self.cx.pdl());
         let skip = *self.skip.lock().unwrap_or_else(|e| e.into_inner());
         if g.graph.is_none() || g.key != key || g.pdl != pdl || g.skip != skip {
@@ -292,7 +303,9 @@ impl CudaBackend {
             let end = st.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
             mode.capturing = false;
             r.context("capturing the decode step")?;
-            let graph = end.context("instantiating the decode graph")?.ok_or_else(|| anyhow::anyhow!("the captured decode step is empty"))?;
+            let graph = end
+                .context("instantiating the decode graph")?
+                .ok_or_else(|| anyhow::anyhow!("the captured decode step is empty"))?;
             graph.upload()?;
             *g = CudaDecodeGraph { graph: Some(SendGraph(graph)), key, pdl, skip };
         }
@@ -323,9 +336,18 @@ impl CudaBackend {
     /// the same layer input.
     pub fn act_from_host(&self, data: &[f32]) -> Result<CudaAct> {
         let hs = self.dims.hidden_size;
-        ensure!(!data.is_empty() && data.len().is_multiple_of(hs), "act_from_host: {} values is not a whole number of rows of {hs}", data.len());
+        ensure!(
+            !data.is_empty() && data.len().is_multiple_of(hs),
+            "act_from_host: {} values is not a whole number of rows of {hs}",
+            data.len()
+        );
         let b: Vec<u16> = data.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
-        Ok(CudaAct { t: data.len() / hs, h: Arc::new(self.cx.upload(&b)?), delta: Arc::new(self.cx.alloc(b.len())?), pending: Cell::new(0) })
+        Ok(CudaAct {
+            t: data.len() / hs,
+            h: Arc::new(self.cx.upload(&b)?),
+            delta: Arc::new(self.cx.alloc(b.len())?),
+            pending: Cell::new(0),
+        })
     }
 
     fn check_deferred(&self) -> Result<()> {
@@ -344,7 +366,16 @@ impl CudaBackend {
         let hs = self.dims.hidden_size;
         let add = (h.pending.get() > r0).then(|| at(self, &h.delta, r0 * hs));
         let (xq, xs) = (at(self, &self.s.xq, 0), at(self, &self.s.xs, 0));
-        self.k_rmsnorm(at(self, &h.h, r0 * hs), add, at(self, &w.bf, 0), at(self, &self.s.xb, 0), Some((xq, xs)), n, hs, self.eps())?;
+        self.k_rmsnorm(
+            at(self, &h.h, r0 * hs),
+            add,
+            at(self, &w.bf, 0),
+            at(self, &self.s.xb, 0),
+            Some((xq, xs)),
+            n,
+            hs,
+            self.eps(),
+        )?;
         Ok(XIn { bf: at(self, &self.s.xb, 0), q8: Some((xq, xs)), stride: hs })
     }
 
@@ -373,7 +404,8 @@ impl CudaBackend {
     ) -> Result<()> {
         self.layer_start(h)?;
         let d = &self.dims;
-        let (hs, cd, vd, hv, hk) = (d.hidden_size, d.conv_dim(), d.value_dim(), d.linear_num_value_heads, d.linear_num_key_heads);
+        let (hs, cd, vd, hv, hk) =
+            (d.hidden_size, d.conv_dim(), d.value_dim(), d.linear_num_value_heads, d.linear_num_key_heads);
         let pw = self.sz.proj_w;
         let s = &self.s;
         for r0 in (0..h.t).step_by(CHUNK) {
@@ -393,9 +425,19 @@ impl CudaBackend {
             let conv = if use_prefill(n) { Self::k_conv_chunk } else { Self::k_conv }; // bit-identical forms
             conv(self, proj, at(self, &w.conv1d.bf, 0), at(self, &st.conv, 0), at(self, &s.conv, 0), n, cd, pw)?;
             let gp = OrnithGdnParams {
-                qkv: at(self, &s.conv, 0) as _, ba: b_at as _, a_log: at(self, &w.a_log.f, 0) as _, dt_bias: at(self, &w.dt_bias.bf, 0) as _,
-                state: at(self, &st.ssm, 0) as _, o: at(self, &s.o, 0) as _, tokens: n as i32, k_heads: hk as i32, v_heads: hv as i32,
-                qkv_stride: cd as i32, ba_stride: pw as i32, a_offset: hv as i32, work: at(self, &s.gdn_work, 0) as _,
+                qkv: at(self, &s.conv, 0) as _,
+                ba: b_at as _,
+                a_log: at(self, &w.a_log.f, 0) as _,
+                dt_bias: at(self, &w.dt_bias.bf, 0) as _,
+                state: at(self, &st.ssm, 0) as _,
+                o: at(self, &s.o, 0) as _,
+                tokens: n as i32,
+                k_heads: hk as i32,
+                v_heads: hv as i32,
+                qkv_stride: cd as i32,
+                ba_stride: pw as i32,
+                a_offset: hv as i32,
+                work: at(self, &s.gdn_work, 0) as _,
             };
             // The chunked form (chunks of 64 inside the kernel) and the recurrent form compute the
             // same delta rule in fp32; they differ in summation order only.
@@ -404,7 +446,17 @@ impl CudaBackend {
             } else {
                 self.k_gdn(gp)?;
             }
-            self.k_gated_norm(at(self, &s.o, 0), z_at, at(self, &w.norm.bf, 0), at(self, &s.on, 0), n, hv, d.linear_value_head_dim, pw, self.eps())?;
+            self.k_gated_norm(
+                at(self, &s.o, 0),
+                z_at,
+                at(self, &w.norm.bf, 0),
+                at(self, &s.on, 0),
+                n,
+                hv,
+                d.linear_value_head_dim,
+                pw,
+                self.eps(),
+            )?;
             let on = XIn { bf: at(self, &s.on, 0), q8: None, stride: vd };
             self.lin(&w.out_proj, "out_proj", on, at(self, &h.delta, r0 * hs), hs, n)?;
         }
@@ -460,30 +512,63 @@ impl CudaBackend {
             };
             let p0 = pos + r0;
             self.k_qk_rope(OrnithQkRopeParams {
-                qg: qg as _, k: kp as _, v: vp as _,
-                q_norm: at(self, &w.q_norm.bf, 0) as _, k_norm: at(self, &w.k_norm.bf, 0) as _, q_out: at(self, &s.q, 0) as _,
-                k_cache: at(self, &cache.k, 0) as _, v_cache: at(self, &cache.v, 0) as _, tokens: n as i32, pos0: p0 as i32,
-                q_heads: nh as i32, kv_heads: nkv as i32, head_dim: hd as i32, rot: d.rotary_dim as i32, max_seq: cache.max_context as i32,
-                theta: d.rope_theta as f32, eps: self.eps(), pos_dev,
+                qg: qg as _,
+                k: kp as _,
+                v: vp as _,
+                q_norm: at(self, &w.q_norm.bf, 0) as _,
+                k_norm: at(self, &w.k_norm.bf, 0) as _,
+                q_out: at(self, &s.q, 0) as _,
+                k_cache: at(self, &cache.k, 0) as _,
+                v_cache: at(self, &cache.v, 0) as _,
+                tokens: n as i32,
+                pos0: p0 as i32,
+                q_heads: nh as i32,
+                kv_heads: nkv as i32,
+                head_dim: hd as i32,
+                rot: d.rotary_dim as i32,
+                max_seq: cache.max_context as i32,
+                theta: d.rope_theta as f32,
+                eps: self.eps(),
+                pos_dev,
             })?;
             if use_prefill(n) {
                 self.k_flash_attn(OrnithFlashAttnParams {
-                    q: at(self, &s.q, 0) as _, k_cache: at(self, &cache.k, 0) as _, v_cache: at(self, &cache.v, 0) as _,
-                    qg: at(self, &s.qg, 0) as _, out: at(self, &s.on, 0) as _, tokens: n as i32, pos0: p0 as i32, q_heads: nh as i32,
-                    kv_heads: nkv as i32, scale: 1.0 / (hd as f32).sqrt(),
+                    q: at(self, &s.q, 0) as _,
+                    k_cache: at(self, &cache.k, 0) as _,
+                    v_cache: at(self, &cache.v, 0) as _,
+                    qg: at(self, &s.qg, 0) as _,
+                    out: at(self, &s.on, 0) as _,
+                    tokens: n as i32,
+                    pos0: p0 as i32,
+                    q_heads: nh as i32,
+                    kv_heads: nkv as i32,
+                    scale: 1.0 / (hd as f32).sqrt(),
                 })?;
             } else {
                 for a0 in (0..n).step_by(ATTN_ROWS) {
                     let m = ATTN_ROWS.min(n - a0);
                     // Device-position form: a fixed grid of MAX_SPLITS splits, the kernel derives
                     // split_for's length (identical splits, so identical results).
-                    let (split_len, splits) = if pos_dev.is_null() { plan::split_for(p0 + a0 + m) } else { (0, plan::MAX_SPLITS) };
+                    let (split_len, splits) =
+                        if pos_dev.is_null() { plan::split_for(p0 + a0 + m) } else { (0, plan::MAX_SPLITS) };
                     self.k_attention(OrnithAttnParams {
-                        q: at(self, &s.q, a0 * nh * hd) as _, k_cache: at(self, &cache.k, 0) as _, v_cache: at(self, &cache.v, 0) as _,
-                        qg: at(self, &s.qg, a0 * nh * 2 * hd) as _, part_o: at(self, &s.part_o, 0) as _, part_ml: at(self, &s.part_ml, 0) as _,
-                        out: at(self, &s.on, a0 * nh * hd) as _, tokens: m as i32, pos0: (p0 + a0) as i32, q_heads: nh as i32, kv_heads: nkv as i32,
-                        head_dim: hd as i32, split_len: split_len as i32, splits: splits as i32, scale: 1.0 / (hd as f32).sqrt(),
-                        pos_dev, min_split: plan::MIN_SPLIT as i32,
+                        q: at(self, &s.q, a0 * nh * hd) as _,
+                        k_cache: at(self, &cache.k, 0) as _,
+                        v_cache: at(self, &cache.v, 0) as _,
+                        qg: at(self, &s.qg, a0 * nh * 2 * hd) as _,
+                        part_o: at(self, &s.part_o, 0) as _,
+                        part_ml: at(self, &s.part_ml, 0) as _,
+                        out: at(self, &s.on, a0 * nh * hd) as _,
+                        tokens: m as i32,
+                        pos0: (p0 + a0) as i32,
+                        q_heads: nh as i32,
+                        kv_heads: nkv as i32,
+                        head_dim: hd as i32,
+                        split_len: split_len as i32,
+                        splits: splits as i32,
+                        scale: 1.0 / (hd as f32).sqrt(),
+                        pos_dev,
+                        min_split: plan::MIN_SPLIT as i32,
                     })?;
                 }
             }
@@ -501,37 +586,90 @@ impl CudaBackend {
     /// as plain GEMMs on rows `n·k ..` of the same scratch; the combine
     /// `out = bf16(bf16(Σ_j bf16(y_j · w_j)) + bf16(bf16(sigmoid(g)) · y_shared))` — the cast
     /// points of `cpu::moe::moe` and of the decode chain.
-    fn moe_grouped<G: Prec, U: Prec, D: Prec>(&self, ex: &CudaExperts<G, U, D>, sh: SharedExpert, x: (ops::Ptr, ops::Ptr), n: usize, out: ops::Ptr) -> Result<()> {
+    fn moe_grouped<G: Prec, U: Prec, D: Prec>(
+        &self,
+        ex: &CudaExperts<G, U, D>,
+        sh: SharedExpert,
+        x: (ops::Ptr, ops::Ptr),
+        n: usize,
+        out: ops::Ptr,
+    ) -> Result<()> {
         let d = &self.dims;
         let (hs, e, k, inter) = (d.hidden_size, ex.experts, d.top_k, d.moe_intermediate_size);
         let s = &self.s;
         let nk = n * k;
-        let (go, to, rt, ro) = (at(self, &s.group_offsets, 0), at(self, &s.tile_offsets, 0), at(self, &s.row_token, 0), at(self, &s.row_of, 0));
+        let (go, to, rt, ro) = (
+            at(self, &s.group_offsets, 0),
+            at(self, &s.tile_offsets, 0),
+            at(self, &s.row_token, 0),
+            at(self, &s.row_of, 0),
+        );
         let (gu, aq, asc, ys) = (at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), at(self, &s.ys, 0));
         self.k_moe_sort(OrnithMoeSortParams {
-            idx: at(self, &s.idx, 0) as _, group_offsets: go as _, tile_offsets: to as _, row_token: rt as _, row_of: ro as _,
-            tokens: n as i32, top_k: k as i32, experts: e as i32,
+            idx: at(self, &s.idx, 0) as _,
+            group_offsets: go as _,
+            tile_offsets: to as _,
+            row_token: rt as _,
+            row_of: ro as _,
+            tokens: n as i32,
+            top_k: k as i32,
+            experts: e as i32,
         })?;
         self.k_gemm_grouped(OrnithGemmParams {
-            a: x.0 as _, a_scale: x.1 as _, a_rows: rt as _, w: at(self, &ex.gu, 0) as _, w_scale: at(self, &ex.gus, 0) as _, y: gu as _,
-            group_offsets: go as _, tile_offsets: to as _, rows: nk as i32, in_: hs as i32, out: (2 * inter) as i32, a_stride: hs as i32,
-            y_stride: (2 * inter) as i32, groups: e as i32,
+            a: x.0 as _,
+            a_scale: x.1 as _,
+            a_rows: rt as _,
+            w: at(self, &ex.gu, 0) as _,
+            w_scale: at(self, &ex.gus, 0) as _,
+            y: gu as _,
+            group_offsets: go as _,
+            tile_offsets: to as _,
+            rows: nk as i32,
+            in_: hs as i32,
+            out: (2 * inter) as i32,
+            a_stride: hs as i32,
+            y_stride: (2 * inter) as i32,
+            groups: e as i32,
         })?;
         self.k_swiglu_ct(gu, aq, asc, nk, inter)?;
         self.k_gemm_grouped(OrnithGemmParams {
-            a: aq as _, a_scale: asc as _, a_rows: std::ptr::null(), w: at(self, &ex.dn, 0) as _, w_scale: at(self, &ex.dns, 0) as _,
-            y: ys as _, group_offsets: go as _, tile_offsets: to as _, rows: nk as i32, in_: inter as i32, out: hs as i32,
-            a_stride: inter as i32, y_stride: hs as i32, groups: e as i32,
+            a: aq as _,
+            a_scale: asc as _,
+            a_rows: std::ptr::null(),
+            w: at(self, &ex.dn, 0) as _,
+            w_scale: at(self, &ex.dns, 0) as _,
+            y: ys as _,
+            group_offsets: go as _,
+            tile_offsets: to as _,
+            rows: nk as i32,
+            in_: inter as i32,
+            out: hs as i32,
+            a_stride: inter as i32,
+            y_stride: hs as i32,
+            groups: e as i32,
         })?;
         // Shared expert: rows nk .. nk + n of the slot scratch (sized for n·(k + 1) rows).
-        let (sgu, saq, sas, sy) = (gu + (2 * nk * 2 * inter) as u64, aq + (nk * inter) as u64, asc + (4 * nk) as u64, ys + (2 * nk * hs) as u64);
+        let (sgu, saq, sas, sy) = (
+            gu + (2 * nk * 2 * inter) as u64,
+            aq + (nk * inter) as u64,
+            asc + (4 * nk) as u64,
+            ys + (2 * nk * hs) as u64,
+        );
         self.k_gemm_fp8(x.0, x.1, sh.gu, sh.gus, sgu, n, hs, 2 * inter, hs, 2 * inter)?;
         self.k_swiglu_ct(sgu, saq, sas, n, inter)?;
         self.k_gemm_fp8(saq, sas, sh.dn, sh.dns, sy, n, inter, hs, inter, hs)?;
         let rw = self.sz.rlog_w;
         self.k_combine_prefill(OrnithMoeCombinePrefillParams {
-            ys: ys as _, row_of: ro as _, weight: at(self, &s.wt, 0) as _, shared_y: sy as _, gate_logit: (at(self, &s.rlog, 0) + 2 * e as u64) as _,
-            out: out as _, tokens: n as i32, top_k: k as i32, hidden: hs as i32, gate_stride: rw as i32,
+            ys: ys as _,
+            row_of: ro as _,
+            weight: at(self, &s.wt, 0) as _,
+            shared_y: sy as _,
+            gate_logit: (at(self, &s.rlog, 0) + 2 * e as u64) as _,
+            out: out as _,
+            tokens: n as i32,
+            top_k: k as i32,
+            hidden: hs as i32,
+            gate_stride: rw as i32,
         })
     }
 }
@@ -591,7 +729,13 @@ impl Backend for CudaBackend {
     type Logits = CudaLogits;
     type DecodeGraph = CudaDecodeGraph;
 
-    fn load_linear<P: Prec>(&self, ck: &Checkpoint, module: &str, out_features: usize, in_features: usize) -> Result<CudaLinear<P>> {
+    fn load_linear<P: Prec>(
+        &self,
+        ck: &Checkpoint,
+        module: &str,
+        out_features: usize,
+        in_features: usize,
+    ) -> Result<CudaLinear<P>> {
         self.linear(ck, module, out_features, in_features)
     }
 
@@ -637,7 +781,8 @@ impl Backend for CudaBackend {
     fn reset_gdn_state(&self, s: &mut CudaGdnState) {
         let st = self.cx.stream();
         if let Err(e) = st.memset_zeros(&mut s.conv).and_then(|_| st.memset_zeros(&mut s.ssm)) {
-            *self.deferred.lock().unwrap_or_else(|e| e.into_inner()) = Some(anyhow::Error::new(e).context("clearing the recurrent state"));
+            *self.deferred.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some(anyhow::Error::new(e).context("clearing the recurrent state"));
         }
     }
 
@@ -652,14 +797,27 @@ impl Backend for CudaBackend {
     /// Writes `[id, pos]` to the device, then replays the captured step, capturing it first if
     /// `g` holds none (or one of another model). Profiling runs the step eagerly (events cannot
     /// bracket launches inside a graph).
-    fn decode_step(&self, g: &mut CudaDecodeGraph, table: &CudaEmbedding, id: u32, pos: usize, step: &mut dyn FnMut() -> Result<CudaLogits>) -> Result<CudaLogits> {
+    fn decode_step(
+        &self,
+        g: &mut CudaDecodeGraph,
+        table: &CudaEmbedding,
+        id: u32,
+        pos: usize,
+        step: &mut dyn FnMut() -> Result<CudaLogits>,
+    ) -> Result<CudaLogits> {
         self.check_deferred()?;
-        ensure!((id as usize) < self.dims.vocab_size, "token id {id} is outside the vocabulary of {}", self.dims.vocab_size);
+        ensure!(
+            (id as usize) < self.dims.vocab_size,
+            "token id {id} is outside the vocabulary of {}",
+            self.dims.vocab_size
+        );
         let p = i32::try_from(pos).map_err(|_| anyhow::anyhow!("position {pos} does not fit the kernels' int32"))?;
         let io = [id as i32, p];
         // SAFETY: `io` is 8 bytes into the 2-element device buffer; a copy from pageable host
         // memory returns once the bytes are staged, so the stack array may go out of scope.
-        unsafe { cudarc::driver::result::memcpy_htod_async(self.cx.addr(&self.dec.io), &io, self.cx.stream().cu_stream()) }?;
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(self.cx.addr(&self.dec.io), &io, self.cx.stream().cu_stream())
+        }?;
         let profiling = self.prof.lock().unwrap_or_else(|e| e.into_inner()).is_some();
         let mut mode = DecodeMode::enter(self);
         if profiling || !self.graphs.load(Relaxed) {
@@ -682,7 +840,14 @@ impl Backend for CudaBackend {
             // the static buffers (no allocation, so the step can be captured).
             ensure!(t == 1, "a decode step embeds one token, got {t}");
             let (h, delta) = (self.dec.h.clone(), self.dec.delta.clone());
-            self.k_embed(at(self, &self.dec.io, 0), at(self, table, 0), at(self, &h, 0), 1, d.hidden_size, d.vocab_size)?;
+            self.k_embed(
+                at(self, &self.dec.io, 0),
+                at(self, table, 0),
+                at(self, &h, 0),
+                1,
+                d.hidden_size,
+                d.vocab_size,
+            )?;
             return Ok(CudaAct { t, h, delta, pending: Cell::new(0) });
         }
         let ids32: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
@@ -773,30 +938,77 @@ impl Backend for CudaBackend {
             self.lin(&w.gate, "mlp.gate", x, rl, rw, n)?;
             self.k_router(rl, at(self, &s.idx, 0), at(self, &s.wt, 0), n, e, k, rw)?;
             if use_prefill(n) {
-                let sh = SharedExpert { gu: at(self, &sgu.w, 0), gus: at(self, sgu_s, 0), dn: at(self, &sdn.w, 0), dns: at(self, sdn_s, 0) };
+                let sh = SharedExpert {
+                    gu: at(self, &sgu.w, 0),
+                    gus: at(self, sgu_s, 0),
+                    dn: at(self, &sdn.w, 0),
+                    dns: at(self, sdn_s, 0),
+                };
                 self.moe_grouped(&w.experts, sh, (xq, xs), n, at(self, &h.delta, r0 * hs))?;
                 continue;
             }
             self.k_moe_gemv(OrnithMoeGemvParams {
-                xq: xq as _, xs: xs as _, idx: at(self, &s.idx, 0) as _, w: at(self, &w.experts.gu, 0) as _, ws: at(self, &w.experts.gus, 0) as _,
-                shared_w: at(self, &sgu.w, 0) as _, shared_ws: at(self, sgu_s, 0) as _, y: at(self, &s.gu, 0) as _,
-                tokens: n as i32, top_k: k as i32, experts: e as i32, in_: hs as i32, out: (2 * inter) as i32,
-                x_tok_stride: hs as i32, x_slot_stride: 0, xs_tok_stride: 1, xs_slot_stride: 0,
+                xq: xq as _,
+                xs: xs as _,
+                idx: at(self, &s.idx, 0) as _,
+                w: at(self, &w.experts.gu, 0) as _,
+                ws: at(self, &w.experts.gus, 0) as _,
+                shared_w: at(self, &sgu.w, 0) as _,
+                shared_ws: at(self, sgu_s, 0) as _,
+                y: at(self, &s.gu, 0) as _,
+                tokens: n as i32,
+                top_k: k as i32,
+                experts: e as i32,
+                in_: hs as i32,
+                out: (2 * inter) as i32,
+                x_tok_stride: hs as i32,
+                x_slot_stride: 0,
+                xs_tok_stride: 1,
+                xs_slot_stride: 0,
             })?;
             self.k_swiglu(at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), n * slots, inter)?;
             self.k_moe_gemv(OrnithMoeGemvParams {
-                xq: at(self, &s.aq, 0) as _, xs: at(self, &s.asc, 0) as _, idx: at(self, &s.idx, 0) as _, w: at(self, &w.experts.dn, 0) as _,
-                ws: at(self, &w.experts.dns, 0) as _, shared_w: at(self, &sdn.w, 0) as _, shared_ws: at(self, sdn_s, 0) as _, y: at(self, &s.ys, 0) as _,
-                tokens: n as i32, top_k: k as i32, experts: e as i32, in_: inter as i32, out: hs as i32,
-                x_tok_stride: (slots * inter) as i32, x_slot_stride: inter as i32, xs_tok_stride: slots as i32, xs_slot_stride: 1,
+                xq: at(self, &s.aq, 0) as _,
+                xs: at(self, &s.asc, 0) as _,
+                idx: at(self, &s.idx, 0) as _,
+                w: at(self, &w.experts.dn, 0) as _,
+                ws: at(self, &w.experts.dns, 0) as _,
+                shared_w: at(self, &sdn.w, 0) as _,
+                shared_ws: at(self, sdn_s, 0) as _,
+                y: at(self, &s.ys, 0) as _,
+                tokens: n as i32,
+                top_k: k as i32,
+                experts: e as i32,
+                in_: inter as i32,
+                out: hs as i32,
+                x_tok_stride: (slots * inter) as i32,
+                x_slot_stride: inter as i32,
+                xs_tok_stride: slots as i32,
+                xs_slot_stride: 1,
             })?;
-            self.k_combine(at(self, &s.ys, 0), at(self, &s.wt, 0), rl + 2 * e as u64, at(self, &h.delta, r0 * hs), n, k, hs, rw)?;
+            self.k_combine(
+                at(self, &s.ys, 0),
+                at(self, &s.wt, 0),
+                rl + 2 * e as u64,
+                at(self, &h.delta, r0 * hs),
+                n,
+                k,
+                hs,
+                rw,
+            )?;
         }
         h.pending.set(h.t);
         Ok(())
     }
 
-    fn logits<P: Prec>(&self, d: &ModelDims, norm: &CudaVector, lm_head: &CudaLinear<P>, h: &CudaAct, all_rows: bool) -> Result<CudaLogits> {
+    fn logits<P: Prec>(
+        &self,
+        d: &ModelDims,
+        norm: &CudaVector,
+        lm_head: &CudaLinear<P>,
+        h: &CudaAct,
+        all_rows: bool,
+    ) -> Result<CudaLogits> {
         self.check_deferred()?;
         let v = d.vocab_size;
         let (first, rows) = if all_rows { (0, h.t) } else { (h.t - 1, 1) };
@@ -853,7 +1065,11 @@ impl Backend for CudaBackend {
             .enumerate()
             .map(|(i, (&a, &b))| {
                 let a = bf16::from_bits(a).to_f32();
-                if i < pend { bf16::from_f32(a + bf16::from_bits(b).to_f32()).to_f32() } else { a }
+                if i < pend {
+                    bf16::from_f32(a + bf16::from_bits(b).to_f32()).to_f32()
+                } else {
+                    a
+                }
             })
             .collect())
     }

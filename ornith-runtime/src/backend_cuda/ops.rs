@@ -63,12 +63,27 @@ impl super::DevLinear {
 impl CudaBackend {
     /// Launches `name` (timed when profiling). `bytes` is what the launch must move at least
     /// (weights + activations read and written), for the GB/s report.
-    pub(super) fn go<P: Copy>(&self, name: &'static str, grid: (u32, u32, u32), block: u32, bytes: u64, p: P) -> Result<()> {
+    pub(super) fn go<P: Copy>(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        bytes: u64,
+        p: P,
+    ) -> Result<()> {
         self.go_smem(name, grid, block, 0, bytes, p)
     }
 
     /// [`Self::go`] with `smem` bytes of dynamic shared memory (the prefill kernels).
-    pub(super) fn go_smem<P: Copy>(&self, name: &'static str, grid: (u32, u32, u32), block: u32, smem: u32, bytes: u64, p: P) -> Result<()> {
+    pub(super) fn go_smem<P: Copy>(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        bytes: u64,
+        p: P,
+    ) -> Result<()> {
         if *self.skip.lock().unwrap_or_else(|e| e.into_inner()) == Some(name) {
             return Ok(()); // measurement only: see `set_skip_kernel`
         }
@@ -87,14 +102,39 @@ impl CudaBackend {
     }
 
     pub(super) fn k_embed(&self, ids: Ptr, table: Ptr, out: Ptr, t: usize, hidden: usize, vocab: usize) -> Result<()> {
-        let p = OrnithEmbedParams { ids: ids as _, table: table as _, out: out as _, tokens: t as i32, hidden: hidden as i32, vocab: vocab as i32 };
+        let p = OrnithEmbedParams {
+            ids: ids as _,
+            table: table as _,
+            out: out as _,
+            tokens: t as i32,
+            hidden: hidden as i32,
+            vocab: vocab as i32,
+        };
         self.go("embed_gather", (t as u32, 1, 1), 256, (t * hidden * 4 + t * 4) as u64, p)
     }
 
     /// `residual += add` (if any), then zero-centred RMSNorm into bf16 `out` and FP8 `q8`.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn k_rmsnorm(&self, residual: Ptr, add: Option<Ptr>, w: Ptr, out: Ptr, q8: Option<(Ptr, Ptr)>, t: usize, hidden: usize, eps: f32) -> Result<()> {
-        let mut p = OrnithRmsNormParams { residual: residual as _, weight: w as _, out: out as _, tokens: t as i32, hidden: hidden as i32, eps, ..Default::default() };
+    pub(super) fn k_rmsnorm(
+        &self,
+        residual: Ptr,
+        add: Option<Ptr>,
+        w: Ptr,
+        out: Ptr,
+        q8: Option<(Ptr, Ptr)>,
+        t: usize,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let mut p = OrnithRmsNormParams {
+            residual: residual as _,
+            weight: w as _,
+            out: out as _,
+            tokens: t as i32,
+            hidden: hidden as i32,
+            eps,
+            ..Default::default()
+        };
         let mut bytes = t * hidden * 4 + hidden * 2;
         if let Some(a) = add {
             p.add = a as _;
@@ -115,9 +155,28 @@ impl CudaBackend {
 
     /// `y[t, o] = x[t] · w[o]` for up to 8 rows (`w` BF16 `[out, in]`).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn k_gemv_bf16(&self, x: Ptr, w: Ptr, y: Ptr, t: usize, in_: usize, out: usize, xs: usize, ys: usize) -> Result<()> {
+    pub(super) fn k_gemv_bf16(
+        &self,
+        x: Ptr,
+        w: Ptr,
+        y: Ptr,
+        t: usize,
+        in_: usize,
+        out: usize,
+        xs: usize,
+        ys: usize,
+    ) -> Result<()> {
         debug_assert!((1..=GEMV_ROWS).contains(&t));
-        let p = OrnithGemvBf16Params { x: x as _, w: w as _, y: y as _, tokens: t as i32, in_: in_ as i32, out: out as i32, x_stride: xs as i32, y_stride: ys as i32 };
+        let p = OrnithGemvBf16Params {
+            x: x as _,
+            w: w as _,
+            y: y as _,
+            tokens: t as i32,
+            in_: in_ as i32,
+            out: out as i32,
+            x_stride: xs as i32,
+            y_stride: ys as i32,
+        };
         let bytes = (out * in_ * 2 + t * (in_ + out) * 2) as u64;
         if t == 1 {
             return self.go("gemv_bf16_t1", (crate::cuda::gemv1_blocks(in_ / 8, out), 1, 1), 256, bytes, p);
@@ -127,11 +186,31 @@ impl CudaBackend {
 
     /// FP8 W8A8 GEMV for up to 8 rows.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn k_gemv_fp8(&self, xq: Ptr, xsc: Ptr, w: Ptr, ws: Ptr, y: Ptr, t: usize, in_: usize, out: usize, xs: usize, ys: usize) -> Result<()> {
+    pub(super) fn k_gemv_fp8(
+        &self,
+        xq: Ptr,
+        xsc: Ptr,
+        w: Ptr,
+        ws: Ptr,
+        y: Ptr,
+        t: usize,
+        in_: usize,
+        out: usize,
+        xs: usize,
+        ys: usize,
+    ) -> Result<()> {
         debug_assert!((1..=GEMV_ROWS).contains(&t));
         let p = OrnithGemvFp8Params {
-            xq: xq as _, xs: xsc as _, w: w as _, ws: ws as _, y: y as _, tokens: t as i32, in_: in_ as i32, out: out as i32,
-            x_stride: xs as i32, y_stride: ys as i32,
+            xq: xq as _,
+            xs: xsc as _,
+            w: w as _,
+            ws: ws as _,
+            y: y as _,
+            tokens: t as i32,
+            in_: in_ as i32,
+            out: out as i32,
+            x_stride: xs as i32,
+            y_stride: ys as i32,
         };
         let bytes = (out * in_ + out * 4 + t * (in_ + 4 + out * 2)) as u64;
         if t == 1 {
@@ -141,8 +220,25 @@ impl CudaBackend {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn k_router(&self, logits: Ptr, idx: Ptr, weight: Ptr, t: usize, experts: usize, top_k: usize, stride: usize) -> Result<()> {
-        let p = OrnithRouterParams { logits: logits as _, idx: idx as _, weight: weight as _, tokens: t as i32, experts: experts as i32, top_k: top_k as i32, logit_stride: stride as i32 };
+    pub(super) fn k_router(
+        &self,
+        logits: Ptr,
+        idx: Ptr,
+        weight: Ptr,
+        t: usize,
+        experts: usize,
+        top_k: usize,
+        stride: usize,
+    ) -> Result<()> {
+        let p = OrnithRouterParams {
+            logits: logits as _,
+            idx: idx as _,
+            weight: weight as _,
+            tokens: t as i32,
+            experts: experts as i32,
+            top_k: top_k as i32,
+            logit_stride: stride as i32,
+        };
         self.go("moe_router_topk", (t as u32, 1, 1), 32, (t * (experts * 2 + top_k * 8)) as u64, p)
     }
 
@@ -152,24 +248,84 @@ impl CudaBackend {
         let slots = (p.top_k + 1) as usize;
         let (t, in_, out) = (p.tokens as usize, p.in_ as usize, p.out as usize);
         let bytes = t * slots * (out * in_ + out * 4 + in_ + 4 + out * 2);
-        self.go("moe_gemv_fp8", (crate::cuda::gemv1_blocks(in_ / 16, out), slots as u32, t as u32), 256, bytes as u64, p)
+        self.go(
+            "moe_gemv_fp8",
+            (crate::cuda::gemv1_blocks(in_ / 16, out), slots as u32, t as u32),
+            256,
+            bytes as u64,
+            p,
+        )
     }
 
     pub(super) fn k_swiglu(&self, gu: Ptr, q8: Ptr, scale: Ptr, rows: usize, inter: usize) -> Result<()> {
-        let p = OrnithSwigluQuantParams { gate_up: gu as _, q8: q8 as _, scale: scale as _, rows: rows as i32, inter: inter as i32 };
+        let p = OrnithSwigluQuantParams {
+            gate_up: gu as _,
+            q8: q8 as _,
+            scale: scale as _,
+            rows: rows as i32,
+            inter: inter as i32,
+        };
         self.go("swiglu_quant", (rows as u32, 1, 1), 256, (rows * (inter * 5 + 4)) as u64, p)
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn k_combine(&self, ys: Ptr, weight: Ptr, gate: Ptr, out: Ptr, t: usize, top_k: usize, hidden: usize, gate_stride: usize) -> Result<()> {
-        let p = OrnithMoeCombineParams { ys: ys as _, weight: weight as _, gate_logit: gate as _, out: out as _, tokens: t as i32, top_k: top_k as i32, hidden: hidden as i32, gate_stride: gate_stride as i32 };
-        self.go("moe_combine", (hidden.div_ceil(256) as u32, t as u32, 1), 256, (t * ((top_k + 2) * hidden * 2 + top_k * 4 + 2)) as u64, p)
+    pub(super) fn k_combine(
+        &self,
+        ys: Ptr,
+        weight: Ptr,
+        gate: Ptr,
+        out: Ptr,
+        t: usize,
+        top_k: usize,
+        hidden: usize,
+        gate_stride: usize,
+    ) -> Result<()> {
+        let p = OrnithMoeCombineParams {
+            ys: ys as _,
+            weight: weight as _,
+            gate_logit: gate as _,
+            out: out as _,
+            tokens: t as i32,
+            top_k: top_k as i32,
+            hidden: hidden as i32,
+            gate_stride: gate_stride as i32,
+        };
+        self.go(
+            "moe_combine",
+            (hidden.div_ceil(256) as u32, t as u32, 1),
+            256,
+            (t * ((top_k + 2) * hidden * 2 + top_k * 4 + 2)) as u64,
+            p,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn k_conv(&self, x: Ptr, w: Ptr, state: Ptr, y: Ptr, t: usize, channels: usize, x_stride: usize) -> Result<()> {
-        let p = OrnithConvParams { x: x as _, w: w as _, state: state as _, y: y as _, tokens: t as i32, channels: channels as i32, x_stride: x_stride as i32 };
-        self.go("conv1d_silu", (channels.div_ceil(256) as u32, 1, 1), 256, (channels * (8 + 12) + t * channels * 4) as u64, p)
+    pub(super) fn k_conv(
+        &self,
+        x: Ptr,
+        w: Ptr,
+        state: Ptr,
+        y: Ptr,
+        t: usize,
+        channels: usize,
+        x_stride: usize,
+    ) -> Result<()> {
+        let p = OrnithConvParams {
+            x: x as _,
+            w: w as _,
+            state: state as _,
+            y: y as _,
+            tokens: t as i32,
+            channels: channels as i32,
+            x_stride: x_stride as i32,
+        };
+        self.go(
+            "conv1d_silu",
+            (channels.div_ceil(256) as u32, 1, 1),
+            256,
+            (channels * (8 + 12) + t * channels * 4) as u64,
+            p,
+        )
     }
 
     pub(super) fn k_gdn(&self, p: OrnithGdnParams) -> Result<()> {
@@ -179,8 +335,29 @@ impl CudaBackend {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn k_gated_norm(&self, o: Ptr, z: Ptr, w: Ptr, y: Ptr, t: usize, heads: usize, dim: usize, z_stride: usize, eps: f32) -> Result<()> {
-        let p = OrnithGatedNormParams { o: o as _, z: z as _, weight: w as _, y: y as _, tokens: t as i32, heads: heads as i32, dim: dim as i32, z_stride: z_stride as i32, eps };
+    pub(super) fn k_gated_norm(
+        &self,
+        o: Ptr,
+        z: Ptr,
+        w: Ptr,
+        y: Ptr,
+        t: usize,
+        heads: usize,
+        dim: usize,
+        z_stride: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let p = OrnithGatedNormParams {
+            o: o as _,
+            z: z as _,
+            weight: w as _,
+            y: y as _,
+            tokens: t as i32,
+            heads: heads as i32,
+            dim: dim as i32,
+            z_stride: z_stride as i32,
+            eps,
+        };
         self.go("gated_rmsnorm", ((t * heads) as u32, 1, 1), 128, (t * heads * dim * 6 + dim * 2) as u64, p)
     }
 
@@ -211,7 +388,15 @@ impl CudaBackend {
     /// token, compressed-tensors semantics) unless `x.q8` is given. Both kernels compute the same
     /// cast points (fp32 sums, one bf16 rounding of the scaled sum); they differ in summation order.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn linear_rows(&self, w: WRows, x: XIn, q8_scratch: (Ptr, Ptr), y: Ptr, y_stride: usize, t: usize) -> Result<()> {
+    pub(super) fn linear_rows(
+        &self,
+        w: WRows,
+        x: XIn,
+        q8_scratch: (Ptr, Ptr),
+        y: Ptr,
+        y_stride: usize,
+        t: usize,
+    ) -> Result<()> {
         use super::prefill_ops::{gemm_aligned, use_prefill};
         ensure!(t >= 1, "linear on zero rows");
         let (in_, out) = (w.in_features, w.out_features);
@@ -222,7 +407,16 @@ impl CudaBackend {
                 }
                 for r0 in (0..t).step_by(GEMV_ROWS) {
                     let n = GEMV_ROWS.min(t - r0);
-                    self.k_gemv_bf16(x.bf + (r0 * x.stride * 2) as u64, w.w, y + (r0 * y_stride * 2) as u64, n, in_, out, x.stride, y_stride)?;
+                    self.k_gemv_bf16(
+                        x.bf + (r0 * x.stride * 2) as u64,
+                        w.w,
+                        y + (r0 * y_stride * 2) as u64,
+                        n,
+                        in_,
+                        out,
+                        x.stride,
+                        y_stride,
+                    )?;
                 }
             }
             Some(ws) => {
@@ -238,7 +432,18 @@ impl CudaBackend {
                 }
                 for r0 in (0..t).step_by(GEMV_ROWS) {
                     let n = GEMV_ROWS.min(t - r0);
-                    self.k_gemv_fp8(xq + (r0 * xstride) as u64, xsc + (r0 * 4) as u64, w.w, ws, y + (r0 * y_stride * 2) as u64, n, in_, out, xstride, y_stride)?;
+                    self.k_gemv_fp8(
+                        xq + (r0 * xstride) as u64,
+                        xsc + (r0 * 4) as u64,
+                        w.w,
+                        ws,
+                        y + (r0 * y_stride * 2) as u64,
+                        n,
+                        in_,
+                        out,
+                        xstride,
+                        y_stride,
+                    )?;
                 }
             }
         }

@@ -31,16 +31,51 @@ pub fn split_for(total: usize) -> (usize, usize) {
 /// Refuses models whose shapes the decode kernels were not written for (before any allocation).
 pub fn check_dims(d: &ModelDims) -> Result<()> {
     let fix = "the CUDA kernels are written for the Ornith 35B shapes (shallow/full presets); use --backend cpu for this checkpoint";
-    ensure!(d.linear_key_head_dim == 128 && d.linear_value_head_dim == 128, "Gated DeltaNet head dims {}x{} (kernel: 128x128): {fix}", d.linear_key_head_dim, d.linear_value_head_dim);
-    ensure!(d.linear_num_value_heads.is_multiple_of(d.linear_num_key_heads), "v heads {} not a multiple of k heads {}: {fix}", d.linear_num_value_heads, d.linear_num_key_heads);
+    ensure!(
+        d.linear_key_head_dim == 128 && d.linear_value_head_dim == 128,
+        "Gated DeltaNet head dims {}x{} (kernel: 128x128): {fix}",
+        d.linear_key_head_dim,
+        d.linear_value_head_dim
+    );
+    ensure!(
+        d.linear_num_value_heads.is_multiple_of(d.linear_num_key_heads),
+        "v heads {} not a multiple of k heads {}: {fix}",
+        d.linear_num_value_heads,
+        d.linear_num_key_heads
+    );
     ensure!(d.conv_kernel == 4, "conv kernel {} (kernel: 4): {fix}", d.conv_kernel);
     ensure!(d.head_dim == 256, "attention head_dim {} (kernel: 256): {fix}", d.head_dim);
-    ensure!(d.num_key_value_heads > 0 && d.num_attention_heads.is_multiple_of(d.num_key_value_heads) && d.num_attention_heads / d.num_key_value_heads <= 8, "GQA group {}/{}: {fix}", d.num_attention_heads, d.num_key_value_heads);
+    ensure!(
+        d.num_key_value_heads > 0
+            && d.num_attention_heads.is_multiple_of(d.num_key_value_heads)
+            && d.num_attention_heads / d.num_key_value_heads <= 8,
+        "GQA group {}/{}: {fix}",
+        d.num_attention_heads,
+        d.num_key_value_heads
+    );
     ensure!(d.rotary_dim.is_multiple_of(2) && d.rotary_dim <= d.head_dim, "rotary dim {}: {fix}", d.rotary_dim);
-    ensure!(d.hidden_size.is_multiple_of(16) && d.hidden_size <= 8192, "hidden {} (multiple of 16, <= 8192): {fix}", d.hidden_size);
-    ensure!(d.num_experts <= 256 && d.top_k >= 1 && d.top_k <= 32 && d.top_k <= d.num_experts, "experts {} / top-k {} (at most 32): {fix}", d.num_experts, d.top_k);
-    ensure!(d.moe_intermediate_size <= 1024 && d.moe_intermediate_size.is_multiple_of(16), "expert width {}: {fix}", d.moe_intermediate_size);
-    ensure!(d.shared_intermediate_size == d.moe_intermediate_size, "shared expert width {} != routed {} (one MoE launch serves both): {fix}", d.shared_intermediate_size, d.moe_intermediate_size);
+    ensure!(
+        d.hidden_size.is_multiple_of(16) && d.hidden_size <= 8192,
+        "hidden {} (multiple of 16, <= 8192): {fix}",
+        d.hidden_size
+    );
+    ensure!(
+        d.num_experts <= 256 && d.top_k >= 1 && d.top_k <= 32 && d.top_k <= d.num_experts,
+        "experts {} / top-k {} (at most 32): {fix}",
+        d.num_experts,
+        d.top_k
+    );
+    ensure!(
+        d.moe_intermediate_size <= 1024 && d.moe_intermediate_size.is_multiple_of(16),
+        "expert width {}: {fix}",
+        d.moe_intermediate_size
+    );
+    ensure!(
+        d.shared_intermediate_size == d.moe_intermediate_size,
+        "shared expert width {} != routed {} (one MoE launch serves both): {fix}",
+        d.shared_intermediate_size,
+        d.moe_intermediate_size
+    );
     Ok(())
 }
 
@@ -93,11 +128,29 @@ impl ScratchSizes {
     /// Bytes of all scratch buffers (see `Scratch::new` for the list).
     pub fn bytes(&self, d: &ModelDims) -> u64 {
         let c = CHUNK;
-        let bf = 2 * (self.xb + c * self.proj_w + self.conv + 2 * self.o + self.qg + 2 * self.kv + c * d.num_attention_heads * d.head_dim
-            + c * self.rlog_w + c * self.slots * 2 * d.moe_intermediate_size + c * self.slots * d.hidden_size + d.vocab_size);
+        let bf = 2
+            * (self.xb
+                + c * self.proj_w
+                + self.conv
+                + 2 * self.o
+                + self.qg
+                + 2 * self.kv
+                + c * d.num_attention_heads * d.head_dim
+                + c * self.rlog_w
+                + c * self.slots * 2 * d.moe_intermediate_size
+                + c * self.slots * d.hidden_size
+                + d.vocab_size);
         // idx + wt, amax, and the MoE prefill's group/tile offsets, row_token and row_of.
         // (gdn_work: fp32, counted below.)
-        let f4 = 4 * (self.xs + self.asc + self.part_o + self.part_ml + c * d.top_k * 2 + 1 + 2 * (d.num_experts + 1) + 2 * c * d.top_k);
+        let f4 = 4
+            * (self.xs
+                + self.asc
+                + self.part_o
+                + self.part_ml
+                + c * d.top_k * 2
+                + 1
+                + 2 * (d.num_experts + 1)
+                + 2 * c * d.top_k);
         (bf + self.xq + self.aq + f4 + 4 * self.gdn_work) as u64
     }
 }
@@ -135,10 +188,22 @@ impl MemoryPlan {
         let attention_layers = spec.layers.iter().filter(|l| l.kind == LayerKind::FullAttention).count();
         let gdn_layers = spec.layers.len() - attention_layers;
         let kv_cache = (attention_layers * max_context * d.num_key_value_heads * d.head_dim * 2 * 2) as u64;
-        let recurrent_state = (gdn_layers * (3 * d.conv_dim() * 2 + d.linear_num_value_heads * d.linear_key_head_dim * d.linear_value_head_dim * 4)) as u64;
+        let recurrent_state = (gdn_layers
+            * (3 * d.conv_dim() * 2 + d.linear_num_value_heads * d.linear_key_head_dim * d.linear_value_head_dim * 4))
+            as u64;
         let scratch = ScratchSizes::new(d).bytes(d);
         let activations = (max_context * (d.hidden_size * 4 + 4)) as u64;
-        MemoryPlan { weights, kv_cache, recurrent_state, scratch, activations, margin: MARGIN, max_context, attention_layers, gdn_layers }
+        MemoryPlan {
+            weights,
+            kv_cache,
+            recurrent_state,
+            scratch,
+            activations,
+            margin: MARGIN,
+            max_context,
+            attention_layers,
+            gdn_layers,
+        }
     }
 
     pub fn total(&self) -> u64 {
@@ -217,11 +282,32 @@ mod tests {
     #[test]
     fn plan_refused_with_the_numbers_and_the_source() {
         let gib = 1u64 << 30;
-        let p = MemoryPlan { weights: 37 * gib, kv_cache: 5 * gib, recurrent_state: 0, scratch: gib, activations: 0, margin: MARGIN, max_context: 262144, attention_layers: 10, gdn_layers: 30 };
+        let p = MemoryPlan {
+            weights: 37 * gib,
+            kv_cache: 5 * gib,
+            recurrent_state: 0,
+            scratch: gib,
+            activations: 0,
+            margin: MARGIN,
+            max_context: 262144,
+            attention_layers: 10,
+            gdn_layers: 30,
+        };
         assert_eq!(p.total(), 44 * gib);
         assert!(p.check(44 * gib, "cuMemGetInfo", 48 * gib, "GB10").is_ok());
-        let e = p.check(44 * gib - 1, "MemAvailable of /proc/meminfo: unified memory", 120 * gib, "NVIDIA GB10").unwrap_err().to_string();
-        for want in ["NVIDIA GB10", "needs 44.00 GiB", "weights 37.00", "262144 tokens", "of 120.00 GiB", "MemAvailable", "--kv-budget"] {
+        let e = p
+            .check(44 * gib - 1, "MemAvailable of /proc/meminfo: unified memory", 120 * gib, "NVIDIA GB10")
+            .unwrap_err()
+            .to_string();
+        for want in [
+            "NVIDIA GB10",
+            "needs 44.00 GiB",
+            "weights 37.00",
+            "262144 tokens",
+            "of 120.00 GiB",
+            "MemAvailable",
+            "--kv-budget",
+        ] {
             assert!(e.contains(want), "missing {want:?} in: {e}");
         }
     }
@@ -230,7 +316,10 @@ mod tests {
     fn splits_cover_the_sequence() {
         for total in [1, 31, 32, 33, 4096, 8191, 65536, 262144, 262145] {
             let (len, n) = split_for(total);
-            assert!(len >= MIN_SPLIT && n <= MAX_SPLITS && n * len >= total && (n - 1) * len < total, "{total}: {len} x {n}");
+            assert!(
+                len >= MIN_SPLIT && n <= MAX_SPLITS && n * len >= total && (n - 1) * len < total,
+                "{total}: {len} x {n}"
+            );
         }
     }
 }

@@ -7,7 +7,10 @@
 use super::ops::{Ptr, GEMV_ROWS};
 use super::plan::CHUNK;
 use super::CudaBackend;
-use crate::cuda::prefill::{CONV_TT, FA_SMEM, GDN_PREP_SMEM, GDN_SCAN_COLS, GDN_SCAN_SMEM, GEMM_GROUPED_ROWS, GEMM_GROUPED_SMEM, GEMM_SMEM, GEMM_TILE};
+use crate::cuda::prefill::{
+    CONV_TT, FA_SMEM, GDN_PREP_SMEM, GDN_SCAN_COLS, GDN_SCAN_SMEM, GEMM_GROUPED_ROWS, GEMM_GROUPED_SMEM, GEMM_SMEM,
+    GEMM_TILE,
+};
 use anyhow::{ensure, Result};
 use ornith_kernels::bindings::*;
 
@@ -25,10 +28,32 @@ pub fn gemm_aligned(a: Ptr, pitch_bytes: usize, in_bytes: usize) -> bool {
 impl CudaBackend {
     /// Plain FP8 W8A8 GEMM: `y[r, o] = bf16((Σ_i e4m3(a[r,i])·e4m3(w[o,i])) · a_scale[r] · w_scale[o])`.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn k_gemm_fp8(&self, a: Ptr, a_scale: Ptr, w: Ptr, ws: Ptr, y: Ptr, rows: usize, in_: usize, out: usize, a_stride: usize, y_stride: usize) -> Result<()> {
+    pub(super) fn k_gemm_fp8(
+        &self,
+        a: Ptr,
+        a_scale: Ptr,
+        w: Ptr,
+        ws: Ptr,
+        y: Ptr,
+        rows: usize,
+        in_: usize,
+        out: usize,
+        a_stride: usize,
+        y_stride: usize,
+    ) -> Result<()> {
         let p = OrnithGemmParams {
-            a: a as _, a_scale: a_scale as _, w: w as _, w_scale: ws as _, y: y as _, rows: rows as i32, in_: in_ as i32, out: out as i32,
-            a_stride: a_stride as i32, y_stride: y_stride as i32, groups: 1, ..Default::default()
+            a: a as _,
+            a_scale: a_scale as _,
+            w: w as _,
+            w_scale: ws as _,
+            y: y as _,
+            rows: rows as i32,
+            in_: in_ as i32,
+            out: out as i32,
+            a_stride: a_stride as i32,
+            y_stride: y_stride as i32,
+            groups: 1,
+            ..Default::default()
         };
         let bytes = out * in_ + out * 4 + rows * (in_ + 4 + out * 2);
         let grid = (out.div_ceil(GEMM_TILE) as u32, rows.div_ceil(GEMM_TILE) as u32, 1);
@@ -37,10 +62,28 @@ impl CudaBackend {
 
     /// Plain BF16 GEMM: `y[r, o] = bf16(Σ_i a[r,i]·w[o,i])`, fp32 accumulation.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn k_gemm_bf16(&self, a: Ptr, w: Ptr, y: Ptr, rows: usize, in_: usize, out: usize, a_stride: usize, y_stride: usize) -> Result<()> {
+    pub(super) fn k_gemm_bf16(
+        &self,
+        a: Ptr,
+        w: Ptr,
+        y: Ptr,
+        rows: usize,
+        in_: usize,
+        out: usize,
+        a_stride: usize,
+        y_stride: usize,
+    ) -> Result<()> {
         let p = OrnithGemmParams {
-            a: a as _, w: w as _, y: y as _, rows: rows as i32, in_: in_ as i32, out: out as i32, a_stride: a_stride as i32,
-            y_stride: y_stride as i32, groups: 1, ..Default::default()
+            a: a as _,
+            w: w as _,
+            y: y as _,
+            rows: rows as i32,
+            in_: in_ as i32,
+            out: out as i32,
+            a_stride: a_stride as i32,
+            y_stride: y_stride as i32,
+            groups: 1,
+            ..Default::default()
         };
         let bytes = out * in_ * 2 + rows * (in_ + out) * 2;
         let grid = (out.div_ceil(GEMM_TILE) as u32, rows.div_ceil(GEMM_TILE) as u32, 1);
@@ -54,14 +97,38 @@ impl CudaBackend {
         let (rows, in_, out, g) = (p.rows as usize, p.in_ as usize, p.out as usize, p.groups as usize);
         let tiles = rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows);
         let bytes = g * (out * in_ + out * 4) + rows * (in_ + 4 + out * 2);
-        self.go_smem("gemm_fp8_grouped", (out.div_ceil(GEMM_TILE) as u32, tiles as u32, 1), 256, GEMM_GROUPED_SMEM, bytes as u64, p)
+        self.go_smem(
+            "gemm_fp8_grouped",
+            (out.div_ceil(GEMM_TILE) as u32, tiles as u32, 1),
+            256,
+            GEMM_GROUPED_SMEM,
+            bytes as u64,
+            p,
+        )
     }
 
     /// Token-parallel causal conv + SiLU of `t` tokens: the same parameters, output and state update
     /// as [`Self::k_conv`], bit for bit. Bytes: x and y once, w, and the state read and written.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn k_conv_chunk(&self, x: Ptr, w: Ptr, state: Ptr, y: Ptr, t: usize, channels: usize, x_stride: usize) -> Result<()> {
-        let p = OrnithConvParams { x: x as _, w: w as _, state: state as _, y: y as _, tokens: t as i32, channels: channels as i32, x_stride: x_stride as i32 };
+    pub(super) fn k_conv_chunk(
+        &self,
+        x: Ptr,
+        w: Ptr,
+        state: Ptr,
+        y: Ptr,
+        t: usize,
+        channels: usize,
+        x_stride: usize,
+    ) -> Result<()> {
+        let p = OrnithConvParams {
+            x: x as _,
+            w: w as _,
+            state: state as _,
+            y: y as _,
+            tokens: t as i32,
+            channels: channels as i32,
+            x_stride: x_stride as i32,
+        };
         let grid = (channels.div_ceil(256) as u32, t.div_ceil(CONV_TT) as u32, 1);
         self.go("conv1d_silu_chunk", grid, 256, (channels * (8 + 12) + t * channels * 4) as u64, p)
     }
@@ -76,8 +143,22 @@ impl CudaBackend {
         // per column block (L2) and the workspace, the state once, and writes o.
         let work = hv * t.div_ceil(64) * ORNITH_GDN_WORK_PER_CHUNK as usize * 4;
         let chunks = t.div_ceil(64) as u32;
-        self.go_smem("gdn_chunk_prep", (chunks, hv as u32, 1), 256, GDN_PREP_SMEM, (t * (2 * hk * 128 * 2 + 4 * hv) + work) as u64, p)?;
-        self.go_smem("gdn_chunk_scan", (hv as u32, (128 / GDN_SCAN_COLS) as u32, 1), 256, GDN_SCAN_SMEM, (bytes + work) as u64, p)
+        self.go_smem(
+            "gdn_chunk_prep",
+            (chunks, hv as u32, 1),
+            256,
+            GDN_PREP_SMEM,
+            (t * (2 * hk * 128 * 2 + 4 * hv) + work) as u64,
+            p,
+        )?;
+        self.go_smem(
+            "gdn_chunk_scan",
+            (hv as u32, (128 / GDN_SCAN_COLS) as u32, 1),
+            256,
+            GDN_SCAN_SMEM,
+            (bytes + work) as u64,
+            p,
+        )
     }
 
     /// Causal flash attention of `p.tokens` queries at positions `pos0..` over the K/V cache, with
@@ -95,12 +176,24 @@ impl CudaBackend {
 
     /// SwiGLU + compressed-tensors FP8 requantisation of `rows` gate|up rows.
     pub(super) fn k_swiglu_ct(&self, gu: Ptr, q8: Ptr, scale: Ptr, rows: usize, inter: usize) -> Result<()> {
-        let p = OrnithSwigluQuantParams { gate_up: gu as _, q8: q8 as _, scale: scale as _, rows: rows as i32, inter: inter as i32 };
+        let p = OrnithSwigluQuantParams {
+            gate_up: gu as _,
+            q8: q8 as _,
+            scale: scale as _,
+            rows: rows as i32,
+            inter: inter as i32,
+        };
         self.go("swiglu_quant_ct", (rows as u32, 1, 1), 256, (rows * (inter * 5 + 4)) as u64, p)
     }
 
     pub(super) fn k_combine_prefill(&self, p: OrnithMoeCombinePrefillParams) -> Result<()> {
         let (t, k, h) = (p.tokens as usize, p.top_k as usize, p.hidden as usize);
-        self.go("moe_combine_prefill", (h.div_ceil(256) as u32, t as u32, 1), 256, (t * ((k + 2) * h * 2 + k * 8 + 2)) as u64, p)
+        self.go(
+            "moe_combine_prefill",
+            (h.div_ceil(256) as u32, t as u32, 1),
+            256,
+            (t * ((k + 2) * h * 2 + k * 8 + 2)) as u64,
+            p,
+        )
     }
 }

@@ -47,7 +47,9 @@ pub fn summarize(times: &[KernelTime]) -> Vec<KernelSummary> {
                 s.total_us += t.us;
                 s.bytes += t.bytes;
             }
-            None => v.push(KernelSummary { kernel: t.kernel, launches: 1, total_us: t.us, bytes: t.bytes, gb_per_s: 0.0 }),
+            None => {
+                v.push(KernelSummary { kernel: t.kernel, launches: 1, total_us: t.us, bytes: t.bytes, gb_per_s: 0.0 })
+            }
         }
     }
     for s in &mut v {

@@ -131,7 +131,12 @@ const ABLATION_ROOM: usize = 25 * (ABLATION_STEPS + 1);
 /// synchronisation at the end. A kernel's in-graph cost is the difference. The skipped kernels
 /// leave garbage behind (the state is reset by the caller afterwards); a fixed token is fed, so no
 /// garbage logits reach the host.
-fn ablate(b: &CudaBackend, model: &compiled::Model<CudaBackend>, st: &mut compiled::State<CudaBackend>, kernels: &[KernelSummary]) -> Result<(f64, Vec<Ablation>)> {
+fn ablate(
+    b: &CudaBackend,
+    model: &compiled::Model<CudaBackend>,
+    st: &mut compiled::State<CudaBackend>,
+    kernels: &[KernelSummary],
+) -> Result<(f64, Vec<Ablation>)> {
     let mut time = |skip: Option<&'static str>| -> Result<f64> {
         b.set_skip_kernel(skip);
         model.decode_step(b, st, 0)?; // captures this graph
@@ -183,9 +188,12 @@ fn run() -> Result<()> {
 
     // Bytes a decode step must read: every weight once, except the embedding table (one row)
     // and the routed experts (top_k of E per layer); plus K/V and the recurrent state.
-    let expert_bytes: u64 = ck.spec.tensors.iter().filter(|(n, _)| n.contains(".mlp.experts.")).map(|(_, t)| t.nbytes()).sum();
+    let expert_bytes: u64 =
+        ck.spec.tensors.iter().filter(|(n, _)| n.contains(".mlp.experts.")).map(|(_, t)| t.nbytes()).sum();
     let embed_bytes = (d.vocab_size * d.hidden_size * 2) as u64;
-    let static_bytes = plan.weights - expert_bytes - embed_bytes + (d.hidden_size * 2) as u64 + expert_bytes * d.top_k as u64 / d.num_experts as u64;
+    let static_bytes = plan.weights - expert_bytes - embed_bytes
+        + (d.hidden_size * 2) as u64
+        + expert_bytes * d.top_k as u64 / d.num_experts as u64;
     let state_bytes = 2 * plan.recurrent_state;
     let kv_per_pos = (plan.attention_layers * d.num_key_value_heads * d.head_dim * 2 * 2) as u64;
 
@@ -289,15 +297,33 @@ fn run() -> Result<()> {
     for r in &runs {
         eprintln!(
             "{:>8} {:>9.3} {:>11.0} {:>10.1} {:>10.1} {:>10.1} {:>9.2} {:>11.1} {:>9.0} {:>7.1}%",
-            r.prompt_tokens, r.ttft_s, r.prefill_tok_s, r.decode_tok_s, r.decode_pdl_tok_s, r.decode_eager_tok_s, r.decode_ms_per_token,
-            r.bytes_per_decoded_token as f64 / 1e6, r.achieved_gb_s, 100.0 * r.fraction_of_ceiling
+            r.prompt_tokens,
+            r.ttft_s,
+            r.prefill_tok_s,
+            r.decode_tok_s,
+            r.decode_pdl_tok_s,
+            r.decode_eager_tok_s,
+            r.decode_ms_per_token,
+            r.bytes_per_decoded_token as f64 / 1e6,
+            r.achieved_gb_s,
+            100.0 * r.fraction_of_ceiling
         );
     }
     if let Some(r) = runs.last() {
-        eprintln!("\none decode step at prompt {} ({} launches, {:.0} us of kernel time):", r.prompt_tokens, r.decode_step_launches, r.decode_step_kernel_us);
+        eprintln!(
+            "\none decode step at prompt {} ({} launches, {:.0} us of kernel time):",
+            r.prompt_tokens, r.decode_step_launches, r.decode_step_kernel_us
+        );
         eprintln!("{:>22} {:>8} {:>10} {:>10} {:>8}", "kernel", "launches", "total us", "MB", "GB/s");
         for k in &r.decode_step_kernels {
-            eprintln!("{:>22} {:>8} {:>10.1} {:>10.2} {:>8.0}", k.kernel, k.launches, k.total_us, k.bytes as f64 / 1e6, k.gb_per_s);
+            eprintln!(
+                "{:>22} {:>8} {:>10.1} {:>10.2} {:>8.0}",
+                k.kernel,
+                k.launches,
+                k.total_us,
+                k.bytes as f64 / 1e6,
+                k.gb_per_s
+            );
         }
     }
     if let Some(r) = runs.last() {
@@ -307,14 +333,30 @@ fn run() -> Result<()> {
         );
         eprintln!("{:>22} {:>8} {:>10} {:>8}", "kernel", "launches", "us/step", "share");
         for a in &r.decode_graph_ablation {
-            eprintln!("{:>22} {:>8} {:>10.1} {:>7.1}%", a.kernel, a.launches, a.in_graph_us, 100.0 * a.in_graph_us / r.decode_graph_us_per_step);
+            eprintln!(
+                "{:>22} {:>8} {:>10.1} {:>7.1}%",
+                a.kernel,
+                a.launches,
+                a.in_graph_us,
+                100.0 * a.in_graph_us / r.decode_graph_us_per_step
+            );
         }
     }
     if let Some(r) = runs.last() {
-        eprintln!("\nprefill of {} tokens ({} launches, {:.0} us of kernel time):", r.prompt_tokens, r.prefill_launches, r.prefill_kernel_us);
+        eprintln!(
+            "\nprefill of {} tokens ({} launches, {:.0} us of kernel time):",
+            r.prompt_tokens, r.prefill_launches, r.prefill_kernel_us
+        );
         eprintln!("{:>22} {:>8} {:>10} {:>10} {:>8}", "kernel", "launches", "total us", "MB", "GB/s");
         for k in &r.prefill_kernels {
-            eprintln!("{:>22} {:>8} {:>10.1} {:>10.2} {:>8.0}", k.kernel, k.launches, k.total_us, k.bytes as f64 / 1e6, k.gb_per_s);
+            eprintln!(
+                "{:>22} {:>8} {:>10.1} {:>10.2} {:>8.0}",
+                k.kernel,
+                k.launches,
+                k.total_us,
+                k.bytes as f64 / 1e6,
+                k.gb_per_s
+            );
         }
     }
     let report = Report {

@@ -194,7 +194,17 @@ mod tests {
 
     /// f64 causal GQA attention; `tile`: the wrong kv mapping `h % hkv` (negative control).
     #[allow(clippy::too_many_arguments)]
-    fn ref_attn(q: &[bf16], t: usize, p0: usize, kc: &[bf16], vc: &[bf16], h: usize, hkv: usize, hd: usize, tile: bool) -> Vec<f64> {
+    fn ref_attn(
+        q: &[bf16],
+        t: usize,
+        p0: usize,
+        kc: &[bf16],
+        vc: &[bf16],
+        h: usize,
+        hkv: usize,
+        hd: usize,
+        tile: bool,
+    ) -> Vec<f64> {
         let mut o = vec![0f64; t * h * hd];
         for tt in 0..t {
             for hh in 0..h {
@@ -249,7 +259,16 @@ mod tests {
 
     /// One attention step through norm, RoPE, cache write and attention, as the layer does it.
     #[allow(clippy::too_many_arguments)]
-    fn step(q_raw: &[bf16], k_raw: &[bf16], v_raw: &[bf16], t: usize, p0: usize, kc: &mut [bf16], vc: &mut [bf16], nw: &[bf16]) -> Vec<bf16> {
+    fn step(
+        q_raw: &[bf16],
+        k_raw: &[bf16],
+        v_raw: &[bf16],
+        t: usize,
+        p0: usize,
+        kc: &mut [bf16],
+        vc: &mut [bf16],
+        nw: &[bf16],
+    ) -> Vec<bf16> {
         let (h, hkv, hd, rd) = (4, 2, 32, 8);
         let mut q = vec![bf16::ZERO; q_raw.len()];
         rms_norm(q_raw, nw, hd, 1e-6, &mut q);
@@ -280,7 +299,16 @@ mod tests {
         let mut inc = step(&q[..t0 * qs], &k[..t0 * ks], &v[..t0 * ks], t0, 0, &mut kc2, &mut vc2, &nw);
         for i in t0..t {
             let r1 = i..i + 1;
-            inc.extend(step(&q[r1.start * qs..r1.end * qs], &k[i * ks..(i + 1) * ks], &v[i * ks..(i + 1) * ks], 1, i, &mut kc2, &mut vc2, &nw));
+            inc.extend(step(
+                &q[r1.start * qs..r1.end * qs],
+                &k[i * ks..(i + 1) * ks],
+                &v[i * ks..(i + 1) * ks],
+                1,
+                i,
+                &mut kc2,
+                &mut vc2,
+                &nw,
+            ));
         }
         // Bit-identical: each query's sums run over the same keys in the same order.
         assert_eq!(inc, full);

@@ -11,7 +11,11 @@ use half::bf16;
 /// table is an error naming it.
 pub fn embed(ids: &[u32], table: &[bf16], d: usize, out: &mut [bf16]) -> anyhow::Result<()> {
     check_len("embed out", out.len(), ids.len() * d);
-    anyhow::ensure!(d > 0 && table.len() % d == 0, "embedding table of {} values is not a multiple of width {d}", table.len());
+    anyhow::ensure!(
+        d > 0 && table.len() % d == 0,
+        "embedding table of {} values is not a multiple of width {d}",
+        table.len()
+    );
     let vocab = table.len() / d;
     for (row, &id) in out.chunks_mut(d).zip(ids) {
         let i = id as usize;

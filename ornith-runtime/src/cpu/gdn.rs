@@ -76,7 +76,16 @@ pub fn softplus(x: f32) -> f32 {
 /// match an HF bf16 run, which casts the F32-stored A_log to bf16), `dt_bias [hv]`.
 /// Writes `beta [t, hv]` (bf16 values widened to f32) and `g [t, hv]`.
 #[allow(clippy::too_many_arguments)]
-pub fn gates(b: &[bf16], a: &[bf16], a_log: &[f32], dt_bias: &[bf16], t: usize, hv: usize, beta: &mut [f32], g: &mut [f32]) {
+pub fn gates(
+    b: &[bf16],
+    a: &[bf16],
+    a_log: &[f32],
+    dt_bias: &[bf16],
+    t: usize,
+    hv: usize,
+    beta: &mut [f32],
+    g: &mut [f32],
+) {
     check_len("gates b", b.len(), t * hv);
     check_len("gates a", a.len(), t * hv);
     check_len("gates a_log", a_log.len(), hv);
@@ -112,7 +121,9 @@ pub fn split_qkv(conv_out: &[bf16], t: usize, d: GdnDims, q: &mut [f32], k: &mut
     let scale = (d.dk as f32).powf(-0.5);
     for tt in 0..t {
         let row = &conv_out[tt * d.conv_dim()..(tt + 1) * d.conv_dim()];
-        for (dst, src) in [(&mut q[tt * kd..(tt + 1) * kd], &row[..kd]), (&mut k[tt * kd..(tt + 1) * kd], &row[kd..2 * kd])] {
+        for (dst, src) in
+            [(&mut q[tt * kd..(tt + 1) * kd], &row[..kd]), (&mut k[tt * kd..(tt + 1) * kd], &row[kd..2 * kd])]
+        {
             for (x, &s) in dst.iter_mut().zip(src) {
                 *x = bf16_to_f32(s);
             }
@@ -129,7 +140,17 @@ pub fn split_qkv(conv_out: &[bf16], t: usize, d: GdnDims, q: &mut [f32], k: &mut
     }
 }
 
-fn check_core(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], t: usize, d: GdnDims, state: &[f32], out: &[f32]) {
+fn check_core(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    t: usize,
+    d: GdnDims,
+    state: &[f32],
+    out: &[f32],
+) {
     d.check();
     check_len("gdn q", q.len(), t * d.hk * d.dk);
     check_len("gdn k", k.len(), t * d.hk * d.dk);
@@ -166,7 +187,17 @@ where
 /// Recurrent gated delta rule (module doc), fp32. `q` must be l2-normed and scaled, `k`
 /// l2-normed (see [`split_qkv`]). Updates `state [hv, dk, dv]`, writes `out [t, hv, dv]`.
 #[allow(clippy::too_many_arguments)]
-pub fn recurrent(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], t: usize, d: GdnDims, state: &mut [f32], out: &mut [f32]) {
+pub fn recurrent(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    t: usize,
+    d: GdnDims,
+    state: &mut [f32],
+    out: &mut [f32],
+) {
     check_core(q, k, v, g, beta, t, d, state, out);
     let (dk, dv) = (d.dk, d.dv);
     for_heads(t, d, state, out, |h, kh, s, o| {
@@ -206,7 +237,17 @@ pub fn recurrent(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], t: us
 
 /// Chunked gated delta rule (module doc), chunk [`CHUNK`], fp32; same contract as [`recurrent`].
 #[allow(clippy::too_many_arguments)]
-pub fn chunked(q: &[f32], k: &[f32], v: &[f32], g: &[f32], beta: &[f32], t: usize, d: GdnDims, state: &mut [f32], out: &mut [f32]) {
+pub fn chunked(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    t: usize,
+    d: GdnDims,
+    state: &mut [f32],
+    out: &mut [f32],
+) {
     check_core(q, k, v, g, beta, t, d, state, out);
     let (dk, dv) = (d.dk, d.dv);
     for_heads(t, d, state, out, |h, kh, s, o| {

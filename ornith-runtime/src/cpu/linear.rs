@@ -64,15 +64,7 @@ pub fn linear_bf16(x: &[bf16], w: &[bf16], t: usize, n_in: usize, n_out: usize, 
 }
 
 /// FP8 W8A8 linear (module doc). `w8 [n_out, n_in]` E4M3 codes, `w_scale [n_out]`.
-pub fn linear_fp8(
-    x: &[bf16],
-    w8: &[u8],
-    w_scale: &[f32],
-    t: usize,
-    n_in: usize,
-    n_out: usize,
-    y: &mut [bf16],
-) {
+pub fn linear_fp8(x: &[bf16], w8: &[u8], w_scale: &[f32], t: usize, n_in: usize, n_out: usize, y: &mut [bf16]) {
     check_len("linear_fp8 x", x.len(), t * n_in);
     check_len("linear_fp8 w8", w8.len(), n_out * n_in);
     check_len("linear_fp8 w_scale", w_scale.len(), n_out);
@@ -275,8 +267,7 @@ mod tests {
             linear_bf16(&x, &w, t, n_in, n_out, &mut y);
             for tt in 0..t {
                 for o in 0..n_out {
-                    let exact: f64 =
-                        (0..n_in).map(|i| x[tt * n_in + i].to_f64() * w[o * n_in + i].to_f64()).sum();
+                    let exact: f64 = (0..n_in).map(|i| x[tt * n_in + i].to_f64() * w[o * n_in + i].to_f64()).sum();
                     let got = y[tt * n_out + o].to_f64();
                     assert!((got - exact).abs() <= bf16_ulp(exact), "t{tt} o{o}: {got} vs {exact}");
                 }
@@ -299,9 +290,8 @@ mod tests {
                 let mut xd = vec![0f32; n_in];
                 dequantize_row(&q, sx, &mut xd);
                 for o in 0..n_out {
-                    let exact: f64 = (0..n_in)
-                        .map(|i| xd[i] as f64 * e4m3_to_f32(w8[o * n_in + i]) as f64 * ws[o] as f64)
-                        .sum();
+                    let exact: f64 =
+                        (0..n_in).map(|i| xd[i] as f64 * e4m3_to_f32(w8[o * n_in + i]) as f64 * ws[o] as f64).sum();
                     let got = y[tt * n_out + o].to_f64();
                     assert!((got - exact).abs() <= bf16_ulp(exact), "t{tt} o{o}: {got} vs {exact}");
                 }
@@ -322,7 +312,8 @@ mod tests {
         let (mut y8, mut yb) = (vec![bf16::ZERO; t * n_out], vec![bf16::ZERO; t * n_out]);
         linear_fp8(&x, &w8, &ws, t, n_in, n_out, &mut y8);
         linear_bf16(&x, &wd, t, n_in, n_out, &mut yb);
-        let differing = y8.iter().zip(&yb).filter(|(a, b)| (a.to_f64() - b.to_f64()).abs() > bf16_ulp(b.to_f64())).count();
+        let differing =
+            y8.iter().zip(&yb).filter(|(a, b)| (a.to_f64() - b.to_f64()).abs() > bf16_ulp(b.to_f64())).count();
         assert!(differing > t * n_out / 2, "only {differing} outputs differ");
     }
 

@@ -22,14 +22,26 @@ impl CudaContext {
     }
 
     /// out[t] = table[ids[t]] (rows of `hidden` bf16; hidden % 8 == 0 for 16-byte copies).
-    pub fn embed(&self, ids: &CudaSlice<i32>, table: &Bf, out: &mut Bf, tokens: usize, hidden: usize, vocab: usize) -> Result<()> {
+    pub fn embed(
+        &self,
+        ids: &CudaSlice<i32>,
+        table: &Bf,
+        out: &mut Bf,
+        tokens: usize,
+        hidden: usize,
+        vocab: usize,
+    ) -> Result<()> {
         ensure!(tokens > 0 && hidden % 8 == 0, "embed: tokens {tokens} > 0 and hidden {hidden} % 8 == 0");
         need("embed ids", ids, tokens)?;
         need("embed table", table, vocab * hidden)?;
         need("embed out", out, tokens * hidden)?;
         let p = OrnithEmbedParams {
-            ids: self.addr(ids) as _, table: self.addr(table) as _, out: self.addr(out) as _,
-            tokens: i32of("tokens", tokens)?, hidden: i32of("hidden", hidden)?, vocab: i32of("vocab", vocab)?,
+            ids: self.addr(ids) as _,
+            table: self.addr(table) as _,
+            out: self.addr(out) as _,
+            tokens: i32of("tokens", tokens)?,
+            hidden: i32of("hidden", hidden)?,
+            vocab: i32of("vocab", vocab)?,
         };
         self.launch("embed_gather", (tokens as u32, 1, 1), 256, p)
     }
@@ -37,16 +49,27 @@ impl CudaContext {
     /// Residual add (optional) + zero-centred RMSNorm, writing bf16 `out` and/or FP8 `(q8, scale)`.
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_residual(
-        &self, residual: &mut Bf, add: Option<&Bf>, weight: &Bf, out: Option<&mut Bf>,
-        q8: Option<(&mut CudaSlice<u8>, &mut CudaSlice<f32>)>, tokens: usize, hidden: usize, eps: f32,
+        &self,
+        residual: &mut Bf,
+        add: Option<&Bf>,
+        weight: &Bf,
+        out: Option<&mut Bf>,
+        q8: Option<(&mut CudaSlice<u8>, &mut CudaSlice<f32>)>,
+        tokens: usize,
+        hidden: usize,
+        eps: f32,
     ) -> Result<()> {
         ensure!(tokens > 0 && hidden > 0 && hidden <= 8192, "rmsnorm: 0 < hidden {hidden} <= 8192");
         ensure!(out.is_some() || q8.is_some(), "rmsnorm: no output requested");
         need("rmsnorm residual", residual, tokens * hidden)?;
         need("rmsnorm weight", weight, hidden)?;
         let mut p = OrnithRmsNormParams {
-            residual: self.addr(residual) as _, weight: self.addr(weight) as _, tokens: tokens as i32,
-            hidden: hidden as i32, eps, ..Default::default()
+            residual: self.addr(residual) as _,
+            weight: self.addr(weight) as _,
+            tokens: tokens as i32,
+            hidden: hidden as i32,
+            eps,
+            ..Default::default()
         };
         if let Some(a) = add {
             need("rmsnorm add", a, tokens * hidden)?;
@@ -66,12 +89,25 @@ impl CudaContext {
     }
 
     /// Per-row FP8 quantisation: scale = amax/448, q8 = e4m3(x / scale).
-    pub fn quantize_fp8(&self, x: &Bf, q8: &mut CudaSlice<u8>, scale: &mut CudaSlice<f32>, rows: usize, cols: usize) -> Result<()> {
+    pub fn quantize_fp8(
+        &self,
+        x: &Bf,
+        q8: &mut CudaSlice<u8>,
+        scale: &mut CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
         ensure!(rows > 0 && cols > 0, "quantize: empty");
         need("quantize x", x, rows * cols)?;
         need("quantize q8", q8, rows * cols)?;
         need("quantize scale", scale, rows)?;
-        let p = OrnithQuantParams { x: self.addr(x) as _, q8: self.addr(q8) as _, scale: self.addr(scale) as _, tokens: rows as i32, cols: i32of("cols", cols)? };
+        let p = OrnithQuantParams {
+            x: self.addr(x) as _,
+            q8: self.addr(q8) as _,
+            scale: self.addr(scale) as _,
+            tokens: rows as i32,
+            cols: i32of("cols", cols)?,
+        };
         self.launch("quantize_fp8_rows", (rows as u32, 1, 1), 256, p)
     }
 
@@ -85,7 +121,17 @@ impl CudaContext {
 
     /// y[t, o] = bf16(sum_i x[t, i] w[o, i]) for 1..=8 tokens.
     #[allow(clippy::too_many_arguments)]
-    pub fn gemv_bf16(&self, x: &Bf, w: &Bf, y: &mut Bf, tokens: usize, in_: usize, out: usize, x_stride: usize, y_stride: usize) -> Result<()> {
+    pub fn gemv_bf16(
+        &self,
+        x: &Bf,
+        w: &Bf,
+        y: &mut Bf,
+        tokens: usize,
+        in_: usize,
+        out: usize,
+        x_stride: usize,
+        y_stride: usize,
+    ) -> Result<()> {
         let p = self.gemv_bf16_params(x, w, y, tokens, in_, out, x_stride, y_stride)?;
         self.launch("gemv_bf16", (out.div_ceil(8) as u32, 1, 1), 256, p)
     }
@@ -98,22 +144,47 @@ impl CudaContext {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn gemv_bf16_params(&self, x: &Bf, w: &Bf, y: &Bf, tokens: usize, in_: usize, out: usize, x_stride: usize, y_stride: usize) -> Result<OrnithGemvBf16Params> {
+    fn gemv_bf16_params(
+        &self,
+        x: &Bf,
+        w: &Bf,
+        y: &Bf,
+        tokens: usize,
+        in_: usize,
+        out: usize,
+        x_stride: usize,
+        y_stride: usize,
+    ) -> Result<OrnithGemvBf16Params> {
         Self::gemv_checks(tokens, in_, out, x_stride, y_stride, 8)?;
         need("gemv x", x, (tokens - 1) * x_stride + in_)?;
         need("gemv w", w, out * in_)?;
         need("gemv y", y, (tokens - 1) * y_stride + out)?;
         Ok(OrnithGemvBf16Params {
-            x: self.addr(x) as _, w: self.addr(w) as _, y: self.addr(y) as _, tokens: tokens as i32,
-            in_: i32of("in", in_)?, out: i32of("out", out)?, x_stride: x_stride as i32, y_stride: i32of("y_stride", y_stride)?,
+            x: self.addr(x) as _,
+            w: self.addr(w) as _,
+            y: self.addr(y) as _,
+            tokens: tokens as i32,
+            in_: i32of("in", in_)?,
+            out: i32of("out", out)?,
+            x_stride: x_stride as i32,
+            y_stride: i32of("y_stride", y_stride)?,
         })
     }
 
     /// FP8 W8A8: y[t, o] = bf16((sum_i xq w) * xs[t] * ws[o]).
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_fp8(
-        &self, xq: &CudaSlice<u8>, xs: &CudaSlice<f32>, w: &CudaSlice<u8>, ws: &CudaSlice<f32>, y: &mut Bf,
-        tokens: usize, in_: usize, out: usize, x_stride: usize, y_stride: usize,
+        &self,
+        xq: &CudaSlice<u8>,
+        xs: &CudaSlice<f32>,
+        w: &CudaSlice<u8>,
+        ws: &CudaSlice<f32>,
+        y: &mut Bf,
+        tokens: usize,
+        in_: usize,
+        out: usize,
+        x_stride: usize,
+        y_stride: usize,
     ) -> Result<()> {
         let p = self.gemv_fp8_params(xq, xs, w, ws, y, tokens, in_, out, x_stride, y_stride)?;
         self.launch("gemv_fp8", (out.div_ceil(8) as u32, 1, 1), 256, p)
@@ -122,15 +193,33 @@ impl CudaContext {
     /// [`Self::gemv_fp8`] for one token by the single-token kernel `gemv_fp8_t1` (the decode
     /// path; the same bits as `gemv_fp8`).
     #[allow(clippy::too_many_arguments)]
-    pub fn gemv_fp8_t1(&self, xq: &CudaSlice<u8>, xs: &CudaSlice<f32>, w: &CudaSlice<u8>, ws: &CudaSlice<f32>, y: &mut Bf, in_: usize, out: usize) -> Result<()> {
+    pub fn gemv_fp8_t1(
+        &self,
+        xq: &CudaSlice<u8>,
+        xs: &CudaSlice<f32>,
+        w: &CudaSlice<u8>,
+        ws: &CudaSlice<f32>,
+        y: &mut Bf,
+        in_: usize,
+        out: usize,
+    ) -> Result<()> {
         let p = self.gemv_fp8_params(xq, xs, w, ws, y, 1, in_, out, in_, out)?;
         self.launch("gemv_fp8_t1", (super::gemv1_blocks(in_ / 16, out), 1, 1), 256, p)
     }
 
     #[allow(clippy::too_many_arguments)]
     fn gemv_fp8_params(
-        &self, xq: &CudaSlice<u8>, xs: &CudaSlice<f32>, w: &CudaSlice<u8>, ws: &CudaSlice<f32>, y: &Bf,
-        tokens: usize, in_: usize, out: usize, x_stride: usize, y_stride: usize,
+        &self,
+        xq: &CudaSlice<u8>,
+        xs: &CudaSlice<f32>,
+        w: &CudaSlice<u8>,
+        ws: &CudaSlice<f32>,
+        y: &Bf,
+        tokens: usize,
+        in_: usize,
+        out: usize,
+        x_stride: usize,
+        y_stride: usize,
     ) -> Result<OrnithGemvFp8Params> {
         Self::gemv_checks(tokens, in_, out, x_stride, y_stride, 16)?;
         need("gemv_fp8 x", xq, (tokens - 1) * x_stride + in_)?;
@@ -139,20 +228,45 @@ impl CudaContext {
         need("gemv_fp8 ws", ws, out)?;
         need("gemv_fp8 y", y, (tokens - 1) * y_stride + out)?;
         Ok(OrnithGemvFp8Params {
-            xq: self.addr(xq) as _, xs: self.addr(xs) as _, w: self.addr(w) as _, ws: self.addr(ws) as _, y: self.addr(y) as _,
-            tokens: tokens as i32, in_: i32of("in", in_)?, out: i32of("out", out)?, x_stride: x_stride as i32, y_stride: i32of("y_stride", y_stride)?,
+            xq: self.addr(xq) as _,
+            xs: self.addr(xs) as _,
+            w: self.addr(w) as _,
+            ws: self.addr(ws) as _,
+            y: self.addr(y) as _,
+            tokens: tokens as i32,
+            in_: i32of("in", in_)?,
+            out: i32of("out", out)?,
+            x_stride: x_stride as i32,
+            y_stride: i32of("y_stride", y_stride)?,
         })
     }
 
     /// Router: softmax over `experts` logits (row stride `stride`), top-k, renormalised bf16 weights.
-    pub fn moe_router(&self, logits: &Bf, idx: &mut CudaSlice<i32>, weight: &mut CudaSlice<f32>, tokens: usize, experts: usize, top_k: usize, stride: usize) -> Result<()> {
-        ensure!(tokens > 0 && experts <= 256 && top_k >= 1 && top_k <= 32 && top_k <= experts && stride >= experts, "router: experts {experts} <= 256, 1 <= top_k {top_k} <= min(32, experts), stride {stride}");
+    pub fn moe_router(
+        &self,
+        logits: &Bf,
+        idx: &mut CudaSlice<i32>,
+        weight: &mut CudaSlice<f32>,
+        tokens: usize,
+        experts: usize,
+        top_k: usize,
+        stride: usize,
+    ) -> Result<()> {
+        ensure!(
+            tokens > 0 && experts <= 256 && top_k >= 1 && top_k <= 32 && top_k <= experts && stride >= experts,
+            "router: experts {experts} <= 256, 1 <= top_k {top_k} <= min(32, experts), stride {stride}"
+        );
         need("router logits", logits, (tokens - 1) * stride + experts)?;
         need("router idx", idx, tokens * top_k)?;
         need("router weight", weight, tokens * top_k)?;
         let p = OrnithRouterParams {
-            logits: self.addr(logits) as _, idx: self.addr(idx) as _, weight: self.addr(weight) as _, tokens: tokens as i32,
-            experts: experts as i32, top_k: top_k as i32, logit_stride: stride as i32,
+            logits: self.addr(logits) as _,
+            idx: self.addr(idx) as _,
+            weight: self.addr(weight) as _,
+            tokens: tokens as i32,
+            experts: experts as i32,
+            top_k: top_k as i32,
+            logit_stride: stride as i32,
         };
         self.launch("moe_router_topk", (tokens as u32, 1, 1), 32, p)
     }
@@ -160,13 +274,26 @@ impl CudaContext {
     /// Expert GEMV for top_k routed slots + the shared slot (see `OrnithMoeGemvParams`).
     pub fn moe_gemv(&self, a: &MoeGemvArgs, y: &mut Bf) -> Result<()> {
         let p = self.moe_gemv_params(a, y)?;
-        self.launch("moe_gemv_fp8", (super::gemv1_blocks(a.in_ / 16, a.out), (a.top_k + 1) as u32, a.tokens as u32), 256, p)
+        self.launch(
+            "moe_gemv_fp8",
+            (super::gemv1_blocks(a.in_ / 16, a.out), (a.top_k + 1) as u32, a.tokens as u32),
+            256,
+            p,
+        )
     }
 
     fn moe_gemv_params(&self, a: &MoeGemvArgs, y: &Bf) -> Result<OrnithMoeGemvParams> {
         let slots = a.top_k + 1;
-        ensure!(a.tokens > 0 && a.in_ % 16 == 0 && a.in_ > 0 && a.out > 0 && a.top_k >= 1, "moe_gemv: in {} % 16, out {}", a.in_, a.out);
-        ensure!(a.x_tok_stride % 16 == 0 && a.x_slot_stride % 16 == 0, "moe_gemv: activation strides must keep 16-byte alignment");
+        ensure!(
+            a.tokens > 0 && a.in_ % 16 == 0 && a.in_ > 0 && a.out > 0 && a.top_k >= 1,
+            "moe_gemv: in {} % 16, out {}",
+            a.in_,
+            a.out
+        );
+        ensure!(
+            a.x_tok_stride % 16 == 0 && a.x_slot_stride % 16 == 0,
+            "moe_gemv: activation strides must keep 16-byte alignment"
+        );
         need("moe_gemv idx", a.idx, a.tokens * a.top_k)?;
         need("moe_gemv w", a.w, a.experts * a.out * a.in_)?;
         need("moe_gemv ws", a.ws, a.experts * a.out)?;
@@ -176,55 +303,121 @@ impl CudaContext {
         need("moe_gemv xs", a.xs, (a.tokens - 1) * a.xs_tok_stride + a.top_k * a.xs_slot_stride + 1)?;
         need("moe_gemv y", y, a.tokens * slots * a.out)?;
         let p = OrnithMoeGemvParams {
-            xq: self.addr(a.xq) as _, xs: self.addr(a.xs) as _, idx: self.addr(a.idx) as _, w: self.addr(a.w) as _, ws: self.addr(a.ws) as _,
-            shared_w: self.addr(a.shared_w) as _, shared_ws: self.addr(a.shared_ws) as _, y: self.addr(y) as _,
-            tokens: a.tokens as i32, top_k: a.top_k as i32, experts: a.experts as i32, in_: a.in_ as i32, out: a.out as i32,
-            x_tok_stride: a.x_tok_stride as i32, x_slot_stride: a.x_slot_stride as i32,
-            xs_tok_stride: a.xs_tok_stride as i32, xs_slot_stride: a.xs_slot_stride as i32,
+            xq: self.addr(a.xq) as _,
+            xs: self.addr(a.xs) as _,
+            idx: self.addr(a.idx) as _,
+            w: self.addr(a.w) as _,
+            ws: self.addr(a.ws) as _,
+            shared_w: self.addr(a.shared_w) as _,
+            shared_ws: self.addr(a.shared_ws) as _,
+            y: self.addr(y) as _,
+            tokens: a.tokens as i32,
+            top_k: a.top_k as i32,
+            experts: a.experts as i32,
+            in_: a.in_ as i32,
+            out: a.out as i32,
+            x_tok_stride: a.x_tok_stride as i32,
+            x_slot_stride: a.x_slot_stride as i32,
+            xs_tok_stride: a.xs_tok_stride as i32,
+            xs_slot_stride: a.xs_slot_stride as i32,
         };
         Ok(p)
     }
 
     /// a = bf16(bf16(silu(g)) * u) per row of gate_up [rows, 2*inter], then FP8 per row.
-    pub fn swiglu_quant(&self, gate_up: &Bf, q8: &mut CudaSlice<u8>, scale: &mut CudaSlice<f32>, rows: usize, inter: usize) -> Result<()> {
+    pub fn swiglu_quant(
+        &self,
+        gate_up: &Bf,
+        q8: &mut CudaSlice<u8>,
+        scale: &mut CudaSlice<f32>,
+        rows: usize,
+        inter: usize,
+    ) -> Result<()> {
         ensure!(rows > 0 && inter > 0 && inter <= 1024, "swiglu: 0 < inter {inter} <= 1024");
         need("swiglu gate_up", gate_up, rows * 2 * inter)?;
         need("swiglu q8", q8, rows * inter)?;
         need("swiglu scale", scale, rows)?;
-        let p = OrnithSwigluQuantParams { gate_up: self.addr(gate_up) as _, q8: self.addr(q8) as _, scale: self.addr(scale) as _, rows: rows as i32, inter: inter as i32 };
+        let p = OrnithSwigluQuantParams {
+            gate_up: self.addr(gate_up) as _,
+            q8: self.addr(q8) as _,
+            scale: self.addr(scale) as _,
+            rows: rows as i32,
+            inter: inter as i32,
+        };
         self.launch("swiglu_quant", (rows as u32, 1, 1), 256, p)
     }
 
     /// out = bf16(routed + sigmoid-gated shared), see `OrnithMoeCombineParams`.
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_combine(&self, ys: &Bf, weight: &CudaSlice<f32>, gate_logit: &Bf, out: &mut Bf, tokens: usize, top_k: usize, hidden: usize, gate_stride: usize) -> Result<()> {
+    pub fn moe_combine(
+        &self,
+        ys: &Bf,
+        weight: &CudaSlice<f32>,
+        gate_logit: &Bf,
+        out: &mut Bf,
+        tokens: usize,
+        top_k: usize,
+        hidden: usize,
+        gate_stride: usize,
+    ) -> Result<()> {
         ensure!(tokens > 0 && hidden > 0 && top_k > 0, "moe_combine: empty");
         need("combine ys", ys, tokens * (top_k + 1) * hidden)?;
         need("combine weight", weight, tokens * top_k)?;
         need("combine gate", gate_logit, (tokens - 1) * gate_stride + 1)?;
         need("combine out", out, tokens * hidden)?;
         let p = OrnithMoeCombineParams {
-            ys: self.addr(ys) as _, weight: self.addr(weight) as _, gate_logit: self.addr(gate_logit) as _, out: self.addr(out) as _,
-            tokens: tokens as i32, top_k: top_k as i32, hidden: hidden as i32, gate_stride: gate_stride as i32,
+            ys: self.addr(ys) as _,
+            weight: self.addr(weight) as _,
+            gate_logit: self.addr(gate_logit) as _,
+            out: self.addr(out) as _,
+            tokens: tokens as i32,
+            top_k: top_k as i32,
+            hidden: hidden as i32,
+            gate_stride: gate_stride as i32,
         };
         self.launch("moe_combine", (hidden.div_ceil(256) as u32, tokens as u32, 1), 256, p)
     }
 
     /// Causal depthwise conv (kernel 4) + SiLU over `tokens` in order, updating `state` [3, channels].
     #[allow(clippy::too_many_arguments)]
-    pub fn conv1d_silu(&self, x: &Bf, w: &Bf, state: &mut Bf, y: &mut Bf, tokens: usize, channels: usize, x_stride: usize) -> Result<()> {
-        ensure!(tokens > 0 && channels > 0 && x_stride >= channels, "conv: tokens {tokens}, channels {channels}, stride {x_stride}");
+    pub fn conv1d_silu(
+        &self,
+        x: &Bf,
+        w: &Bf,
+        state: &mut Bf,
+        y: &mut Bf,
+        tokens: usize,
+        channels: usize,
+        x_stride: usize,
+    ) -> Result<()> {
+        ensure!(
+            tokens > 0 && channels > 0 && x_stride >= channels,
+            "conv: tokens {tokens}, channels {channels}, stride {x_stride}"
+        );
         need("conv x", x, (tokens - 1) * x_stride + channels)?;
         need("conv w", w, channels * 4)?;
         need("conv state", state, 3 * channels)?;
         need("conv y", y, tokens * channels)?;
-        let p = OrnithConvParams { x: self.addr(x) as _, w: self.addr(w) as _, state: self.addr(state) as _, y: self.addr(y) as _, tokens: tokens as i32, channels: channels as i32, x_stride: x_stride as i32 };
+        let p = OrnithConvParams {
+            x: self.addr(x) as _,
+            w: self.addr(w) as _,
+            state: self.addr(state) as _,
+            y: self.addr(y) as _,
+            tokens: tokens as i32,
+            channels: channels as i32,
+            x_stride: x_stride as i32,
+        };
         self.launch("conv1d_silu", (channels.div_ceil(256) as u32, 1, 1), 256, p)
     }
 
     /// Recurrent gated delta rule (dk = dv = 128), see `OrnithGdnParams`.
     pub fn gdn_recurrent(&self, a: &GdnArgs, state: &mut CudaSlice<f32>, o: &mut Bf) -> Result<()> {
-        ensure!(a.tokens > 0 && a.k_heads > 0 && a.v_heads % a.k_heads == 0, "gdn: v_heads {} must be a multiple of k_heads {}", a.v_heads, a.k_heads);
+        ensure!(
+            a.tokens > 0 && a.k_heads > 0 && a.v_heads % a.k_heads == 0,
+            "gdn: v_heads {} must be a multiple of k_heads {}",
+            a.v_heads,
+            a.k_heads
+        );
         let kdim = a.k_heads * 128;
         ensure!(a.qkv_stride >= 2 * kdim + a.v_heads * 128, "gdn: qkv stride {} too small", a.qkv_stride);
         ensure!(a.ba_stride >= a.a_offset + a.v_heads && a.a_offset >= a.v_heads, "gdn: b/a layout");
@@ -235,30 +428,74 @@ impl CudaContext {
         need("gdn state", state, a.v_heads * 128 * 128)?;
         need("gdn o", o, a.tokens * a.v_heads * 128)?;
         let p = OrnithGdnParams {
-            qkv: self.addr(a.qkv) as _, ba: self.addr(a.ba) as _, a_log: self.addr(a.a_log) as _, dt_bias: self.addr(a.dt_bias) as _,
-            state: self.addr(state) as _, o: self.addr(o) as _, tokens: a.tokens as i32, k_heads: a.k_heads as i32, v_heads: a.v_heads as i32,
-            qkv_stride: a.qkv_stride as i32, ba_stride: a.ba_stride as i32, a_offset: a.a_offset as i32, work: std::ptr::null_mut(),
+            qkv: self.addr(a.qkv) as _,
+            ba: self.addr(a.ba) as _,
+            a_log: self.addr(a.a_log) as _,
+            dt_bias: self.addr(a.dt_bias) as _,
+            state: self.addr(state) as _,
+            o: self.addr(o) as _,
+            tokens: a.tokens as i32,
+            k_heads: a.k_heads as i32,
+            v_heads: a.v_heads as i32,
+            qkv_stride: a.qkv_stride as i32,
+            ba_stride: a.ba_stride as i32,
+            a_offset: a.a_offset as i32,
+            work: std::ptr::null_mut(),
         };
         self.launch("gdn_recurrent", (a.v_heads as u32, 4, 1), 128, p)
     }
 
     /// Gated RMSNorm per (token, head) over dim <= 128.
     #[allow(clippy::too_many_arguments)]
-    pub fn gated_rmsnorm(&self, o: &Bf, z: &Bf, w: &Bf, y: &mut Bf, tokens: usize, heads: usize, dim: usize, z_stride: usize, eps: f32) -> Result<()> {
-        ensure!(tokens > 0 && heads > 0 && dim > 0 && dim <= 128 && z_stride >= heads * dim, "gated_rmsnorm: dim {dim} <= 128");
+    pub fn gated_rmsnorm(
+        &self,
+        o: &Bf,
+        z: &Bf,
+        w: &Bf,
+        y: &mut Bf,
+        tokens: usize,
+        heads: usize,
+        dim: usize,
+        z_stride: usize,
+        eps: f32,
+    ) -> Result<()> {
+        ensure!(
+            tokens > 0 && heads > 0 && dim > 0 && dim <= 128 && z_stride >= heads * dim,
+            "gated_rmsnorm: dim {dim} <= 128"
+        );
         need("gated o", o, tokens * heads * dim)?;
         need("gated z", z, (tokens - 1) * z_stride + heads * dim)?;
         need("gated w", w, dim)?;
         need("gated y", y, tokens * heads * dim)?;
-        let p = OrnithGatedNormParams { o: self.addr(o) as _, z: self.addr(z) as _, weight: self.addr(w) as _, y: self.addr(y) as _, tokens: tokens as i32, heads: heads as i32, dim: dim as i32, z_stride: z_stride as i32, eps };
+        let p = OrnithGatedNormParams {
+            o: self.addr(o) as _,
+            z: self.addr(z) as _,
+            weight: self.addr(w) as _,
+            y: self.addr(y) as _,
+            tokens: tokens as i32,
+            heads: heads as i32,
+            dim: dim as i32,
+            z_stride: z_stride as i32,
+            eps,
+        };
         self.launch("gated_rmsnorm", ((tokens * heads) as u32, 1, 1), 128, p)
     }
 
     /// q/k norm + partial RoPE + KV-cache write, see `OrnithQkRopeParams`.
     pub fn qk_norm_rope(&self, a: &QkRopeArgs, q_out: &mut Bf, k_cache: &mut Bf, v_cache: &mut Bf) -> Result<()> {
         let d = a.head_dim;
-        ensure!(a.tokens > 0 && d % 32 == 0 && d <= 256 && a.rot % 2 == 0 && a.rot <= d, "qk_rope: head_dim {d} (multiple of 32, <= 256), rot {}", a.rot);
-        ensure!(a.pos0 + a.tokens <= a.max_seq, "qk_rope: positions {}..{} exceed the cache ({} rows)", a.pos0, a.pos0 + a.tokens, a.max_seq);
+        ensure!(
+            a.tokens > 0 && d % 32 == 0 && d <= 256 && a.rot % 2 == 0 && a.rot <= d,
+            "qk_rope: head_dim {d} (multiple of 32, <= 256), rot {}",
+            a.rot
+        );
+        ensure!(
+            a.pos0 + a.tokens <= a.max_seq,
+            "qk_rope: positions {}..{} exceed the cache ({} rows)",
+            a.pos0,
+            a.pos0 + a.tokens,
+            a.max_seq
+        );
         need("qk qg", a.qg, a.tokens * a.q_heads * 2 * d)?;
         need("qk k", a.k, a.tokens * a.kv_heads * d)?;
         need("qk v", a.v, a.tokens * a.kv_heads * d)?;
@@ -268,10 +505,23 @@ impl CudaContext {
         need("k cache", k_cache, a.max_seq * a.kv_heads * d)?;
         need("v cache", v_cache, a.max_seq * a.kv_heads * d)?;
         let p = OrnithQkRopeParams {
-            qg: self.addr(a.qg) as _, k: self.addr(a.k) as _, v: self.addr(a.v) as _, q_norm: self.addr(a.q_norm) as _, k_norm: self.addr(a.k_norm) as _,
-            q_out: self.addr(q_out) as _, k_cache: self.addr(k_cache) as _, v_cache: self.addr(v_cache) as _,
-            tokens: a.tokens as i32, pos0: a.pos0 as i32, q_heads: a.q_heads as i32, kv_heads: a.kv_heads as i32, head_dim: d as i32,
-            rot: a.rot as i32, max_seq: a.max_seq as i32, theta: a.theta, eps: a.eps,
+            qg: self.addr(a.qg) as _,
+            k: self.addr(a.k) as _,
+            v: self.addr(a.v) as _,
+            q_norm: self.addr(a.q_norm) as _,
+            k_norm: self.addr(a.k_norm) as _,
+            q_out: self.addr(q_out) as _,
+            k_cache: self.addr(k_cache) as _,
+            v_cache: self.addr(v_cache) as _,
+            tokens: a.tokens as i32,
+            pos0: a.pos0 as i32,
+            q_heads: a.q_heads as i32,
+            kv_heads: a.kv_heads as i32,
+            head_dim: d as i32,
+            rot: a.rot as i32,
+            max_seq: a.max_seq as i32,
+            theta: a.theta,
+            eps: a.eps,
             pos_dev: a.pos_dev.map_or(std::ptr::null(), |d| self.addr(d) as _),
         };
         self.launch("qk_norm_rope", ((a.q_heads + a.kv_heads) as u32, a.tokens as u32, 1), d as u32, p)
@@ -281,14 +531,26 @@ impl CudaContext {
     /// `part_o` [tokens*q_heads*splits*256] and `part_ml` [tokens*q_heads*splits*2] with
     /// splits = ceil((pos0 + tokens) / split_len), or, in the device-position form
     /// (`a.pos_dev` = (position buffer, splits, min_split)), the given grid of splits.
-    pub fn attention_decode(&self, a: &AttnArgs, part_o: &mut CudaSlice<f32>, part_ml: &mut CudaSlice<f32>, out: &mut Bf) -> Result<()> {
+    pub fn attention_decode(
+        &self,
+        a: &AttnArgs,
+        part_o: &mut CudaSlice<f32>,
+        part_ml: &mut CudaSlice<f32>,
+        out: &mut Bf,
+    ) -> Result<()> {
         ensure!(a.head_dim == 256, "attention: head_dim {} (kernel is written for 256)", a.head_dim);
-        ensure!(a.kv_heads > 0 && a.q_heads % a.kv_heads == 0 && a.q_heads / a.kv_heads <= 8, "attention: q_heads/kv_heads must be an integer <= 8");
+        ensure!(
+            a.kv_heads > 0 && a.q_heads % a.kv_heads == 0 && a.q_heads / a.kv_heads <= 8,
+            "attention: q_heads/kv_heads must be an integer <= 8"
+        );
         ensure!(a.tokens > 0 && a.split_len > 0, "attention: empty");
         let total = a.pos0 + a.tokens;
         let splits = match a.pos_dev {
             Some((_, n, min)) => {
-                ensure!(n > 0 && min > 0 && n * total.div_ceil(n).max(min) >= total, "attention: {n} splits of at least {min} keys");
+                ensure!(
+                    n > 0 && min > 0 && n * total.div_ceil(n).max(min) >= total,
+                    "attention: {n} splits of at least {min} keys"
+                );
                 n
             }
             None => total.div_ceil(a.split_len),
@@ -302,11 +564,23 @@ impl CudaContext {
         need("attn part_ml", part_ml, a.tokens * a.q_heads * splits * 2)?;
         need("attn out", out, a.tokens * a.q_heads * 256)?;
         let p = OrnithAttnParams {
-            q: self.addr(a.q) as _, k_cache: self.addr(a.k_cache) as _, v_cache: self.addr(a.v_cache) as _, qg: self.addr(a.qg) as _,
-            part_o: self.addr(part_o) as _, part_ml: self.addr(part_ml) as _, out: self.addr(out) as _,
-            tokens: a.tokens as i32, pos0: a.pos0 as i32, q_heads: a.q_heads as i32, kv_heads: a.kv_heads as i32, head_dim: 256,
-            split_len: a.split_len as i32, splits: splits as i32, scale: 1.0 / (a.head_dim as f32).sqrt(),
-            pos_dev: a.pos_dev.map_or(std::ptr::null(), |d| self.addr(d.0) as _), min_split: a.pos_dev.map_or(0, |d| d.2 as i32),
+            q: self.addr(a.q) as _,
+            k_cache: self.addr(a.k_cache) as _,
+            v_cache: self.addr(a.v_cache) as _,
+            qg: self.addr(a.qg) as _,
+            part_o: self.addr(part_o) as _,
+            part_ml: self.addr(part_ml) as _,
+            out: self.addr(out) as _,
+            tokens: a.tokens as i32,
+            pos0: a.pos0 as i32,
+            q_heads: a.q_heads as i32,
+            kv_heads: a.kv_heads as i32,
+            head_dim: 256,
+            split_len: a.split_len as i32,
+            splits: splits as i32,
+            scale: 1.0 / (a.head_dim as f32).sqrt(),
+            pos_dev: a.pos_dev.map_or(std::ptr::null(), |d| self.addr(d.0) as _),
+            min_split: a.pos_dev.map_or(0, |d| d.2 as i32),
         };
         let group = (a.q_heads / a.kv_heads) as u32;
         self.launch("attn_decode_split", (splits as u32, a.kv_heads as u32, a.tokens as u32), 32 * group, p)?;
@@ -318,7 +592,13 @@ impl CudaContext {
         ensure!(tokens > 0 && n > 0 && stride >= n, "argmax: n {n}, stride {stride}");
         need("argmax logits", logits, (tokens - 1) * stride + n)?;
         need("argmax idx", idx, tokens)?;
-        let p = OrnithArgmaxParams { logits: self.addr(logits) as _, idx: self.addr(idx) as _, tokens: tokens as i32, n: i32of("n", n)?, stride: i32of("stride", stride)? };
+        let p = OrnithArgmaxParams {
+            logits: self.addr(logits) as _,
+            idx: self.addr(idx) as _,
+            tokens: tokens as i32,
+            n: i32of("n", n)?,
+            stride: i32of("stride", stride)?,
+        };
         self.launch("argmax_bf16", (tokens as u32, 1, 1), 1024, p)
     }
 }

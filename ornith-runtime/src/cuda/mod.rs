@@ -4,7 +4,9 @@
 //! neither the CUDA toolkit nor a GPU. The device's compute capability picks the PTX: 9.0 → sm_90,
 //! 12.x → sm_121; anything else is refused with the device's name.
 use anyhow::{anyhow, bail, Context, Result};
-use cudarc::driver::{CudaContext as DriverContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+use cudarc::driver::{
+    CudaContext as DriverContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+};
 use ornith_kernels::{Arch, Module};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -37,7 +39,15 @@ const KERNELS: [(Module, &[&str]); 10] = [
 /// chunks: each lane keeps 8 loads in flight, 8, 4, 2 or 1 per row where a row has more than 7, 3
 /// or 1 chunks per lane (n16 / 32), and R = 8 / that.
 pub(crate) fn gemv1_rows(n16: usize) -> usize {
-    let u = if n16 > 7 * 32 { 8 } else if n16 > 3 * 32 { 4 } else if n16 > 32 { 2 } else { 1 };
+    let u = if n16 > 7 * 32 {
+        8
+    } else if n16 > 3 * 32 {
+        4
+    } else if n16 > 32 {
+        2
+    } else {
+        1
+    };
     8 / u
 }
 
@@ -124,7 +134,14 @@ impl CudaContext {
     /// Launches kernel `name` with one by-value parameter struct `p` on the stream (`smem` bytes
     /// of dynamic shared memory), with the programmatic-serialization attribute when
     /// [`Self::pdl`] is on. `cuLaunchKernelEx` directly: cudarc's builder has no attributes.
-    pub(crate) fn launch_with<P: Copy>(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, p: P) -> Result<()> {
+    pub(crate) fn launch_with<P: Copy>(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        p: P,
+    ) -> Result<()> {
         use cudarc::driver::sys;
         let f = self.func(name);
         let mut param = Param(p);

@@ -3,13 +3,13 @@
 //! `PERF` line at the real 2K-token shapes (median of 20 event-timed launches after 3 warm-ups).
 use super::launch::GdnArgs;
 use super::prefill::*;
+use super::test_util::{ctx, rng, time_it, POISON, R};
 use crate::cpu::attention::{attention, output_gate};
 use crate::cpu::conv::conv_silu;
 use crate::cpu::fp8::quantize_act_row;
 use crate::cpu::gdn::{gated_delta_rule, GdnDims};
 use crate::cpu::linear::{linear_bf16, linear_fp8, LinearWeight};
 use crate::cpu::moe::{moe, route, Mlp, MoeWeights};
-use super::test_util::{ctx, rng, time_it, POISON, R};
 use half::bf16;
 use rand::Rng;
 
@@ -24,7 +24,14 @@ fn bits(v: &[bf16]) -> Vec<u16> {
 }
 fn fp8v(r: &mut R, n: usize) -> Vec<u8> {
     // random finite E4M3 codes (0x7f / 0xff are NaN)
-    (0..n).map(|_| loop { let b: u8 = r.random(); if b & 0x7f != 0x7f { break b; } }).collect()
+    (0..n)
+        .map(|_| loop {
+            let b: u8 = r.random();
+            if b & 0x7f != 0x7f {
+                break b;
+            }
+        })
+        .collect()
 }
 /// Cheap deterministic finite E4M3 codes for the large timing-only weights.
 fn fp8_pattern(n: usize, seed: u64) -> Vec<u8> {
@@ -74,8 +81,13 @@ fn gemm_fp8_matches_reference() {
     // (rows, in, out, a_stride, y_stride): decode-size, odd rows/outputs, MoE (2048 -> 1024 gate_up,
     // 512 -> 2048 down), an `in` that is 16 mod 128, strided A and y.
     for (t, inp, out, xs, ys) in [
-        (1, 2048, 512, 2048, 512), (7, 2048, 1000, 2048, 1000), (133, 2048, 8192, 2048, 8192), (300, 2048, 1024, 2048, 1024),
-        (257, 512, 2048, 512, 2048), (129, 528, 257, 528, 257), (65, 256, 136, 272, 140),
+        (1, 2048, 512, 2048, 512),
+        (7, 2048, 1000, 2048, 1000),
+        (133, 2048, 8192, 2048, 8192),
+        (300, 2048, 1024, 2048, 1024),
+        (257, 512, 2048, 512, 2048),
+        (129, 528, 257, 528, 257),
+        (65, 256, 136, 272, 140),
     ] {
         let x = bfv(&mut r, t * inp, 3.0);
         let w = fp8v(&mut r, out * inp);
@@ -106,20 +118,30 @@ fn gemm_fp8_matches_reference() {
         linear_fp8(&x, &w, &ws, t, inp, out, &mut want);
         let got: Vec<u16> = (0..t).flat_map(|tt| gy[tt * ys..tt * ys + out].to_vec()).collect();
         let want: Vec<f64> = want.iter().map(|v| v.to_f64()).collect();
-        let (worst, rel) = check(&format!("gemm_fp8 t{t} {inp}->{out}"), &got, &want, 1.0, 2f64.powi(-10), 2f64.powi(-9));
+        let (worst, rel) =
+            check(&format!("gemm_fp8 t{t} {inp}->{out}"), &got, &want, 1.0, 2f64.powi(-10), 2f64.powi(-9));
         eprintln!("gemm_fp8 t{t} {inp}->{out}: max |d|/rms {worst:.2e}, rel L2 {rel:.2e}");
         for tt in 0..t.saturating_sub(1) {
-            assert!(gy[tt * ys + out..(tt + 1) * ys].iter().all(|&v| v == POISON), "gemm_fp8 wrote past `out` in row {tt}");
+            assert!(
+                gy[tt * ys + out..(tt + 1) * ys].iter().all(|&v| v == POISON),
+                "gemm_fp8 wrote past `out` in row {tt}"
+            );
         }
     }
     // Timing at the real prefill shapes: 2048 tokens, hidden 2048 -> 512 .. 8192, MoE-size down 512 -> 2048.
-    for (t, inp, out) in [(2048, 2048, 8192), (2048, 2048, 4096), (2048, 2048, 512), (2048, 512, 2048), (8192, 2048, 8192)] {
+    for (t, inp, out) in
+        [(2048, 2048, 8192), (2048, 2048, 4096), (2048, 2048, 512), (2048, 512, 2048), (8192, 2048, 8192)]
+    {
         let (dq, dsc) = (c.upload(&fp8_pattern(t * inp, 1)).unwrap(), c.upload(&vec![1e-3f32; t]).unwrap());
         let (dw, dws) = (c.upload(&fp8_pattern(out * inp, 2)).unwrap(), c.upload(&vec![1e-3f32; out]).unwrap());
         let mut y = c.alloc::<u16>(t * out).unwrap();
         let s = time_it(&c, || c.gemm_fp8(&dq, &dsc, &dw, &dws, &mut y, t, inp, out, inp, out).unwrap());
         let tf = 2.0 * (t * inp * out) as f64 / s / 1e12;
-        eprintln!("PERF gemm_fp8 {t}x{inp} -> {out}: {:.1} us, {tf:.0} TFLOP/s ({:.0}% of {H200_MMA_TFLOPS})", s * 1e6, 100.0 * tf / H200_MMA_TFLOPS);
+        eprintln!(
+            "PERF gemm_fp8 {t}x{inp} -> {out}: {:.1} us, {tf:.0} TFLOP/s ({:.0}% of {H200_MMA_TFLOPS})",
+            s * 1e6,
+            100.0 * tf / H200_MMA_TFLOPS
+        );
     }
 }
 
@@ -139,7 +161,14 @@ fn gemm_bf16_matches_reference() {
         let mut want = vec![bf16::ZERO; t * out];
         linear_bf16(&x, &w, t, inp, out, &mut want);
         let want: Vec<f64> = want.iter().map(|v| v.to_f64()).collect();
-        let (worst, rel) = check(&format!("gemm_bf16 t{t} {inp}->{out}"), &c.download(&y).unwrap(), &want, 1.0, 2f64.powi(-10), 2f64.powi(-9));
+        let (worst, rel) = check(
+            &format!("gemm_bf16 t{t} {inp}->{out}"),
+            &c.download(&y).unwrap(),
+            &want,
+            1.0,
+            2f64.powi(-10),
+            2f64.powi(-9),
+        );
         eprintln!("gemm_bf16 t{t} {inp}->{out}: max |d|/rms {worst:.2e}, rel L2 {rel:.2e}");
     }
     for (t, inp, out) in [(2048, 2048, 8192), (2048, 2048, 257), (2048, 2048, 32768)] {
@@ -147,7 +176,11 @@ fn gemm_bf16_matches_reference() {
         let mut y = c.alloc::<u16>(t * out).unwrap();
         let s = time_it(&c, || c.gemm_bf16(&dx, &dw, &mut y, t, inp, out, inp, out).unwrap());
         let tf = 2.0 * (t * inp * out) as f64 / s / 1e12;
-        eprintln!("PERF gemm_bf16 {t}x{inp} -> {out}: {:.1} us, {tf:.0} TFLOP/s ({:.0}% of {H200_MMA_TFLOPS})", s * 1e6, 100.0 * tf / H200_MMA_TFLOPS);
+        eprintln!(
+            "PERF gemm_bf16 {t}x{inp} -> {out}: {:.1} us, {tf:.0} TFLOP/s ({:.0}% of {H200_MMA_TFLOPS})",
+            s * 1e6,
+            100.0 * tf / H200_MMA_TFLOPS
+        );
     }
 }
 
@@ -171,8 +204,18 @@ fn conv1d_chunk_matches_reference() {
     let mut r = rng(26);
     // (tokens, channels, x_stride)
     for (t, ch, xs) in [
-        (1, 257, 260), (2, 8192, 12352), (3, 100, 100), (5, 1000, 1003), (17, 8192, 12352), (31, 33, 40), (32, 257, 257),
-        (33, 8192, 12352), (65, 129, 131), (300, 1000, 1001), (777, 4097, 4100), (2048, 8192, 12352),
+        (1, 257, 260),
+        (2, 8192, 12352),
+        (3, 100, 100),
+        (5, 1000, 1003),
+        (17, 8192, 12352),
+        (31, 33, 40),
+        (32, 257, 257),
+        (33, 8192, 12352),
+        (65, 129, 131),
+        (300, 1000, 1001),
+        (777, 4097, 4100),
+        (2048, 8192, 12352),
     ] {
         let x = bfv(&mut r, t * ch, 2.0);
         let w = bfv(&mut r, ch * 4, 1.0);
@@ -183,7 +226,8 @@ fn conv1d_chunk_matches_reference() {
         }
         let (dx, dw) = (c.upload(&xpad).unwrap(), c.upload(&bits(&w)).unwrap());
         let (mut st_seq, mut st_par) = (c.upload(&bits(&st)).unwrap(), c.upload(&bits(&st)).unwrap());
-        let (mut y_seq, mut y_par) = (c.upload(&vec![POISON; t * ch]).unwrap(), c.upload(&vec![POISON; t * ch]).unwrap());
+        let (mut y_seq, mut y_par) =
+            (c.upload(&vec![POISON; t * ch]).unwrap(), c.upload(&vec![POISON; t * ch]).unwrap());
         c.conv1d_silu(&dx, &dw, &mut st_seq, &mut y_seq, t, ch, xs).unwrap();
         c.conv1d_silu_chunk(&dx, &dw, &mut st_par, &mut y_par, t, ch, xs).unwrap();
         let (gy, gs) = (c.download(&y_par).unwrap(), c.download(&st_par).unwrap());
@@ -234,12 +278,32 @@ fn gdn_chunked_matches_reference() {
     for t in [1, 2, 63, 64, 65, 129, 200, 777, 2048] {
         let qkv = bfv(&mut r, t * stride, 1.0);
         let (b, a) = (bfv(&mut r, t * hv, 3.0), bfv(&mut r, t * hv, 3.0));
-        let ba: Vec<bf16> = (0..t).flat_map(|tt| b[tt * hv..(tt + 1) * hv].iter().chain(&a[tt * hv..(tt + 1) * hv]).copied().collect::<Vec<_>>()).collect();
+        let ba: Vec<bf16> = (0..t)
+            .flat_map(|tt| {
+                b[tt * hv..(tt + 1) * hv].iter().chain(&a[tt * hv..(tt + 1) * hv]).copied().collect::<Vec<_>>()
+            })
+            .collect();
         let a_log: Vec<f32> = (0..hv).map(|_| r.random_range(0.01f32..16.0).ln()).collect();
         let dtb = bfv(&mut r, hv, 1.0);
         let st: Vec<f32> = (0..hv * dk * dk).map(|_| r.random_range(-0.5f32..0.5)).collect();
-        let (dq, dba, dal, ddt) = (c.upload(&bits(&qkv)).unwrap(), c.upload(&bits(&ba)).unwrap(), c.upload(&a_log).unwrap(), c.upload(&bits(&dtb)).unwrap());
-        let args = GdnArgs { qkv: &dq, ba: &dba, a_log: &dal, dt_bias: &ddt, tokens: t, k_heads: hk, v_heads: hv, qkv_stride: stride, ba_stride: 2 * hv, a_offset: hv };
+        let (dq, dba, dal, ddt) = (
+            c.upload(&bits(&qkv)).unwrap(),
+            c.upload(&bits(&ba)).unwrap(),
+            c.upload(&a_log).unwrap(),
+            c.upload(&bits(&dtb)).unwrap(),
+        );
+        let args = GdnArgs {
+            qkv: &dq,
+            ba: &dba,
+            a_log: &dal,
+            dt_bias: &ddt,
+            tokens: t,
+            k_heads: hk,
+            v_heads: hv,
+            qkv_stride: stride,
+            ba_stride: 2 * hv,
+            a_offset: hv,
+        };
         let mut s = st.clone();
         let mut want = vec![bf16::ZERO; t * hv * dk];
         gated_delta_rule(&qkv, &b, &a, &a_log, &dtb, t, dims, &mut s, &mut want);
@@ -250,12 +314,16 @@ fn gdn_chunked_matches_reference() {
         let mut o = c.upload(&vec![POISON; t * hv * dk]).unwrap();
         let mut work = c.upload(&vec![f32::NAN; gdn_work_len(t, hv)]).unwrap();
         c.gdn_chunked(&args, &mut dst, &mut o, &mut work).unwrap();
-        let (worst, rel) = check(&format!("gdn_chunked o t{t}"), &c.download(&o).unwrap(), &want, 1.0, 2f64.powi(-10), 2f64.powi(-9));
+        let (worst, rel) =
+            check(&format!("gdn_chunked o t{t}"), &c.download(&o).unwrap(), &want, 1.0, 2f64.powi(-10), 2f64.powi(-9));
         let gs = c.download(&dst).unwrap();
         let mut sworst = 0f64;
         for (i, (&g, &w)) in gs.iter().zip(&s).enumerate() {
             let d = (g as f64 - w as f64).abs();
-            assert!(d <= 2f64.powi(-12) * (w.abs() as f64 + rms), "gdn_chunked state[{i}] t{t}: got {g}, want {w} (rms {rms})");
+            assert!(
+                d <= 2f64.powi(-12) * (w.abs() as f64 + rms),
+                "gdn_chunked state[{i}] t{t}: got {g}, want {w} (rms {rms})"
+            );
             sworst = sworst.max(d / rms);
         }
         eprintln!("gdn_chunked t{t}: o max |d|/rms {worst:.2e}, rel L2 {rel:.2e}; state max |d|/rms {sworst:.2e}");
@@ -264,16 +332,37 @@ fn gdn_chunked_matches_reference() {
         let qkv = bfv(&mut r, t * stride, 1.0);
         let ba = bfv(&mut r, t * 2 * hv, 3.0);
         let a_log: Vec<f32> = (0..hv).map(|_| r.random_range(0.01f32..16.0).ln()).collect();
-        let (dq, dba, dal, ddt) = (c.upload(&bits(&qkv)).unwrap(), c.upload(&bits(&ba)).unwrap(), c.upload(&a_log).unwrap(), c.upload(&bits(&bfv(&mut r, hv, 1.0))).unwrap());
+        let (dq, dba, dal, ddt) = (
+            c.upload(&bits(&qkv)).unwrap(),
+            c.upload(&bits(&ba)).unwrap(),
+            c.upload(&a_log).unwrap(),
+            c.upload(&bits(&bfv(&mut r, hv, 1.0))).unwrap(),
+        );
         let mut dst = c.upload(&vec![0f32; hv * dk * dk]).unwrap();
         let mut o = c.alloc::<u16>(t * hv * dk).unwrap();
-        let args = GdnArgs { qkv: &dq, ba: &dba, a_log: &dal, dt_bias: &ddt, tokens: t, k_heads: hk, v_heads: hv, qkv_stride: stride, ba_stride: 2 * hv, a_offset: hv };
+        let args = GdnArgs {
+            qkv: &dq,
+            ba: &dba,
+            a_log: &dal,
+            dt_bias: &ddt,
+            tokens: t,
+            k_heads: hk,
+            v_heads: hv,
+            qkv_stride: stride,
+            ba_stride: 2 * hv,
+            a_offset: hv,
+        };
         let mut work = c.alloc::<f32>(gdn_work_len(t, hv)).unwrap();
         let s2 = time_it(&c, || c.gdn_chunked(&args, &mut dst, &mut o, &mut work).unwrap());
         let mut p = c.gdn_params(&args, &mut dst, &mut o).unwrap();
         p.work = c.addr(&work) as _;
         let prep = time_it(&c, || c.gdn_chunk_prep_raw(p).unwrap());
-        eprintln!("PERF gdn_chunked {t} tokens, 32 v-heads x 128 x 128: {:.3} ms (prep {:.3} ms, scan ~{:.3} ms)", s2 * 1e3, prep * 1e3, (s2 - prep) * 1e3);
+        eprintln!(
+            "PERF gdn_chunked {t} tokens, 32 v-heads x 128 x 128: {:.3} ms (prep {:.3} ms, scan ~{:.3} ms)",
+            s2 * 1e3,
+            prep * 1e3,
+            (s2 - prep) * 1e3
+        );
     }
 }
 
@@ -291,15 +380,31 @@ fn flash_attention_matches_reference() {
     let c = ctx();
     let mut r = rng(24);
     let (h, hkv, hd) = (16, 2, 256);
-    for (t, p0, gated) in [(1, 0, true), (37, 0, false), (64, 0, true), (130, 5, true), (200, 77, false), (65, 300, true)] {
+    for (t, p0, gated) in
+        [(1, 0, true), (37, 0, false), (64, 0, true), (130, 5, true), (200, 77, false), (65, 300, true)]
+    {
         let total = p0 + t;
         let q = bfv(&mut r, t * h * hd, 2.0);
         let kc = bfv(&mut r, total * hkv * hd, 2.0);
         let vc = bfv(&mut r, total * hkv * hd, 1.0);
         let qg = bfv(&mut r, t * h * 2 * hd, 3.0);
-        let (dq, dk, dv, dg) = (c.upload(&bits(&q)).unwrap(), c.upload(&bits(&kc)).unwrap(), c.upload(&bits(&vc)).unwrap(), c.upload(&bits(&qg)).unwrap());
+        let (dq, dk, dv, dg) = (
+            c.upload(&bits(&q)).unwrap(),
+            c.upload(&bits(&kc)).unwrap(),
+            c.upload(&bits(&vc)).unwrap(),
+            c.upload(&bits(&qg)).unwrap(),
+        );
         let mut out = c.upload(&vec![POISON; t * h * hd]).unwrap();
-        let args = FlashAttnArgs { q: &dq, k_cache: &dk, v_cache: &dv, qg: gated.then_some(&dg), tokens: t, pos0: p0, q_heads: h, kv_heads: hkv };
+        let args = FlashAttnArgs {
+            q: &dq,
+            k_cache: &dk,
+            v_cache: &dv,
+            qg: gated.then_some(&dg),
+            tokens: t,
+            pos0: p0,
+            q_heads: h,
+            kv_heads: hkv,
+        };
         c.flash_attention(&args, &mut out).unwrap();
         let mut want = vec![bf16::ZERO; t * h * hd];
         attention(&q, t, p0, &kc, &vc, h, hkv, hd, &mut want);
@@ -311,19 +416,42 @@ fn flash_attention_matches_reference() {
         let want: Vec<f64> = want.iter().map(|v| v.to_f64()).collect();
         let rms = (want.iter().map(|w| w * w).sum::<f64>() / want.len() as f64).sqrt();
         let ulps = if gated { 2.0 } else { 1.0 };
-        let (worst, rel) = check(&format!("flash t{t} p0 {p0} gated {gated}"), &c.download(&out).unwrap(), &want, ulps, 2f64.powi(-9) * vmax / rms, 2f64.powi(-8));
+        let (worst, rel) = check(
+            &format!("flash t{t} p0 {p0} gated {gated}"),
+            &c.download(&out).unwrap(),
+            &want,
+            ulps,
+            2f64.powi(-9) * vmax / rms,
+            2f64.powi(-8),
+        );
         eprintln!("flash_attention t{t} p0 {p0} gated {gated}: max |d|/rms {worst:.2e}, rel L2 {rel:.2e}");
     }
     for (t, p0) in [(2048, 0), (8192, 0), (2048, 6144)] {
         let total = p0 + t;
-        let (dq, dk, dv) = (c.upload(&bits(&bfv(&mut r, t * h * hd, 1.0))).unwrap(), c.upload(&bits(&bfv(&mut r, total * hkv * hd, 1.0))).unwrap(), c.upload(&bits(&bfv(&mut r, total * hkv * hd, 1.0))).unwrap());
+        let (dq, dk, dv) = (
+            c.upload(&bits(&bfv(&mut r, t * h * hd, 1.0))).unwrap(),
+            c.upload(&bits(&bfv(&mut r, total * hkv * hd, 1.0))).unwrap(),
+            c.upload(&bits(&bfv(&mut r, total * hkv * hd, 1.0))).unwrap(),
+        );
         let mut out = c.alloc::<u16>(t * h * hd).unwrap();
-        let args = FlashAttnArgs { q: &dq, k_cache: &dk, v_cache: &dv, qg: None, tokens: t, pos0: p0, q_heads: h, kv_heads: hkv };
+        let args = FlashAttnArgs {
+            q: &dq,
+            k_cache: &dk,
+            v_cache: &dv,
+            qg: None,
+            tokens: t,
+            pos0: p0,
+            q_heads: h,
+            kv_heads: hkv,
+        };
         let s = time_it(&c, || c.flash_attention(&args, &mut out).unwrap());
         // causal FLOPs: 2 matmuls x 2 flops x hd per (query, visible key), summed over queries
         let pairs: f64 = (0..t).map(|i| (p0 + i + 1) as f64).sum();
         let tf = 4.0 * hd as f64 * h as f64 * pairs / s / 1e12;
-        eprintln!("PERF flash_attention {t} tokens after {p0} cached, 16 q / 2 kv heads x 256: {:.3} ms, {tf:.0} TFLOP/s", s * 1e3);
+        eprintln!(
+            "PERF flash_attention {t} tokens after {p0} cached, 16 q / 2 kv heads x 256: {:.3} ms, {tf:.0} TFLOP/s",
+            s * 1e3
+        );
     }
 }
 
@@ -348,7 +476,8 @@ fn moe_prefill_matches_reference() {
         let x = bfv(&mut r, t * d, 2.0);
         let router = bfv(&mut r, (e + 1) * d, 0.05);
         let wgu = fp8v(&mut r, e * 2 * inter * d);
-        let wgus: Vec<f32> = (0..e * 2 * inter).map(|_| bf16::from_f32(r.random_range(1e-4f32..4e-4)).to_f32()).collect();
+        let wgus: Vec<f32> =
+            (0..e * 2 * inter).map(|_| bf16::from_f32(r.random_range(1e-4f32..4e-4)).to_f32()).collect();
         let wdn = fp8v(&mut r, e * d * inter);
         let wdns: Vec<f32> = (0..e * d).map(|_| bf16::from_f32(r.random_range(1e-4f32..4e-4)).to_f32()).collect();
         let sgu = fp8v(&mut r, 2 * sinter * d);
@@ -357,12 +486,27 @@ fn moe_prefill_matches_reference() {
         let sdns: Vec<f32> = (0..d).map(|_| bf16::from_f32(r.random_range(1e-4f32..4e-4)).to_f32()).collect();
         let dx = c.upload(&bits(&x)).unwrap();
         let drouter = c.upload(&bits(&router)).unwrap();
-        let (dwgu, dwgus, dwdn, dwdns) = (c.upload(&wgu).unwrap(), c.upload(&wgus).unwrap(), c.upload(&wdn).unwrap(), c.upload(&wdns).unwrap());
-        let (dsgu, dsgus, dsdn, dsdns) = (c.upload(&sgu).unwrap(), c.upload(&sgus).unwrap(), c.upload(&sdn).unwrap(), c.upload(&sdns).unwrap());
+        let (dwgu, dwgus, dwdn, dwdns) =
+            (c.upload(&wgu).unwrap(), c.upload(&wgus).unwrap(), c.upload(&wdn).unwrap(), c.upload(&wdns).unwrap());
+        let (dsgu, dsgus, dsdn, dsdns) =
+            (c.upload(&sgu).unwrap(), c.upload(&sgus).unwrap(), c.upload(&sdn).unwrap(), c.upload(&sdns).unwrap());
         let args = MoePrefillArgs {
-            x: &dx, router: &drouter, w_gate_up: &dwgu, ws_gate_up: &dwgus, w_down: &dwdn, ws_down: &dwdns, shared_gate_up: &dsgu,
-            shared_gate_up_scale: &dsgus, shared_down: &dsdn, shared_down_scale: &dsdns, tokens: t, hidden: d, experts: e, top_k: k,
-            inter, shared_inter: sinter,
+            x: &dx,
+            router: &drouter,
+            w_gate_up: &dwgu,
+            ws_gate_up: &dwgus,
+            w_down: &dwdn,
+            ws_down: &dwdns,
+            shared_gate_up: &dsgu,
+            shared_gate_up_scale: &dsgus,
+            shared_down: &dsdn,
+            shared_down_scale: &dsdns,
+            tokens: t,
+            hidden: d,
+            experts: e,
+            top_k: k,
+            inter,
+            shared_inter: sinter,
         };
         let mut scratch = MoePrefillScratch::new(&c, t, d, e, k, inter, sinter).unwrap();
         let mut out = c.upload(&vec![POISON; t * d]).unwrap();
@@ -391,11 +535,26 @@ fn moe_prefill_matches_reference() {
         let experts: Vec<Mlp> = (0..e)
             .map(|ex| {
                 let (g0, s0) = (ex * 2 * inter, ex * d);
-                mlp(&wgu[g0 * d..(g0 + 2 * inter) * d], &wgus[g0..g0 + 2 * inter], &wdn[s0 * inter..(s0 + d) * inter], &wdns[s0..s0 + d], inter, d)
+                mlp(
+                    &wgu[g0 * d..(g0 + 2 * inter) * d],
+                    &wgus[g0..g0 + 2 * inter],
+                    &wdn[s0 * inter..(s0 + d) * inter],
+                    &wdns[s0..s0 + d],
+                    inter,
+                    d,
+                )
             })
             .collect();
         let shared = mlp(&sgu, &sgus, &sdn, &sdns, sinter, d);
-        let wts = MoeWeights { router: &router[..e * d], experts: &experts, moe_inter: inter, shared, shared_inter: sinter, shared_gate: &router[e * d..], top_k: k };
+        let wts = MoeWeights {
+            router: &router[..e * d],
+            experts: &experts,
+            moe_inter: inter,
+            shared,
+            shared_inter: sinter,
+            shared_gate: &router[e * d..],
+            top_k: k,
+        };
         let mut want = vec![bf16::ZERO; t * d];
         moe(&x, t, d, &wts, &mut want);
         let want: Vec<f64> = want.iter().map(|v| v.to_f64()).collect();
@@ -407,18 +566,37 @@ fn moe_prefill_matches_reference() {
     let x = bfv(&mut r, t * d, 2.0);
     let dx = c.upload(&bits(&x)).unwrap();
     let drouter = c.upload(&bits(&bfv(&mut r, (e + 1) * d, 0.05))).unwrap();
-    let (dwgu, dwgus) = (c.upload(&fp8_pattern(e * 2 * inter * d, 3)).unwrap(), c.upload(&vec![2e-4f32; e * 2 * inter]).unwrap());
+    let (dwgu, dwgus) =
+        (c.upload(&fp8_pattern(e * 2 * inter * d, 3)).unwrap(), c.upload(&vec![2e-4f32; e * 2 * inter]).unwrap());
     let (dwdn, dwdns) = (c.upload(&fp8_pattern(e * d * inter, 4)).unwrap(), c.upload(&vec![2e-4f32; e * d]).unwrap());
-    let (dsgu, dsgus) = (c.upload(&fp8_pattern(2 * sinter * d, 5)).unwrap(), c.upload(&vec![2e-4f32; 2 * sinter]).unwrap());
+    let (dsgu, dsgus) =
+        (c.upload(&fp8_pattern(2 * sinter * d, 5)).unwrap(), c.upload(&vec![2e-4f32; 2 * sinter]).unwrap());
     let (dsdn, dsdns) = (c.upload(&fp8_pattern(d * sinter, 6)).unwrap(), c.upload(&vec![2e-4f32; d]).unwrap());
     let args = MoePrefillArgs {
-        x: &dx, router: &drouter, w_gate_up: &dwgu, ws_gate_up: &dwgus, w_down: &dwdn, ws_down: &dwdns, shared_gate_up: &dsgu,
-        shared_gate_up_scale: &dsgus, shared_down: &dsdn, shared_down_scale: &dsdns, tokens: t, hidden: d, experts: e, top_k: k,
-        inter, shared_inter: sinter,
+        x: &dx,
+        router: &drouter,
+        w_gate_up: &dwgu,
+        ws_gate_up: &dwgus,
+        w_down: &dwdn,
+        ws_down: &dwdns,
+        shared_gate_up: &dsgu,
+        shared_gate_up_scale: &dsgus,
+        shared_down: &dsdn,
+        shared_down_scale: &dsdns,
+        tokens: t,
+        hidden: d,
+        experts: e,
+        top_k: k,
+        inter,
+        shared_inter: sinter,
     };
     let mut scratch = MoePrefillScratch::new(&c, t, d, e, k, inter, sinter).unwrap();
     let mut out = c.alloc::<u16>(t * d).unwrap();
     let s = time_it(&c, || c.moe_prefill(&args, &mut scratch, &mut out).unwrap());
     let flops = 2.0 * t as f64 * d as f64 * ((k * 3 * inter + 3 * sinter) as f64 + (e + 1) as f64);
-    eprintln!("PERF moe_prefill 2048 tokens, 256 experts top-8 + shared: {:.3} ms, {:.0} TFLOP/s", s * 1e3, flops / s / 1e12);
+    eprintln!(
+        "PERF moe_prefill 2048 tokens, 256 experts top-8 + shared: {:.3} ms, {:.0} TFLOP/s",
+        s * 1e3,
+        flops / s / 1e12
+    );
 }

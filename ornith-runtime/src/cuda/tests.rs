@@ -58,7 +58,6 @@ fn check_quant(name: &str, y: &[u16], q8: &[u8], scale: &[f32], cols: usize) {
     }
 }
 
-
 #[test]
 #[ignore]
 fn embed_gather_matches_reference() {
@@ -87,7 +86,9 @@ fn rmsnorm_ref(x: &[f64], w: &[u16], eps: f64) -> Vec<f64> {
 fn rmsnorm_residual_matches_reference() {
     let c = ctx();
     let mut r = rng(2);
-    for (hidden, tokens, with_add) in [(2048, 1, true), (2048, 3, false), (64, 2, true), (1000, 5, true), (8192, 1, true)] {
+    for (hidden, tokens, with_add) in
+        [(2048, 1, true), (2048, 3, false), (64, 2, true), (1000, 5, true), (8192, 1, true)]
+    {
         let res = bfv(&mut r, tokens * hidden, 4.0);
         let add = bfv(&mut r, tokens * hidden, 4.0);
         let w = bfv(&mut r, hidden, 0.5);
@@ -96,14 +97,31 @@ fn rmsnorm_residual_matches_reference() {
         let mut out = c.upload(&vec![POISON; tokens * hidden]).unwrap();
         let mut q8 = c.upload(&vec![0xAAu8; tokens * hidden]).unwrap();
         let mut sc = c.upload(&vec![-1f32; tokens]).unwrap();
-        c.rmsnorm_residual(&mut dres, with_add.then_some(&dadd), &c.upload(&w).unwrap(), Some(&mut out), Some((&mut q8, &mut sc)), tokens, hidden, 1e-6).unwrap();
-        let (gres, gout, gq, gs) = (c.download(&dres).unwrap(), c.download(&out).unwrap(), c.download(&q8).unwrap(), c.download(&sc).unwrap());
+        c.rmsnorm_residual(
+            &mut dres,
+            with_add.then_some(&dadd),
+            &c.upload(&w).unwrap(),
+            Some(&mut out),
+            Some((&mut q8, &mut sc)),
+            tokens,
+            hidden,
+            1e-6,
+        )
+        .unwrap();
+        let (gres, gout, gq, gs) =
+            (c.download(&dres).unwrap(), c.download(&out).unwrap(), c.download(&q8).unwrap(), c.download(&sc).unwrap());
         let mut want = Vec::new();
         for t in 0..tokens {
-            let h: Vec<f64> = (0..hidden).map(|i| {
-                let v = f(res[t * hidden + i]);
-                if with_add { rb(v + f(add[t * hidden + i])) } else { v }
-            }).collect();
+            let h: Vec<f64> = (0..hidden)
+                .map(|i| {
+                    let v = f(res[t * hidden + i]);
+                    if with_add {
+                        rb(v + f(add[t * hidden + i]))
+                    } else {
+                        v
+                    }
+                })
+                .collect();
             // the residual stream is bf16(r + x) exactly (one rounding of an exact f64 sum)
             for i in 0..hidden {
                 assert_eq!(f(gres[t * hidden + i]), h[i], "residual [{t},{i}]");
@@ -124,7 +142,9 @@ fn quantize_fp8_matches_reference() {
         let mut x = bfv(&mut r, rows * cols, 30.0);
         x[0] = bf16::from_f32(1e-3).to_bits(); // tiny values reach E4M3 subnormals
         if rows > 2 {
-            for v in &mut x[2 * cols..3 * cols] { *v = 0; } // an all-zero row: scale 0, codes 0
+            for v in &mut x[2 * cols..3 * cols] {
+                *v = 0;
+            } // an all-zero row: scale 0, codes 0
         }
         let mut q8 = c.upload(&vec![0xAAu8; rows * cols]).unwrap();
         let mut sc = c.upload(&vec![-1f32; rows]).unwrap();
@@ -140,7 +160,10 @@ fn perf(c: &super::CudaContext, what: &str, bytes: f64, mut f: impl FnMut()) {
     let cold = time_cold(c, &mut f);
     eprintln!(
         "PERF {what}: cold {:.2} us = {:.0} GB/s; warm {:.2} us = {:.0} GB/s",
-        cold * 1e6, bytes / cold / 1e9, warm * 1e6, bytes / warm / 1e9
+        cold * 1e6,
+        bytes / cold / 1e9,
+        warm * 1e6,
+        bytes / warm / 1e9
     );
 }
 
@@ -153,8 +176,17 @@ fn decode_shape(inp: usize, tokens: usize) -> bool {
 /// reference: the padding between rows untouched, values within `close`'s tolerance, and — for
 /// the second kernel run on the same shape (the single-token kernel after the multi-token one,
 /// which sums in the same order) — the same bits as the first.
-fn check_gemv_rows(name: &str, y: &[u16], (inp, out, tokens, yst): (usize, usize, usize, usize), want: &[f64], first: &mut Option<Vec<u16>>) {
-    assert!((0..tokens).all(|t| y[t * yst + out..(t + 1) * yst].iter().all(|&b| b == POISON)), "{name}: wrote outside the rows");
+fn check_gemv_rows(
+    name: &str,
+    y: &[u16],
+    (inp, out, tokens, yst): (usize, usize, usize, usize),
+    want: &[f64],
+    first: &mut Option<Vec<u16>>,
+) {
+    assert!(
+        (0..tokens).all(|t| y[t * yst + out..(t + 1) * yst].iter().all(|&b| b == POISON)),
+        "{name}: wrote outside the rows"
+    );
     let got: Vec<u16> = (0..tokens * out).map(|k| y[(k / out) * yst + k % out]).collect();
     close(&format!("{name} {inp}x{out} t{tokens}"), &got, want);
     match first {
@@ -174,9 +206,23 @@ fn gemv_bf16_matches_reference() {
     // leave a warp's last rows empty), and the real decode shapes: GDN fused input projection
     // 2048 -> 12352, out_proj 4096 -> 2048, router (+ shared gate) 2048 -> 257, lm_head.
     let shapes = [
-        (64, 67, 3, 0), (16, 45, 4, 8), (2048, 8192, 1, 0), (2048, 257, 2, 0), (4096, 2048, 8, 0), (2048, 33, 5, 0),
-        (1024, 100, 6, 24), (512, 70, 7, 0), (4096, 77, 2, 16), (16, 45, 1, 0), (272, 33, 1, 0), (512, 70, 1, 0),
-        (1024, 100, 1, 0), (4096, 77, 1, 0), (2048, 12352, 1, 0), (4096, 2048, 1, 0), (2048, 257, 1, 0),
+        (64, 67, 3, 0),
+        (16, 45, 4, 8),
+        (2048, 8192, 1, 0),
+        (2048, 257, 2, 0),
+        (4096, 2048, 8, 0),
+        (2048, 33, 5, 0),
+        (1024, 100, 6, 24),
+        (512, 70, 7, 0),
+        (4096, 77, 2, 16),
+        (16, 45, 1, 0),
+        (272, 33, 1, 0),
+        (512, 70, 1, 0),
+        (1024, 100, 1, 0),
+        (4096, 77, 1, 0),
+        (2048, 12352, 1, 0),
+        (4096, 2048, 1, 0),
+        (2048, 257, 1, 0),
         (2048, 248320, 1, 0),
     ];
     for (inp, out, tokens, pad) in shapes {
@@ -185,10 +231,12 @@ fn gemv_bf16_matches_reference() {
         let w = bfv(&mut r, out * inp, 0.05);
         let (dx, dw) = (c.upload(&x).unwrap(), c.upload(&w).unwrap());
         let xf: Vec<f64> = x.iter().map(|&b| f(b)).collect();
-        let want: Vec<f64> = (0..tokens * out).map(|k| {
-            let (t, o) = (k / out, k % out);
-            (0..inp).map(|i| xf[t * xst + i] * f(w[o * inp + i])).sum()
-        }).collect();
+        let want: Vec<f64> = (0..tokens * out)
+            .map(|k| {
+                let (t, o) = (k / out, k % out);
+                (0..inp).map(|i| xf[t * xst + i] * f(w[o * inp + i])).sum()
+            })
+            .collect();
         let mut generic = None;
         for t1 in [false, true] {
             if t1 && (tokens != 1 || pad != 0) {
@@ -197,7 +245,12 @@ fn gemv_bf16_matches_reference() {
             let name = if t1 { "gemv_bf16_t1" } else { "gemv_bf16" };
             let mut y = c.upload(&vec![POISON; tokens * yst]).unwrap();
             let run = |y: &mut cudarc::driver::CudaSlice<u16>| {
-                if t1 { c.gemv_bf16_t1(&dx, &dw, y, inp, out) } else { c.gemv_bf16(&dx, &dw, y, tokens, inp, out, xst, yst) }.unwrap()
+                if t1 {
+                    c.gemv_bf16_t1(&dx, &dw, y, inp, out)
+                } else {
+                    c.gemv_bf16(&dx, &dw, y, tokens, inp, out, xst, yst)
+                }
+                .unwrap()
             };
             run(&mut y);
             check_gemv_rows(name, &c.download(&y).unwrap(), (inp, out, tokens, yst), &want, &mut generic);
@@ -211,7 +264,14 @@ fn gemv_bf16_matches_reference() {
 
 fn fp8v(r: &mut R, n: usize) -> Vec<u8> {
     // random finite E4M3 codes (0x7f / 0xff are NaN)
-    (0..n).map(|_| loop { let b: u8 = r.random(); if b & 0x7f != 0x7f { break b; } }).collect()
+    (0..n)
+        .map(|_| loop {
+            let b: u8 = r.random();
+            if b & 0x7f != 0x7f {
+                break b;
+            }
+        })
+        .collect()
 }
 
 #[test]
@@ -222,10 +282,25 @@ fn gemv_fp8_matches_reference() {
     // (in, out, tokens, extra x / y stride): as for BF16 (one token: chunks per row 1, 32, 64, 65,
     // 128, 256), plus the decode shapes q|k|v 2048 -> 9216 and o_proj 4096 -> 2048.
     let shapes = [
-        (64, 67, 3, 0), (16, 40, 6, 16), (2048, 8192, 1, 0), (2048, 1024, 2, 0), (512, 2048, 1, 0), (4096, 2048, 8, 0),
-        (1024, 300, 8, 32), (2048, 100, 4, 0), (4096, 77, 2, 16), (1024, 51, 5, 0), (1024, 90, 7, 0), (16, 40, 1, 0),
-        (1024, 51, 1, 0), (1040, 90, 1, 0), (2048, 100, 1, 0), (4096, 77, 1, 0),
-        (2048, 9216, 1, 0), (4096, 2048, 1, 0), (2048, 250000, 1, 0),
+        (64, 67, 3, 0),
+        (16, 40, 6, 16),
+        (2048, 8192, 1, 0),
+        (2048, 1024, 2, 0),
+        (512, 2048, 1, 0),
+        (4096, 2048, 8, 0),
+        (1024, 300, 8, 32),
+        (2048, 100, 4, 0),
+        (4096, 77, 2, 16),
+        (1024, 51, 5, 0),
+        (1024, 90, 7, 0),
+        (16, 40, 1, 0),
+        (1024, 51, 1, 0),
+        (1040, 90, 1, 0),
+        (2048, 100, 1, 0),
+        (4096, 77, 1, 0),
+        (2048, 9216, 1, 0),
+        (4096, 2048, 1, 0),
+        (2048, 250000, 1, 0),
     ];
     for (inp, out, tokens, pad) in shapes {
         let (xst, yst) = (inp + pad, out + pad);
@@ -233,12 +308,16 @@ fn gemv_fp8_matches_reference() {
         let xs: Vec<f32> = (0..tokens).map(|_| r.random_range(0.001f32..0.01)).collect();
         let w = fp8v(&mut r, out * inp);
         let ws: Vec<f32> = (0..out).map(|_| bf16::from_f32(r.random_range(0.0001f32..0.001)).to_f32()).collect();
-        let (dxq, dxs, dw, dws) = (c.upload(&xq).unwrap(), c.upload(&xs).unwrap(), c.upload(&w).unwrap(), c.upload(&ws).unwrap());
-        let want: Vec<f64> = (0..tokens * out).map(|k| {
-            let (t, o) = (k / out, k % out);
-            let acc: f64 = (0..inp).map(|i| e4m3_to_f32(xq[t * xst + i]) as f64 * e4m3_to_f32(w[o * inp + i]) as f64).sum();
-            acc * xs[t] as f64 * ws[o] as f64
-        }).collect();
+        let (dxq, dxs, dw, dws) =
+            (c.upload(&xq).unwrap(), c.upload(&xs).unwrap(), c.upload(&w).unwrap(), c.upload(&ws).unwrap());
+        let want: Vec<f64> = (0..tokens * out)
+            .map(|k| {
+                let (t, o) = (k / out, k % out);
+                let acc: f64 =
+                    (0..inp).map(|i| e4m3_to_f32(xq[t * xst + i]) as f64 * e4m3_to_f32(w[o * inp + i]) as f64).sum();
+                acc * xs[t] as f64 * ws[o] as f64
+            })
+            .collect();
         let mut generic = None;
         for t1 in [false, true] {
             if t1 && (tokens != 1 || pad != 0) {
@@ -247,7 +326,11 @@ fn gemv_fp8_matches_reference() {
             let name = if t1 { "gemv_fp8_t1" } else { "gemv_fp8" };
             let mut y = c.upload(&vec![POISON; tokens * yst]).unwrap();
             let run = |y: &mut cudarc::driver::CudaSlice<u16>| {
-                if t1 { c.gemv_fp8_t1(&dxq, &dxs, &dw, &dws, y, inp, out) } else { c.gemv_fp8(&dxq, &dxs, &dw, &dws, y, tokens, inp, out, xst, yst) }
+                if t1 {
+                    c.gemv_fp8_t1(&dxq, &dxs, &dw, &dws, y, inp, out)
+                } else {
+                    c.gemv_fp8(&dxq, &dxs, &dw, &dws, y, tokens, inp, out, xst, yst)
+                }
             };
             run(&mut y).unwrap();
             check_gemv_rows(name, &c.download(&y).unwrap(), (inp, out, tokens, yst), &want, &mut generic);
@@ -270,7 +353,9 @@ fn moe_decode_matches_reference() {
     // (experts, top_k, hidden, inter, tokens)
     // The expert GEMV's rows per warp follow the row length (gemv1_rows): gate|up in 2048 -> 2,
     // down in 512 -> 8, in 64 / 32 -> 8, in 1024 -> 4 (with odd row counts: 96 and 1024 + 48).
-    for (e, k, h, inter, tokens) in [(256, 8, 2048, 512, 1), (16, 4, 64, 32, 3), (256, 8, 2048, 512, 2), (8, 2, 1024, 48, 2)] {
+    for (e, k, h, inter, tokens) in
+        [(256, 8, 2048, 512, 1), (16, 4, 64, 32, 3), (256, 8, 2048, 512, 2), (8, 2, 1024, 48, 2)]
+    {
         let slots = k + 1;
         let logits = bfv(&mut r, tokens * (e + 1), 3.0); // router logits + shared-gate logit per token
         let xq = fp8v(&mut r, tokens * h);
@@ -301,16 +386,40 @@ fn moe_decode_matches_reference() {
             for j in 0..k {
                 assert_eq!(gidx[t * k + j], top[j] as i32, "router idx [{t},{j}]");
                 let want = rb(p[top[j]] / ts);
-                assert!((gwt[t * k + j] as f64 - want).abs() <= want / 128.0, "router weight [{t},{j}] {} vs {want}", gwt[t * k + j]);
+                assert!(
+                    (gwt[t * k + j] as f64 - want).abs() <= want / 128.0,
+                    "router weight [{t},{j}] {} vs {want}",
+                    gwt[t * k + j]
+                );
             }
         }
         let (dxq, dxs) = (c.upload(&xq).unwrap(), c.upload(&xs).unwrap());
-        let (dwgu, dwgus, dsgu, dsgus) = (c.upload(&wgu).unwrap(), c.upload(&wgus).unwrap(), c.upload(&sgu).unwrap(), c.upload(&sgus).unwrap());
+        let (dwgu, dwgus, dsgu, dsgus) =
+            (c.upload(&wgu).unwrap(), c.upload(&wgus).unwrap(), c.upload(&sgu).unwrap(), c.upload(&sgus).unwrap());
         let mut gu = c.upload(&vec![POISON; tokens * slots * 2 * inter]).unwrap();
-        let a1 = MoeGemvArgs { xq: &dxq, xs: &dxs, idx: &idx, w: &dwgu, ws: &dwgus, shared_w: &dsgu, shared_ws: &dsgus, tokens, top_k: k, experts: e, in_: h, out: 2 * inter, x_tok_stride: h, x_slot_stride: 0, xs_tok_stride: 1, xs_slot_stride: 0 };
+        let a1 = MoeGemvArgs {
+            xq: &dxq,
+            xs: &dxs,
+            idx: &idx,
+            w: &dwgu,
+            ws: &dwgus,
+            shared_w: &dsgu,
+            shared_ws: &dsgus,
+            tokens,
+            top_k: k,
+            experts: e,
+            in_: h,
+            out: 2 * inter,
+            x_tok_stride: h,
+            x_slot_stride: 0,
+            xs_tok_stride: 1,
+            xs_slot_stride: 0,
+        };
         c.moe_gemv(&a1, &mut gu).unwrap();
         let ggu = c.download(&gu).unwrap();
-        let dot = |w: &[u8], x: &[u8]| -> f64 { w.iter().zip(x).map(|(&a, &b)| e4m3_to_f32(a) as f64 * e4m3_to_f32(b) as f64).sum() };
+        let dot = |w: &[u8], x: &[u8]| -> f64 {
+            w.iter().zip(x).map(|(&a, &b)| e4m3_to_f32(a) as f64 * e4m3_to_f32(b) as f64).sum()
+        };
         let mut want_gu = Vec::new();
         for t in 0..tokens {
             for j in 0..slots {
@@ -332,16 +441,36 @@ fn moe_decode_matches_reference() {
         c.swiglu_quant(&gu, &mut aq, &mut asc, rows, inter).unwrap();
         let (gaq, gasc) = (c.download(&aq).unwrap(), c.download(&asc).unwrap());
         // SwiGLU from the GPU's bf16 gate_up, then the bit-exact quantisation check
-        let act: Vec<u16> = (0..rows * inter).map(|k2| {
-            let (rr, i) = (k2 / inter, k2 % inter);
-            let g = f(ggu[rr * 2 * inter + i]);
-            let u = f(ggu[rr * 2 * inter + inter + i]);
-            bf16::from_f64(rb(silu(g)) * u).to_bits()
-        }).collect();
+        let act: Vec<u16> = (0..rows * inter)
+            .map(|k2| {
+                let (rr, i) = (k2 / inter, k2 % inter);
+                let g = f(ggu[rr * 2 * inter + i]);
+                let u = f(ggu[rr * 2 * inter + inter + i]);
+                bf16::from_f64(rb(silu(g)) * u).to_bits()
+            })
+            .collect();
         check_quant("swiglu", &act, &gaq, &gasc, inter);
-        let (dwd, dwds, dsd, dsds) = (c.upload(&wd).unwrap(), c.upload(&wds).unwrap(), c.upload(&sd).unwrap(), c.upload(&sds).unwrap());
+        let (dwd, dwds, dsd, dsds) =
+            (c.upload(&wd).unwrap(), c.upload(&wds).unwrap(), c.upload(&sd).unwrap(), c.upload(&sds).unwrap());
         let mut ys = c.upload(&vec![POISON; rows * h]).unwrap();
-        let a2 = MoeGemvArgs { xq: &aq, xs: &asc, idx: &idx, w: &dwd, ws: &dwds, shared_w: &dsd, shared_ws: &dsds, tokens, top_k: k, experts: e, in_: inter, out: h, x_tok_stride: slots * inter, x_slot_stride: inter, xs_tok_stride: slots, xs_slot_stride: 1 };
+        let a2 = MoeGemvArgs {
+            xq: &aq,
+            xs: &asc,
+            idx: &idx,
+            w: &dwd,
+            ws: &dwds,
+            shared_w: &dsd,
+            shared_ws: &dsds,
+            tokens,
+            top_k: k,
+            experts: e,
+            in_: inter,
+            out: h,
+            x_tok_stride: slots * inter,
+            x_slot_stride: inter,
+            xs_tok_stride: slots,
+            xs_slot_stride: 1,
+        };
         c.moe_gemv(&a2, &mut ys).unwrap();
         let gys = c.download(&ys).unwrap();
         let mut want_ys = Vec::new();
@@ -364,9 +493,12 @@ fn moe_decode_matches_reference() {
             // decode: gate|up (in 2048, out 1024) and down (in 512, out 2048) over 9 slots
             for (a, what) in [(&a1, "gate_up"), (&a2, "down")] {
                 let (in_, out) = (a.in_, a.out);
-                let bytes = (slots * (out * in_ + out * 4 + out * 2) + in_ * if a.x_slot_stride > 0 { slots } else { 1 }) as f64;
+                let bytes = (slots * (out * in_ + out * 4 + out * 2)
+                    + in_ * if a.x_slot_stride > 0 { slots } else { 1 }) as f64;
                 let mut y = c.upload(&vec![POISON; slots * out]).unwrap();
-                perf(&c, &format!("moe_gemv_fp8 {what} in {in_} out {out} slots {slots} experts {e}"), bytes, || c.moe_gemv(a, &mut y).unwrap());
+                perf(&c, &format!("moe_gemv_fp8 {what} in {in_} out {out} slots {slots} experts {e}"), bytes, || {
+                    c.moe_gemv(a, &mut y).unwrap()
+                });
             }
         }
         let mut out = c.upload(&vec![POISON; tokens * h]).unwrap();
@@ -403,7 +535,10 @@ fn conv1d_silu_matches_reference() {
         for t in 0..tokens {
             let cur = &x[t * ch..(t + 1) * ch];
             for cc in 0..ch {
-                let acc = f(w[cc * 4]) * f(hist[0][cc]) + f(w[cc * 4 + 1]) * f(hist[1][cc]) + f(w[cc * 4 + 2]) * f(hist[2][cc]) + f(w[cc * 4 + 3]) * f(cur[cc]);
+                let acc = f(w[cc * 4]) * f(hist[0][cc])
+                    + f(w[cc * 4 + 1]) * f(hist[1][cc])
+                    + f(w[cc * 4 + 2]) * f(hist[2][cc])
+                    + f(w[cc * 4 + 3]) * f(cur[cc]);
                 want.push(silu(rb(acc)));
             }
             hist.remove(0);
@@ -429,8 +564,20 @@ fn gdn_recurrent_matches_reference() {
         let st: Vec<f32> = (0..hv * d * d).map(|_| r.random_range(-0.5f32..0.5)).collect();
         let mut dst = c.upload(&st).unwrap();
         let mut o = c.upload(&vec![POISON; tokens * hv * d]).unwrap();
-        let (dq, dba, dal, ddt) = (c.upload(&qkv).unwrap(), c.upload(&ba).unwrap(), c.upload(&a_log).unwrap(), c.upload(&dtb).unwrap());
-        let args = GdnArgs { qkv: &dq, ba: &dba, a_log: &dal, dt_bias: &ddt, tokens, k_heads: hk, v_heads: hv, qkv_stride: stride, ba_stride: 2 * hv, a_offset: hv };
+        let (dq, dba, dal, ddt) =
+            (c.upload(&qkv).unwrap(), c.upload(&ba).unwrap(), c.upload(&a_log).unwrap(), c.upload(&dtb).unwrap());
+        let args = GdnArgs {
+            qkv: &dq,
+            ba: &dba,
+            a_log: &dal,
+            dt_bias: &ddt,
+            tokens,
+            k_heads: hk,
+            v_heads: hv,
+            qkv_stride: stride,
+            ba_stride: 2 * hv,
+            a_offset: hv,
+        };
         c.gdn_recurrent(&args, &mut dst, &mut o).unwrap();
         let mut s: Vec<f64> = st.iter().map(|&v| v as f64).collect();
         let mut want = Vec::new();
@@ -455,7 +602,9 @@ fn gdn_recurrent_matches_reference() {
                 for vi in 0..d {
                     let m: f64 = (0..d).map(|ki| sh[ki * d + vi] * k[ki]).sum();
                     let dd = (v[vi] - m) * beta;
-                    for ki in 0..d { sh[ki * d + vi] += k[ki] * dd; }
+                    for ki in 0..d {
+                        sh[ki * d + vi] += k[ki] * dd;
+                    }
                 }
                 for vi in 0..d {
                     want.push((0..d).map(|ki| sh[ki * d + vi] * q[ki]).sum());
@@ -481,7 +630,18 @@ fn gated_rmsnorm_matches_reference() {
         let z = bfv(&mut r, tokens * heads * dim, 3.0);
         let w = bfv(&mut r, dim, 1.5);
         let mut y = c.upload(&vec![POISON; tokens * heads * dim]).unwrap();
-        c.gated_rmsnorm(&c.upload(&o).unwrap(), &c.upload(&z).unwrap(), &c.upload(&w).unwrap(), &mut y, tokens, heads, dim, heads * dim, 1e-6).unwrap();
+        c.gated_rmsnorm(
+            &c.upload(&o).unwrap(),
+            &c.upload(&z).unwrap(),
+            &c.upload(&w).unwrap(),
+            &mut y,
+            tokens,
+            heads,
+            dim,
+            heads * dim,
+            1e-6,
+        )
+        .unwrap();
         let mut want = Vec::new();
         for row in 0..tokens * heads {
             let x: Vec<f64> = (0..dim).map(|i| f(o[row * dim + i])).collect();
@@ -511,23 +671,49 @@ fn attention_decode_matches_reference() {
         let v = bfv(&mut r, tokens * kvh * d, 2.0);
         let qn = bfv(&mut r, d, 0.5);
         let kn = bfv(&mut r, d, 0.5);
-        let (dqg, dk, dv, dqn, dkn) = (c.upload(&qg).unwrap(), c.upload(&k).unwrap(), c.upload(&v).unwrap(), c.upload(&qn).unwrap(), c.upload(&kn).unwrap());
+        let (dqg, dk, dv, dqn, dkn) = (
+            c.upload(&qg).unwrap(),
+            c.upload(&k).unwrap(),
+            c.upload(&v).unwrap(),
+            c.upload(&qn).unwrap(),
+            c.upload(&kn).unwrap(),
+        );
         let mut dkc = c.upload(&kc).unwrap();
         let mut dvc = c.upload(&vc).unwrap();
         let mut q = c.upload(&vec![POISON; tokens * qh * d]).unwrap();
-        let a = QkRopeArgs { qg: &dqg, k: &dk, v: &dv, q_norm: &dqn, k_norm: &dkn, tokens, pos0, q_heads: qh, kv_heads: kvh, head_dim: d, rot, max_seq, theta, eps: 1e-6, pos_dev: None };
+        let a = QkRopeArgs {
+            qg: &dqg,
+            k: &dk,
+            v: &dv,
+            q_norm: &dqn,
+            k_norm: &dkn,
+            tokens,
+            pos0,
+            q_heads: qh,
+            kv_heads: kvh,
+            head_dim: d,
+            rot,
+            max_seq,
+            theta,
+            eps: 1e-6,
+            pos_dev: None,
+        };
         c.qk_norm_rope(&a, &mut q, &mut dkc, &mut dvc).unwrap();
         // reference q/k: zero-centred RMSNorm then rotate-half RoPE with bf16 cos/sin and bf16 products
         let rope = |x: &[f64], pos: usize| -> Vec<f64> {
             let half = rot / 2;
-            (0..d).map(|i| {
-                if i >= rot { return x[i]; }
-                let inv = 1.0 / (theta).powf((2 * (i % half)) as f32 / rot as f32);
-                let fr = pos as f32 * inv;
-                let (cs, sn) = (rb(fr.cos() as f64), rb(fr.sin() as f64));
-                let rr = if i < half { -x[i + half] } else { x[i - half] };
-                rb(rb(x[i] * cs) + rb(rr * sn))
-            }).collect()
+            (0..d)
+                .map(|i| {
+                    if i >= rot {
+                        return x[i];
+                    }
+                    let inv = 1.0 / (theta).powf((2 * (i % half)) as f32 / rot as f32);
+                    let fr = pos as f32 * inv;
+                    let (cs, sn) = (rb(fr.cos() as f64), rb(fr.sin() as f64));
+                    let rr = if i < half { -x[i + half] } else { x[i - half] };
+                    rb(rb(x[i] * cs) + rb(rr * sn))
+                })
+                .collect()
         };
         let norm = |src: &[u16], w: &[u16]| -> Vec<f64> {
             let x: Vec<f64> = src.iter().map(|&b| f(b)).collect();
@@ -564,7 +750,19 @@ fn attention_decode_matches_reference() {
         let mut po = c.alloc::<f32>(tokens * qh * splits * d).unwrap();
         let mut pml = c.alloc::<f32>(tokens * qh * splits * 2).unwrap();
         let mut out = c.upload(&vec![POISON; tokens * qh * d]).unwrap();
-        let aa = AttnArgs { q: &q, qg: &dqg, k_cache: &dkc, v_cache: &dvc, tokens, pos0, q_heads: qh, kv_heads: kvh, head_dim: d, split_len: split, pos_dev: None };
+        let aa = AttnArgs {
+            q: &q,
+            qg: &dqg,
+            k_cache: &dkc,
+            v_cache: &dvc,
+            tokens,
+            pos0,
+            q_heads: qh,
+            kv_heads: kvh,
+            head_dim: d,
+            split_len: split,
+            pos_dev: None,
+        };
         c.attention_decode(&aa, &mut po, &mut pml, &mut out).unwrap();
         let mut want = Vec::new();
         for t in 0..tokens {
@@ -572,7 +770,9 @@ fn attention_decode_matches_reference() {
             for h in 0..qh {
                 let j = h / (qh / kvh);
                 let qv = &gq[(t * qh + h) * d..][..d];
-                let sc: Vec<f64> = (0..len).map(|p| (0..d).map(|i| f(qv[i]) * f(gkc[(p * kvh + j) * d + i])).sum::<f64>() / (d as f64).sqrt()).collect();
+                let sc: Vec<f64> = (0..len)
+                    .map(|p| (0..d).map(|i| f(qv[i]) * f(gkc[(p * kvh + j) * d + i])).sum::<f64>() / (d as f64).sqrt())
+                    .collect();
                 let m = sc.iter().cloned().fold(f64::MIN, f64::max);
                 let z: f64 = sc.iter().map(|s| (s - m).exp()).sum();
                 for i in 0..d {
@@ -593,8 +793,18 @@ fn attention_decode_matches_reference() {
         let mut out_host = c.upload(&vec![POISON; tokens * qh * d]).unwrap();
         let mut out_dev = c.upload(&vec![POISON; tokens * qh * d]).unwrap();
         c.attention_decode(&AttnArgs { split_len: dsplit, ..aa }, &mut po2, &mut pml2, &mut out_host).unwrap();
-        c.attention_decode(&AttnArgs { pos_dev: Some((&dpos, grid, min_split)), pos0: 0, ..aa }, &mut po2, &mut pml2, &mut out_dev).unwrap();
-        assert_eq!(c.download(&out_dev).unwrap(), c.download(&out_host).unwrap(), "device-position attention, pos {pos0} t{tokens}");
+        c.attention_decode(
+            &AttnArgs { pos_dev: Some((&dpos, grid, min_split)), pos0: 0, ..aa },
+            &mut po2,
+            &mut pml2,
+            &mut out_dev,
+        )
+        .unwrap();
+        assert_eq!(
+            c.download(&out_dev).unwrap(),
+            c.download(&out_host).unwrap(),
+            "device-position attention, pos {pos0} t{tokens}"
+        );
         if pos0 == 4095 {
             let s = time_it(&c, || c.attention_decode(&aa, &mut po, &mut pml, &mut out).unwrap());
             let bytes = (2 * max_seq * kvh * d * 2) as f64;
@@ -625,7 +835,9 @@ fn argmax_matches_reference() {
             let mut best = (f64::MIN, -1i32);
             for (i, &b) in row.iter().enumerate() {
                 let v = f(b);
-                if !v.is_nan() && (best.1 < 0 || v > best.0) { best = (v, i as i32); }
+                if !v.is_nan() && (best.1 < 0 || v > best.0) {
+                    best = (v, i as i32);
+                }
             }
             assert_eq!(got[t], best.1, "argmax row {t} of {n}");
         }

@@ -71,9 +71,11 @@ impl PromptRenderer for ChatTemplate {
 /// The tokenizer (`tokenizer.json`) and chat template (`chat_template.jinja`, the Jinja source
 /// that `ChatTemplate::from_file` reads) of a checkpoint directory.
 pub fn load_frontend(dir: &Path) -> anyhow::Result<(Box<dyn TextCodec>, Box<dyn PromptRenderer>)> {
-    let tok = Tokenizer::from_file(&dir.join("tokenizer.json")).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+    let tok = Tokenizer::from_file(&dir.join("tokenizer.json"))
+        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
     let tpl_path = dir.join("chat_template.jinja");
     anyhow::ensure!(tpl_path.exists(), "{} has no chat_template.jinja", dir.display());
-    let tpl = ChatTemplate::from_file(&tpl_path).with_context(|| format!("loading the chat template {}", tpl_path.display()))?;
+    let tpl = ChatTemplate::from_file(&tpl_path)
+        .with_context(|| format!("loading the chat template {}", tpl_path.display()))?;
     Ok((Box::new(tok), Box::new(tpl)))
 }

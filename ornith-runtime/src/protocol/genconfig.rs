@@ -42,7 +42,9 @@ impl GenerationDefaults {
         let num = |k: &str| -> anyhow::Result<Option<f64>> {
             match obj.get(k) {
                 None | Some(Value::Null) => Ok(None),
-                Some(v) => v.as_f64().map(Some).with_context(|| format!("generation_config.json: `{k}` is not a number")),
+                Some(v) => {
+                    v.as_f64().map(Some).with_context(|| format!("generation_config.json: `{k}` is not a number"))
+                }
             }
         };
         if let Some(t) = num("temperature")? {
@@ -64,7 +66,8 @@ impl GenerationDefaults {
             d.temperature = 0.0;
         }
         if let Some(v) = obj.get("eos_token_id").filter(|v| !v.is_null()) {
-            d.eos_token_ids = ids_of(v).context("generation_config.json: eos_token_id is not an id or a list of ids")?;
+            d.eos_token_ids =
+                ids_of(v).context("generation_config.json: eos_token_id is not an id or a list of ids")?;
         }
         Ok(d)
     }

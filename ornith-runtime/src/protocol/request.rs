@@ -52,7 +52,9 @@ pub enum Kind {
         parse_tools: bool,
         kwargs: Map<String, Value>,
     },
-    Completion { prompt: Prompt },
+    Completion {
+        prompt: Prompt,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -76,7 +78,13 @@ pub fn custom_id_of(line: &Value) -> Option<String> {
         _ => None,
     };
     let obj = line.as_object()?;
-    obj.get("custom_id").and_then(pick).or_else(|| if obj.contains_key("body") { None } else { obj.get("id").and_then(pick) })
+    obj.get("custom_id").and_then(pick).or_else(|| {
+        if obj.contains_key("body") {
+            None
+        } else {
+            obj.get("id").and_then(pick)
+        }
+    })
 }
 
 /// Best-effort `custom_id` of a line that is not valid JSON (or was too long to keep): the first
@@ -117,7 +125,10 @@ fn get_f64(obj: &Map<String, Value>, k: &str) -> R<Option<f64>> {
 fn get_i64(obj: &Map<String, Value>, k: &str) -> R<Option<i64>> {
     match present(obj, k) {
         None => Ok(None),
-        Some(v) => v.as_i64().map(Some).ok_or_else(|| LineError::invalid(format!("`{k}` must be an integer, got {}", short(v)))),
+        Some(v) => v
+            .as_i64()
+            .map(Some)
+            .ok_or_else(|| LineError::invalid(format!("`{k}` must be an integer, got {}", short(v)))),
     }
 }
 
@@ -146,9 +157,9 @@ fn ids_array(v: &Value, what: &str) -> R<Vec<u32>> {
     let arr = v.as_array().ok_or_else(|| LineError::invalid(format!("`{what}` must be an array of token ids")))?;
     arr.iter()
         .map(|x| {
-            x.as_u64()
-                .and_then(|x| u32::try_from(x).ok())
-                .ok_or_else(|| LineError::invalid(format!("`{what}` must hold non-negative integer token ids, got {}", short(x))))
+            x.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| {
+                LineError::invalid(format!("`{what}` must hold non-negative integer token ids, got {}", short(x)))
+            })
         })
         .collect()
 }
@@ -169,7 +180,10 @@ pub fn parse(line: &Value, defaults: &GenerationDefaults, default_seed: u64) -> 
             Some(_) => {
                 return Err(LineError::new(
                     "unsupported_url",
-                    format!("`url` must be \"/v1/chat/completions\" or \"/v1/completions\", got {}", short(&obj["url"])),
+                    format!(
+                        "`url` must be \"/v1/chat/completions\" or \"/v1/completions\", got {}",
+                        short(&obj["url"])
+                    ),
                 ))
             }
             None => !body.contains_key("prompt") && !body.contains_key("prompt_token_ids"),
@@ -191,16 +205,25 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
     // Parameters that would change the result and are not implemented.
     if let Some(n) = get_i64(b, "n")? {
         if n != 1 {
-            return Err(LineError::new("unsupported_parameter", format!("`n` = {n}: this build returns one choice per request")));
+            return Err(LineError::new(
+                "unsupported_parameter",
+                format!("`n` = {n}: this build returns one choice per request"),
+            ));
         }
     }
     for k in ["presence_penalty", "frequency_penalty"] {
         if get_f64(b, k)?.is_some_and(|x| x != 0.0) {
-            return Err(LineError::new("unsupported_parameter", format!("`{k}` is not supported by this build (use 0)")));
+            return Err(LineError::new(
+                "unsupported_parameter",
+                format!("`{k}` is not supported by this build (use 0)"),
+            ));
         }
     }
     if get_f64(b, "repetition_penalty")?.is_some_and(|x| x != 1.0) {
-        return Err(LineError::new("unsupported_parameter", "`repetition_penalty` is not supported by this build (use 1)"));
+        return Err(LineError::new(
+            "unsupported_parameter",
+            "`repetition_penalty` is not supported by this build (use 1)",
+        ));
     }
     let logprobs_on = match present(b, "logprobs") {
         None | Some(Value::Bool(false)) => false,
@@ -212,7 +235,10 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
     }
     if let Some(rf) = present(b, "response_format") {
         if rf.get("type").and_then(|t| t.as_str()) != Some("text") {
-            return Err(LineError::new("unsupported_parameter", "`response_format` other than text is not supported by this build"));
+            return Err(LineError::new(
+                "unsupported_parameter",
+                "`response_format` other than text is not supported by this build",
+            ));
         }
     }
 
@@ -223,7 +249,9 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
         None => defaults.temperature,
     };
     let top_p = match get_f64(b, "top_p")? {
-        Some(p) if !(p > 0.0 && p <= 1.0) => return Err(LineError::invalid(format!("`top_p` must be in (0, 1], got {p}"))),
+        Some(p) if !(p > 0.0 && p <= 1.0) => {
+            return Err(LineError::invalid(format!("`top_p` must be in (0, 1], got {p}")))
+        }
         Some(p) => p as f32,
         None => defaults.top_p,
     };
@@ -235,7 +263,9 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
         None => defaults.top_k,
     };
     let min_p = match get_f64(b, "min_p")? {
-        Some(p) if !(0.0..=1.0).contains(&p) => return Err(LineError::invalid(format!("`min_p` must be in [0, 1], got {p}"))),
+        Some(p) if !(0.0..=1.0).contains(&p) => {
+            return Err(LineError::invalid(format!("`min_p` must be in [0, 1], got {p}")))
+        }
         Some(p) => p as f32,
         None => defaults.min_p,
     };
@@ -260,7 +290,11 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(a)) => a
             .iter()
-            .map(|s| s.as_str().map(str::to_string).ok_or_else(|| LineError::invalid("`stop` must be a string or a list of strings")))
+            .map(|s| {
+                s.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| LineError::invalid("`stop` must be a string or a list of strings"))
+            })
             .collect::<R<_>>()?,
         Some(_) => return Err(LineError::invalid("`stop` must be a string or a list of strings")),
     };
@@ -286,13 +320,21 @@ fn parse_completion(b: &Map<String, Value>) -> R<Kind> {
         (Some(Value::String(s)), None) => Prompt::Text(s.clone()),
         (Some(Value::Array(a)), None) => match a.first() {
             Some(Value::String(_)) | Some(Value::Array(_)) if a.len() != 1 => {
-                return Err(LineError::new("unsupported_parameter", "one prompt per request line (a list of prompts is not supported)"))
+                return Err(LineError::new(
+                    "unsupported_parameter",
+                    "one prompt per request line (a list of prompts is not supported)",
+                ))
             }
             Some(Value::String(s)) => Prompt::Text(s.clone()),
             Some(inner @ Value::Array(_)) => Prompt::Ids(ids_array(inner, "prompt")?),
             _ => Prompt::Ids(ids_array(&b["prompt"], "prompt")?),
         },
-        (Some(v), None) => return Err(LineError::invalid(format!("`prompt` must be a string or a list of token ids, got {}", short(v)))),
+        (Some(v), None) => {
+            return Err(LineError::invalid(format!(
+                "`prompt` must be a string or a list of token ids, got {}",
+                short(v)
+            )))
+        }
     };
     let empty = match &prompt {
         Prompt::Text(s) => s.is_empty(),
@@ -317,7 +359,9 @@ fn parse_chat(b: &Map<String, Value>) -> R<Kind> {
             for t in a {
                 let name = t.get("function").and_then(|f| f.get("name")).and_then(|n| n.as_str());
                 if name.is_none_or(str::is_empty) {
-                    return Err(LineError::invalid("each tool must be {\"type\": \"function\", \"function\": {\"name\": …}}"));
+                    return Err(LineError::invalid(
+                        "each tool must be {\"type\": \"function\", \"function\": {\"name\": …}}",
+                    ));
                 }
             }
             Some(Value::Array(a.clone()))
@@ -359,18 +403,35 @@ fn content_text(v: Option<&Value>, i: usize) -> R<String> {
             let mut out = String::new();
             for p in parts {
                 let ty = p.get("type").and_then(|t| t.as_str());
-                let media = ["image_url", "image", "input_image", "video", "video_url", "input_audio", "audio", "audio_url", "file"];
+                let media = [
+                    "image_url",
+                    "image",
+                    "input_image",
+                    "video",
+                    "video_url",
+                    "input_audio",
+                    "audio",
+                    "audio_url",
+                    "file",
+                ];
                 if ty.is_some_and(|t| media.contains(&t)) || media.iter().any(|m| p.get(*m).is_some()) {
                     return Err(LineError::new("unsupported_content", format!("messages[{i}]: {TEXT_ONLY}")));
                 }
                 match (ty, p.get("text")) {
                     (None | Some("text") | Some("input_text"), Some(Value::String(t))) => out.push_str(t),
-                    _ => return Err(LineError::invalid(format!("messages[{i}]: content parts must be {{\"type\": \"text\", \"text\": …}}"))),
+                    _ => {
+                        return Err(LineError::invalid(format!(
+                            "messages[{i}]: content parts must be {{\"type\": \"text\", \"text\": …}}"
+                        )))
+                    }
                 }
             }
             Ok(out)
         }
-        Some(v) => Err(LineError::invalid(format!("messages[{i}].content must be a string or a list of parts, got {}", short(v)))),
+        Some(v) => Err(LineError::invalid(format!(
+            "messages[{i}].content must be a string or a list of parts, got {}",
+            short(v)
+        ))),
     }
 }
 
@@ -402,7 +463,9 @@ pub fn normalize_messages(messages: &Value) -> R<Value> {
         if role == "assistant" {
             let reasoning = present(obj, "reasoning_content").or_else(|| present(obj, "reasoning"));
             if let Some(r) = reasoning {
-                let r = r.as_str().ok_or_else(|| LineError::invalid(format!("messages[{i}].reasoning_content must be a string")))?;
+                let r = r
+                    .as_str()
+                    .ok_or_else(|| LineError::invalid(format!("messages[{i}].reasoning_content must be a string")))?;
                 n.insert("reasoning_content".into(), Value::String(r.into()));
             }
             if let Some(calls) = present(obj, "tool_calls") {
@@ -422,21 +485,31 @@ pub fn normalize_messages(messages: &Value) -> R<Value> {
 /// OpenAI tool calls carry `arguments` as a JSON string; the template iterates them as a
 /// mapping, so they are decoded here (vLLM does the same before rendering).
 fn normalize_tool_calls(calls: &Value, i: usize) -> R<Value> {
-    let arr = calls.as_array().ok_or_else(|| LineError::invalid(format!("messages[{i}].tool_calls must be an array")))?;
+    let arr =
+        calls.as_array().ok_or_else(|| LineError::invalid(format!("messages[{i}].tool_calls must be an array")))?;
     let mut out = Vec::new();
     for c in arr {
         let f = c.get("function").unwrap_or(c);
         let name = f.get("name").and_then(|n| n.as_str()).filter(|n| !n.is_empty());
-        let name = name.ok_or_else(|| LineError::invalid(format!("messages[{i}].tool_calls: each call needs function.name")))?;
+        let name =
+            name.ok_or_else(|| LineError::invalid(format!("messages[{i}].tool_calls: each call needs function.name")))?;
         let args = match f.get("arguments") {
             None | Some(Value::Null) => Value::Object(Map::new()),
             Some(Value::String(s)) if s.trim().is_empty() => Value::Object(Map::new()),
             Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
                 Ok(v @ Value::Object(_)) => v,
-                _ => return Err(LineError::invalid(format!("messages[{i}].tool_calls: arguments of {name:?} is not a JSON object"))),
+                _ => {
+                    return Err(LineError::invalid(format!(
+                        "messages[{i}].tool_calls: arguments of {name:?} is not a JSON object"
+                    )))
+                }
             },
             Some(v @ Value::Object(_)) => v.clone(),
-            Some(_) => return Err(LineError::invalid(format!("messages[{i}].tool_calls: arguments of {name:?} is not a JSON object"))),
+            Some(_) => {
+                return Err(LineError::invalid(format!(
+                    "messages[{i}].tool_calls: arguments of {name:?} is not a JSON object"
+                )))
+            }
         };
         let mut call = Map::new();
         if let Some(id) = c.get("id") {
@@ -517,11 +590,16 @@ mod tests {
         assert!(base("stop", json!(3)).message.contains("stop"));
         assert_eq!(base("n", json!(2)).code, "unsupported_parameter");
         assert_eq!(base("tool_choice", json!("required")).code, "unsupported_parameter");
-        let e = p(json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})).unwrap_err();
+        let e =
+            p(json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}))
+                .unwrap_err();
         assert_eq!(e.code, "unsupported_content");
         assert!(e.message.contains("text only"));
         assert!(p(json!({"messages": []})).unwrap_err().message.contains("empty"));
-        assert!(p(json!({"messages": [{"role": "wizard", "content": "x"}]})).unwrap_err().message.contains("unknown role"));
+        assert!(p(json!({"messages": [{"role": "wizard", "content": "x"}]}))
+            .unwrap_err()
+            .message
+            .contains("unknown role"));
         assert_eq!(p(json!({"url": "/v1/embeddings", "body": {}})).unwrap_err().code, "unsupported_url");
         assert!(p(json!([1])).is_err());
         assert!(p(json!({"hello": 1})).is_err());

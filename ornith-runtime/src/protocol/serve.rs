@@ -225,7 +225,10 @@ fn handle_line(
         RawLine::Bytes(b) => b,
         RawLine::TooLong { len, head } => {
             *cid = request::scan_custom_id(&String::from_utf8_lossy(&head));
-            let msg = format!("the line has {len} bytes, over the limit of {} (--max-line-bytes); it was skipped", opts.max_line_bytes);
+            let msg = format!(
+                "the line has {len} bytes, over the limit of {} (--max-line-bytes); it was skipped",
+                opts.max_line_bytes
+            );
             return Err(LineError::new("line_too_long", msg));
         }
     };
@@ -347,7 +350,17 @@ fn run(
     };
     let created = now_unix();
     let resp_id = format!("{}-{:016x}-{line}", if chat { "chatcmpl" } else { "cmpl" }, opts.run_id);
-    let mut chunker = Chunker { chat, id: &resp_id, created, model: &opts.model_name, custom_id, line, sink, n_calls: 0, run_id: opts.run_id };
+    let mut chunker = Chunker {
+        chat,
+        id: &resp_id,
+        created,
+        model: &opts.model_name,
+        custom_id,
+        line,
+        sink,
+        n_calls: 0,
+        run_id: opts.run_id,
+    };
     if req.stream && chat {
         chunker.send(json!({"role": "assistant", "content": ""}), None);
     }
@@ -488,7 +501,8 @@ fn tool_call_json(c: &ToolCall, id: String) -> Value {
 fn message_json(m: &Message, run_id: u64, line: u64) -> Value {
     let content = if m.content.is_empty() && !m.tool_calls.is_empty() { Value::Null } else { json!(m.content) };
     let reasoning = if m.reasoning.is_empty() { Value::Null } else { json!(m.reasoning) };
-    let calls: Vec<Value> = m.tool_calls.iter().enumerate().map(|(i, c)| tool_call_json(c, call_id(run_id, line, i))).collect();
+    let calls: Vec<Value> =
+        m.tool_calls.iter().enumerate().map(|(i, c)| tool_call_json(c, call_id(run_id, line, i))).collect();
     json!({"role": "assistant", "content": content, "reasoning": reasoning, "reasoning_content": reasoning, "tool_calls": calls})
 }
 

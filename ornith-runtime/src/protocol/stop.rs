@@ -29,10 +29,7 @@ impl StopStrings {
             from -= 1;
         }
         let hay = &text[from..];
-        self.stops
-            .iter()
-            .filter_map(|s| hay.find(s.as_str()).map(|i| (from + i, s.as_str())))
-            .min_by_key(|&(i, _)| i)
+        self.stops.iter().filter_map(|s| hay.find(s.as_str()).map(|i| (from + i, s.as_str()))).min_by_key(|&(i, _)| i)
     }
 
     /// Length of the longest suffix of `text` that is a proper prefix of a stop string: that

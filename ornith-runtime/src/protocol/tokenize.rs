@@ -58,13 +58,20 @@ pub fn tokenize<R: BufRead, W: Write>(
     while let Some(raw) = lines.next_line()? {
         n += 1;
         let (custom_id, res) = match raw {
-            RawLine::TooLong { len, .. } => {
-                (None, Err(LineError::new("line_too_long", format!("the line has {len} bytes, over the limit of {max_line_bytes}"))))
-            }
+            RawLine::TooLong { len, .. } => (
+                None,
+                Err(LineError::new(
+                    "line_too_long",
+                    format!("the line has {len} bytes, over the limit of {max_line_bytes}"),
+                )),
+            ),
             RawLine::Bytes(b) => match std::str::from_utf8(&b) {
                 Err(_) => (None, Err(LineError::new("invalid_utf8", "the line is not valid UTF-8"))),
                 Ok(t) => match serde_json::from_str::<Value>(t) {
-                    Err(e) => (request::scan_custom_id(t), Err(LineError::new("invalid_json", format!("malformed JSON: {e}")))),
+                    Err(e) => (
+                        request::scan_custom_id(t),
+                        Err(LineError::new("invalid_json", format!("malformed JSON: {e}"))),
+                    ),
                     Ok(v) => (request::custom_id_of(&v), ids_for(&v, codec, renderer)),
                 },
             },

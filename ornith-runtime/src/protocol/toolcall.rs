@@ -161,7 +161,8 @@ pub fn convert_value(raw: &str, schema: Option<&Value>) -> Value {
     if ["boolean", "bool", "binary"].contains(&ty.as_str()) {
         return Value::Bool(lower.trim() == "true");
     }
-    let container = ["object", "array", "arr"].contains(&ty.as_str()) || ty.starts_with("dict") || ty.starts_with("list");
+    let container =
+        ["object", "array", "arr"].contains(&ty.as_str()) || ty.starts_with("dict") || ty.starts_with("list");
     match serde_json::from_str::<Value>(trimmed) {
         Ok(Value::String(inner)) if container => {
             // A JSON-encoded document inside a string: decode once more if that parses.

@@ -8,8 +8,14 @@ use super::preset::Preset;
 use serde_json::{json, Map, Value};
 
 /// The vendor's ignore list (docs/DESIGN.md).
-pub const VENDOR_IGNORE: [&str; 6] =
-    ["re:.*lm_head", "re:.*embed_tokens$", "re:.*mlp.gate$", "re:.*shared_expert_gate$", "re:.*linear_attn.*", "re:.*visual.*"];
+pub const VENDOR_IGNORE: [&str; 6] = [
+    "re:.*lm_head",
+    "re:.*embed_tokens$",
+    "re:.*mlp.gate$",
+    "re:.*shared_expert_gate$",
+    "re:.*linear_attn.*",
+    "re:.*visual.*",
+];
 
 /// Token ids of the real tokenizer (architecture.md §1 / §5).
 pub const BOS_TOKEN_ID: u32 = 248044; // <|endoftext|>

@@ -111,7 +111,12 @@ impl Lister {
         if self.ignore.matching(&module).is_some() {
             self.dense(weight, DType::BF16, vec![out_f, in_f], Init::WEIGHT);
         } else {
-            self.out.push((format!("{module}.weight_scale"), DType::BF16, vec![out_f, 1], Kind::Fp8Scale { weight: weight.clone(), init: Init::WEIGHT, in_features: in_f }));
+            self.out.push((
+                format!("{module}.weight_scale"),
+                DType::BF16,
+                vec![out_f, 1],
+                Kind::Fp8Scale { weight: weight.clone(), init: Init::WEIGHT, in_features: in_f },
+            ));
             self.out.push((weight, DType::F8_E4M3, vec![out_f, in_f], Kind::Fp8Weight(Init::WEIGHT)));
         }
     }
@@ -167,7 +172,12 @@ fn list_tensors(preset: Preset) -> Vec<(String, DType, Vec<usize>, Kind)> {
             // normal(0, 0.02); the torch scale is closer to a trained conv and exercises it.)
             let k = t.linear_conv_kernel_dim;
             let bound = 1.0 / (k as f32).sqrt();
-            l.dense(format!("{m}.conv1d.weight"), DType::BF16, vec![t.conv_dim(), 1, k], Init::Uniform { lo: -bound, hi: bound });
+            l.dense(
+                format!("{m}.conv1d.weight"),
+                DType::BF16,
+                vec![t.conv_dim(), 1, k],
+                Init::Uniform { lo: -bound, hi: bound },
+            );
             // transformers: dt_bias = ones; ±0.1 around it so that the per-head values differ.
             l.dense(format!("{m}.dt_bias"), DType::BF16, vec![hv], Init::Normal { mean: 1.0, std: 0.1 });
             // transformers 5.17: A_log = log(U(0.01, 16)). Stored F32 in the Qwen3.5 export.

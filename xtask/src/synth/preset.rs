@@ -82,7 +82,14 @@ impl Preset {
 
     pub fn vision(self) -> VisionDims {
         match self {
-            Preset::Tiny => VisionDims { depth: 1, hidden_size: 32, intermediate_size: 64, num_heads: 2, out_hidden_size: 64, ..Self::real_vision() },
+            Preset::Tiny => VisionDims {
+                depth: 1,
+                hidden_size: 32,
+                intermediate_size: 64,
+                num_heads: 2,
+                out_hidden_size: 64,
+                ..Self::real_vision()
+            },
             Preset::Shallow | Preset::Full => Self::real_vision(),
         }
     }

@@ -44,13 +44,21 @@ pub fn write_shards(plan: &Plan, dir: &Path, contents: Contents, progress: bool)
     let mut pending: Option<(String, Vec<bf16>)> = None;
     for shard in &plan.shards {
         let path = dir.join(&shard.file);
-        write_shard(plan.seed, shard, &path, contents, &bar, &mut pending).with_context(|| format!("writing {}", path.display()))?;
+        write_shard(plan.seed, shard, &path, contents, &bar, &mut pending)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     bar.finish_and_clear();
     Ok(())
 }
 
-fn write_shard(seed: u64, shard: &ShardPlan, path: &Path, contents: Contents, bar: &ProgressBar, pending: &mut Option<(String, Vec<bf16>)>) -> Result<()> {
+fn write_shard(
+    seed: u64,
+    shard: &ShardPlan,
+    path: &Path,
+    contents: Contents,
+    bar: &ProgressBar,
+    pending: &mut Option<(String, Vec<bf16>)>,
+) -> Result<()> {
     let file = File::create(path)?;
     let mut w = BufWriter::with_capacity(8 << 20, file);
     w.write_all(&(shard.header.len() as u64).to_le_bytes())?;
@@ -84,7 +92,13 @@ fn gen_rows(key: TensorKey, init: Init, r0: usize, row_len: usize, out: &mut [f3
     out.par_chunks_mut(row_len.max(1)).enumerate().for_each(|(i, row)| key.fill_row(init, (r0 + i) as u64, row));
 }
 
-fn write_tensor(seed: u64, t: &PlannedTensor, w: &mut impl Write, bar: &ProgressBar, pending: &mut Option<(String, Vec<bf16>)>) -> Result<u64> {
+fn write_tensor(
+    seed: u64,
+    t: &PlannedTensor,
+    w: &mut impl Write,
+    bar: &ProgressBar,
+    pending: &mut Option<(String, Vec<bf16>)>,
+) -> Result<u64> {
     let (rows, row_len) = rows_of(&t.shape);
     if row_len == 0 {
         return Ok(0);
@@ -134,7 +148,12 @@ fn write_tensor(seed: u64, t: &PlannedTensor, w: &mut impl Write, bar: &Progress
                 _ => fp8_scales(seed, weight, *init, rows, *in_features),
             };
             if scales.len() != rows || row_len != 1 {
-                bail!("plan error: scale tensor {} {:?} does not match its weight's {} rows", t.name, t.shape, scales.len());
+                bail!(
+                    "plan error: scale tensor {} {:?} does not match its weight's {} rows",
+                    t.name,
+                    t.shape,
+                    scales.len()
+                );
             }
             let b: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
             w.write_all(&b)?;

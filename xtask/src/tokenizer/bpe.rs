@@ -34,10 +34,8 @@ pub fn parse_tiktoken(text: &str) -> Result<Vec<Vec<u8>>> {
         let bytes = base64::engine::general_purpose::STANDARD
             .decode(tok)
             .with_context(|| format!("tiktoken line {}: bad base64 {tok:?}", lineno + 1))?;
-        let rank: usize = rank
-            .trim()
-            .parse()
-            .with_context(|| format!("tiktoken line {}: bad rank {rank:?}", lineno + 1))?;
+        let rank: usize =
+            rank.trim().parse().with_context(|| format!("tiktoken line {}: bad rank {rank:?}", lineno + 1))?;
         if rank >= by_rank.len() {
             by_rank.resize(rank + 1, None);
         }
@@ -77,11 +75,7 @@ fn last_split(bytes: &[u8], ranks: &HashMap<&[u8], u32>) -> Option<usize> {
 /// Merges as `(left, right)` token byte strings, in priority order (= rank of the merged token).
 /// Tokens of one byte have no merge; multi-byte tokens unreachable by merging are skipped.
 pub fn derive_merges(tokens: &[Vec<u8>]) -> Vec<(&[u8], &[u8])> {
-    let ranks: HashMap<&[u8], u32> = tokens
-        .iter()
-        .enumerate()
-        .map(|(r, t)| (t.as_slice(), r as u32))
-        .collect();
+    let ranks: HashMap<&[u8], u32> = tokens.iter().enumerate().map(|(r, t)| (t.as_slice(), r as u32)).collect();
     let mut merges = Vec::with_capacity(tokens.len());
     for tok in tokens.iter().filter(|t| t.len() >= 2) {
         if let Some(k) = last_split(tok, &ranks) {
@@ -135,30 +129,17 @@ mod tests {
     #[test]
     fn merges_follow_tiktoken_order() {
         // ranks: a b c ab bc abc; tiktoken joins "ab" (3) before "bc" (4), so abc = ab + c.
-        let toks: Vec<Vec<u8>> = ["a", "b", "c", "ab", "bc", "abc"]
-            .iter()
-            .map(|s| s.as_bytes().to_vec())
-            .collect();
+        let toks: Vec<Vec<u8>> = ["a", "b", "c", "ab", "bc", "abc"].iter().map(|s| s.as_bytes().to_vec()).collect();
         let m = derive_merges(&toks);
-        let m: Vec<(&str, &str)> = m
-            .iter()
-            .map(|(l, r)| {
-                (
-                    std::str::from_utf8(l).unwrap(),
-                    std::str::from_utf8(r).unwrap(),
-                )
-            })
-            .collect();
+        let m: Vec<(&str, &str)> =
+            m.iter().map(|(l, r)| (std::str::from_utf8(l).unwrap(), std::str::from_utf8(r).unwrap())).collect();
         assert_eq!(m, vec![("a", "b"), ("b", "c"), ("ab", "c")]);
     }
 
     #[test]
     fn merge_through_a_higher_rank_piece() {
         // "xyz" (rank 3) is reached through "xy" (rank 4): x y z → xy z → xyz.
-        let toks: Vec<Vec<u8>> = ["x", "y", "z", "xyz", "xy"]
-            .iter()
-            .map(|s| s.as_bytes().to_vec())
-            .collect();
+        let toks: Vec<Vec<u8>> = ["x", "y", "z", "xyz", "xy"].iter().map(|s| s.as_bytes().to_vec()).collect();
         let m = derive_merges(&toks);
         assert_eq!(m, vec![(&b"xy"[..], &b"z"[..]), (&b"x"[..], &b"y"[..])]);
     }
@@ -166,10 +147,7 @@ mod tests {
     #[test]
     fn unreachable_token_gets_no_merge() {
         // "abc" at rank 3 with no two-byte tokens below it cannot be built by merging.
-        let toks: Vec<Vec<u8>> = ["a", "b", "c", "abc"]
-            .iter()
-            .map(|s| s.as_bytes().to_vec())
-            .collect();
+        let toks: Vec<Vec<u8>> = ["a", "b", "c", "abc"].iter().map(|s| s.as_bytes().to_vec()).collect();
         assert!(derive_merges(&toks).is_empty());
     }
 }

@@ -64,8 +64,7 @@ pub const ADDED_TOKENS: [(&str, bool); 33] = [
 /// Writes tokenizer.json, tokenizer_config.json and chat_template.jinja into `dir`.
 pub fn write_tokenizer_files(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let tokens =
-        bpe::parse_tiktoken(TIKTOKEN_RANKS).context("parsing the vendored tiktoken ranks")?;
+    let tokens = bpe::parse_tiktoken(TIKTOKEN_RANKS).context("parsing the vendored tiktoken ranks")?;
     anyhow::ensure!(
         tokens.len() == FIRST_ADDED_ID as usize,
         "vendored vocabulary has {} ranks, expected {FIRST_ADDED_ID}",
@@ -73,11 +72,7 @@ pub fn write_tokenizer_files(dir: &Path) -> Result<()> {
     );
     let tj = tokenizer_json(&tokens);
     write(dir, "tokenizer.json", &serde_json::to_string(&tj)?)?;
-    write(
-        dir,
-        "tokenizer_config.json",
-        &serde_json::to_string_pretty(&tokenizer_config())?,
-    )?;
+    write(dir, "tokenizer_config.json", &serde_json::to_string_pretty(&tokenizer_config())?)?;
     write(dir, "chat_template.jinja", CHAT_TEMPLATE)?;
     Ok(())
 }
@@ -106,11 +101,8 @@ fn tokenizer_json(tokens: &[Vec<u8>]) -> Value {
         .into_iter()
         .map(|(l, r)| json!([bpe::to_byte_level(l, &map), bpe::to_byte_level(r, &map)]))
         .collect();
-    let added: Vec<Value> = ADDED_TOKENS
-        .iter()
-        .enumerate()
-        .map(|(i, (c, s))| added_token_json(FIRST_ADDED_ID + i as u32, c, *s))
-        .collect();
+    let added: Vec<Value> =
+        ADDED_TOKENS.iter().enumerate().map(|(i, (c, s))| added_token_json(FIRST_ADDED_ID + i as u32, c, *s)).collect();
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
     json!({
         "version": "1.0",

@@ -35,7 +35,11 @@ const IS: usize = 48;
 fn bf16_moe(seed: u64) -> Bf16Moe {
     let mut r = rng(seed);
     let mut mlp = |inter: usize| {
-        [uniform_bf16(&mut r, inter * D, 0.3), uniform_bf16(&mut r, inter * D, 0.3), uniform_bf16(&mut r, D * inter, 0.3)]
+        [
+            uniform_bf16(&mut r, inter * D, 0.3),
+            uniform_bf16(&mut r, inter * D, 0.3),
+            uniform_bf16(&mut r, D * inter, 0.3),
+        ]
     };
     let experts = (0..E).map(|_| mlp(I)).collect();
     let shared = mlp(IS);
@@ -131,7 +135,11 @@ fn bf16_moe_matches_f64_and_rejects_wrong_variants() {
     let tol = 4.0 / 256.0 * mx;
     eprintln!("bf16 MoE vs f64: max diff {:.2}u·max|out|", d / mx * 256.0);
     assert!(d <= tol, "max diff {d} > {tol} (max|out| {mx})");
-    for (name, v) in [("no renorm", Variant::NoRenorm), ("no shared gate", Variant::NoSharedGate), ("gate/up swapped", Variant::SwapGateUp)] {
+    for (name, v) in [
+        ("no renorm", Variant::NoRenorm),
+        ("no shared gate", Variant::NoSharedGate),
+        ("gate/up swapped", Variant::SwapGateUp),
+    ] {
         let (db, _) = max_diff(&got, &ref_moe(&x, t, &m, v));
         eprintln!("  {name}: {:.1}× tolerance", db / tol);
         assert!(db > 3.0 * tol, "{name} not rejected: {db} vs tol {tol}");
@@ -165,7 +173,15 @@ fn fp8_experts_batched_equals_per_token() {
     let experts: Vec<Mlp> = (0..E).map(|e| mk(e, I)).collect();
     let router = uniform_bf16(&mut r, E * D, 0.3);
     let sgate = uniform_bf16(&mut r, D, 0.3);
-    let w = MoeWeights { router: &router, experts: &experts, moe_inter: I, shared: mk(E, IS), shared_inter: IS, shared_gate: &sgate, top_k: K };
+    let w = MoeWeights {
+        router: &router,
+        experts: &experts,
+        moe_inter: I,
+        shared: mk(E, IS),
+        shared_inter: IS,
+        shared_gate: &sgate,
+        top_k: K,
+    };
     let t = 12;
     let x = uniform_bf16(&mut r, t * D, 2.0);
     let mut out = vec![bf16::ZERO; t * D];
@@ -184,7 +200,8 @@ fn fp8_experts_batched_equals_per_token() {
     let s = &store[9..12];
     linear_fp8(xr, &s[0].0[..I * D], &s[0].1[..I], 1, D, I, &mut g);
     linear_fp8(xr, &s[1].0[..I * D], &s[1].1[..I], 1, D, I, &mut u);
-    let act: Vec<bf16> = g.iter().zip(&u).map(|(a, b)| bf16::from_f32(bf16::from_f32(silu(a.to_f32())).to_f32() * b.to_f32())).collect();
+    let act: Vec<bf16> =
+        g.iter().zip(&u).map(|(a, b)| bf16::from_f32(bf16::from_f32(silu(a.to_f32())).to_f32() * b.to_f32())).collect();
     let mut y2 = vec![bf16::ZERO; D];
     linear_fp8(&act, &s[2].0[..D * I], &s[2].1[..D], 1, I, D, &mut y2);
     assert_eq!(y, y2);
@@ -207,7 +224,15 @@ fn real_dims_fp8_speed() {
     let mut r = rng(43);
     let router = uniform_bf16(&mut r, e * d, 0.05);
     let sgate = uniform_bf16(&mut r, d, 0.05);
-    let w = MoeWeights { router: &router, experts: &experts, moe_inter: inter, shared: one, shared_inter: inter, shared_gate: &sgate, top_k: k };
+    let w = MoeWeights {
+        router: &router,
+        experts: &experts,
+        moe_inter: inter,
+        shared: one,
+        shared_inter: inter,
+        shared_gate: &sgate,
+        top_k: k,
+    };
     let x = uniform_bf16(&mut r, t * d, 1.0);
     let mut out = vec![bf16::ZERO; t * d];
     let s = std::time::Instant::now();
