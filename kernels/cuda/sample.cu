@@ -1,7 +1,9 @@
-// Greedy sampling on the device.
+// Sampling on the device: greedy (argmax_bf16) and temperature / min-p / top-k / top-p
+// (sample_prep, sample_hist, sample_select, sample_draw), bit-identical to ornith-runtime's
+// `sampling::sample`.
 #include "common.cuh"
 
-// One block of 1024 threads per row: argmax, first index among equal maxima, NaN skipped.
+// One block of 1024 threads per row: argmax, first index among equal maxima, NaN and +-inf skipped.
 extern "C" __global__ void __launch_bounds__(1024) argmax_bf16(const OrnithArgmaxParams p) {
     pdl_entry();
     __shared__ float sv[32];
@@ -22,13 +24,13 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_bf16(const OrnithArgma
 #pragma unroll
             for (int e = 0; e < 8; e++) {
                 const float v = __uint_as_float(e & 1 ? (w[e >> 1] & 0xffff0000u) : (w[e >> 1] << 16));
-                if (v > bv || (bi < 0 && v == bv)) { bv = v; bi = i8 + e; }  // NaN compares false
+                if (isfinite(v) && (v > bv || (bi < 0 && v == bv))) { bv = v; bi = i8 + e; }
             }
         }
     }
     for (int i = head + threadIdx.x; i < p.n; i += blockDim.x) {
         float v = bf2f(row[i]);
-        if (v > bv || (bi < 0 && v == bv)) { bv = v; bi = i; }  // NaN compares false: never taken
+        if (isfinite(v) && (v > bv || (bi < 0 && v == bv))) { bv = v; bi = i; }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -50,4 +52,297 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_bf16(const OrnithArgma
         }
         if (lane == 0) p.idx[t] = bi;
     }
+}
+
+// ---- Sampling with temperature, min-p, top-k, top-p ------------------------------------------
+// Every value that decides the result is an integer sum or comes from single IEEE operations
+// written with __fmul_rn / __fadd_rn (which nvcc never contracts into an FMA), mirroring
+// `sampling.rs` line for line: the same row, params and bits give the same id as the CPU.
+
+#define SAMPLE_THREADS 256
+#define SAMPLE_PER_THREAD (ORNITH_SAMPLE_SLICE / SAMPLE_THREADS)
+#define SELECT_THREADS 1024
+#define SELECT_KEYS (ORNITH_SAMPLE_BINS / SELECT_THREADS)
+
+// Order key of bf16 bits (integer order = float order, -0 folded into +0), or -1 for NaN / inf.
+__device__ __forceinline__ int key_of(uint32_t b) {
+    if ((b & 0x7f80u) == 0x7f80u) return -1;
+    if (b == 0x8000u) b = 0;
+    return (int)((b & 0x8000u) ? (~b & 0xffffu) : (b | 0x8000u));
+}
+__device__ __forceinline__ float value_of_key(uint32_t key) {
+    const uint32_t bits = (key & 0x8000u) ? (key & 0x7fffu) : (~key & 0xffffu);
+    return __uint_as_float(bits << 16);
+}
+// exp(x) for x <= 0 (sampling::exp_det): Cody-Waite reduction, degree-6 Taylor, times 2^n.
+__device__ __forceinline__ float exp_det(float x) {
+    if (!(x >= -28.f)) return 0.f;
+    const float LOG2E = __uint_as_float(0x3fb8aa3bu), LN2_HI = __uint_as_float(0x3f318000u);
+    const float LN2_LO = __uint_as_float(0xb95e8083u), MAGIC = 12582912.f;
+    const float n = __fsub_rn(__fadd_rn(__fmul_rn(x, LOG2E), MAGIC), MAGIC);
+    const float r = __fsub_rn(__fsub_rn(x, __fmul_rn(n, LN2_HI)), __fmul_rn(n, LN2_LO));
+    float p = __uint_as_float(0x3ab60b61u);                  // 1/720
+    p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(0x3c088889u));  // 1/120
+    p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(0x3d2aaaabu));  // 1/24
+    p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(0x3e2aaaabu));  // 1/6
+    p = __fadd_rn(__fmul_rn(p, r), 0.5f);
+    p = __fadd_rn(__fmul_rn(p, r), 1.f);
+    p = __fadd_rn(__fmul_rn(p, r), 1.f);
+    const float scale = __uint_as_float((uint32_t)((int)n + 127) << 23);
+    return __fmul_rn(p, scale);
+}
+// Integer weight of a key (0: dropped by the cutoff or min-p).
+__device__ __forceinline__ uint64_t weight_of(uint32_t key, float vmax, const OrnithSampleRow &rp) {
+    const float x = __fmul_rn(__fsub_rn(value_of_key(key), vmax), rp.inv_t);
+    const float w = exp_det(x);
+    if (w < rp.min_p) return 0;
+    return (uint64_t)__fmul_rn(w, 1099511627776.f);  // trunc(w * 2^40)
+}
+// The row's largest key from the per-block maxima (-1: no finite logit).
+__device__ __forceinline__ int row_max_key(const OrnithSampleParams &p, int r) {
+    uint32_t m = 0;
+    for (int b = 0; b < p.blocks; b++) m = max(m, p.part_max[(size_t)r * p.blocks + b]);
+    return (int)m - 1;
+}
+
+// Exclusive prefix sum over the block (in thread order) of a u64; *total gets the block's sum.
+template <int NT>
+__device__ __forceinline__ uint64_t block_exclusive_u64(uint64_t v, uint64_t *sh, uint64_t *total) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    uint64_t inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint64_t u = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += u;
+    }
+    __syncthreads();
+    if (lane == 31) sh[wid] = inc;
+    __syncthreads();
+    if (wid == 0) {
+        uint64_t s = lane < NT / 32 ? sh[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const uint64_t u = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += u;
+        }
+        if (lane < NT / 32) sh[lane] = s;  // inclusive prefix of warp sums
+    }
+    __syncthreads();
+    *total = sh[NT / 32 - 1];
+    return (wid > 0 ? sh[wid - 1] : 0) + inc - v;
+}
+
+// Grid (blocks, rows): block b zeroes its share of row r's histogram and writes 1 + its largest
+// key over columns [b * SLICE, (b + 1) * SLICE).
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_prep(const OrnithSampleParams p) {
+    pdl_entry();
+    __shared__ uint32_t sm[SAMPLE_THREADS / 32];
+    const int b = blockIdx.x, r = blockIdx.y;
+    uint32_t *h = p.hist + (size_t)r * ORNITH_SAMPLE_BINS;
+    for (int i = b * SAMPLE_THREADS + threadIdx.x; i < ORNITH_SAMPLE_BINS; i += p.blocks * SAMPLE_THREADS) h[i] = 0;
+    if (b == 0 && threadIdx.x == 0) {
+        p.done[r] = 0;
+        p.idx[r] = -2;  // overwritten by sample_draw; -2 left over would be an internal error
+    }
+    const uint16_t *row = p.logits + (size_t)r * p.stride;
+    const int base = b * ORNITH_SAMPLE_SLICE, end = min(p.n, base + ORNITH_SAMPLE_SLICE);
+    uint32_t m = 0;
+    for (int i = base + threadIdx.x; i < end; i += SAMPLE_THREADS) m = max(m, (uint32_t)(key_of(row[i]) + 1));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if ((threadIdx.x & 31) == 0) sm[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < SAMPLE_THREADS / 32; w++) m = max(m, sm[w]);
+        p.part_max[(size_t)r * p.blocks + b] = m;
+    }
+}
+
+// Grid (blocks, rows): histogram of the keys with a nonzero weight (warp-aggregated atomics).
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_hist(const OrnithSampleParams p) {
+    pdl_entry();
+    const int b = blockIdx.x, r = blockIdx.y, lane = threadIdx.x & 31;
+    const int kmax = row_max_key(p, r);
+    if (kmax < 0) return;
+    const float vmax = value_of_key((uint32_t)kmax);
+    const OrnithSampleRow rp = p.row[r];
+    const uint16_t *row = p.logits + (size_t)r * p.stride;
+    uint32_t *h = p.hist + (size_t)r * ORNITH_SAMPLE_BINS;
+    const int base = b * ORNITH_SAMPLE_SLICE, end = min(p.n, base + ORNITH_SAMPLE_SLICE);
+#pragma unroll 1
+    for (int k = 0; k < SAMPLE_PER_THREAD; k++) {  // uniform trip count: every lane reaches the match
+        const int i = base + k * SAMPLE_THREADS + threadIdx.x;
+        int key = i < end ? key_of(row[i]) : -1;
+        if (key >= 0 && weight_of((uint32_t)key, vmax, rp) == 0) key = -1;
+        const uint32_t tag = key >= 0 ? (uint32_t)key : 0x10000u + lane;  // unused lanes match only themselves
+        const uint32_t same = __match_any_sync(0xffffffffu, tag);
+        if (key >= 0 && lane == __ffs(same) - 1) atomicAdd(&h[key], (uint32_t)__popc(same));
+    }
+}
+
+// Grid (rows), 1024 threads: thread t owns the keys 65535 - 64t down to 65472 - 64t (descending),
+// scans counts and masses in that order and finds the top-k and top-p thresholds.
+extern "C" __global__ void __launch_bounds__(SELECT_THREADS) sample_select(const OrnithSampleParams p) {
+    pdl_entry();
+    __shared__ uint64_t sh[SELECT_THREADS / 32];
+    __shared__ uint32_t s_thr_k, s_thr;
+    __shared__ uint64_t s_total_k, s_kept;
+    const int r = blockIdx.x, t = threadIdx.x;
+    const int kmax = row_max_key(p, r);
+    if (kmax < 0) {
+        if (t == 0) {
+            p.sel[2 * r] = 0;
+            p.sel[2 * r + 1] = 0;
+        }
+        return;
+    }
+    const float vmax = value_of_key((uint32_t)kmax);
+    const OrnithSampleRow rp = p.row[r];
+    const uint32_t *h = p.hist + (size_t)r * ORNITH_SAMPLE_BINS;
+    const int hi = ORNITH_SAMPLE_BINS - 1 - t * SELECT_KEYS;  // this thread's keys: hi, hi - 1, ..., hi - 63
+    uint64_t c = 0, m = 0;
+    for (int j = 0; j < SELECT_KEYS; j++) {
+        const uint32_t n = h[hi - j];
+        if (n) {
+            c += n;
+            m += n * weight_of((uint32_t)(hi - j), vmax, rp);
+        }
+    }
+    uint64_t c_all, m_all;
+    const uint64_t c_before = block_exclusive_u64<SELECT_THREADS>(c, sh, &c_all);
+    const uint64_t m_before = block_exclusive_u64<SELECT_THREADS>(m, sh, &m_all);
+    if (t == 0) {
+        s_thr_k = 0;
+        s_total_k = m_all;
+    }
+    __syncthreads();
+    // top-k: the thread whose keys reach the k-th surviving token.
+    const uint64_t k = rp.top_k;
+    if (k > 0 && c_before < k && c_before + c >= k) {
+        uint64_t seen = c_before, mass = m_before;
+        for (int j = 0; j < SELECT_KEYS; j++) {
+            const uint32_t n = h[hi - j];
+            if (!n) continue;
+            seen += n;
+            mass += n * weight_of((uint32_t)(hi - j), vmax, rp);
+            if (seen >= k) {
+                s_thr_k = (uint32_t)(hi - j);
+                s_total_k = mass;
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    const uint32_t thr_k = s_thr_k;
+    const uint64_t total_k = s_total_k;
+    // top-p: the kept keys are a descending prefix (the largest key always qualifies); each
+    // thread finds its lowest kept key and the cut is the lowest of those.
+    if (t == 0) s_thr = 0xffffffffu;
+    __syncthreads();
+    if (rp.top_p < 1.f && hi >= (int)thr_k) {
+        uint64_t above = m_before;
+        int lowest = -1;
+        for (int j = 0; j < SELECT_KEYS && hi - j >= (int)thr_k; j++) {
+            const uint32_t n = h[hi - j];
+            if (!n) continue;
+            if (!(__ull2double_rn(above) < __dmul_rn((double)rp.top_p, __ull2double_rn(total_k)))) break;
+            lowest = hi - j;
+            above += n * weight_of((uint32_t)(hi - j), vmax, rp);
+        }
+        if (lowest >= 0) atomicMin(&s_thr, (uint32_t)lowest);
+    }
+    __syncthreads();
+    const uint32_t thr = rp.top_p < 1.f ? s_thr : thr_k;
+    // Kept mass: the thread holding the threshold key adds its part down to it.
+    if (t == 0) s_kept = 0;
+    __syncthreads();
+    if (hi >= (int)thr && hi - SELECT_KEYS < (int)thr) {
+        uint64_t mass = m_before;
+        for (int j = 0; hi - j >= (int)thr; j++) {
+            const uint32_t n = h[hi - j];
+            if (n) mass += n * weight_of((uint32_t)(hi - j), vmax, rp);
+        }
+        s_kept = mass;
+    }
+    __syncthreads();
+    if (t == 0) {
+        p.sel[2 * r] = s_kept;
+        p.sel[2 * r + 1] = (uint64_t)thr | ((uint64_t)kmax << 16) | (1ull << 32);
+    }
+}
+
+// Grid (blocks, rows): each block's kept mass in its slice; the last block to finish finds the
+// block where the running sum passes the target and walks that slice in id order.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_draw(const OrnithSampleParams p) {
+    pdl_entry();
+    __shared__ uint64_t sh[SAMPLE_THREADS / 32];
+    __shared__ int s_last, s_block;
+    __shared__ uint64_t s_before;
+    const int b = blockIdx.x, r = blockIdx.y, t = threadIdx.x;
+    const uint64_t info = p.sel[2 * r + 1];
+    if (!(info >> 32)) {  // no finite logit
+        if (b == 0 && t == 0) p.idx[r] = -1;
+        return;
+    }
+    const uint32_t thr = (uint32_t)(info & 0xffff), kmax = (uint32_t)((info >> 16) & 0xffff);
+    const uint64_t kept = p.sel[2 * r];
+    const float vmax = value_of_key(kmax);
+    const OrnithSampleRow rp = p.row[r];
+    const uint16_t *row = p.logits + (size_t)r * p.stride;
+    // Thread t's columns: 8 consecutive ones, so that thread order is id order.
+    const int lo = b * ORNITH_SAMPLE_SLICE + t * SAMPLE_PER_THREAD;
+    uint64_t mine = 0;
+#pragma unroll
+    for (int e = 0; e < SAMPLE_PER_THREAD; e++) {
+        const int i = lo + e;
+        const int key = i < p.n ? key_of(row[i]) : -1;
+        if (key >= (int)thr) mine += weight_of((uint32_t)key, vmax, rp);
+    }
+    uint64_t block_total;
+    const uint64_t before = block_exclusive_u64<SAMPLE_THREADS>(mine, sh, &block_total);
+    if (t == 0) {
+        p.part_sum[(size_t)r * p.blocks + b] = block_total;
+        __threadfence();
+        s_last = atomicAdd(&p.done[r], 1u) == (uint32_t)p.blocks - 1;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    // The last block: every block's sum is visible (each fenced before counting itself).
+    const uint64_t target = __umul64hi(rp.bits, kept);
+    if (t == 0) {
+        const volatile uint64_t *ps = p.part_sum + (size_t)r * p.blocks;
+        uint64_t acc = 0;
+        int j = 0;
+        for (; j < p.blocks - 1; j++) {
+            const uint64_t s = ps[j];
+            if (acc + s > target) break;
+            acc += s;
+        }
+        s_block = j;
+        s_before = acc;
+    }
+    __syncthreads();
+    const int lo2 = s_block * ORNITH_SAMPLE_SLICE + t * SAMPLE_PER_THREAD;
+    uint64_t w2[SAMPLE_PER_THREAD];
+    uint64_t mine2 = 0;
+#pragma unroll
+    for (int e = 0; e < SAMPLE_PER_THREAD; e++) {
+        const int i = lo2 + e;
+        const int key = i < p.n ? key_of(row[i]) : -1;
+        w2[e] = key >= (int)thr ? weight_of((uint32_t)key, vmax, rp) : 0;
+        mine2 += w2[e];
+    }
+    uint64_t unused;
+    uint64_t acc = s_before + block_exclusive_u64<SAMPLE_THREADS>(mine2, sh, &unused);
+    if (acc <= target && acc + mine2 > target) {
+#pragma unroll
+        for (int e = 0; e < SAMPLE_PER_THREAD; e++) {
+            acc += w2[e];
+            if (w2[e] && acc > target) {
+                p.idx[r] = lo2 + e;
+                break;
+            }
+        }
+    }
+    if (t == 0) p.done[r] = 0;
 }

@@ -256,7 +256,7 @@ typedef struct OrnithAttnParams {
 } OrnithAttnParams;
 
 /* Greedy sampling: idx[t] = argmax_i float(logits[t, i]) over the first `n` columns
- * (first index among equal maxima, NaN never chosen; -1 if every value is NaN). */
+ * (first index among equal maxima, NaN and +-inf never chosen; -1 if no value is finite). */
 typedef struct OrnithArgmaxParams {
     const uint16_t *logits;
     int32_t *idx;
@@ -264,6 +264,43 @@ typedef struct OrnithArgmaxParams {
     int32_t n;
     int32_t stride;
 } OrnithArgmaxParams;
+
+/* Sampling one token per row with temperature, min-p, top-k and top-p, exactly as
+ * ornith-runtime's `sampling::sample` (integer weights, so the result is bit-identical):
+ *   key(v)  16-bit order key of a finite bf16 logit; x = (v - vmax) * inv_t; w = exp_det(x);
+ *           W = trunc(w * 2^40) (0 below min-p); a key with W = 0 is never drawn.
+ *   top-k   keep keys >= the k-th largest surviving key (with multiplicity);
+ *   top-p   keep keys whose surviving mass ranked strictly above them is < top_p * total;
+ *   draw    target = mulhi(bits, K), K the kept mass; idx = first kept id (ascending) at which
+ *           the running sum of W exceeds target.
+ * Four kernels in stream order, grid (blocks, rows) with blocks = ceil(n / ORNITH_SAMPLE_SLICE)
+ * except sample_select (grid rows, 1024 threads): sample_prep (zero the row's histogram, block
+ * maxima), sample_hist (histogram of surviving keys), sample_select (thresholds), sample_draw
+ * (block sums; the last block to finish draws). idx[r] = -1 when row r has no finite logit. */
+#define ORNITH_SAMPLE_SLICE 2048
+#define ORNITH_SAMPLE_BINS 65536
+typedef struct OrnithSampleRow {
+    float inv_t;   /* 1 / temperature, rounded once on the host */
+    float min_p;   /* 0: off */
+    float top_p;   /* 1: off */
+    uint32_t top_k; /* 0: off */
+    uint64_t bits; /* the draw's 64 random bits (sampling::draw_bits(seed, step)) */
+} OrnithSampleRow;
+
+typedef struct OrnithSampleParams {
+    const uint16_t *logits;     /* [rows, stride] bf16; columns 0..n are candidates */
+    const OrnithSampleRow *row; /* [rows] */
+    uint32_t *hist;             /* [rows, ORNITH_SAMPLE_BINS] counts */
+    uint32_t *part_max;         /* [rows, blocks] 1 + the block's largest key (0: none) */
+    uint64_t *part_sum;         /* [rows, blocks] kept mass of each block */
+    uint64_t *sel;              /* [rows, 2] kept mass K; threshold key | vmax key << 16 | valid << 32 */
+    uint32_t *done;             /* [rows] blocks of sample_draw finished (reset by sample_prep) */
+    int32_t *idx;               /* [rows] the sampled id, or -1 (no finite logit) */
+    int32_t rows;
+    int32_t n;
+    int32_t stride;
+    int32_t blocks;
+} OrnithSampleParams;
 
 /* ---- Prefill (many tokens) ---- */
 

@@ -4,6 +4,8 @@
 pub const ORNITH_FP8_MAX: f64 = 448.0;
 pub const ORNITH_GEMV_MAX_TOKENS: u32 = 8;
 pub const ORNITH_GDN_WORK_PER_CHUNK: u32 = 8832;
+pub const ORNITH_SAMPLE_SLICE: u32 = 2048;
+pub const ORNITH_SAMPLE_BINS: u32 = 65536;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct OrnithEmbedParams {
@@ -571,6 +573,67 @@ const _: () = {
     ["Offset of field: OrnithArgmaxParams::stride"][::std::mem::offset_of!(OrnithArgmaxParams, stride) - 24usize];
 };
 impl Default for OrnithArgmaxParams {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct OrnithSampleRow {
+    pub inv_t: f32,
+    pub min_p: f32,
+    pub top_p: f32,
+    pub top_k: u32,
+    pub bits: u64,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of OrnithSampleRow"][::std::mem::size_of::<OrnithSampleRow>() - 24usize];
+    ["Alignment of OrnithSampleRow"][::std::mem::align_of::<OrnithSampleRow>() - 8usize];
+    ["Offset of field: OrnithSampleRow::inv_t"][::std::mem::offset_of!(OrnithSampleRow, inv_t) - 0usize];
+    ["Offset of field: OrnithSampleRow::min_p"][::std::mem::offset_of!(OrnithSampleRow, min_p) - 4usize];
+    ["Offset of field: OrnithSampleRow::top_p"][::std::mem::offset_of!(OrnithSampleRow, top_p) - 8usize];
+    ["Offset of field: OrnithSampleRow::top_k"][::std::mem::offset_of!(OrnithSampleRow, top_k) - 12usize];
+    ["Offset of field: OrnithSampleRow::bits"][::std::mem::offset_of!(OrnithSampleRow, bits) - 16usize];
+};
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct OrnithSampleParams {
+    pub logits: *const u16,
+    pub row: *const OrnithSampleRow,
+    pub hist: *mut u32,
+    pub part_max: *mut u32,
+    pub part_sum: *mut u64,
+    pub sel: *mut u64,
+    pub done: *mut u32,
+    pub idx: *mut i32,
+    pub rows: i32,
+    pub n: i32,
+    pub stride: i32,
+    pub blocks: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of OrnithSampleParams"][::std::mem::size_of::<OrnithSampleParams>() - 80usize];
+    ["Alignment of OrnithSampleParams"][::std::mem::align_of::<OrnithSampleParams>() - 8usize];
+    ["Offset of field: OrnithSampleParams::logits"][::std::mem::offset_of!(OrnithSampleParams, logits) - 0usize];
+    ["Offset of field: OrnithSampleParams::row"][::std::mem::offset_of!(OrnithSampleParams, row) - 8usize];
+    ["Offset of field: OrnithSampleParams::hist"][::std::mem::offset_of!(OrnithSampleParams, hist) - 16usize];
+    ["Offset of field: OrnithSampleParams::part_max"][::std::mem::offset_of!(OrnithSampleParams, part_max) - 24usize];
+    ["Offset of field: OrnithSampleParams::part_sum"][::std::mem::offset_of!(OrnithSampleParams, part_sum) - 32usize];
+    ["Offset of field: OrnithSampleParams::sel"][::std::mem::offset_of!(OrnithSampleParams, sel) - 40usize];
+    ["Offset of field: OrnithSampleParams::done"][::std::mem::offset_of!(OrnithSampleParams, done) - 48usize];
+    ["Offset of field: OrnithSampleParams::idx"][::std::mem::offset_of!(OrnithSampleParams, idx) - 56usize];
+    ["Offset of field: OrnithSampleParams::rows"][::std::mem::offset_of!(OrnithSampleParams, rows) - 64usize];
+    ["Offset of field: OrnithSampleParams::n"][::std::mem::offset_of!(OrnithSampleParams, n) - 68usize];
+    ["Offset of field: OrnithSampleParams::stride"][::std::mem::offset_of!(OrnithSampleParams, stride) - 72usize];
+    ["Offset of field: OrnithSampleParams::blocks"][::std::mem::offset_of!(OrnithSampleParams, blocks) - 76usize];
+};
+impl Default for OrnithSampleParams {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
         unsafe {

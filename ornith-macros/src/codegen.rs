@@ -386,13 +386,15 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
             pub model: Model<B>,
             pub backend: B,
             step: u64,
+            /// Ids `0..sample_vocab` are sampled (the tokenizer's; `DIMS.vocab_size` until set).
+            sample_vocab: usize,
         }
 
         impl<B: #g::Backend> Engine<B> {
             pub fn load(backend: B, ck: &::ornith_runtime::weights::Checkpoint, max_context: usize) -> ::anyhow::Result<Self> {
                 let model = Model::load(&backend, ck)?;
                 let state = Model::new_state(&backend, max_context)?;
-                Ok(Engine { backend, model, state, step: 0 })
+                Ok(Engine { backend, model, state, step: 0, sample_vocab: DIMS.vocab_size })
             }
         }
 
@@ -403,17 +405,27 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
             fn vocab_size(&self) -> usize {
                 DIMS.vocab_size
             }
+            fn limit_vocab(&mut self, n: usize) -> ::anyhow::Result<()> {
+                ::anyhow::ensure!(
+                    n > 0 && n <= DIMS.vocab_size,
+                    "the tokenizer has {} tokens but the lm_head has {} rows: a tokenizer with more tokens than the model's logits cannot be served",
+                    n,
+                    DIMS.vocab_size
+                );
+                self.sample_vocab = n;
+                Ok(())
+            }
             fn prefill(&mut self, prompt: &[u32], params: &::ornith_runtime::engine::SamplingParams) -> ::anyhow::Result<u32> {
                 self.state.reset(&self.backend);
                 self.step = 0;
                 let logits = self.model.prefill(&self.backend, &mut self.state, prompt, false, &mut |_, _| {})?;
-                let t = self.backend.sample(&logits, params, self.step)?;
+                let t = self.backend.sample(&logits, self.sample_vocab, params, self.step)?;
                 self.step += 1;
                 Ok(t)
             }
             fn decode(&mut self, token: u32, params: &::ornith_runtime::engine::SamplingParams) -> ::anyhow::Result<u32> {
                 let logits = self.model.decode_step(&self.backend, &mut self.state, token)?;
-                let t = self.backend.sample(&logits, params, self.step)?;
+                let t = self.backend.sample(&logits, self.sample_vocab, params, self.step)?;
                 self.step += 1;
                 Ok(t)
             }

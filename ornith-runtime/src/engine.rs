@@ -28,8 +28,13 @@ pub trait Generator {
     fn max_context(&self) -> usize;
     /// Vocabulary rows of the lm_head (logit count).
     fn vocab_size(&self) -> usize;
+    /// Restricts sampling to ids `0..n`, the ids the tokenizer can decode (the lm_head has
+    /// padding rows past them that must never come out). Fails when `n` is 0 or exceeds the
+    /// lm_head's rows. Until called, every row is a candidate.
+    fn limit_vocab(&mut self, n: usize) -> anyhow::Result<()>;
     /// Forgets any previous sequence, runs `prompt` (non-empty), and returns the first sampled
-    /// token. `step` counts sampled tokens of the request from 0 and feeds the random stream.
+    /// token. The request's sampled tokens are counted from 0 (the first is this one); the count
+    /// feeds the seeded random stream, so a seed reproduces the whole completion.
     fn prefill(&mut self, prompt: &[u32], params: &SamplingParams) -> anyhow::Result<u32>;
     /// Appends `token` to the sequence and returns the next sampled token.
     fn decode(&mut self, token: u32, params: &SamplingParams) -> anyhow::Result<u32>;

@@ -251,9 +251,17 @@ pub trait Backend: Sized + Send + Sync {
         all_rows: bool,
     ) -> anyhow::Result<Self::Logits>;
 
-    /// Samples the next token from the last row of `logits` where the backend runs
-    /// (`crate::sampling` semantics; `step` feeds the counter-based random stream).
-    fn sample(&self, logits: &Self::Logits, params: &crate::engine::SamplingParams, step: u64) -> anyhow::Result<u32>;
+    /// Samples the next token from the first `n` columns of the last row of `logits` where the
+    /// backend runs (`crate::sampling` semantics, bit for bit; `n` is the tokenizer's vocabulary,
+    /// so the lm_head's padding rows never come out; `step` feeds the counter-based random
+    /// stream). A row without a finite logit is an error.
+    fn sample(
+        &self,
+        logits: &Self::Logits,
+        n: usize,
+        params: &crate::engine::SamplingParams,
+        step: u64,
+    ) -> anyhow::Result<u32>;
 
     /// Logits as host f32, row-major `[rows, vocab]` (tests).
     fn logits_to_host(&self, logits: &Self::Logits) -> anyhow::Result<Vec<f32>>;

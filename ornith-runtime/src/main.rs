@@ -48,6 +48,9 @@ fn run(cmd: Command, args: &Args) -> anyhow::Result<()> {
             let (codec, renderer) = load::build_frontend(args)?;
             eos_fallback(&mut defaults, codec.as_ref());
             let mut gen = load::build_generator(args)?;
+            // Only ids the tokenizer can decode are ever sampled (the lm_head has padding rows).
+            gen.limit_vocab(codec.vocab_size())
+                .map_err(|e| anyhow::anyhow!("{}: {e:#}", dir.join("tokenizer.json").display()))?;
             let name = dir.canonicalize().unwrap_or(dir.clone());
             let name = name.file_name().map_or_else(|| "ornith".to_string(), |n| n.to_string_lossy().into_owned());
             let mut opts = ServeOptions::new(name, defaults);

@@ -1,25 +1,42 @@
-//! Next-token sampling on the CPU (the reference the CUDA sampler must reproduce).
+//! Next-token sampling: the exact reference that the CUDA sampler (`kernels/cuda/sample.cu`)
+//! reproduces bit for bit.
 //!
-//! Order of operations (vLLM v1 `Sampler.sample`): greedy when `temperature < 1e-5`; otherwise
-//! 1. temperature: `l_i = logit_i / T`;
-//! 2. min-p (vLLM applies it as an argmax-invariant logits processor, right after temperature):
-//!    drop `i` when `softmax(l)_i < min_p · max_j softmax(l)_j`, i.e. when `exp(l_i - max l) < min_p`;
-//! 3. top-k: keep the tokens whose scaled logit is `>=` the k-th largest (ties at the boundary kept,
-//!    as vLLM's `logits < kth_value` mask does);
-//! 4. top-p (nucleus): over the survivors, renormalised, in descending order, keep a token when the
-//!    probability mass of the tokens ranked strictly above it is `< p` (vLLM sorts ascending and
-//!    masks `cumsum <= 1 - p`, always keeping the largest; that is the same set);
-//! 5. draw: `u = uniform(seed, step)`, walk the kept tokens in ascending id order accumulating
-//!    `w_i = exp(l_i - max l)` and return the first id where the running sum exceeds `u · Σ w`.
+//! The input is one row of bf16 logits restricted to the ids the tokenizer can decode (the lm_head
+//! has padding rows past the vocabulary; the caller passes only the first `n` columns, so those
+//! rows can never come out). Greedy when `temperature < 1e-5` (or NaN): the lowest id among the
+//! largest finite logits. Otherwise vLLM's order of operations — temperature, min-p, top-k,
+//! top-p, draw — computed in integers wherever a sum is involved, so that any summation order
+//! (the GPU's parallel reductions, this file's loops) gives the same result:
 //!
-//! vLLM draws with an exponential race (`argmax p_i / q_i`), which needs one random number per
-//! vocabulary row; the inverse-CDF walk above needs a single uniform, which a counter-based hash
-//! makes reproducible on the GPU: `uniform` is bit-exact anywhere u64 multiply/xor/shift exist.
-//! The chosen token matches a GPU implementation except when `u · Σ w` falls within rounding
-//! (f64 sums here) of a CDF boundary.
+//! 1. **Keys.** Every finite logit `v` has a 16-bit order key (its bf16 bits mapped so that
+//!    integer order is float order, `-0` folded into `+0`). All tokens with the same key have the
+//!    same weight, so a 65,536-bin histogram of keys is a sufficient statistic.
+//! 2. **Weights.** `x = (v - v_max) · (1/T)` in f32 (`1/T` rounded once, on the host),
+//!    `w = exp_det(x)` (an f32 exponential built from single IEEE operations, so that it is
+//!    bit-identical on every machine; see [`exp_det`]), `W = trunc(w · 2^40)` as an integer.
+//!    Tokens with `W = 0` (more than ~27.7·T below the maximum, probability < 1e-12 of the
+//!    largest) are never drawn.
+//! 3. **min-p**: drop a token when `w < min_p` (`w` is its probability relative to the largest,
+//!    as in vLLM's min-p processor).
+//! 4. **top-k**: among the survivors, keep the keys `>=` the k-th largest key counted with
+//!    multiplicity (ties with the k-th are kept, as vLLM's `logits < kth_value` mask does).
+//! 5. **top-p** (nucleus): with `total = Σ W` over the survivors, keep every key whose mass
+//!    ranked strictly above it satisfies `f64(above) < f64(p) · f64(total)` (the largest key is
+//!    always kept; tokens with equal logits are kept or dropped together).
+//! 6. **Draw**: `z = mix64(mix64(seed + γ) ^ (step + 1)·γ)` (64 random bits, counter-based, so a
+//!    seed reproduces anywhere), `target = ⌊z · K / 2^64⌋` with `K = Σ W` over the kept tokens,
+//!    and the result is the first kept id, in ascending id order, at which the running sum of `W`
+//!    exceeds `target`. Each kept token is drawn with probability `W / K` exactly (up to the
+//!    2^-64 resolution of `z`).
 //!
-//! Non-finite logits (NaN, ±inf) are never sampled: a NaN logit means the forward pass is broken
-//! but must not crash the server. If no logit is finite the function returns 0.
+//! The kept set and the draw depend only on integer sums and on comparisons of values computed
+//! by single IEEE operations, so the CUDA kernels return the same id for the same row, params,
+//! seed and step (tested in `cuda::tests::sample_matches_reference`). Compared with the
+//! textbook float formulation the distribution differs only by the `2^-40` quantisation of `w`.
+//!
+//! A row with no finite logit is an error on every path (it means the forward pass is broken).
+
+use anyhow::{bail, Result};
 
 use crate::engine::SamplingParams;
 
@@ -27,6 +44,12 @@ use crate::engine::SamplingParams;
 pub const GREEDY_EPS: f32 = 1e-5;
 
 const GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// Fixed-point scale of the integer weights: `W = trunc(w · 2^40)`.
+pub const WEIGHT_SCALE: f32 = (1u64 << 40) as f32;
+
+/// Below this `x`, `exp(x) < 2^-40` and the weight is 0 (checked by a test).
+const EXP_CUTOFF: f32 = -28.0;
 
 /// SplitMix64 finaliser (Stafford variant 13): a bijective avalanche mix of 64 bits.
 #[inline]
@@ -36,122 +59,219 @@ pub fn mix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Counter-based uniform in `[0, 1)` for sampled token `step` of the stream `seed`:
-/// `k = mix64(seed + γ)`, `z = mix64(k ^ (step + 1)·γ)`, `u = (z >> 40) · 2⁻²⁴` (wrapping u64
-/// arithmetic, γ = 0x9e3779b97f4a7c15). The seed is hashed first so that nearby seeds give
-/// unrelated streams. 24 bits make the value exact in f32.
+/// The 64 random bits of sampled token `step` of the stream `seed`:
+/// `mix64(mix64(seed + γ) ^ (step + 1)·γ)` (wrapping u64 arithmetic, γ = 0x9e3779b97f4a7c15).
+/// The seed is hashed first so that nearby seeds give unrelated streams.
 #[inline]
-pub fn uniform(seed: u64, step: u64) -> f32 {
+pub fn draw_bits(seed: u64, step: u64) -> u64 {
     let k = mix64(seed.wrapping_add(GAMMA));
-    let z = mix64(k ^ step.wrapping_add(1).wrapping_mul(GAMMA));
-    (z >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
+    mix64(k ^ step.wrapping_add(1).wrapping_mul(GAMMA))
 }
 
-/// Index of the largest finite logit, lowest index on ties; 0 if none is finite.
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &v) in logits.iter().enumerate() {
-        if !v.is_finite() {
-            continue;
-        }
-        match best {
-            Some((_, b)) if v <= b => {}
-            _ => best = Some((i, v)),
+/// `exp(x)` for `x <= 0`, from single-rounded f32 operations only (no fused multiply-add, no
+/// library call), so that the CUDA kernel (`exp_det` in sample.cu, written with `__fmul_rn` /
+/// `__fadd_rn`, which the compiler may not contract) gives the same bits. Cody–Waite reduction
+/// `x = n·ln2 + r` (`n·LN2_HI` is exact: 9 significant bits times |n| <= 41), a degree-6 Taylor
+/// polynomial on |r| <= 0.347 (truncation error < 2e-10), times `2^n`. Relative error a few ulp.
+/// Returns 0 below -28 (where `exp(x) < 2^-40` and the integer weight would be 0 anyway).
+#[inline]
+pub fn exp_det(x: f32) -> f32 {
+    if !(x >= EXP_CUTOFF) {
+        return 0.0;
+    }
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4; // 355/512
+    const LN2_LO: f32 = -2.121_944_4e-4; // ln 2 - LN2_HI
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23: adding and subtracting it rounds to an integer (ties to even)
+    let n = (x * LOG2E + MAGIC) - MAGIC;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let mut p = 1.0f32 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    // n in [-41, 0]: 2^n is a normal f32.
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    p * scale
+}
+
+/// Order key of a bf16 logit (bits), or `None` for NaN and ±inf. Integer order of keys is the
+/// float order of the values; `-0` and `+0` share a key.
+#[inline]
+pub fn key_of(bits: u16) -> Option<u16> {
+    if bits & 0x7f80 == 0x7f80 {
+        return None;
+    }
+    let b = if bits == 0x8000 { 0 } else { bits };
+    Some(if b & 0x8000 != 0 { !b } else { b | 0x8000 })
+}
+
+/// The bf16 value a key stands for.
+#[inline]
+pub fn value_of_key(key: u16) -> f32 {
+    let bits = if key & 0x8000 != 0 { key & 0x7fff } else { !key };
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// The per-request numbers both samplers compute from (host-side, rounded once).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Prepared {
+    /// `1 / temperature` in f32.
+    pub inv_t: f32,
+    /// 0 disables.
+    pub min_p: f32,
+    /// 1 disables.
+    pub top_p: f32,
+    /// 0 disables.
+    pub top_k: u32,
+}
+
+/// True when `p` asks for greedy decoding (a NaN temperature too).
+#[inline]
+pub fn is_greedy(p: &SamplingParams) -> bool {
+    !(p.temperature >= GREEDY_EPS)
+}
+
+impl Prepared {
+    pub fn new(p: &SamplingParams) -> Self {
+        Prepared {
+            inv_t: 1.0f32 / p.temperature,
+            min_p: p.min_p.max(0.0),
+            top_p: if p.top_p > 0.0 && p.top_p < 1.0 { p.top_p } else { 1.0 },
+            top_k: p.top_k.min(u32::MAX as usize) as u32,
         }
     }
-    best.map_or(0, |(i, _)| i as u32)
+
+    /// Integer weight of a key given the row's largest value, or 0 when the key is dropped
+    /// (zero weight or below min-p).
+    #[inline]
+    pub fn weight(&self, key: u16, vmax: f32) -> u64 {
+        let x = (value_of_key(key) - vmax) * self.inv_t;
+        let w = exp_det(x);
+        if w < self.min_p {
+            return 0;
+        }
+        (w * WEIGHT_SCALE) as u64
+    }
 }
 
-/// Samples one token id from `logits` (all rows are candidates).
-pub fn sample(logits: &[f32], p: &SamplingParams, step: u64) -> u32 {
-    if !(p.temperature >= GREEDY_EPS) {
+/// `f64(above) < f64(top_p) · f64(total)`: whether a key with mass `above` ranked strictly above
+/// it survives top-p.
+#[inline]
+pub fn top_p_keeps(above: u64, top_p: f32, total: u64) -> bool {
+    (above as f64) < (top_p as f64) * (total as f64)
+}
+
+/// `⌊z · total / 2^64⌋`.
+#[inline]
+pub fn draw_target(z: u64, total: u64) -> u64 {
+    ((z as u128 * total as u128) >> 64) as u64
+}
+
+/// Index of the largest finite logit, lowest index on ties; an error when none is finite.
+pub fn argmax(logits: &[u16]) -> Result<u32> {
+    let mut best: Option<(usize, u16)> = None;
+    for (i, &b) in logits.iter().enumerate() {
+        let Some(k) = key_of(b) else { continue };
+        match best {
+            Some((_, bk)) if k <= bk => {}
+            _ => best = Some((i, k)),
+        }
+    }
+    match best {
+        Some((i, _)) => Ok(i as u32),
+        None => bail!("every logit is NaN or infinite: the forward pass produced no usable row"),
+    }
+}
+
+/// Samples one token id from a row of bf16 logits (`logits` holds only candidate ids: the
+/// caller cuts off the lm_head's padding rows). `step` counts the request's sampled tokens.
+pub fn sample(logits: &[u16], p: &SamplingParams, step: u64) -> Result<u32> {
+    assert!(logits.len() < 1 << 23, "a row of {} logits would overflow the integer weights", logits.len());
+    if is_greedy(p) {
         return argmax(logits);
     }
-    let inv_t = 1.0f32 / p.temperature;
-    // Scaled logits; None for rows that can never be drawn.
-    let scaled: Vec<Option<f32>> = logits
-        .iter()
-        .map(|&v| {
-            let s = v * inv_t;
-            if s.is_finite() {
-                Some(s)
-            } else {
-                None
+    let pr = Prepared::new(p);
+    let Some(kmax) = logits.iter().filter_map(|&b| key_of(b)).max() else {
+        bail!("every logit is NaN or infinite: the forward pass produced no usable row");
+    };
+    let vmax = value_of_key(kmax);
+    // The distinct keys present, ascending, with their counts: sorted for short rows, through a
+    // dense 65,536-bin histogram for long ones (the lm_head row).
+    let mut present: Vec<(u16, u64)> = Vec::new();
+    if logits.len() < 8192 {
+        let mut keys: Vec<u16> = logits.iter().filter_map(|&b| key_of(b)).collect();
+        keys.sort_unstable();
+        for k in keys {
+            match present.last_mut() {
+                Some((pk, c)) if *pk == k => *c += 1,
+                _ => present.push((k, 1)),
             }
+        }
+    } else {
+        let mut hist = vec![0u32; 1 << 16];
+        for k in logits.iter().filter_map(|&b| key_of(b)) {
+            hist[k as usize] += 1;
+        }
+        present.extend(hist.iter().enumerate().filter(|(_, &c)| c > 0).map(|(k, &c)| (k as u16, c as u64)));
+    }
+    // Surviving keys (nonzero weight), ascending: (key, count, weight).
+    let surv: Vec<(u16, u64, u64)> = present
+        .into_iter()
+        .filter_map(|(k, c)| {
+            let w = pr.weight(k, vmax);
+            (w > 0).then_some((k, c, w))
         })
         .collect();
-    let Some(max) = scaled.iter().flatten().copied().reduce(f32::max) else {
-        return 0;
-    };
-    // w_i = exp(l_i - max l) ∈ (0, 1]; w = 0 marks a dropped row.
-    let mut w: Vec<f64> = scaled.iter().map(|s| s.map_or(0.0, |s| ((s - max) as f64).exp())).collect();
-
-    // min-p: softmax_i / max softmax = w_i (the max has w = 1).
-    if p.min_p > 0.0 {
-        let min_p = p.min_p as f64;
-        for wi in w.iter_mut() {
-            if *wi < min_p {
-                *wi = 0.0;
+    let mass = |j: usize| surv[j].1 * surv[j].2;
+    // top-k: the k-th largest surviving key (all keys when fewer survive).
+    let mut thr_k = 0usize;
+    if pr.top_k > 0 {
+        let mut seen = 0u64;
+        for j in (0..surv.len()).rev() {
+            seen += surv[j].1;
+            if seen >= pr.top_k as u64 {
+                thr_k = j;
+                break;
             }
         }
     }
-
-    let use_top_k = p.top_k > 0 && p.top_k < logits.len();
-    let use_top_p = p.top_p < 1.0;
-    if use_top_k || use_top_p {
-        // Survivors in descending logit order, lower id first on ties.
-        let mut order: Vec<u32> = (0..w.len() as u32).filter(|&i| w[i as usize] > 0.0).collect();
-        let key = |i: &u32| scaled[*i as usize].unwrap_or(f32::NEG_INFINITY);
-        let desc = |a: &u32, b: &u32| key(b).total_cmp(&key(a)).then(a.cmp(b));
-        if use_top_k && p.top_k < order.len() {
-            order.select_nth_unstable_by(p.top_k - 1, desc);
-            let kth = key(&order[p.top_k - 1]);
-            // Ties with the k-th value stay (vLLM masks only `logit < kth`).
-            for &i in &order[p.top_k..] {
-                if key(&i) < kth {
-                    w[i as usize] = 0.0;
-                }
+    // top-p over the survivors of top-k.
+    let mut thr = thr_k;
+    if pr.top_p < 1.0 {
+        let total: u64 = (thr_k..surv.len()).map(mass).sum();
+        let mut above = 0u64;
+        for j in (thr_k..surv.len()).rev() {
+            if !top_p_keeps(above, pr.top_p, total) {
+                break;
             }
-            order.retain(|&i| w[i as usize] > 0.0);
-        }
-        if use_top_p {
-            order.sort_unstable_by(desc);
-            let total: f64 = order.iter().map(|&i| w[i as usize]).sum();
-            let limit = p.top_p as f64 * total;
-            let mut above = 0.0f64;
-            for (r, &i) in order.iter().enumerate() {
-                // Keep the token when the mass ranked above it is < p (the first is always kept).
-                if r > 0 && above >= limit {
-                    w[i as usize] = 0.0;
-                } else {
-                    above += w[i as usize];
-                }
-            }
+            thr = j;
+            above += mass(j);
         }
     }
-
-    let total: f64 = w.iter().sum();
-    let target = uniform(p.seed, step) as f64 * total;
-    let mut acc = 0.0f64;
-    let mut last = None;
-    for (i, &wi) in w.iter().enumerate() {
-        if wi > 0.0 {
-            acc += wi;
-            last = Some(i);
+    let kept: u64 = (thr..surv.len()).map(mass).sum();
+    debug_assert!(kept > 0, "the largest key always has weight 2^40");
+    let thr_key = surv[thr].0;
+    let target = draw_target(draw_bits(p.seed, step), kept);
+    let mut acc = 0u64;
+    for (i, &b) in logits.iter().enumerate() {
+        let Some(k) = key_of(b) else { continue };
+        if k >= thr_key {
+            acc += pr.weight(k, vmax);
             if acc > target {
-                return i as u32;
+                return Ok(i as u32);
             }
         }
     }
-    // Only reachable through rounding at u → 1: the last kept row.
-    last.map_or(0, |i| i as u32)
+    unreachable!("the running sum reaches the kept mass, which exceeds the target")
 }
 
-/// Samples from the first `real_vocab` rows only: the lm_head has padding rows past the
-/// tokenizer's vocabulary (248,320 rows for 248,070 tokens) that must never be produced.
-pub fn sample_vocab(logits: &[f32], real_vocab: usize, p: &SamplingParams, step: u64) -> u32 {
-    let n = real_vocab.min(logits.len());
-    sample(&logits[..n], p, step)
+/// bf16 bits of f32 logits that are bf16 values (the CPU backend's logits are rounded to bf16
+/// by the lm_head); other values are rounded to nearest.
+pub fn bf16_bits(logits: &[f32]) -> Vec<u16> {
+    logits.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect()
 }
 
 #[cfg(test)]
@@ -162,6 +282,10 @@ mod tests {
         SamplingParams { temperature: t, top_k: k, top_p, min_p, seed }
     }
 
+    fn bits(l: &[f32]) -> Vec<u16> {
+        bf16_bits(l)
+    }
+
     fn softmax(l: &[f32], t: f32) -> Vec<f64> {
         let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let e: Vec<f64> = l.iter().map(|&v| (((v - m) / t) as f64).exp()).collect();
@@ -170,9 +294,10 @@ mod tests {
     }
 
     fn counts(l: &[f32], p: &SamplingParams, n: u64) -> Vec<u64> {
+        let b = bits(l);
         let mut c = vec![0u64; l.len()];
         for step in 0..n {
-            c[sample(l, p, step) as usize] += 1;
+            c[sample(&b, p, step).unwrap() as usize] += 1;
         }
         c
     }
@@ -192,54 +317,106 @@ mod tests {
         x
     }
 
-    const LOGITS: [f32; 8] = [1.0, 2.5, -0.5, 2.5, 0.3, -3.0, 1.7, 0.0];
+    // bf16-exact values.
+    const LOGITS: [f32; 8] = [1.0, 2.5, -0.5, 2.5, 0.3125, -3.0, 1.75, 0.0];
+
+    #[test]
+    fn exp_det_is_accurate_and_cut_off() {
+        let mut worst = 0.0f64;
+        let mut x = 0.0f32;
+        while x >= EXP_CUTOFF {
+            let e = (x as f64).exp();
+            let rel = (exp_det(x) as f64 - e).abs() / e;
+            worst = worst.max(rel);
+            x -= 0.001_37;
+        }
+        // A few f32 ulp (2^-23 = 1.2e-7).
+        assert!(worst < 6e-7, "exp_det relative error {worst}");
+        assert_eq!(exp_det(0.0), 1.0);
+        assert_eq!(exp_det(-28.01), 0.0);
+        assert_eq!(exp_det(f32::NEG_INFINITY), 0.0);
+        // Below the cutoff the integer weight would be 0 anyway.
+        assert_eq!(((-28.0f64).exp() * (1u64 << 40) as f64) as u64, 0);
+        assert!((exp_det(-27.7) * WEIGHT_SCALE) as u64 >= 1);
+    }
+
+    #[test]
+    fn keys_order_like_values() {
+        let mut finite: Vec<u16> = (0..=u16::MAX).filter(|&b| key_of(b).is_some()).collect();
+        finite.sort_by(|&a, &b| {
+            let (x, y) = (f32::from_bits((a as u32) << 16), f32::from_bits((b as u32) << 16));
+            x.partial_cmp(&y).unwrap()
+        });
+        for w in finite.windows(2) {
+            let (ka, kb) = (key_of(w[0]).unwrap(), key_of(w[1]).unwrap());
+            let (x, y) = (f32::from_bits((w[0] as u32) << 16), f32::from_bits((w[1] as u32) << 16));
+            if x == y {
+                assert_eq!(ka, kb); // -0 and +0
+            } else {
+                assert!(ka < kb, "{x} {y}");
+            }
+            assert_eq!(value_of_key(ka), x.abs().copysign(if x == 0.0 { 1.0 } else { x }));
+        }
+        assert_eq!(key_of(0x7f80), None); // +inf
+        assert_eq!(key_of(0xff80), None); // -inf
+        assert_eq!(key_of(0x7fc0), None); // NaN
+    }
 
     #[test]
     fn greedy_is_argmax_lowest_index_on_ties() {
         let g = SamplingParams::greedy();
-        assert_eq!(sample(&LOGITS, &g, 0), 1); // 2.5 at 1 and 3: lowest index
-        assert_eq!(sample(&[0.0, -1.0, 7.0, f32::NAN], &g, 5), 2);
-        assert_eq!(sample(&[f32::NAN, f32::NAN], &g, 0), 0);
-        // Below the greedy epsilon counts as greedy.
-        assert_eq!(sample(&LOGITS, &params(1e-6, 0, 1.0, 0.0, 9), 3), 1);
+        assert_eq!(sample(&bits(&LOGITS), &g, 0).unwrap(), 1); // 2.5 at 1 and 3: lowest index
+        assert_eq!(sample(&bits(&[0.0, -1.0, 7.0, f32::NAN]), &g, 5).unwrap(), 2);
+        assert_eq!(sample(&bits(&[0.0, f32::INFINITY, -1.0]), &g, 5).unwrap(), 0);
+        // Below the greedy epsilon counts as greedy, and so does a NaN temperature.
+        assert_eq!(sample(&bits(&LOGITS), &params(1e-6, 0, 1.0, 0.0, 9), 3).unwrap(), 1);
+        assert_eq!(sample(&bits(&LOGITS), &params(f32::NAN, 0, 1.0, 0.0, 9), 3).unwrap(), 1);
     }
 
     #[test]
-    fn uniform_is_in_range_and_seeded() {
+    fn a_row_without_finite_logits_is_an_error_in_every_mode() {
+        let row = bits(&[f32::NAN, f32::INFINITY, f32::NEG_INFINITY]);
+        for p in [SamplingParams::greedy(), params(1.0, 0, 1.0, 0.0, 1), params(0.7, 20, 0.95, 0.05, 1)] {
+            let e = sample(&row, &p, 0).unwrap_err().to_string();
+            assert!(e.contains("NaN"), "{e}");
+        }
+    }
+
+    #[test]
+    fn draw_bits_are_seeded() {
         let mut seen = std::collections::HashSet::new();
         for s in 0..50u64 {
             for step in 0..50u64 {
-                let u = uniform(s, step);
-                assert!((0.0..1.0).contains(&u));
-                seen.insert(u.to_bits());
+                seen.insert(draw_bits(s, step));
             }
         }
-        // 2,500 draws of 24 bits: collisions are possible but rare (birthday ≈ 0.19 expected).
-        assert!(seen.len() >= 2495, "{}", seen.len());
-        assert_eq!(uniform(7, 11), uniform(7, 11));
-        assert_ne!(uniform(7, 11), uniform(8, 11));
-        // Pinned value so a CUDA port can check itself against the same number.
-        let z = mix64(mix64(7u64.wrapping_add(GAMMA)) ^ 12u64.wrapping_mul(GAMMA));
-        assert_eq!(uniform(7, 11), (z >> 40) as f32 / 16777216.0);
+        assert_eq!(seen.len(), 2500);
+        assert_eq!(draw_bits(7, 11), draw_bits(7, 11));
+        // Pinned value so that the CUDA port checks itself against the same number.
+        assert_eq!(draw_bits(7, 11), mix64(mix64(7u64.wrapping_add(GAMMA)) ^ 12u64.wrapping_mul(GAMMA)));
+        assert_eq!(draw_target(u64::MAX, 10), 9);
+        assert_eq!(draw_target(0, 10), 0);
+        assert_eq!(draw_target(1 << 63, 10), 5);
     }
 
     #[test]
     fn a_seed_reproduces_and_seeds_differ() {
+        let b = bits(&LOGITS);
         let p = params(1.0, 0, 1.0, 0.0, 1234);
-        let a: Vec<u32> = (0..200).map(|s| sample(&LOGITS, &p, s)).collect();
-        let b: Vec<u32> = (0..200).map(|s| sample(&LOGITS, &p, s)).collect();
-        assert_eq!(a, b);
+        let a: Vec<u32> = (0..200).map(|s| sample(&b, &p, s).unwrap()).collect();
+        let again: Vec<u32> = (0..200).map(|s| sample(&b, &p, s).unwrap()).collect();
+        assert_eq!(a, again);
         let q = params(1.0, 0, 1.0, 0.0, 1235);
-        let c: Vec<u32> = (0..200).map(|s| sample(&LOGITS, &q, s)).collect();
+        let c: Vec<u32> = (0..200).map(|s| sample(&b, &q, s).unwrap()).collect();
         assert_ne!(a, c);
     }
 
     #[test]
     fn top_k_1_and_tiny_top_p_are_greedy() {
-        let l = [0.1f32, 3.0, 2.9, -1.0, 2.95];
+        let l = bits(&[0.1, 3.0, 2.875, -1.0, 2.9375]);
         for step in 0..500 {
-            assert_eq!(sample(&l, &params(1.5, 1, 1.0, 0.0, 3), step), 1);
-            assert_eq!(sample(&l, &params(1.5, 0, 1e-6, 0.0, 3), step), 1);
+            assert_eq!(sample(&l, &params(1.5, 1, 1.0, 0.0, 3), step).unwrap(), 1);
+            assert_eq!(sample(&l, &params(1.5, 0, 1e-6, 0.0, 3), step).unwrap(), 1);
         }
     }
 
@@ -247,16 +424,12 @@ mod tests {
     fn min_p_drops_rows_below_fraction_of_max_prob() {
         // probs ∝ exp(l): ratios to max are 1, e^-1 ≈ 0.368, e^-2 ≈ 0.135, e^-3 ≈ 0.050.
         let l = [0.0f32, -1.0, -2.0, -3.0];
-        let p = params(1.0, 0, 1.0, 0.2, 77);
-        let c = counts(&l, &p, 20_000);
+        let c = counts(&l, &params(1.0, 0, 1.0, 0.2, 77), 20_000);
         assert_eq!(c[2], 0);
         assert_eq!(c[3], 0);
-        let probs = {
-            let s = 1.0 + (-1.0f64).exp();
-            vec![1.0 / s, (-1.0f64).exp() / s, 0.0, 0.0]
-        };
+        let s = 1.0 + (-1.0f64).exp();
         // df = 1; 10.83 is the p = 0.001 critical value.
-        assert!(chi2(&c, &probs, 20_000) < 10.83);
+        assert!(chi2(&c, &[1.0 / s, (-1.0f64).exp() / s, 0.0, 0.0], 20_000) < 10.83);
         // min_p = 0.1 keeps the row at 0.135.
         let c = counts(&l, &params(1.0, 0, 1.0, 0.1, 77), 20_000);
         assert!(c[2] > 0 && c[3] == 0);
@@ -269,8 +442,7 @@ mod tests {
         // seed; with the fixed seed the outcome is deterministic.
         let n = 200_000;
         for &t in &[0.7f32, 1.0, 1.8] {
-            let p = params(t, 0, 1.0, 0.0, 42);
-            let c = counts(&LOGITS, &p, n);
+            let c = counts(&LOGITS, &params(t, 0, 1.0, 0.0, 42), n);
             let x = chi2(&c, &softmax(&LOGITS, t), n);
             assert!(x < 24.32, "T={t}: chi2 = {x}");
         }
@@ -279,7 +451,7 @@ mod tests {
     #[test]
     fn top_k_and_top_p_renormalise_the_kept_set() {
         let n = 100_000;
-        // top_k = 3 keeps {1, 3} (2.5, tied) and 6 (1.7).
+        // top_k = 3 keeps {1, 3} (2.5, tied) and 6 (1.75).
         let c = counts(&LOGITS, &params(1.0, 3, 1.0, 0.0, 5), n);
         let mut probs = softmax(&LOGITS, 1.0);
         for (i, pr) in probs.iter_mut().enumerate() {
@@ -296,34 +468,103 @@ mod tests {
         let c = counts(&LOGITS, &params(1.0, 1, 1.0, 0.0, 5), 2000);
         assert!(c[1] > 0 && c[3] > 0 && c[1] + c[3] == 2000);
 
-        // top_p = 0.5 on probs [0.5, 0.3, 0.2]: mass above rank 2 is 0.5, not < 0.5 → only rank 1.
-        let l: Vec<f32> = [0.5f64, 0.3, 0.2].iter().map(|x| x.ln() as f32).collect();
-        let c = counts(&l, &params(1.0, 0, 0.5, 0.0, 5), 2000);
+        // Relative weights 1 : 0.5 : 0.25 (logits 0, -ln 2, -2 ln 2 are not bf16-exact, so use
+        // powers of two at T = 1/ln 2: x = v · ln 2).
+        let t = 1.0 / std::f32::consts::LN_2;
+        let l = [0.0f32, -1.0, -2.0];
+        // Probabilities 4/7, 2/7, 1/7. top_p = 4/7 exactly: mass above rank 2 is 4/7, not < p.
+        let c = counts(&l, &params(t, 0, 0.571, 0.0, 5), 2000);
         assert_eq!(c, vec![2000, 0, 0]);
-        // top_p = 0.6 keeps ranks 1 and 2 in ratio 5:3.
-        let c = counts(&l, &params(1.0, 0, 0.6, 0.0, 5), n);
+        // top_p = 0.6 keeps ranks 1 and 2 in ratio 2:1.
+        let c = counts(&l, &params(t, 0, 0.6, 0.0, 5), n);
         assert_eq!(c[2], 0);
         // df = 1; 10.83 at p = 0.001.
-        assert!(chi2(&c, &[0.625, 0.375, 0.0], n) < 10.83);
+        assert!(chi2(&c, &[2.0 / 3.0, 1.0 / 3.0, 0.0], n) < 10.83);
+        // Ties are kept or dropped together: [a, a, b] with top_p small keeps both a's.
+        let c = counts(&[1.0, 1.0, 0.0], &params(1.0, 0, 0.1, 0.0, 5), 2000);
+        assert!(c[0] > 0 && c[1] > 0 && c[2] == 0);
     }
 
     #[test]
-    fn padding_rows_are_never_sampled() {
-        let mut l = vec![0.0f32; 10];
-        l[8] = 100.0; // a padding row with a huge logit
-        let g = SamplingParams::greedy();
-        assert_eq!(sample_vocab(&l, 8, &g, 0), 0);
-        for step in 0..2000 {
-            assert!(sample_vocab(&l, 8, &params(1.0, 0, 1.0, 0.0, 1), step) < 8);
-        }
+    fn far_tail_has_zero_weight() {
+        // 30 nats below the max at T = 1: weight 0, never drawn.
+        let l = [0.0f32, -30.0];
+        let c = counts(&l, &params(1.0, 0, 1.0, 0.0, 5), 5000);
+        assert_eq!(c[1], 0);
+        // At T = 2 the same gap is 15 nats: drawable (weight ≈ 3e-7 · 2^40).
+        let b = bits(&l);
+        assert!(Prepared::new(&params(2.0, 0, 1.0, 0.0, 5)).weight(key_of(b[1]).unwrap(), 0.0) > 0);
     }
 
     #[test]
     fn non_finite_logits_are_skipped() {
-        let l = [f32::NAN, 1.0, f32::INFINITY, 0.5];
+        let l = bits(&[f32::NAN, 1.0, f32::INFINITY, 0.5]);
         for step in 0..1000 {
-            let t = sample(&l, &params(1.0, 0, 0.9, 0.0, 2), step);
+            let t = sample(&l, &params(1.0, 0, 0.9, 0.0, 2), step).unwrap();
             assert!(t == 1 || t == 3);
+        }
+    }
+
+    /// The integer formulation agrees with a float formulation of the same rules (f64 weights,
+    /// sort-based top-k / top-p) on which tokens are kept, for random rows and parameters.
+    #[test]
+    fn kept_set_matches_a_float_formulation() {
+        let mut rng = 0x1234_5678u64;
+        let mut next = || {
+            rng = mix64(rng.wrapping_add(GAMMA));
+            rng
+        };
+        for case in 0..300 {
+            let n = 1 + (next() % 300) as usize;
+            let spread = [0.5f32, 3.0, 12.0][case % 3];
+            let l: Vec<f32> = (0..n)
+                .map(|_| {
+                    let u = (next() >> 40) as f32 / (1u64 << 24) as f32;
+                    half::bf16::from_f32((u - 0.5) * 2.0 * spread).to_f32()
+                })
+                .collect();
+            let t = [0.3f32, 0.7, 1.0, 1.6][case % 4];
+            let k = [0usize, 1, 5, 20, 1000][case % 5];
+            let top_p = [1.0f32, 0.95, 0.5, 0.8][(case / 5) % 4];
+            let min_p = [0.0f32, 0.05][(case / 20) % 2];
+            let p = params(t, k, top_p, min_p, case as u64);
+            // Float formulation of the same kept set.
+            let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let w: Vec<f64> = l.iter().map(|&v| (((v - m) * (1.0 / t)) as f64).exp()).collect();
+            let mut order: Vec<usize> = (0..n).filter(|&i| w[i] >= min_p as f64 && w[i] > 2e-12).collect();
+            order.sort_by(|&a, &b| l[b].partial_cmp(&l[a]).unwrap().then(a.cmp(&b)));
+            if k > 0 && k < order.len() {
+                let kth = l[order[k - 1]];
+                order.retain(|&i| l[i] >= kth);
+            }
+            if top_p < 1.0 {
+                let total: f64 = order.iter().map(|&i| w[i]).sum();
+                let mut above = 0.0;
+                let mut keep = Vec::new();
+                let mut r = 0;
+                while r < order.len() {
+                    let v = l[order[r]];
+                    let group: Vec<usize> = order[r..].iter().copied().take_while(|&i| l[i] == v).collect();
+                    if !keep.is_empty() && above >= top_p as f64 * total {
+                        break;
+                    }
+                    above += group.iter().map(|&i| w[i]).sum::<f64>();
+                    r += group.len();
+                    keep.extend(group);
+                }
+                order = keep;
+            }
+            let kept: std::collections::HashSet<usize> = order.into_iter().collect();
+            let b = bits(&l);
+            for step in 0..40 {
+                let got = sample(&b, &p, step).unwrap() as usize;
+                // A float-formulation boundary within rounding of the integer one could differ;
+                // with these bf16 inputs it never does, so any difference is a bug.
+                assert!(
+                    kept.contains(&got),
+                    "case {case}: drew {got}, not in the kept set {kept:?} (row {l:?}, {p:?})"
+                );
+            }
         }
     }
 }

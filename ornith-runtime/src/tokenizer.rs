@@ -81,12 +81,26 @@ impl Tokenizer {
     }
 
     /// Text of `ids`; with `skip_special`, added tokens flagged special are dropped (`<think>`
-    /// and the tool markers are not special and stay).
+    /// and the tool markers are not special and stay). An id the tokenizer does not know (the
+    /// samplers never produce one) becomes U+FFFD rather than failing the whole text.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.bytes.len()) {
-            bail!("token id {bad} is outside the vocabulary (size {})", self.bytes.len());
+        let known = |id: &u32| self.bytes.get(*id as usize).is_some_and(|b| !b.is_empty());
+        if ids.iter().all(known) {
+            return self.inner.decode(ids, skip_special).map_err(|e| anyhow!("decoding failed: {e}"));
         }
-        self.inner.decode(ids, skip_special).map_err(|e| anyhow!("decoding failed: {e}"))
+        let mut out = String::new();
+        for (i, run) in ids.split(|id| !known(id)).enumerate() {
+            if i > 0 {
+                out.push(char::REPLACEMENT_CHARACTER);
+            }
+            out.push_str(&self.inner.decode(run, skip_special).map_err(|e| anyhow!("decoding failed: {e}"))?);
+        }
+        Ok(out)
+    }
+
+    /// True when `id` stands for a token (an id past the vocabulary, or a hole in it, does not).
+    pub fn knows(&self, id: u32) -> bool {
+        self.bytes.get(id as usize).is_some_and(|b| !b.is_empty())
     }
 
     pub fn token_id(&self, token: &str) -> Option<u32> {
@@ -117,13 +131,14 @@ pub struct DecodeStream<'a> {
 }
 
 impl DecodeStream<'_> {
-    /// Adds `id`; returns the text completed by it, if any.
+    /// Adds `id`; returns the text completed by it, if any. An id the tokenizer does not know
+    /// stands for U+FFFD (as in [`Tokenizer::decode`]): the completion is kept.
     pub fn push(&mut self, id: u32) -> Result<Option<String>> {
-        let b = self
-            .tok
-            .bytes
-            .get(id as usize)
-            .with_context(|| format!("token id {id} is outside the vocabulary (size {})", self.tok.bytes.len()))?;
+        const REPLACEMENT: &[u8] = "\u{FFFD}".as_bytes();
+        let b = match self.tok.bytes.get(id as usize) {
+            Some(b) if !b.is_empty() => b.as_slice(),
+            _ => REPLACEMENT,
+        };
         if self.skip_special && self.tok.special.contains(&id) {
             return Ok(None);
         }

@@ -147,6 +147,10 @@ impl Generator for ScriptGen {
     fn vocab_size(&self) -> usize {
         259
     }
+    fn limit_vocab(&mut self, n: usize) -> anyhow::Result<()> {
+        anyhow::ensure!(n > 0 && n <= 259, "limit_vocab({n})");
+        Ok(())
+    }
     fn prefill(&mut self, prompt: &[u32], params: &SamplingParams) -> anyhow::Result<u32> {
         assert!(!prompt.is_empty() && prompt.len() < self.ctx, "front end sent a bad prompt");
         self.calls.push(*params);

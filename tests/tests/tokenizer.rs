@@ -227,3 +227,26 @@ fn generated_files_are_deterministic() {
     }
     let _ = std::fs::remove_dir_all(&b);
 }
+
+/// An id outside the vocabulary (the lm_head's padding rows) decodes to U+FFFD, in one piece
+/// and streamed, and the text around it survives.
+#[test]
+fn unknown_ids_degrade_to_replacement_characters() {
+    let t = tokenizer();
+    let n = t.vocab_size() as u32;
+    let mut ids = t.encode("Hello world").unwrap();
+    ids.insert(1, n + 200);
+    let whole = t.decode(&ids, false).unwrap();
+    assert!(whole.contains('\u{FFFD}') && whole.starts_with("Hello") && whole.ends_with(" world"), "{whole}");
+    let mut s = t.decode_stream(false);
+    let mut streamed = String::new();
+    for &id in &ids {
+        streamed.push_str(&s.push(id).unwrap().unwrap_or_default());
+    }
+    streamed.push_str(&s.flush().unwrap_or_default());
+    assert_eq!(streamed, whole);
+    assert!(!t.knows(n) && t.knows(0));
+    // Every id below the vocabulary size stands for a token: the samplers' candidate range
+    // `0..vocab_size` holds no hole.
+    assert!((0..n).all(|id| t.knows(id)), "the tokenizer has ids without a token below {n}");
+}

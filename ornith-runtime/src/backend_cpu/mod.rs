@@ -387,9 +387,10 @@ impl Backend for CpuBackend {
         Ok(CpuLogits { rows, vocab: d.vocab_size, data: y.iter().map(|v| v.to_f32()).collect() })
     }
 
-    fn sample(&self, logits: &CpuLogits, params: &SamplingParams, step: u64) -> Result<u32> {
-        let last = &logits.data[(logits.rows - 1) * logits.vocab..];
-        Ok(crate::sampling::sample(last, params, step))
+    fn sample(&self, logits: &CpuLogits, n: usize, params: &SamplingParams, step: u64) -> Result<u32> {
+        ensure!(n > 0 && n <= logits.vocab, "sampling {n} of {} logits", logits.vocab);
+        let last = &logits.data[(logits.rows - 1) * logits.vocab..][..n];
+        crate::sampling::sample(&crate::sampling::bf16_bits(last), params, step)
     }
 
     fn logits_to_host(&self, logits: &CpuLogits) -> Result<Vec<f32>> {

@@ -222,6 +222,8 @@ pub struct CudaBackend {
     graphs: AtomicBool,
     /// A kernel whose launches are not issued (`ornith-bench`'s in-graph ablation; None normally).
     skip: Mutex<Option<&'static str>>,
+    /// The device sampler's buffers (one row).
+    sampler: Mutex<crate::cuda::sample::SampleScratch>,
 }
 
 // SAFETY: all device work goes through the one stream of `cx`; the scratch buffers are only
@@ -245,6 +247,7 @@ impl CudaBackend {
         plan.check(free, source, total as u64, cx.device_name())?;
         let sz = ScratchSizes::new(dims);
         let s = Scratch::new(&cx, dims, &sz)?;
+        let sampler = Mutex::new(crate::cuda::sample::SampleScratch::new(&cx, 1, dims.vocab_size)?);
         let dec = DecodeBufs {
             io: cx.alloc(2)?,
             h: Arc::new(cx.alloc(dims.hidden_size)?),
@@ -263,6 +266,7 @@ impl CudaBackend {
             decoding: AtomicBool::new(false),
             graphs: AtomicBool::new(true),
             skip: Mutex::new(None),
+            sampler,
         })
     }
 
@@ -1027,23 +1031,20 @@ impl Backend for CudaBackend {
         Ok(CudaLogits { rows, vocab: v, buf })
     }
 
-    fn sample(&self, logits: &CudaLogits, params: &SamplingParams, step: u64) -> Result<u32> {
+    fn sample(&self, logits: &CudaLogits, n: usize, params: &SamplingParams, step: u64) -> Result<u32> {
         let v = logits.vocab;
+        ensure!(n > 0 && n <= v, "sampling {n} of {v} logits");
         let last = (logits.rows - 1) * v;
-        // Negated so that a NaN temperature is greedy, as in `crate::sampling::sample`.
-        #[allow(clippy::neg_cmp_op_on_partial_ord)]
-        let greedy = !(params.temperature >= crate::sampling::GREEDY_EPS);
-        if greedy {
-            self.k_argmax(at(self, &logits.buf, last), at(self, &self.s.amax, 0), v)?;
+        if crate::sampling::is_greedy(params) {
+            self.k_argmax(at(self, &logits.buf, last), at(self, &self.s.amax, 0), n)?;
             let mut i = [0i32];
             self.cx.stream().memcpy_dtoh(&self.s.amax, &mut i)?;
-            ensure!(i[0] >= 0, "every logit is NaN");
+            ensure!(i[0] >= 0, "every logit is NaN or infinite: the forward pass produced no usable row");
             return Ok(i[0] as u32);
         }
-        let mut row = vec![0u16; v];
-        self.cx.stream().memcpy_dtoh(&logits.buf.slice(last..last + v), &mut row)?;
-        let f: Vec<f32> = row.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
-        Ok(crate::sampling::sample(&f, params, step))
+        let mut s = self.sampler.lock().unwrap_or_else(|e| e.into_inner());
+        self.cx.sample_rows(&logits.buf, last, v, n, &[(*params, step)], &mut s)?;
+        Ok(self.cx.sampled_ids(&s, 1)?[0])
     }
 
     fn logits_to_host(&self, logits: &CudaLogits) -> Result<Vec<f32>> {

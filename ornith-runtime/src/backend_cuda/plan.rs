@@ -151,7 +151,8 @@ impl ScratchSizes {
                 + 1
                 + 2 * (d.num_experts + 1)
                 + 2 * c * d.top_k);
-        (bf + self.xq + self.aq + f4 + 4 * self.gdn_work) as u64
+        let sampler = crate::cuda::sample::SampleScratch::bytes(1, d.vocab_size);
+        (bf + self.xq + self.aq + f4 + 4 * self.gdn_work) as u64 + sampler
     }
 }
 

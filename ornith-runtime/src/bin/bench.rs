@@ -1,6 +1,8 @@
 //! `ornith-bench`: batch-1 speed of the CUDA backend on the checkpoint this binary was compiled
 //! for. For each prompt length: TTFT (prefill + first token), prefill tok/s, decode tok/s over
-//! `--gen` greedy tokens (warm), the bytes a decode step must read and the fraction of the
+//! `--gen` tokens (warm) three ways — greedy, the checkpoint's default sampling
+//! (generation_config.json) and top-p only (T 0.7, top-p 0.8), all sampled on the device from the
+//! tokenizer's ids as the engine does — the bytes a decode step must read and the fraction of the
 //! measured device copy bandwidth that implies, and per-kernel times of one decode step and of one prefill (CUDA
 //! events). JSON on stdout, a table on stderr.
 use anyhow::{Context, Result};
@@ -29,7 +31,7 @@ struct Args {
     /// Prompt lengths in tokens, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "512,2048,8192,32768,131072")]
     prompts: Vec<usize>,
-    /// Greedy tokens generated (timed) after each prefill.
+    /// Tokens generated (timed) after each prefill, per decode mode.
     #[arg(long, default_value_t = 128)]
     gen: usize,
     /// Skip prompt lengths once this many seconds have passed.
@@ -43,7 +45,12 @@ struct Run {
     ttft_s: f64,
     prefill_tok_s: f64,
     decode_tokens: usize,
+    /// Greedy decode (argmax on the device).
     decode_tok_s: f64,
+    /// The same number of steps with the checkpoint's default sampling (`sampling_default`).
+    decode_default_sampling_tok_s: f64,
+    /// And with top-p only (`sampling_top_p`).
+    decode_top_p_tok_s: f64,
     /// The same decode steps with every launch issued eagerly (no CUDA graph), for comparison.
     decode_eager_tok_s: f64,
     /// The same decode steps as a graph captured with programmatic dependent launch.
@@ -76,6 +83,10 @@ struct Report {
     routed_expert_bytes: u64,
     kv_cache_bytes: u64,
     max_context: usize,
+    /// Candidate ids sampled (the tokenizer's vocabulary; the lm_head has more rows).
+    sample_vocab: usize,
+    sampling_default: String,
+    sampling_top_p: String,
     memory_plan: ornith_runtime::backend_cuda::plan::MemoryPlan,
     runs: Vec<Run>,
 }
@@ -171,9 +182,23 @@ fn run() -> Result<()> {
     let ck = Checkpoint::open(&dir, compiled::FINGERPRINT)?;
     let d = compiled::DIMS;
     let max_prompt = args.prompts.iter().copied().max().unwrap_or(512);
-    // Room for the graph-decoded tokens, as many with PDL, as many eager ones, the profiled step
-    // and the ablation's steps.
-    let ctx = (max_prompt + 3 * args.gen + 16 + ABLATION_ROOM).min(d.max_position_embeddings);
+    // Room for the graph-decoded tokens (greedy, default sampling, top-p), as many with PDL, as
+    // many eager ones, the profiled step and the ablation's steps.
+    let ctx = (max_prompt + 5 * args.gen + 16 + ABLATION_ROOM).min(d.max_position_embeddings);
+    let n_vocab = ornith_runtime::tokenizer::Tokenizer::from_file(&dir.join("tokenizer.json"))?.vocab_size();
+    anyhow::ensure!(n_vocab <= d.vocab_size, "the tokenizer has {n_vocab} ids, the lm_head {} rows", d.vocab_size);
+    let gd = ornith_runtime::protocol::GenerationDefaults::from_model_dir(&dir)?;
+    let default_sampling =
+        SamplingParams { temperature: gd.temperature, top_k: gd.top_k, top_p: gd.top_p, min_p: gd.min_p, seed: 7 };
+    let top_p_only = SamplingParams { temperature: 0.7, top_k: 0, top_p: 0.8, min_p: 0.0, seed: 8 };
+    let describe = |q: &SamplingParams| {
+        format!("temperature {}, top_k {}, top_p {}, min_p {}", q.temperature, q.top_k, q.top_p, q.min_p)
+    };
+    eprintln!(
+        "ornith-bench: sampling {n_vocab} ids; default sampling: {}; top-p row: {}",
+        describe(&default_sampling),
+        describe(&top_p_only)
+    );
     let cx = CudaContext::new(0)?;
     let device = cx.device_name().to_string();
     let bw = copy_bandwidth(&cx)?;
@@ -202,15 +227,15 @@ fn run() -> Result<()> {
     {
         st.reset(&b);
         let l = model.prefill(&b, &mut st, &prompt(64, d.vocab_size), false, &mut |_, _| {})?;
-        let mut t = b.sample(&l, &greedy, 0)?;
+        let mut t = b.sample(&l, n_vocab, &greedy, 0)?;
         for i in 0..16 {
-            t = b.sample(&model.decode_step(&b, &mut st, t)?, &greedy, i + 1)?;
+            t = b.sample(&model.decode_step(&b, &mut st, t)?, n_vocab, &greedy, i + 1)?;
         }
     }
     let started = Instant::now();
     let mut runs = Vec::new();
     for &p in &args.prompts {
-        if p + 3 * args.gen + 2 + ABLATION_ROOM > ctx {
+        if p + 5 * args.gen + 2 + ABLATION_ROOM > ctx {
             eprintln!("ornith-bench: skipping prompt {p}: exceeds the context {ctx}");
             continue;
         }
@@ -222,18 +247,28 @@ fn run() -> Result<()> {
         st.reset(&b);
         let t0 = Instant::now();
         let l = model.prefill(&b, &mut st, &ids, false, &mut |_, _| {})?;
-        let mut tok = b.sample(&l, &greedy, 0)?;
+        let mut tok = b.sample(&l, n_vocab, &greedy, 0)?;
         let ttft = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         for i in 0..args.gen {
-            tok = b.sample(&model.decode_step(&b, &mut st, tok)?, &greedy, i as u64 + 1)?;
+            tok = b.sample(&model.decode_step(&b, &mut st, tok)?, n_vocab, &greedy, i as u64 + 1)?;
         }
         let dec = t1.elapsed().as_secs_f64();
+        // The same number of steps with sampling: the checkpoint's default, then top-p only.
+        let mut sampled = |q: &SamplingParams, tok: &mut u32| -> Result<f64> {
+            let t = Instant::now();
+            for i in 0..args.gen {
+                *tok = b.sample(&model.decode_step(&b, &mut st, *tok)?, n_vocab, q, i as u64 + 1)?;
+            }
+            Ok(t.elapsed().as_secs_f64())
+        };
+        let dec_default = sampled(&default_sampling, &mut tok)?;
+        let dec_top_p = sampled(&top_p_only, &mut tok)?;
         // The same number of steps again with eager launches (the graph's gain).
         b.set_decode_graph(false);
         let t2 = Instant::now();
         for i in 0..args.gen {
-            tok = b.sample(&model.decode_step(&b, &mut st, tok)?, &greedy, (args.gen + i) as u64 + 1)?;
+            tok = b.sample(&model.decode_step(&b, &mut st, tok)?, n_vocab, &greedy, (args.gen + i) as u64 + 1)?;
         }
         let dec_eager = t2.elapsed().as_secs_f64();
         b.set_decode_graph(true);
@@ -241,14 +276,14 @@ fn run() -> Result<()> {
         b.context().set_pdl(true);
         let t3 = Instant::now();
         for i in 0..args.gen {
-            tok = b.sample(&model.decode_step(&b, &mut st, tok)?, &greedy, (2 * args.gen + i) as u64 + 1)?;
+            tok = b.sample(&model.decode_step(&b, &mut st, tok)?, n_vocab, &greedy, (2 * args.gen + i) as u64 + 1)?;
         }
         let dec_pdl = t3.elapsed().as_secs_f64();
         b.context().set_pdl(false);
         // One more step with every launch timed by events.
         b.profile_begin();
         let l = model.decode_step(&b, &mut st, tok)?;
-        let _ = b.sample(&l, &greedy, 0)?;
+        let _ = b.sample(&l, n_vocab, &greedy, 0)?;
         let times = b.profile_end()?;
         let kernels = summarize(&times);
         let kernel_us: f64 = times.iter().map(|t| t.us).sum();
@@ -273,6 +308,8 @@ fn run() -> Result<()> {
             prefill_tok_s: p as f64 / ttft,
             decode_tokens: args.gen,
             decode_tok_s: tok_s,
+            decode_default_sampling_tok_s: args.gen as f64 / dec_default,
+            decode_top_p_tok_s: args.gen as f64 / dec_top_p,
             decode_eager_tok_s: args.gen as f64 / dec_eager,
             decode_pdl_tok_s: args.gen as f64 / dec_pdl,
             decode_ms_per_token: dec * 1e3 / args.gen as f64,
@@ -291,16 +328,29 @@ fn run() -> Result<()> {
     }
 
     eprintln!(
-        "\n{:>8} {:>9} {:>11} {:>10} {:>10} {:>10} {:>9} {:>11} {:>9} {:>8}",
-        "prompt", "TTFT s", "prefill t/s", "decode t/s", "PDL t/s", "eager t/s", "ms/tok", "MB/token", "GB/s", "% ceil"
+        "\n{:>8} {:>9} {:>11} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>11} {:>9} {:>8}",
+        "prompt",
+        "TTFT s",
+        "prefill t/s",
+        "greedy t/s",
+        "default t/s",
+        "top-p t/s",
+        "PDL t/s",
+        "eager t/s",
+        "ms/tok",
+        "MB/token",
+        "GB/s",
+        "% ceil"
     );
     for r in &runs {
         eprintln!(
-            "{:>8} {:>9.3} {:>11.0} {:>10.1} {:>10.1} {:>10.1} {:>9.2} {:>11.1} {:>9.0} {:>7.1}%",
+            "{:>8} {:>9.3} {:>11.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>9.2} {:>11.1} {:>9.0} {:>7.1}%",
             r.prompt_tokens,
             r.ttft_s,
             r.prefill_tok_s,
             r.decode_tok_s,
+            r.decode_default_sampling_tok_s,
+            r.decode_top_p_tok_s,
             r.decode_pdl_tok_s,
             r.decode_eager_tok_s,
             r.decode_ms_per_token,
@@ -368,6 +418,9 @@ fn run() -> Result<()> {
         routed_expert_bytes: expert_bytes,
         kv_cache_bytes: plan.kv_cache,
         max_context: ctx,
+        sample_vocab: n_vocab,
+        sampling_default: describe(&default_sampling),
+        sampling_top_p: describe(&top_p_only),
         memory_plan: plan,
         runs,
     };

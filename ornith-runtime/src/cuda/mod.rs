@@ -16,6 +16,7 @@ pub mod launch;
 pub mod prefill;
 #[cfg(test)]
 mod prefill_tests;
+pub mod sample;
 #[cfg(test)]
 mod test_util;
 #[cfg(test)]
@@ -28,7 +29,7 @@ const KERNELS: [(Module, &[&str]); 10] = [
     (Module::Moe, &["moe_router_topk", "swiglu_quant", "moe_combine"]),
     (Module::Gdn, &["conv1d_silu", "conv1d_silu_chunk", "gdn_recurrent", "gated_rmsnorm"]),
     (Module::Attention, &["qk_norm_rope", "attn_decode_split", "attn_decode_combine"]),
-    (Module::Sample, &["argmax_bf16"]),
+    (Module::Sample, &["argmax_bf16", "sample_prep", "sample_hist", "sample_select", "sample_draw"]),
     (Module::Gemm, &["gemm_fp8", "gemm_bf16", "gemm_fp8_grouped", "quantize_fp8_ct"]),
     (Module::GdnChunk, &["gdn_chunk_prep", "gdn_chunk_scan"]),
     (Module::FlashAttn, &["flash_attn_prefill"]),

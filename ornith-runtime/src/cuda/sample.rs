@@ -1,0 +1,253 @@
+//! Sampling on the device (`kernels/cuda/sample.cu`): temperature, min-p, top-k, top-p and the
+//! seeded draw, bit-identical to [`crate::sampling::sample`]. Only the sampled ids come back to
+//! the host.
+//!
+//! Four launches per call, in stream order (the kernels' math is in the shared header,
+//! `OrnithSampleParams`): `sample_prep` (zero each row's 65,536-bin key histogram, per-block
+//! maxima), `sample_hist` (histogram of the keys that keep a nonzero weight), `sample_select`
+//! (top-k and top-p thresholds from the histogram, one block per row), `sample_draw` (per-block
+//! kept mass; the last block to finish walks the slice that holds the target).
+use super::CudaContext;
+use crate::engine::SamplingParams;
+use crate::sampling::{draw_bits, Prepared};
+use anyhow::{ensure, Result};
+use cudarc::driver::CudaSlice;
+use ornith_kernels::bindings::*;
+
+const SLICE: usize = ORNITH_SAMPLE_SLICE as usize;
+const BINS: usize = ORNITH_SAMPLE_BINS as usize;
+/// `OrnithSampleRow` as u32 words: inv_t, min_p, top_p, top_k, bits (lo, hi).
+const ROW_WORDS: usize = 6;
+const _: () = assert!(std::mem::size_of::<OrnithSampleRow>() == ROW_WORDS * 4);
+
+/// Device buffers of the sampler for up to `rows` rows of up to `n` candidate columns.
+pub struct SampleScratch {
+    rows: usize,
+    n: usize,
+    row: CudaSlice<u32>,
+    hist: CudaSlice<u32>,
+    part_max: CudaSlice<u32>,
+    part_sum: CudaSlice<u64>,
+    sel: CudaSlice<u64>,
+    done: CudaSlice<u32>,
+    idx: CudaSlice<i32>,
+}
+
+fn blocks_for(n: usize) -> usize {
+    n.div_ceil(SLICE)
+}
+
+impl SampleScratch {
+    pub fn new(cx: &CudaContext, rows: usize, n: usize) -> Result<Self> {
+        ensure!(rows > 0 && n > 0 && n < 1 << 23, "sampler scratch for {rows} rows of {n} logits");
+        let b = blocks_for(n);
+        Ok(SampleScratch {
+            rows,
+            n,
+            row: cx.alloc(rows * ROW_WORDS)?,
+            hist: cx.alloc(rows * BINS)?,
+            part_max: cx.alloc(rows * b)?,
+            part_sum: cx.alloc(rows * b)?,
+            sel: cx.alloc(rows * 2)?,
+            done: cx.alloc(rows)?,
+            idx: cx.alloc(rows)?,
+        })
+    }
+
+    /// Device bytes [`Self::new`] allocates (for the memory plan).
+    pub fn bytes(rows: usize, n: usize) -> u64 {
+        let b = blocks_for(n);
+        (rows * (4 * ROW_WORDS + 4 * BINS + 4 * b + 8 * b + 16 + 4 + 4)) as u64
+    }
+}
+
+/// The device words of one row's parameters.
+fn row_words(p: &SamplingParams, step: u64) -> [u32; ROW_WORDS] {
+    let pr = Prepared::new(p);
+    let z = draw_bits(p.seed, step);
+    [pr.inv_t.to_bits(), pr.min_p.to_bits(), pr.top_p.to_bits(), pr.top_k, z as u32, (z >> 32) as u32]
+}
+
+impl CudaContext {
+    /// Samples row `r` of `logits` (elements `offset + r·stride ..`, candidate columns `0..n`)
+    /// with `rows[r] = (params, step)` (params must not be greedy: greedy rows use
+    /// [`Self::argmax`]). The ids land in the scratch; [`Self::sampled_ids`] reads them.
+    pub fn sample_rows(
+        &self,
+        logits: &CudaSlice<u16>,
+        offset: usize,
+        stride: usize,
+        n: usize,
+        rows: &[(SamplingParams, u64)],
+        s: &mut SampleScratch,
+    ) -> Result<()> {
+        let r = rows.len();
+        ensure!(r > 0 && r <= s.rows, "sample: {r} rows, scratch for {}", s.rows);
+        ensure!(n > 0 && n <= s.n && n <= stride, "sample: n {n}, stride {stride}, scratch for {}", s.n);
+        ensure!(offset + (r - 1) * stride + n <= logits.len(), "sample: logits buffer too small");
+        ensure!(rows.iter().all(|(p, _)| !crate::sampling::is_greedy(p)), "sample: greedy rows go to argmax");
+        let words: Vec<u32> = rows.iter().flat_map(|(p, step)| row_words(p, *step)).collect();
+        self.stream().memcpy_htod(&words, &mut s.row)?;
+        let blocks = blocks_for(n);
+        let p = OrnithSampleParams {
+            logits: (self.addr(logits) + 2 * offset as u64) as _,
+            row: self.addr(&s.row) as _,
+            hist: self.addr(&s.hist) as _,
+            part_max: self.addr(&s.part_max) as _,
+            part_sum: self.addr(&s.part_sum) as _,
+            sel: self.addr(&s.sel) as _,
+            done: self.addr(&s.done) as _,
+            idx: self.addr(&s.idx) as _,
+            rows: r as i32,
+            n: n as i32,
+            stride: stride as i32,
+            blocks: blocks as i32,
+        };
+        let grid = (blocks as u32, r as u32, 1);
+        self.launch("sample_prep", grid, 256, p)?;
+        self.launch("sample_hist", grid, 256, p)?;
+        self.launch("sample_select", (r as u32, 1, 1), 1024, p)?;
+        self.launch("sample_draw", grid, 256, p)
+    }
+
+    /// The ids of the last [`Self::sample_rows`] call's `rows` rows (waits for the stream).
+    /// A row without a finite logit is an error.
+    pub fn sampled_ids(&self, s: &SampleScratch, rows: usize) -> Result<Vec<u32>> {
+        ensure!(rows <= s.rows, "sampled_ids: {rows} rows, scratch for {}", s.rows);
+        let mut ids = vec![0i32; rows];
+        self.stream().memcpy_dtoh(&s.idx.slice(0..rows), &mut ids)?;
+        ids.iter()
+            .map(|&i| match i {
+                -1 => anyhow::bail!("every logit is NaN or infinite: the forward pass produced no usable row"),
+                i if i < 0 => anyhow::bail!("the device sampler drew no token (internal error, code {i})"),
+                i => Ok(i as u32),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::{ctx, rng, time_it, R};
+    use super::*;
+    use crate::sampling;
+    use half::bf16;
+    use rand::Rng;
+
+    fn normal(r: &mut R) -> f32 {
+        let (u, v): (f32, f32) = (r.random::<f32>().max(1e-7), r.random());
+        (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+    }
+
+    /// A row of `stride` logits: Gaussian bulk of scale `spread`, a few large values (a peaked
+    /// distribution), exact ties, NaN / inf sprinkled in, and huge padding columns past `n`.
+    fn row(r: &mut R, n: usize, stride: usize, spread: f32) -> Vec<u16> {
+        let mut l: Vec<u16> = (0..stride).map(|_| bf16::from_f32(normal(r) * spread).to_bits()).collect();
+        for _ in 0..8 {
+            let i = r.random_range(0..n);
+            l[i] = bf16::from_f32(spread * 3.0 + normal(r)).to_bits();
+        }
+        if n > 64 {
+            l[n / 2] = l[n / 3]; // a tie
+            l[7] = 0x7fc0; // NaN
+            l[11] = 0x7f80; // +inf
+            l[13] = 0xff80; // -inf
+        }
+        for v in &mut l[n..] {
+            *v = bf16::from_f32(1e4).to_bits(); // padding rows: never candidates
+        }
+        l
+    }
+
+    fn p(t: f32, k: usize, top_p: f32, min_p: f32, seed: u64) -> SamplingParams {
+        SamplingParams { temperature: t, top_k: k, top_p, min_p, seed }
+    }
+
+    /// The device sampler returns exactly the reference's id: every size class (one block, a
+    /// block boundary, the real vocabulary inside the padded lm_head row), every filter alone and
+    /// combined, many seeds and steps; several rows in one launch.
+    #[test]
+    #[ignore]
+    fn sample_matches_reference() {
+        let c = ctx();
+        let mut r = rng(0x5a3);
+        let params = [
+            p(1.0, 20, 0.95, 0.0, 1), // the checkpoint's default
+            p(0.7, 0, 0.8, 0.0, 2),   // top-p only
+            p(1.0, 0, 1.0, 0.0, 3),   // plain temperature
+            p(0.3, 1, 1.0, 0.0, 4),   // top-k 1
+            p(1.5, 1000, 1.0, 0.05, 5),
+            p(0.6, 40, 0.5, 0.02, 6),
+            p(2.0, 0, 0.999, 0.0, 7),
+            p(1.0, 5, 0.01, 0.0, 8),
+        ];
+        let mut checked = 0;
+        for &(n, stride) in &[(7usize, 7usize), (1000, 1000), (2049, 2056), (4096, 4096), (248_077, 248_320)] {
+            let mut s = SampleScratch::new(&c, 3, stride).unwrap();
+            for &spread in &[0.5f32, 3.0, 12.0] {
+                let l = row(&mut r, n, stride, spread);
+                let dl = c.upload(&l).unwrap();
+                for q in &params {
+                    for step in [0u64, 1, 17, 1000] {
+                        c.sample_rows(&dl, 0, stride, n, &[(*q, step)], &mut s).unwrap();
+                        let got = c.sampled_ids(&s, 1).unwrap()[0];
+                        let want = sampling::sample(&l[..n], q, step).unwrap();
+                        assert_eq!(got, want, "n {n}, spread {spread}, {q:?}, step {step}");
+                        checked += 1;
+                    }
+                }
+            }
+            // Three rows in one launch, each with its own params and step.
+            let l: Vec<u16> = (0..3).flat_map(|_| row(&mut r, n, stride, 3.0)).collect();
+            let dl = c.upload(&l).unwrap();
+            let rows = [(params[0], 5u64), (params[1], 6), (params[5], 7)];
+            c.sample_rows(&dl, 0, stride, n, &rows, &mut s).unwrap();
+            let got = c.sampled_ids(&s, 3).unwrap();
+            for (i, (q, step)) in rows.iter().enumerate() {
+                let want = sampling::sample(&l[i * stride..i * stride + n], q, *step).unwrap();
+                assert_eq!(got[i], want, "row {i} of 3, n {n}");
+            }
+        }
+        // A row with no finite logit is an error, as on the CPU.
+        let bad = vec![0x7fc0u16; 3000];
+        let mut s = SampleScratch::new(&c, 1, 3000).unwrap();
+        c.sample_rows(&c.upload(&bad).unwrap(), 0, 3000, 3000, &[(params[0], 0)], &mut s).unwrap();
+        assert!(c.sampled_ids(&s, 1).is_err());
+        eprintln!("sample_matches_reference: {checked} draws identical to the CPU reference");
+
+        // PERF: the real vocabulary, default sampling and top-p only.
+        let (n, stride) = (248_077, 248_320);
+        let l = row(&mut r, n, stride, 3.0);
+        let dl = c.upload(&l).unwrap();
+        let mut s = SampleScratch::new(&c, 1, stride).unwrap();
+        for (name, q) in [("default (T 1, top-k 20, top-p 0.95)", params[0]), ("top-p 0.8, T 0.7", params[1])] {
+            let t = time_it(&c, || c.sample_rows(&dl, 0, stride, n, &[(q, 3)], &mut s).unwrap());
+            eprintln!("PERF sample over {n} bf16 logits, {name}: {:.2} us", t * 1e6);
+        }
+    }
+
+    /// The device sampler's empirical distribution is the softmax of the scaled logits over
+    /// the kept set (chi-square over 20,000 seeded draws).
+    #[test]
+    #[ignore]
+    fn sample_distribution_matches_softmax() {
+        let c = ctx();
+        let l: Vec<u16> =
+            [1.0f32, 2.5, -0.5, 2.5, 0.3125, -3.0, 1.75, 0.0].iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        let dl = c.upload(&l).unwrap();
+        let mut s = SampleScratch::new(&c, 1, l.len()).unwrap();
+        let q = p(0.8, 0, 1.0, 0.0, 99);
+        let n = 20_000u64;
+        let mut cnt = [0u64; 8];
+        for step in 0..n {
+            c.sample_rows(&dl, 0, 8, 8, &[(q, step)], &mut s).unwrap();
+            cnt[c.sampled_ids(&s, 1).unwrap()[0] as usize] += 1;
+        }
+        let e: Vec<f64> = l.iter().map(|&b| ((bf16::from_bits(b).to_f64() - 2.5) / 0.8).exp()).collect();
+        let tot: f64 = e.iter().sum();
+        let chi2: f64 =
+            cnt.iter().zip(&e).map(|(&o, &w)| (o as f64 - n as f64 * w / tot).powi(2) / (n as f64 * w / tot)).sum();
+        // df = 7, p = 0.001 critical value 24.32.
+        assert!(chi2 < 24.32, "chi2 {chi2}, counts {cnt:?}");
+    }
+}
