@@ -317,21 +317,54 @@ mod tests {
         assert!(differing > t * n_out / 2, "only {differing} outputs differ");
     }
 
-    /// Timing at real widths (in_proj_qkv of a 100-token prompt); printed with --nocapture.
+    /// Real widths (in_proj_qkv of a ~100-token prompt: 2048 -> 8192; 102 rows, so both the
+    /// four-row and the one-row dot paths run), both formats against exact f64 sums on every 7th
+    /// output column of every row (and the last column). Tolerance, a worst-case bound for any
+    /// fp32 summation order: the products are exact in f32 (bf16 x bf16, E4M3 x E4M3); an n-term
+    /// fp32 sum is within γ = (n-1)u/(1-(n-1)u) ≤ 1.34·n·u (u = 2^-24, n = 2048) of Σ|terms| of
+    /// the exact sum; the FP8 epilogue's two f32 products add ≤ 2u relative; the final bf16
+    /// rounding of a value v adds ≤ 2^-8|v| ≤ ulp(exact) + 2^-8·(v's error). So
+    /// |got - exact| ≤ ulp(exact) + 2·n·u·Σ|terms| (+ 2^-22·|exact| for FP8). Here that is about
+    /// 2 ulps of a typical output; a wrong row, column, scale or missing block is off by the
+    /// output's own size. (The timing this test printed before belongs in `ornith-bench`.)
     #[test]
-    fn speed_real_dims() {
+    fn real_dims_match_f64() {
         let mut r = rng(5);
-        let (t, n_in, n_out) = (100, 2048, 8192);
+        let (t, n_in, n_out) = (102, 2048, 8192);
         let x = uniform_bf16(&mut r, t * n_in, 1.0);
         let w = uniform_bf16(&mut r, n_out * n_in, 0.05);
         let w8: Vec<u8> = (0..n_out * n_in).map(|i| (i * 37 % 251) as u8 & 0x77).collect();
-        let ws = vec![1e-3f32; n_out];
-        let mut y = vec![bf16::ZERO; t * n_out];
-        let s = std::time::Instant::now();
-        linear_bf16(&x, &w, t, n_in, n_out, &mut y);
-        let b = s.elapsed();
-        let s = std::time::Instant::now();
-        linear_fp8(&x, &w8, &ws, t, n_in, n_out, &mut y);
-        eprintln!("[100x2048]x[8192x2048]: bf16 {b:?}, fp8 {:?}", s.elapsed());
+        let ws: Vec<f32> = (0..n_out).map(|o| bf16::from_f32(1e-3 * (1 + o % 7) as f32).to_f32()).collect();
+        let (mut yb, mut y8) = (vec![bf16::ZERO; t * n_out], vec![bf16::ZERO; t * n_out]);
+        linear_bf16(&x, &w, t, n_in, n_out, &mut yb);
+        linear_fp8(&x, &w8, &ws, t, n_in, n_out, &mut y8);
+        let fp32 = 2.0 * n_in as f64 * 2f64.powi(-24);
+        let cols: Vec<usize> = (0..n_out).step_by(7).chain([n_out - 1]).collect();
+        for tt in 0..t {
+            let xr = &x[tt * n_in..(tt + 1) * n_in];
+            let mut q = vec![0u8; n_in];
+            let sx = quantize_act_row(xr, &mut q) as f64;
+            for &o in &cols {
+                let (mut e, mut a) = (0f64, 0f64);
+                for (xi, wi) in xr.iter().zip(&w[o * n_in..(o + 1) * n_in]) {
+                    let p = xi.to_f64() * wi.to_f64();
+                    e += p;
+                    a += p.abs();
+                }
+                let got = yb[tt * n_out + o].to_f64();
+                assert!((got - e).abs() <= bf16_ulp(e) + fp32 * a, "bf16 t{tt} o{o}: {got} vs {e}");
+                let (mut e8, mut a8) = (0f64, 0f64);
+                for (&qi, &wi) in q.iter().zip(&w8[o * n_in..(o + 1) * n_in]) {
+                    let p = e4m3_to_f32(qi) as f64 * e4m3_to_f32(wi) as f64;
+                    e8 += p;
+                    a8 += p.abs();
+                }
+                let s = sx * ws[o] as f64;
+                let (e8, a8) = (e8 * s, a8 * s);
+                let got = y8[tt * n_out + o].to_f64();
+                let tol = bf16_ulp(e8) + fp32 * a8 + 2f64.powi(-22) * e8.abs();
+                assert!((got - e8).abs() <= tol, "fp8 t{tt} o{o}: {got} vs {e8}");
+            }
+        }
     }
 }
