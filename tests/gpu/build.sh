@@ -35,9 +35,9 @@ cp "$(test_exe -p ornith-runtime --lib)" "$out/kernels"
 cp "$(ORNITH_SPEC=$specs/shallow.spec.json test_exe -p ornith-runtime --test cuda_model)" "$out/test_shallow"
 cp "$(ORNITH_SPEC=$specs/full.spec.json test_exe -p ornith-runtime --test cuda_model)" "$out/test_full"
 ORNITH_SPEC=$specs/full.spec.json cargo build -q --release -p ornith-runtime --bin ornith-bench
-cp target/release/ornith-bench "$out/bench_full"
+cp "${CARGO_TARGET_DIR:-target}/release/ornith-bench" "$out/bench_full"
 cargo build -q --release -p xtask
-cp target/release/xtask "$out/xtask"
+cp "${CARGO_TARGET_DIR:-target}/release/xtask" "$out/xtask"
 strip "$out"/*
 xz -T0 -6 "$out"/*
 git rev-parse --short HEAD > "$out/COMMIT"

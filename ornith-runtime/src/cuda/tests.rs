@@ -820,7 +820,7 @@ fn attention_decode_matches_reference() {
 }
 
 /// `argmax_bf16` = the CPU backend's greedy choice, `crate::sampling::argmax` (the largest finite
-/// logit, the lowest index on ties; the data hold a NaN and a tie, no infinity).
+/// logit, the lowest index on ties; the data hold a NaN, +inf, -inf and a tie).
 #[test]
 #[ignore]
 fn argmax_matches_reference() {
@@ -831,7 +831,9 @@ fn argmax_matches_reference() {
         let mut l = bfv(&mut r, tokens * n, 10.0);
         if n > 10 {
             l[5] = 0x7fc0; // NaN is never chosen
-            let m = l[..n].iter().map(|&b| f(b)).filter(|v| !v.is_nan()).fold(f64::MIN, f64::max);
+            l[6] = 0x7f80; // nor +inf
+            l[8] = 0xff80; // nor -inf
+            let m = l[..n].iter().map(|&b| f(b)).filter(|v| v.is_finite()).fold(f64::MIN, f64::max);
             let mb = bf16::from_f64(m).to_bits();
             l[n - 1] = mb; // a tie with a later index: the first one wins
         }
@@ -839,8 +841,8 @@ fn argmax_matches_reference() {
         c.argmax(&c.upload(&l).unwrap(), &mut idx, tokens, n, n).unwrap();
         let got = c.download(&idx).unwrap();
         for t in 0..tokens {
-            let row: Vec<f32> = l[t * n..(t + 1) * n].iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
-            assert_eq!(got[t], crate::sampling::argmax(&row) as i32, "argmax row {t} of {n}");
+            let want = crate::sampling::argmax(&l[t * n..(t + 1) * n]).unwrap();
+            assert_eq!(got[t], want as i32, "argmax row {t} of {n}");
         }
         if n == 248320 {
             let dl = c.upload(&l).unwrap();
