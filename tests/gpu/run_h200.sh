@@ -4,7 +4,8 @@
 #   1. every CUDA kernel test (vs the CPU reference; PERF lines);
 #   2. shallow preset: the decode graph against eager launches, CUDA against the CPU backend;
 #   3. full preset (37.7 GB synthesised here, ~150 s): ornith-bench at 512 / 2K / 8K / 32K / 128K;
-#   4. the transformers + fla peer on the same checkpoint (tests/peer/run_h200.sh);
+#   4. 64 sampled requests through the real binary (tests/gpu/soak_full.py), then the
+#      transformers + fla peer on the same checkpoint (tests/peer/run_h200.sh) if carried;
 #   5. full preset: 1,000 greedy steps finite, the decode graph against eager.
 # Logs and JSON go to $OUT; a short table to stdout.
 set -uo pipefail
@@ -19,11 +20,11 @@ for f in "$src"/*.xz; do
 done
 echo "commit $(cat "$src/COMMIT" 2>/dev/null)"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 t0=$SECONDS
-timeout 150 "$G/kernels" --ignored --test-threads=1 --nocapture > "$OUT/kernels.log" 2>&1; echo "kernels rc=$? $((SECONDS - t0))s"
-grep -E "PERF|panicked|test result" "$OUT/kernels.log" | cut -c1-220
+timeout 240 "$G/kernels" --ignored --test-threads=1 --nocapture > "$OUT/kernels.log" 2>&1; echo "kernels rc=$? $((SECONDS - t0))s"
+grep -E "PERF|panicked|test result|identical to the CPU" "$OUT/kernels.log" | cut -c1-220
 t0=$SECONDS
 "$G/xtask" synth --preset shallow --out "$C/shallow" > "$OUT/synth_shallow.log" 2>&1; echo "synth shallow rc=$? $((SECONDS - t0))s"
-ORNITH_TEST_MODEL=$C/shallow timeout 120 "$G/test_shallow" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu cuda_ops_vs_cpu > "$OUT/test_shallow.log" 2>&1
+ORNITH_TEST_MODEL=$C/shallow timeout 150 "$G/test_shallow" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu cuda_ops_vs_cpu > "$OUT/test_shallow.log" 2>&1
 echo "test_shallow rc=$? $((SECONDS - t0))s"
 grep -E "^OP|CPU chunked|prefill:|decode|panicked|test result" "$OUT/test_shallow.log" | cut -c1-330
 rm -rf "$C/shallow"
@@ -33,6 +34,10 @@ t0=$SECONDS
 timeout 200 "$G/bench_full" --model "$C/full" --prompts "$prompts" --gen 64 --budget-s 120 > "$OUT/bench_full.json" 2> "$OUT/bench_full.err"
 echo "bench rc=$? $((SECONDS - t0))s"
 grep -v uploading "$OUT/bench_full.err" | head -110
+if [ -x "$G/ornith_full" ]; then
+    t0=$SECONDS
+    timeout 150 python3 tests/gpu/soak_full.py "$G/ornith_full" "$C/full" "$OUT/soak_full.jsonl"; echo "soak rc=$? $((SECONDS - t0))s"
+fi
 if [ -d .gpu/wheels ]; then
     t0=$SECONDS
     OUT=$OUT timeout 220 bash tests/peer/run_h200.sh "$C/full" "$OUT/bench_full.json" .gpu/wheels 512,2048 > "$OUT/peer.out" 2> "$OUT/peer.err"

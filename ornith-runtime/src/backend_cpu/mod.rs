@@ -401,3 +401,37 @@ impl Backend for CpuBackend {
         Ok(h.data.iter().map(|v| v.to_f32()).collect())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::Backend;
+
+    /// The lm_head's padding rows (columns `n..`) never come out, whatever their logits, in any
+    /// sampling mode; a row without a finite candidate is an error.
+    #[test]
+    fn padding_rows_are_never_sampled() {
+        let b = CpuBackend::new();
+        let mut data = vec![0.0f32; 16];
+        data[3] = 1.0;
+        data[12] = 100.0; // a padding row with a huge logit
+        data[15] = f32::INFINITY;
+        let l = CpuLogits { rows: 1, vocab: 16, data };
+        let modes = [
+            SamplingParams::greedy(),
+            SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.95, min_p: 0.0, seed: 1 },
+            SamplingParams { temperature: 0.7, top_k: 0, top_p: 0.8, min_p: 0.0, seed: 2 },
+            SamplingParams { temperature: 5.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 3 },
+        ];
+        for p in &modes {
+            for step in 0..500 {
+                assert!(b.sample(&l, 10, p, step).unwrap() < 10, "{p:?}");
+            }
+        }
+        assert_eq!(b.sample(&l, 10, &modes[0], 0).unwrap(), 3);
+        let nan = CpuLogits { rows: 1, vocab: 4, data: vec![f32::NAN, f32::NAN, 7.0, 7.0] };
+        assert!(b.sample(&nan, 2, &modes[0], 0).is_err());
+        assert!(b.sample(&nan, 2, &modes[1], 0).is_err());
+        assert!(b.sample(&l, 17, &modes[0], 0).is_err());
+    }
+}
