@@ -5,20 +5,13 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
-    #[error("{path}: cannot read: {source}. Fix: point --model (or ORNITH_MODEL) at a checkpoint directory that contains it.")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    // The underlying error is part of the message and deliberately not a `source()`: printed
+    // with its chain (`{:#}`, as the binaries do), it would appear twice.
+    #[error("{path}: cannot read: {err}. Fix: check the path: it must be the checkpoint directory holding this file (`--model DIR` of `cargo xtask gen` and `ornith`, the DIR of `cargo xtask inspect DIR`).")]
+    Io { path: PathBuf, err: std::io::Error },
 
-    #[error("{path}: not valid JSON for {what}: {source}. Fix: restore this file from the original checkpoint.")]
-    Json {
-        path: PathBuf,
-        what: &'static str,
-        #[source]
-        source: serde_json::Error,
-    },
+    #[error("{path}: not valid JSON for {what}: {err}. Fix: restore this file from the original checkpoint.")]
+    Json { path: PathBuf, what: &'static str, err: serde_json::Error },
 
     #[error("{path}: {field}: expected {expected}, found {found}. Fix: {fix}")]
     Config { path: PathBuf, field: String, expected: String, found: String, fix: String },
