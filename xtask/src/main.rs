@@ -1,4 +1,4 @@
-//! `cargo xtask` — project automation: gen, inspect, synth, expand, ptx.
+//! `cargo xtask` — project automation: gen, inspect, synth, expand, dist, ptx.
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -22,6 +22,9 @@ enum Cmd {
     },
     /// Print the checkpoint report.
     Inspect { dir: PathBuf },
+    /// Build the release `ornith` binary, stripped, into <target>/dist/ with a README.txt, and
+    /// check that it links nothing beyond glibc.
+    Dist,
     /// Write a deterministic synthetic checkpoint in the vendor's FP8 format.
     Synth {
         #[arg(long, value_enum)]
@@ -70,6 +73,9 @@ fn main() -> Result<()> {
                 out.display(),
                 start.elapsed()
             );
+        }
+        Cmd::Dist => {
+            xtask::dist::dist(&workspace_root())?;
         }
         Cmd::Expand { spec } => xtask::expand::run(spec.as_deref(), &xtask::gen::workspace_root())?,
         Cmd::Tokenizer { dir } => xtask::tokenizer::write_tokenizer_files(&dir)?,
