@@ -50,3 +50,24 @@ pub enum SpecError {
 }
 
 pub type Result<T, E = SpecError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::SpecError;
+    use std::error::Error;
+
+    /// Printed with its chain (`anyhow`'s `{:#}`, which walks `source()`), an error must not
+    /// repeat its cause.
+    #[test]
+    fn io_and_json_causes_are_printed_once() {
+        let err = serde_json::from_str::<serde_json::Value>("{ not json").unwrap_err();
+        let cause = err.to_string();
+        let e = SpecError::Json { path: "config.json".into(), what: "config.json", err };
+        assert!(e.source().is_none());
+        assert_eq!(e.to_string().matches(&cause).count(), 1, "{e}");
+        let e = SpecError::Io { path: "/nonexistent".into(), err: std::io::Error::from(std::io::ErrorKind::NotFound) };
+        assert!(e.source().is_none());
+        let msg = e.to_string();
+        assert!(msg.contains("Fix:") && msg.contains("inspect"), "{msg}");
+    }
+}
