@@ -48,9 +48,9 @@ pub fn dist(root: &Path) -> Result<PathBuf> {
     let readme = format!(
         "ornith {version} ({arch}-linux)\n\
          \n\
-         Links only {needed} (glibc {glibc} or newer). The NVIDIA driver's libcuda.so is\n\
-         loaded at run time when a GPU is used (driver r580 / CUDA 13.0 or newer); without it the CPU\n\
-         backend runs.\n\
+         Links only glibc's libraries ({needed}); needs glibc {glibc} or newer.\n\
+         The NVIDIA driver's libcuda.so is loaded at run time when a GPU is used (driver r580 /\n\
+         CUDA 13.0 or newer); without it the CPU backend runs.\n\
          \n\
          The binary is compiled for one checkpoint (the one `cargo xtask gen` validated); run it as\n\
          \n\
