@@ -52,8 +52,20 @@ enum Cmd {
     Bindgen,
 }
 
-fn main() -> Result<()> {
-    match Cli::parse().cmd {
+/// Errors are printed as one line with their chain (`{:#}`), not as `main`'s Debug output (which
+/// adds a backtrace under RUST_BACKTRACE and a separate "Caused by" list).
+fn main() -> std::process::ExitCode {
+    match run(Cli::parse().cmd) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("cargo xtask: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cmd: Cmd) -> Result<()> {
+    match cmd {
         Cmd::Gen { model } => {
             let root = xtask::gen::workspace_root();
             xtask::gen::gen(model.as_deref(), &root, &xtask::gen::default_spec_path())?;
