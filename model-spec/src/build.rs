@@ -28,7 +28,7 @@ const FIX_DTYPE: &str =
     "re-export the checkpoint with the vendor recipe (compressed-tensors FP8_DYNAMIC) or use the BF16 original";
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> SpecError + '_ {
-    move |source| SpecError::Io { path: path.to_path_buf(), source }
+    move |source| SpecError::Io { path: path.to_path_buf(), err: source }
 }
 
 /// `model.language_model` when the checkpoint is a ConditionalGeneration export, `model` for a
@@ -60,7 +60,7 @@ struct Parsed {
 }
 
 fn parse_config(path: &Path, bytes: &[u8]) -> Result<Parsed> {
-    let json = |source| SpecError::Json { path: path.to_path_buf(), what: "config.json", source };
+    let json = |source| SpecError::Json { path: path.to_path_buf(), what: "config.json", err: source };
     let value: serde_json::Value = serde_json::from_slice(bytes).map_err(json)?;
     let model_type = value.get("model_type").and_then(|v| v.as_str()).unwrap_or("").to_string();
     match model_type.as_str() {
@@ -400,7 +400,7 @@ pub fn load_checkpoint(dir: &Path) -> Result<ModelSpec> {
         let idx: SafetensorsIndex = serde_json::from_slice(&bytes).map_err(|source| SpecError::Json {
             path: index_path.clone(),
             what: "model.safetensors.index.json",
-            source,
+            err: source,
         })?;
         (bytes, idx.weight_map)
     } else if single.exists() {

@@ -5,20 +5,13 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
-    #[error("{path}: cannot read: {source}. Fix: point --model (or ORNITH_MODEL) at a checkpoint directory that contains it.")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    // The underlying error is part of the message and deliberately not a `source()`: printed
+    // with its chain (`{:#}`, as the binaries do), it would appear twice.
+    #[error("{path}: cannot read: {err}. Fix: check the path: it must be the checkpoint directory holding this file (`--model DIR` of `cargo xtask gen` and `ornith`, the DIR of `cargo xtask inspect DIR`).")]
+    Io { path: PathBuf, err: std::io::Error },
 
-    #[error("{path}: not valid JSON for {what}: {source}. Fix: restore this file from the original checkpoint.")]
-    Json {
-        path: PathBuf,
-        what: &'static str,
-        #[source]
-        source: serde_json::Error,
-    },
+    #[error("{path}: not valid JSON for {what}: {err}. Fix: restore this file from the original checkpoint.")]
+    Json { path: PathBuf, what: &'static str, err: serde_json::Error },
 
     #[error("{path}: {field}: expected {expected}, found {found}. Fix: {fix}")]
     Config { path: PathBuf, field: String, expected: String, found: String, fix: String },
@@ -57,3 +50,24 @@ pub enum SpecError {
 }
 
 pub type Result<T, E = SpecError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::SpecError;
+    use std::error::Error;
+
+    /// Printed with its chain (`anyhow`'s `{:#}`, which walks `source()`), an error must not
+    /// repeat its cause.
+    #[test]
+    fn io_and_json_causes_are_printed_once() {
+        let err = serde_json::from_str::<serde_json::Value>("{ not json").unwrap_err();
+        let cause = err.to_string();
+        let e = SpecError::Json { path: "config.json".into(), what: "config.json", err };
+        assert!(e.source().is_none());
+        assert_eq!(e.to_string().matches(&cause).count(), 1, "{e}");
+        let e = SpecError::Io { path: "/nonexistent".into(), err: std::io::Error::from(std::io::ErrorKind::NotFound) };
+        assert!(e.source().is_none());
+        let msg = e.to_string();
+        assert!(msg.contains("Fix:") && msg.contains("inspect"), "{msg}");
+    }
+}

@@ -165,8 +165,8 @@ fn dtype_size_by_name(d: &str) -> Option<u64> {
 
 /// Memory-maps `path` and parses its header.
 pub fn read_header(path: &Path) -> Result<ShardHeader> {
-    let file = std::fs::File::open(path).map_err(|source| SpecError::Io { path: path.to_path_buf(), source })?;
-    let len = file.metadata().map_err(|source| SpecError::Io { path: path.to_path_buf(), source })?.len();
+    let file = std::fs::File::open(path).map_err(|source| SpecError::Io { path: path.to_path_buf(), err: source })?;
+    let len = file.metadata().map_err(|source| SpecError::Io { path: path.to_path_buf(), err: source })?.len();
     if len < 8 {
         return Err(SpecError::BadShard {
             path: path.to_path_buf(),
@@ -175,7 +175,7 @@ pub fn read_header(path: &Path) -> Result<ShardHeader> {
     }
     // SAFETY: the map is read-only and lives only for this call; a concurrent writer could
     // change the bytes under us, which at worst makes the header parse fail.
-    let map =
-        unsafe { memmap2::Mmap::map(&file) }.map_err(|source| SpecError::Io { path: path.to_path_buf(), source })?;
+    let map = unsafe { memmap2::Mmap::map(&file) }
+        .map_err(|source| SpecError::Io { path: path.to_path_buf(), err: source })?;
     parse_header(path, &map)
 }

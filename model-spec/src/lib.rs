@@ -334,7 +334,7 @@ impl ModelSpec {
 
     /// Writes the spec atomically (temp file + rename): a failed gen leaves the old spec intact.
     pub fn write(&self, path: &Path) -> Result<()> {
-        let io = |source| SpecError::Io { path: path.to_path_buf(), source };
+        let io = |source| SpecError::Io { path: path.to_path_buf(), err: source };
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(io)?;
         }
@@ -344,7 +344,7 @@ impl ModelSpec {
     }
 
     pub fn read(path: &Path) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|source| SpecError::Io { path: path.to_path_buf(), source })?;
+        let bytes = std::fs::read(path).map_err(|source| SpecError::Io { path: path.to_path_buf(), err: source })?;
         let spec: ModelSpec = serde_json::from_slice(&bytes)
             .map_err(|e| SpecError::SpecFile { path: path.to_path_buf(), reason: format!("not a valid spec: {e}") })?;
         if spec.format_version != SPEC_FORMAT_VERSION {

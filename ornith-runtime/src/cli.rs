@@ -1,9 +1,10 @@
 //! Command line of the `ornith` binary. Every flag can also be set through an `ORNITH_*`
-//! environment variable (the flag wins).
+//! environment variable (the flag wins). Boolean variables accept 1/0, true/false, yes/no, on/off.
 
 use std::path::PathBuf;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::builder::BoolishValueParser;
+use clap::{ArgAction, Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -47,11 +48,13 @@ pub struct Args {
     /// Memory for the KV cache and recurrent state, e.g. `8GiB`, `512MiB`, `2000000000`.
     #[arg(long, env = "ORNITH_KV_BUDGET", value_parser = parse_bytes, global = true, value_name = "BYTES")]
     pub kv_budget: Option<u64>,
-    /// Write results in input order (default: completion order).
-    #[arg(long, env = "ORNITH_ORDERED", global = true)]
+    /// Write results in input order (default: completion order). Requests run one at a time
+    /// today, so completion order is input order and this changes nothing yet; it takes effect
+    /// with continuous batching.
+    #[arg(long, env = "ORNITH_ORDERED", global = true, action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub ordered: bool,
     /// No per-request log lines on stderr.
-    #[arg(long, env = "ORNITH_QUIET", global = true)]
+    #[arg(long, env = "ORNITH_QUIET", global = true, action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub quiet: bool,
     /// Longer input lines are skipped and answered with an error line.
     #[arg(long, env = "ORNITH_MAX_LINE_BYTES", default_value_t = 16 << 20, value_parser = clap::value_parser!(u64).range(1..), global = true, value_name = "BYTES")]

@@ -117,7 +117,9 @@ pub trait Backend: Sized + Send + Sync {
     type Linear<P: Prec>: Send + Sync;
     /// The packed routed experts of one layer.
     type Experts<G: Prec, U: Prec, D: Prec>: Send + Sync;
-    /// A small parameter vector (norm weights, conv taps, A_log, dt_bias), kept in fp32.
+    /// A small parameter vector (norm weights, conv taps, A_log, dt_bias): bf16 values (rounded at
+    /// load from the stored BF16/F32, as transformers does loading the model in bf16; a backend
+    /// may also keep their exact f32 widening).
     type Vector: Send + Sync;
     /// The embedding table `[vocab, hidden]` (BF16).
     type Embedding: Send + Sync;

@@ -1,13 +1,15 @@
 //! Building the engine for the checkpoint this binary was compiled for.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use ornith_runtime::backend_cpu::{check_host_memory, CpuBackend};
 use ornith_runtime::backend_cuda::CudaBackend;
+use ornith_runtime::chat::ChatTemplate;
 use ornith_runtime::cli::{Args, Backend as BackendChoice};
 use ornith_runtime::engine::Generator;
 use ornith_runtime::protocol::{PromptRenderer, TextCodec};
+use ornith_runtime::tokenizer::Tokenizer;
 use ornith_runtime::weights::Checkpoint;
 
 /// The typed graph of the checkpoint `cargo xtask gen` selected.
@@ -15,9 +17,32 @@ pub mod compiled {
     ornith_macros::model!();
 }
 
-/// The checkpoint directory: `--model`, else the one the binary was generated from.
+/// The checkpoint directory: `--model`, else the one the binary was generated from (an absolute
+/// path on the build machine, so a copied binary needs `--model`).
 pub fn model_dir(args: &Args) -> anyhow::Result<PathBuf> {
-    Ok(args.model.clone().unwrap_or_else(|| PathBuf::from(compiled::MODEL_DIR)))
+    if let Some(d) = &args.model {
+        anyhow::ensure!(
+            d.is_dir(),
+            "--model {}: no such directory. Fix: pass --model DIR (or set ORNITH_MODEL) with the checkpoint directory",
+            d.display()
+        );
+        return Ok(d.clone());
+    }
+    let d = PathBuf::from(compiled::MODEL_DIR);
+    anyhow::ensure!(
+        d.is_dir(),
+        "no --model given, and {} (the checkpoint this binary was generated for) does not exist here. \
+         Fix: pass --model DIR (or set ORNITH_MODEL) with the checkpoint directory",
+        d.display()
+    );
+    Ok(d)
+}
+
+/// Whether the NVIDIA driver library can be loaded. Asked before cudarc is touched: cudarc panics
+/// (with a long message and, under RUST_BACKTRACE, a backtrace) when it cannot find it.
+fn nvidia_driver_present() -> bool {
+    // SAFETY: dlopen of libcuda (cudarc's own candidate names); nothing is called in it.
+    unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
 /// Opens the checkpoint (re-validated; its fingerprint must be the compiled one) and loads the
@@ -28,7 +53,20 @@ pub fn build_generator(args: &Args) -> anyhow::Result<Box<dyn Generator>> {
     let max_context = context_for(args)?;
     let cuda = match args.backend {
         BackendChoice::Cpu => None,
-        BackendChoice::Cuda => Some(ornith_runtime::cuda::CudaContext::new(0)?),
+        BackendChoice::Cuda => {
+            anyhow::ensure!(
+                nvidia_driver_present(),
+                "--backend cuda: no NVIDIA driver found (libcuda.so could not be loaded). \
+                 Fix: install the NVIDIA driver (r580 or newer), or use --backend cpu"
+            );
+            Some(ornith_runtime::cuda::CudaContext::new(0)?)
+        }
+        BackendChoice::Auto if !nvidia_driver_present() => {
+            if !args.quiet {
+                eprintln!("ornith: no NVIDIA driver found; using the CPU backend");
+            }
+            None
+        }
         BackendChoice::Auto => match ornith_runtime::cuda::CudaContext::new(0) {
             Ok(cx) => Some(cx),
             Err(e) => {
@@ -39,7 +77,6 @@ pub fn build_generator(args: &Args) -> anyhow::Result<Box<dyn Generator>> {
             }
         },
     };
-    let started = std::time::Instant::now();
     let engine: Box<dyn Generator> = match cuda {
         Some(cx) => {
             let ctx = max_context;
@@ -50,9 +87,6 @@ pub fn build_generator(args: &Args) -> anyhow::Result<Box<dyn Generator>> {
             Box::new(compiled::Engine::load(b, &ck, ctx).with_context(|| format!("loading {}", dir.display()))?)
         }
         None => {
-            if matches!(args.backend, BackendChoice::Auto) && !args.quiet {
-                eprintln!("ornith: using the CPU backend");
-            }
             check_host_memory(&ck)?;
             Box::new(
                 compiled::Engine::load(CpuBackend::new(), &ck, max_context)
@@ -60,9 +94,6 @@ pub fn build_generator(args: &Args) -> anyhow::Result<Box<dyn Generator>> {
             )
         }
     };
-    if !args.quiet {
-        eprintln!("ornith: loaded {} in {:.1?}", dir.display(), started.elapsed());
-    }
     Ok(engine)
 }
 
@@ -87,6 +118,11 @@ pub fn context_for(args: &Args) -> anyhow::Result<usize> {
 
 /// The tokenizer and chat template of the checkpoint.
 pub fn build_frontend(args: &Args) -> anyhow::Result<(Box<dyn TextCodec>, Box<dyn PromptRenderer>)> {
-    let dir = model_dir(args)?;
-    ornith_runtime::protocol::adapters::load_frontend(&dir)
+    let (tok, tpl) = load_frontend_parts(&model_dir(args)?)?;
+    Ok((Box::new(tok), Box::new(tpl)))
+}
+
+/// The tokenizer and the chat template as concrete (`Send`) types, for loading on a thread.
+pub fn load_frontend_parts(dir: &Path) -> anyhow::Result<(Tokenizer, ChatTemplate)> {
+    ornith_runtime::protocol::adapters::load_frontend_parts(dir)
 }

@@ -2,12 +2,13 @@
 
 use std::io;
 use std::process::ExitCode;
+use std::time::Instant;
 
 use clap::Parser;
 
 use ornith_runtime::cli::{Args, Cli, Command};
 mod load;
-use ornith_runtime::protocol::{self, GenerationDefaults, ServeOptions, TextCodec};
+use ornith_runtime::protocol::{self, GenerationDefaults, PromptRenderer, ServeOptions, TextCodec};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -43,14 +44,38 @@ fn run(cmd: Command, args: &Args) -> anyhow::Result<()> {
             )?;
         }
         Command::Serve => {
+            let started = Instant::now();
             let dir = load::model_dir(args)?;
             let mut defaults = GenerationDefaults::from_model_dir(&dir)?;
-            let (codec, renderer) = load::build_frontend(args)?;
+            // The tokenizer (about a second for Qwen3.5's 248k-token vocabulary) loads on a thread
+            // while the checkpoint is checked and the weights are loaded.
+            let (frontend, gen, t_weights) = std::thread::scope(|s| {
+                let frontend = s.spawn(|| {
+                    let t = Instant::now();
+                    load::load_frontend_parts(&dir).map(|parts| (parts, t.elapsed()))
+                });
+                let t = Instant::now();
+                let gen = load::build_generator(args);
+                let t_weights = t.elapsed();
+                (frontend.join(), gen, t_weights)
+            });
+            let ((tok, tpl), t_frontend) = frontend.unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+            let mut gen = gen?;
+            let (codec, renderer): (Box<dyn TextCodec>, Box<dyn PromptRenderer>) = (Box::new(tok), Box::new(tpl));
             eos_fallback(&mut defaults, codec.as_ref());
-            let mut gen = load::build_generator(args)?;
             // Only ids the tokenizer can decode are ever sampled (the lm_head has padding rows).
             gen.limit_vocab(codec.vocab_size())
                 .map_err(|e| anyhow::anyhow!("{}: {e:#}", dir.join("tokenizer.json").display()))?;
+            if !args.quiet {
+                eprintln!(
+                    "ornith: loaded {} in {:.2?} (checkpoint check and weights {:.2?}; tokenizer and chat template \
+                     {:.2?}, in parallel)",
+                    dir.display(),
+                    started.elapsed(),
+                    t_weights,
+                    t_frontend
+                );
+            }
             let name = dir.canonicalize().unwrap_or(dir.clone());
             let name = name.file_name().map_or_else(|| "ornith".to_string(), |n| n.to_string_lossy().into_owned());
             let mut opts = ServeOptions::new(name, defaults);

@@ -6,9 +6,14 @@ use serde_json::Value;
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-fn run(args: &[&str], input: &[u8]) -> (Vec<Value>, String) {
+#[path = "../../xtask/src/elf.rs"]
+mod elf;
+
+/// Runs the binary; returns (success, stdout, stderr).
+fn run_raw(args: &[&str], env: &[(&str, &str)], input: &[u8]) -> (bool, String, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_ornith"))
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -20,13 +25,21 @@ fn run(args: &[&str], input: &[u8]) -> (Vec<Value>, String) {
     let out = child.wait_with_output().unwrap();
     writer.join().unwrap().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "ornith failed: {stderr}");
-    let stdout = String::from_utf8(out.stdout).expect("stdout is UTF-8");
+    (out.status.success(), String::from_utf8(out.stdout).expect("stdout is UTF-8"), stderr)
+}
+
+fn run_env(args: &[&str], env: &[(&str, &str)], input: &[u8]) -> (Vec<Value>, String) {
+    let (ok, stdout, stderr) = run_raw(args, env, input);
+    assert!(ok, "ornith failed: {stderr}");
     let lines = stdout
         .lines()
         .map(|l| serde_json::from_str::<Value>(l).unwrap_or_else(|e| panic!("stdout line is not JSON ({e}): {l}")))
         .collect();
     (lines, stderr)
+}
+
+fn run(args: &[&str], input: &[u8]) -> (Vec<Value>, String) {
+    run_env(args, &[], input)
 }
 
 /// Result lines (streaming chunk lines carry no `response` key).
@@ -134,4 +147,108 @@ fn kv_budget_caps_the_context() {
     assert!(stderr.contains("context 10 tokens"), "{stderr}");
     assert_eq!(lines.len(), 1);
     assert_eq!(lines[0]["error"]["code"], "context_length_exceeded", "{}", lines[0]);
+}
+
+/// Whether this machine has the NVIDIA driver (the no-driver tests only mean something without).
+fn driver_present() -> bool {
+    // SAFETY: dlopen of libcuda; nothing is called in it.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+const HELLO: &[u8] = br#"{"custom_id":"h","messages":[{"role":"user","content":"Hello"}],"max_tokens":2}"#;
+
+#[test]
+fn auto_backend_without_a_driver_says_so_once_and_does_not_panic() {
+    if driver_present() {
+        eprintln!("skipped: this machine has an NVIDIA driver");
+        return;
+    }
+    let (lines, stderr) = run_env(&[], &[("RUST_BACKTRACE", "1")], HELLO);
+    assert_eq!(stderr.matches("no NVIDIA driver found; using the CPU backend").count(), 1, "{stderr}");
+    assert_eq!(stderr.matches("CPU backend").count(), 1, "{stderr}");
+    assert!(!stderr.contains("panicked") && !stderr.contains("stack backtrace"), "{stderr}");
+    assert!(lines[0]["error"].is_null(), "{}", lines[0]);
+}
+
+#[test]
+fn cuda_backend_without_a_driver_is_one_clear_error() {
+    if driver_present() {
+        eprintln!("skipped: this machine has an NVIDIA driver");
+        return;
+    }
+    let (ok, stdout, stderr) = run_raw(&["--backend", "cuda"], &[("RUST_BACKTRACE", "1")], HELLO);
+    assert!(!ok, "must fail: {stderr}");
+    assert!(stdout.is_empty(), "{stdout}");
+    assert!(!stderr.contains("panicked") && !stderr.contains("stack backtrace"), "{stderr}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("ornith: error:")).collect();
+    assert_eq!(errors.len(), 1, "{stderr}");
+    assert!(errors[0].contains("no NVIDIA driver found") && errors[0].contains("--backend cpu"), "{stderr}");
+}
+
+#[test]
+fn boolean_environment_variables_accept_1_yes_on() {
+    for (v, quiet) in [("1", true), ("yes", true), ("on", true), ("true", true), ("0", false), ("off", false)] {
+        let (lines, stderr) = run_env(&["--backend", "cpu"], &[("ORNITH_QUIET", v), ("ORNITH_ORDERED", v)], HELLO);
+        assert_eq!(lines.len(), 1, "ORNITH_QUIET={v}: {stderr}");
+        assert_eq!(stderr.is_empty(), quiet, "ORNITH_QUIET={v}: {stderr}");
+    }
+    let (ok, _, stderr) = run_raw(&["--backend", "cpu"], &[("ORNITH_QUIET", "maybe")], HELLO);
+    assert!(!ok && stderr.contains("maybe"), "{stderr}");
+}
+
+#[test]
+fn startup_and_request_log_lines_are_single_and_sensible() {
+    let input = [
+        r#"{"custom_id":"one","prompt":"hi","max_tokens":1,"seed":1}"#,
+        r#"{"custom_id":"sys","messages":[{"role":"system","content":"only a system turn"}]}"#,
+        r#"{"custom_id":"think","messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"enable_thinking":"no"}}"#,
+    ]
+    .join("\n");
+    let (lines, stderr) = run(&["--backend", "cpu", "--ordered"], input.as_bytes());
+    assert_eq!(lines.len(), 3, "{stderr}");
+    assert!(lines[0]["error"].is_null(), "{}", lines[0]);
+    // The startup time covers the whole load (tokenizer included), reported once.
+    assert_eq!(stderr.matches("ornith: loaded").count(), 1, "{stderr}");
+    assert!(stderr.contains("tokenizer and chat template"), "{stderr}");
+    // max_tokens 1 has no decode step: no "null" rate in the log.
+    assert!(!stderr.contains("null"), "{stderr}");
+    assert!(stderr.contains("no decode step"), "{stderr}");
+    let msg = lines[1]["error"]["message"].as_str().unwrap();
+    assert_eq!(msg.matches("chat template").count(), 1, "{msg}");
+    assert_eq!(lines[2]["error"]["code"], "invalid_request", "{}", lines[2]);
+    assert!(lines[2]["error"]["message"].as_str().unwrap().contains("enable_thinking"), "{}", lines[2]);
+}
+
+#[test]
+fn a_missing_checkpoint_says_pass_model() {
+    let dir = std::env::temp_dir().join(format!("ornith-no-such-checkpoint-{}", std::process::id()));
+    let (ok, _, stderr) = run_raw(&["--backend", "cpu", "--model", dir.to_str().unwrap()], &[], HELLO);
+    assert!(!ok);
+    assert!(stderr.contains("--model"), "{stderr}");
+    assert_eq!(stderr.lines().filter(|l| l.starts_with("ornith: error:")).count(), 1, "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn a_broken_config_is_reported_once() {
+    let tmp = std::env::temp_dir().join(format!("ornith-bad-config-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::write(tmp.join("config.json"), "{ not json").unwrap();
+    let (ok, _, stderr) = run_raw(&["--backend", "cpu", "--model", tmp.to_str().unwrap()], &[], HELLO);
+    std::fs::remove_dir_all(&tmp).unwrap();
+    assert!(!ok);
+    let err = stderr.lines().find(|l| l.starts_with("ornith: error:")).unwrap_or_else(|| panic!("{stderr}"));
+    assert_eq!(err.matches("key must be a string").count(), 1, "{err}");
+}
+
+/// The binary links only glibc's own libraries (what `cargo xtask dist` ships; the release
+/// binary's DT_NEEDED is the same as this test-profile one's, so CI needs no release build).
+#[test]
+fn the_binary_links_only_glibc() {
+    let needs = elf::dynamic_needs_of(std::path::Path::new(env!("CARGO_BIN_EXE_ornith"))).unwrap();
+    assert!(needs.needed.iter().any(|n| n == "libc.so.6"), "{needs:?}");
+    assert!(needs.beyond_glibc().is_empty(), "links beyond glibc: {:?}", needs.beyond_glibc());
+    let glibc = needs.max_glibc().expect("references GLIBC_ versions");
+    eprintln!("DT_NEEDED {:?}; newest glibc symbol version {}.{}", needs.needed, glibc.0, glibc.1);
+    assert!(glibc >= (2, 2), "{glibc:?}");
 }

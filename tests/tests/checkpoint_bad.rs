@@ -413,3 +413,18 @@ fn config_that_does_not_match_the_weights() {
         ],
     );
 }
+
+/// `cargo xtask gen` refuses a checkpoint without the tokenizer or the chat template, which the
+/// binary reads at startup (it would otherwise fail there with a bare "No such file").
+#[test]
+fn gen_refuses_a_checkpoint_without_tokenizer_or_chat_template() {
+    for file in xtask::gen::FRONTEND_FILES {
+        let dir = tiny();
+        std::fs::remove_file(dir.path().join(file)).unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let spec_path = out.path().join("spec.json");
+        let e = xtask::gen::gen(Some(dir.path()), out.path(), &spec_path).expect_err("must be refused").to_string();
+        assert_has(&e, &[file, "Fix:"]);
+        assert!(!spec_path.exists(), "no spec is written for a refused checkpoint");
+    }
+}

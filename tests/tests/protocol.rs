@@ -678,3 +678,24 @@ fn randomized_mutations_never_panic_and_never_lose_a_line() {
     assert!(codes.get("ok").copied().unwrap_or(0) >= 25, "{codes:?}");
     assert!(codes.len() >= 6, "{codes:?}");
 }
+
+// ---------------------------------------------------------------- the README's error table
+
+/// README.md documents every error code in a table (`| code | when |`); it must list exactly the
+/// codes of `protocol::ERROR_CODES`, which the protocol's own unit test ties to the sources.
+#[test]
+fn readme_error_table_lists_exactly_the_error_codes() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    let mut lines = readme.lines().skip_while(|l| l.trim() != "| code | when |");
+    assert!(lines.next().is_some(), "README.md has no `| code | when |` table");
+    let documented: std::collections::BTreeSet<String> = lines
+        .skip(1) // the |---|---| row
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| {
+            let cell = l.split('|').nth(1).unwrap().trim();
+            cell.trim_matches('`').to_string()
+        })
+        .collect();
+    let codes: std::collections::BTreeSet<String> = protocol::ERROR_CODES.iter().map(|(c, _)| c.to_string()).collect();
+    assert_eq!(documented, codes, "README.md's error table and protocol::ERROR_CODES differ");
+}

@@ -1,5 +1,5 @@
 //! The full and shallow presets' metadata: the real Ornith 1.0 35B inventory (62,546 tensors,
-//! architecture.md §2.2), built as headers over sparse data sections.
+//! docs/ARCHITECTURE.md §2.2 FP8), built as headers over sparse data sections.
 
 use model_spec::{load_checkpoint, DType};
 use std::collections::BTreeMap;
@@ -73,7 +73,7 @@ fn full_preset_metadata_is_the_real_inventory() {
     assert_eq!(got_visual, want_visual);
     assert!(spec.tensors.iter().filter(|(n, _)| n.starts_with("model.visual.")).all(|(_, t)| t.dtype == DType::BF16));
 
-    // architecture.md §2.2, per layer: 4 unquantised (2 norms, router, shared-expert gate) +
+    // docs/ARCHITECTURE.md §2.2, per layer: 4 unquantised (2 norms, router, shared-expert gate) +
     // 6 shared expert (3 × weight + scale) + 1,536 routed (256 × 3 × 2) = 1,546; GDN +9
     // (5 BF16 projections, conv1d, dt_bias, A_log, norm); attention +10 (4 × 2 + q/k norm).
     let p = "model.language_model";

@@ -55,10 +55,36 @@ pub fn gen(model: Option<&Path>, root: &Path, spec_path: &Path) -> Result<ModelS
         None => ensure_tiny(root)?,
     };
     let spec = model_spec::load_checkpoint(&dir)?;
+    check_frontend_files(&dir)?;
     eprint!("{}", model_spec::report::render(&spec));
     spec.write(spec_path)?;
     eprintln!("spec written to {}", spec_path.display());
     Ok(spec)
+}
+
+/// The files besides the weights that `ornith` reads at startup (its tokenizer and chat
+/// template): a checkpoint without them is refused here rather than by the binary at startup.
+pub const FRONTEND_FILES: [&str; 2] = ["tokenizer.json", "chat_template.jinja"];
+
+fn check_frontend_files(dir: &Path) -> Result<()> {
+    for f in FRONTEND_FILES {
+        let path = dir.join(f);
+        if !path.is_file() {
+            let extra = if f == "chat_template.jinja" {
+                " (an export that keeps the template as the \"chat_template\" string of tokenizer_config.json: \
+                 write that string to chat_template.jinja)"
+            } else {
+                ""
+            };
+            anyhow::bail!(
+                "{}: missing: the runtime reads the tokenizer and the chat template from the checkpoint directory. \
+                 Fix: copy {f} from the original checkpoint into {}{extra}.",
+                path.display(),
+                dir.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Validates `dir` and prints the report to stderr.

@@ -1,4 +1,4 @@
-//! `cargo xtask` — project automation: gen, inspect, synth, expand, ptx.
+//! `cargo xtask` — project automation: gen, inspect, synth, expand, dist, ptx.
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -22,6 +22,9 @@ enum Cmd {
     },
     /// Print the checkpoint report.
     Inspect { dir: PathBuf },
+    /// Build the release `ornith` binary, stripped, into <target>/dist/ with a README.txt, and
+    /// check that it links nothing beyond glibc.
+    Dist,
     /// Write a deterministic synthetic checkpoint in the vendor's FP8 format.
     Synth {
         #[arg(long, value_enum)]
@@ -49,8 +52,20 @@ enum Cmd {
     Bindgen,
 }
 
-fn main() -> Result<()> {
-    match Cli::parse().cmd {
+/// Errors are printed as one line with their chain (`{:#}`), not as `main`'s Debug output (which
+/// adds a backtrace under RUST_BACKTRACE and a separate "Caused by" list).
+fn main() -> std::process::ExitCode {
+    match run(Cli::parse().cmd) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("cargo xtask: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cmd: Cmd) -> Result<()> {
+    match cmd {
         Cmd::Gen { model } => {
             let root = xtask::gen::workspace_root();
             xtask::gen::gen(model.as_deref(), &root, &xtask::gen::default_spec_path())?;
@@ -70,6 +85,9 @@ fn main() -> Result<()> {
                 out.display(),
                 start.elapsed()
             );
+        }
+        Cmd::Dist => {
+            xtask::dist::dist(&workspace_root())?;
         }
         Cmd::Expand { spec } => xtask::expand::run(spec.as_deref(), &xtask::gen::workspace_root())?,
         Cmd::Tokenizer { dir } => xtask::tokenizer::write_tokenizer_files(&dir)?,

@@ -1,6 +1,6 @@
 //! The CPU backend — the reference every other backend is tested against. It composes the
 //! slice operations of [`crate::cpu`] into the layer operations of [`Backend`], copying
-//! transformers' cast points (architecture.md §3, §6).
+//! transformers' cast points (docs/ARCHITECTURE.md §3, §6).
 
 mod load;
 

@@ -1,4 +1,4 @@
-//! Gated full attention pieces (architecture.md §3.5, §6.8–9).
+//! Gated full attention pieces (docs/ARCHITECTURE.md §3.5 Gated attention, §6 items 8–9).
 //!
 //! Layer order (the lead wires it): `qg = x @ q_proj` → [`split_q_gate`] → q/k RMSNorm per head
 //! (`norm::rms_norm` with `n = head_dim`, zero-centred) → [`apply_rope`] on q and k → write k

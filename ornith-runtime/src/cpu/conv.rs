@@ -1,4 +1,4 @@
-//! Causal depthwise conv1d + SiLU of the GDN block (architecture.md §3.4, §6.5).
+//! Causal depthwise conv1d + SiLU of the GDN block (docs/ARCHITECTURE.md §3.4 Gated DeltaNet, §6 item 5).
 //!
 //! Per channel c with weight `w[c, 0..K]` (`conv1d.weight[:, 0, :]`, K = 4) over the time axis of
 //! `x [T, C]` (the pre-conv `in_proj_qkv` output), extended on the left by the state

@@ -1,4 +1,4 @@
-//! Embedding gather and the output head (architecture.md §3.1, §3.7).
+//! Embedding gather and the output head (docs/ARCHITECTURE.md §3.1 Embedding, §3.7 Output).
 //!
 //! `h[t] = embed_tokens[ids[t]]` (bf16 rows, no scaling). The final norm is
 //! `norm::rms_norm` (zero-centred) and the logits are `linear::linear_bf16` with `lm_head`

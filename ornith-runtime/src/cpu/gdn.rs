@@ -1,4 +1,4 @@
-//! Gated DeltaNet core: gates, q/k preparation and the gated delta rule (architecture.md §3.4, §4).
+//! Gated DeltaNet core: gates, q/k preparation and the gated delta rule (docs/ARCHITECTURE.md §3.4 Gated DeltaNet, §4 Chunked gated delta rule).
 //!
 //! Shapes (row-major): conv output `[T, 2·Hk·dk + Hv·dv]` = `[q | k | v]`; `q, k [T, Hk, dk]`;
 //! `v [T, Hv, dv]`; `b, a, β, g [T, Hv]`; state `S [Hv, dk, dv]` fp32; output `o [T, Hv, dv]`.

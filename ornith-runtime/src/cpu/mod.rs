@@ -3,7 +3,7 @@
 //! Pure functions over row-major slices (`[T, N]` = T rows of N), multi-threaded with rayon.
 //! Activations are `bf16` between ops exactly where Hugging Face transformers (bf16 model, torch
 //! CPU path) rounds them; every function documents its cast points
-//! (see `shared/reference/architecture.md` §3 and §6).
+//! (docs/ARCHITECTURE.md §3 Forward math and §6 Cast points).
 //!
 //! Shape contracts are checked with `assert!` and a message naming the argument: a mismatch is a
 //! bug in the caller (shapes come from the validated `ModelSpec`), not bad user input. Functions

@@ -1,4 +1,4 @@
-//! Sparse MoE block: router, routed experts, gated shared expert (architecture.md §3.6, §6.10–11).
+//! Sparse MoE block: router, routed experts, gated shared expert (docs/ARCHITECTURE.md §3.6 Sparse MoE, §6 items 10–11).
 //!
 //! For `x [T, D]` (the post-attention-norm output):
 //! ```text

@@ -1,4 +1,4 @@
-//! RMSNorm variants (architecture.md §3.2).
+//! RMSNorm variants (docs/ARCHITECTURE.md §3.2 RMSNorm variants).
 //!
 //! * Zero-centred RMSNorm (`Qwen3_5MoeRMSNorm`: input / post-attention / final norm, q_norm,
 //!   k_norm), per row of `n`, all in fp32 with one rounding:

@@ -71,9 +71,9 @@ fn close(name: &str, got: &[u16], want: &[f64]) {
     assert!(rel <= 4e-3, "{name}: relative error {rel}");
 }
 
-/// FP8 quantisation of bf16 rows must match the CPU codec bit for bit: scale = amax/448 (f32),
-/// code = e4m3(y / scale) with an f32 division, RNE, saturating.
-/// FP8 codes and scales bit-exact against the CPU reference quantiser (compressed-tensors semantics).
+/// FP8 codes and scales bit-exact against the CPU reference quantiser (compressed-tensors
+/// semantics, `cpu/fp8.rs`): scale = bf16(amax / 448) (2^-7 for an all-zero row), returned as its
+/// exact f32 widening; code = e4m3(bf16(y / scale)), RNE, saturating.
 fn check_quant(name: &str, y: &[u16], q8: &[u8], scale: &[f32], cols: usize) {
     for (t, row) in y.chunks(cols).enumerate() {
         let xs: Vec<bf16> = row.iter().map(|&b| bf16::from_bits(b)).collect();
@@ -159,7 +159,7 @@ fn quantize_fp8_matches_reference() {
         if rows > 2 {
             for v in &mut x[2 * cols..3 * cols] {
                 *v = 0;
-            } // an all-zero row: scale 0, codes 0
+            } // an all-zero row: scale 2^-7, codes 0
         }
         let mut q8 = c.upload(&vec![0xAAu8; rows * cols]).unwrap();
         let mut sc = c.upload(&vec![-1f32; rows]).unwrap();

@@ -1,8 +1,5 @@
-//! The protocol traits implemented for the real tokenizer and chat template.
-//!
-//! Not in the module tree until `ornith_runtime::tokenizer` and `ornith_runtime::chat` exist:
-//! enable it with `pub mod adapters;` in `protocol/mod.rs`, then have `load::build_frontend`
-//! return `adapters::load_frontend(&model_dir)`.
+//! The protocol traits implemented for the real tokenizer (`crate::tokenizer`) and chat template
+//! (`crate::chat`), and the loading of both from a checkpoint directory.
 
 use std::path::Path;
 
@@ -13,28 +10,12 @@ use super::{PromptRenderer, TextCodec, TokenStream};
 use crate::chat::ChatTemplate;
 use crate::tokenizer::{DecodeStream, Tokenizer};
 
-/// `DecodeStream::flush` is specified as `anyhow::Result<Option<String>>`; a draft of the
-/// tokenizer returns a bare `Option<String>`. Either converts.
-trait FlushOutput {
-    fn into_result(self) -> anyhow::Result<Option<String>>;
-}
-impl FlushOutput for Option<String> {
-    fn into_result(self) -> anyhow::Result<Option<String>> {
-        Ok(self)
-    }
-}
-impl FlushOutput for anyhow::Result<Option<String>> {
-    fn into_result(self) -> anyhow::Result<Option<String>> {
-        self
-    }
-}
-
 impl TokenStream for DecodeStream<'_> {
     fn push(&mut self, id: u32) -> anyhow::Result<Option<String>> {
         DecodeStream::push(self, id)
     }
     fn flush(&mut self) -> anyhow::Result<Option<String>> {
-        DecodeStream::flush(self).into_result()
+        Ok(DecodeStream::flush(self))
     }
 }
 
@@ -71,11 +52,26 @@ impl PromptRenderer for ChatTemplate {
 /// The tokenizer (`tokenizer.json`) and chat template (`chat_template.jinja`, the Jinja source
 /// that `ChatTemplate::from_file` reads) of a checkpoint directory.
 pub fn load_frontend(dir: &Path) -> anyhow::Result<(Box<dyn TextCodec>, Box<dyn PromptRenderer>)> {
-    let tok = Tokenizer::from_file(&dir.join("tokenizer.json"))
-        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
-    let tpl_path = dir.join("chat_template.jinja");
-    anyhow::ensure!(tpl_path.exists(), "{} has no chat_template.jinja", dir.display());
-    let tpl = ChatTemplate::from_file(&tpl_path)
-        .with_context(|| format!("loading the chat template {}", tpl_path.display()))?;
+    let (tok, tpl) = load_frontend_parts(dir)?;
     Ok((Box::new(tok), Box::new(tpl)))
 }
+
+/// [`load_frontend`] with the concrete types (both `Send`, so they can be loaded on a thread).
+pub fn load_frontend_parts(dir: &Path) -> anyhow::Result<(Tokenizer, ChatTemplate)> {
+    for f in [TOKENIZER_FILE, CHAT_TEMPLATE_FILE] {
+        anyhow::ensure!(
+            dir.join(f).is_file(),
+            "{}: no {f}. Fix: copy {f} from the original checkpoint into this directory",
+            dir.display()
+        );
+    }
+    let tok = Tokenizer::from_file(&dir.join(TOKENIZER_FILE))
+        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+    let tpl_path = dir.join(CHAT_TEMPLATE_FILE);
+    let tpl = ChatTemplate::from_file(&tpl_path)?;
+    Ok((tok, tpl))
+}
+
+/// The front-end files the runtime reads from a checkpoint directory.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";

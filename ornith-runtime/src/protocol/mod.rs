@@ -19,6 +19,7 @@ pub mod tokenize;
 pub mod toolcall;
 
 pub use genconfig::GenerationDefaults;
+pub use request::{LineError, ERROR_CODES};
 pub use serve::{serve, ServeOptions, ServeStats};
 pub use tokenize::tokenize;
 

@@ -25,8 +25,37 @@ pub struct LineError {
     pub message: String,
 }
 
+/// Every `error.code` a result line (of `serve` or `tokenize`) can carry, with when. README.md's
+/// error table is checked against this list (tests/tests/protocol.rs), and this list against the
+/// codes the protocol sources pass to [`LineError::new`] (a unit test below).
+pub const ERROR_CODES: &[(&str, &str)] = &[
+    ("invalid_json", "the line is not well-formed JSON"),
+    ("invalid_utf8", "the line is not valid UTF-8"),
+    ("empty_line", "the line is blank"),
+    ("line_too_long", "the line is longer than `--max-line-bytes` (it is skipped without being held in memory)"),
+    ("duplicate_custom_id", "the `custom_id` was already used by an earlier line"),
+    (
+        "invalid_request",
+        "well-formed JSON that is not a valid request: wrong types, unknown roles, empty `messages`, a \
+         sampling parameter out of range, a token id outside the vocabulary, a non-boolean \
+         `chat_template_kwargs.enable_thinking`, messages the chat template refuses",
+    ),
+    (
+        "unsupported_parameter",
+        "a parameter this build cannot honour: `n` > 1, penalties, `logprobs`, `response_format` other \
+         than text, a forced `tool_choice`, `echo`/`suffix`, several prompts in one line",
+    ),
+    ("unsupported_content", "image, audio, video or file parts (this build serves text only)"),
+    ("unsupported_url", "a Batch line whose `url` is neither `/v1/chat/completions` nor `/v1/completions`"),
+    ("context_length_exceeded", "the prompt fills the context, or `max_tokens` reaches past it"),
+    ("tokenizer_error", "the tokenizer failed on the text"),
+    ("engine_error", "the backend failed while generating"),
+    ("internal_error", "the engine panicked on this request (the next lines still run)"),
+];
+
 impl LineError {
     pub fn new(code: &'static str, message: impl Into<String>) -> Self {
+        debug_assert!(ERROR_CODES.iter().any(|(c, _)| *c == code), "error code {code:?} is not in ERROR_CODES");
         LineError { code, message: message.into() }
     }
     pub fn invalid(message: impl Into<String>) -> Self {
@@ -383,12 +412,30 @@ fn parse_chat(b: &Map<String, Value>) -> R<Kind> {
             ))
         }
     } && tools.is_some();
-    let kwargs = match present(b, "chat_template_kwargs") {
-        None => Map::new(),
-        Some(Value::Object(m)) => m.clone(),
+    let kwargs = template_kwargs(present(b, "chat_template_kwargs"))?;
+    Ok(Kind::Chat { messages, tools, parse_tools, kwargs })
+}
+
+/// `chat_template_kwargs`: an object; the switches the template tests with `is true` / `is false`
+/// must be booleans (a string such as `"no"` would silently mean "on" there).
+pub fn template_kwargs(v: Option<&Value>) -> R<Map<String, Value>> {
+    let m = match v {
+        None => return Ok(Map::new()),
+        Some(Value::Object(m)) => m,
         Some(_) => return Err(LineError::invalid("`chat_template_kwargs` must be an object")),
     };
-    Ok(Kind::Chat { messages, tools, parse_tools, kwargs })
+    for k in ["enable_thinking"] {
+        match m.get(k) {
+            None | Some(Value::Null) | Some(Value::Bool(_)) => {}
+            Some(v) => {
+                return Err(LineError::invalid(format!(
+                    "`chat_template_kwargs.{k}` must be true or false, got {}",
+                    short(v)
+                )))
+            }
+        }
+    }
+    Ok(m.clone())
 }
 
 const TEXT_ONLY: &str = "this build serves text only";
@@ -523,6 +570,39 @@ fn normalize_tool_calls(calls: &Value, i: usize) -> R<Value> {
         out.push(Value::Object(call));
     }
     Ok(Value::Array(out))
+}
+
+#[cfg(test)]
+mod error_code_tests {
+    use super::ERROR_CODES;
+    use std::collections::BTreeSet;
+
+    /// The string literal that starts `rest` (after whitespace), if any.
+    fn leading_literal(rest: &str) -> Option<&str> {
+        let rest = rest.trim_start().strip_prefix('"')?;
+        Some(&rest[..rest.find('"')?])
+    }
+
+    #[test]
+    fn error_codes_are_exactly_the_ones_the_sources_produce() {
+        let sources = [include_str!("request.rs"), include_str!("serve.rs"), include_str!("tokenize.rs")];
+        let mut used = BTreeSet::new();
+        for src in sources {
+            // Only this file's own code, not the table above or this test.
+            let src = src.split("#[cfg(test)]\nmod error_code_tests").next().unwrap();
+            for (i, _) in src.match_indices("LineError::new(") {
+                let lit = leading_literal(&src[i + "LineError::new(".len()..]);
+                let lit = lit.unwrap_or_else(|| panic!("LineError::new without a literal code: {}", &src[i..i + 60]));
+                used.insert(lit.to_string());
+            }
+            if src.contains("LineError::invalid(") {
+                used.insert("invalid_request".to_string());
+            }
+        }
+        let listed: BTreeSet<String> = ERROR_CODES.iter().map(|(c, _)| c.to_string()).collect();
+        assert_eq!(listed.len(), ERROR_CODES.len(), "a code is listed twice");
+        assert_eq!(used, listed, "ERROR_CODES must list exactly the codes the protocol produces");
+    }
 }
 
 #[cfg(test)]

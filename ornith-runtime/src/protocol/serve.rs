@@ -264,14 +264,18 @@ fn handle_line(
     let res = run(&req, line, custom_id.as_deref(), gen, codec, renderer, opts, sink, started);
     if let (Ok(body), false) = (&res, opts.quiet) {
         let u = &body["usage"];
+        // One output token has no decode step to time (`decode_tok_s` is null).
+        let decode = match body["decode_tok_s"].as_f64() {
+            Some(r) => format!("decode {r} tok/s"),
+            None => "no decode step".to_string(),
+        };
         eprintln!(
-            "[ornith] line {line}{}: {}+{} tokens, {}, ttft {} ms, decode {} tok/s",
+            "[ornith] line {line}{}: {}+{} tokens, {}, ttft {} ms, {decode}",
             custom_id.as_deref().map(|c| format!(" ({c})")).unwrap_or_default(),
             u["prompt_tokens"],
             u["completion_tokens"],
             body["choices"][0]["finish_reason"].as_str().unwrap_or("?"),
             body["ttft_ms"],
-            body["decode_tok_s"],
         );
     }
     res
@@ -298,7 +302,8 @@ fn run(
     sink: Sink<'_>,
     started: Instant,
 ) -> Result<Value, LineError> {
-    let tmpl = |e: anyhow::Error| LineError::new("invalid_request", format!("chat template: {e:#}"));
+    // The template's errors already say "chat template: …".
+    let tmpl = |e: anyhow::Error| LineError::new("invalid_request", format!("{e:#}"));
     let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
     let (prompt, thinking) = match &req.kind {
         Kind::Chat { messages, tools, kwargs, .. } => {

@@ -7,7 +7,7 @@
 
 use std::io::{BufRead, Write};
 
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use super::lines::{LineReader, RawLine};
 use super::request::{self, LineError};
@@ -29,11 +29,7 @@ fn ids_for(v: &Value, codec: &dyn TextCodec, renderer: &dyn PromptRenderer) -> R
         Some(t @ Value::Array(_)) => Some(t),
         Some(_) => return Err(LineError::new("invalid_request", "`tools` must be an array")),
     };
-    let kwargs = match obj.get("chat_template_kwargs") {
-        None | Some(Value::Null) => Map::new(),
-        Some(Value::Object(m)) => m.clone(),
-        Some(_) => return Err(LineError::new("invalid_request", "`chat_template_kwargs` must be an object")),
-    };
+    let kwargs = request::template_kwargs(obj.get("chat_template_kwargs").filter(|v| !v.is_null()))?;
     let add = match obj.get("add_generation_prompt") {
         None | Some(Value::Null) => true,
         Some(Value::Bool(b)) => *b,
@@ -41,7 +37,7 @@ fn ids_for(v: &Value, codec: &dyn TextCodec, renderer: &dyn PromptRenderer) -> R
     };
     let text = renderer
         .render(&messages, tools, add, &kwargs)
-        .map_err(|e| LineError::new("invalid_request", format!("chat template: {e:#}")))?;
+        .map_err(|e| LineError::new("invalid_request", format!("{e:#}")))?;
     codec.encode(&text).map_err(tok)
 }
 

@@ -17,7 +17,7 @@ pub const VENDOR_IGNORE: [&str; 6] = [
     "re:.*visual.*",
 ];
 
-/// Token ids of the real tokenizer (architecture.md §1 / §5).
+/// Token ids of the real tokenizer (docs/ARCHITECTURE.md §1 Configuration, §5.1 Tokenizer).
 pub const BOS_TOKEN_ID: u32 = 248044; // <|endoftext|>
 pub const IM_END_TOKEN_ID: u32 = 248046; // <|im_end|>
 
