@@ -71,7 +71,8 @@ fn a_thousand_seeded_sampled_requests_lose_no_completion() {
         .unwrap();
     child.stdin.take().unwrap().write_all(again.as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
-    let two: Vec<Value> = String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let two: Vec<Value> =
+        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let text = |v: &Value| v["response"]["body"]["choices"][0]["text"].clone();
     assert_eq!(text(&two[0]), text(&two[1]));
     let first = lines.iter().find(|l| l["custom_id"] == "s3").unwrap();

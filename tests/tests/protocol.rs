@@ -455,6 +455,26 @@ fn fixture_every_line_answered_in_order_with_the_right_shape() {
     assert_ne!(gen.calls[0].seed, gen.calls[1].seed);
 }
 
+/// A misspelt field is reported in the result body's `warnings` and the request still runs
+/// (with the field ignored); a clean request has no `warnings` key.
+#[test]
+fn unknown_fields_are_warned_about_and_the_request_runs() {
+    let input = concat!(
+        r#"{"custom_id": "typo", "messages": [{"role": "user", "content": "SAY:ok"}], "max_tokenz": 1}"#,
+        "\n",
+        r#"{"custom_id": "clean", "messages": [{"role": "user", "content": "SAY:ok"}], "max_tokens": 4}"#,
+        "\n"
+    );
+    let (lines, _) = run_with(Cursor::new(input), &opts(), 512);
+    let (res, _) = results(&lines);
+    assert_eq!(res.len(), 2);
+    let w = body(&res[0])["warnings"].as_array().expect("warnings list").clone();
+    assert_eq!(w.len(), 1);
+    assert!(w[0].as_str().unwrap().contains("did you mean `max_tokens`"), "{w:?}");
+    assert_eq!(res[0]["error"], Value::Null);
+    assert!(body(&res[1]).get("warnings").is_none());
+}
+
 #[test]
 fn explicit_sampling_parameters_reach_the_generator() {
     let line = r#"{"messages": [{"role": "user", "content": "SAY:a"}], "temperature": 0.5, "top_k": 7, "top_p": 0.8, "min_p": 0.05, "seed": 42}"#;

@@ -143,9 +143,12 @@ impl Drop for DecodeMode<'_> {
     }
 }
 
-/// A captured graph. SAFETY: it is launched only on the backend's one stream, from the thread
-/// that drives the engine (one sequence at a time), never concurrently.
+/// A captured graph, movable to another thread with the sequence state that owns it.
 struct SendGraph(cudarc::driver::CudaGraph);
+// SAFETY: cudarc's `CudaGraph` is not `Send` only because it holds raw driver handles
+// (CUgraph, CUgraphExec), which the CUDA driver allows to be used from any thread once the
+// context is bound (every launch binds it first). It is not `Sync`: a graph is replayed only
+// through `&mut DecodeGraph`, so never from two threads at once.
 unsafe impl Send for SendGraph {}
 
 /// Conv state `[3, conv_dim]` bf16 (oldest first) and recurrent state `[Hv, dk, dv]` f32.
@@ -225,11 +228,6 @@ pub struct CudaBackend {
     /// The device sampler's buffers (one row).
     sampler: Mutex<crate::cuda::sample::SampleScratch>,
 }
-
-// SAFETY: all device work goes through the one stream of `cx`; the scratch buffers are only
-// addressed by launches queued on that stream, and the engine drives one sequence at a time.
-unsafe impl Sync for CudaBackend {}
-unsafe impl Send for CudaBackend {}
 
 impl CudaBackend {
     /// Checks the model's shapes against the kernels, plans every allocation for a context of

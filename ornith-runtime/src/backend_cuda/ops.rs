@@ -63,7 +63,7 @@ impl super::DevLinear {
 impl CudaBackend {
     /// Launches `name` (timed when profiling). `bytes` is what the launch must move at least
     /// (weights + activations read and written), for the GB/s report.
-    pub(super) fn go<P: Copy>(
+    pub(super) fn go<P: crate::cuda::KernelParams>(
         &self,
         name: &'static str,
         grid: (u32, u32, u32),
@@ -75,7 +75,7 @@ impl CudaBackend {
     }
 
     /// [`Self::go`] with `smem` bytes of dynamic shared memory (the prefill kernels).
-    pub(super) fn go_smem<P: Copy>(
+    pub(super) fn go_smem<P: crate::cuda::KernelParams>(
         &self,
         name: &'static str,
         grid: (u32, u32, u32),

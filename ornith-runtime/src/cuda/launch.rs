@@ -17,7 +17,13 @@ fn i32of(what: &str, v: usize) -> Result<i32> {
 }
 
 impl CudaContext {
-    pub(crate) fn launch<P: Copy>(&self, name: &str, grid: (u32, u32, u32), block: u32, p: P) -> Result<()> {
+    pub(crate) fn launch<P: crate::cuda::KernelParams>(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        p: P,
+    ) -> Result<()> {
         self.launch_with(name, grid, block, 0, p)
     }
 

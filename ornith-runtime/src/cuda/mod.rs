@@ -83,10 +83,47 @@ pub struct CudaContext {
     pdl: AtomicBool,
 }
 
-/// A kernel parameter struct passed by value (`#[repr(C)]` from bindgen, plain data).
+/// A kernel's by-value parameter struct: a bindgen `#[repr(C)]` struct of the shared header
+/// (`kernels/include/ornith_kernels.h`), plain data (integers, floats, raw device pointers) with
+/// the header's layout, which bindgen's size/offset assertions pin.
+///
+/// # Safety
+/// Implement only for such structs: the launch copies the value's bytes as the kernel argument.
+pub(crate) unsafe trait KernelParams: Copy {}
+macro_rules! kernel_params {
+    ($($t:ident),* $(,)?) => { $(
+        // SAFETY: a bindgen struct of the shared header (see `KernelParams`).
+        unsafe impl KernelParams for ornith_kernels::bindings::$t {}
+    )* };
+}
+kernel_params!(
+    OrnithEmbedParams,
+    OrnithRmsNormParams,
+    OrnithQuantParams,
+    OrnithGemvBf16Params,
+    OrnithGemvFp8Params,
+    OrnithRouterParams,
+    OrnithMoeGemvParams,
+    OrnithSwigluQuantParams,
+    OrnithMoeCombineParams,
+    OrnithConvParams,
+    OrnithGdnParams,
+    OrnithGatedNormParams,
+    OrnithQkRopeParams,
+    OrnithAttnParams,
+    OrnithArgmaxParams,
+    OrnithSampleParams,
+    OrnithGemmParams,
+    OrnithMoeSortParams,
+    OrnithMoeCombinePrefillParams,
+    OrnithFlashAttnParams
+);
+
+/// A kernel parameter struct passed by value.
 #[repr(transparent)]
 pub(crate) struct Param<T>(pub T);
-unsafe impl<T: Copy> DeviceRepr for Param<T> {}
+// SAFETY: `T: KernelParams` is plain `#[repr(C)]` data that the kernel reads as its argument.
+unsafe impl<T: KernelParams> DeviceRepr for Param<T> {}
 
 impl CudaContext {
     /// Opens GPU `ordinal` and loads every PTX module for its arch.
@@ -135,7 +172,7 @@ impl CudaContext {
     /// Launches kernel `name` with one by-value parameter struct `p` on the stream (`smem` bytes
     /// of dynamic shared memory), with the programmatic-serialization attribute when
     /// [`Self::pdl`] is on. `cuLaunchKernelEx` directly: cudarc's builder has no attributes.
-    pub(crate) fn launch_with<P: Copy>(
+    pub(crate) fn launch_with<P: KernelParams>(
         &self,
         name: &str,
         grid: (u32, u32, u32),

@@ -50,7 +50,7 @@ enum GemmKind {
 }
 
 impl CudaContext {
-    pub(crate) fn launch_smem<P: Copy>(
+    pub(crate) fn launch_smem<P: crate::cuda::KernelParams>(
         &self,
         name: &str,
         grid: (u32, u32, u32),

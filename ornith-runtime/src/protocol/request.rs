@@ -96,6 +96,8 @@ pub struct Request {
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub stream: bool,
+    /// Fields the front end does not know (ignored; the request still runs), one message each.
+    pub warnings: Vec<String>,
 }
 
 /// The `custom_id` of a parsed line: `custom_id`, else (bare bodies) `id`. Numbers are
@@ -227,7 +229,16 @@ pub fn parse(line: &Value, defaults: &GenerationDefaults, default_seed: u64) -> 
             "the line is neither a chat request (`messages`), a completion (`prompt`) nor a batch line (`body`)",
         ));
     };
-    parse_body(body, chat, defaults, default_seed)
+    let mut req = parse_body(body, chat, defaults, default_seed)?;
+    if obj.contains_key("body") {
+        unknown_fields(obj, BATCH_LINE_FIELDS, "batch line", &mut req.warnings);
+        unknown_fields(body, BODY_FIELDS, "request body", &mut req.warnings);
+    } else {
+        let mut known = BODY_FIELDS.to_vec();
+        known.extend(["custom_id", "id"]);
+        unknown_fields(obj, &known, "request", &mut req.warnings);
+    }
+    Ok(req)
 }
 
 fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults, default_seed: u64) -> R<Request> {
@@ -335,7 +346,77 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
     let stream = get_bool(b, "stream")?.unwrap_or(false);
 
     let kind = if chat { parse_chat(b)? } else { parse_completion(b)? };
-    Ok(Request { kind, max_tokens, sampling, stop, stop_token_ids, ignore_eos, stream })
+    Ok(Request { kind, max_tokens, sampling, stop, stop_token_ids, ignore_eos, stream, warnings: Vec::new() })
+}
+
+/// Fields a request body may carry: those read above, and those clients send that do not change
+/// the result (`model`: this binary serves one; `user`, `metadata`, `store`: bookkeeping;
+/// `stream_options`: usage is always in the result line; `parallel_tool_calls`: the model decides).
+pub const BODY_FIELDS: &[&str] = &[
+    "messages",
+    "prompt",
+    "prompt_token_ids",
+    "suffix",
+    "echo",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "stream",
+    "tools",
+    "tool_choice",
+    "chat_template_kwargs",
+    "model",
+    "user",
+    "metadata",
+    "store",
+    "stream_options",
+    "parallel_tool_calls",
+];
+/// Fields of an OpenAI Batch line around its `body`.
+pub const BATCH_LINE_FIELDS: &[&str] = &["custom_id", "method", "url", "body"];
+
+/// Levenshtein distance (for "did you mean" hints on short field names).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != cb)).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
+}
+
+/// One warning per key of `obj` outside `known`, with the closest known name as a hint.
+fn unknown_fields(obj: &Map<String, Value>, known: &[&str], what: &str, out: &mut Vec<String>) {
+    for k in obj.keys() {
+        if known.contains(&k.as_str()) {
+            continue;
+        }
+        let hint = known.iter().map(|c| (edit_distance(k, c), *c)).min().filter(|(d, _)| *d <= 2);
+        out.push(match hint {
+            Some((_, c)) => format!("unknown field `{k}` in the {what} was ignored (did you mean `{c}`?)"),
+            None => format!("unknown field `{k}` in the {what} was ignored"),
+        });
+    }
 }
 
 fn parse_completion(b: &Map<String, Value>) -> R<Kind> {
@@ -704,5 +785,27 @@ mod tests {
         assert_eq!(scan_custom_id(r#"{"custom_id" : "a\"b", "body": {"#), Some("a\"b".into()));
         assert_eq!(scan_custom_id(r#"{"custom_id": 3"#), None);
         assert_eq!(scan_custom_id(r#"{"custom_id": "unterminated"#), None);
+    }
+
+    #[test]
+    fn unknown_fields_warn_and_the_request_still_parses() {
+        let r = p(json!({"messages": [{"role": "user", "content": "hi"}], "max_tokenz": 5, "model": "x", "foo": 1}))
+            .unwrap();
+        assert_eq!(r.max_tokens, None);
+        assert_eq!(r.warnings.len(), 2, "{:?}", r.warnings);
+        assert!(r.warnings[0].contains("`max_tokenz`") && r.warnings[0].contains("did you mean `max_tokens`"));
+        assert!(r.warnings[1].contains("`foo`") && !r.warnings[1].contains("did you mean"));
+        let r = p(json!({"custom_id": "a", "url": "/v1/chat/completions", "methd": "POST",
+                         "body": {"messages": [{"role": "user", "content": "x"}], "temprature": 0.1}}))
+        .unwrap();
+        assert_eq!(r.warnings.len(), 2, "{:?}", r.warnings);
+        assert!(r.warnings.iter().any(|w| w.contains("`methd`") && w.contains("batch line")));
+        assert!(r.warnings.iter().any(|w| w.contains("`temprature`") && w.contains("`temperature`")));
+        // Every field the parser reads is known.
+        let r = p(json!({"custom_id": "c", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                         "temperature": 0.5, "top_p": 0.9, "top_k": 3, "min_p": 0.1, "seed": 1, "stop": ["x"],
+                         "ignore_eos": false, "stream": false, "n": 1, "stream_options": {"include_usage": true}}))
+        .unwrap();
+        assert!(r.warnings.is_empty(), "{:?}", r.warnings);
     }
 }

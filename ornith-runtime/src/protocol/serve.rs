@@ -260,6 +260,11 @@ fn handle_line(
     }
     let seed = mix64(opts.run_id ^ mix64(line));
     let req = request::parse(&value, &opts.defaults, seed)?;
+    if !opts.quiet {
+        for w in &req.warnings {
+            eprintln!("[ornith] line {line}: warning: {w}");
+        }
+    }
     let started = Instant::now();
     let res = run(&req, line, custom_id.as_deref(), gen, codec, renderer, opts, sink, started);
     if let (Ok(body), false) = (&res, opts.quiet) {
@@ -486,6 +491,10 @@ fn run(
             "ttft_ms": ttft_ms, "prefill_tok_s": rate(n_prompt as f64, prefill_s), "decode_tok_s": rate(n_out as f64 - 1.0, decode_s),
         })
     };
+    let mut body = body;
+    if !req.warnings.is_empty() {
+        body["warnings"] = json!(req.warnings);
+    }
     Ok(body)
 }
 
