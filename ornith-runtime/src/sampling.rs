@@ -76,7 +76,7 @@ pub fn draw_bits(seed: u64, step: u64) -> u64 {
 /// Returns 0 below -28 (where `exp(x) < 2^-40` and the integer weight would be 0 anyway).
 #[inline]
 pub fn exp_det(x: f32) -> f32 {
-    if !(x >= EXP_CUTOFF) {
+    if x.is_nan() || x < EXP_CUTOFF {
         return 0.0;
     }
     const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -131,7 +131,7 @@ pub struct Prepared {
 /// True when `p` asks for greedy decoding (a NaN temperature too).
 #[inline]
 pub fn is_greedy(p: &SamplingParams) -> bool {
-    !(p.temperature >= GREEDY_EPS)
+    p.temperature.is_nan() || p.temperature < GREEDY_EPS
 }
 
 impl Prepared {

@@ -129,7 +129,7 @@ impl CpuBackend {
     fn gdn_layer<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
         &self,
         d: &ModelDims,
-        norm_w: &Vec<bf16>,
+        norm_w: &[bf16],
         w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
         st: &mut CpuGdnState,
         h: &mut CpuAct,
@@ -159,7 +159,7 @@ impl CpuBackend {
     fn attention_layer<Q: Prec, K: Prec, V: Prec, O: Prec>(
         &self,
         d: &ModelDims,
-        norm_w: &Vec<bf16>,
+        norm_w: &[bf16],
         w: &GatedAttention<Self, Q, K, V, O>,
         cache: &mut CpuKvCache,
         pos: usize,

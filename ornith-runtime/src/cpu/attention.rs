@@ -34,7 +34,7 @@ pub fn split_q_gate(qg: &[bf16], t: usize, h: usize, hd: usize, q: &mut [bf16], 
 
 /// bf16 `cos` and `sin` tables for one position, each `[rotary_dim]` = `cat(f, f)` (module doc).
 pub fn rope_cos_sin(pos: usize, rotary_dim: usize, theta: f32, cos: &mut [bf16], sin: &mut [bf16]) {
-    assert!(rotary_dim % 2 == 0, "rope: rotary_dim {rotary_dim} must be even");
+    assert!(rotary_dim.is_multiple_of(2), "rope: rotary_dim {rotary_dim} must be even");
     check_len("rope cos", cos.len(), rotary_dim);
     check_len("rope sin", sin.len(), rotary_dim);
     let half = rotary_dim / 2;
@@ -83,13 +83,13 @@ pub fn attention(
     hd: usize,
     out: &mut [bf16],
 ) {
-    assert!(hkv > 0 && h % hkv == 0, "attention: heads {h} must be a multiple of kv heads {hkv}");
+    assert!(hkv > 0 && h.is_multiple_of(hkv), "attention: heads {h} must be a multiple of kv heads {hkv}");
     check_len("attention q", q.len(), t * h * hd);
     check_len("attention out", out.len(), t * h * hd);
     check_len("attention v_cache", v_cache.len(), k_cache.len());
     let row = hkv * hd;
     assert!(
-        k_cache.len() % row == 0 && k_cache.len() / row >= p0 + t,
+        k_cache.len().is_multiple_of(row) && k_cache.len() / row >= p0 + t,
         "attention: cache of {} values holds fewer than p0 + t = {} positions of {row}",
         k_cache.len(),
         p0 + t

@@ -12,7 +12,7 @@ use half::bf16;
 pub fn embed(ids: &[u32], table: &[bf16], d: usize, out: &mut [bf16]) -> anyhow::Result<()> {
     check_len("embed out", out.len(), ids.len() * d);
     anyhow::ensure!(
-        d > 0 && table.len() % d == 0,
+        d > 0 && table.len().is_multiple_of(d),
         "embedding table of {} values is not a multiple of width {d}",
         table.len()
     );

@@ -100,7 +100,7 @@ mod tests {
             (
                 "tiny row (scale far below bf16 normal range of inputs)",
                 vec![1e-30, 2e-30, -3e-30, 0.0, 0.0, 0.0, 0.0, 0.0],
-                6.692606556745645e-33,
+                6.692_606_6e-33,
                 vec![113, 121, 254, 0, 0, 0, 0, 0],
             ),
             (
@@ -127,8 +127,8 @@ mod tests {
                 64.0,
                 vec![126, 8, 136, 20, 6, 42, 0, 0],
             ),
-            ("leading -0", vec![-0.0, -1.0, 2.0], 0.00445556640625, vec![0, 246, 126]),
-            ("huge values", vec![3e38, -1e38, 1.0], 6.698062947509928e35, vec![126, 241, 0]),
+            ("leading -0", vec![-0.0, -1.0, 2.0], 0.004_455_566_4, vec![0, 246, 126]),
+            ("huge values", vec![3e38, -1e38, 1.0], 6.698_063e35, vec![126, 241, 0]),
             (
                 // Found by search: index 10 gives 240 here; a single f32 rounding of x/scale gives 241.
                 "double_rounding",
@@ -141,16 +141,16 @@ mod tests {
                     1.3984375,
                     5.84375,
                     -3.1875,
-                    -0.232421875,
-                    0.349609375,
+                    -0.232_421_88,
+                    0.349_609_38,
                     -1.78125,
                     -3.734375,
-                    -0.306640625,
+                    -0.306_640_63,
                     -3.09375,
                     -0.9375,
                     0.73828125,
                 ],
-                0.0130615234375,
+                0.013_061_523,
                 vec![245, 236, 244, 112, 113, 109, 126, 247, 217, 93, 240, 249, 220, 247, 233, 102],
             ),
         ];
@@ -166,7 +166,7 @@ mod tests {
         // Negative control for the double rounding: quantising x/scale in f32 directly (no bf16
         // step) gives a different code on the `double_rounding` row, so the test above detects it.
         let x = bf16::from_f32(-1.78125).to_f32();
-        let scale = 0.0130615234375f32;
+        let scale = 0.013_061_523_f32;
         assert_eq!(e4m3_from_f32(x / scale), 241);
         assert_eq!(e4m3_from_f32(bf16::from_f32(x / scale).to_f32()), 240);
     }

@@ -54,7 +54,7 @@ impl GdnDims {
     }
     fn check(&self) {
         assert!(
-            self.hk > 0 && self.hv % self.hk == 0 && self.dk > 0 && self.dv > 0,
+            self.hk > 0 && self.hv.is_multiple_of(self.hk) && self.dk > 0 && self.dv > 0,
             "GdnDims: Hv ({}) must be a positive multiple of Hk ({}), dims nonzero",
             self.hv,
             self.hk
@@ -140,6 +140,7 @@ pub fn split_qkv(conv_out: &[bf16], t: usize, d: GdnDims, q: &mut [f32], k: &mut
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn check_core(
     q: &[f32],
     k: &[f32],

@@ -29,7 +29,7 @@ fn inv_rms(x: &[f32], eps: f32) -> f32 {
 pub fn rms_norm(x: &[bf16], w: &[bf16], n: usize, eps: f32, y: &mut [bf16]) {
     check_len("rms_norm w", w.len(), n);
     check_len("rms_norm y", y.len(), x.len());
-    assert!(n > 0 && x.len() % n == 0, "rms_norm: x length {} is not a multiple of n = {n}", x.len());
+    assert!(n > 0 && x.len().is_multiple_of(n), "rms_norm: x length {} is not a multiple of n = {n}", x.len());
     let w1: Vec<f32> = w.iter().map(|&v| 1.0 + bf16_to_f32(v)).collect();
     y.par_chunks_mut(n * ROWS_PER_TASK).zip(x.par_chunks(n * ROWS_PER_TASK)).for_each(|(yb, xb)| {
         let mut xf = vec![0f32; n];
@@ -69,7 +69,7 @@ pub fn gated_rms_norm(x: &[bf16], z: &[bf16], w: &[bf16], n: usize, eps: f32, y:
     check_len("gated_rms_norm w", w.len(), n);
     check_len("gated_rms_norm z", z.len(), x.len());
     check_len("gated_rms_norm y", y.len(), x.len());
-    assert!(n > 0 && x.len() % n == 0, "gated_rms_norm: x length {} is not a multiple of n = {n}", x.len());
+    assert!(n > 0 && x.len().is_multiple_of(n), "gated_rms_norm: x length {} is not a multiple of n = {n}", x.len());
     let chunk = n * ROWS_PER_TASK;
     y.par_chunks_mut(chunk).zip(x.par_chunks(chunk)).zip(z.par_chunks(chunk)).for_each(|((yb, xb), zb)| {
         let mut xf = vec![0f32; n];

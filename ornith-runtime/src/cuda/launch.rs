@@ -37,7 +37,7 @@ impl CudaContext {
         hidden: usize,
         vocab: usize,
     ) -> Result<()> {
-        ensure!(tokens > 0 && hidden % 8 == 0, "embed: tokens {tokens} > 0 and hidden {hidden} % 8 == 0");
+        ensure!(tokens > 0 && hidden.is_multiple_of(8), "embed: tokens {tokens} > 0 and hidden {hidden} % 8 == 0");
         need("embed ids", ids, tokens)?;
         need("embed table", table, vocab * hidden)?;
         need("embed out", out, tokens * hidden)?;
@@ -119,9 +119,9 @@ impl CudaContext {
 
     fn gemv_checks(tokens: usize, in_: usize, out: usize, xs: usize, ys: usize, align: usize) -> Result<()> {
         ensure!((1..=ORNITH_GEMV_MAX_TOKENS as usize).contains(&tokens), "gemv: tokens {tokens} must be 1..=8");
-        ensure!(in_ > 0 && in_ % 16 == 0, "gemv: in {in_} must be a positive multiple of 16");
+        ensure!(in_ > 0 && in_.is_multiple_of(16), "gemv: in {in_} must be a positive multiple of 16");
         ensure!(out > 0 && xs >= in_ && ys >= out, "gemv: strides x {xs} >= in {in_}, y {ys} >= out {out}");
-        ensure!(xs % align == 0, "gemv: x stride {xs} must keep rows 16-byte aligned");
+        ensure!(xs.is_multiple_of(align), "gemv: x stride {xs} must keep rows 16-byte aligned");
         Ok(())
     }
 
@@ -248,6 +248,7 @@ impl CudaContext {
     }
 
     /// Router: softmax over `experts` logits (row stride `stride`), top-k, renormalised bf16 weights.
+    #[allow(clippy::too_many_arguments)]
     pub fn moe_router(
         &self,
         logits: &Bf,
@@ -259,7 +260,7 @@ impl CudaContext {
         stride: usize,
     ) -> Result<()> {
         ensure!(
-            tokens > 0 && experts <= 256 && top_k >= 1 && top_k <= 32 && top_k <= experts && stride >= experts,
+            tokens > 0 && experts <= 256 && (1..=32).contains(&top_k) && top_k <= experts && stride >= experts,
             "router: experts {experts} <= 256, 1 <= top_k {top_k} <= min(32, experts), stride {stride}"
         );
         need("router logits", logits, (tokens - 1) * stride + experts)?;
@@ -291,13 +292,13 @@ impl CudaContext {
     fn moe_gemv_params(&self, a: &MoeGemvArgs, y: &Bf) -> Result<OrnithMoeGemvParams> {
         let slots = a.top_k + 1;
         ensure!(
-            a.tokens > 0 && a.in_ % 16 == 0 && a.in_ > 0 && a.out > 0 && a.top_k >= 1,
+            a.tokens > 0 && a.in_.is_multiple_of(16) && a.in_ > 0 && a.out > 0 && a.top_k >= 1,
             "moe_gemv: in {} % 16, out {}",
             a.in_,
             a.out
         );
         ensure!(
-            a.x_tok_stride % 16 == 0 && a.x_slot_stride % 16 == 0,
+            a.x_tok_stride.is_multiple_of(16) && a.x_slot_stride.is_multiple_of(16),
             "moe_gemv: activation strides must keep 16-byte alignment"
         );
         need("moe_gemv idx", a.idx, a.tokens * a.top_k)?;
@@ -419,7 +420,7 @@ impl CudaContext {
     /// Recurrent gated delta rule (dk = dv = 128), see `OrnithGdnParams`.
     pub fn gdn_recurrent(&self, a: &GdnArgs, state: &mut CudaSlice<f32>, o: &mut Bf) -> Result<()> {
         ensure!(
-            a.tokens > 0 && a.k_heads > 0 && a.v_heads % a.k_heads == 0,
+            a.tokens > 0 && a.k_heads > 0 && a.v_heads.is_multiple_of(a.k_heads),
             "gdn: v_heads {} must be a multiple of k_heads {}",
             a.v_heads,
             a.k_heads
@@ -491,7 +492,7 @@ impl CudaContext {
     pub fn qk_norm_rope(&self, a: &QkRopeArgs, q_out: &mut Bf, k_cache: &mut Bf, v_cache: &mut Bf) -> Result<()> {
         let d = a.head_dim;
         ensure!(
-            a.tokens > 0 && d % 32 == 0 && d <= 256 && a.rot % 2 == 0 && a.rot <= d,
+            a.tokens > 0 && d.is_multiple_of(32) && d <= 256 && a.rot.is_multiple_of(2) && a.rot <= d,
             "qk_rope: head_dim {d} (multiple of 32, <= 256), rot {}",
             a.rot
         );
@@ -546,7 +547,7 @@ impl CudaContext {
     ) -> Result<()> {
         ensure!(a.head_dim == 256, "attention: head_dim {} (kernel is written for 256)", a.head_dim);
         ensure!(
-            a.kv_heads > 0 && a.q_heads % a.kv_heads == 0 && a.q_heads / a.kv_heads <= 8,
+            a.kv_heads > 0 && a.q_heads.is_multiple_of(a.kv_heads) && a.q_heads / a.kv_heads <= 8,
             "attention: q_heads/kv_heads must be an integer <= 8"
         );
         ensure!(a.tokens > 0 && a.split_len > 0, "attention: empty");

@@ -78,9 +78,9 @@ impl CudaContext {
             GemmKind::Bf16 => (8, 2),
         };
         ensure!(rows > 0 && out > 0 && in_ > 0, "gemm: empty shape (rows {rows}, in {in_}, out {out})");
-        ensure!(in_ % align == 0, "gemm: in {in_} must be a multiple of {align}");
+        ensure!(in_.is_multiple_of(align), "gemm: in {in_} must be a multiple of {align}");
         ensure!(
-            a_stride >= in_ && (a_stride * es) % 16 == 0,
+            a_stride >= in_ && (a_stride * es).is_multiple_of(16),
             "gemm: A row stride {a_stride} must be >= in {in_} and keep rows 16-byte aligned"
         );
         ensure!(y_stride >= out, "gemm: y stride {y_stride} < out {out}");
@@ -244,7 +244,7 @@ impl CudaContext {
     /// Checked parameters of the chunked kernels (shapes, strides, buffer sizes); `work` null.
     pub(crate) fn gdn_params(&self, a: &GdnArgs, state: &mut CudaSlice<f32>, o: &mut Bf) -> Result<OrnithGdnParams> {
         ensure!(
-            a.tokens > 0 && a.k_heads > 0 && a.v_heads % a.k_heads == 0,
+            a.tokens > 0 && a.k_heads > 0 && a.v_heads.is_multiple_of(a.k_heads),
             "gdn: v_heads {} must be a multiple of k_heads {}",
             a.v_heads,
             a.k_heads
@@ -323,7 +323,7 @@ impl CudaContext {
     /// cache, optionally with the sigmoid output gate (see `OrnithFlashAttnParams`).
     pub fn flash_attention(&self, a: &FlashAttnArgs, out: &mut Bf) -> Result<()> {
         ensure!(
-            a.tokens > 0 && a.kv_heads > 0 && a.q_heads % a.kv_heads == 0,
+            a.tokens > 0 && a.kv_heads > 0 && a.q_heads.is_multiple_of(a.kv_heads),
             "flash_attention: q_heads {} must be a multiple of kv_heads {}",
             a.q_heads,
             a.kv_heads
