@@ -6,6 +6,7 @@
 #   test_shallow  tests/cuda_model.rs compiled for the shallow preset's spec
 #   test_full     the same for the full preset
 #   bench_full    ornith-bench for the full preset
+#   ornith_full   the ornith binary for the full preset (the sampled-request soak)
 #   xtask         to synthesise the real-data checkpoints on the device
 # Usage: tests/gpu/build.sh NAME        then, on the device: bash tests/gpu/run_h200.sh NAME
 # The specs come from headers-only checkpoints (sparse files, seconds); their fingerprints equal
@@ -36,6 +37,8 @@ cp "$(ORNITH_SPEC=$specs/shallow.spec.json test_exe -p ornith-runtime --test cud
 cp "$(ORNITH_SPEC=$specs/full.spec.json test_exe -p ornith-runtime --test cuda_model)" "$out/test_full"
 ORNITH_SPEC=$specs/full.spec.json cargo build -q --release -p ornith-runtime --bin ornith-bench
 cp "${CARGO_TARGET_DIR:-target}/release/ornith-bench" "$out/bench_full"
+ORNITH_SPEC=$specs/full.spec.json cargo build -q --release -p ornith-runtime --bin ornith
+cp "${CARGO_TARGET_DIR:-target}/release/ornith" "$out/ornith_full"
 cargo build -q --release -p xtask
 cp "${CARGO_TARGET_DIR:-target}/release/xtask" "$out/xtask"
 strip "$out"/*
