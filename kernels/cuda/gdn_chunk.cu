@@ -1,7 +1,7 @@
 // Gated DeltaNet prefill: the chunked gated delta rule (chunk 64), fp32 throughout.
 //
 // Same inputs, gates, q/k preparation and state as gdn_recurrent (OrnithGdnParams); per v-head,
-// per chunk of L <= 64 tokens with G = inclusive cumsum of g inside the chunk (architecture.md §4):
+// per chunk of L <= 64 tokens with G = inclusive cumsum of g inside the chunk (docs/ARCHITECTURE.md §4):
 //   M_rs = beta_r (k_r . k_s) e^{G_r - G_s}  (s < r),      QK_rs = (q_r . k_s) e^{G_r - G_s}  (s <= r)
 //   Vn   = (I + M)^{-1} (beta . (V - e^{G} . (K S)))        (forward substitution)
 //   O_r  = e^{G_r} q_r S + sum_{s <= r} QK_rs Vn_s
