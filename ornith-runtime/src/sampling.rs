@@ -40,6 +40,9 @@ use anyhow::{bail, Result};
 
 use crate::engine::SamplingParams;
 
+/// The error of a logits row without a finite value (every path, both backends).
+pub const NO_FINITE_LOGIT: &str = "every logit is NaN or infinite: the forward pass produced no usable row";
+
 /// Temperatures below this are greedy (vLLM `_SAMPLING_EPS`).
 pub const GREEDY_EPS: f32 = 1e-5;
 
@@ -182,7 +185,7 @@ pub fn argmax(logits: &[u16]) -> Result<u32> {
     }
     match best {
         Some((i, _)) => Ok(i as u32),
-        None => bail!("every logit is NaN or infinite: the forward pass produced no usable row"),
+        None => bail!(NO_FINITE_LOGIT),
     }
 }
 
@@ -195,7 +198,7 @@ pub fn sample(logits: &[u16], p: &SamplingParams, step: u64) -> Result<u32> {
     }
     let pr = Prepared::new(p);
     let Some(kmax) = logits.iter().filter_map(|&b| key_of(b)).max() else {
-        bail!("every logit is NaN or infinite: the forward pass produced no usable row");
+        bail!(NO_FINITE_LOGIT);
     };
     let vmax = value_of_key(kmax);
     // The distinct keys present, ascending, with their counts: sorted for short rows, through a

@@ -84,7 +84,7 @@ impl Tokenizer {
     /// and the tool markers are not special and stay). An id the tokenizer does not know (the
     /// samplers never produce one) becomes U+FFFD rather than failing the whole text.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        let known = |id: &u32| self.bytes.get(*id as usize).is_some_and(|b| !b.is_empty());
+        let known = |id: &u32| self.knows(*id);
         if ids.iter().all(known) {
             return self.inner.decode(ids, skip_special).map_err(|e| anyhow!("decoding failed: {e}"));
         }
@@ -135,10 +135,7 @@ impl DecodeStream<'_> {
     /// stands for U+FFFD (as in [`Tokenizer::decode`]): the completion is kept.
     pub fn push(&mut self, id: u32) -> Result<Option<String>> {
         const REPLACEMENT: &[u8] = "\u{FFFD}".as_bytes();
-        let b = match self.tok.bytes.get(id as usize) {
-            Some(b) if !b.is_empty() => b.as_slice(),
-            _ => REPLACEMENT,
-        };
+        let b = if self.tok.knows(id) { self.tok.bytes[id as usize].as_slice() } else { REPLACEMENT };
         if self.skip_special && self.tok.special.contains(&id) {
             return Ok(None);
         }

@@ -1037,7 +1037,7 @@ impl Backend for CudaBackend {
             self.k_argmax(at(self, &logits.buf, last), at(self, &self.s.amax, 0), n)?;
             let mut i = [0i32];
             self.cx.stream().memcpy_dtoh(&self.s.amax, &mut i)?;
-            ensure!(i[0] >= 0, "every logit is NaN or infinite: the forward pass produced no usable row");
+            ensure!(i[0] >= 0, crate::sampling::NO_FINITE_LOGIT);
             return Ok(i[0] as u32);
         }
         let mut s = self.sampler.lock().unwrap_or_else(|e| e.into_inner());

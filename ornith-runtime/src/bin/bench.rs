@@ -169,6 +169,25 @@ fn ablate(
     Ok((whole, out))
 }
 
+/// Wall-clock seconds of `steps` decode steps, each sampled with `q` over ids `0..n_vocab` as the
+/// engine does (the request's sampled-token count feeds the random stream); `tok` is fed in and
+/// holds the last sampled token afterwards.
+fn decode_timed(
+    b: &CudaBackend,
+    model: &compiled::Model<CudaBackend>,
+    st: &mut compiled::State<CudaBackend>,
+    q: &SamplingParams,
+    n_vocab: usize,
+    steps: usize,
+    tok: &mut u32,
+) -> Result<f64> {
+    let t = Instant::now();
+    for i in 0..steps {
+        *tok = b.sample(&model.decode_step(b, st, *tok)?, n_vocab, q, i as u64 + 1)?;
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
 fn main() {
     if let Err(e) = run() {
         eprintln!("ornith-bench: error: {e:#}");
@@ -249,36 +268,17 @@ fn run() -> Result<()> {
         let l = model.prefill(&b, &mut st, &ids, false, &mut |_, _| {})?;
         let mut tok = b.sample(&l, n_vocab, &greedy, 0)?;
         let ttft = t0.elapsed().as_secs_f64();
-        let t1 = Instant::now();
-        for i in 0..args.gen {
-            tok = b.sample(&model.decode_step(&b, &mut st, tok)?, n_vocab, &greedy, i as u64 + 1)?;
-        }
-        let dec = t1.elapsed().as_secs_f64();
+        let dec = decode_timed(&b, &model, &mut st, &greedy, n_vocab, args.gen, &mut tok)?;
         // The same number of steps with sampling: the checkpoint's default, then top-p only.
-        let mut sampled = |q: &SamplingParams, tok: &mut u32| -> Result<f64> {
-            let t = Instant::now();
-            for i in 0..args.gen {
-                *tok = b.sample(&model.decode_step(&b, &mut st, *tok)?, n_vocab, q, i as u64 + 1)?;
-            }
-            Ok(t.elapsed().as_secs_f64())
-        };
-        let dec_default = sampled(&default_sampling, &mut tok)?;
-        let dec_top_p = sampled(&top_p_only, &mut tok)?;
+        let dec_default = decode_timed(&b, &model, &mut st, &default_sampling, n_vocab, args.gen, &mut tok)?;
+        let dec_top_p = decode_timed(&b, &model, &mut st, &top_p_only, n_vocab, args.gen, &mut tok)?;
         // The same number of steps again with eager launches (the graph's gain).
         b.set_decode_graph(false);
-        let t2 = Instant::now();
-        for i in 0..args.gen {
-            tok = b.sample(&model.decode_step(&b, &mut st, tok)?, n_vocab, &greedy, (args.gen + i) as u64 + 1)?;
-        }
-        let dec_eager = t2.elapsed().as_secs_f64();
+        let dec_eager = decode_timed(&b, &model, &mut st, &greedy, n_vocab, args.gen, &mut tok)?;
         b.set_decode_graph(true);
         // And again as a graph captured with programmatic dependent launch (off by default).
         b.context().set_pdl(true);
-        let t3 = Instant::now();
-        for i in 0..args.gen {
-            tok = b.sample(&model.decode_step(&b, &mut st, tok)?, n_vocab, &greedy, (2 * args.gen + i) as u64 + 1)?;
-        }
-        let dec_pdl = t3.elapsed().as_secs_f64();
+        let dec_pdl = decode_timed(&b, &model, &mut st, &greedy, n_vocab, args.gen, &mut tok)?;
         b.context().set_pdl(false);
         // One more step with every launch timed by events.
         b.profile_begin();

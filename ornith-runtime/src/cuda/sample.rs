@@ -118,7 +118,7 @@ impl CudaContext {
         self.stream().memcpy_dtoh(&s.idx.slice(0..rows), &mut ids)?;
         ids.iter()
             .map(|&i| match i {
-                -1 => anyhow::bail!("every logit is NaN or infinite: the forward pass produced no usable row"),
+                -1 => anyhow::bail!(crate::sampling::NO_FINITE_LOGIT),
                 i if i < 0 => anyhow::bail!("the device sampler drew no token (internal error, code {i})"),
                 i => Ok(i as u32),
             })
