@@ -62,8 +62,7 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
     let mut state_fields = Vec::new();
     let mut state_inits = Vec::new();
     let mut state_resets = Vec::new();
-    let mut prefill = Vec::new();
-    let mut decode = Vec::new();
+    let mut forward = Vec::new();
 
     for l in &spec.layers {
         let i = l.index;
@@ -205,33 +204,24 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
         let li = i;
         match l.kind {
             LayerKind::LinearAttention => {
-                let sdoc = format!(" Layer {i}: conv state and fp32 recurrent state.");
-                state_fields.push(quote!(#[doc = #sdoc] pub #field: B::GdnState,));
-                state_inits.push(quote!(#field: b.new_gdn_state(&DIMS)?,));
-                state_resets.push(quote!(b.reset_gdn_state(&mut self.#field);));
-                prefill.push(quote! {
-                    b.gated_deltanet_prefill(&DIMS, &self.#field.input_layernorm, &self.#field.mixer, &mut st.#field, &mut h)?;
-                    b.sparse_moe(&DIMS, &self.#field.post_attention_layernorm, &self.#field.mlp, &mut h)?;
+                let sdoc = format!(" Layer {i}: conv state and fp32 recurrent state of every slot.");
+                state_fields.push(quote!(#[doc = #sdoc] pub #field: B::GdnPool,));
+                state_inits.push(quote!(#field: b.new_gdn_pool(&DIMS, slots)?,));
+                state_resets.push(quote!(b.clear_slot(&mut self.#field, slot)?;));
+                forward.push(quote! {
+                    b.gated_deltanet(&DIMS, &self.#field.input_layernorm, &self.#field.mixer, &mut p.#field, batch, &mut h)?;
+                    b.sparse_moe(&DIMS, &self.#field.post_attention_layernorm, &self.#field.mlp, batch, &mut h)?;
                     observe(#li, &h);
-                });
-                decode.push(quote! {
-                    b.gated_deltanet_decode(&DIMS, &self.#field.input_layernorm, &self.#field.mixer, &mut st.#field, &mut h)?;
-                    b.sparse_moe(&DIMS, &self.#field.post_attention_layernorm, &self.#field.mlp, &mut h)?;
                 });
             }
             LayerKind::FullAttention => {
-                let sdoc = format!(" Layer {i}: K/V cache.");
-                state_fields.push(quote!(#[doc = #sdoc] pub #field: B::KvCache,));
-                state_inits.push(quote!(#field: b.new_kv_cache(&DIMS, max_context)?,));
-                state_resets.push(quote!(b.reset_kv_cache(&mut self.#field);));
-                prefill.push(quote! {
-                    b.attention_prefill(&DIMS, &self.#field.input_layernorm, &self.#field.mixer, &mut st.#field, pos, &mut h)?;
-                    b.sparse_moe(&DIMS, &self.#field.post_attention_layernorm, &self.#field.mlp, &mut h)?;
+                let sdoc = format!(" Layer {i}: K/V blocks.");
+                state_fields.push(quote!(#[doc = #sdoc] pub #field: B::KvPool,));
+                state_inits.push(quote!(#field: b.new_kv_pool(&DIMS, blocks)?,));
+                forward.push(quote! {
+                    b.attention(&DIMS, &self.#field.input_layernorm, &self.#field.mixer, &mut p.#field, batch, &mut h)?;
+                    b.sparse_moe(&DIMS, &self.#field.post_attention_layernorm, &self.#field.mlp, batch, &mut h)?;
                     observe(#li, &h);
-                });
-                decode.push(quote! {
-                    b.attention_decode(&DIMS, &self.#field.input_layernorm, &self.#field.mixer, &mut st.#field, pos, &mut h)?;
-                    b.sparse_moe(&DIMS, &self.#field.post_attention_layernorm, &self.#field.mlp, &mut h)?;
                 });
             }
         }
@@ -306,23 +296,44 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
             pub lm_head: B::Linear<#lm_head_prec>,
         }
 
-        /// Per-sequence state: a conv + recurrent state per Gated DeltaNet layer and a K/V
-        /// cache per full-attention layer, sized once.
-        pub struct State<B: #g::Backend> {
+        /// The state pools: per Gated DeltaNet layer a conv + recurrent state for each of
+        /// `slots` sequences, per full-attention layer `blocks` K/V blocks, sized once.
+        pub struct Pools<B: #g::Backend> {
             #(#state_fields)*
+            /// Sequences the recurrent pools hold.
+            pub slots: usize,
+            /// K/V blocks of each attention pool.
+            pub blocks: usize,
+            /// The backend's records of decode steps over these pools (CUDA graphs).
+            pub graphs: B::StepGraphs,
+        }
+
+        impl<B: #g::Backend> Pools<B> {
+            /// Zeroes slot `slot` of every recurrent pool (a new sequence starts there).
+            pub fn clear_slot(&mut self, b: &B, slot: usize) -> ::anyhow::Result<()> {
+                ::anyhow::ensure!(slot < self.slots, "state slot {} outside the pool of {}", slot, self.slots);
+                #(#state_resets)*
+                Ok(())
+            }
+        }
+
+        /// One sequence in pools of one slot, its blocks in order (tests and the benchmark).
+        pub struct State<B: #g::Backend> {
+            pub pools: Pools<B>,
             /// Tokens already in the state.
             pub pos: usize,
-            /// Capacity of the K/V caches in tokens.
+            /// Capacity in tokens.
             pub max_context: usize,
-            /// The backend's record of a decode step over this state (a CUDA graph).
-            pub decode_graph: B::DecodeGraph,
         }
 
         impl<B: #g::Backend> State<B> {
-            /// Forgets the sequence (the K/V caches are overwritten from position 0).
-            pub fn reset(&mut self, b: &B) {
-                #(#state_resets)*
+            /// Forgets the sequence.
+            pub fn reset(&mut self, b: &B) -> ::anyhow::Result<()> {
                 self.pos = 0;
+                self.pools.clear_slot(b, 0)
+            }
+            fn table(&self) -> Vec<u32> {
+                (0..self.pools.blocks as u32).collect()
             }
         }
 
@@ -337,12 +348,40 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
                 })
             }
 
-            pub fn new_state(b: &B, max_context: usize) -> ::anyhow::Result<State<B>> {
-                Ok(State { #(#state_inits)* pos: 0, max_context, decode_graph: b.new_decode_graph()? })
+            pub fn new_pools(b: &B, slots: usize, blocks: usize) -> ::anyhow::Result<Pools<B>> {
+                ::anyhow::ensure!(slots >= 1 && blocks >= 1, "pools of {} slots and {} blocks hold nothing", slots, blocks);
+                Ok(Pools { #(#state_inits)* slots, blocks, graphs: b.new_step_graphs()? })
             }
 
-            /// Runs `ids` after what `st` already holds; returns the logits (last row, or all
-            /// rows when `all_rows`). `observe(layer, h)` sees the hidden states after each layer.
+            /// Pools of one slot and enough blocks for `max_context` tokens.
+            pub fn new_state(b: &B, max_context: usize) -> ::anyhow::Result<State<B>> {
+                let blocks = max_context.div_ceil(#g::KV_BLOCK).max(1);
+                Ok(State { pools: Self::new_pools(b, 1, blocks)?, pos: 0, max_context })
+            }
+
+            /// One step over `batch`: the logits of each sequence's last row (every row with
+            /// `batch.all_rows`). `observe(layer, h)` sees the hidden states after each layer of
+            /// a step that is not recorded (`all_rows`, or a backend that never records).
+            pub fn forward(
+                &self,
+                b: &B,
+                p: &mut Pools<B>,
+                batch: &#g::Batch,
+                observe: &mut dyn FnMut(usize, &B::Act),
+            ) -> ::anyhow::Result<B::Logits> {
+                batch.validate(p.slots, p.blocks, DIMS.max_position_embeddings)?;
+                if let Some(bad) = batch.ids.iter().find(|&&i| i as usize >= DIMS.vocab_size) {
+                    ::anyhow::bail!("token id {} is outside the vocabulary of {}", bad, DIMS.vocab_size);
+                }
+                b.step(&mut p.graphs, &self.embed_tokens, batch, &mut || {
+                    let mut h = b.embed(&DIMS, &self.embed_tokens, batch)?;
+                    #(#forward)*
+                    b.logits(&DIMS, &self.norm, &self.lm_head, batch, &h)
+                })
+            }
+
+            /// Runs `ids` after what `st` holds (one prefill chunk); returns the logits (last
+            /// row, or all rows when `all_rows`).
             pub fn prefill(
                 &self,
                 b: &B,
@@ -353,81 +392,63 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
             ) -> ::anyhow::Result<B::Logits> {
                 ::anyhow::ensure!(!ids.is_empty(), "prefill of an empty sequence");
                 ::anyhow::ensure!(st.pos + ids.len() <= st.max_context, "sequence of {} tokens exceeds the context of {}", st.pos + ids.len(), st.max_context);
-                let pos = st.pos;
-                let mut h = b.embed(&DIMS, &self.embed_tokens, ids)?;
-                #(#prefill)*
+                let batch = #g::Batch::single(ids, 0, st.pos, st.table(), all_rows);
+                let l = self.forward(b, &mut st.pools, &batch, observe)?;
                 st.pos += ids.len();
-                b.logits(&DIMS, &self.norm, &self.lm_head, &h, all_rows)
+                Ok(l)
             }
 
-            /// Runs one token (recurrent Gated DeltaNet, cached attention). The step is handed
-            /// to the backend as one unit, which may record it once and replay it (a CUDA graph).
+            /// Runs one token (recurrent Gated DeltaNet, cached attention), a decode step the
+            /// backend may record once and replay.
             pub fn decode_step(&self, b: &B, st: &mut State<B>, id: u32) -> ::anyhow::Result<B::Logits> {
                 ::anyhow::ensure!(st.pos < st.max_context, "context of {} tokens is full", st.max_context);
-                ::anyhow::ensure!((id as usize) < DIMS.vocab_size, "token id {} is outside the vocabulary of {}", id, DIMS.vocab_size);
-                let pos = st.pos;
-                let logits = b.decode_step(&mut st.decode_graph, &self.embed_tokens, id, pos, &mut || {
-                    let mut h = b.embed(&DIMS, &self.embed_tokens, &[id])?;
-                    #(#decode)*
-                    b.logits(&DIMS, &self.norm, &self.lm_head, &h, false)
-                })?;
+                ::anyhow::ensure!(st.pos > 0, "a decode step needs a prefilled sequence");
+                let batch = #g::Batch::single(&[id], 0, st.pos, st.table(), false);
+                let l = self.forward(b, &mut st.pools, &batch, &mut |_, _| {})?;
                 st.pos += 1;
-                Ok(logits)
+                Ok(l)
             }
         }
 
-        /// A loaded model with one sequence's state: the [`Generator`] the front end drives.
+        /// A loaded model with its pools: the [`Runner`] the engine drives.
         ///
-        /// [`Generator`]: ::ornith_runtime::engine::Generator
-        /// Fields drop in declaration order: the state (with its captured decode graph) and the
+        /// [`Runner`]: ::ornith_runtime::engine::Runner
+        /// Fields drop in declaration order: the pools (with their captured graphs) and the
         /// model go before the backend that owns their device context.
-        pub struct Engine<B: #g::Backend> {
-            pub state: State<B>,
+        pub struct Compiled<B: #g::Backend> {
+            pub pools: Pools<B>,
             pub model: Model<B>,
             pub backend: B,
-            step: u64,
-            /// Ids `0..sample_vocab` are sampled (the tokenizer's; `DIMS.vocab_size` until set).
-            sample_vocab: usize,
         }
 
-        impl<B: #g::Backend> Engine<B> {
-            pub fn load(backend: B, ck: &::ornith_runtime::weights::Checkpoint, max_context: usize) -> ::anyhow::Result<Self> {
+        impl<B: #g::Backend> Compiled<B> {
+            /// Loads the model and sizes the pools (`slots` sequences, `blocks` K/V blocks).
+            pub fn load(backend: B, ck: &::ornith_runtime::weights::Checkpoint, slots: usize, blocks: usize) -> ::anyhow::Result<Self> {
                 let model = Model::load(&backend, ck)?;
-                let state = Model::new_state(&backend, max_context)?;
-                Ok(Engine { backend, model, state, step: 0, sample_vocab: DIMS.vocab_size })
+                let pools = Model::new_pools(&backend, slots, blocks)?;
+                Ok(Compiled { pools, model, backend })
             }
         }
 
-        impl<B: #g::Backend> ::ornith_runtime::engine::Generator for Engine<B> {
-            fn max_context(&self) -> usize {
-                self.state.max_context
+        impl<B: #g::Backend> ::ornith_runtime::engine::Runner for Compiled<B> {
+            fn capacity(&self) -> ::ornith_runtime::engine::Capacity {
+                ::ornith_runtime::engine::Capacity { slots: self.pools.slots, blocks: self.pools.blocks }
+            }
+            fn window(&self) -> usize {
+                DIMS.max_position_embeddings
             }
             fn vocab_size(&self) -> usize {
                 DIMS.vocab_size
             }
-            fn limit_vocab(&mut self, n: usize) -> ::anyhow::Result<()> {
-                ::anyhow::ensure!(
-                    n > 0 && n <= DIMS.vocab_size,
-                    "the tokenizer has {} tokens but the lm_head has {} rows: a tokenizer with more tokens than the model's logits cannot be served",
-                    n,
-                    DIMS.vocab_size
-                );
-                self.sample_vocab = n;
-                Ok(())
+            fn clear_slot(&mut self, slot: usize) -> ::anyhow::Result<()> {
+                self.pools.clear_slot(&self.backend, slot)
             }
-            fn prefill(&mut self, prompt: &[u32], params: &::ornith_runtime::engine::SamplingParams) -> ::anyhow::Result<u32> {
-                self.state.reset(&self.backend);
-                self.step = 0;
-                let logits = self.model.prefill(&self.backend, &mut self.state, prompt, false, &mut |_, _| {})?;
-                let t = self.backend.sample(&logits, self.sample_vocab, params, self.step)?;
-                self.step += 1;
-                Ok(t)
-            }
-            fn decode(&mut self, token: u32, params: &::ornith_runtime::engine::SamplingParams) -> ::anyhow::Result<u32> {
-                let logits = self.model.decode_step(&self.backend, &mut self.state, token)?;
-                let t = self.backend.sample(&logits, self.sample_vocab, params, self.step)?;
-                self.step += 1;
-                Ok(t)
+            fn run(&mut self, batch: &#g::Batch, n: usize, rows: &[#g::RowSample]) -> ::anyhow::Result<Vec<u32>> {
+                let logits = self.model.forward(&self.backend, &mut self.pools, batch, &mut |_, _| {})?;
+                if rows.is_empty() {
+                    return Ok(Vec::new());
+                }
+                self.backend.sample(&logits, n, rows)
             }
         }
     }

@@ -2,8 +2,9 @@
 //!
 //! The macro decides, from the checkpoint's spec, the type of every layer: a Gated DeltaNet or a
 //! gated full-attention mixer, and the precision (`Fp8` or `Bf16`) of every Linear as a type
-//! parameter. Backends implement [`Backend`] at the level of layer operations; the generated
-//! `prefill` and `decode_step` are straight lines of calls into it, with no match on layer kind.
+//! parameter. Backends implement [`Backend`] at the level of layer operations over a [`Batch`]
+//! (rows of several sequences: one decode token of some, a prefill chunk of others); the
+//! generated `forward` is a straight line of calls into it, with no match on layer kind.
 //! A backend's `Linear<P>` branches on `P::KIND`, a constant, so the precision choice is made
 //! at compile time by monomorphisation.
 
@@ -110,9 +111,107 @@ pub struct DecoderLayer<B: Backend, M, F> {
     pub mlp: F,
 }
 
+
+/// Tokens per K/V block. Every full-attention layer keeps its K/V in a pool of such blocks; a
+/// sequence's block table maps its positions `[i·KV_BLOCK, (i+1)·KV_BLOCK)` to block `table[i]`,
+/// so sequences of any length share one pool.
+pub const KV_BLOCK: usize = 256;
+
+/// The rows one sequence contributes to a step: tokens at positions `pos .. pos + len`, its
+/// recurrent state in `slot` of every Gated DeltaNet pool, its K/V in `blocks` of every
+/// attention pool (`blocks` covers at least `pos + len` positions).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqRows {
+    pub slot: usize,
+    pub pos: usize,
+    pub len: usize,
+    pub blocks: Vec<u32>,
+}
+
+/// One forward step over several sequences. The rows are laid out sequence after sequence in
+/// `seqs` order; `ids` holds one token per row. A sequence with `len == 1` past its prompt is a
+/// decode row; one with more rows (or its first) is a prefill chunk. Each row's arithmetic
+/// depends only on its own sequence (batch invariance): a backend may group rows into one
+/// kernel only where that holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Batch {
+    pub ids: Vec<u32>,
+    pub seqs: Vec<SeqRows>,
+    /// Logits of every row (tests) instead of each sequence's last row (serving).
+    pub all_rows: bool,
+}
+
+impl Batch {
+    /// A batch of one sequence.
+    pub fn single(ids: &[u32], slot: usize, pos: usize, blocks: Vec<u32>, all_rows: bool) -> Self {
+        Batch { ids: ids.to_vec(), seqs: vec![SeqRows { slot, pos, len: ids.len(), blocks }], all_rows }
+    }
+    /// Rows of the step.
+    pub fn rows(&self) -> usize {
+        self.ids.len()
+    }
+    /// Whether every sequence contributes exactly one row (a decode step a backend may record
+    /// and replay for this number of sequences).
+    pub fn is_decode(&self) -> bool {
+        !self.all_rows && self.seqs.iter().all(|s| s.len == 1)
+    }
+    /// First row of each sequence.
+    pub fn row_starts(&self) -> Vec<usize> {
+        let mut r = 0;
+        self.seqs
+            .iter()
+            .map(|s| {
+                let r0 = r;
+                r += s.len;
+                r0
+            })
+            .collect()
+    }
+    /// Rows of the logits a forward over this batch returns.
+    pub fn logit_rows(&self) -> usize {
+        if self.all_rows {
+            self.rows()
+        } else {
+            self.seqs.len()
+        }
+    }
+    /// Checks the layout: rows add up, no empty sequence, no slot twice, tables cover the rows
+    /// and stay inside pools of `slots` slots and `blocks` blocks, positions fit `max_context`.
+    pub fn validate(&self, slots: usize, blocks: usize, max_context: usize) -> anyhow::Result<()> {
+        anyhow::ensure!(!self.seqs.is_empty(), "a step of no sequences");
+        let rows: usize = self.seqs.iter().map(|s| s.len).sum();
+        anyhow::ensure!(rows == self.ids.len(), "the batch has {} ids for {rows} rows", self.ids.len());
+        let mut seen = std::collections::HashSet::new();
+        for s in &self.seqs {
+            anyhow::ensure!(s.len > 0, "a sequence with no rows in the batch");
+            anyhow::ensure!(s.slot < slots, "state slot {} outside the pool of {slots}", s.slot);
+            anyhow::ensure!(seen.insert(s.slot), "state slot {} used twice in one step", s.slot);
+            let end = s.pos + s.len;
+            anyhow::ensure!(end <= max_context, "sequence of {end} tokens exceeds the context of {max_context}");
+            anyhow::ensure!(
+                s.blocks.len() * KV_BLOCK >= end,
+                "a block table of {} blocks cannot hold {end} positions",
+                s.blocks.len()
+            );
+            if let Some(b) = s.blocks.iter().find(|&&b| b as usize >= blocks) {
+                anyhow::bail!("K/V block {b} outside the pool of {blocks}");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Which logits row to sample for one sequence, how, and at which step of its random stream.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowSample {
+    pub row: usize,
+    pub params: crate::engine::SamplingParams,
+    pub step: u64,
+}
+
 /// A compute backend at the level of layer operations. Each method documents the math in the
 /// CPU backend, which is the reference.
-pub trait Backend: Sized + Send + Sync {
+pub trait Backend: Sized + Send {
     /// A weight matrix `[out, in]` of precision `P`.
     type Linear<P: Prec>: Send + Sync;
     /// The packed routed experts of one layer.
@@ -123,18 +222,17 @@ pub trait Backend: Sized + Send + Sync {
     type Vector: Send + Sync;
     /// The embedding table `[vocab, hidden]` (BF16).
     type Embedding: Send + Sync;
-    /// Hidden states `[T, hidden]` (BF16).
+    /// Hidden states `[rows, hidden]` (BF16) of one step.
     type Act;
-    /// Conv state and recurrent state of one Gated DeltaNet layer.
-    type GdnState: Send;
-    /// K/V cache of one full-attention layer.
-    type KvCache: Send;
-    /// Logits of the last position, host-readable.
+    /// Conv state and fp32 recurrent state of one Gated DeltaNet layer, for every state slot.
+    type GdnPool: Send;
+    /// The K/V blocks of one full-attention layer ([`KV_BLOCK`] positions each).
+    type KvPool: Send;
+    /// Logits `[rows, vocab]` of one step, readable by [`Backend::sample`] and the host.
     type Logits;
-    /// What a backend keeps between decode steps of one sequence to replay them (the CUDA
-    /// backend: one captured CUDA graph of the whole step). One per [`State`](crate) of the
-    /// generated model.
-    type DecodeGraph: Send;
+    /// What a backend keeps to replay decode steps (the CUDA backend: one captured CUDA graph
+    /// per number of sequences). One per set of pools.
+    type StepGraphs: Send;
 
     // ---- loading: every tensor by its exact checkpoint name -------------------------
     fn load_linear<P: Prec>(
@@ -164,106 +262,85 @@ pub trait Backend: Sized + Send + Sync {
         hidden: usize,
     ) -> anyhow::Result<Self::Embedding>;
 
-    // ---- state ------------------------------------------------------------------------
-    fn new_gdn_state(&self, d: &ModelDims) -> anyhow::Result<Self::GdnState>;
-    fn new_kv_cache(&self, d: &ModelDims, max_context: usize) -> anyhow::Result<Self::KvCache>;
-    fn reset_gdn_state(&self, s: &mut Self::GdnState);
-    fn reset_kv_cache(&self, c: &mut Self::KvCache);
-    fn new_decode_graph(&self) -> anyhow::Result<Self::DecodeGraph>;
+    // ---- state pools ----------------------------------------------------------------------
+    /// Recurrent state for `slots` sequences, zeroed.
+    fn new_gdn_pool(&self, d: &ModelDims, slots: usize) -> anyhow::Result<Self::GdnPool>;
+    /// `blocks` K/V blocks (contents undefined until written).
+    fn new_kv_pool(&self, d: &ModelDims, blocks: usize) -> anyhow::Result<Self::KvPool>;
+    /// Zeroes one slot's conv and recurrent state (a new sequence starts from it).
+    fn clear_slot(&self, p: &mut Self::GdnPool, slot: usize) -> anyhow::Result<()>;
+    fn new_step_graphs(&self) -> anyhow::Result<Self::StepGraphs>;
 
-    // ---- one decode step ----------------------------------------------------------------
-    /// Runs one decode step of token `id` at position `pos`. `step` issues the step's
-    /// operations (embed, every layer's `*_decode`, `logits` of the last row) and returns the
-    /// logits. A backend may run `step` once while recording it and replay the recording on
-    /// later calls with the same `g` and `table` instead of calling `step` (the CUDA backend
-    /// captures a CUDA graph; its decode kernels read the token and the position from device
-    /// memory this method fills). `step` must therefore issue the same operations at every
-    /// position, with all host-side checks done before (the generated `decode_step` checks the
-    /// context length). The CPU backend just calls `step`.
-    fn decode_step(
+    // ---- one step ---------------------------------------------------------------------
+    /// Runs one forward step over `batch` (already validated against the pools). `run` issues
+    /// the step's operations (embed, every layer, `logits`) and returns the logits. For a decode
+    /// batch ([`Batch::is_decode`]) a backend may run `run` once while recording it and replay
+    /// the recording on later calls with the same number of sequences and the same `table`
+    /// instead of calling `run` (the CUDA backend captures a CUDA graph; its kernels read ids,
+    /// positions, slots and block tables from device memory this method fills). `run` must
+    /// therefore issue the same operations for every decode batch of one size, with all
+    /// host-side checks done before. The CPU backend just calls `run`.
+    fn step(
         &self,
-        g: &mut Self::DecodeGraph,
+        g: &mut Self::StepGraphs,
         table: &Self::Embedding,
-        id: u32,
-        pos: usize,
-        step: &mut dyn FnMut() -> anyhow::Result<Self::Logits>,
+        batch: &Batch,
+        run: &mut dyn FnMut() -> anyhow::Result<Self::Logits>,
     ) -> anyhow::Result<Self::Logits>;
 
-    // ---- layer operations -------------------------------------------------------------
-    fn embed(&self, d: &ModelDims, table: &Self::Embedding, ids: &[u32]) -> anyhow::Result<Self::Act>;
+    // ---- layer operations (over every row of the step) ----------------------------------
+    fn embed(&self, d: &ModelDims, table: &Self::Embedding, batch: &Batch) -> anyhow::Result<Self::Act>;
 
-    /// `h = h + GDN(RMSNorm(h))` over T tokens continuing from `state` (chunked form).
-    fn gated_deltanet_prefill<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
+    /// `h = h + GDN(RMSNorm(h))`: each sequence's rows continue from its slot of `pool`
+    /// (chunked form for a prefill chunk, recurrent form for one token).
+    fn gated_deltanet<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
         &self,
         d: &ModelDims,
         norm: &Self::Vector,
         w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
-        state: &mut Self::GdnState,
-        h: &mut Self::Act,
-    ) -> anyhow::Result<()>;
-    /// Same for one token (recurrent form).
-    fn gated_deltanet_decode<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
-        &self,
-        d: &ModelDims,
-        norm: &Self::Vector,
-        w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
-        state: &mut Self::GdnState,
+        pool: &mut Self::GdnPool,
+        batch: &Batch,
         h: &mut Self::Act,
     ) -> anyhow::Result<()>;
 
-    /// `h = h + Attn(RMSNorm(h))` for tokens at positions `pos .. pos + T`, appending to `cache`.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_prefill<Q: Prec, K: Prec, V: Prec, O: Prec>(
+    /// `h = h + Attn(RMSNorm(h))`: each sequence's rows at positions `pos .. pos + len` write
+    /// their K/V into its blocks and attend causally over its positions `0 ..= p`.
+    fn attention<Q: Prec, K: Prec, V: Prec, O: Prec>(
         &self,
         d: &ModelDims,
         norm: &Self::Vector,
         w: &GatedAttention<Self, Q, K, V, O>,
-        cache: &mut Self::KvCache,
-        pos: usize,
-        h: &mut Self::Act,
-    ) -> anyhow::Result<()>;
-    fn attention_decode<Q: Prec, K: Prec, V: Prec, O: Prec>(
-        &self,
-        d: &ModelDims,
-        norm: &Self::Vector,
-        w: &GatedAttention<Self, Q, K, V, O>,
-        cache: &mut Self::KvCache,
-        pos: usize,
+        pool: &mut Self::KvPool,
+        batch: &Batch,
         h: &mut Self::Act,
     ) -> anyhow::Result<()>;
 
-    /// `h = h + MoE(RMSNorm(h))`.
+    /// `h = h + MoE(RMSNorm(h))`, row by row.
     #[allow(clippy::too_many_arguments)]
     fn sparse_moe<R: Prec, Eg: Prec, Eu: Prec, Ed: Prec, Sg: Prec, Su: Prec, Sd: Prec, Sgate: Prec>(
         &self,
         d: &ModelDims,
         norm: &Self::Vector,
         w: &SparseMoe<Self, R, Eg, Eu, Ed, Sg, Su, Sd, Sgate>,
+        batch: &Batch,
         h: &mut Self::Act,
     ) -> anyhow::Result<()>;
 
-    /// Final RMSNorm and lm_head: on the last row of `h` (`all_rows` false, serving) or on
-    /// every row (`all_rows` true, tests).
+    /// Final RMSNorm and lm_head on each sequence's last row (or, with `batch.all_rows`, on
+    /// every row): `[batch.logit_rows(), vocab]`.
     fn logits<P: Prec>(
         &self,
         d: &ModelDims,
         norm: &Self::Vector,
         lm_head: &Self::Linear<P>,
+        batch: &Batch,
         h: &Self::Act,
-        all_rows: bool,
     ) -> anyhow::Result<Self::Logits>;
 
-    /// Samples the next token from the first `n` columns of the last row of `logits` where the
+    /// Samples one token from the first `n` columns of each requested row of `logits` where the
     /// backend runs (`crate::sampling` semantics, bit for bit; `n` is the tokenizer's vocabulary,
-    /// so the lm_head's padding rows never come out; `step` feeds the counter-based random
-    /// stream). A row without a finite logit is an error.
-    fn sample(
-        &self,
-        logits: &Self::Logits,
-        n: usize,
-        params: &crate::engine::SamplingParams,
-        step: u64,
-    ) -> anyhow::Result<u32>;
+    /// so the lm_head's padding rows never come out). A row without a finite logit is an error.
+    fn sample(&self, logits: &Self::Logits, n: usize, rows: &[RowSample]) -> anyhow::Result<Vec<u32>>;
 
     /// Logits as host f32, row-major `[rows, vocab]` (tests).
     fn logits_to_host(&self, logits: &Self::Logits) -> anyhow::Result<Vec<f32>>;

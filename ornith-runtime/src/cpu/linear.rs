@@ -194,11 +194,13 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
             acc[l] += x[l] * y[l];
         }
     }
-    let mut tail = 0f32;
+    // The tail is added one product at a time onto the reduced sum, as `dot4` does, so a row's
+    // result does not depend on how many rows are computed together (batch invariance).
+    let mut r = reduce(&acc);
     for (x, y) in ra.iter().zip(rb) {
-        tail += x * y;
+        r += x * y;
     }
-    reduce(&acc) + tail
+    r
 }
 
 /// Four dot products of `w` with the four consecutive rows of `x4` (`[4, n]`).

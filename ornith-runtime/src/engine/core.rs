@@ -1,0 +1,387 @@
+//! The engine proper: admission, the step scheduler, sequence bookkeeping.
+//!
+//! A step is built as follows:
+//! 1. **Admission**, first come first served: the oldest waiting request starts when a state slot
+//!    and the K/V blocks for its whole length (prompt + `max_tokens`) are free. Reserving the whole
+//!    length up front means a running sequence never runs out of blocks, so nothing is ever
+//!    preempted or recomputed (which would change its tokens). A request that could never fit is
+//!    refused at `submit`.
+//! 2. **Decode rows**: one token of every sequence past its prompt.
+//! 3. **Prefill chunks**, oldest sequence first, while the step stays within
+//!    `max_batch_tokens` rows (the first chunk of a step is always taken, so prefill always
+//!    progresses and a running sequence waits at most one chunk). A chunk ends at the next
+//!    absolute multiple of [`PREFILL_CHUNK`] or at the prompt's end: the same chunks for a
+//!    prompt whatever else runs.
+//!
+//! After the step, each sequence that produced logits (decode rows, last prompt chunks) samples
+//! one token on the backend, its `n`-th with step `n` of its seeded stream.
+
+use std::collections::{HashMap, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::{Duration, Instant};
+
+use super::pool::{BlockPool, SlotPool};
+use super::{Runner, SamplingParams, PREFILL_CHUNK};
+use crate::graph::{Batch, RowSample, SeqRows, KV_BLOCK};
+
+/// What the engine needs of one request (the front end has rendered and tokenized it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenRequest {
+    pub prompt: Vec<u32>,
+    /// At least 1; `prompt.len() + max_tokens` must fit the engine's context.
+    pub max_tokens: u64,
+    pub params: SamplingParams,
+    /// Sampling one of these ends the sequence (the token is still reported).
+    pub stop_ids: Vec<u32>,
+}
+
+/// Why the engine ended a sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// It sampled a stop id (the last token event).
+    Stop,
+    /// It reached `max_tokens`.
+    Length,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventKind {
+    /// The next sampled token.
+    Token(u32),
+    /// The sequence ended; its memory is free.
+    Finished(Finish),
+    /// The step that carried the sequence failed; the sequence is gone and its memory free.
+    Error(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    /// The id the request was submitted with.
+    pub id: u64,
+    pub kind: EventKind,
+}
+
+/// A request refused at submission (it is not queued).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubmitError {
+    /// `context_length_exceeded` or `invalid_request`.
+    pub code: &'static str,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct EngineConfig {
+    /// Rows per step (decode rows first, then prefill chunks; see the module doc).
+    pub max_batch_tokens: usize,
+    /// Longest sequence (prompt + output) one request may have.
+    pub max_context: usize,
+    /// Ids `0..sample_vocab` are sampled (the tokenizer's; the lm_head has padding rows).
+    pub sample_vocab: usize,
+}
+
+/// Counters since the engine started.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    pub steps: u64,
+    pub decode_rows: u64,
+    pub prefill_rows: u64,
+    pub sampled: u64,
+    pub finished: u64,
+    pub failed: u64,
+    pub cancelled: u64,
+    /// Most sequences running in one step.
+    pub peak_running: usize,
+    /// Time inside the runner's forward steps.
+    pub busy: Duration,
+}
+
+struct Seq {
+    id: u64,
+    req: GenRequest,
+    slot: usize,
+    blocks: Vec<u32>,
+    /// Tokens in the state.
+    pos: usize,
+    /// The last sampled token, not yet in the state (the sequence is decoding).
+    last: Option<u32>,
+    n_out: u64,
+}
+
+pub struct Engine {
+    runner: Box<dyn Runner>,
+    cfg: EngineConfig,
+    slots: SlotPool,
+    blocks: BlockPool,
+    waiting: VecDeque<(u64, GenRequest)>,
+    /// In admission order.
+    running: Vec<Seq>,
+    stats: EngineStats,
+}
+
+fn blocks_for(req: &GenRequest) -> usize {
+    // The last sampled token is never fed back, so prompt + max_tokens - 1 positions are written.
+    (req.prompt.len() + req.max_tokens as usize - 1).div_ceil(KV_BLOCK)
+}
+
+impl Engine {
+    pub fn new(runner: Box<dyn Runner>, cfg: EngineConfig) -> anyhow::Result<Self> {
+        let cap = runner.capacity();
+        anyhow::ensure!(cfg.max_batch_tokens >= 1, "--max-batch-tokens must be at least 1");
+        anyhow::ensure!(
+            cfg.sample_vocab > 0 && cfg.sample_vocab <= runner.vocab_size(),
+            "the tokenizer has {} tokens but the lm_head has {} rows: a tokenizer with more tokens than the model's logits cannot be served",
+            cfg.sample_vocab,
+            runner.vocab_size()
+        );
+        let fit = cap.blocks * KV_BLOCK;
+        anyhow::ensure!(cfg.max_context >= 2, "a context of {} tokens leaves no room for output", cfg.max_context);
+        anyhow::ensure!(
+            cfg.max_context <= runner.window() && cfg.max_context <= fit,
+            "a context of {} tokens exceeds the model's window ({}) or the K/V pool ({fit} tokens)",
+            cfg.max_context,
+            runner.window()
+        );
+        Ok(Engine {
+            slots: SlotPool::new(cap.slots),
+            blocks: BlockPool::new(cap.blocks),
+            runner,
+            cfg,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            stats: EngineStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+    pub fn max_context(&self) -> usize {
+        self.cfg.max_context
+    }
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+    /// Sequences admitted and not finished.
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    /// (free slots, total slots, free blocks, total blocks).
+    pub fn pool_usage(&self) -> (usize, usize, usize, usize) {
+        (self.slots.free(), self.slots.total(), self.blocks.free(), self.blocks.total())
+    }
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Queues a request under `id` (unique among the queued and running ones).
+    pub fn submit(&mut self, id: u64, req: GenRequest) -> Result<(), SubmitError> {
+        let invalid = |m: String| SubmitError { code: "invalid_request", message: m };
+        if self.waiting.iter().any(|(w, _)| *w == id) || self.running.iter().any(|s| s.id == id) {
+            return Err(invalid(format!("request id {id} is already in the engine")));
+        }
+        if req.prompt.is_empty() {
+            return Err(invalid("the prompt has no tokens".into()));
+        }
+        if req.max_tokens == 0 {
+            return Err(invalid("max_tokens must be at least 1".into()));
+        }
+        let v = self.runner.vocab_size();
+        if let Some(bad) = req.prompt.iter().find(|&&t| t as usize >= v) {
+            return Err(invalid(format!("token id {bad} is outside the vocabulary (size {v})")));
+        }
+        let (window, n) = (self.cfg.max_context, req.prompt.len() as u64);
+        if n.saturating_add(req.max_tokens) > window as u64 {
+            return Err(SubmitError {
+                code: "context_length_exceeded",
+                message: format!(
+                    "This model's maximum context length is {window} tokens. However, you requested {} tokens ({n} in the input, {} in the output).",
+                    n + req.max_tokens,
+                    req.max_tokens
+                ),
+            });
+        }
+        // max_context <= blocks * KV_BLOCK (checked in new), so every admitted length fits the pool.
+        self.waiting.push_back((id, req));
+        Ok(())
+    }
+
+    /// Drops a queued or running sequence and frees its memory. False if `id` is unknown
+    /// (already finished).
+    pub fn cancel(&mut self, id: u64) -> bool {
+        if let Some(i) = self.waiting.iter().position(|(w, _)| *w == id) {
+            self.waiting.remove(i);
+            self.stats.cancelled += 1;
+            return true;
+        }
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let s = self.running.remove(i);
+            self.release(s);
+            self.stats.cancelled += 1;
+            return true;
+        }
+        false
+    }
+
+    fn release(&mut self, s: Seq) {
+        self.slots.give(s.slot);
+        self.blocks.give(s.blocks);
+    }
+
+    fn admit(&mut self, events: &mut Vec<Event>) {
+        while let Some((_, req)) = self.waiting.front() {
+            let need = blocks_for(req);
+            if self.slots.free() == 0 || self.blocks.free() < need {
+                break;
+            }
+            let (id, req) = self.waiting.pop_front().expect("front exists");
+            let slot = self.slots.take().expect("a slot is free");
+            let blocks = self.blocks.take(need).expect("the blocks are free");
+            let s = Seq { id, req, slot, blocks, pos: 0, last: None, n_out: 0 };
+            if let Err(e) = self.runner.clear_slot(slot) {
+                events.push(Event { id, kind: EventKind::Error(format!("{e:#}")) });
+                self.stats.failed += 1;
+                self.release(s);
+                continue;
+            }
+            self.running.push(s);
+        }
+    }
+
+    /// Runs one step: admits what fits, runs decode rows and prefill chunks, samples. Returns the
+    /// events of the step (nothing when there is no work).
+    pub fn step(&mut self) -> Vec<Event> {
+        let mut events = Vec::new();
+        self.admit(&mut events);
+        if self.running.is_empty() {
+            return events;
+        }
+        self.stats.peak_running = self.stats.peak_running.max(self.running.len());
+        // (index into running, rows, samples)
+        let mut members: Vec<(usize, usize, bool)> = Vec::new();
+        let mut batch = Batch::default();
+        let mut used = 0usize;
+        for (i, s) in self.running.iter().enumerate() {
+            if let Some(t) = s.last {
+                batch.ids.push(t);
+                batch.seqs.push(SeqRows { slot: s.slot, pos: s.pos, len: 1, blocks: s.blocks.clone() });
+                members.push((i, 1, true));
+                used += 1;
+            }
+        }
+        let decode_rows = used;
+        let mut took_chunk = false;
+        for (i, s) in self.running.iter().enumerate() {
+            if s.last.is_some() {
+                continue;
+            }
+            let end = ((s.pos / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(s.req.prompt.len());
+            let len = end - s.pos;
+            if took_chunk && used + len > self.cfg.max_batch_tokens {
+                break;
+            }
+            took_chunk = true;
+            used += len;
+            batch.ids.extend_from_slice(&s.req.prompt[s.pos..end]);
+            batch.seqs.push(SeqRows { slot: s.slot, pos: s.pos, len, blocks: s.blocks.clone() });
+            members.push((i, len, end == s.req.prompt.len()));
+        }
+        let rows: Vec<RowSample> = members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.2)
+            .map(|(row, &(i, _, _))| {
+                let s = &self.running[i];
+                RowSample { row, params: s.req.params, step: s.n_out }
+            })
+            .collect();
+        let t0 = Instant::now();
+        let n = self.cfg.sample_vocab;
+        let out = match catch_unwind(AssertUnwindSafe(|| self.runner.run(&batch, n, &rows))) {
+            Ok(Ok(v)) if v.len() == rows.len() => Ok(v),
+            Ok(Ok(v)) => Err(format!("the backend sampled {} tokens for {} rows", v.len(), rows.len())),
+            Ok(Err(e)) => Err(format!("{e:#}")),
+            Err(p) => Err(format!(
+                "internal error: {}",
+                p.downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "panic".into())
+            )),
+        };
+        self.stats.busy += t0.elapsed();
+        self.stats.steps += 1;
+        self.stats.decode_rows += decode_rows as u64;
+        self.stats.prefill_rows += (used - decode_rows) as u64;
+        let mut done = vec![false; self.running.len()];
+        match out {
+            Err(msg) => {
+                for &(i, _, _) in &members {
+                    events.push(Event { id: self.running[i].id, kind: EventKind::Error(msg.clone()) });
+                    done[i] = true;
+                    self.stats.failed += 1;
+                }
+            }
+            Ok(toks) => {
+                let mut toks = toks.into_iter();
+                for &(i, len, samples) in &members {
+                    let s = &mut self.running[i];
+                    s.pos += len;
+                    if !samples {
+                        continue;
+                    }
+                    let t = toks.next().expect("one token per sampled row");
+                    s.n_out += 1;
+                    self.stats.sampled += 1;
+                    events.push(Event { id: s.id, kind: EventKind::Token(t) });
+                    let finish = if s.req.stop_ids.contains(&t) {
+                        Some(Finish::Stop)
+                    } else if s.n_out >= s.req.max_tokens {
+                        Some(Finish::Length)
+                    } else {
+                        None
+                    };
+                    match finish {
+                        Some(f) => {
+                            events.push(Event { id: s.id, kind: EventKind::Finished(f) });
+                            done[i] = true;
+                            self.stats.finished += 1;
+                        }
+                        None => s.last = Some(t),
+                    }
+                }
+            }
+        }
+        let mut i = 0;
+        let old = std::mem::take(&mut self.running);
+        for s in old {
+            if done[i] {
+                self.release(s);
+            } else {
+                self.running.push(s);
+            }
+            i += 1;
+        }
+        events
+    }
+}
+
+/// The ids of a finished sequence's events, for tests: runs `engine` until it has no work and
+/// collects every token by id, and the error messages.
+pub fn drain(engine: &mut Engine) -> (HashMap<u64, Vec<u32>>, HashMap<u64, String>) {
+    let (mut toks, mut errs) = (HashMap::new(), HashMap::new());
+    while engine.has_work() {
+        for e in engine.step() {
+            match e.kind {
+                EventKind::Token(t) => toks.entry(e.id).or_insert_with(Vec::new).push(t),
+                EventKind::Error(m) => {
+                    errs.insert(e.id, m);
+                }
+                EventKind::Finished(_) => {}
+            }
+        }
+    }
+    (toks, errs)
+}

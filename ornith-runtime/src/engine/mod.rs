@@ -1,0 +1,85 @@
+//! The engine: many sequences at once on one backend.
+//!
+//! * [`Runner`] is what the generated model offers the engine: pools of sequence state (recurrent
+//!   slots, K/V blocks) and one forward step over a [`Batch`](crate::graph::Batch) followed by
+//!   per-row sampling on the backend.
+//! * [`Engine`] (in `core`) owns a runner, the slot and block pools' bookkeeping and the
+//!   scheduler: each step carries one decode token of every running sequence, then prefill chunks
+//!   of admitted ones within a token budget. Requests are admitted first come, first served when a
+//!   slot and the blocks for their whole length are free, so a running sequence never waits for
+//!   memory and is never preempted: its tokens do not depend on what else runs (batch invariance).
+//! * [`EngineThread`] (in `thread`) runs an engine on a thread of its own: `submit` returns a
+//!   handle, events (token, finish, error) come back on a channel, `cancel` frees a sequence at
+//!   once. The JSONL front end drives it; so will the HTTP server.
+
+mod core;
+mod pool;
+mod thread;
+
+pub use self::core::{drain, Engine, EngineConfig, EngineStats, Event, EventKind, Finish, GenRequest, SubmitError};
+pub use self::pool::{BlockPool, SlotPool};
+pub use self::thread::{EngineClient, EngineThread};
+
+use crate::graph::{Batch, RowSample};
+
+/// Prefill runs in chunks whose boundaries sit at absolute multiples of this many positions of
+/// the sequence, whatever else is in the step: a prompt's chunks are always the same, so its
+/// logits do not depend on when it was scheduled. (The CUDA backend's scratch is sized for one
+/// chunk.)
+pub const PREFILL_CHUNK: usize = 2048;
+
+/// Sampling settings of one request (OpenAI / vLLM semantics).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax).
+    pub temperature: f32,
+    /// 0 means disabled.
+    pub top_k: usize,
+    /// 1.0 means disabled; must be in (0, 1].
+    pub top_p: f32,
+    /// 0.0 means disabled.
+    pub min_p: f32,
+    /// Seed of the request's random stream; the same seed reproduces the same output.
+    pub seed: u64,
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: 0 }
+    }
+}
+
+/// The size of a runner's pools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capacity {
+    /// Sequences whose recurrent state the pools hold at once.
+    pub slots: usize,
+    /// K/V blocks of [`KV_BLOCK`](crate::graph::KV_BLOCK) positions.
+    pub blocks: usize,
+}
+
+/// A loaded model with its state pools (the generated `Compiled<B>`).
+pub trait Runner: Send {
+    fn capacity(&self) -> Capacity;
+    /// The model's context window (`max_position_embeddings`).
+    fn window(&self) -> usize;
+    /// Vocabulary rows of the lm_head (logit count).
+    fn vocab_size(&self) -> usize;
+    /// Zeroes a recurrent-state slot before a new sequence uses it.
+    fn clear_slot(&mut self, slot: usize) -> anyhow::Result<()>;
+    /// Runs one forward step over `batch`, then samples each of `rows` from the first `n`
+    /// logits of its row; returns the sampled ids in `rows` order.
+    fn run(&mut self, batch: &Batch, n: usize, rows: &[RowSample]) -> anyhow::Result<Vec<u32>>;
+}
+
+/// What the command line asks of the pools; the backend's memory plan turns it into a
+/// [`Capacity`] before anything is allocated (and refuses what cannot fit, saying why).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolRequest {
+    /// `--max-seqs`: sequences at once (None: what the plan chooses).
+    pub max_seqs: Option<usize>,
+    /// `--kv-budget`: bytes of K/V blocks (None: what the plan chooses).
+    pub kv_budget: Option<u64>,
+    /// The longest sequence (prompt + output) one request may have; the pool holds at least one.
+    pub max_context: usize,
+}

@@ -1,0 +1,105 @@
+//! An engine on a thread of its own, the one thread that touches the backend. Front ends hold an
+//! [`EngineClient`] (cloneable, `Send`): `submit` and `cancel` are messages; events come back
+//! through the sink given at spawn.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use super::core::{Engine, EngineStats, Event, EventKind, GenRequest};
+
+enum Cmd {
+    Submit(u64, GenRequest),
+    Cancel(u64),
+}
+
+/// A handle to submit to and cancel on an [`EngineThread`].
+#[derive(Clone)]
+pub struct EngineClient {
+    tx: Sender<Cmd>,
+    next: Arc<AtomicU64>,
+}
+
+impl EngineClient {
+    /// Queues `req`; returns the id its events carry. A refused request gets one
+    /// `EventKind::Error` event whose message starts with its error code and a colon.
+    pub fn submit(&self, req: GenRequest) -> u64 {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        // A send fails only when the engine thread is gone; its sink has then been dropped
+        // and the front end sees that.
+        let _ = self.tx.send(Cmd::Submit(id, req));
+        id
+    }
+    /// Ends a sequence now (no event follows) and frees its memory.
+    pub fn cancel(&self, id: u64) {
+        let _ = self.tx.send(Cmd::Cancel(id));
+    }
+}
+
+pub struct EngineThread {
+    join: JoinHandle<EngineStats>,
+}
+
+impl EngineThread {
+    /// Runs `engine` until every client is dropped and no work is left, or `sink` returns false.
+    pub fn spawn(mut engine: Engine, mut sink: impl FnMut(Event) -> bool + Send + 'static) -> (EngineThread, EngineClient) {
+        let (tx, rx): (Sender<Cmd>, Receiver<Cmd>) = channel();
+        let join = std::thread::Builder::new()
+            .name("ornith-engine".into())
+            .spawn(move || {
+                let mut open = true;
+                let mut handle = |engine: &mut Engine, c: Cmd, sink: &mut dyn FnMut(Event) -> bool| -> bool {
+                    match c {
+                        Cmd::Submit(id, req) => match engine.submit(id, req) {
+                            Ok(()) => true,
+                            Err(e) => sink(Event { id, kind: EventKind::Error(format!("{}: {}", e.code, e.message)) }),
+                        },
+                        Cmd::Cancel(id) => {
+                            engine.cancel(id);
+                            true
+                        }
+                    }
+                };
+                loop {
+                    while open {
+                        match rx.try_recv() {
+                            Ok(c) => {
+                                if !handle(&mut engine, c, &mut sink) {
+                                    return engine.stats().clone();
+                                }
+                            }
+                            Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                            Err(std::sync::mpsc::TryRecvError::Disconnected) => open = false,
+                        }
+                    }
+                    if !engine.has_work() {
+                        if !open {
+                            return engine.stats().clone();
+                        }
+                        match rx.recv() {
+                            Ok(c) => {
+                                if !handle(&mut engine, c, &mut sink) {
+                                    return engine.stats().clone();
+                                }
+                            }
+                            Err(_) => open = false,
+                        }
+                        continue;
+                    }
+                    for e in engine.step() {
+                        if !sink(e) {
+                            return engine.stats().clone();
+                        }
+                    }
+                }
+            })
+            .expect("spawning the engine thread");
+        (EngineThread { join }, EngineClient { tx, next: Arc::new(AtomicU64::new(1)) })
+    }
+
+    /// Waits for the thread (after every client was dropped); its counters.
+    pub fn join(self) -> anyhow::Result<EngineStats> {
+        self.join.join().map_err(|_| anyhow::anyhow!("the engine thread panicked"))
+    }
+}
