@@ -42,15 +42,24 @@ pub struct Args {
     pub model: Option<PathBuf>,
     #[arg(long, env = "ORNITH_BACKEND", value_enum, default_value_t = Backend::Auto, global = true)]
     pub backend: Backend,
-    /// Largest prompt + output length in tokens (default: what the backend and memory allow).
+    /// Longest sequence (prompt + output) of one request, in tokens (default: the model's
+    /// window). The K/V pool always holds at least one such sequence.
     #[arg(long, env = "ORNITH_MAX_CONTEXT", global = true, value_name = "TOKENS")]
     pub max_context: Option<usize>,
-    /// Memory for the KV cache and recurrent state, e.g. `8GiB`, `512MiB`, `2000000000`.
+    /// Memory for the K/V blocks shared by all sequences, e.g. `8GiB`, `512MiB`, `2000000000`
+    /// (default: what the memory plan leaves after weights and recurrent states).
     #[arg(long, env = "ORNITH_KV_BUDGET", value_parser = parse_bytes, global = true, value_name = "BYTES")]
     pub kv_budget: Option<u64>,
-    /// Write results in input order (default: completion order). Requests run one at a time
-    /// today, so completion order is input order and this changes nothing yet; it takes effect
-    /// with continuous batching.
+    /// Sequences generated at once: each holds one recurrent-state slot (~63 MiB at the 35B
+    /// shapes) whatever its length (default: CUDA up to 64 as memory allows, CPU 4).
+    #[arg(long, env = "ORNITH_MAX_SEQS", value_parser = clap::value_parser!(u64).range(1..=4096), global = true, value_name = "N")]
+    pub max_seqs: Option<u64>,
+    /// Rows per forward step: one decode token of every running sequence, then prefill chunks
+    /// up to this many rows (at least one chunk per step).
+    #[arg(long, env = "ORNITH_MAX_BATCH_TOKENS", default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=1048576), global = true, value_name = "TOKENS")]
+    pub max_batch_tokens: u64,
+    /// Write results in input order, holding finished ones back until those before them are
+    /// written (default: each as it finishes; lines carry `custom_id`).
     #[arg(long, env = "ORNITH_ORDERED", global = true, action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub ordered: bool,
     /// No per-request log lines on stderr.

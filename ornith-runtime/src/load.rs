@@ -3,11 +3,13 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use ornith_runtime::backend_cpu::{check_host_memory, CpuBackend};
-use ornith_runtime::backend_cuda::CudaBackend;
+use ornith_runtime::backend_cpu::{available_memory, check_host_memory, CpuBackend};
 use ornith_runtime::chat::ChatTemplate;
-use ornith_runtime::cli::{Args, Backend as BackendChoice};
-use ornith_runtime::engine::Generator;
+#[cfg(feature = "cuda")]
+use ornith_runtime::cli::Backend as BackendChoice;
+use ornith_runtime::cli::Args;
+use ornith_runtime::engine::{Capacity, PoolRequest, Runner};
+use ornith_runtime::graph::KV_BLOCK;
 use ornith_runtime::protocol::{PromptRenderer, TextCodec};
 use ornith_runtime::tokenizer::Tokenizer;
 use ornith_runtime::weights::Checkpoint;
@@ -40,18 +42,58 @@ pub fn model_dir(args: &Args) -> anyhow::Result<PathBuf> {
 
 /// Whether the NVIDIA driver library can be loaded. Asked before cudarc is touched: cudarc panics
 /// (with a long message and, under RUST_BACKTRACE, a backtrace) when it cannot find it.
+#[cfg(feature = "cuda")]
 fn nvidia_driver_present() -> bool {
     // SAFETY: dlopen of libcuda (cudarc's own candidate names); nothing is called in it.
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
-/// Opens the checkpoint (re-validated; its fingerprint must be the compiled one) and loads the
-/// backend the arguments ask for.
-pub fn build_generator(args: &Args) -> anyhow::Result<Box<dyn Generator>> {
+/// Opens the checkpoint (re-validated; its fingerprint must be the compiled one), plans the
+/// pools and loads the backend the arguments ask for. Returns the runner and the longest
+/// sequence one request may have.
+pub fn build_runner(args: &Args) -> anyhow::Result<(Box<dyn Runner>, usize)> {
     let dir = model_dir(args)?;
     let ck = Checkpoint::open(&dir, compiled::FINGERPRINT)?;
-    let max_context = context_for(args)?;
-    let cuda = match args.backend {
+    let req = PoolRequest { max_seqs: args.max_seqs.map(|n| n as usize), kv_budget: args.kv_budget, max_context: context_for(args)? };
+    #[cfg(not(feature = "cuda"))]
+    anyhow::ensure!(
+        args.backend != ornith_runtime::cli::Backend::Cuda,
+        "--backend cuda: this binary was built without the `cuda` feature. Fix: rebuild with default features"
+    );
+    #[cfg(feature = "cuda")]
+    if let Some(cx) = cuda_context(args)? {
+        let b_name = cx.device_name().to_string();
+        let (b, cap) = ornith_runtime::backend_cuda::CudaBackend::new(cx, &ck, &compiled::DIMS, &req, args.quiet)?;
+        if !args.quiet {
+            eprintln!(
+                "ornith: using the CUDA backend on '{b_name}': {} sequences at once, K/V pool {} tokens, context {} tokens",
+                cap.slots,
+                cap.blocks * KV_BLOCK,
+                req.max_context
+            );
+        }
+        let r = compiled::Compiled::load(b, &ck, cap.slots, cap.blocks)
+            .with_context(|| format!("loading {}", dir.display()))?;
+        return Ok((Box::new(r), req.max_context));
+    }
+    let cap = plan_cpu_pools(&ck, &req)?;
+    if !args.quiet {
+        eprintln!(
+            "ornith: using the CPU backend: {} sequences at once, K/V pool {} tokens, context {} tokens",
+            cap.slots,
+            cap.blocks * KV_BLOCK,
+            req.max_context
+        );
+    }
+    let r = compiled::Compiled::load(CpuBackend::new(), &ck, cap.slots, cap.blocks)
+        .with_context(|| format!("loading {}", dir.display()))?;
+    Ok((Box::new(r), req.max_context))
+}
+
+/// The CUDA context the arguments ask for, or None for the CPU backend.
+#[cfg(feature = "cuda")]
+fn cuda_context(args: &Args) -> anyhow::Result<Option<ornith_runtime::cuda::CudaContext>> {
+    Ok(match args.backend {
         BackendChoice::Cpu => None,
         BackendChoice::Cuda => {
             anyhow::ensure!(
@@ -76,43 +118,74 @@ pub fn build_generator(args: &Args) -> anyhow::Result<Box<dyn Generator>> {
                 None
             }
         },
-    };
-    let engine: Box<dyn Generator> = match cuda {
-        Some(cx) => {
-            let ctx = max_context;
-            if !args.quiet {
-                eprintln!("ornith: using the CUDA backend on '{}' (context {ctx} tokens)", cx.device_name());
-            }
-            let b = CudaBackend::new(cx, &ck, &compiled::DIMS, ctx, args.quiet)?;
-            Box::new(compiled::Engine::load(b, &ck, ctx).with_context(|| format!("loading {}", dir.display()))?)
-        }
-        None => {
-            check_host_memory(&ck)?;
-            Box::new(
-                compiled::Engine::load(CpuBackend::new(), &ck, max_context)
-                    .with_context(|| format!("loading {}", dir.display()))?,
-            )
-        }
-    };
-    Ok(engine)
+    })
 }
 
-/// The context the caches are sized for: `--max-context` (default: the model's window), capped
-/// by `--kv-budget` when given.
+/// Recurrent-state bytes of one sequence: conv + fp32 state of every Gated DeltaNet layer.
+pub fn gdn_slot_bytes() -> u64 {
+    let d = &compiled::DIMS;
+    let gdn_layers = compiled::LAYER_KINDS.iter().filter(|k| **k == model_spec::LayerKind::LinearAttention).count();
+    let per_layer = (d.conv_kernel - 1) * d.conv_dim() * 2
+        + d.linear_num_value_heads * d.linear_key_head_dim * d.linear_value_head_dim * 4;
+    (gdn_layers * per_layer) as u64
+}
+
+/// The CPU backend's pools: `--max-seqs` (default 4: the CPU is compute-bound, more sequences
+/// at once buy little), K/V blocks from `--kv-budget` (default: every sequence at full
+/// context, capped by half the memory left after weights and states), checked against the
+/// host's available memory before anything is allocated.
+fn plan_cpu_pools(ck: &Checkpoint, req: &PoolRequest) -> anyhow::Result<Capacity> {
+    let slots = req.max_seqs.unwrap_or(4);
+    anyhow::ensure!(slots >= 1, "--max-seqs must be at least 1");
+    let block_bytes = compiled::KV_BYTES_PER_TOKEN.max(1) * KV_BLOCK as u64;
+    let per_seq = req.max_context.div_ceil(KV_BLOCK);
+    let weights = check_host_memory(ck)?;
+    let states = slots as u64 * gdn_slot_bytes();
+    let avail = available_memory();
+    let blocks = match req.kv_budget {
+        Some(b) => {
+            let n = (b / block_bytes) as usize;
+            anyhow::ensure!(
+                n >= per_seq,
+                "--kv-budget {b} bytes holds {} tokens of K/V, less than one sequence of --max-context {} tokens. \
+                 Fix: raise --kv-budget to at least {} bytes or lower --max-context",
+                n * KV_BLOCK,
+                req.max_context,
+                per_seq as u64 * block_bytes
+            );
+            n
+        }
+        None => {
+            let all = slots * per_seq;
+            match avail {
+                Some(a) => {
+                    let left = a.saturating_sub(weights + states) / 2;
+                    all.min(((left / block_bytes) as usize).max(per_seq))
+                }
+                None => all,
+            }
+        }
+    };
+    let need = weights + states + blocks as u64 * block_bytes;
+    if let Some(a) = avail {
+        anyhow::ensure!(
+            need <= a,
+            "not enough memory: weights, {slots} recurrent states and {} K/V tokens need {:.2} GiB, {:.2} GiB is available. \
+             Fix: lower --max-seqs, --kv-budget or --max-context",
+            blocks * KV_BLOCK,
+            need as f64 / (1u64 << 30) as f64,
+            a as f64 / (1u64 << 30) as f64
+        );
+    }
+    Ok(Capacity { slots, blocks })
+}
+
+/// The longest sequence one request may have: `--max-context` (default: the model's window).
 pub fn context_for(args: &Args) -> anyhow::Result<usize> {
     let window = compiled::DIMS.max_position_embeddings;
-    let mut ctx = args.max_context.unwrap_or(window);
-    anyhow::ensure!(ctx >= 1, "--max-context must be at least 1");
+    let ctx = args.max_context.unwrap_or(window);
+    anyhow::ensure!(ctx >= 2, "--max-context must be at least 2 (a prompt token and an output token)");
     anyhow::ensure!(ctx <= window, "--max-context {ctx} exceeds the model's window of {window} tokens");
-    if let Some(budget) = args.kv_budget {
-        let fit = (budget / compiled::KV_BYTES_PER_TOKEN.max(1)) as usize;
-        anyhow::ensure!(
-            fit >= 1,
-            "--kv-budget {budget} bytes holds no token: the K/V cache needs {} bytes per token",
-            compiled::KV_BYTES_PER_TOKEN
-        );
-        ctx = ctx.min(fit);
-    }
     Ok(ctx)
 }
 

@@ -7,6 +7,7 @@ use std::time::Instant;
 use clap::Parser;
 
 use ornith_runtime::cli::{Args, Cli, Command};
+use ornith_runtime::engine::{Engine, EngineConfig};
 mod load;
 use ornith_runtime::protocol::{self, GenerationDefaults, PromptRenderer, ServeOptions, TextCodec};
 
@@ -55,16 +56,21 @@ fn run(cmd: Command, args: &Args) -> anyhow::Result<()> {
                     load::load_frontend_parts(&dir).map(|parts| (parts, t.elapsed()))
                 });
                 let t = Instant::now();
-                let gen = load::build_generator(args);
+                let gen = load::build_runner(args);
                 let t_weights = t.elapsed();
                 (frontend.join(), gen, t_weights)
             });
             let ((tok, tpl), t_frontend) = frontend.unwrap_or_else(|p| std::panic::resume_unwind(p))?;
-            let mut gen = gen?;
+            let (runner, max_context) = gen?;
             let (codec, renderer): (Box<dyn TextCodec>, Box<dyn PromptRenderer>) = (Box::new(tok), Box::new(tpl));
             eos_fallback(&mut defaults, codec.as_ref());
             // Only ids the tokenizer can decode are ever sampled (the lm_head has padding rows).
-            gen.limit_vocab(codec.vocab_size())
+            let cfg = EngineConfig {
+                max_batch_tokens: args.max_batch_tokens as usize,
+                max_context,
+                sample_vocab: codec.vocab_size(),
+            };
+            let engine = Engine::new(runner, cfg)
                 .map_err(|e| anyhow::anyhow!("{}: {e:#}", dir.join("tokenizer.json").display()))?;
             if !args.quiet {
                 eprintln!(
@@ -86,14 +92,14 @@ fn run(cmd: Command, args: &Args) -> anyhow::Result<()> {
                 eprintln!(
                     "ornith: serving {} (context {} tokens, eos {:?}); reading JSONL from stdin",
                     opts.model_name,
-                    gen.max_context(),
+                    engine.max_context(),
                     opts.defaults.eos_token_ids
                 );
             }
             protocol::serve(
-                io::stdin().lock(),
+                io::BufReader::with_capacity(1 << 20, io::stdin()),
                 io::stdout().lock(),
-                gen.as_mut(),
+                engine,
                 codec.as_ref(),
                 renderer.as_ref(),
                 &opts,

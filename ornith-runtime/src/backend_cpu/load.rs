@@ -108,8 +108,8 @@ pub fn available_memory() -> Option<u64> {
 }
 
 /// Refuses to load when the weights would not fit: on a unified-memory machine an overcommit
-/// wedges the whole system, so this check runs before any allocation.
-pub fn check_host_memory(ck: &Checkpoint) -> Result<()> {
+/// wedges the whole system, so this check runs before any allocation. Returns the weights' bytes.
+pub fn check_host_memory(ck: &Checkpoint) -> Result<u64> {
     // Weights are held as stored, except vectors and scales widened to f32 (a few MB).
     let need = ck.spec.device_weight_bytes() + (64 << 20);
     if let Some(avail) = available_memory() {
@@ -122,5 +122,5 @@ pub fn check_host_memory(ck: &Checkpoint) -> Result<()> {
             avail as f64 / (1u64 << 30) as f64
         );
     }
-    Ok(())
+    Ok(need)
 }

@@ -7,7 +7,6 @@ mod load;
 pub use load::{available_memory, check_host_memory};
 
 use crate::cpu::{self, attention, conv, gdn, linear::LinearWeight, moe, norm};
-use crate::engine::SamplingParams;
 use crate::graph::*;
 use crate::weights::Checkpoint;
 use anyhow::{ensure, Result};
@@ -90,17 +89,33 @@ pub struct CpuAct {
     pub data: Vec<bf16>,
 }
 
-/// Conv state `[K-1, conv_dim]` (pre-conv rows, bf16) and recurrent state `[Hv, dk, dv]` (fp32).
-pub struct CpuGdnState {
+/// Conv state `[slots][K-1, conv_dim]` bf16 (pre-conv rows, oldest first) and recurrent state
+/// `[slots][Hv, dk, dv]` f32 of one Gated DeltaNet layer.
+pub struct CpuGdnPool {
     pub conv: Vec<bf16>,
     pub ssm: Vec<f32>,
+    slots: usize,
 }
 
-/// K/V after norm and RoPE (K) / raw (V), `[pos, Hkv, head_dim]`, grown as tokens arrive.
-pub struct CpuKvCache {
+impl CpuGdnPool {
+    fn slot(&mut self, slot: usize) -> (&mut [bf16], &mut [f32]) {
+        let (c, s) = (self.conv.len() / self.slots, self.ssm.len() / self.slots);
+        (&mut self.conv[slot * c..][..c], &mut self.ssm[slot * s..][..s])
+    }
+}
+
+/// K after norm and RoPE, V raw, of one attention layer: `[blocks][KV_BLOCK][Hkv, head_dim]` bf16.
+pub struct CpuKvPool {
     pub k: Vec<bf16>,
     pub v: Vec<bf16>,
-    pub max_context: usize,
+    blocks: usize,
+}
+
+impl CpuKvPool {
+    /// Element offset of position `p` of a sequence with block table `table` (`row` = Hkv·hd).
+    fn at(table: &[u32], p: usize, row: usize) -> usize {
+        (table[p / KV_BLOCK] as usize * KV_BLOCK + p % KV_BLOCK) * row
+    }
 }
 
 /// Logits `[rows, vocab]` as bf16 values widened to f32 (HF returns bf16 logits).
@@ -124,14 +139,16 @@ fn eps(d: &ModelDims) -> f32 {
 }
 
 impl CpuBackend {
-    /// Shared body of the Gated DeltaNet layer; `gated_delta_rule` picks the recurrent form for
-    /// one token and the chunked form otherwise.
+    /// Gated DeltaNet over a batch: projections over every row, the conv and the delta rule per
+    /// sequence from its slot (`gated_delta_rule` takes the recurrent form for one row and the
+    /// chunked form for more), then the gated norm and `out_proj` over every row.
     fn gdn_layer<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
         &self,
         d: &ModelDims,
         norm_w: &[bf16],
         w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
-        st: &mut CpuGdnState,
+        pool: &mut CpuGdnPool,
+        batch: &Batch,
         h: &mut CpuAct,
     ) -> Result<()> {
         let (t, hs) = (h.t, d.hidden_size);
@@ -142,58 +159,84 @@ impl CpuBackend {
         let b = w.in_proj_b.apply(self, &x, t);
         let a = w.in_proj_a.apply(self, &x, t);
         let c = d.conv_dim();
-        let mut y = vec![bf16::ZERO; t * c];
-        conv::conv_silu(&qkv, t, c, &w.conv1d, d.conv_kernel, &mut st.conv, &mut y);
         let a_log: Vec<f32> = w.a_log.iter().map(|v| v.to_f32()).collect();
         let gd = gdn_dims(d);
-        let mut o = vec![bf16::ZERO; t * d.value_dim()];
-        gdn::gated_delta_rule(&y, &b, &a, &a_log, &w.dt_bias, t, gd, &mut st.ssm, &mut o);
-        let mut on = vec![bf16::ZERO; t * d.value_dim()];
+        let (vd, hv) = (d.value_dim(), d.linear_num_value_heads);
+        let mut o = vec![bf16::ZERO; t * vd];
+        for (s, r0) in batch.seqs.iter().zip(batch.row_starts()) {
+            let n = s.len;
+            let (conv_st, ssm) = pool.slot(s.slot);
+            let mut y = vec![bf16::ZERO; n * c];
+            conv::conv_silu(&qkv[r0 * c..][..n * c], n, c, &w.conv1d, d.conv_kernel, conv_st, &mut y);
+            gdn::gated_delta_rule(
+                &y,
+                &b[r0 * hv..][..n * hv],
+                &a[r0 * hv..][..n * hv],
+                &a_log,
+                &w.dt_bias,
+                n,
+                gd,
+                ssm,
+                &mut o[r0 * vd..][..n * vd],
+            );
+        }
+        let mut on = vec![bf16::ZERO; t * vd];
         norm::gated_rms_norm(&o, &z, &w.norm, d.linear_value_head_dim, eps(d), &mut on);
         let out = w.out_proj.apply(self, &on, t);
         norm::add_into(&mut h.data, &out);
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Gated attention over a batch: projections and q/k norms over every row; per sequence,
+    /// partial RoPE at its own positions, K/V written into its blocks and causal attention over
+    /// its positions gathered in order; output gate and `o_proj` over every row.
     fn attention_layer<Q: Prec, K: Prec, V: Prec, O: Prec>(
         &self,
         d: &ModelDims,
         norm_w: &[bf16],
         w: &GatedAttention<Self, Q, K, V, O>,
-        cache: &mut CpuKvCache,
-        pos: usize,
+        pool: &mut CpuKvPool,
+        batch: &Batch,
         h: &mut CpuAct,
     ) -> Result<()> {
         let (t, hs) = (h.t, d.hidden_size);
         let (nh, nkv, hd) = (d.num_attention_heads, d.num_key_value_heads, d.head_dim);
-        ensure!(
-            cache.k.len() == pos * nkv * hd,
-            "K/V cache holds {} positions, expected {pos}",
-            cache.k.len() / (nkv * hd)
-        );
-        ensure!(pos + t <= cache.max_context, "K/V cache of {} tokens is full", cache.max_context);
         let mut x = vec![bf16::ZERO; t * hs];
         norm::rms_norm(&h.data, norm_w, hs, eps(d), &mut x);
         let qg = w.q_proj.apply(self, &x, t);
         let mut q = vec![bf16::ZERO; t * nh * hd];
         let mut gate = vec![bf16::ZERO; t * nh * hd];
         attention::split_q_gate(&qg, t, nh, hd, &mut q, &mut gate);
-        let mut k = w.k_proj.apply(self, &x, t);
+        let k = w.k_proj.apply(self, &x, t);
         let v = w.v_proj.apply(self, &x, t);
         // q/k RMSNorm per head (zero-centred), then partial RoPE.
         let mut qn = vec![bf16::ZERO; q.len()];
         norm::rms_norm(&q, &w.q_norm, hd, eps(d), &mut qn);
         let mut kn = vec![bf16::ZERO; k.len()];
         norm::rms_norm(&k, &w.k_norm, hd, eps(d), &mut kn);
-        k = kn;
         let theta = d.rope_theta as f32;
-        attention::apply_rope(&mut qn, t, nh, hd, d.rotary_dim, pos, theta);
-        attention::apply_rope(&mut k, t, nkv, hd, d.rotary_dim, pos, theta);
-        cache.k.extend_from_slice(&k);
-        cache.v.extend_from_slice(&v);
+        let row = nkv * hd;
         let mut o = vec![bf16::ZERO; t * nh * hd];
-        attention::attention(&qn, t, pos, &cache.k, &cache.v, nh, nkv, hd, &mut o);
+        for (s, r0) in batch.seqs.iter().zip(batch.row_starts()) {
+            let n = s.len;
+            let qs = &mut qn[r0 * nh * hd..][..n * nh * hd];
+            let ks = &mut kn[r0 * row..][..n * row];
+            attention::apply_rope(qs, n, nh, hd, d.rotary_dim, s.pos, theta);
+            attention::apply_rope(ks, n, nkv, hd, d.rotary_dim, s.pos, theta);
+            for i in 0..n {
+                let at = CpuKvPool::at(&s.blocks, s.pos + i, row);
+                pool.k[at..at + row].copy_from_slice(&ks[i * row..][..row]);
+                pool.v[at..at + row].copy_from_slice(&v[(r0 + i) * row..][..row]);
+            }
+            let total = s.pos + n;
+            let (mut kc, mut vc) = (Vec::with_capacity(total * row), Vec::with_capacity(total * row));
+            for p in 0..total {
+                let at = CpuKvPool::at(&s.blocks, p, row);
+                kc.extend_from_slice(&pool.k[at..at + row]);
+                vc.extend_from_slice(&pool.v[at..at + row]);
+            }
+            attention::attention(qs, n, s.pos, &kc, &vc, nh, nkv, hd, &mut o[r0 * nh * hd..][..n * nh * hd]);
+        }
         attention::output_gate(&mut o, &gate);
         let out = w.o_proj.apply(self, &o, t);
         norm::add_into(&mut h.data, &out);
@@ -207,10 +250,10 @@ impl Backend for CpuBackend {
     type Vector = Vec<bf16>;
     type Embedding = Vec<bf16>;
     type Act = CpuAct;
-    type GdnState = CpuGdnState;
-    type KvCache = CpuKvCache;
+    type GdnPool = CpuGdnPool;
+    type KvPool = CpuKvPool;
     type Logits = CpuLogits;
-    type DecodeGraph = ();
+    type StepGraphs = ();
 
     fn load_linear<P: Prec>(
         &self,
@@ -244,95 +287,76 @@ impl Backend for CpuBackend {
         self.embedding(ck, name, vocab, hidden)
     }
 
-    fn new_gdn_state(&self, d: &ModelDims) -> Result<CpuGdnState> {
-        Ok(CpuGdnState {
-            conv: vec![bf16::ZERO; (d.conv_kernel - 1) * d.conv_dim()],
-            ssm: vec![0.0; d.linear_num_value_heads * d.linear_key_head_dim * d.linear_value_head_dim],
+    fn new_gdn_pool(&self, d: &ModelDims, slots: usize) -> Result<CpuGdnPool> {
+        let ssm = d.linear_num_value_heads * d.linear_key_head_dim * d.linear_value_head_dim;
+        Ok(CpuGdnPool {
+            conv: vec![bf16::ZERO; slots * (d.conv_kernel - 1) * d.conv_dim()],
+            ssm: vec![0.0; slots * ssm],
+            slots,
         })
     }
 
-    fn new_kv_cache(&self, _d: &ModelDims, max_context: usize) -> Result<CpuKvCache> {
-        Ok(CpuKvCache { k: Vec::new(), v: Vec::new(), max_context })
+    fn new_kv_pool(&self, d: &ModelDims, blocks: usize) -> Result<CpuKvPool> {
+        let n = blocks * KV_BLOCK * d.num_key_value_heads * d.head_dim;
+        Ok(CpuKvPool { k: vec![bf16::ZERO; n], v: vec![bf16::ZERO; n], blocks })
     }
 
-    fn reset_gdn_state(&self, s: &mut CpuGdnState) {
-        s.conv.fill(bf16::ZERO);
-        s.ssm.fill(0.0);
-    }
-
-    fn reset_kv_cache(&self, c: &mut CpuKvCache) {
-        c.k.clear();
-        c.v.clear();
-    }
-
-    fn new_decode_graph(&self) -> Result<()> {
+    fn clear_slot(&self, p: &mut CpuGdnPool, slot: usize) -> Result<()> {
+        ensure!(slot < p.slots, "state slot {slot} outside the pool of {}", p.slots);
+        let (c, s) = p.slot(slot);
+        c.fill(bf16::ZERO);
+        s.fill(0.0);
         Ok(())
     }
 
-    /// The CPU backend records nothing: every step runs `step`.
-    fn decode_step(
+    fn new_step_graphs(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn step(
         &self,
         _g: &mut (),
         _t: &Vec<bf16>,
-        _id: u32,
-        _pos: usize,
-        step: &mut dyn FnMut() -> Result<CpuLogits>,
+        _batch: &Batch,
+        run: &mut dyn FnMut() -> Result<CpuLogits>,
     ) -> Result<CpuLogits> {
-        step()
+        run()
     }
 
-    fn embed(&self, d: &ModelDims, table: &Vec<bf16>, ids: &[u32]) -> Result<CpuAct> {
+    fn embed(&self, d: &ModelDims, table: &Vec<bf16>, batch: &Batch) -> Result<CpuAct> {
+        let ids = &batch.ids;
         let mut data = vec![bf16::ZERO; ids.len() * d.hidden_size];
         cpu::embed::embed(ids, table, d.hidden_size, &mut data)?;
         Ok(CpuAct { t: ids.len(), data })
     }
 
-    fn gated_deltanet_prefill<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
+    fn gated_deltanet<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
         &self,
         d: &ModelDims,
         norm: &Vec<bf16>,
         w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
-        state: &mut CpuGdnState,
+        pool: &mut CpuGdnPool,
+        batch: &Batch,
         h: &mut CpuAct,
     ) -> Result<()> {
-        self.gdn_layer(d, norm, w, state, h)
+        self.gdn_layer(d, norm, w, pool, batch, h)
     }
 
-    fn gated_deltanet_decode<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
-        &self,
-        d: &ModelDims,
-        norm: &Vec<bf16>,
-        w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
-        state: &mut CpuGdnState,
-        h: &mut CpuAct,
-    ) -> Result<()> {
-        ensure!(h.t == 1, "decode runs one token, got {}", h.t);
-        self.gdn_layer(d, norm, w, state, h)
-    }
-
-    fn attention_prefill<Q: Prec, K: Prec, V: Prec, O: Prec>(
+    fn attention<Q: Prec, K: Prec, V: Prec, O: Prec>(
         &self,
         d: &ModelDims,
         norm: &Vec<bf16>,
         w: &GatedAttention<Self, Q, K, V, O>,
-        cache: &mut CpuKvCache,
-        pos: usize,
+        pool: &mut CpuKvPool,
+        batch: &Batch,
         h: &mut CpuAct,
     ) -> Result<()> {
-        self.attention_layer(d, norm, w, cache, pos, h)
-    }
-
-    fn attention_decode<Q: Prec, K: Prec, V: Prec, O: Prec>(
-        &self,
-        d: &ModelDims,
-        norm: &Vec<bf16>,
-        w: &GatedAttention<Self, Q, K, V, O>,
-        cache: &mut CpuKvCache,
-        pos: usize,
-        h: &mut CpuAct,
-    ) -> Result<()> {
-        ensure!(h.t == 1, "decode runs one token, got {}", h.t);
-        self.attention_layer(d, norm, w, cache, pos, h)
+        ensure!(
+            batch.seqs.iter().flat_map(|s| &s.blocks).all(|&b| (b as usize) < pool.blocks),
+            "a block table points outside the K/V pool of {} blocks",
+            pool.blocks
+        );
+        self.attention_layer(d, norm, w, pool, batch, h)
     }
 
     fn sparse_moe<R: Prec, Eg: Prec, Eu: Prec, Ed: Prec, Sg: Prec, Su: Prec, Sd: Prec, Sgate: Prec>(
@@ -340,6 +364,7 @@ impl Backend for CpuBackend {
         d: &ModelDims,
         norm_w: &Vec<bf16>,
         w: &SparseMoe<Self, R, Eg, Eu, Ed, Sg, Su, Sd, Sgate>,
+        _batch: &Batch,
         h: &mut CpuAct,
     ) -> Result<()> {
         let (t, hs) = (h.t, d.hidden_size);
@@ -376,21 +401,36 @@ impl Backend for CpuBackend {
         d: &ModelDims,
         norm_w: &Vec<bf16>,
         lm_head: &CpuLinear<P>,
+        batch: &Batch,
         h: &CpuAct,
-        all_rows: bool,
     ) -> Result<CpuLogits> {
         let hs = d.hidden_size;
-        let (rows, src) = if all_rows { (h.t, &h.data[..]) } else { (1, &h.data[(h.t - 1) * hs..]) };
+        let src: Vec<bf16> = if batch.all_rows {
+            h.data.clone()
+        } else {
+            batch
+                .seqs
+                .iter()
+                .zip(batch.row_starts())
+                .flat_map(|(s, r0)| h.data[(r0 + s.len - 1) * hs..][..hs].iter().copied())
+                .collect()
+        };
+        let rows = src.len() / hs;
         let mut x = vec![bf16::ZERO; rows * hs];
-        norm::rms_norm(src, norm_w, hs, eps(d), &mut x);
+        norm::rms_norm(&src, norm_w, hs, eps(d), &mut x);
         let y = lm_head.apply(self, &x, rows);
         Ok(CpuLogits { rows, vocab: d.vocab_size, data: y.iter().map(|v| v.to_f32()).collect() })
     }
 
-    fn sample(&self, logits: &CpuLogits, n: usize, params: &SamplingParams, step: u64) -> Result<u32> {
+    fn sample(&self, logits: &CpuLogits, n: usize, rows: &[RowSample]) -> Result<Vec<u32>> {
         ensure!(n > 0 && n <= logits.vocab, "sampling {n} of {} logits", logits.vocab);
-        let last = &logits.data[(logits.rows - 1) * logits.vocab..][..n];
-        crate::sampling::sample(&crate::sampling::bf16_bits(last), params, step)
+        rows.iter()
+            .map(|r| {
+                ensure!(r.row < logits.rows, "sampling row {} of {}", r.row, logits.rows);
+                let l = &logits.data[r.row * logits.vocab..][..n];
+                crate::sampling::sample(&crate::sampling::bf16_bits(l), &r.params, r.step)
+            })
+            .collect()
     }
 
     fn logits_to_host(&self, logits: &CpuLogits) -> Result<Vec<f32>> {
@@ -405,10 +445,15 @@ impl Backend for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::SamplingParams;
     use crate::graph::Backend;
 
     /// The lm_head's padding rows (columns `n..`) never come out, whatever their logits, in any
     /// sampling mode; a row without a finite candidate is an error.
+    fn row(p: &SamplingParams, step: u64) -> RowSample {
+        RowSample { row: 0, params: *p, step }
+    }
+
     #[test]
     fn padding_rows_are_never_sampled() {
         let b = CpuBackend::new();
@@ -425,13 +470,14 @@ mod tests {
         ];
         for p in &modes {
             for step in 0..500 {
-                assert!(b.sample(&l, 10, p, step).unwrap() < 10, "{p:?}");
+                assert!(b.sample(&l, 10, &[row(p, step)]).unwrap()[0] < 10, "{p:?}");
             }
         }
-        assert_eq!(b.sample(&l, 10, &modes[0], 0).unwrap(), 3);
+        assert_eq!(b.sample(&l, 10, &[row(&modes[0], 0)]).unwrap(), [3]);
         let nan = CpuLogits { rows: 1, vocab: 4, data: vec![f32::NAN, f32::NAN, 7.0, 7.0] };
-        assert!(b.sample(&nan, 2, &modes[0], 0).is_err());
-        assert!(b.sample(&nan, 2, &modes[1], 0).is_err());
-        assert!(b.sample(&l, 17, &modes[0], 0).is_err());
+        assert!(b.sample(&nan, 2, &[row(&modes[0], 0)]).is_err());
+        assert!(b.sample(&nan, 2, &[row(&modes[1], 0)]).is_err());
+        assert!(b.sample(&l, 17, &[row(&modes[0], 0)]).is_err());
+        assert!(b.sample(&l, 10, &[RowSample { row: 1, ..row(&modes[0], 0) }]).is_err());
     }
 }

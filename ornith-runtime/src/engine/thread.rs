@@ -49,7 +49,7 @@ impl EngineThread {
             .name("ornith-engine".into())
             .spawn(move || {
                 let mut open = true;
-                let mut handle = |engine: &mut Engine, c: Cmd, sink: &mut dyn FnMut(Event) -> bool| -> bool {
+                let handle = |engine: &mut Engine, c: Cmd, sink: &mut dyn FnMut(Event) -> bool| -> bool {
                     match c {
                         Cmd::Submit(id, req) => match engine.submit(id, req) {
                             Ok(()) => true,

@@ -11,6 +11,7 @@
 pub mod adapters;
 pub mod genconfig;
 pub mod lines;
+pub mod live;
 pub mod request;
 pub mod serve;
 pub mod split;

@@ -37,10 +37,10 @@ enum Phase {
     Tool,
 }
 
-pub struct Splitter<'a> {
+pub struct Splitter {
     phase: Phase,
     buf: String,
-    tools: Option<&'a Value>,
+    tools: Option<Value>,
     parse_tools: bool,
     /// Drop leading whitespace of what comes next (after a tag).
     lstrip: bool,
@@ -48,14 +48,14 @@ pub struct Splitter<'a> {
     held_ws: String,
 }
 
-impl<'a> Splitter<'a> {
+impl Splitter {
     /// `thinking`: the prompt left a `<think>` open. `tools`: the request's tools (schemas type
     /// the arguments); `parse_tools`: whether tool calls are extracted at all.
-    pub fn new(thinking: bool, tools: Option<&'a Value>, parse_tools: bool) -> Self {
+    pub fn new(thinking: bool, tools: Option<&Value>, parse_tools: bool) -> Self {
         Splitter {
             phase: if thinking { Phase::Reasoning } else { Phase::Start },
             buf: String::new(),
-            tools,
+            tools: tools.cloned(),
             parse_tools,
             lstrip: thinking,
             held_ws: String::new(),
@@ -170,7 +170,7 @@ impl<'a> Splitter<'a> {
                     let inner = &block[TOOL_CALL_START.len()..];
                     let inner = inner.strip_suffix(toolcall::TOOL_CALL_END).unwrap_or(inner);
                     self.phase = Phase::Content;
-                    match toolcall::parse_block(inner, self.tools) {
+                    match toolcall::parse_block(inner, self.tools.as_ref()) {
                         Some(call) => {
                             self.held_ws.clear();
                             out.push(Delta::ToolCall(call));

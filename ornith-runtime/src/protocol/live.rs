@@ -1,0 +1,383 @@
+//! One request in flight: its prompt, and what turns the engine's tokens into text, stream chunks
+//! and the final body (detokenizer, stop strings, the reasoning / tool-call splitter).
+//!
+//! Policies (vLLM's where it has one):
+//! * `max_tokens` absent → up to the end of the context window; `prompt + max_tokens` over the
+//!   window → error `context_length_exceeded` (vLLM answers 400), as is a prompt that leaves no
+//!   room for one token.
+//! * `completion_tokens` counts every sampled token, the eos token included.
+
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Value};
+
+use crate::engine::GenRequest;
+use crate::sampling::mix64;
+
+use super::request::{Kind, LineError, Prompt, Request};
+use super::split::{Delta, Message, Splitter};
+use super::stop::StopStrings;
+use super::toolcall::ToolCall;
+use super::{PromptRenderer, TextCodec, TokenStream};
+
+/// Why generation ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Finish {
+    /// An eos / stop token (its id) or a stop string.
+    StopToken(u32),
+    StopString(String),
+    Length,
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// `call_` + 24 hex digits, unique per (run, line, index).
+fn call_id(run_id: u64, line: u64, index: usize) -> String {
+    let a = mix64(run_id ^ mix64(line.wrapping_mul(0x1_0000_0001).wrapping_add(index as u64)));
+    let b = mix64(a);
+    format!("call_{:016x}{:08x}", a, b as u32)
+}
+
+fn tool_call_json(c: &ToolCall, id: String) -> Value {
+    json!({"id": id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
+}
+
+/// The final assistant message. `content` is null when there is no text and there are tool
+/// calls (OpenAI's shape); `reasoning` / `reasoning_content` (both spellings, for vLLM clients old
+/// and new) are null when the model did not think.
+fn message_json(m: &Message, run_id: u64, line: u64) -> Value {
+    let content = if m.content.is_empty() && !m.tool_calls.is_empty() { Value::Null } else { json!(m.content) };
+    let reasoning = if m.reasoning.is_empty() { Value::Null } else { json!(m.reasoning) };
+    let calls: Vec<Value> =
+        m.tool_calls.iter().enumerate().map(|(i, c)| tool_call_json(c, call_id(run_id, line, i))).collect();
+    json!({"role": "assistant", "content": content, "reasoning": reasoning, "reasoning_content": reasoning, "tool_calls": calls})
+}
+
+/// Builds chunk lines (collected in `out` for the caller to write).
+struct Chunker {
+    chat: bool,
+    id: String,
+    created: u64,
+    model: String,
+    custom_id: String,
+    line: u64,
+    n_calls: usize,
+    run_id: u64,
+    out: Vec<String>,
+}
+
+impl Chunker {
+    /// One chunk: `delta` for chat, text for completions.
+    fn send(&mut self, delta: Value, finish: Option<&str>) {
+        let v = if self.chat {
+            json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                   "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}], "custom_id": self.custom_id})
+        } else {
+            json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                   "choices": [{"index": 0, "text": delta, "logprobs": null, "finish_reason": finish}], "custom_id": self.custom_id})
+        };
+        self.out.push(v.to_string());
+    }
+
+    /// Sends pending chat deltas and records them into `msg`.
+    fn deltas(&mut self, deltas: &mut Vec<Delta>, msg: &mut Message) {
+        for d in deltas.drain(..) {
+            let delta = match &d {
+                Delta::Reasoning(s) => json!({"reasoning": s, "reasoning_content": s}),
+                Delta::Content(s) => json!({"content": s}),
+                Delta::ToolCall(c) => {
+                    let i = self.n_calls;
+                    self.n_calls += 1;
+                    let mut call = tool_call_json(c, call_id(self.run_id, self.line, i));
+                    call.as_object_mut().expect("a JSON object").insert("index".into(), json!(i));
+                    json!({"tool_calls": [call]})
+                }
+            };
+            msg.add(&d);
+            self.send(delta, None);
+        }
+    }
+}
+
+/// A request between its first and its last token.
+pub struct Live<'a> {
+    req: Request,
+    line: u64,
+    run_id: u64,
+    chunker: Chunker,
+    stops: StopStrings,
+    eos: Vec<u32>,
+    detok: Box<dyn TokenStream + 'a>,
+    splitter: Splitter,
+    text: String,
+    /// Bytes of `text` already streamed (fed to the splitter).
+    sent: usize,
+    msg: Message,
+    /// Completions: the text streamed so far.
+    raw_text: String,
+    deltas: Vec<Delta>,
+    n_prompt: usize,
+    n_out: u64,
+    max_tokens: u64,
+    started: Instant,
+    submitted: Instant,
+    first: Option<Instant>,
+    finish: Option<Finish>,
+}
+
+/// What the front end needs of the engine to start a request.
+pub struct Limits {
+    /// Longest prompt + output.
+    pub window: usize,
+    /// Ids the tokenizer has.
+    pub vocab: usize,
+}
+
+impl<'a> Live<'a> {
+    /// Renders and tokenizes `req`, checks it against the window, and returns the engine's
+    /// request with the state that will turn its tokens into the result.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start(
+        req: Request,
+        line: u64,
+        custom_id: Option<&str>,
+        codec: &'a dyn TextCodec,
+        renderer: &dyn PromptRenderer,
+        limits: &Limits,
+        eos_ids: &[u32],
+        model_name: &str,
+        run_id: u64,
+        started: Instant,
+    ) -> Result<(GenRequest, Live<'a>), LineError> {
+        // The template's errors already say "chat template: …".
+        let tmpl = |e: anyhow::Error| LineError::new("invalid_request", format!("{e:#}"));
+        let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
+        let (prompt, thinking) = match &req.kind {
+            Kind::Chat { messages, tools, kwargs, .. } => {
+                let text = renderer.render(messages, tools.as_ref(), true, kwargs).map_err(tmpl)?;
+                // The template leaves `<think>\n` open when thinking is on.
+                let thinking = text.trim_end_matches(['\n', ' ']).ends_with("<think>");
+                (codec.encode(&text).map_err(tok)?, thinking)
+            }
+            Kind::Completion { prompt: Prompt::Text(t) } => (codec.encode(t).map_err(tok)?, false),
+            Kind::Completion { prompt: Prompt::Ids(ids) } => {
+                let v = limits.vocab;
+                if let Some(bad) = ids.iter().find(|&&i| i as usize >= v) {
+                    return Err(LineError::invalid(format!("token id {bad} is outside the vocabulary (size {v})")));
+                }
+                (ids.clone(), false)
+            }
+        };
+        if prompt.is_empty() {
+            return Err(LineError::invalid("the prompt encodes to no tokens"));
+        }
+        let window = limits.window;
+        let n_prompt = prompt.len();
+        if n_prompt >= window {
+            return Err(LineError::new(
+                "context_length_exceeded",
+                format!(
+                    "This model's maximum context length is {window} tokens. However, your request has {n_prompt} input tokens, which leaves no room for output. Please reduce the length of the input."
+                ),
+            ));
+        }
+        let room = (window - n_prompt) as u64;
+        let max_tokens = match req.max_tokens {
+            Some(m) if m > room => {
+                return Err(LineError::new(
+                    "context_length_exceeded",
+                    format!(
+                        "'max_tokens' or 'max_completion_tokens' is too large: {m}. This model's maximum context length is {window} tokens and your request has {n_prompt} input tokens ({m} > {window} - {n_prompt})."
+                    ),
+                ))
+            }
+            Some(m) => m,
+            None => room,
+        };
+        let chat = matches!(req.kind, Kind::Chat { .. });
+        let (tools, parse_tools) = match &req.kind {
+            Kind::Chat { tools, parse_tools, .. } => (tools.clone(), *parse_tools),
+            _ => (None, false),
+        };
+        let resp_id = format!("{}-{:016x}-{line}", if chat { "chatcmpl" } else { "cmpl" }, run_id);
+        let mut chunker = Chunker {
+            chat,
+            id: resp_id,
+            created: now_unix(),
+            model: model_name.to_string(),
+            custom_id: custom_id.map_or_else(|| format!("line-{line}"), str::to_string),
+            line,
+            n_calls: 0,
+            run_id,
+            out: Vec::new(),
+        };
+        if req.stream && chat {
+            chunker.send(json!({"role": "assistant", "content": ""}), None);
+        }
+        let eos: Vec<u32> = if req.ignore_eos { Vec::new() } else { eos_ids.to_vec() };
+        let mut stop_ids = eos.clone();
+        stop_ids.extend_from_slice(&req.stop_token_ids);
+        let gen = GenRequest { prompt, max_tokens, params: req.sampling, stop_ids };
+        let live = Live {
+            stops: StopStrings::new(&req.stop),
+            eos,
+            detok: codec.stream(true),
+            splitter: Splitter::new(thinking, tools.as_ref(), parse_tools),
+            line,
+            run_id,
+            chunker,
+            text: String::new(),
+            sent: 0,
+            msg: Message::default(),
+            raw_text: String::new(),
+            deltas: Vec::new(),
+            n_prompt,
+            n_out: 0,
+            max_tokens,
+            started,
+            submitted: Instant::now(),
+            first: None,
+            finish: None,
+            req,
+        };
+        Ok((gen, live))
+    }
+
+    /// Chunk lines produced so far (to be written before anything later of this request).
+    pub fn take_chunks(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.chunker.out)
+    }
+
+    /// Tokens sampled so far.
+    pub fn generated(&self) -> u64 {
+        self.n_out
+    }
+
+    /// Whether the request has ended (a stop token, a stop string or its length).
+    pub fn finished(&self) -> bool {
+        self.finish.is_some()
+    }
+
+    /// Takes the next sampled token. Returns true when the request has ended with it.
+    pub fn on_token(&mut self, next: u32) -> Result<bool, LineError> {
+        if self.finish.is_some() {
+            return Ok(true);
+        }
+        let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
+        if self.first.is_none() {
+            self.first = Some(Instant::now());
+        }
+        self.n_out += 1;
+        if self.eos.contains(&next) || self.req.stop_token_ids.contains(&next) {
+            self.finish = Some(Finish::StopToken(next));
+            return Ok(true);
+        }
+        let old = self.text.len();
+        if let Some(piece) = self.detok.push(next).map_err(tok)? {
+            self.text.push_str(&piece);
+        }
+        if let Some((at, s)) = self.stops.find(&self.text, old) {
+            let s = s.to_string();
+            self.text.truncate(at);
+            self.finish = Some(Finish::StopString(s));
+            return Ok(true);
+        }
+        if self.n_out >= self.max_tokens {
+            self.finish = Some(Finish::Length);
+            return Ok(true);
+        }
+        if self.req.stream {
+            let safe = self.text.len() - self.stops.holdback(&self.text);
+            if safe > self.sent {
+                let fresh = self.text[self.sent..safe].to_string();
+                self.sent = safe;
+                if self.chunker.chat {
+                    self.splitter.feed(&fresh, &mut self.deltas);
+                    self.chunker.deltas(&mut self.deltas, &mut self.msg);
+                } else {
+                    self.raw_text.push_str(&fresh);
+                    self.chunker.send(Value::String(fresh), None);
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    /// The result body of a finished request (its last chunk lines are in `take_chunks`).
+    pub fn body(&mut self) -> Result<Value, LineError> {
+        let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
+        let end = Instant::now();
+        let finish = self.finish.take().unwrap_or(Finish::Length);
+        if !matches!(finish, Finish::StopString(_)) {
+            let old = self.text.len();
+            if let Some(rest) = self.detok.flush().map_err(tok)? {
+                self.text.push_str(&rest);
+                if let Some((at, _)) = self.stops.find(&self.text, old) {
+                    self.text.truncate(at);
+                }
+            }
+        }
+        let chat = self.chunker.chat;
+        let rest = self.text[self.sent.min(self.text.len())..].to_string();
+        let text_out;
+        let mut message = Value::Null;
+        if chat {
+            self.splitter.feed(&rest, &mut self.deltas);
+            self.splitter.finish(&mut self.deltas);
+            if self.req.stream {
+                self.chunker.deltas(&mut self.deltas, &mut self.msg);
+            } else {
+                let mut n = 0;
+                for d in self.deltas.drain(..) {
+                    if let Delta::ToolCall(_) = d {
+                        n += 1;
+                    }
+                    self.msg.add(&d);
+                }
+                self.chunker.n_calls = n;
+            }
+            message = message_json(&self.msg, self.run_id, self.line);
+            text_out = String::new();
+        } else {
+            if self.req.stream && !rest.is_empty() {
+                self.chunker.send(Value::String(rest.clone()), None);
+            }
+            self.raw_text.push_str(&rest);
+            text_out = std::mem::take(&mut self.raw_text);
+        }
+        let (finish_reason, stop_reason) = match &finish {
+            _ if chat && !self.msg.tool_calls.is_empty() => ("tool_calls", Value::Null),
+            Finish::StopToken(t) => ("stop", if self.eos.contains(t) { Value::Null } else { json!(t) }),
+            Finish::StopString(s) => ("stop", json!(s)),
+            Finish::Length => ("length", Value::Null),
+        };
+        if self.req.stream {
+            self.chunker.send(if chat { json!({}) } else { Value::String(String::new()) }, Some(finish_reason));
+        }
+        let first = self.first.unwrap_or(end);
+        let prefill_s = (first - self.submitted).as_secs_f64();
+        let decode_s = (end - first).as_secs_f64();
+        let rate = |n: f64, s: f64| if s > 0.0 && n > 0.0 { json!((n / s * 10.0).round() / 10.0) } else { Value::Null };
+        let ttft_ms = ((first - self.started).as_secs_f64() * 1e4).round() / 10.0;
+        let (n_prompt, n_out) = (self.n_prompt, self.n_out);
+        let usage = json!({"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt as u64 + n_out});
+        let c = &self.chunker;
+        let choice = if chat {
+            json!({"index": 0, "message": message, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason})
+        } else {
+            json!({"index": 0, "text": text_out, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason})
+        };
+        let mut body = json!({
+            "id": c.id, "object": if chat { "chat.completion" } else { "text_completion" }, "created": c.created, "model": c.model,
+            "choices": [choice],
+            "usage": usage,
+            "ttft_ms": ttft_ms, "prefill_tok_s": rate(n_prompt as f64, prefill_s), "decode_tok_s": rate(n_out as f64 - 1.0, decode_s),
+        });
+        if !self.req.warnings.is_empty() {
+            body["warnings"] = json!(self.req.warnings);
+        }
+        Ok(body)
+    }
+}
