@@ -111,7 +111,6 @@ pub struct DecoderLayer<B: Backend, M, F> {
     pub mlp: F,
 }
 
-
 /// Tokens per K/V block. Every full-attention layer keeps its K/V in a pool of such blocks; a
 /// sequence's block table maps its positions `[i·KV_BLOCK, (i+1)·KV_BLOCK)` to block `table[i]`,
 /// so sequences of any length share one pool.

@@ -3,11 +3,11 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use ornith_runtime::backend_cpu::{available_memory, check_host_memory, CpuBackend};
+use ornith_runtime::backend_cpu::{available_memory, check_host_memory, plan_pools, CpuBackend, PoolSizes};
 use ornith_runtime::chat::ChatTemplate;
+use ornith_runtime::cli::Args;
 #[cfg(feature = "cuda")]
 use ornith_runtime::cli::Backend as BackendChoice;
-use ornith_runtime::cli::Args;
 use ornith_runtime::engine::{Capacity, PoolRequest, Runner};
 use ornith_runtime::graph::KV_BLOCK;
 use ornith_runtime::protocol::{PromptRenderer, TextCodec};
@@ -54,7 +54,11 @@ fn nvidia_driver_present() -> bool {
 pub fn build_runner(args: &Args) -> anyhow::Result<(Box<dyn Runner>, usize)> {
     let dir = model_dir(args)?;
     let ck = Checkpoint::open(&dir, compiled::FINGERPRINT)?;
-    let req = PoolRequest { max_seqs: args.max_seqs.map(|n| n as usize), kv_budget: args.kv_budget, max_context: context_for(args)? };
+    let req = PoolRequest {
+        max_seqs: args.max_seqs.map(|n| n as usize),
+        kv_budget: args.kv_budget,
+        max_context: context_for(args)?,
+    };
     #[cfg(not(feature = "cuda"))]
     anyhow::ensure!(
         args.backend != ornith_runtime::cli::Backend::Cuda,
@@ -130,54 +134,12 @@ pub fn gdn_slot_bytes() -> u64 {
     (gdn_layers * per_layer) as u64
 }
 
-/// The CPU backend's pools: `--max-seqs` (default 4: the CPU is compute-bound, more sequences
-/// at once buy little), K/V blocks from `--kv-budget` (default: every sequence at full
-/// context, capped by half the memory left after weights and states), checked against the
-/// host's available memory before anything is allocated.
+/// The CPU backend's pools, checked against the host's available memory before anything is
+/// allocated (`backend_cpu::plan_pools`).
 fn plan_cpu_pools(ck: &Checkpoint, req: &PoolRequest) -> anyhow::Result<Capacity> {
-    let slots = req.max_seqs.unwrap_or(4);
-    anyhow::ensure!(slots >= 1, "--max-seqs must be at least 1");
-    let block_bytes = compiled::KV_BYTES_PER_TOKEN.max(1) * KV_BLOCK as u64;
-    let per_seq = req.max_context.div_ceil(KV_BLOCK);
     let weights = check_host_memory(ck)?;
-    let states = slots as u64 * gdn_slot_bytes();
-    let avail = available_memory();
-    let blocks = match req.kv_budget {
-        Some(b) => {
-            let n = (b / block_bytes) as usize;
-            anyhow::ensure!(
-                n >= per_seq,
-                "--kv-budget {b} bytes holds {} tokens of K/V, less than one sequence of --max-context {} tokens. \
-                 Fix: raise --kv-budget to at least {} bytes or lower --max-context",
-                n * KV_BLOCK,
-                req.max_context,
-                per_seq as u64 * block_bytes
-            );
-            n
-        }
-        None => {
-            let all = slots * per_seq;
-            match avail {
-                Some(a) => {
-                    let left = a.saturating_sub(weights + states) / 2;
-                    all.min(((left / block_bytes) as usize).max(per_seq))
-                }
-                None => all,
-            }
-        }
-    };
-    let need = weights + states + blocks as u64 * block_bytes;
-    if let Some(a) = avail {
-        anyhow::ensure!(
-            need <= a,
-            "not enough memory: weights, {slots} recurrent states and {} K/V tokens need {:.2} GiB, {:.2} GiB is available. \
-             Fix: lower --max-seqs, --kv-budget or --max-context",
-            blocks * KV_BLOCK,
-            need as f64 / (1u64 << 30) as f64,
-            a as f64 / (1u64 << 30) as f64
-        );
-    }
-    Ok(Capacity { slots, blocks })
+    let sizes = PoolSizes { weights, kv_per_token: compiled::KV_BYTES_PER_TOKEN, slot: gdn_slot_bytes() };
+    plan_pools(&sizes, req, available_memory())
 }
 
 /// The longest sequence one request may have: `--max-context` (default: the model's window).

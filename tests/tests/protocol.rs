@@ -3,7 +3,10 @@
 
 use std::io::{Cursor, Read};
 
-use ornith_runtime::engine::{Generator, SamplingParams};
+use std::sync::{Arc, Mutex};
+
+use ornith_runtime::engine::{Capacity, Engine, EngineConfig, Runner, SamplingParams};
+use ornith_runtime::graph::{Batch, RowSample, KV_BLOCK};
 use ornith_runtime::protocol::{self, GenerationDefaults, PromptRenderer, ServeOptions, TextCodec, TokenStream};
 use serde_json::{json, Map, Value};
 
@@ -120,60 +123,78 @@ impl PromptRenderer for ChatMl {
 }
 
 /// Replays the tokens after the last `SAY:` of the prompt (up to `<|im_end|>`), then
-/// `<|im_end|>`, then `x` forever. `SAY:FAIL` fails prefill, `SAY:PANIC` panics.
-struct ScriptGen {
+/// `<|im_end|>`, then `x` forever, for each sequence of a batch from its own slot.
+/// `SAY:FAIL` fails the step, `SAY:PANIC` panics in it.
+struct ScriptRunner {
     ctx: usize,
-    script: Vec<u32>,
-    pos: usize,
-    held: usize,
-    calls: Vec<SamplingParams>,
+    slots: usize,
+    /// Per slot: the tokens fed so far, and the script with its read position once sampling began.
+    fed: Vec<Vec<u32>>,
+    script: Vec<Option<(Vec<u32>, usize)>>,
+    calls: Arc<Mutex<Vec<SamplingParams>>>,
 }
 
-impl ScriptGen {
-    fn new(ctx: usize) -> Self {
-        ScriptGen { ctx, script: Vec::new(), pos: 0, held: 0, calls: Vec::new() }
-    }
-    fn next(&mut self) -> u32 {
-        let t = self.script.get(self.pos).copied().unwrap_or(b'x' as u32);
-        self.pos += 1;
-        t
+impl ScriptRunner {
+    fn new(ctx: usize, slots: usize) -> Self {
+        ScriptRunner {
+            ctx,
+            slots,
+            fed: vec![Vec::new(); slots],
+            script: vec![None; slots],
+            calls: Arc::new(Mutex::new(Vec::new())),
+        }
     }
 }
 
-impl Generator for ScriptGen {
-    fn max_context(&self) -> usize {
+impl Runner for ScriptRunner {
+    fn capacity(&self) -> Capacity {
+        Capacity { slots: self.slots, blocks: self.slots * self.ctx.div_ceil(KV_BLOCK) }
+    }
+    fn window(&self) -> usize {
         self.ctx
     }
     fn vocab_size(&self) -> usize {
         259
     }
-    fn limit_vocab(&mut self, n: usize) -> anyhow::Result<()> {
-        anyhow::ensure!(n > 0 && n <= 259, "limit_vocab({n})");
+    fn clear_slot(&mut self, slot: usize) -> anyhow::Result<()> {
+        self.fed[slot].clear();
+        self.script[slot] = None;
         Ok(())
     }
-    fn prefill(&mut self, prompt: &[u32], params: &SamplingParams) -> anyhow::Result<u32> {
-        assert!(!prompt.is_empty() && prompt.len() < self.ctx, "front end sent a bad prompt");
-        self.calls.push(*params);
+    fn run(&mut self, batch: &Batch, n: usize, rows: &[RowSample]) -> anyhow::Result<Vec<u32>> {
+        assert!(n > 0 && n <= 259, "sampling {n} ids");
+        batch.validate(self.slots, self.capacity().blocks, self.ctx).expect("the engine sent a bad batch");
         let marker: Vec<u32> = b"SAY:".iter().map(|&b| b as u32).collect();
-        let start = prompt.windows(4).rposition(|w| w == marker.as_slice()).map_or(prompt.len(), |i| i + 4);
-        let mut script: Vec<u32> = prompt[start..].iter().copied().take_while(|&t| t != IM_END).collect();
-        let text: Vec<u8> = script.iter().filter(|&&t| t < 256).map(|&t| t as u8).collect();
-        if text == b"FAIL" {
-            anyhow::bail!("simulated device failure");
+        let mut r0 = 0;
+        for s in &batch.seqs {
+            let fed = &mut self.fed[s.slot];
+            assert_eq!(fed.len(), s.pos, "the engine skipped or repeated positions");
+            fed.extend_from_slice(&batch.ids[r0..r0 + s.len]);
+            r0 += s.len;
         }
-        if text == b"PANIC" {
-            panic!("simulated bug");
+        let mut out = Vec::new();
+        for r in rows {
+            let slot = batch.seqs[r.row].slot;
+            if self.script[slot].is_none() {
+                let prompt = &self.fed[slot];
+                self.calls.lock().unwrap().push(r.params);
+                let start = prompt.windows(4).rposition(|w| w == marker.as_slice()).map_or(prompt.len(), |i| i + 4);
+                let mut script: Vec<u32> = prompt[start..].iter().copied().take_while(|&t| t != IM_END).collect();
+                let text: Vec<u8> = script.iter().filter(|&&t| t < 256).map(|&t| t as u8).collect();
+                if text == b"FAIL" {
+                    anyhow::bail!("simulated device failure");
+                }
+                if text == b"PANIC" {
+                    panic!("simulated bug");
+                }
+                script.push(IM_END);
+                self.script[slot] = Some((script, 0));
+            }
+            let (script, at) = self.script[slot].as_mut().unwrap();
+            out.push(script.get(*at).copied().unwrap_or(b'x' as u32));
+            *at += 1;
         }
-        script.push(IM_END);
-        self.script = script;
-        self.pos = 0;
-        self.held = prompt.len();
-        Ok(self.next())
-    }
-    fn decode(&mut self, _token: u32, _params: &SamplingParams) -> anyhow::Result<u32> {
-        self.held += 1;
-        assert!(self.held < self.ctx, "front end decoded past the context window");
-        Ok(self.next())
+        Ok(out)
     }
 }
 
@@ -188,20 +209,34 @@ fn opts() -> ServeOptions {
     let mut o = ServeOptions::new("ornith-test", defaults);
     o.run_id = 0xabc;
     o.quiet = true;
+    // Results in input order, so that the tests can index them by line.
+    o.ordered = true;
     o
 }
 
-/// Runs `input` and returns the output lines parsed.
-fn run_with(input: impl Read, o: &ServeOptions, ctx: usize) -> (Vec<Value>, ScriptGen) {
-    let mut gen = ScriptGen::new(ctx);
+/// Runs `input` on an engine of one sequence at a time (so that a failing step fails only its
+/// own request, as the fixture's expectations assume) and returns the output lines parsed.
+fn run_with(input: impl Read + Send + 'static, o: &ServeOptions, ctx: usize) -> (Vec<Value>, Calls) {
+    run_slots(input, o, ctx, 1)
+}
+
+type Calls = Vec<SamplingParams>;
+
+/// Same with `slots` sequences at once.
+fn run_slots(input: impl Read + Send + 'static, o: &ServeOptions, ctx: usize, slots: usize) -> (Vec<Value>, Calls) {
+    let runner = ScriptRunner::new(ctx, slots);
+    let calls = runner.calls.clone();
+    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: ctx, sample_vocab: 259 };
+    let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let mut out = Vec::new();
-    protocol::serve(std::io::BufReader::new(input), &mut out, &mut gen, &ByteCodec, &ChatMl, o).unwrap();
+    protocol::serve(std::io::BufReader::new(input), &mut out, engine, &ByteCodec, &ChatMl, o).unwrap();
     let text = String::from_utf8(out).unwrap();
     let lines = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("stdout line is not JSON ({e}): {l}")))
         .collect();
-    (lines, gen)
+    let calls = calls.lock().unwrap().clone();
+    (lines, calls)
 }
 
 fn is_result(v: &Value) -> bool {
@@ -450,9 +485,9 @@ fn fixture_every_line_answered_in_order_with_the_right_shape() {
     assert_eq!(body(by_line(39))["choices"][0]["text"], "still alive");
 
     // Sampling defaults from the generation config reach the generator; seeds differ by line.
-    let p0 = gen.calls[0];
+    let p0 = gen[0];
     assert_eq!((p0.temperature, p0.top_k, p0.top_p, p0.min_p), (1.0, 20, 0.95, 0.0));
-    assert_ne!(gen.calls[0].seed, gen.calls[1].seed);
+    assert_ne!(gen[0].seed, gen[1].seed);
 }
 
 /// A misspelt field is reported in the result body's `warnings` and the request still runs
@@ -480,11 +515,11 @@ fn explicit_sampling_parameters_reach_the_generator() {
     let line = r#"{"messages": [{"role": "user", "content": "SAY:a"}], "temperature": 0.5, "top_k": 7, "top_p": 0.8, "min_p": 0.05, "seed": 42}"#;
     let (lines, gen) = run_with(Cursor::new(format!("{line}\n{line}\n")), &opts(), 512);
     assert_eq!(lines.len(), 2);
-    assert_eq!(gen.calls[0], SamplingParams { temperature: 0.5, top_k: 7, top_p: 0.8, min_p: 0.05, seed: 42 });
-    assert_eq!(gen.calls[0], gen.calls[1]);
+    assert_eq!(gen[0], SamplingParams { temperature: 0.5, top_k: 7, top_p: 0.8, min_p: 0.05, seed: 42 });
+    assert_eq!(gen[0], gen[1]);
     // temperature 0 → greedy.
     let (_, gen) = run_with(Cursor::new(r#"{"prompt": "SAY:a", "temperature": 0}"#), &opts(), 512);
-    assert_eq!(gen.calls[0].temperature, 0.0);
+    assert_eq!(gen[0].temperature, 0.0);
 }
 
 #[test]
@@ -500,29 +535,46 @@ fn max_tokens_absent_runs_to_the_end_of_the_window() {
 
 #[test]
 fn ordered_mode_gives_the_same_lines_in_input_order() {
+    // Four sequences at once. The simulated step failures are left out: a failed step fails
+    // every sequence it carried, and which ones share a step depends on timing.
+    let input: String =
+        FIXTURE.lines().filter(|l| !l.contains("FAIL") && !l.contains("PANIC")).map(|l| format!("{l}\n")).collect();
     let mut o = opts();
-    o.ordered = true;
-    let (a, _) = run_with(Cursor::new(FIXTURE), &o, 1024);
+    let (a, _) = run_slots(Cursor::new(input.clone()), &o, 1024, 4);
     o.ordered = false;
-    let (b, _) = run_with(Cursor::new(FIXTURE), &o, 1024);
-    // With one sequential engine both orders coincide (timings aside).
-    let strip = |v: &Vec<Value>| -> Vec<Value> {
-        v.iter()
-            .map(|l| {
-                let mut l = l.clone();
-                if let Some(b) = l.get_mut("response").and_then(|r| r.get_mut("body")).and_then(|b| b.as_object_mut()) {
-                    for k in ["ttft_ms", "prefill_tok_s", "decode_tok_s", "created"] {
-                        b.remove(k);
-                    }
-                }
-                if let Some(o) = l.as_object_mut() {
-                    o.remove("created");
-                }
-                l
-            })
-            .collect()
+    let (b, _) = run_slots(Cursor::new(input), &o, 1024, 4);
+    let strip = |l: &Value| -> Value {
+        let mut l = l.clone();
+        if let Some(b) = l.get_mut("response").and_then(|r| r.get_mut("body")).and_then(|b| b.as_object_mut()) {
+            for k in ["ttft_ms", "prefill_tok_s", "decode_tok_s", "created"] {
+                b.remove(k);
+            }
+        }
+        if let Some(o) = l.as_object_mut() {
+            o.remove("created");
+        }
+        l
     };
-    assert_eq!(strip(&a), strip(&b));
+    // Ordered: result lines in input order, each request's chunks right before its result.
+    let (res, _) = results(&a);
+    let order: Vec<u64> = res.iter().map(line_of).collect();
+    assert_eq!(order, (1..=res.len() as u64).collect::<Vec<_>>());
+    // Unordered: the same lines per request, in the same order within a request.
+    let by_id = |v: &Vec<Value>| -> std::collections::BTreeMap<u64, Vec<Value>> {
+        let mut m = std::collections::BTreeMap::<u64, Vec<Value>>::new();
+        for l in v {
+            m.entry(line_of(l)).or_default().push(strip(l));
+        }
+        m
+    };
+    assert_eq!(a.len(), b.len());
+    assert!(by_id(&a) == by_id(&b), "ordered and unordered runs differ per request");
+}
+
+/// The input line a result or chunk line belongs to (its `id` ends in the line number:
+/// `batch_req_<run>_<line>`, `chatcmpl-<run>-<line>`).
+fn line_of(r: &Value) -> u64 {
+    r["id"].as_str().unwrap().rsplit(['_', '-']).next().unwrap().parse().unwrap()
 }
 
 /// A reader of a 100 MB line without holding it in memory.

@@ -2,7 +2,9 @@
 //! (bf16 and E4M3 kept as stored; scales and small vectors widened to f32).
 
 use super::{CpuBackend, CpuExperts, CpuLinear};
+use crate::engine::{Capacity, PoolRequest};
 use crate::graph::Prec;
+use crate::graph::KV_BLOCK;
 use crate::weights::{to_bf16, to_f32, Checkpoint};
 use anyhow::Result;
 use half::bf16;
@@ -123,4 +125,91 @@ pub fn check_host_memory(ck: &Checkpoint) -> Result<u64> {
         );
     }
     Ok(need)
+}
+
+/// What the CPU pools are made of, in bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolSizes {
+    pub weights: u64,
+    /// K/V bytes of one position over every attention layer.
+    pub kv_per_token: u64,
+    /// Recurrent state of one sequence over every Gated DeltaNet layer.
+    pub slot: u64,
+}
+
+/// The CPU backend's pools: `--max-seqs` (default 4: the CPU is compute-bound, more sequences
+/// at once buy little), K/V blocks from `--kv-budget` (default: every sequence at full context,
+/// capped by half the memory left after weights and states, but always one full sequence), and
+/// the total checked against `avail` (the host's available memory, when known).
+pub fn plan_pools(z: &PoolSizes, req: &PoolRequest, avail: Option<u64>) -> Result<Capacity> {
+    let slots = req.max_seqs.unwrap_or(4);
+    anyhow::ensure!(slots >= 1, "--max-seqs must be at least 1");
+    let block_bytes = z.kv_per_token.max(1) * KV_BLOCK as u64;
+    let per_seq = req.max_context.div_ceil(KV_BLOCK);
+    let states = slots as u64 * z.slot;
+    let blocks = match req.kv_budget {
+        Some(b) => {
+            let n = (b / block_bytes) as usize;
+            anyhow::ensure!(
+                n >= per_seq,
+                "--kv-budget {b} bytes holds {} tokens of K/V, less than one sequence of --max-context {} tokens. \
+                 Fix: raise --kv-budget to at least {} bytes or lower --max-context",
+                n * KV_BLOCK,
+                req.max_context,
+                per_seq as u64 * block_bytes
+            );
+            n
+        }
+        None => {
+            let all = slots * per_seq;
+            match avail {
+                Some(a) => all.min(((a.saturating_sub(z.weights + states) / 2 / block_bytes) as usize).max(per_seq)),
+                None => all,
+            }
+        }
+    };
+    let need = z.weights + states + blocks as u64 * block_bytes;
+    if let Some(a) = avail {
+        let gib = |x: u64| x as f64 / (1u64 << 30) as f64;
+        anyhow::ensure!(
+            need <= a,
+            "not enough memory: weights, {slots} recurrent states and {} K/V tokens need {:.2} GiB, {:.2} GiB is available. \
+             Fix: lower --max-seqs, --kv-budget or --max-context",
+            blocks * KV_BLOCK,
+            gib(need),
+            gib(a)
+        );
+    }
+    Ok(Capacity { slots, blocks })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const Z: PoolSizes = PoolSizes { weights: 1 << 30, kv_per_token: 1024, slot: 64 << 20 };
+    const MIB: u64 = 1 << 20;
+
+    fn req(max_seqs: Option<usize>, kv_budget: Option<u64>, max_context: usize) -> PoolRequest {
+        PoolRequest { max_seqs, kv_budget, max_context }
+    }
+
+    #[test]
+    fn the_cpu_plan_admits_and_refuses_as_stated() {
+        // Defaults: 4 slots, every sequence at full context when memory is plentiful.
+        let c = plan_pools(&Z, &req(None, None, 4096), Some(64 << 30)).unwrap();
+        assert_eq!(c, Capacity { slots: 4, blocks: 4 * 16 });
+        // Tight memory caps the default pool, but never below one full sequence.
+        let c = plan_pools(&Z, &req(Some(2), None, 4096), Some((1 << 30) + 128 * MIB + 8 * MIB)).unwrap();
+        assert_eq!(c.blocks, 16);
+        // An explicit budget is exact; one that cannot hold a full sequence is refused.
+        let c = plan_pools(&Z, &req(Some(1), Some(64 * 256 * 1024), 4096), None).unwrap();
+        assert_eq!(c, Capacity { slots: 1, blocks: 64 });
+        let e = plan_pools(&Z, &req(Some(1), Some(256 * 1024), 4096), None).unwrap_err().to_string();
+        assert!(e.contains("--kv-budget") && e.contains("less than one sequence"), "{e}");
+        // More than the host has is refused before anything is allocated, naming the flags.
+        let e = plan_pools(&Z, &req(Some(64), None, 4096), Some(2 << 30)).unwrap_err().to_string();
+        assert!(e.contains("not enough memory") && e.contains("--max-seqs"), "{e}");
+        assert!(plan_pools(&Z, &req(Some(0), None, 4096), None).is_err());
+    }
 }

@@ -4,7 +4,7 @@
 
 mod load;
 
-pub use load::{available_memory, check_host_memory};
+pub use load::{available_memory, check_host_memory, plan_pools, PoolSizes};
 
 use crate::cpu::{self, attention, conv, gdn, linear::LinearWeight, moe, norm};
 use crate::graph::*;

@@ -50,8 +50,9 @@ pub enum EventKind {
     Token(u32),
     /// The sequence ended; its memory is free.
     Finished(Finish),
-    /// The step that carried the sequence failed; the sequence is gone and its memory free.
-    Error(String),
+    /// The request was refused, or the step that carried it failed (`engine_error`) or panicked
+    /// (`internal_error`); the sequence is gone and its memory free.
+    Error { code: &'static str, message: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -241,7 +242,7 @@ impl Engine {
             let blocks = self.blocks.take(need).expect("the blocks are free");
             let s = Seq { id, req, slot, blocks, pos: 0, last: None, n_out: 0 };
             if let Err(e) = self.runner.clear_slot(slot) {
-                events.push(Event { id, kind: EventKind::Error(format!("{e:#}")) });
+                events.push(Event { id, kind: EventKind::Error { code: "engine_error", message: format!("{e:#}") } });
                 self.stats.failed += 1;
                 self.release(s);
                 continue;
@@ -301,14 +302,19 @@ impl Engine {
         let n = self.cfg.sample_vocab;
         let out = match catch_unwind(AssertUnwindSafe(|| self.runner.run(&batch, n, &rows))) {
             Ok(Ok(v)) if v.len() == rows.len() => Ok(v),
-            Ok(Ok(v)) => Err(format!("the backend sampled {} tokens for {} rows", v.len(), rows.len())),
-            Ok(Err(e)) => Err(format!("{e:#}")),
-            Err(p) => Err(format!(
-                "internal error: {}",
-                p.downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| p.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "panic".into())
+            Ok(Ok(v)) => {
+                Err(("engine_error", format!("the backend sampled {} tokens for {} rows", v.len(), rows.len())))
+            }
+            Ok(Err(e)) => Err(("engine_error", format!("{e:#}"))),
+            Err(p) => Err((
+                "internal_error",
+                format!(
+                    "the engine panicked: {}",
+                    p.downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| p.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "no message".into())
+                ),
             )),
         };
         self.stats.busy += t0.elapsed();
@@ -317,9 +323,10 @@ impl Engine {
         self.stats.prefill_rows += (used - decode_rows) as u64;
         let mut done = vec![false; self.running.len()];
         match out {
-            Err(msg) => {
+            Err((code, message)) => {
                 for &(i, _, _) in &members {
-                    events.push(Event { id: self.running[i].id, kind: EventKind::Error(msg.clone()) });
+                    let kind = EventKind::Error { code, message: message.clone() };
+                    events.push(Event { id: self.running[i].id, kind });
                     done[i] = true;
                     self.stats.failed += 1;
                 }
@@ -376,8 +383,8 @@ pub fn drain(engine: &mut Engine) -> (HashMap<u64, Vec<u32>>, HashMap<u64, Strin
         for e in engine.step() {
             match e.kind {
                 EventKind::Token(t) => toks.entry(e.id).or_insert_with(Vec::new).push(t),
-                EventKind::Error(m) => {
-                    errs.insert(e.id, m);
+                EventKind::Error { message, .. } => {
+                    errs.insert(e.id, message);
                 }
                 EventKind::Finished(_) => {}
             }

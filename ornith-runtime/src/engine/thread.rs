@@ -23,7 +23,7 @@ pub struct EngineClient {
 
 impl EngineClient {
     /// Queues `req`; returns the id its events carry. A refused request gets one
-    /// `EventKind::Error` event whose message starts with its error code and a colon.
+    /// `EventKind::Error` event with the refusal's code.
     pub fn submit(&self, req: GenRequest) -> u64 {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         // A send fails only when the engine thread is gone; its sink has then been dropped
@@ -43,7 +43,10 @@ pub struct EngineThread {
 
 impl EngineThread {
     /// Runs `engine` until every client is dropped and no work is left, or `sink` returns false.
-    pub fn spawn(mut engine: Engine, mut sink: impl FnMut(Event) -> bool + Send + 'static) -> (EngineThread, EngineClient) {
+    pub fn spawn(
+        mut engine: Engine,
+        mut sink: impl FnMut(Event) -> bool + Send + 'static,
+    ) -> (EngineThread, EngineClient) {
         let (tx, rx): (Sender<Cmd>, Receiver<Cmd>) = channel();
         let join = std::thread::Builder::new()
             .name("ornith-engine".into())
@@ -53,7 +56,7 @@ impl EngineThread {
                     match c {
                         Cmd::Submit(id, req) => match engine.submit(id, req) {
                             Ok(()) => true,
-                            Err(e) => sink(Event { id, kind: EventKind::Error(format!("{}: {}", e.code, e.message)) }),
+                            Err(e) => sink(Event { id, kind: EventKind::Error { code: e.code, message: e.message } }),
                         },
                         Cmd::Cancel(id) => {
                             engine.cancel(id);

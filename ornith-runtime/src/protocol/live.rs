@@ -362,7 +362,8 @@ impl<'a> Live<'a> {
         let rate = |n: f64, s: f64| if s > 0.0 && n > 0.0 { json!((n / s * 10.0).round() / 10.0) } else { Value::Null };
         let ttft_ms = ((first - self.started).as_secs_f64() * 1e4).round() / 10.0;
         let (n_prompt, n_out) = (self.n_prompt, self.n_out);
-        let usage = json!({"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt as u64 + n_out});
+        let usage =
+            json!({"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt as u64 + n_out});
         let c = &self.chunker;
         let choice = if chat {
             json!({"index": 0, "message": message, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason})

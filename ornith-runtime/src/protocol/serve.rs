@@ -261,7 +261,18 @@ pub fn serve<R: BufRead + Send + 'static, W: Write>(
                     let eos = &opts.defaults.eos_token_ids;
                     let begun = catch_unwind(AssertUnwindSafe(|| {
                         let name = &opts.model_name;
-                        Live::start(req, line_no, cid.as_deref(), codec, renderer, &limits, eos, name, opts.run_id, started)
+                        Live::start(
+                            req,
+                            line_no,
+                            cid.as_deref(),
+                            codec,
+                            renderer,
+                            &limits,
+                            eos,
+                            name,
+                            opts.run_id,
+                            started,
+                        )
                     }))
                     .unwrap_or_else(|_| Err(panicked()));
                     match begun {
@@ -279,7 +290,9 @@ pub fn serve<R: BufRead + Send + 'static, W: Write>(
                     let Some(o) = open.get_mut(&e.id) else { continue };
                     let done: Option<Result<(), LineError>> = match e.kind {
                         EventKind::Token(t) => {
-                            match catch_unwind(AssertUnwindSafe(|| o.live.on_token(t))).unwrap_or_else(|_| Err(panicked())) {
+                            match catch_unwind(AssertUnwindSafe(|| o.live.on_token(t)))
+                                .unwrap_or_else(|_| Err(panicked()))
+                            {
                                 Ok(true) => Some(Ok(())),
                                 Ok(false) => None,
                                 Err(e) => Some(Err(e)),
@@ -288,7 +301,7 @@ pub fn serve<R: BufRead + Send + 'static, W: Write>(
                         // The engine ends a sequence on the same token the front end does; a
                         // finish the front end has not seen still answers the request.
                         EventKind::Finished(_) => Some(Ok(())),
-                        EventKind::Error(m) => Some(Err(engine_error(&m))),
+                        EventKind::Error { code, message } => Some(Err(LineError::new(code, message))),
                     };
                     for c in o.live.take_chunks() {
                         out.chunk(o.line, c)?;
@@ -342,16 +355,6 @@ fn panicked() -> LineError {
 
 fn engine_stopped() -> LineError {
     LineError::new("internal_error", "the engine thread stopped; see stderr")
-}
-
-/// An engine error event: a refusal at submission carries its code (`code: message`).
-fn engine_error(m: &str) -> LineError {
-    for code in ["context_length_exceeded", "invalid_request"] {
-        if let Some(rest) = m.strip_prefix(code).and_then(|r| r.strip_prefix(": ")) {
-            return LineError::new(code, rest);
-        }
-    }
-    LineError::new("engine_error", m)
 }
 
 /// What answering a line needs.

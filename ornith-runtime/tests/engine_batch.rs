@@ -1,0 +1,235 @@
+//! Many sequences at once on the CPU backend (the tiny default model in CI): a request's tokens
+//! and logits do not depend on what else runs or when it arrived; admission, cancel and the pools
+//! behave as the engine documents.
+
+use ornith_runtime::backend_cpu::CpuBackend;
+use ornith_runtime::engine::{
+    drain, Engine, EngineConfig, EventKind, Finish, GenRequest, Runner, SamplingParams, PREFILL_CHUNK,
+};
+use ornith_runtime::graph::{Backend, Batch, SeqRows, KV_BLOCK};
+use ornith_runtime::weights::Checkpoint;
+use std::collections::HashMap;
+
+mod compiled {
+    ornith_macros::model!();
+}
+
+fn checkpoint() -> Checkpoint {
+    Checkpoint::open(std::path::Path::new(compiled::MODEL_DIR), compiled::FINGERPRINT).expect("the tiny checkpoint")
+}
+
+fn runner(slots: usize, blocks: usize) -> compiled::Compiled<CpuBackend> {
+    compiled::Compiled::load(CpuBackend::new(), &checkpoint(), slots, blocks).unwrap()
+}
+
+/// `n` pseudo-random ids (a fixed stream per `salt`).
+fn prompt(n: usize, salt: u64) -> Vec<u32> {
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ salt.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 33) % 5000) as u32
+        })
+        .collect()
+}
+
+const CTX: usize = 4096;
+
+fn engine(slots: usize, blocks: usize, max_batch_tokens: usize) -> Engine {
+    let r = runner(slots, blocks);
+    let cfg = EngineConfig { max_batch_tokens, max_context: CTX, sample_vocab: compiled::DIMS.vocab_size };
+    Engine::new(Box::new(r), cfg).unwrap()
+}
+
+fn sampled(seed: u64) -> SamplingParams {
+    SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.95, min_p: 0.0, seed }
+}
+
+/// Mixed lengths (one prompt spans two prefill chunks), greedy and seeded sampling.
+fn requests() -> Vec<GenRequest> {
+    let lens = [5, 300, 1, 2500, 17, 64, 129, 8];
+    lens.iter()
+        .enumerate()
+        .map(|(i, &n)| GenRequest {
+            prompt: prompt(n, i as u64),
+            max_tokens: 6 + (i as u64 % 3) * 5,
+            params: if i % 2 == 0 { SamplingParams::greedy() } else { sampled(1000 + i as u64) },
+            stop_ids: Vec::new(),
+        })
+        .collect()
+}
+
+#[test]
+fn every_request_gives_the_tokens_it_gives_alone_with_staggered_arrivals() {
+    let reqs = requests();
+    // Alone: one sequence at a time.
+    let mut alone = HashMap::new();
+    for (i, r) in reqs.iter().enumerate() {
+        let mut e = engine(1, CTX / KV_BLOCK, 2048);
+        e.submit(i as u64, r.clone()).unwrap();
+        let (toks, errs) = drain(&mut e);
+        assert!(errs.is_empty(), "{errs:?}");
+        alone.insert(i as u64, toks[&(i as u64)].clone());
+    }
+    // Together: 4 slots, a small step budget, arrivals spread over the first steps.
+    let mut e = engine(4, 4 * CTX / KV_BLOCK, 96);
+    let mut toks: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut next = 0;
+    let mut steps = 0;
+    while next < reqs.len() || e.has_work() {
+        if next < reqs.len() && steps % 3 == 0 {
+            e.submit(next as u64, reqs[next].clone()).unwrap();
+            next += 1;
+        }
+        for ev in e.step() {
+            match ev.kind {
+                EventKind::Token(t) => toks.entry(ev.id).or_default().push(t),
+                EventKind::Error { message, .. } => panic!("request {}: {message}", ev.id),
+                EventKind::Finished(_) => {}
+            }
+        }
+        steps += 1;
+    }
+    for (i, r) in reqs.iter().enumerate() {
+        let got = &toks[&(i as u64)];
+        assert_eq!(got.len() as u64, r.max_tokens);
+        assert_eq!(got, &alone[&(i as u64)], "request {i} (prompt {}) differs in a batch", r.prompt.len());
+    }
+    assert!(e.stats().peak_running >= 3, "the requests did overlap: {:?}", e.stats());
+    assert_eq!(e.pool_usage(), (4, 4, 4 * CTX / KV_BLOCK, 4 * CTX / KV_BLOCK), "every slot and block came back");
+}
+
+/// Logits, not only tokens: decode rows of three sequences in one step equal each sequence's
+/// own decode step bit for bit, and so does a step mixing decode rows with a prefill chunk.
+#[test]
+fn logits_in_a_batch_are_bit_identical_to_logits_alone() {
+    let b = CpuBackend::new();
+    let r = runner(4, 64);
+    let (m, mut pools) = (r.model, r.pools);
+    let prompts = [prompt(7, 1), prompt(40, 2), prompt(3, 3)];
+    let tables: Vec<Vec<u32>> = (0..3).map(|i| (0..16).map(|j| (j * 4 + i) as u32).collect()).collect();
+    let mut alone = Vec::new();
+    for p in &prompts {
+        let mut st = compiled::Model::new_state(&b, CTX).unwrap();
+        m.prefill(&b, &mut st, p, false, &mut |_, _| {}).unwrap();
+        let l = b.logits_to_host(&m.decode_step(&b, &mut st, 42).unwrap()).unwrap();
+        alone.push(l);
+    }
+    for (i, p) in prompts.iter().enumerate() {
+        pools.clear_slot(&b, i).unwrap();
+        let batch = Batch::single(p, i, 0, tables[i].clone(), false);
+        m.forward(&b, &mut pools, &batch, &mut |_, _| {}).unwrap();
+    }
+    // Sequence 3 (slot 3) prefills in the same step as the decode rows of the other three.
+    pools.clear_slot(&b, 3).unwrap();
+    let extra = prompt(11, 4);
+    let mut batch = Batch::default();
+    for (i, p) in prompts.iter().enumerate() {
+        batch.ids.push(42);
+        batch.seqs.push(SeqRows { slot: i, pos: p.len(), len: 1, blocks: tables[i].clone() });
+    }
+    batch.ids.extend_from_slice(&extra);
+    batch.seqs.push(SeqRows { slot: 3, pos: 0, len: extra.len(), blocks: (48..64).collect() });
+    let l = b.logits_to_host(&m.forward(&b, &mut pools, &batch, &mut |_, _| {}).unwrap()).unwrap();
+    let v = compiled::DIMS.vocab_size;
+    assert_eq!(l.len(), 4 * v);
+    for (i, a) in alone.iter().enumerate() {
+        let row = &l[i * v..(i + 1) * v];
+        assert!(row.iter().zip(a).all(|(x, y)| x.to_bits() == y.to_bits()), "sequence {i}'s logits differ in a batch");
+    }
+    let mut st = compiled::Model::new_state(&b, CTX).unwrap();
+    let solo = b.logits_to_host(&m.prefill(&b, &mut st, &extra, false, &mut |_, _| {}).unwrap()).unwrap();
+    assert!(l[3 * v..].iter().zip(&solo).all(|(x, y)| x.to_bits() == y.to_bits()), "the prefill chunk differs");
+}
+
+#[test]
+fn a_short_request_after_a_long_one_finishes_first() {
+    let mut e = engine(2, 2 * CTX / KV_BLOCK, 2048);
+    let long = GenRequest {
+        prompt: prompt(PREFILL_CHUNK + 900, 9),
+        max_tokens: 4,
+        params: SamplingParams::greedy(),
+        stop_ids: vec![],
+    };
+    let short = GenRequest { prompt: prompt(6, 10), max_tokens: 2, params: SamplingParams::greedy(), stop_ids: vec![] };
+    e.submit(1, long).unwrap();
+    e.submit(2, short).unwrap();
+    let mut order = Vec::new();
+    while e.has_work() {
+        for ev in e.step() {
+            if let EventKind::Finished(f) = ev.kind {
+                assert_eq!(f, Finish::Length);
+                order.push(ev.id);
+            }
+        }
+    }
+    assert_eq!(order, [2, 1]);
+}
+
+#[test]
+fn admission_waits_for_memory_refuses_what_never_fits_and_cancel_frees() {
+    // Two slots, blocks for 1.5 full-context sequences.
+    let blocks = CTX / KV_BLOCK * 3 / 2;
+    let mut e = engine(2, blocks, 2048);
+    let req = |n: usize, max: u64| GenRequest {
+        prompt: prompt(n, n as u64),
+        max_tokens: max,
+        params: SamplingParams::greedy(),
+        stop_ids: vec![],
+    };
+    // Longer than the context: refused at once, nothing queued.
+    let err = e.submit(1, req(CTX, 1)).unwrap_err();
+    assert_eq!(err.code, "context_length_exceeded");
+    assert!(e.submit(1, req(0, 1)).is_err() && e.submit(1, req(3, 0)).is_err());
+    // A full-context request reserves most blocks; the next one waits until it is gone.
+    e.submit(1, req(10, (CTX - 10) as u64)).unwrap();
+    e.submit(2, req(10, (CTX - 10) as u64)).unwrap();
+    e.submit(3, req(10, 4)).unwrap();
+    e.step();
+    assert_eq!((e.running(), e.waiting()), (1, 2), "request 2 waits for blocks and 3 waits behind it (FIFO)");
+    assert!(e.submit(3, req(4, 4)).is_err(), "an id in use is refused");
+    // Cancelling the running one frees its slot and blocks: the others start.
+    assert!(e.cancel(1));
+    assert!(!e.cancel(1));
+    let (free_slots, _, free_blocks, _) = e.pool_usage();
+    assert_eq!((free_slots, free_blocks), (2, blocks));
+    e.step();
+    assert_eq!((e.running(), e.waiting()), (2, 0));
+    assert!(e.cancel(2) && e.cancel(3));
+    assert_eq!(e.pool_usage(), (2, 2, blocks, blocks));
+    assert_eq!(e.stats().cancelled, 3);
+}
+
+#[test]
+fn stop_ids_end_a_sequence_and_pools_never_leak_over_a_thousand_requests() {
+    let mut e = engine(8, 8 * 4, 512);
+    let mut stats_tokens = 0u64;
+    for i in 0..1000u64 {
+        let params = if i % 3 == 0 { SamplingParams::greedy() } else { sampled(i) };
+        let n = 1 + (i as usize * 7) % 40;
+        e.submit(i, GenRequest { prompt: prompt(n, i), max_tokens: 1 + i % 4, params, stop_ids: vec![] }).unwrap();
+        stats_tokens += 1 + i % 4;
+        if i % 50 == 49 {
+            let (toks, errs) = drain(&mut e);
+            assert!(errs.is_empty(), "{errs:?}");
+            assert_eq!(toks.len(), 50);
+        }
+    }
+    assert_eq!(e.stats().sampled, stats_tokens);
+    assert_eq!(e.stats().finished, 1000);
+    assert_eq!(e.pool_usage(), (8, 8, 32, 32), "every slot and block came back");
+    // A stop id ends the sequence on the token that is one.
+    let r = GenRequest { prompt: prompt(5, 77), max_tokens: 50, params: SamplingParams::greedy(), stop_ids: vec![] };
+    e.submit(5000, r.clone()).unwrap();
+    let first = drain(&mut e).0[&5000][0];
+    e.submit(5001, GenRequest { stop_ids: vec![first], ..r }).unwrap();
+    let (toks, _) = drain(&mut e);
+    assert_eq!(toks[&5001], [first]);
+}
+
+#[test]
+fn runner_reports_its_pools() {
+    let r = runner(3, 10);
+    assert_eq!(r.capacity(), ornith_runtime::engine::Capacity { slots: 3, blocks: 10 });
+    assert_eq!(r.window(), compiled::DIMS.max_position_embeddings);
+}
