@@ -142,10 +142,23 @@ fn plan_cpu_pools(ck: &Checkpoint, req: &PoolRequest) -> anyhow::Result<Capacity
     plan_pools(&sizes, req, available_memory())
 }
 
-/// The longest sequence one request may have: `--max-context` (default: the model's window).
+/// The longest sequence one request may have: `--max-context` (default: the model's window, or
+/// what `--kv-budget` holds when only that is given).
 pub fn context_for(args: &Args) -> anyhow::Result<usize> {
     let window = compiled::DIMS.max_position_embeddings;
-    let ctx = args.max_context.unwrap_or(window);
+    let ctx = match (args.max_context, args.kv_budget) {
+        (Some(c), _) => c,
+        (None, Some(budget)) => {
+            let block = compiled::KV_BYTES_PER_TOKEN.max(1) * KV_BLOCK as u64;
+            let blocks = budget / block;
+            anyhow::ensure!(
+                blocks >= 1,
+                "--kv-budget {budget} bytes holds no K/V block ({KV_BLOCK} tokens, {block} bytes). Fix: raise --kv-budget"
+            );
+            window.min((blocks as usize).saturating_mul(KV_BLOCK))
+        }
+        (None, None) => window,
+    };
     anyhow::ensure!(ctx >= 2, "--max-context must be at least 2 (a prompt token and an output token)");
     anyhow::ensure!(ctx <= window, "--max-context {ctx} exceeds the model's window of {window} tokens");
     Ok(ctx)

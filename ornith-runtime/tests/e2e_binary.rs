@@ -143,17 +143,26 @@ fn tokenize_counts_tokens() {
 
 #[test]
 fn kv_budget_caps_the_context() {
-    // The tiny model's K/V cache takes 256 bytes per token (1 attention layer, 2 kv heads × 32 × bf16 K+V).
-    let (lines, stderr) = run(
-        &["--backend", "cpu", "--kv-budget", "2560"],
-        br#"{"custom_id":"k","messages":[{"role":"user","content":"Hello there"}],"max_tokens":4}"#,
+    // The tiny model's K/V takes 256 bytes per token (1 attention layer, 2 kv heads × 32 × bf16 K+V),
+    // so a block of 256 positions is 64 KiB: a budget of two blocks holds 512 tokens.
+    let input = concat!(
+        r#"{"custom_id":"k","messages":[{"role":"user","content":"Hello there"}],"max_tokens":600}"#,
+        "\n",
+        r#"{"custom_id":"ok","messages":[{"role":"user","content":"Hello there"}],"max_tokens":4}"#,
+        "\n"
     );
-    assert!(stderr.contains("context 10 tokens"), "{stderr}");
-    assert_eq!(lines.len(), 1);
+    let (lines, stderr) = run(&["--backend", "cpu", "--kv-budget", "131072", "--ordered"], input.as_bytes());
+    assert!(stderr.contains("context 512 tokens"), "{stderr}");
+    assert_eq!(lines.len(), 2);
     assert_eq!(lines[0]["error"]["code"], "context_length_exceeded", "{}", lines[0]);
+    assert!(lines[1]["error"].is_null(), "{}", lines[1]);
+    // Less than one block is refused at startup, naming the flag.
+    let (ok, _, stderr) = run_raw(&["--backend", "cpu", "--kv-budget", "2560"], &[], b"");
+    assert!(!ok && stderr.contains("--kv-budget 2560 bytes holds no K/V block"), "{stderr}");
 }
 
 /// Whether this machine has the NVIDIA driver (the no-driver tests only mean something without).
+#[cfg(feature = "cuda")]
 fn driver_present() -> bool {
     // SAFETY: dlopen of libcuda; nothing is called in it.
     unsafe { cudarc::driver::sys::is_culib_present() }
@@ -162,6 +171,7 @@ fn driver_present() -> bool {
 const HELLO: &[u8] = br#"{"custom_id":"h","messages":[{"role":"user","content":"Hello"}],"max_tokens":2}"#;
 
 #[test]
+#[cfg(feature = "cuda")]
 fn auto_backend_without_a_driver_says_so_once_and_does_not_panic() {
     if driver_present() {
         eprintln!("skipped: this machine has an NVIDIA driver");
@@ -175,6 +185,7 @@ fn auto_backend_without_a_driver_says_so_once_and_does_not_panic() {
 }
 
 #[test]
+#[cfg(feature = "cuda")]
 fn cuda_backend_without_a_driver_is_one_clear_error() {
     if driver_present() {
         eprintln!("skipped: this machine has an NVIDIA driver");

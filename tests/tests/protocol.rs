@@ -132,6 +132,8 @@ struct ScriptRunner {
     fed: Vec<Vec<u32>>,
     script: Vec<Option<(Vec<u32>, usize)>>,
     calls: Arc<Mutex<Vec<SamplingParams>>>,
+    /// Time one step takes (0: as fast as it goes).
+    step_time: std::time::Duration,
 }
 
 impl ScriptRunner {
@@ -142,6 +144,7 @@ impl ScriptRunner {
             fed: vec![Vec::new(); slots],
             script: vec![None; slots],
             calls: Arc::new(Mutex::new(Vec::new())),
+            step_time: std::time::Duration::ZERO,
         }
     }
 }
@@ -163,6 +166,7 @@ impl Runner for ScriptRunner {
     }
     fn run(&mut self, batch: &Batch, n: usize, rows: &[RowSample]) -> anyhow::Result<Vec<u32>> {
         assert!(n > 0 && n <= 259, "sampling {n} ids");
+        std::thread::sleep(self.step_time);
         batch.validate(self.slots, self.capacity().blocks, self.ctx).expect("the engine sent a bad batch");
         let marker: Vec<u32> = b"SAY:".iter().map(|&b| b as u32).collect();
         let mut r0 = 0;
@@ -224,7 +228,19 @@ type Calls = Vec<SamplingParams>;
 
 /// Same with `slots` sequences at once.
 fn run_slots(input: impl Read + Send + 'static, o: &ServeOptions, ctx: usize, slots: usize) -> (Vec<Value>, Calls) {
-    let runner = ScriptRunner::new(ctx, slots);
+    run_timed(input, o, ctx, slots, std::time::Duration::ZERO)
+}
+
+/// Same with steps that take `step_time` each.
+fn run_timed(
+    input: impl Read + Send + 'static,
+    o: &ServeOptions,
+    ctx: usize,
+    slots: usize,
+    step_time: std::time::Duration,
+) -> (Vec<Value>, Calls) {
+    let mut runner = ScriptRunner::new(ctx, slots);
+    runner.step_time = step_time;
     let calls = runner.calls.clone();
     let cfg = EngineConfig { max_batch_tokens: 2048, max_context: ctx, sample_vocab: 259 };
     let engine = Engine::new(Box::new(runner), cfg).unwrap();
@@ -575,6 +591,58 @@ fn ordered_mode_gives_the_same_lines_in_input_order() {
 /// `batch_req_<run>_<line>`, `chatcmpl-<run>-<line>`).
 fn line_of(r: &Value) -> u64 {
     r["id"].as_str().unwrap().rsplit(['_', '-']).next().unwrap().parse().unwrap()
+}
+
+/// Requests run at once: a short one read after a long one is answered first, and both are
+/// answered in full.
+#[test]
+fn a_short_request_after_a_long_one_is_answered_first() {
+    let long = format!(r#"{{"custom_id": "long", "prompt": "SAY:{}"}}"#, "a".repeat(150));
+    let short = r#"{"custom_id": "short", "prompt": "SAY:hi"}"#;
+    let mut o = opts();
+    o.ordered = false;
+    let ms = std::time::Duration::from_millis(2);
+    let (lines, _) = run_timed(Cursor::new(format!("{long}\n{short}\n")), &o, 1024, 2, ms);
+    let (res, _) = results(&lines);
+    let ids: Vec<&str> = res.iter().map(|r| r["custom_id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["short", "long"]);
+    assert_eq!(body(&res[0])["choices"][0]["text"], "hi");
+    assert_eq!(body(&res[1])["choices"][0]["text"], "a".repeat(150));
+    // In input order the long one comes first, the short one held back until it is written.
+    o.ordered = true;
+    let (lines, _) = run_timed(Cursor::new(format!("{long}\n{short}\n")), &o, 1024, 2, ms);
+    let (res, _) = results(&lines);
+    let ids: Vec<&str> = res.iter().map(|r| r["custom_id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["long", "short"]);
+}
+
+/// Streamed requests running at once interleave their chunk lines, each carrying its
+/// `custom_id`; each request's deltas still concatenate to its message.
+#[test]
+fn chunk_lines_of_concurrent_streams_interleave_by_custom_id() {
+    let line = |id: &str, say: &str| {
+        format!(
+            r#"{{"custom_id": "{id}", "stream": true, "messages": [{{"role": "user", "content": "SAY:{say}"}}], "chat_template_kwargs": {{"enable_thinking": false}}}}"#
+        )
+    };
+    let input = format!("{}\n{}\n", line("s1", "one two three four five"), line("s2", "six seven eight nine ten"));
+    let mut o = opts();
+    o.ordered = false;
+    let (lines, _) = run_timed(Cursor::new(input), &o, 1024, 2, std::time::Duration::from_millis(2));
+    let chunks: Vec<&Value> = lines.iter().filter(|l| !is_result(l)).collect();
+    let owners: Vec<&str> = chunks.iter().map(|c| c["custom_id"].as_str().unwrap()).collect();
+    let switches = owners.windows(2).filter(|w| w[0] != w[1]).count();
+    assert!(switches >= 4, "the two streams did not interleave: {owners:?}");
+    for (id, want) in [("s1", "one two three four five"), ("s2", "six seven eight nine ten")] {
+        let text: String = chunks
+            .iter()
+            .filter(|c| c["custom_id"] == id)
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(text, want);
+        let r = lines.iter().find(|l| is_result(l) && l["custom_id"] == id).unwrap();
+        assert_eq!(msg(r)["content"], want);
+    }
 }
 
 /// A reader of a 100 MB line without holding it in memory.

@@ -361,15 +361,13 @@ impl Engine {
                 }
             }
         }
-        let mut i = 0;
         let old = std::mem::take(&mut self.running);
-        for s in old {
-            if done[i] {
+        for (s, done) in old.into_iter().zip(done) {
+            if done {
                 self.release(s);
             } else {
                 self.running.push(s);
             }
-            i += 1;
         }
         events
     }

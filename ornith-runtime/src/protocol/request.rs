@@ -54,6 +54,12 @@ pub const ERROR_CODES: &[(&str, &str)] = &[
 ];
 
 impl LineError {
+    /// An error event of the engine, whose code (a literal in `engine::core`, checked against
+    /// this list by the test below) is passed through.
+    pub fn from_engine(code: &'static str, message: String) -> Self {
+        debug_assert!(ERROR_CODES.iter().any(|(c, _)| *c == code), "error code {code:?} is not in ERROR_CODES");
+        LineError { code, message }
+    }
     pub fn new(code: &'static str, message: impl Into<String>) -> Self {
         debug_assert!(ERROR_CODES.iter().any(|(c, _)| *c == code), "error code {code:?} is not in ERROR_CODES");
         LineError { code, message: message.into() }
@@ -666,7 +672,12 @@ mod error_code_tests {
 
     #[test]
     fn error_codes_are_exactly_the_ones_the_sources_produce() {
-        let sources = [include_str!("request.rs"), include_str!("serve.rs"), include_str!("tokenize.rs")];
+        let sources = [
+            include_str!("request.rs"),
+            include_str!("serve.rs"),
+            include_str!("live.rs"),
+            include_str!("tokenize.rs"),
+        ];
         let mut used = BTreeSet::new();
         for src in sources {
             // Only this file's own code, not the table above or this test.
@@ -678,6 +689,13 @@ mod error_code_tests {
             }
             if src.contains("LineError::invalid(") {
                 used.insert("invalid_request".to_string());
+            }
+        }
+        // The engine's error events carry their code as `code: "…"` (passed through by serve.rs).
+        for src in [include_str!("../engine/core.rs"), include_str!("../engine/thread.rs")] {
+            for (i, _) in src.match_indices("code: \"") {
+                let lit = leading_literal(&src[i + "code: ".len()..]).expect("a code literal");
+                used.insert(lit.to_string());
             }
         }
         let listed: BTreeSet<String> = ERROR_CODES.iter().map(|(c, _)| c.to_string()).collect();

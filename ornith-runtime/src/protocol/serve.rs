@@ -301,7 +301,7 @@ pub fn serve<R: BufRead + Send + 'static, W: Write>(
                         // The engine ends a sequence on the same token the front end does; a
                         // finish the front end has not seen still answers the request.
                         EventKind::Finished(_) => Some(Ok(())),
-                        EventKind::Error { code, message } => Some(Err(LineError::new(code, message))),
+                        EventKind::Error { code, message } => Some(Err(LineError::from_engine(code, message))),
                     };
                     for c in o.live.take_chunks() {
                         out.chunk(o.line, c)?;
