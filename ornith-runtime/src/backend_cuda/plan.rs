@@ -209,7 +209,8 @@ pub fn size_pools(c: &PoolCosts, req: &PoolRequest, free: u64) -> Result<Capacit
          free GPU memory, or use --backend cpu.",
         g(one_seq), g(c.fixed), g(c.per_slot), g(sb as u64 * c.per_block), g(free)
     );
-    let blocks_of = |bytes: u64| if c.per_block == 0 { usize::MAX } else { (bytes / c.per_block) as usize };
+    // no attention layer: K/V blocks cost nothing
+    let blocks_of = |bytes: u64| bytes.checked_div(c.per_block).map_or(usize::MAX, |n| n as usize);
     if let Some(b) = req.kv_budget {
         let n = blocks_of(b);
         ensure!(
