@@ -318,7 +318,8 @@ fn run() -> Result<()> {
     let max_prompt = args.prompts.iter().copied().max().unwrap_or(512);
     // Room for the graph-decoded tokens (greedy, default sampling, top-p), as many with PDL, as
     // many eager ones, the profiled step and the ablation's steps.
-    let ctx = (max_prompt + 5 * args.gen + 16 + ABLATION_ROOM).min(d.max_position_embeddings);
+    let batch_ctx = if args.batch.is_empty() { 0 } else { args.batch_prompt + 2 * args.gen + 2 };
+    let ctx = (max_prompt + 5 * args.gen + 16 + ABLATION_ROOM).max(batch_ctx).min(d.max_position_embeddings);
     let n_vocab = ornith_runtime::tokenizer::Tokenizer::from_file(&dir.join("tokenizer.json"))?.vocab_size();
     anyhow::ensure!(n_vocab <= d.vocab_size, "the tokenizer has {n_vocab} ids, the lm_head {} rows", d.vocab_size);
     let gd = ornith_runtime::protocol::GenerationDefaults::from_model_dir(&dir)?;
