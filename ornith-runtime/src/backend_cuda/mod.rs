@@ -1293,3 +1293,36 @@ impl Backend for CudaBackend {
             .collect())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(lens: &[usize]) -> Batch {
+        let seqs: Vec<SeqRows> =
+            lens.iter().enumerate().map(|(i, &len)| SeqRows { slot: i, pos: 10, len, blocks: vec![0; 64] }).collect();
+        Batch { ids: vec![0; lens.iter().sum()], seqs, all_rows: false }
+    }
+
+    /// The leading one-row sequences form the decode group (one segment of GEMV rows); every
+    /// later sequence runs alone, in chunks of CHUNK (prefill kernels above 8 rows), a one-row
+    /// sequence after a prefill chunk included.
+    #[test]
+    fn decode_group_then_sequences_in_chunks() {
+        let b = batch(&[1, 1, 3000, 1, 5, 9]);
+        assert_eq!(group_rows(&b), 2);
+        assert_eq!(
+            segments(&b),
+            vec![
+                (0, 2, false),
+                (2, CHUNK, true),
+                (2 + CHUNK, 3000 - CHUNK, true),
+                (3002, 1, false),
+                (3003, 5, false),
+                (3008, 9, true)
+            ]
+        );
+        assert_eq!(group_rows(&batch(&[4, 1])), 0);
+        assert_eq!(segments(&batch(&[1; 13])), vec![(0, 13, false)]);
+    }
+}
