@@ -2,13 +2,20 @@
 // (flash-decoding) and the combine with the sigmoid output gate.
 #include "common.cuh"
 
+// Cache row of position `pos` through a block table (ORNITH_KV_BLOCK positions per block).
+__device__ __forceinline__ size_t kv_row(const int32_t *table, int pos) {
+    return (size_t)__ldg(table + pos / ORNITH_KV_BLOCK) * ORNITH_KV_BLOCK + (size_t)(pos % ORNITH_KV_BLOCK);
+}
+
 // grid (q_heads + kv_heads, tokens), block head_dim threads (head_dim <= 256, multiple of 32).
 extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const OrnithQkRopeParams p) {
     pdl_entry();
     __shared__ float xs[256];
     __shared__ float sh[32];
     const int hh = blockIdx.x, t = blockIdx.y, i = threadIdx.x, D = p.head_dim;
-    const int pos = (p.pos_dev ? *p.pos_dev : p.pos0) + t;
+    // per-row sequences: own position and block table; one sequence: pos0 + t through `table`
+    const int pos = p.pos_dev ? p.pos_dev[t] : p.pos0 + t;
+    const int32_t *table = p.table + (p.pos_dev ? (size_t)t * p.table_stride : 0);
     const bool is_q = hh < p.q_heads;
     const int kvh = hh - p.q_heads;
     const uint16_t *src = is_q ? p.qg + ((size_t)t * p.q_heads + hh) * 2 * D
@@ -34,7 +41,7 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const OrnithQkRop
     if (is_q) {
         p.q_out[((size_t)t * p.q_heads + hh) * D + i] = f2bf(y);
     } else {
-        size_t off = ((size_t)pos * p.kv_heads + kvh) * D + i;
+        size_t off = (kv_row(table, pos) * p.kv_heads + kvh) * D + i;
         p.k_cache[off] = f2bf(y);
         p.v_cache[off] = vi;
     }
@@ -52,12 +59,13 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode_split(const Ornith
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp >= group) return;
     const int h = kvh * group + warp;
-    const int pos0 = p.pos_dev ? *p.pos_dev : p.pos0;
-    const int len = pos0 + t + 1;  // causal: keys 0..pos
+    const int pos = p.pos_dev ? p.pos_dev[t] : p.pos0 + t;
+    const int32_t *table = p.table + (p.pos_dev ? (size_t)t * p.table_stride : 0);
+    const int len = pos + 1;  // causal: keys 0..pos
     int split_len = p.split_len;
-    if (p.pos_dev) {  // device-position form: the host's split_for formula over `splits` blocks
-        const int total = pos0 + p.tokens;
-        split_len = max((total + p.splits - 1) / p.splits, p.min_split);
+    if (p.pos_dev) {  // device-position form: the host's split_for formula over `splits` blocks,
+        // from this row's own length only (a row's bits do not depend on the other rows)
+        split_len = max((len + p.splits - 1) / p.splits, p.min_split);
     }
     const int k0 = split * split_len;
     const int k1 = min(k0 + split_len, len);
@@ -81,9 +89,9 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode_split(const Ornith
         uint4 kv[ATT_KEYS], vv[ATT_KEYS];
 #pragma unroll
         for (int u = 0; u < ATT_KEYS; u++) {
-            int j = min(j0 + u, k1 - 1);
-            kv[u] = *reinterpret_cast<const uint4 *>(kb + (size_t)j * kstride);
-            vv[u] = *reinterpret_cast<const uint4 *>(vb + (size_t)j * kstride);
+            const size_t r = kv_row(table, min(j0 + u, k1 - 1));
+            kv[u] = *reinterpret_cast<const uint4 *>(kb + r * kstride);
+            vv[u] = *reinterpret_cast<const uint4 *>(vb + r * kstride);
         }
         float sc[ATT_KEYS];
 #pragma unroll

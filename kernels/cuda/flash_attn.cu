@@ -44,7 +44,9 @@ extern "C" __global__ void __launch_bounds__(128) flash_attn_prefill(const Ornit
         for (int id = tid; id < FA_BK * 32; id += 128) {
             int r = id >> 5, c = id & 31, j = tile * FA_BK + r;
             bool ok = j < nkeys;
-            size_t off = (size_t)j * kv_pitch + (size_t)kvh * FA_D + c * 8;
+            // paged: position j lives in cache row table[j / ORNITH_KV_BLOCK] * ORNITH_KV_BLOCK + j % ORNITH_KV_BLOCK
+            const size_t krow = ok ? (size_t)__ldg(p.table + j / ORNITH_KV_BLOCK) * ORNITH_KV_BLOCK + j % ORNITH_KV_BLOCK : 0;
+            size_t off = krow * kv_pitch + (size_t)kvh * FA_D + c * 8;
             cp_async16(sk + fswz(r, c), ok ? (const void *)(p.k_cache + off) : (const void *)p.k_cache, ok ? 16 : 0);
             cp_async16(sv + fswz(r, c), ok ? (const void *)(p.v_cache + off) : (const void *)p.v_cache, ok ? 16 : 0);
         }

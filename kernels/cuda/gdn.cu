@@ -2,15 +2,24 @@
 // gated delta rule, gated RMSNorm.
 #include "common.cuh"
 
-// One thread per channel; tokens in order, so the same kernel serves decode (1 token) and prefill.
+// One thread per channel; tokens in order, so the same kernel serves decode (1 token) and prefill;
+// with per-row slots (a decode group, grid y = tokens), block row t runs token t of its own sequence.
 extern "C" __global__ void __launch_bounds__(256) conv1d_silu(const OrnithConvParams p) {
     pdl_entry();
     const int c = blockIdx.x * 256 + threadIdx.x;
     if (c >= p.channels) return;
     const float w0 = bf2f(p.w[c * 4 + 0]), w1 = bf2f(p.w[c * 4 + 1]), w2 = bf2f(p.w[c * 4 + 2]),
                 w3 = bf2f(p.w[c * 4 + 3]);
-    float s0 = bf2f(p.state[c]), s1 = bf2f(p.state[p.channels + c]), s2 = bf2f(p.state[2 * p.channels + c]);
-    for (int t = 0; t < p.tokens; t++) {
+    // one sequence: every token in order; per-row sequences: token blockIdx.y with its slot's state
+    int t0 = 0, t1 = p.tokens;
+    uint16_t *state = p.state;
+    if (p.slot) {
+        t0 = blockIdx.y;
+        t1 = t0 + 1;
+        state += (size_t)p.slot[t0] * p.state_stride;
+    }
+    float s0 = bf2f(state[c]), s1 = bf2f(state[p.channels + c]), s2 = bf2f(state[2 * p.channels + c]);
+    for (int t = t0; t < t1; t++) {
         float x = bf2f(p.x[(size_t)t * p.x_stride + c]);
         // w[c,3] multiplies the current token, w[c,0] the token 3 steps back (no flip)
         float acc = w0 * s0;
@@ -20,9 +29,9 @@ extern "C" __global__ void __launch_bounds__(256) conv1d_silu(const OrnithConvPa
         p.y[(size_t)t * p.channels + c] = f2bf(silu_f(rbf(acc)));
         s0 = s1; s1 = s2; s2 = x;
     }
-    p.state[c] = f2bf(s0);
-    p.state[p.channels + c] = f2bf(s1);
-    p.state[2 * p.channels + c] = f2bf(s2);
+    state[c] = f2bf(s0);
+    state[p.channels + c] = f2bf(s1);
+    state[2 * p.channels + c] = f2bf(s2);
 }
 
 // Prefill form of conv1d_silu: token-parallel, bit-identical to it (y and the final state).
@@ -94,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(256) conv1d_silu_chunk(const Ornith
 #define GDN_VC 32    // value columns per block
 #define GDN_THREADS 128
 
-// grid (v_heads, GDN_D / GDN_VC). Thread (warp kg, lane v) keeps state rows kg*32..kg*32+31 of column v.
+// grid (v_heads, GDN_D / GDN_VC[, tokens with per-row slots]). Thread (warp kg, lane v) keeps state rows kg*32..kg*32+31 of column v.
 extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_recurrent(const OrnithGdnParams p) {
     pdl_entry();
     __shared__ float qs[GDN_D], ks[GDN_D];
@@ -104,14 +113,21 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_recurrent(const Or
     const int lane = threadIdx.x & 31, kg = threadIdx.x >> 5;
     const int hk = h / (p.v_heads / p.k_heads);  // repeat_interleave: v-head h uses k-head h / ratio
     const int col = vc * GDN_VC + lane;
+    // one sequence: every token in order; per-row sequences: token blockIdx.z with its slot's state
+    int t0 = 0, t1 = p.tokens;
     float *S = p.state + (size_t)h * GDN_D * GDN_D;
+    if (p.slot) {
+        t0 = blockIdx.z;
+        t1 = t0 + 1;
+        S += (size_t)p.slot[t0] * p.state_stride;
+    }
     float s[32];
 #pragma unroll
     for (int i = 0; i < 32; i++) s[i] = S[(size_t)(kg * 32 + i) * GDN_D + col];
     const float A = expf(p.a_log[h]);
     const float dtb = bf2f(p.dt_bias[h]);
     const int kdim = p.k_heads * GDN_D;
-    for (int t = 0; t < p.tokens; t++) {
+    for (int t = t0; t < t1; t++) {
         const uint16_t *row = p.qkv + (size_t)t * p.qkv_stride;
         float qv = bf2f(row[hk * GDN_D + threadIdx.x]);
         float kv = bf2f(row[kdim + hk * GDN_D + threadIdx.x]);

@@ -9,7 +9,7 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_bf16(const OrnithArgma
     __shared__ float sv[32];
     __shared__ int si[32];
     const int t = blockIdx.x, lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    const uint16_t *row = p.logits + (size_t)t * p.stride;
+    const uint16_t *row = p.logits + (size_t)(p.logit_row ? p.logit_row[t] : t) * p.stride;
     float bv = -INFINITY;
     int bi = -1;
     // Each thread scans its indices in increasing order (so it keeps the first of equal maxima);
@@ -144,7 +144,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_prep(const O
         p.done[r] = 0;
         p.idx[r] = -2;  // overwritten by sample_draw; -2 left over would be an internal error
     }
-    const uint16_t *row = p.logits + (size_t)r * p.stride;
+    const uint16_t *row = p.logits + (size_t)(p.logit_row ? p.logit_row[r] : r) * p.stride;
     const int base = b * ORNITH_SAMPLE_SLICE, end = min(p.n, base + ORNITH_SAMPLE_SLICE);
     uint32_t m = 0;
     for (int i = base + threadIdx.x; i < end; i += SAMPLE_THREADS) m = max(m, (uint32_t)(key_of(row[i]) + 1));
@@ -166,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_hist(const O
     if (kmax < 0) return;
     const float vmax = value_of_key((uint32_t)kmax);
     const OrnithSampleRow rp = p.row[r];
-    const uint16_t *row = p.logits + (size_t)r * p.stride;
+    const uint16_t *row = p.logits + (size_t)(p.logit_row ? p.logit_row[r] : r) * p.stride;
     uint32_t *h = p.hist + (size_t)r * ORNITH_SAMPLE_BINS;
     const int base = b * ORNITH_SAMPLE_SLICE, end = min(p.n, base + ORNITH_SAMPLE_SLICE);
 #pragma unroll 1
@@ -288,7 +288,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_draw(const O
     const uint64_t kept = p.sel[2 * r];
     const float vmax = value_of_key(kmax);
     const OrnithSampleRow rp = p.row[r];
-    const uint16_t *row = p.logits + (size_t)r * p.stride;
+    const uint16_t *row = p.logits + (size_t)(p.logit_row ? p.logit_row[r] : r) * p.stride;
     // Thread t's columns: 8 consecutive ones, so that thread order is id order.
     const int lo = b * ORNITH_SAMPLE_SLICE + t * SAMPLE_PER_THREAD;
     uint64_t mine = 0;

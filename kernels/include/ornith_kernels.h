@@ -13,6 +13,11 @@
 /* FP8 E4M3 largest finite value: per-token activation scale = amax / 448. */
 #define ORNITH_FP8_MAX 448.0f
 
+/* Paged K/V: a cache is [blocks][ORNITH_KV_BLOCK][kv_heads][head_dim] bf16 and a sequence's
+ * block table `table` (int32) maps position p to cache row table[p / ORNITH_KV_BLOCK] *
+ * ORNITH_KV_BLOCK + p % ORNITH_KV_BLOCK (ornith-runtime's graph::KV_BLOCK). */
+#define ORNITH_KV_BLOCK 256
+
 /* out[t, :] = table[ids[t], :]  (bf16 rows of width `hidden`). */
 typedef struct OrnithEmbedParams {
     const int32_t *ids;
@@ -146,7 +151,9 @@ typedef struct OrnithMoeCombineParams {
 /* Causal depthwise conv1d (kernel 4) + SiLU with state, tokens processed in order.
  *   x [tokens, x_stride] bf16 (first `channels` columns), w [channels, 4] bf16,
  *   state [3, channels] bf16: the last 3 pre-conv inputs, oldest first (zeros at sequence start).
- *   y[t, c] = bf16(silu(float(bf16( sum_j w[c, j] * win[j] )))),  win = (state[0..3], x[t]) */
+ *   y[t, c] = bf16(silu(float(bf16( sum_j w[c, j] * win[j] )))),  win = (state[0..3], x[t])
+ * Per-row sequences (conv1d_silu only, slot != NULL, grid y = tokens): token t is the next token
+ * of its own sequence, whose state is state + slot[t] * state_stride (slots distinct). */
 typedef struct OrnithConvParams {
     const uint16_t *x;
     const uint16_t *w;
@@ -155,6 +162,8 @@ typedef struct OrnithConvParams {
     int32_t tokens;
     int32_t channels;
     int32_t x_stride;
+    const int32_t *slot;
+    int32_t state_stride;
 } OrnithConvParams;
 
 /* Gated delta rule, recurrent form, tokens processed in order (decode: tokens = 1).
@@ -164,7 +173,9 @@ typedef struct OrnithConvParams {
  * q = l2norm(q) * dk^-0.5, k = l2norm(k) (fp32, eps 1e-6 inside the sqrt); v-head h uses k-head h / (v_heads/k_heads).
  * state [v_heads, dk, dv] fp32 updated in place; o [tokens, v_heads, dv] bf16. dk = dv = 128.
  * work: fp32 workspace of the two-phase chunked form (gdn_chunk_prep writes, gdn_chunk_scan reads):
- * v_heads * ceil(tokens / 64) * ORNITH_GDN_WORK_PER_CHUNK floats; unused (may be null) elsewhere. */
+ * v_heads * ceil(tokens / 64) * ORNITH_GDN_WORK_PER_CHUNK floats; unused (may be null) elsewhere.
+ * Per-row sequences (gdn_recurrent only, slot != NULL, grid z = tokens): token t is the next token
+ * of its own sequence, whose state is state + slot[t] * state_stride (slots distinct). */
 #define ORNITH_GDN_WORK_PER_CHUNK 8832
 typedef struct OrnithGdnParams {
     const uint16_t *qkv;
@@ -180,6 +191,8 @@ typedef struct OrnithGdnParams {
     int32_t ba_stride;
     int32_t a_offset;
     float *work;
+    const int32_t *slot;
+    int32_t state_stride;
 } OrnithGdnParams;
 
 /* Gated RMSNorm per (t, head) over `dim`:
@@ -197,13 +210,14 @@ typedef struct OrnithGatedNormParams {
     float eps;
 } OrnithGatedNormParams;
 
-/* q/k RMSNorm (zero-centred, fp32 inside) + partial rotate-half RoPE, and KV-cache write.
+/* q/k RMSNorm (zero-centred, fp32 inside) + partial rotate-half RoPE, and paged KV-cache write.
  * qg [tokens, q_heads, 2*head_dim] (query | gate per head), k, v [tokens, kv_heads * head_dim].
- * Token t sits at position pos0 + t.  cos/sin = bf16(cos/sin(float(pos) * inv_freq[i % (rot/2)])),
+ * Token t sits at position pos = pos0 + t of the sequence whose block table is `table`, or, when
+ * pos_dev is non-null (per-row sequences: a decode group, positions on the device so that a
+ * captured graph replays without re-capture), at pos = pos_dev[t] with block table
+ * table + t * table_stride.  cos/sin = bf16(cos/sin(float(pos) * inv_freq[i % (rot/2)])),
  * inv_freq[i] = 1 / theta^(2i/rot); x' = bf16(bf16(x*cos) + bf16(rot_half(x)*sin)) on the first `rot` dims.
- * Writes q_out [tokens, q_heads, head_dim]; k_cache/v_cache [max_seq, kv_heads, head_dim] at row pos.
- * pos_dev: when non-null, pos0 is read from device memory (*pos_dev) instead of the field, so that a
- * captured decode graph replays at the next position without re-capture. */
+ * Writes q_out [tokens, q_heads, head_dim]; k_cache/v_cache (paged, ORNITH_KV_BLOCK) at pos. */
 typedef struct OrnithQkRopeParams {
     const uint16_t *qg;
     const uint16_t *k;
@@ -219,22 +233,25 @@ typedef struct OrnithQkRopeParams {
     int32_t kv_heads;
     int32_t head_dim;
     int32_t rot;
-    int32_t max_seq;
     float theta;
     float eps;
     const int32_t *pos_dev;
+    const int32_t *table;
+    int32_t table_stride;
 } OrnithQkRopeParams;
 
-/* Causal attention over the bf16 KV cache, split along the sequence (flash-decoding).
- * Token t (position pos0 + t) attends keys 0..pos0+t. q [tokens, q_heads, head_dim] (head_dim 256).
+/* Causal attention over the paged bf16 KV cache, split along the sequence (flash-decoding).
+ * Token t at position pos (pos0 + t through `table`, or pos_dev[t] through table + t * table_stride
+ * as in OrnithQkRopeParams) attends keys 0..pos. q [tokens, q_heads, head_dim] (head_dim 256).
  * Pass 1 (split): each (t, head, split) writes m, l and unnormalised o[head_dim] (fp32) to part_*.
  * Pass 2 (combine): o = sum of rescaled partials / l;  out = bf16( bf16(o) * bf16(sigmoid(gate)) ),
  * gate = qg[t, h, head_dim:2*head_dim]. out [tokens, q_heads * head_dim].
  * Split layout: split s covers keys s*split_len .. (s+1)*split_len; partials are indexed with
- * `splits` (the grid's x size). Device-position form (pos_dev non-null, for captured decode graphs):
- * pos0 = *pos_dev and, with total = pos0 + tokens, split_len = max(ceil(total / splits), min_split)
- * is computed on the device (the host's `split_for` formula); the grid keeps `splits` blocks and
- * those past the causal end write m = -inf, l = 0, which the combine skips. */
+ * `splits` (the grid's x size). Device-position form (pos_dev non-null, per-row sequences, for
+ * captured decode graphs): row t's split_len = max(ceil((pos_dev[t] + 1) / splits), min_split) is
+ * computed on the device from that row's own position only (the host's `split_for` formula); the
+ * grid keeps `splits` blocks and those past the causal end write m = -inf, l = 0, which the
+ * combine skips. */
 typedef struct OrnithAttnParams {
     const uint16_t *q;
     const uint16_t *k_cache;
@@ -253,9 +270,12 @@ typedef struct OrnithAttnParams {
     float scale;
     const int32_t *pos_dev;
     int32_t min_split;
+    const int32_t *table;
+    int32_t table_stride;
 } OrnithAttnParams;
 
-/* Greedy sampling: idx[t] = argmax_i float(logits[t, i]) over the first `n` columns
+/* Greedy sampling: idx[t] = argmax_i float(logits[r, i]) over the first `n` columns of logits row
+ * r = logit_row[t] (r = t when logit_row is NULL)
  * (first index among equal maxima, NaN and +-inf never chosen; -1 if no value is finite). */
 typedef struct OrnithArgmaxParams {
     const uint16_t *logits;
@@ -263,6 +283,7 @@ typedef struct OrnithArgmaxParams {
     int32_t tokens;
     int32_t n;
     int32_t stride;
+    const int32_t *logit_row;
 } OrnithArgmaxParams;
 
 /* Sampling one token per row with temperature, min-p, top-k and top-p, exactly as
@@ -276,7 +297,8 @@ typedef struct OrnithArgmaxParams {
  * Four kernels in stream order, grid (blocks, rows) with blocks = ceil(n / ORNITH_SAMPLE_SLICE)
  * except sample_select (grid rows, 1024 threads): sample_prep (zero the row's histogram, block
  * maxima), sample_hist (histogram of surviving keys), sample_select (thresholds), sample_draw
- * (block sums; the last block to finish draws). idx[r] = -1 when row r has no finite logit. */
+ * (block sums; the last block to finish draws). idx[r] = -1 when row r has no finite logit.
+ * Row r reads logits row logit_row[r] (r when logit_row is NULL). */
 #define ORNITH_SAMPLE_SLICE 2048
 #define ORNITH_SAMPLE_BINS 65536
 typedef struct OrnithSampleRow {
@@ -300,6 +322,7 @@ typedef struct OrnithSampleParams {
     int32_t n;
     int32_t stride;
     int32_t blocks;
+    const int32_t *logit_row;   /* [rows] logits row of each sampled row, or NULL */
 } OrnithSampleParams;
 
 /* ---- Prefill (many tokens) ---- */
@@ -365,8 +388,9 @@ typedef struct OrnithMoeCombinePrefillParams {
     int32_t gate_stride;
 } OrnithMoeCombinePrefillParams;
 
-/* Causal flash attention for prefill (head_dim 256, GQA), over the bf16 KV cache.
- * q [tokens, q_heads, 256]; k_cache/v_cache [max_seq, kv_heads, 256] holding positions 0..pos0+tokens.
+/* Causal flash attention for prefill (head_dim 256, GQA), over the paged bf16 KV cache of one sequence.
+ * q [tokens, q_heads, 256]; k_cache/v_cache [blocks][ORNITH_KV_BLOCK][kv_heads][256] holding
+ * positions 0..pos0+tokens through the block table `table` (see ORNITH_KV_BLOCK).
  * Query t (position pos0 + t), head h, kv head h / (q_heads / kv_heads):
  *   s_j = (q . k_j) * scale (fp32), j <= pos0 + t;  o = sum_j softmax(s)_j v_j  (fp32, P rounded to bf16 for the mma)
  *   out = bf16(o), or if qg != NULL:  out = bf16( bf16(o) * bf16(sigmoid(qg[t, h, 256 + d])) )
@@ -382,6 +406,7 @@ typedef struct OrnithFlashAttnParams {
     int32_t q_heads;
     int32_t kv_heads;
     float scale;
+    const int32_t *table;
 } OrnithFlashAttnParams;
 
 

@@ -8,13 +8,17 @@
 //! * `cuda_ops_vs_cpu` — shallow: every layer op, prefill and one-token decode, from the same CPU
 //!   input on both backends, each within a stated bound (row 0 of prefill bit-exact).
 //! * `cuda_decode_graph_matches_eager` — the captured decode graph against eager launches.
+//! * `batch_invariance` — shallow: sequences decoded together (1, 2, 3, 8, 13 at once, and next
+//!   to a prefill chunk) give each sequence the bits it gets alone; graphs equal eager launches
+//!   at every batch size.
 //! * `cuda_decode_1000_steps_finite` — build for the **full** preset: 1,000 greedy decode steps.
 #![cfg(feature = "cuda")]
 
 use ornith_runtime::backend_cpu::CpuBackend;
 use ornith_runtime::backend_cuda::CudaBackend;
 use ornith_runtime::cuda::CudaContext;
-use ornith_runtime::graph::Backend;
+use ornith_runtime::engine::PoolRequest;
+use ornith_runtime::graph::{Backend, Batch, SeqRows, KV_BLOCK};
 use ornith_runtime::weights::Checkpoint;
 use std::path::PathBuf;
 
@@ -68,9 +72,15 @@ fn dist(a: &[f32], b: &[f32]) -> (f64, f64) {
     ((num / den.max(1e-300)).sqrt(), mx)
 }
 
-fn cuda_backend(ck: &Checkpoint, ctx: usize) -> CudaBackend {
+/// A CUDA backend planned for `seqs` sequences of up to `ctx` tokens (K/V pool: what is free).
+fn cuda_backend_for(ck: &Checkpoint, ctx: usize, seqs: usize) -> CudaBackend {
     let cx = CudaContext::new(0).expect("this test needs a CUDA device");
-    CudaBackend::new(cx, ck, &compiled::DIMS, ctx, false).expect("CUDA backend")
+    let req = PoolRequest { max_seqs: Some(seqs), kv_budget: None, max_context: ctx };
+    CudaBackend::new(cx, ck, &compiled::DIMS, &req, false).expect("CUDA backend").0
+}
+
+fn cuda_backend(ck: &Checkpoint, ctx: usize) -> CudaBackend {
+    cuda_backend_for(ck, ctx, 2)
 }
 
 /// Tolerance floor. Both backends round to bf16 at the same points and quantise activations to
@@ -217,7 +227,7 @@ fn cuda_decode_graph_matches_eager() {
     let run = |st: &mut compiled::State<CudaBackend>, graph: bool, pdl: bool| -> (Vec<Vec<f32>>, f64) {
         gpu.set_decode_graph(graph);
         gpu.context().set_pdl(pdl);
-        st.reset(&gpu);
+        st.reset(&gpu).unwrap();
         let mut l = gpu.logits_to_host(&m.prefill(&gpu, st, &ids, false, &mut |_, _| {}).unwrap()).unwrap();
         let mut out = vec![l.clone()];
         let t0 = std::time::Instant::now();
@@ -249,6 +259,124 @@ fn cuda_decode_graph_matches_eager() {
         "decode graph: prefill + 48 steps bit-identical across eager/graph x PDL on/off (also after reset and in a second state); us/step with a logits download per step: eager {:.1} (PDL {:.1}), graph {:.1} (PDL {:.1})",
         tp * 1e6, te * 1e6, tn * 1e6, tg * 1e6
     );
+}
+
+/// Sequences in the batch-invariance test (one more is the prefill chunk of the mixed batch).
+const INV_SEQS: usize = 13;
+/// Decode steps per sequence in the batch-invariance test.
+const INV_STEPS: usize = 6;
+
+/// Batch invariance on the CUDA backend: a sequence's logits do not depend on which other
+/// sequences share its steps. Sequence i (prompt of 20 + 37·i tokens, so every sequence sits at
+/// its own position; state slot 13 - i, so slots are not the row order; blocks interleaved
+/// across the pool in reverse, so block tables are neither contiguous nor ordered) is first run
+/// alone: prefill, then `INV_STEPS` greedy decode steps, recording its logits and tokens. Then
+/// N = 1, 2, 3, 8, 13 sequences are run together — each prefilled alone (the engine's chunks do
+/// not depend on the batch), then the same decode steps as one batch of N rows fed the recorded
+/// tokens — once through CUDA graphs and once eagerly: every row's logits must equal the
+/// sequence's alone logits bit for bit. Last, a mixed step: three decode rows and the whole
+/// prompt of sequence 13 as one prefill chunk in the same batch, then a decode step of all four.
+#[test]
+#[ignore]
+fn batch_invariance() {
+    let ck = Checkpoint::open(&model_dir(), compiled::FINGERPRINT).expect("checkpoint");
+    let d = compiled::DIMS;
+    let ctx = 1024;
+    let n_seq = INV_SEQS + 1;
+    let gpu = cuda_backend_for(&ck, ctx, n_seq);
+    let m = compiled::Model::load(&gpu, &ck).expect("CUDA load");
+    let per = ctx.div_ceil(KV_BLOCK);
+    let total_blocks = n_seq * per;
+    let mut pools = compiled::Model::new_pools(&gpu, n_seq, total_blocks).unwrap();
+    let slot = |i: usize| n_seq - 1 - i;
+    let blocks = |i: usize| (0..per).map(|j| (total_blocks - 1 - (j * n_seq + i)) as u32).collect::<Vec<u32>>();
+    let prompts: Vec<Vec<u32>> = (0..n_seq)
+        .map(|i| prompt(20 + 37 * i + INV_STEPS, d.vocab_size).into_iter().skip(i).take(20 + 37 * i).collect())
+        .collect();
+    let host = |l: &<CudaBackend as Backend>::Logits| gpu.logits_to_host(l).unwrap();
+    let vocab = d.vocab_size;
+    let seq = |i: usize, pos: usize, len: usize| SeqRows { slot: slot(i), pos, len, blocks: blocks(i) };
+    // Prefill sequence i alone (into its slot and blocks); its last row's logits.
+    let prefill = |pools: &mut compiled::Pools<CudaBackend>, i: usize| -> Vec<f32> {
+        pools.clear_slot(&gpu, slot(i)).unwrap();
+        let b = Batch { ids: prompts[i].clone(), seqs: vec![seq(i, 0, prompts[i].len())], all_rows: false };
+        host(&m.forward(&gpu, pools, &b, &mut |_, _| {}).unwrap())
+    };
+    // One decode step of sequences `idx` (fed `toks`, at `pos`): each row's logits.
+    let decode =
+        |pools: &mut compiled::Pools<CudaBackend>, idx: &[usize], toks: &[u32], pos: &[usize]| -> Vec<Vec<f32>> {
+            let b = Batch {
+                ids: toks.to_vec(),
+                seqs: idx.iter().zip(pos).map(|(&i, &p)| seq(i, p, 1)).collect(),
+                all_rows: false,
+            };
+            host(&m.forward(&gpu, pools, &b, &mut |_, _| {}).unwrap()).chunks(vocab).map(|r| r.to_vec()).collect()
+        };
+    // Alone: logits after the prefill and after each decode step; the tokens fed.
+    gpu.set_decode_graph(true);
+    let mut alone: Vec<Vec<Vec<f32>>> = Vec::new();
+    let mut fed: Vec<Vec<u32>> = Vec::new();
+    for (i, pr) in prompts.iter().enumerate() {
+        let mut l = vec![prefill(&mut pools, i)];
+        let mut t = Vec::new();
+        for k in 0..INV_STEPS {
+            t.push(argmax(&l[k]) as u32);
+            let r = decode(&mut pools, &[i], &t[k..], &[pr.len() + k]);
+            l.push(r.into_iter().next().unwrap());
+        }
+        assert!(l.iter().flatten().all(|v| v.is_finite()), "sequence {i}: non-finite logits");
+        alone.push(l);
+        fed.push(t);
+    }
+    for n in [1usize, 2, 3, 8, INV_SEQS] {
+        for graph in [true, false] {
+            gpu.set_decode_graph(graph);
+            let idx: Vec<usize> = (0..n).collect();
+            for &i in &idx {
+                assert!(prefill(&mut pools, i) == alone[i][0], "N {n}: prefill of sequence {i} differs");
+            }
+            for k in 0..INV_STEPS {
+                let toks: Vec<u32> = idx.iter().map(|&i| fed[i][k]).collect();
+                let pos: Vec<usize> = idx.iter().map(|&i| prompts[i].len() + k).collect();
+                let rows = decode(&mut pools, &idx, &toks, &pos);
+                for (&i, row) in idx.iter().zip(&rows) {
+                    assert!(
+                        *row == alone[i][k + 1],
+                        "N {n} (graph {graph}): sequence {i} step {k} differs from the sequence alone"
+                    );
+                }
+            }
+        }
+        eprintln!("batch invariance: {n} sequences x {INV_STEPS} steps bit-identical to each alone (graph and eager)");
+    }
+    // Mixed: decode rows of sequences 0..3 (their first step) and sequence 13's whole prompt as
+    // one prefill chunk; then one decode step of all four.
+    gpu.set_decode_graph(true);
+    let p = INV_SEQS;
+    for i in 0..3 {
+        prefill(&mut pools, i);
+    }
+    pools.clear_slot(&gpu, slot(p)).unwrap();
+    let mut ids: Vec<u32> = (0..3).map(|i| fed[i][0]).collect();
+    ids.extend_from_slice(&prompts[p]);
+    let mut seqs: Vec<SeqRows> = (0..3).map(|i| seq(i, prompts[i].len(), 1)).collect();
+    seqs.push(seq(p, 0, prompts[p].len()));
+    let mixed = Batch { ids, seqs, all_rows: false };
+    let rows: Vec<Vec<f32>> =
+        host(&m.forward(&gpu, &mut pools, &mixed, &mut |_, _| {}).unwrap()).chunks(vocab).map(|r| r.to_vec()).collect();
+    for i in 0..3 {
+        assert!(rows[i] == alone[i][1], "mixed batch: decode row of sequence {i} differs");
+    }
+    assert!(rows[3] == alone[p][0], "mixed batch: the prefill chunk's logits differ from its prefill alone");
+    let idx = [0usize, 1, 2, p];
+    let toks: Vec<u32> = [fed[0][1], fed[1][1], fed[2][1], fed[p][0]].to_vec();
+    let pos: Vec<usize> = vec![prompts[0].len() + 1, prompts[1].len() + 1, prompts[2].len() + 1, prompts[p].len()];
+    let rows = decode(&mut pools, &idx, &toks, &pos);
+    for (j, &i) in idx.iter().enumerate() {
+        let want = if i == p { &alone[p][1] } else { &alone[i][2] };
+        assert!(rows[j] == *want, "after the mixed batch: sequence {i} differs");
+    }
+    eprintln!("batch invariance: mixed decode + prefill step and the step after it bit-identical");
 }
 
 // Bounds of `cuda_ops_vs_cpu`: relative L2 distance of one op's output delta (`h_out - h_in`),
@@ -318,8 +446,13 @@ fn cuda_ops_vs_cpu() {
     let mut cs = compiled::Model::new_state(&cpu, ctx).unwrap();
     let all = prompt(101, d.vocab_size);
     let (ids, next) = (&all[..100], all[100]);
-    let mut hc = cpu.embed(&d, &cm.embed_tokens, ids).unwrap();
-    let he = gpu.embed(&d, &gm.embed_tokens, ids).unwrap();
+    // The state's blocks in order (what `Model::prefill` uses).
+    let table = |blocks: usize| (0..blocks as u32).collect::<Vec<u32>>();
+    let pre = Batch::single(ids, 0, 0, table(gs.pools.blocks), false);
+    let pre_all = Batch { all_rows: true, ..pre.clone() };
+    let dec = Batch::single(&[next], 0, ids.len(), table(gs.pools.blocks), false);
+    let mut hc = cpu.embed(&d, &cm.embed_tokens, &pre).unwrap();
+    let he = gpu.embed(&d, &gm.embed_tokens, &pre).unwrap();
     assert_eq!(gpu.act_to_host(&he).unwrap(), cpu.act_to_host(&hc).unwrap(), "embedding");
     let mut failures: Vec<String> = Vec::new();
     // Prints the op's figures and returns its failures; `row0`: row 0 of the output must be bit-exact.
@@ -342,29 +475,44 @@ fn cuda_ops_vs_cpu() {
         }
         f
     };
-    // Prefill: layer `$layer`'s mixer (`$call`, with `$extra` = the attention position), then its MoE.
+    // Layer `$layer`'s mixer (`$call`) over `$batch`, then its MoE.
     macro_rules! op {
-        ($name:expr, $call:ident, $layer:ident, $bound:expr, $moe_bound:expr $(, $extra:expr)?) => {{
+        ($name:expr, $call:ident, $layer:ident, $batch:expr, $bound:expr, $moe_bound:expr, $row0:expr) => {{
             let hin = cpu.act_to_host(&hc).unwrap();
             let mut hg = gpu.act_from_host(&hin).unwrap();
-            cpu.$call(&d, &cm.$layer.input_layernorm, &cm.$layer.mixer, &mut cs.$layer, $($extra,)? &mut hc).unwrap();
-            gpu.$call(&d, &gm.$layer.input_layernorm, &gm.$layer.mixer, &mut gs.$layer, $($extra,)? &mut hg).unwrap();
-            failures.extend(report($name, $bound, true, &hin, &cpu.act_to_host(&hc).unwrap(), &gpu.act_to_host(&hg).unwrap()));
+            cpu.$call(&d, &cm.$layer.input_layernorm, &cm.$layer.mixer, &mut cs.pools.$layer, $batch, &mut hc).unwrap();
+            gpu.$call(&d, &gm.$layer.input_layernorm, &gm.$layer.mixer, &mut gs.pools.$layer, $batch, &mut hg).unwrap();
+            failures.extend(report(
+                $name,
+                $bound,
+                $row0,
+                &hin,
+                &cpu.act_to_host(&hc).unwrap(),
+                &gpu.act_to_host(&hg).unwrap(),
+            ));
             let hin = cpu.act_to_host(&hc).unwrap();
             let mut hg = gpu.act_from_host(&hin).unwrap();
-            cpu.sparse_moe(&d, &cm.$layer.post_attention_layernorm, &cm.$layer.mlp, &mut hc).unwrap();
-            gpu.sparse_moe(&d, &gm.$layer.post_attention_layernorm, &gm.$layer.mlp, &mut hg).unwrap();
-            failures.extend(report(concat!($name, " moe"), $moe_bound, true, &hin, &cpu.act_to_host(&hc).unwrap(), &gpu.act_to_host(&hg).unwrap()));
+            cpu.sparse_moe(&d, &cm.$layer.post_attention_layernorm, &cm.$layer.mlp, $batch, &mut hc).unwrap();
+            gpu.sparse_moe(&d, &gm.$layer.post_attention_layernorm, &gm.$layer.mlp, $batch, &mut hg).unwrap();
+            failures.extend(report(
+                concat!($name, " moe"),
+                $moe_bound,
+                $row0,
+                &hin,
+                &cpu.act_to_host(&hc).unwrap(),
+                &gpu.act_to_host(&hg).unwrap(),
+            ));
         }};
     }
-    op!("layer0 gdn", gated_deltanet_prefill, layer_0, OP_GDN_PREFILL, OP_MOE_PREFILL[0]);
-    op!("layer1 gdn", gated_deltanet_prefill, layer_1, OP_GDN_PREFILL, OP_MOE_PREFILL[1]);
-    op!("layer2 gdn", gated_deltanet_prefill, layer_2, OP_GDN_PREFILL, OP_MOE_PREFILL[2]);
-    op!("layer3 attn", attention_prefill, layer_3, OP_ATTN_PREFILL, OP_MOE_PREFILL[3], 0);
+    // Prefill: row 0 bit-exact.
+    op!("layer0 gdn", gated_deltanet, layer_0, &pre, OP_GDN_PREFILL, OP_MOE_PREFILL[0], true);
+    op!("layer1 gdn", gated_deltanet, layer_1, &pre, OP_GDN_PREFILL, OP_MOE_PREFILL[1], true);
+    op!("layer2 gdn", gated_deltanet, layer_2, &pre, OP_GDN_PREFILL, OP_MOE_PREFILL[2], true);
+    op!("layer3 attn", attention, layer_3, &pre, OP_ATTN_PREFILL, OP_MOE_PREFILL[3], true);
     let hin = cpu.act_to_host(&hc).unwrap();
     let hg = gpu.act_from_host(&hin).unwrap();
-    let lc = cpu.logits_to_host(&cpu.logits(&d, &cm.norm, &cm.lm_head, &hc, true).unwrap()).unwrap();
-    let lg = gpu.logits_to_host(&gpu.logits(&d, &gm.norm, &gm.lm_head, &hg, true).unwrap()).unwrap();
+    let lc = cpu.logits_to_host(&cpu.logits(&d, &cm.norm, &cm.lm_head, &pre_all, &hc).unwrap()).unwrap();
+    let lg = gpu.logits_to_host(&gpu.logits(&d, &gm.norm, &gm.lm_head, &pre_all, &hg).unwrap()).unwrap();
     assert!(lg.iter().all(|v| v.is_finite()), "logits: non-finite");
     let (rel, mx) = dist(&lg, &lc);
     eprintln!("OP logits            rel L2 {rel:.3e} (bound {OP_LOGITS:.1e})  max|d| {mx:.3e}");
@@ -373,29 +521,15 @@ fn cuda_ops_vs_cpu() {
     }
 
     // Decode: token `next` at position 100 through every layer's decode ops, one row.
-    let mut hc = cpu.embed(&d, &cm.embed_tokens, &[next]).unwrap();
-    macro_rules! dec {
-        ($name:expr, $call:ident, $layer:ident, $bound:expr $(, $extra:expr)?) => {{
-            let hin = cpu.act_to_host(&hc).unwrap();
-            let mut hg = gpu.act_from_host(&hin).unwrap();
-            cpu.$call(&d, &cm.$layer.input_layernorm, &cm.$layer.mixer, &mut cs.$layer, $($extra,)? &mut hc).unwrap();
-            gpu.$call(&d, &gm.$layer.input_layernorm, &gm.$layer.mixer, &mut gs.$layer, $($extra,)? &mut hg).unwrap();
-            failures.extend(report($name, $bound, false, &hin, &cpu.act_to_host(&hc).unwrap(), &gpu.act_to_host(&hg).unwrap()));
-            let hin = cpu.act_to_host(&hc).unwrap();
-            let mut hg = gpu.act_from_host(&hin).unwrap();
-            cpu.sparse_moe(&d, &cm.$layer.post_attention_layernorm, &cm.$layer.mlp, &mut hc).unwrap();
-            gpu.sparse_moe(&d, &gm.$layer.post_attention_layernorm, &gm.$layer.mlp, &mut hg).unwrap();
-            failures.extend(report(concat!($name, " moe"), OP_FP8_DECODE, false, &hin, &cpu.act_to_host(&hc).unwrap(), &gpu.act_to_host(&hg).unwrap()));
-        }};
-    }
-    dec!("decode layer0 gdn", gated_deltanet_decode, layer_0, OP_GDN_DECODE);
-    dec!("decode layer1 gdn", gated_deltanet_decode, layer_1, OP_GDN_DECODE);
-    dec!("decode layer2 gdn", gated_deltanet_decode, layer_2, OP_GDN_DECODE);
-    dec!("decode layer3 attn", attention_decode, layer_3, OP_FP8_DECODE, ids.len());
+    hc = cpu.embed(&d, &cm.embed_tokens, &dec).unwrap();
+    op!("decode layer0 gdn", gated_deltanet, layer_0, &dec, OP_GDN_DECODE, OP_FP8_DECODE, false);
+    op!("decode layer1 gdn", gated_deltanet, layer_1, &dec, OP_GDN_DECODE, OP_FP8_DECODE, false);
+    op!("decode layer2 gdn", gated_deltanet, layer_2, &dec, OP_GDN_DECODE, OP_FP8_DECODE, false);
+    op!("decode layer3 attn", attention, layer_3, &dec, OP_FP8_DECODE, OP_FP8_DECODE, false);
     let hin = cpu.act_to_host(&hc).unwrap();
     let hg = gpu.act_from_host(&hin).unwrap();
-    let lc = cpu.logits_to_host(&cpu.logits(&d, &cm.norm, &cm.lm_head, &hc, false).unwrap()).unwrap();
-    let lg = gpu.logits_to_host(&gpu.logits(&d, &gm.norm, &gm.lm_head, &hg, false).unwrap()).unwrap();
+    let lc = cpu.logits_to_host(&cpu.logits(&d, &cm.norm, &cm.lm_head, &dec, &hc).unwrap()).unwrap();
+    let lg = gpu.logits_to_host(&gpu.logits(&d, &gm.norm, &gm.lm_head, &dec, &hg).unwrap()).unwrap();
     assert!(lg.iter().all(|v| v.is_finite()), "decode logits: non-finite");
     let (rel, mx) = dist(&lg, &lc);
     eprintln!("OP decode logits     rel L2 {rel:.3e} (bound {OP_LOGITS_DECODE:.1e})  max|d| {mx:.3e}");

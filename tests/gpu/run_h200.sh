@@ -2,15 +2,18 @@
 # The whole H200 check in one device call (about 7–8 minutes of device time), from the binaries
 # that tests/gpu/build.sh NAME left in .gpu/NAME (carry it, and .gpu/wheels for the peer):
 #   1. every CUDA kernel test (vs the CPU reference; PERF lines);
-#   2. shallow preset: the decode graph against eager launches, CUDA against the CPU backend;
-#   3. full preset (37.7 GB synthesised here, ~150 s): ornith-bench at 512 / 2K / 8K / 32K / 128K;
+#   2. shallow preset: the decode graph against eager launches, CUDA against the CPU backend,
+#      batch invariance (1..13 sequences per step, graph and eager, a mixed decode + prefill step);
+#   3. full preset (37.7 GB synthesised here, ~150 s): ornith-bench at 512 / 2K / 8K / 32K / 128K,
+#      then batched decode of 1, 2, 4, ..., 64 sequences of 2K-token prompts (BATCH);
 #   4. 64 sampled requests through the real binary (tests/gpu/soak_full.py), then the
 #      transformers + fla peer on the same checkpoint (tests/peer/run_h200.sh) if carried;
 #   5. full preset: 1,000 greedy steps finite, the decode graph against eager.
 # Logs and JSON go to $OUT; a short table to stdout.
 set -uo pipefail
-name=${1:?usage: tests/gpu/run_h200.sh NAME [PROMPTS]}
+name=${1:?usage: tests/gpu/run_h200.sh NAME [PROMPTS] [BATCH]}
 prompts=${2:-512,2048,8192,32768,131072}
+batch=${3:-1,2,4,8,16,32,64}
 src=.gpu/$name; G=/tmp/ornith-gpu/$name; C=/tmp/ornith-ck; OUT=${OUT:-/tmp/ornith-out}
 mkdir -p "$G" "$C" "$OUT"
 for f in "$src"/*.xz; do
@@ -24,16 +27,16 @@ timeout 240 "$G/kernels" --ignored --test-threads=1 --nocapture > "$OUT/kernels.
 grep -E "PERF|panicked|test result|identical to the CPU" "$OUT/kernels.log" | cut -c1-220
 t0=$SECONDS
 "$G/xtask" synth --preset shallow --out "$C/shallow" > "$OUT/synth_shallow.log" 2>&1; echo "synth shallow rc=$? $((SECONDS - t0))s"
-ORNITH_TEST_MODEL=$C/shallow timeout 150 "$G/test_shallow" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu cuda_ops_vs_cpu > "$OUT/test_shallow.log" 2>&1
+ORNITH_TEST_MODEL=$C/shallow timeout 210 "$G/test_shallow" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu cuda_ops_vs_cpu batch_invariance > "$OUT/test_shallow.log" 2>&1
 echo "test_shallow rc=$? $((SECONDS - t0))s"
-grep -E "^OP|CPU chunked|prefill:|decode|panicked|test result" "$OUT/test_shallow.log" | cut -c1-330
+grep -E "^OP|CPU chunked|prefill:|decode|batch invariance|panicked|test result" "$OUT/test_shallow.log" | cut -c1-330
 rm -rf "$C/shallow"
 t0=$SECONDS
 "$G/xtask" synth --preset full --out "$C/full" > "$OUT/synth_full.log" 2>&1; echo "synth full rc=$? $((SECONDS - t0))s"
 t0=$SECONDS
-timeout 200 "$G/bench_full" --model "$C/full" --prompts "$prompts" --gen 64 --budget-s 120 > "$OUT/bench_full.json" 2> "$OUT/bench_full.err"
+timeout 330 "$G/bench_full" --model "$C/full" --prompts "$prompts" --gen 64 --budget-s 120 --batch "$batch" > "$OUT/bench_full.json" 2> "$OUT/bench_full.err"
 echo "bench rc=$? $((SECONDS - t0))s"
-grep -v uploading "$OUT/bench_full.err" | head -110
+grep -v uploading "$OUT/bench_full.err" | head -130
 if [ -x "$G/ornith_full" ]; then
     t0=$SECONDS
     timeout 150 python3 tests/gpu/soak_full.py "$G/ornith_full" "$C/full" "$OUT/soak_full.jsonl"; echo "soak rc=$? $((SECONDS - t0))s"

@@ -1,23 +1,35 @@
-//! The CUDA backend: the layer operations of [`Backend`] composed from the decode kernels
-//! (`kernels/cuda/*.cu`), with the CPU backend's cast points (the kernels round to bf16 where
-//! transformers does; see `kernels/include/ornith_kernels.h`).
+//! The CUDA backend: the layer operations of [`Backend`] over a [`Batch`] of several sequences,
+//! composed from the kernels (`kernels/cuda/*.cu`), with the CPU backend's cast points (the
+//! kernels round to bf16 where transformers does; see `kernels/include/ornith_kernels.h`).
 //!
 //! * Weights are uploaded once, straight from the shard mmap ([`load`]), after a memory plan
-//!   ([`plan::MemoryPlan`]) was checked against the device's free memory.
+//!   ([`plan::MemoryPlan`]) sized the state pools and was checked against free memory.
+//! * State lives in pools: per Gated DeltaNet layer a conv `[slots][3][conv_dim]` bf16 and a
+//!   recurrent `[slots][Hv][dk][dv]` f32 state ([`CudaGdnPool`]); per attention layer K and V
+//!   `[blocks][KV_BLOCK][Hkv][hd]` bf16 ([`CudaKvPool`]), a sequence's position `p` in cache row
+//!   `table[p / KV_BLOCK] · KV_BLOCK + p % KV_BLOCK` of its block table.
 //! * The residual stream is `h` plus a pending `delta` (the last layer output): the next
 //!   RMSNorm kernel adds it in (`h = bf16(h + delta)`) while normalising, so no separate add runs.
-//! * Prefill runs each layer in chunks of [`plan::CHUNK`] tokens. A chunk of more than 8 rows
-//!   runs the prefill kernels ([`prefill_ops`]): tensor-core GEMMs for every Linear, the chunked
-//!   gated delta rule, causal flash attention over the cache, and the MoE grouped by expert
-//!   (counting sort, grouped FP8 GEMMs, shared expert as plain GEMMs). A chunk of up to 8 rows
-//!   (decode, short tails) runs the decode kernels: GEMV, the recurrent delta rule, split-K
-//!   attention, the per-slot MoE GEMV. Both paths round at the same points as the CPU backend.
-//! * Decode (`Backend::decode_step`) is captured once per sequence state as a CUDA graph and
-//!   replayed: the decode kernels that depend on the token or the position read them from a
-//!   device buffer written before each replay (`DecodeBufs`), the attention split count is fixed
-//!   (the kernel derives the split length from the position), and the step's activations live in
-//!   static buffers. With profiling on (`ornith-bench`), or `set_decode_graph(false)`, the same
-//!   launches run eagerly.
+//! * A step's rows split into the **decode group** — the leading sequences of one row each (the
+//!   engine puts decode rows first) — and the **prefill sequences** after it. The group's
+//!   row-wise ops (RMSNorm, every Linear as GEMVs of at most 8 rows, router, MoE GEMV with one
+//!   grid z per row) run over all its rows at once, and each mixer (conv, recurrent delta rule,
+//!   q/k norm + RoPE, split-K attention) is one launch over the group reading each row's
+//!   position, state slot and block table from the device ([`StepBufs::desc`]). Every kernel
+//!   computes a row from that row's inputs only, the multi-row GEMVs give the single-row
+//!   kernels' bits, and the attention split length of a row comes from its own position: a
+//!   sequence's logits do not depend on the other rows of the step (batch invariance).
+//! * Each prefill sequence runs as one sequence: its rows in chunks of [`plan::CHUNK`] (=
+//!   `engine::PREFILL_CHUNK`); a chunk of more than 8 rows runs the prefill kernels
+//!   ([`prefill_ops`]: tensor-core GEMMs, chunked gated delta rule, causal flash attention over
+//!   its blocks, MoE grouped by expert), a shorter one the decode kernels with its position
+//!   `pos0 + t`, one block table and its slot's state.
+//! * A decode step ([`Batch::is_decode`]) is captured as a CUDA graph once per number of
+//!   sequences and replayed ([`Backend::step`]): the kernels read ids, positions, slots and block
+//!   tables from the static description `desc` written before each replay, the attention grid
+//!   is fixed at [`plan::MAX_SPLITS`] splits (the kernel derives each row's split length), and the
+//!   step's activations and logits live in static buffers sized for the pool's slots. With
+//!   profiling on (`ornith-bench`), or `set_decode_graph(false)`, the same launches run eagerly.
 mod load;
 mod ops;
 pub mod plan;
@@ -25,7 +37,7 @@ mod prefill_ops;
 pub mod profile;
 
 use crate::cuda::CudaContext;
-use crate::engine::SamplingParams;
+use crate::engine::{Capacity, PoolRequest};
 use crate::graph::*;
 use crate::weights::Checkpoint;
 use anyhow::{bail, ensure, Context, Result};
@@ -37,9 +49,12 @@ use ornith_kernels::bindings::*;
 use plan::{MemoryPlan, ScratchSizes, ATTN_ROWS, CHUNK};
 use prefill_ops::use_prefill;
 use std::cell::Cell;
+use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
+
+const _: () = assert!(KV_BLOCK == ORNITH_KV_BLOCK as usize, "graph::KV_BLOCK must match the kernels' ORNITH_KV_BLOCK");
 
 /// A Linear on the device: BF16 weights (`scale` None) or E4M3 codes with f32 per-row scales.
 pub struct DevLinear {
@@ -83,98 +98,116 @@ pub struct CudaVector {
 }
 
 /// Hidden states `[t, hidden]`: `h` plus, for the first `pending` rows, a `delta` still to add.
-/// A decode step's one row lives in the backend's static [`DecodeBufs`] (shared `Arc`s).
+/// A decode step's rows live in the backend's static [`StepBufs`] (shared `Arc`s).
 pub struct CudaAct {
     pub t: usize,
     h: Arc<CudaSlice<u16>>,
     delta: Arc<CudaSlice<u16>>,
     pending: Cell<usize>,
+    /// Set by a last-row logits call that added the pending delta to some rows only: the
+    /// states are no longer one consistent residual stream.
+    spent: Cell<bool>,
 }
 
-/// Static buffers of the decode step, so that a captured graph sees the same addresses at every
-/// replay: `io = [token id, position]` (written before each step), the residual row `h` and the
-/// pending `delta`.
-struct DecodeBufs {
-    io: CudaSlice<i32>,
+impl CudaAct {
+    fn new(t: usize, h: Arc<CudaSlice<u16>>, delta: Arc<CudaSlice<u16>>) -> Self {
+        CudaAct { t, h, delta, pending: Cell::new(0), spent: Cell::new(false) }
+    }
+}
+
+/// Static buffers of a step, so that a captured decode graph sees the same addresses at every
+/// replay. `desc` (int32, written by [`Backend::step`] before each step) holds, with `R` =
+/// the pool's slots and `W` = [`MemoryPlan::table_width`]: the decode group's token ids
+/// `[R]` at 0, positions `[R]` at `R`, state slots `[R]` at `2R`, then one block table row `[W]`
+/// per sequence of the step (sequence order) at `3R`. `h`, `delta`: a decode step's residual
+/// rows `[R, hidden]`; `logits`: the serving logits `[R, vocab]` (one row per sequence).
+struct StepBufs {
+    desc: CudaSlice<i32>,
     h: Arc<CudaSlice<u16>>,
     delta: Arc<CudaSlice<u16>>,
+    logits: Arc<CudaSlice<u16>>,
 }
 
-/// The decode step of one sequence state, captured as a CUDA graph on first use, and the
-/// address of the embedding table it was captured with (a graph bakes in every weight address,
-/// so a different model recaptures).
-pub struct CudaDecodeGraph {
-    graph: Option<SendGraph>,
+/// The decode steps captured over one set of pools: a CUDA graph per number of sequences.
+pub struct CudaStepGraphs {
+    graphs: HashMap<usize, StepGraph>,
+}
+
+/// One captured decode step, with what it was captured with: the embedding load id (a graph
+/// bakes in every weight address, and an address could be reused by a later load), whether the
+/// launches carry the programmatic-dependent-launch attribute, the kernel left out
+/// (`CudaBackend::set_skip_kernel`).
+struct StepGraph {
+    graph: SendGraph,
     key: u64,
-    /// Whether the captured launches carry the programmatic-dependent-launch attribute.
     pdl: bool,
-    /// The kernel left out of the capture (`CudaBackend::set_skip_kernel`).
     skip: Option<&'static str>,
 }
 
-/// The embedding table `[vocab, hidden]` BF16, and a number unique to this load: a captured decode
-/// graph bakes in every weight address of the model it was captured with, so it is keyed by
-/// this number (an address could be reused by a later load).
+/// The embedding table `[vocab, hidden]` BF16, and a number unique to this load (the key of
+/// the captured graphs).
 pub struct CudaEmbedding {
     table: CudaSlice<u8>,
     id: u64,
 }
 
-/// Marks the backend as issuing a decode step for as long as it lives; on drop (also when the
-/// step panics) it leaves that mode and closes a capture still open.
-struct DecodeMode<'a> {
+/// The description of which batch `desc` holds, for as long as a step runs; on drop (also when
+/// the step panics) it forgets it and closes a capture still open.
+struct StepScope<'a> {
     b: &'a CudaBackend,
     capturing: bool,
 }
 
-impl<'a> DecodeMode<'a> {
-    fn enter(b: &'a CudaBackend) -> Self {
-        b.decoding.store(true, Relaxed);
-        DecodeMode { b, capturing: false }
+impl<'a> StepScope<'a> {
+    fn enter(b: &'a CudaBackend, batch: &Batch) -> Self {
+        b.described.set(Some(batch as *const Batch as usize));
+        StepScope { b, capturing: false }
     }
 }
 
-impl Drop for DecodeMode<'_> {
+impl Drop for StepScope<'_> {
     fn drop(&mut self) {
         if self.capturing {
             let _ = self.b.cx.stream().end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
         }
-        self.b.decoding.store(false, Relaxed);
+        self.b.described.set(None);
     }
 }
 
-/// A captured graph, movable to another thread with the sequence state that owns it.
+/// A captured graph, movable to another thread with the pools that own it.
 struct SendGraph(cudarc::driver::CudaGraph);
 // SAFETY: cudarc's `CudaGraph` is not `Send` only because it holds raw driver handles
 // (CUgraph, CUgraphExec), which the CUDA driver allows to be used from any thread once the
 // context is bound (every launch binds it first). It is not `Sync`: a graph is replayed only
-// through `&mut DecodeGraph`, so never from two threads at once.
+// through `&mut CudaStepGraphs`, so never from two threads at once.
 unsafe impl Send for SendGraph {}
 
-/// Conv state `[3, conv_dim]` bf16 (oldest first) and recurrent state `[Hv, dk, dv]` f32.
-pub struct CudaGdnState {
+/// Conv state `[slots][3][conv_dim]` bf16 (oldest first) and recurrent state
+/// `[slots][Hv][dk][dv]` f32 of one Gated DeltaNet layer.
+pub struct CudaGdnPool {
     conv: CudaSlice<u16>,
     ssm: CudaSlice<f32>,
+    slots: usize,
 }
 
-/// K (normed, rotated) and V `[max_context, Hkv, head_dim]` bf16. The positions written are
-/// the generated `State::pos` (one count for every layer, kept by the generated code; a replayed
-/// decode graph could not update a count kept here).
-pub struct CudaKvCache {
+/// K (normed, rotated) and V `[blocks][KV_BLOCK][Hkv][head_dim]` bf16 of one attention layer.
+/// Positions past a sequence's end are never read (attention masks by position).
+pub struct CudaKvPool {
     k: CudaSlice<u16>,
     v: CudaSlice<u16>,
-    max_context: usize,
+    blocks: usize,
 }
 
-/// Logits `[rows, vocab]` bf16 on the device. Serving logits (one row) live in a buffer the next
-/// forward call overwrites; read or sample them before running the model again.
+/// Logits `[rows, vocab]` bf16 on the device. Serving logits (one row per sequence) live in a
+/// buffer the next forward call overwrites; read or sample them before running the model again.
 pub struct CudaLogits {
     pub rows: usize,
     pub vocab: usize,
     buf: Arc<CudaSlice<u16>>,
 }
 
-/// Scratch of one prefill chunk (sizes in [`ScratchSizes`]).
+/// Scratch of one prefill chunk (sizes in [`ScratchSizes`]; a decode group has at most
+/// `CHUNK` rows, so it fits too).
 struct Scratch {
     xb: CudaSlice<u16>,
     xq: CudaSlice<u8>,
@@ -196,7 +229,9 @@ struct Scratch {
     aq: CudaSlice<u8>,
     asc: CudaSlice<f32>,
     ys: CudaSlice<u16>,
+    /// Greedy sampling: the argmax of each row `[R]` and the logits row of each `[R]`.
     amax: CudaSlice<i32>,
+    amax_rows: CudaSlice<i32>,
     /// MoE prefill: expert-sorted row bookkeeping (`OrnithMoeSortParams`).
     group_offsets: CudaSlice<i32>,
     tile_offsets: CudaSlice<i32>,
@@ -204,7 +239,6 @@ struct Scratch {
     row_of: CudaSlice<i32>,
     /// Two-phase chunked gated delta rule workspace (`ScratchSizes::gdn_work`).
     gdn_work: CudaSlice<f32>,
-    logits1: Arc<CudaSlice<u16>>,
 }
 
 /// The CUDA backend on device 0.
@@ -214,58 +248,105 @@ pub struct CudaBackend {
     sz: ScratchSizes,
     s: Scratch,
     plan: MemoryPlan,
+    cap: Capacity,
     progress: Mutex<load::Progress>,
     prof: Mutex<Option<Vec<profile::Launch>>>,
-    /// An error from a method that cannot return one (state resets), reported by the next call.
+    /// An error from a method that cannot return one, reported by the next call.
     deferred: Mutex<Option<anyhow::Error>>,
-    dec: DecodeBufs,
-    /// True while a decode step's operations are issued (static buffers, device position).
-    decoding: AtomicBool,
+    dec: StepBufs,
+    /// The address of the batch whose description `dec.desc` holds, while a step runs
+    /// ([`StepScope`]); outside a step every operation writes its batch's description itself.
+    described: Cell<Option<usize>>,
     /// Capture and replay decode steps (default); false runs them eagerly.
     graphs: AtomicBool,
     /// A kernel whose launches are not issued (`ornith-bench`'s in-graph ablation; None normally).
     skip: Mutex<Option<&'static str>>,
-    /// The device sampler's buffers (one row).
+    /// The device sampler's buffers (one row per slot).
     sampler: Mutex<crate::cuda::sample::SampleScratch>,
 }
 
+/// Where the rows of one mixer launch take their sequence from.
+#[derive(Clone, Copy)]
+enum Rows {
+    /// The decode group (rows `0..n` of the step): row t is the next token of sequence t, with
+    /// its position, slot and block table (row t of the tables) in `desc`.
+    Group,
+    /// Rows of one sequence at positions `pos ..`, its state in `slot`, its block table row
+    /// `table` (a sequence index) of `desc`.
+    Seq { slot: usize, pos: usize, table: usize },
+}
+
+/// Decode-group rows of `batch`: its leading sequences of one row each.
+fn group_rows(batch: &Batch) -> usize {
+    batch.seqs.iter().take_while(|s| s.len == 1).count()
+}
+
+/// The row ranges of a row-wise op: the decode group at once (GEMVs), then each later sequence
+/// in chunks of [`CHUNK`]; `(first row, rows, prefill kernels)`.
+fn segments(batch: &Batch) -> Vec<(usize, usize, bool)> {
+    let g = group_rows(batch);
+    let mut v = Vec::new();
+    if g > 0 {
+        v.push((0, g, false));
+    }
+    for (s, r) in batch.seqs.iter().zip(batch.row_starts()).skip(g) {
+        for c0 in (0..s.len).step_by(CHUNK) {
+            let n = CHUNK.min(s.len - c0);
+            v.push((r + c0, n, use_prefill(n)));
+        }
+    }
+    v
+}
+
 impl CudaBackend {
-    /// Checks the model's shapes against the kernels, plans every allocation for a context of
-    /// `max_context` tokens and checks it against free device memory, then allocates scratch.
-    /// Weights are uploaded by `Model::load` through the `load_*` methods.
-    pub fn new(cx: CudaContext, ck: &Checkpoint, dims: &ModelDims, max_context: usize, quiet: bool) -> Result<Self> {
+    /// Checks the model's shapes against the kernels, sizes the state pools for `req`
+    /// ([`plan::MemoryPlan::new`]: weights, K/V blocks, recurrent slots, scratch and step
+    /// buffers) and checks the whole plan against free device memory before allocating, then
+    /// allocates scratch and the step buffers. Weights are uploaded by `Compiled::load`
+    /// through the `load_*` methods, which then creates pools of `Capacity` size.
+    pub fn new(
+        cx: CudaContext,
+        ck: &Checkpoint,
+        dims: &ModelDims,
+        req: &PoolRequest,
+        quiet: bool,
+    ) -> Result<(Self, Capacity)> {
         plan::check_dims(dims)?;
-        ensure!(max_context >= 1, "the context must hold at least one token");
-        let plan = MemoryPlan::new(ck, dims, max_context);
+        ensure!(req.max_context >= 1, "the context must hold at least one token");
         let (driver_free, total) = cx.driver().mem_get_info()?;
         let integrated =
             cx.driver().attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED)? != 0;
         let meminfo = if integrated { std::fs::read_to_string("/proc/meminfo").ok() } else { None };
         let (free, source) = plan::usable_free(driver_free as u64, integrated, meminfo.as_deref());
+        let (plan, cap) = MemoryPlan::new(ck, dims, req, free, source)?;
         plan.check(free, source, total as u64, cx.device_name())?;
         let sz = ScratchSizes::new(dims);
-        let s = Scratch::new(&cx, dims, &sz)?;
-        let sampler = Mutex::new(crate::cuda::sample::SampleScratch::new(&cx, 1, dims.vocab_size)?);
-        let dec = DecodeBufs {
-            io: cx.alloc(2)?,
-            h: Arc::new(cx.alloc(dims.hidden_size)?),
-            delta: Arc::new(cx.alloc(dims.hidden_size)?),
+        let r = cap.slots;
+        let s = Scratch::new(&cx, dims, &sz, r)?;
+        let sampler = Mutex::new(crate::cuda::sample::SampleScratch::new(&cx, r, dims.vocab_size)?);
+        let dec = StepBufs {
+            desc: cx.alloc(plan::desc_len(r, plan.table_width()))?,
+            h: Arc::new(cx.alloc(r * dims.hidden_size)?),
+            delta: Arc::new(cx.alloc(r * dims.hidden_size)?),
+            logits: Arc::new(cx.alloc(r * dims.vocab_size)?),
         };
-        Ok(CudaBackend {
+        let b = CudaBackend {
             cx,
             dims: *dims,
             sz,
             s,
             plan,
+            cap,
             progress: Mutex::new(load::Progress::new(plan.weights, quiet)),
             prof: Mutex::new(None),
             deferred: Mutex::new(None),
             dec,
-            decoding: AtomicBool::new(false),
+            described: Cell::new(None),
             graphs: AtomicBool::new(true),
             skip: Mutex::new(None),
             sampler,
-        })
+        };
+        Ok((b, cap))
     }
 
     /// Capture decode steps as CUDA graphs and replay them (true, the default), or run every
@@ -282,37 +363,43 @@ impl CudaBackend {
         *self.skip.lock().unwrap_or_else(|e| e.into_inner()) = name;
     }
 
-    /// Replays `g`, capturing `step` into it first when it holds no graph for this model.
+    /// Replays the graph of `n`-sequence decode steps in `g`, capturing `run` into it first when
+    /// it holds none for this model and these settings.
     fn replay(
         &self,
-        mode: &mut DecodeMode,
-        g: &mut CudaDecodeGraph,
+        scope: &mut StepScope,
+        g: &mut CudaStepGraphs,
         table: &CudaEmbedding,
-        step: &mut dyn FnMut() -> Result<CudaLogits>,
+        n: usize,
+        run: &mut dyn FnMut() -> Result<CudaLogits>,
     ) -> Result<CudaLogits> {
         let (key, pdl) = (table.id, self.cx.pdl());
         let skip = *self.skip.lock().unwrap_or_else(|e| e.into_inner());
-        if g.graph.is_none() || g.key != key || g.pdl != pdl || g.skip != skip {
-            g.graph = None;
+        let fresh = g.graphs.get(&n).is_some_and(|c| c.key == key && c.pdl == pdl && c.skip == skip);
+        if !fresh {
+            g.graphs.remove(&n);
             let st = self.cx.stream();
             // Thread-local mode: a synchronising call on this thread fails the capture. An
             // allocation or a free would NOT fail (stream-ordered ones become graph nodes), so
-            // the decode path allocates nothing: `embed` and `logits` use static buffers there
-            // (and assert it).
+            // a decode step allocates nothing: `embed` and `logits` use the static buffers there.
             st.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            mode.capturing = true;
-            let r = step();
+            scope.capturing = true;
+            let r = run();
             let end = st.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
-            mode.capturing = false;
-            r.context("capturing the decode step")?;
+            scope.capturing = false;
+            let l = r.context("capturing the decode step")?;
+            ensure!(
+                l.rows == n && Arc::ptr_eq(&l.buf, &self.dec.logits),
+                "a decode step's logits must be the static rows"
+            );
             let graph = end
                 .context("instantiating the decode graph")?
                 .ok_or_else(|| anyhow::anyhow!("the captured decode step is empty"))?;
             graph.upload()?;
-            *g = CudaDecodeGraph { graph: Some(SendGraph(graph)), key, pdl, skip };
+            g.graphs.insert(n, StepGraph { graph: SendGraph(graph), key, pdl, skip });
         }
-        g.graph.as_ref().expect("captured above").0.launch()?;
-        Ok(CudaLogits { rows: 1, vocab: self.dims.vocab_size, buf: self.s.logits1.clone() })
+        g.graphs[&n].graph.0.launch()?;
+        Ok(CudaLogits { rows: n, vocab: self.dims.vocab_size, buf: self.dec.logits.clone() })
     }
 
     pub fn context(&self) -> &CudaContext {
@@ -320,6 +407,10 @@ impl CudaBackend {
     }
     pub fn plan(&self) -> &MemoryPlan {
         &self.plan
+    }
+    /// The pool sizes the memory plan chose (what `Compiled::load` should be given).
+    pub fn capacity(&self) -> Capacity {
+        self.cap
     }
 
     /// Starts timing every launch (until [`Self::profile_end`]).
@@ -344,12 +435,7 @@ impl CudaBackend {
             data.len()
         );
         let b: Vec<u16> = data.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
-        Ok(CudaAct {
-            t: data.len() / hs,
-            h: Arc::new(self.cx.upload(&b)?),
-            delta: Arc::new(self.cx.alloc(b.len())?),
-            pending: Cell::new(0),
-        })
+        Ok(CudaAct::new(data.len() / hs, Arc::new(self.cx.upload(&b)?), Arc::new(self.cx.alloc(b.len())?)))
     }
 
     fn check_deferred(&self) -> Result<()> {
@@ -361,6 +447,57 @@ impl CudaBackend {
 
     fn eps(&self) -> f32 {
         self.dims.rms_norm_eps as f32
+    }
+
+    /// Writes `batch`'s description into `dec.desc` (layout at [`StepBufs`]) unless a step over
+    /// this very batch already did. Checks that the step fits the static buffers: at most
+    /// `slots` sequences, positions inside the planned context.
+    fn describe(&self, batch: &Batch) -> Result<()> {
+        if self.described.get() == Some(batch as *const Batch as usize) {
+            return Ok(());
+        }
+        self.upload_desc(batch)
+    }
+
+    fn upload_desc(&self, batch: &Batch) -> Result<()> {
+        let (r, w) = (self.cap.slots, self.plan.table_width());
+        let n = batch.seqs.len();
+        ensure!(n <= r, "a step of {n} sequences exceeds the {r} state slots the backend was sized for (--max-seqs)");
+        let g = group_rows(batch);
+        let mut v = vec![0i32; 3 * r + n * w];
+        for (i, s) in batch.seqs.iter().enumerate() {
+            let end = s.pos + s.len;
+            ensure!(
+                end <= self.plan.max_context,
+                "a sequence of {end} tokens exceeds the context of {} the memory plan was made for (--max-context)",
+                self.plan.max_context
+            );
+            let need = end.div_ceil(KV_BLOCK);
+            ensure!(s.blocks.len() >= need, "a block table of {} blocks cannot hold {end} positions", s.blocks.len());
+            for (j, &b) in s.blocks[..need].iter().enumerate() {
+                v[3 * r + i * w + j] = i32::try_from(b).context("K/V block index")?;
+            }
+            if i < g {
+                v[i] = batch.ids[i] as i32;
+                v[r + i] = s.pos as i32;
+                v[2 * r + i] = s.slot as i32;
+            }
+        }
+        // SAFETY: `v` fits the `desc_len(r, w)` elements of the buffer (n <= r); a copy from
+        // pageable host memory returns once the bytes are staged, so `v` may be dropped after.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(self.cx.addr(&self.dec.desc), &v, self.cx.stream().cu_stream())
+        }?;
+        Ok(())
+    }
+
+    /// Device address of `desc` column block `k` (0 ids, 1 positions, 2 slots) of the group.
+    fn desc_at(&self, k: usize) -> Ptr {
+        at(self, &self.dec.desc, k * self.cap.slots)
+    }
+    /// Device address of the block table row of sequence `i` of the step.
+    fn table_at(&self, i: usize) -> Ptr {
+        at(self, &self.dec.desc, 3 * self.cap.slots + i * self.plan.table_width())
     }
 
     /// RMSNorm of rows `r0 .. r0 + n` of `h` into the scratch `xb`/`xq` (adding the pending delta).
@@ -385,200 +522,236 @@ impl CudaBackend {
         (at(self, &self.s.xq, 0), at(self, &self.s.xs, 0))
     }
 
-    fn lin<P: Prec>(&self, l: &CudaLinear<P>, what: &str, x: XIn, y: Ptr, y_stride: usize, n: usize) -> Result<()> {
-        self.linear_rows(l.dev(what)?.all(self), x, self.q8_scratch(), y, y_stride, n)
+    /// `n` rows of a Linear: the prefill GEMM when `prefill` (a chunk of one sequence of more
+    /// than 8 rows), else GEMVs of at most 8 rows (a row's bits as the single-row kernel's).
+    #[allow(clippy::too_many_arguments)]
+    fn lin<P: Prec>(
+        &self,
+        l: &CudaLinear<P>,
+        what: &str,
+        x: XIn,
+        y: Ptr,
+        y_stride: usize,
+        n: usize,
+        prefill: bool,
+    ) -> Result<()> {
+        self.linear_rows(l.dev(what)?.all(self), x, self.q8_scratch(), y, y_stride, n, prefill)
     }
 
     /// Every layer starts with a fully pending or fully applied residual.
-    fn layer_start(&self, h: &CudaAct) -> Result<()> {
+    fn layer_start(&self, h: &CudaAct, batch: &Batch) -> Result<()> {
         self.check_deferred()?;
         let p = h.pending.get();
-        ensure!(p == 0 || p == h.t, "hidden states used after a last-row logits call");
-        Ok(())
+        ensure!(!h.spent.get() && (p == 0 || p == h.t), "hidden states used after a last-row logits call");
+        ensure!(h.t == batch.rows(), "hidden states of {} rows for a batch of {}", h.t, batch.rows());
+        self.describe(batch)
     }
 
-    fn gdn_layer<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
+    /// Rows `r0 .. r0 + n` of a Gated DeltaNet layer (`rows`: whose state they continue).
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_rows<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
         &self,
         norm: &CudaVector,
         w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
-        st: &mut CudaGdnState,
-        h: &mut CudaAct,
+        pool: &CudaGdnPool,
+        rows: Rows,
+        r0: usize,
+        n: usize,
+        h: &CudaAct,
     ) -> Result<()> {
-        self.layer_start(h)?;
         let d = &self.dims;
         let (hs, cd, vd, hv, hk) =
             (d.hidden_size, d.conv_dim(), d.value_dim(), d.linear_num_value_heads, d.linear_num_key_heads);
+        let (conv_stride, ssm_stride) = plan::gdn_slot_elems(d);
         let pw = self.sz.proj_w;
         let s = &self.s;
-        for r0 in (0..h.t).step_by(CHUNK) {
-            let n = CHUNK.min(h.t - r0);
-            let x = self.norm_rows(h, norm, r0, n)?;
-            let proj = at(self, &s.proj, 0);
-            let (z_at, b_at) = (proj + 2 * cd as u64, proj + 2 * (cd + vd) as u64);
-            if w.in_proj_z.dev.is_none() {
-                // Loaded fused (`load::gdn_in_proj`): one Linear writes the whole row.
-                self.lin(&w.in_proj_qkv, "in_proj_qkv|z|b|a", x, proj, pw, n)?;
-            } else {
-                self.lin(&w.in_proj_qkv, "in_proj_qkv", x, proj, pw, n)?;
-                self.lin(&w.in_proj_z, "in_proj_z", x, z_at, pw, n)?;
-                self.lin(&w.in_proj_b, "in_proj_b", x, b_at, pw, n)?;
-                self.lin(&w.in_proj_a, "in_proj_a", x, b_at + 2 * hv as u64, pw, n)?;
-            }
-            let conv = if use_prefill(n) { Self::k_conv_chunk } else { Self::k_conv }; // bit-identical forms
-            conv(self, proj, at(self, &w.conv1d.bf, 0), at(self, &st.conv, 0), at(self, &s.conv, 0), n, cd, pw)?;
-            let gp = OrnithGdnParams {
-                qkv: at(self, &s.conv, 0) as _,
-                ba: b_at as _,
-                a_log: at(self, &w.a_log.f, 0) as _,
-                dt_bias: at(self, &w.dt_bias.bf, 0) as _,
-                state: at(self, &st.ssm, 0) as _,
-                o: at(self, &s.o, 0) as _,
-                tokens: n as i32,
-                k_heads: hk as i32,
-                v_heads: hv as i32,
-                qkv_stride: cd as i32,
-                ba_stride: pw as i32,
-                a_offset: hv as i32,
-                work: at(self, &s.gdn_work, 0) as _,
-            };
-            // The chunked form (chunks of 64 inside the kernel) and the recurrent form compute the
-            // same delta rule in fp32; they differ in summation order only.
-            if use_prefill(n) {
-                self.k_gdn_chunked(gp)?;
-            } else {
-                self.k_gdn(gp)?;
-            }
-            self.k_gated_norm(
-                at(self, &s.o, 0),
-                z_at,
-                at(self, &w.norm.bf, 0),
-                at(self, &s.on, 0),
-                n,
-                hv,
-                d.linear_value_head_dim,
-                pw,
-                self.eps(),
-            )?;
-            let on = XIn { bf: at(self, &s.on, 0), q8: None, stride: vd };
-            self.lin(&w.out_proj, "out_proj", on, at(self, &h.delta, r0 * hs), hs, n)?;
+        let prefill = matches!(rows, Rows::Seq { .. }) && use_prefill(n);
+        let x = self.norm_rows(h, norm, r0, n)?;
+        let proj = at(self, &s.proj, 0);
+        let (z_at, b_at) = (proj + 2 * cd as u64, proj + 2 * (cd + vd) as u64);
+        if w.in_proj_z.dev.is_none() {
+            // Loaded fused (`load::gdn_in_proj`): one Linear writes the whole row.
+            self.lin(&w.in_proj_qkv, "in_proj_qkv|z|b|a", x, proj, pw, n, prefill)?;
+        } else {
+            self.lin(&w.in_proj_qkv, "in_proj_qkv", x, proj, pw, n, prefill)?;
+            self.lin(&w.in_proj_z, "in_proj_z", x, z_at, pw, n, prefill)?;
+            self.lin(&w.in_proj_b, "in_proj_b", x, b_at, pw, n, prefill)?;
+            self.lin(&w.in_proj_a, "in_proj_a", x, b_at + 2 * hv as u64, pw, n, prefill)?;
         }
-        h.pending.set(h.t);
-        Ok(())
+        // The group's state: slot[t] of the pool (per-row form); one sequence's: its slot.
+        let (conv_st, ssm_st, slot) = match rows {
+            Rows::Group => (at(self, &pool.conv, 0), at(self, &pool.ssm, 0), Some(self.desc_at(2))),
+            Rows::Seq { slot, .. } => {
+                (at(self, &pool.conv, slot * conv_stride), at(self, &pool.ssm, slot * ssm_stride), None)
+            }
+        };
+        let (cw, co) = (at(self, &w.conv1d.bf, 0), at(self, &s.conv, 0));
+        if prefill {
+            self.k_conv_chunk(proj, cw, conv_st, co, n, cd, pw)?; // bit-identical to conv1d_silu
+        } else {
+            self.k_conv(proj, cw, conv_st, co, n, cd, pw, slot.map(|p| (p, conv_stride)))?;
+        }
+        let gp = OrnithGdnParams {
+            qkv: co as _,
+            ba: b_at as _,
+            a_log: at(self, &w.a_log.f, 0) as _,
+            dt_bias: at(self, &w.dt_bias.bf, 0) as _,
+            state: ssm_st as _,
+            o: at(self, &s.o, 0) as _,
+            tokens: n as i32,
+            k_heads: hk as i32,
+            v_heads: hv as i32,
+            qkv_stride: cd as i32,
+            ba_stride: pw as i32,
+            a_offset: hv as i32,
+            work: at(self, &s.gdn_work, 0) as _,
+            slot: slot.map_or(std::ptr::null(), |p| p as _),
+            state_stride: ssm_stride as i32,
+        };
+        // The chunked form (chunks of 64 inside the kernel) and the recurrent form compute the
+        // same delta rule in fp32; they differ in summation order only.
+        if prefill {
+            self.k_gdn_chunked(gp)?;
+        } else {
+            self.k_gdn(gp)?;
+        }
+        self.k_gated_norm(
+            at(self, &s.o, 0),
+            z_at,
+            at(self, &w.norm.bf, 0),
+            at(self, &s.on, 0),
+            n,
+            hv,
+            d.linear_value_head_dim,
+            pw,
+            self.eps(),
+        )?;
+        let on = XIn { bf: at(self, &s.on, 0), q8: None, stride: vd };
+        self.lin(&w.out_proj, "out_proj", on, at(self, &h.delta, r0 * hs), hs, n, prefill)
     }
 
-    fn attention_layer<Q: Prec, K: Prec, V: Prec, O: Prec>(
+    /// Rows `r0 .. r0 + n` of an attention layer (`rows`: whose positions and blocks).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_rows<Q: Prec, K: Prec, V: Prec, O: Prec>(
         &self,
         norm: &CudaVector,
         w: &GatedAttention<Self, Q, K, V, O>,
-        cache: &mut CudaKvCache,
-        pos: usize,
-        h: &mut CudaAct,
+        pool: &CudaKvPool,
+        rows: Rows,
+        r0: usize,
+        n: usize,
+        h: &CudaAct,
     ) -> Result<()> {
-        self.layer_start(h)?;
         let d = &self.dims;
         let (hs, nh, nkv, hd) = (d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim);
-        ensure!(pos + h.t <= cache.max_context, "K/V cache of {} tokens is full", cache.max_context);
-        // A decode step reads its position from the device (the same launches serve every
-        // position of a captured graph); prefill passes it by value.
-        let pos_dev = if self.decoding.load(Relaxed) {
-            ensure!(h.t == 1, "a decode step runs one token, got {}", h.t);
-            at(self, &self.dec.io, 1) as *const i32
-        } else {
-            std::ptr::null()
+        let tw = self.plan.table_width();
+        // The group reads each row's position and block table row from `desc` (the same launches
+        // serve every step of a captured graph); one sequence passes its first position by value.
+        let (pos_dev, table, p0) = match rows {
+            Rows::Group => (self.desc_at(1), self.table_at(0), 0),
+            Rows::Seq { pos, table, .. } => (0, self.table_at(table), pos),
         };
+        let prefill = matches!(rows, Rows::Seq { .. }) && use_prefill(n);
         let s = &self.s;
-        for r0 in (0..h.t).step_by(CHUNK) {
-            let n = CHUNK.min(h.t - r0);
-            let x = self.norm_rows(h, norm, r0, n)?;
-            let (qn, kn) = (nh * 2 * hd, nkv * hd);
-            let (qg, kp, vp) = (at(self, &s.qg, 0), at(self, &s.k, 0), at(self, &s.v, 0));
-            let (kp, vp) = if w.k_proj.dev.is_none() {
-                // Loaded fused as `[q; k; v]` (`load::linear`): one token's row [q | k | v] in one
-                // launch into `qg` (room for CHUNK rows of q); more rows, one launch per part
-                // (the attention kernels read q, k and v with their own row strides).
-                let f = w.q_proj.dev("q_proj|k_proj|v_proj")?;
-                if n == 1 {
-                    self.linear_rows(f.all(self), x, self.q8_scratch(), qg, qn + 2 * kn, 1)?;
-                    (qg + 2 * qn as u64, qg + 2 * (qn + kn) as u64)
-                } else {
-                    self.linear_rows(f.rows(self, 0, qn), x, self.q8_scratch(), qg, qn, n)?;
-                    self.linear_rows(f.rows(self, qn, kn), x, self.q8_scratch(), kp, kn, n)?;
-                    self.linear_rows(f.rows(self, qn + kn, kn), x, self.q8_scratch(), vp, kn, n)?;
-                    (kp, vp)
-                }
+        let x = self.norm_rows(h, norm, r0, n)?;
+        let (qn, kn) = (nh * 2 * hd, nkv * hd);
+        let (qg, kp, vp) = (at(self, &s.qg, 0), at(self, &s.k, 0), at(self, &s.v, 0));
+        let (kp, vp) = if w.k_proj.dev.is_none() {
+            // Loaded fused as `[q; k; v]` (`load::linear`): one row [q | k | v] in one launch
+            // into `qg` (room for CHUNK rows of q); more rows, one launch per part (the
+            // attention kernels read q, k and v with their own row strides; a GEMV row's bits
+            // do not depend on which weight rows the launch covers).
+            let f = w.q_proj.dev("q_proj|k_proj|v_proj")?;
+            if n == 1 {
+                self.linear_rows(f.all(self), x, self.q8_scratch(), qg, qn + 2 * kn, 1, false)?;
+                (qg + 2 * qn as u64, qg + 2 * (qn + kn) as u64)
             } else {
-                self.lin(&w.q_proj, "q_proj", x, qg, qn, n)?;
-                self.lin(&w.k_proj, "k_proj", x, kp, kn, n)?;
-                self.lin(&w.v_proj, "v_proj", x, vp, kn, n)?;
+                self.linear_rows(f.rows(self, 0, qn), x, self.q8_scratch(), qg, qn, n, prefill)?;
+                self.linear_rows(f.rows(self, qn, kn), x, self.q8_scratch(), kp, kn, n, prefill)?;
+                self.linear_rows(f.rows(self, qn + kn, kn), x, self.q8_scratch(), vp, kn, n, prefill)?;
                 (kp, vp)
-            };
-            let p0 = pos + r0;
-            self.k_qk_rope(OrnithQkRopeParams {
-                qg: qg as _,
-                k: kp as _,
-                v: vp as _,
-                q_norm: at(self, &w.q_norm.bf, 0) as _,
-                k_norm: at(self, &w.k_norm.bf, 0) as _,
-                q_out: at(self, &s.q, 0) as _,
-                k_cache: at(self, &cache.k, 0) as _,
-                v_cache: at(self, &cache.v, 0) as _,
+            }
+        } else {
+            self.lin(&w.q_proj, "q_proj", x, qg, qn, n, prefill)?;
+            self.lin(&w.k_proj, "k_proj", x, kp, kn, n, prefill)?;
+            self.lin(&w.v_proj, "v_proj", x, vp, kn, n, prefill)?;
+            (kp, vp)
+        };
+        let pos_ptr = |a0: usize| if pos_dev == 0 { std::ptr::null() } else { (pos_dev + 4 * a0 as u64) as *const i32 };
+        self.k_qk_rope(OrnithQkRopeParams {
+            qg: qg as _,
+            k: kp as _,
+            v: vp as _,
+            q_norm: at(self, &w.q_norm.bf, 0) as _,
+            k_norm: at(self, &w.k_norm.bf, 0) as _,
+            q_out: at(self, &s.q, 0) as _,
+            k_cache: at(self, &pool.k, 0) as _,
+            v_cache: at(self, &pool.v, 0) as _,
+            tokens: n as i32,
+            pos0: p0 as i32,
+            q_heads: nh as i32,
+            kv_heads: nkv as i32,
+            head_dim: hd as i32,
+            rot: d.rotary_dim as i32,
+            theta: d.rope_theta as f32,
+            eps: self.eps(),
+            pos_dev: pos_ptr(0),
+            table: table as _,
+            table_stride: tw as i32,
+        })?;
+        if prefill {
+            self.k_flash_attn(OrnithFlashAttnParams {
+                q: at(self, &s.q, 0) as _,
+                k_cache: at(self, &pool.k, 0) as _,
+                v_cache: at(self, &pool.v, 0) as _,
+                qg: at(self, &s.qg, 0) as _,
+                out: at(self, &s.on, 0) as _,
                 tokens: n as i32,
                 pos0: p0 as i32,
                 q_heads: nh as i32,
                 kv_heads: nkv as i32,
-                head_dim: hd as i32,
-                rot: d.rotary_dim as i32,
-                max_seq: cache.max_context as i32,
-                theta: d.rope_theta as f32,
-                eps: self.eps(),
-                pos_dev,
+                scale: 1.0 / (hd as f32).sqrt(),
+                table: table as _,
             })?;
-            if use_prefill(n) {
-                self.k_flash_attn(OrnithFlashAttnParams {
-                    q: at(self, &s.q, 0) as _,
-                    k_cache: at(self, &cache.k, 0) as _,
-                    v_cache: at(self, &cache.v, 0) as _,
-                    qg: at(self, &s.qg, 0) as _,
-                    out: at(self, &s.on, 0) as _,
-                    tokens: n as i32,
-                    pos0: p0 as i32,
+        } else {
+            // ATTN_ROWS rows per launch (the split partials are sized for that many).
+            for a0 in (0..n).step_by(ATTN_ROWS) {
+                let m = ATTN_ROWS.min(n - a0);
+                // Device-position form: a fixed grid of MAX_SPLITS splits, the kernel derives
+                // each row's split_for length from its own position; one sequence: the host's
+                // split_for over the launch's last row (identical splits, identical results).
+                let (split_len, splits, tab) = match rows {
+                    Rows::Group => (0, plan::MAX_SPLITS, table + (4 * a0 * tw) as u64),
+                    Rows::Seq { .. } => {
+                        let (l, s) = plan::split_for(p0 + a0 + m);
+                        (l, s, table)
+                    }
+                };
+                self.k_attention(OrnithAttnParams {
+                    q: at(self, &s.q, a0 * nh * hd) as _,
+                    k_cache: at(self, &pool.k, 0) as _,
+                    v_cache: at(self, &pool.v, 0) as _,
+                    qg: at(self, &s.qg, a0 * nh * 2 * hd) as _,
+                    part_o: at(self, &s.part_o, 0) as _,
+                    part_ml: at(self, &s.part_ml, 0) as _,
+                    out: at(self, &s.on, a0 * nh * hd) as _,
+                    tokens: m as i32,
+                    pos0: (p0 + a0) as i32,
                     q_heads: nh as i32,
                     kv_heads: nkv as i32,
+                    head_dim: hd as i32,
+                    split_len: split_len as i32,
+                    splits: splits as i32,
                     scale: 1.0 / (hd as f32).sqrt(),
+                    pos_dev: pos_ptr(a0),
+                    min_split: plan::MIN_SPLIT as i32,
+                    table: tab as _,
+                    table_stride: tw as i32,
                 })?;
-            } else {
-                for a0 in (0..n).step_by(ATTN_ROWS) {
-                    let m = ATTN_ROWS.min(n - a0);
-                    // Device-position form: a fixed grid of MAX_SPLITS splits, the kernel derives
-                    // split_for's length (identical splits, so identical results).
-                    let (split_len, splits) =
-                        if pos_dev.is_null() { plan::split_for(p0 + a0 + m) } else { (0, plan::MAX_SPLITS) };
-                    self.k_attention(OrnithAttnParams {
-                        q: at(self, &s.q, a0 * nh * hd) as _,
-                        k_cache: at(self, &cache.k, 0) as _,
-                        v_cache: at(self, &cache.v, 0) as _,
-                        qg: at(self, &s.qg, a0 * nh * 2 * hd) as _,
-                        part_o: at(self, &s.part_o, 0) as _,
-                        part_ml: at(self, &s.part_ml, 0) as _,
-                        out: at(self, &s.on, a0 * nh * hd) as _,
-                        tokens: m as i32,
-                        pos0: (p0 + a0) as i32,
-                        q_heads: nh as i32,
-                        kv_heads: nkv as i32,
-                        head_dim: hd as i32,
-                        split_len: split_len as i32,
-                        splits: splits as i32,
-                        scale: 1.0 / (hd as f32).sqrt(),
-                        pos_dev,
-                        min_split: plan::MIN_SPLIT as i32,
-                    })?;
-                }
             }
-            let att = XIn { bf: at(self, &s.on, 0), q8: None, stride: nh * hd };
-            self.lin(&w.o_proj, "o_proj", att, at(self, &h.delta, r0 * hs), hs, n)?;
         }
-        h.pending.set(h.t);
-        Ok(())
+        let att = XIn { bf: at(self, &s.on, 0), q8: None, stride: nh * hd };
+        self.lin(&w.o_proj, "o_proj", att, at(self, &h.delta, r0 * hs), hs, n, prefill)
     }
 
     /// The MoE of `n` prefill rows grouped by expert, after the router (`s.rlog`, `s.idx`,
@@ -686,7 +859,8 @@ struct SharedExpert {
 }
 
 impl Scratch {
-    fn new(cx: &CudaContext, d: &ModelDims, z: &ScratchSizes) -> Result<Self> {
+    /// Scratch of one chunk, and the greedy sampler's `rows` results.
+    fn new(cx: &CudaContext, d: &ModelDims, z: &ScratchSizes, rows: usize) -> Result<Self> {
         let c = CHUNK;
         Ok(Scratch {
             xb: cx.alloc(z.xb)?,
@@ -709,13 +883,13 @@ impl Scratch {
             aq: cx.alloc(z.aq)?,
             asc: cx.alloc(z.asc)?,
             ys: cx.alloc(c * z.slots * d.hidden_size)?,
-            amax: cx.alloc(1)?,
+            amax: cx.alloc(rows)?,
+            amax_rows: cx.alloc(rows)?,
             group_offsets: cx.alloc(d.num_experts + 1)?,
             tile_offsets: cx.alloc(d.num_experts + 1)?,
             row_token: cx.alloc(c * d.top_k)?,
             row_of: cx.alloc(c * d.top_k)?,
             gdn_work: cx.alloc(z.gdn_work)?,
-            logits1: Arc::new(cx.alloc(d.vocab_size)?),
         })
     }
 }
@@ -726,10 +900,10 @@ impl Backend for CudaBackend {
     type Vector = CudaVector;
     type Embedding = CudaEmbedding;
     type Act = CudaAct;
-    type GdnState = CudaGdnState;
-    type KvCache = CudaKvCache;
+    type GdnPool = CudaGdnPool;
+    type KvPool = CudaKvPool;
     type Logits = CudaLogits;
-    type DecodeGraph = CudaDecodeGraph;
+    type StepGraphs = CudaStepGraphs;
 
     fn load_linear<P: Prec>(
         &self,
@@ -762,151 +936,151 @@ impl Backend for CudaBackend {
         Ok(CudaEmbedding { table: self.embedding(ck, name, vocab, hidden)?, id: LOADS.fetch_add(1, Relaxed) })
     }
 
-    fn new_gdn_state(&self, d: &ModelDims) -> Result<CudaGdnState> {
-        let st = self.cx.stream();
-        Ok(CudaGdnState {
-            conv: st.alloc_zeros(3 * d.conv_dim())?,
-            ssm: st.alloc_zeros(d.linear_num_value_heads * d.linear_key_head_dim * d.linear_value_head_dim)?,
-        })
-    }
-
-    fn new_kv_cache(&self, d: &ModelDims, max_context: usize) -> Result<CudaKvCache> {
+    /// Pools of at most the planned slots (the step buffers are sized for them).
+    fn new_gdn_pool(&self, d: &ModelDims, slots: usize) -> Result<CudaGdnPool> {
         ensure!(
-            max_context <= self.plan.max_context,
-            "a K/V cache of {max_context} tokens exceeds the {} tokens the memory plan was checked for",
-            self.plan.max_context
+            (1..=self.cap.slots).contains(&slots),
+            "a recurrent pool of {slots} slots: the memory plan was made for 1..={} (--max-seqs)",
+            self.cap.slots
         );
-        let n = max_context * d.num_key_value_heads * d.head_dim;
-        Ok(CudaKvCache { k: self.cx.alloc(n)?, v: self.cx.alloc(n)?, max_context })
-    }
-
-    fn reset_gdn_state(&self, s: &mut CudaGdnState) {
+        let (c, s) = plan::gdn_slot_elems(d);
         let st = self.cx.stream();
-        if let Err(e) = st.memset_zeros(&mut s.conv).and_then(|_| st.memset_zeros(&mut s.ssm)) {
-            *self.deferred.lock().unwrap_or_else(|e| e.into_inner()) =
-                Some(anyhow::Error::new(e).context("clearing the recurrent state"));
-        }
+        Ok(CudaGdnPool { conv: st.alloc_zeros(slots * c)?, ssm: st.alloc_zeros(slots * s)?, slots })
     }
 
-    /// Positions past the sequence are never read (attention masks by position), so no
-    /// clearing is needed.
-    fn reset_kv_cache(&self, _c: &mut CudaKvCache) {}
-
-    fn new_decode_graph(&self) -> Result<CudaDecodeGraph> {
-        Ok(CudaDecodeGraph { graph: None, key: 0, pdl: false, skip: None })
+    fn new_kv_pool(&self, d: &ModelDims, blocks: usize) -> Result<CudaKvPool> {
+        ensure!(
+            blocks >= 1 && blocks <= self.cap.blocks,
+            "a K/V pool of {blocks} blocks: the memory plan was made for 1..={} (--kv-budget)",
+            self.cap.blocks
+        );
+        let n = blocks * KV_BLOCK * d.num_key_value_heads * d.head_dim;
+        Ok(CudaKvPool { k: self.cx.alloc(n)?, v: self.cx.alloc(n)?, blocks })
     }
 
-    /// Writes `[id, pos]` to the device, then replays the captured step, capturing it first if
-    /// `g` holds none (or one of another model). Profiling runs the step eagerly (events cannot
-    /// bracket launches inside a graph).
-    fn decode_step(
+    fn clear_slot(&self, p: &mut CudaGdnPool, slot: usize) -> Result<()> {
+        ensure!(slot < p.slots, "state slot {slot} outside the pool of {}", p.slots);
+        let (c, s) = plan::gdn_slot_elems(&self.dims);
+        let st = self.cx.stream();
+        st.memset_zeros(&mut p.conv.slice_mut(slot * c..(slot + 1) * c)).context("clearing the conv state")?;
+        st.memset_zeros(&mut p.ssm.slice_mut(slot * s..(slot + 1) * s)).context("clearing the recurrent state")?;
+        Ok(())
+    }
+
+    fn new_step_graphs(&self) -> Result<CudaStepGraphs> {
+        Ok(CudaStepGraphs { graphs: HashMap::new() })
+    }
+
+    /// Writes the batch description to `desc`, then, for a decode batch, replays the graph of
+    /// that many sequences (capturing `run` first if `g` holds none, or one of another model);
+    /// other batches run eagerly. Profiling runs every step eagerly (events cannot bracket
+    /// launches inside a graph).
+    fn step(
         &self,
-        g: &mut CudaDecodeGraph,
+        g: &mut CudaStepGraphs,
         table: &CudaEmbedding,
-        id: u32,
-        pos: usize,
-        step: &mut dyn FnMut() -> Result<CudaLogits>,
+        batch: &Batch,
+        run: &mut dyn FnMut() -> Result<CudaLogits>,
     ) -> Result<CudaLogits> {
         self.check_deferred()?;
-        ensure!(
-            (id as usize) < self.dims.vocab_size,
-            "token id {id} is outside the vocabulary of {}",
-            self.dims.vocab_size
-        );
-        let p = i32::try_from(pos).map_err(|_| anyhow::anyhow!("position {pos} does not fit the kernels' int32"))?;
-        let io = [id as i32, p];
-        // SAFETY: `io` is 8 bytes into the 2-element device buffer; a copy from pageable host
-        // memory returns once the bytes are staged, so the stack array may go out of scope.
-        unsafe {
-            cudarc::driver::result::memcpy_htod_async(self.cx.addr(&self.dec.io), &io, self.cx.stream().cu_stream())
-        }?;
+        self.upload_desc(batch)?;
+        let mut scope = StepScope::enter(self, batch);
         let profiling = self.prof.lock().unwrap_or_else(|e| e.into_inner()).is_some();
-        let mut mode = DecodeMode::enter(self);
-        if profiling || !self.graphs.load(Relaxed) {
-            step()
+        if batch.is_decode() && !profiling && self.graphs.load(Relaxed) {
+            self.replay(&mut scope, g, table, batch.seqs.len(), run)
         } else {
-            self.replay(&mut mode, g, table, step)
+            run()
         }
     }
 
-    fn embed(&self, d: &ModelDims, table: &CudaEmbedding, ids: &[u32]) -> Result<CudaAct> {
+    fn embed(&self, d: &ModelDims, table: &CudaEmbedding, batch: &Batch) -> Result<CudaAct> {
         let table = &table.table;
         self.check_deferred()?;
-        ensure!(!ids.is_empty(), "embedding of no tokens");
-        if let Some(bad) = ids.iter().find(|&&i| i as usize >= d.vocab_size) {
+        let t = batch.rows();
+        ensure!(t > 0, "embedding of no tokens");
+        if let Some(bad) = batch.ids.iter().find(|&&i| i as usize >= d.vocab_size) {
             bail!("token id {bad} is outside the vocabulary of {}", d.vocab_size);
         }
-        let t = ids.len();
-        if self.decoding.load(Relaxed) {
-            // A decode step: the token was written to `dec.io` by `decode_step`; the row goes to
-            // the static buffers (no allocation, so the step can be captured).
-            ensure!(t == 1, "a decode step embeds one token, got {t}");
+        if batch.is_decode() {
+            // A decode step: the ids are in `desc` (written by `step`); the rows go to the
+            // static buffers (no allocation, so the step can be captured).
+            self.describe(batch)?;
             let (h, delta) = (self.dec.h.clone(), self.dec.delta.clone());
-            self.k_embed(
-                at(self, &self.dec.io, 0),
-                at(self, table, 0),
-                at(self, &h, 0),
-                1,
-                d.hidden_size,
-                d.vocab_size,
-            )?;
-            return Ok(CudaAct { t, h, delta, pending: Cell::new(0) });
+            self.k_embed(self.desc_at(0), at(self, table, 0), at(self, &h, 0), t, d.hidden_size, d.vocab_size)?;
+            return Ok(CudaAct::new(t, h, delta));
         }
-        let ids32: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+        let ids32: Vec<i32> = batch.ids.iter().map(|&i| i as i32).collect();
         let dev_ids = self.cx.upload(&ids32)?;
         let h = Arc::new(self.cx.alloc::<u16>(t * d.hidden_size)?);
         let delta = Arc::new(self.cx.alloc::<u16>(t * d.hidden_size)?);
         self.k_embed(at(self, &dev_ids, 0), at(self, table, 0), at(self, &h, 0), t, d.hidden_size, d.vocab_size)?;
         // `dev_ids` is freed stream-ordered after the gather that reads it.
-        Ok(CudaAct { t, h, delta, pending: Cell::new(0) })
+        Ok(CudaAct::new(t, h, delta))
     }
 
-    fn gated_deltanet_prefill<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
+    fn gated_deltanet<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
         &self,
         _d: &ModelDims,
         norm: &CudaVector,
         w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
-        state: &mut CudaGdnState,
+        pool: &mut CudaGdnPool,
+        batch: &Batch,
         h: &mut CudaAct,
     ) -> Result<()> {
-        self.gdn_layer(norm, w, state, h)
+        self.layer_start(h, batch)?;
+        if let Some(s) = batch.seqs.iter().find(|s| s.slot >= pool.slots) {
+            bail!("state slot {} outside the pool of {}", s.slot, pool.slots);
+        }
+        let g = group_rows(batch);
+        if g > 0 {
+            self.gdn_rows(norm, w, pool, Rows::Group, 0, g, h)?;
+        }
+        for (i, (s, r)) in batch.seqs.iter().zip(batch.row_starts()).enumerate().skip(g) {
+            for c0 in (0..s.len).step_by(CHUNK) {
+                let n = CHUNK.min(s.len - c0);
+                self.gdn_rows(norm, w, pool, Rows::Seq { slot: s.slot, pos: s.pos + c0, table: i }, r + c0, n, h)?;
+            }
+        }
+        h.pending.set(h.t);
+        Ok(())
     }
 
-    fn gated_deltanet_decode<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
-        &self,
-        _d: &ModelDims,
-        norm: &CudaVector,
-        w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
-        state: &mut CudaGdnState,
-        h: &mut CudaAct,
-    ) -> Result<()> {
-        ensure!(h.t == 1, "decode runs one token, got {}", h.t);
-        self.gdn_layer(norm, w, state, h)
-    }
-
-    fn attention_prefill<Q: Prec, K: Prec, V: Prec, O: Prec>(
-        &self,
-        _d: &ModelDims,
-        norm: &CudaVector,
-        w: &GatedAttention<Self, Q, K, V, O>,
-        cache: &mut CudaKvCache,
-        pos: usize,
-        h: &mut CudaAct,
-    ) -> Result<()> {
-        self.attention_layer(norm, w, cache, pos, h)
-    }
-
-    fn attention_decode<Q: Prec, K: Prec, V: Prec, O: Prec>(
+    fn attention<Q: Prec, K: Prec, V: Prec, O: Prec>(
         &self,
         _d: &ModelDims,
         norm: &CudaVector,
         w: &GatedAttention<Self, Q, K, V, O>,
-        cache: &mut CudaKvCache,
-        pos: usize,
+        pool: &mut CudaKvPool,
+        batch: &Batch,
         h: &mut CudaAct,
     ) -> Result<()> {
-        ensure!(h.t == 1, "decode runs one token, got {}", h.t);
-        self.attention_layer(norm, w, cache, pos, h)
+        self.layer_start(h, batch)?;
+        for s in &batch.seqs {
+            let need = (s.pos + s.len).div_ceil(KV_BLOCK);
+            if let Some(b) = s.blocks[..need.min(s.blocks.len())].iter().find(|&&b| b as usize >= pool.blocks) {
+                bail!("K/V block {b} outside the pool of {}", pool.blocks);
+            }
+        }
+        let g = group_rows(batch);
+        if g > 0 {
+            self.attention_rows(norm, w, pool, Rows::Group, 0, g, h)?;
+        }
+        for (i, (s, r)) in batch.seqs.iter().zip(batch.row_starts()).enumerate().skip(g) {
+            for c0 in (0..s.len).step_by(CHUNK) {
+                let n = CHUNK.min(s.len - c0);
+                self.attention_rows(
+                    norm,
+                    w,
+                    pool,
+                    Rows::Seq { slot: s.slot, pos: s.pos + c0, table: i },
+                    r + c0,
+                    n,
+                    h,
+                )?;
+            }
+        }
+        h.pending.set(h.t);
+        Ok(())
     }
 
     fn sparse_moe<R: Prec, Eg: Prec, Eu: Prec, Ed: Prec, Sg: Prec, Su: Prec, Sd: Prec, Sgate: Prec>(
@@ -914,9 +1088,10 @@ impl Backend for CudaBackend {
         d: &ModelDims,
         norm: &CudaVector,
         w: &SparseMoe<Self, R, Eg, Eu, Ed, Sg, Su, Sd, Sgate>,
+        batch: &Batch,
         h: &mut CudaAct,
     ) -> Result<()> {
-        self.layer_start(h)?;
+        self.layer_start(h, batch)?;
         ensure!(w.shared_up_proj.dev.is_none(), "shared_expert.up_proj must be fused into gate_proj");
         let (hs, e, k, inter) = (d.hidden_size, w.experts.experts, d.top_k, d.moe_intermediate_size);
         let (sgu, sdn) = (w.shared_gate_proj.dev("shared gate_up")?, w.shared_down_proj.dev("shared down")?);
@@ -932,14 +1107,15 @@ impl Backend for CudaBackend {
         let rw = self.sz.rlog_w;
         let s = &self.s;
         let rl = at(self, &s.rlog, 0);
-        for r0 in (0..h.t).step_by(CHUNK) {
-            let n = CHUNK.min(h.t - r0);
+        // Row by row: the decode group at once (GEMVs, one MoE grid z per row), each prefill
+        // sequence in chunks (grouped by expert when longer than 8 rows).
+        for (r0, n, prefill) in segments(batch) {
             let x = self.norm_rows(h, norm, r0, n)?;
             let (xq, xs) = x.q8.expect("norm_rows quantises");
             // Router logits in columns 0..E, the shared-expert gate logit in column E (one Linear).
-            self.lin(&w.gate, "mlp.gate", x, rl, rw, n)?;
+            self.lin(&w.gate, "mlp.gate", x, rl, rw, n, prefill)?;
             self.k_router(rl, at(self, &s.idx, 0), at(self, &s.wt, 0), n, e, k, rw)?;
-            if use_prefill(n) {
+            if prefill {
                 let sh = SharedExpert {
                     gu: at(self, &sgu.w, 0),
                     gus: at(self, sgu_s, 0),
@@ -1008,41 +1184,81 @@ impl Backend for CudaBackend {
         d: &ModelDims,
         norm: &CudaVector,
         lm_head: &CudaLinear<P>,
+        batch: &Batch,
         h: &CudaAct,
-        all_rows: bool,
     ) -> Result<CudaLogits> {
-        self.check_deferred()?;
+        self.layer_start(h, batch)?;
         let v = d.vocab_size;
-        let (first, rows) = if all_rows { (0, h.t) } else { (h.t - 1, 1) };
-        // A decode step must not allocate (it may be being captured: see `replay`).
-        ensure!(!(all_rows && self.decoding.load(Relaxed)), "a decode step asks for the last row's logits only");
-        let buf = if all_rows { Arc::new(self.cx.alloc::<u16>(rows * v)?) } else { self.s.logits1.clone() };
-        for r0 in (0..rows).step_by(CHUNK) {
-            let n = CHUNK.min(rows - r0);
-            let x = self.norm_rows(h, norm, first + r0, n)?;
-            self.lin(lm_head, "lm_head", x, at(self, &buf, r0 * v), v, n)?;
+        let rows = batch.logit_rows();
+        if batch.all_rows {
+            // Not a decode step (`is_decode` is false with all_rows), so it may allocate.
+            let buf = Arc::new(self.cx.alloc::<u16>(rows * v)?);
+            for (r0, n, prefill) in segments(batch) {
+                let x = self.norm_rows(h, norm, r0, n)?;
+                self.lin(lm_head, "lm_head", x, at(self, &buf, r0 * v), v, n, prefill)?;
+            }
+            h.pending.set(0);
+            return Ok(CudaLogits { rows, vocab: v, buf });
         }
-        // The rows normalised above now hold h + delta; earlier rows (last-row call) do not.
-        if h.pending.get() > 0 {
-            h.pending.set(first);
+        // Each sequence's last row, into row i (sequence order) of the static logits: the
+        // decode group's rows 0..g at once, then each later sequence's last row alone.
+        ensure!(rows <= self.cap.slots, "logits of {rows} sequences: the buffers hold {}", self.cap.slots);
+        let buf = self.dec.logits.clone();
+        let g = group_rows(batch);
+        if g > 0 {
+            let x = self.norm_rows(h, norm, 0, g)?;
+            self.lin(lm_head, "lm_head", x, at(self, &buf, 0), v, g, false)?;
+        }
+        for (i, (s, r)) in batch.seqs.iter().zip(batch.row_starts()).enumerate().skip(g) {
+            let x = self.norm_rows(h, norm, r + s.len - 1, 1)?;
+            self.lin(lm_head, "lm_head", x, at(self, &buf, i * v), v, 1, false)?;
+        }
+        // The rows normalised above now hold h + delta; the others (prefill rows) do not.
+        if g == batch.seqs.len() {
+            h.pending.set(0);
+        } else if h.pending.get() > 0 {
+            h.spent.set(true);
         }
         Ok(CudaLogits { rows, vocab: v, buf })
     }
 
-    fn sample(&self, logits: &CudaLogits, n: usize, params: &SamplingParams, step: u64) -> Result<u32> {
+    /// Greedy rows by one argmax launch, the others by one `sample_rows` launch, each over all
+    /// of its rows at once; the ids come back in `rows` order.
+    fn sample(&self, logits: &CudaLogits, n: usize, rows: &[RowSample]) -> Result<Vec<u32>> {
+        self.check_deferred()?;
         let v = logits.vocab;
         ensure!(n > 0 && n <= v, "sampling {n} of {v} logits");
-        let last = (logits.rows - 1) * v;
-        if crate::sampling::is_greedy(params) {
-            self.k_argmax(at(self, &logits.buf, last), at(self, &self.s.amax, 0), n)?;
-            let mut i = [0i32];
-            self.cx.stream().memcpy_dtoh(&self.s.amax, &mut i)?;
-            ensure!(i[0] >= 0, crate::sampling::NO_FINITE_LOGIT);
-            return Ok(i[0] as u32);
+        ensure!(rows.len() <= self.cap.slots, "sampling {} rows: the sampler holds {}", rows.len(), self.cap.slots);
+        if let Some(r) = rows.iter().find(|r| r.row >= logits.rows) {
+            bail!("sampling row {} of {} logits rows", r.row, logits.rows);
         }
-        let mut s = self.sampler.lock().unwrap_or_else(|e| e.into_inner());
-        self.cx.sample_rows(&logits.buf, last, v, n, &[(*params, step)], &mut s)?;
-        Ok(self.cx.sampled_ids(&s, 1)?[0])
+        let mut out = vec![0u32; rows.len()];
+        let (greedy, drawn): (Vec<usize>, Vec<usize>) =
+            (0..rows.len()).partition(|&i| crate::sampling::is_greedy(&rows[i].params));
+        if !greedy.is_empty() {
+            let lr: Vec<i32> = greedy.iter().map(|&i| rows[i].row as i32).collect();
+            let (idx, lrows) = (at(self, &self.s.amax, 0), at(self, &self.s.amax_rows, 0));
+            // SAFETY: at most `cap.slots` rows (checked above), the scratch's length; a copy from
+            // pageable host memory returns once the bytes are staged.
+            unsafe { cudarc::driver::result::memcpy_htod_async(lrows, &lr, self.cx.stream().cu_stream()) }?;
+            self.k_argmax(at(self, &logits.buf, 0), idx, lr.len(), n, v, Some(lrows))?;
+            let mut ids = vec![0i32; lr.len()];
+            self.cx.stream().memcpy_dtoh(&self.s.amax.slice(0..lr.len()), &mut ids)?;
+            for (&i, &id) in greedy.iter().zip(&ids) {
+                ensure!(id >= 0, crate::sampling::NO_FINITE_LOGIT);
+                out[i] = id as u32;
+            }
+        }
+        if !drawn.is_empty() {
+            let req: Vec<(usize, crate::engine::SamplingParams, u64)> =
+                drawn.iter().map(|&i| (rows[i].row, rows[i].params, rows[i].step)).collect();
+            let mut s = self.sampler.lock().unwrap_or_else(|e| e.into_inner());
+            self.cx.sample_rows(&logits.buf, v, n, &req, &mut s)?;
+            for (&i, id) in drawn.iter().zip(self.cx.sampled_ids(&s, req.len())?) {
+                out[i] = id;
+            }
+        }
+        Ok(out)
     }
 
     fn logits_to_host(&self, logits: &CudaLogits) -> Result<Vec<f32>> {
@@ -1054,9 +1270,13 @@ impl Backend for CudaBackend {
 
     /// `h`, with the pending delta added in bf16 as the next RMSNorm kernel would.
     fn act_to_host(&self, h: &CudaAct) -> Result<Vec<f32>> {
+        ensure!(!h.spent.get(), "hidden states read after a last-row logits call");
         let hs = self.dims.hidden_size;
-        let hv = self.cx.download(&h.h)?;
-        let dv = self.cx.download(&h.delta)?;
+        let n = h.t * hs;
+        let mut hv = vec![0u16; n];
+        let mut dv = vec![0u16; n];
+        self.cx.stream().memcpy_dtoh(&h.h.slice(0..n), &mut hv)?;
+        self.cx.stream().memcpy_dtoh(&h.delta.slice(0..n), &mut dv)?;
         let pend = h.pending.get() * hs;
         Ok(hv
             .iter()
@@ -1071,5 +1291,38 @@ impl Backend for CudaBackend {
                 }
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(lens: &[usize]) -> Batch {
+        let seqs: Vec<SeqRows> =
+            lens.iter().enumerate().map(|(i, &len)| SeqRows { slot: i, pos: 10, len, blocks: vec![0; 64] }).collect();
+        Batch { ids: vec![0; lens.iter().sum()], seqs, all_rows: false }
+    }
+
+    /// The leading one-row sequences form the decode group (one segment of GEMV rows); every
+    /// later sequence runs alone, in chunks of CHUNK (prefill kernels above 8 rows), a one-row
+    /// sequence after a prefill chunk included.
+    #[test]
+    fn decode_group_then_sequences_in_chunks() {
+        let b = batch(&[1, 1, 3000, 1, 5, 9]);
+        assert_eq!(group_rows(&b), 2);
+        assert_eq!(
+            segments(&b),
+            vec![
+                (0, 2, false),
+                (2, CHUNK, true),
+                (2 + CHUNK, 3000 - CHUNK, true),
+                (3002, 1, false),
+                (3003, 5, false),
+                (3008, 9, true)
+            ]
+        );
+        assert_eq!(group_rows(&batch(&[4, 1])), 0);
+        assert_eq!(segments(&batch(&[1; 13])), vec![(0, 13, false)]);
     }
 }

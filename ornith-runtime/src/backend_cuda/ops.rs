@@ -299,6 +299,9 @@ impl CudaBackend {
         )
     }
 
+    /// Causal conv + SiLU of `t` tokens of one sequence (state at `state`), or with
+    /// `slots = Some((slot, stride))` of `t` sequences, token i continuing the state at
+    /// `state + slot[i] · stride` (one grid row per token).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn k_conv(
         &self,
@@ -309,6 +312,7 @@ impl CudaBackend {
         t: usize,
         channels: usize,
         x_stride: usize,
+        slots: Option<(Ptr, usize)>,
     ) -> Result<()> {
         let p = OrnithConvParams {
             x: x as _,
@@ -318,20 +322,26 @@ impl CudaBackend {
             tokens: t as i32,
             channels: channels as i32,
             x_stride: x_stride as i32,
+            slot: slots.map_or(std::ptr::null(), |s| s.0 as _),
+            state_stride: slots.map_or(0, |s| s.1 as i32),
         };
+        let rows = if slots.is_some() { t as u32 } else { 1 };
         self.go(
             "conv1d_silu",
-            (channels.div_ceil(256) as u32, 1, 1),
+            (channels.div_ceil(256) as u32, rows, 1),
             256,
             (channels * (8 + 12) + t * channels * 4) as u64,
             p,
         )
     }
 
+    /// Recurrent delta rule: `p.tokens` tokens of one sequence, or with `p.slot` one token of
+    /// each of `p.tokens` sequences (grid z = tokens; every state is read and written once).
     pub(super) fn k_gdn(&self, p: OrnithGdnParams) -> Result<()> {
         let (t, hv, hk) = (p.tokens as usize, p.v_heads as usize, p.k_heads as usize);
-        let bytes = hv * 128 * 128 * 4 * 2 + t * ((2 * hk * 128 + hv * 128) * 2 + 4 * hv + hv * 128 * 2);
-        self.go("gdn_recurrent", (hv as u32, 4, 1), 128, bytes as u64, p)
+        let states = if p.slot.is_null() { 1 } else { t };
+        let bytes = states * hv * 128 * 128 * 4 * 2 + t * ((2 * hk * 128 + hv * 128) * 2 + 4 * hv + hv * 128 * 2);
+        self.go("gdn_recurrent", (hv as u32, 4, states as u32), 128, bytes as u64, p)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -367,10 +377,11 @@ impl CudaBackend {
         self.go("qk_norm_rope", ((qh + kvh) as u32, t as u32, 1), d as u32, bytes as u64, p)
     }
 
-    /// Split-sequence attention + combine; bytes are the K/V rows read (per token).
+    /// Split-sequence attention + combine; bytes are the K/V rows read (per token; for per-row
+    /// positions, whose values only the device knows, one key per row: a lower bound).
     pub(super) fn k_attention(&self, p: OrnithAttnParams) -> Result<()> {
         let (t, kvh, qh, splits) = (p.tokens as usize, p.kv_heads as usize, p.q_heads as usize, p.splits as usize);
-        let total = (p.pos0 as usize) + t;
+        let total = if p.pos_dev.is_null() { (p.pos0 as usize) + t } else { 1 };
         let kv_bytes = t * total * kvh * 256 * 2 * 2;
         let group = (qh / kvh) as u32;
         self.go("attn_decode_split", (splits as u32, kvh as u32, t as u32), 32 * group, kv_bytes as u64, p)?;
@@ -378,13 +389,31 @@ impl CudaBackend {
         self.go("attn_decode_combine", (qh as u32, t as u32, 1), 256, part as u64, p)
     }
 
-    pub(super) fn k_argmax(&self, logits: Ptr, idx: Ptr, n: usize) -> Result<()> {
-        let p = OrnithArgmaxParams { logits: logits as _, idx: idx as _, tokens: 1, n: n as i32, stride: n as i32 };
-        self.go("argmax_bf16", (1, 1, 1), 1024, (n * 2) as u64, p)
+    /// Argmax of the first `n` columns of `rows` logits rows (row stride `stride`): row i of
+    /// `logit_row` (device int32) when given, else row i.
+    pub(super) fn k_argmax(
+        &self,
+        logits: Ptr,
+        idx: Ptr,
+        rows: usize,
+        n: usize,
+        stride: usize,
+        logit_row: Option<Ptr>,
+    ) -> Result<()> {
+        let p = OrnithArgmaxParams {
+            logits: logits as _,
+            idx: idx as _,
+            tokens: rows as i32,
+            n: n as i32,
+            stride: stride as i32,
+            logit_row: logit_row.map_or(std::ptr::null(), |r| r as _),
+        };
+        self.go("argmax_bf16", (rows as u32, 1, 1), 1024, (rows * n * 2) as u64, p)
     }
 
-    /// `y = x @ W^T` for `t` rows: the prefill GEMM when `t > 8` (and the operands are 16-byte
-    /// aligned), else the decode GEMV in blocks of 8 rows. FP8 Linears quantise `x` first (per
+    /// `y = x @ W^T` for `t` rows: the prefill GEMM when `prefill` (a chunk of one sequence of
+    /// more than 8 rows, and the operands are 16-byte aligned), else the decode GEMV in blocks of
+    /// 8 rows (each row the single-row kernel's bits, whatever the other rows: a decode group). FP8 Linears quantise `x` first (per
     /// token, compressed-tensors semantics) unless `x.q8` is given. Both kernels compute the same
     /// cast points (fp32 sums, one bf16 rounding of the scaled sum); they differ in summation order.
     #[allow(clippy::too_many_arguments)]
@@ -396,13 +425,15 @@ impl CudaBackend {
         y: Ptr,
         y_stride: usize,
         t: usize,
+        prefill: bool,
     ) -> Result<()> {
         use super::prefill_ops::{gemm_aligned, use_prefill};
         ensure!(t >= 1, "linear on zero rows");
+        let prefill = prefill && use_prefill(t);
         let (in_, out) = (w.in_features, w.out_features);
         match w.scale {
             None => {
-                if use_prefill(t) && gemm_aligned(x.bf, x.stride * 2, in_ * 2) {
+                if prefill && gemm_aligned(x.bf, x.stride * 2, in_ * 2) {
                     return self.k_gemm_bf16(x.bf, w.w, y, t, in_, out, x.stride, y_stride);
                 }
                 for r0 in (0..t).step_by(GEMV_ROWS) {
@@ -427,7 +458,7 @@ impl CudaBackend {
                         (q8_scratch.0, q8_scratch.1, in_)
                     }
                 };
-                if use_prefill(t) && gemm_aligned(xq, xstride, in_) {
+                if prefill && gemm_aligned(xq, xstride, in_) {
                     return self.k_gemm_fp8(xq, xsc, w.w, ws, y, t, in_, out, xstride, y_stride);
                 }
                 for r0 in (0..t).step_by(GEMV_ROWS) {

@@ -1,17 +1,37 @@
 //! What the CUDA backend will allocate, computed before anything is allocated and checked
 //! against the device's free memory (`cuMemGetInfo`): on a unified-memory machine (DGX Spark) an
 //! overcommit wedges the whole system instead of failing an allocation.
-use crate::graph::ModelDims;
+use crate::engine::{Capacity, PoolRequest};
+use crate::graph::{ModelDims, KV_BLOCK};
 use crate::weights::Checkpoint;
 use anyhow::{ensure, Result};
 use model_spec::{DType, LayerKind};
 
-/// Rows of one prefill chunk: a layer runs its prompt in chunks of this many tokens (exact: the
-/// conv/recurrent states and the K/V cache carry across chunks), so scratch does not grow with
-/// the prompt. 2048 rows give the MoE's grouped GEMMs ~64 rows per expert (top-8 of 256), so each
-/// chunk reads every expert's weights once for 4x the rows of a 512-row chunk; the scratch is
-/// ~0.4 GiB at the 35B shapes.
-pub const CHUNK: usize = 2048;
+/// Rows of one prefill chunk: a layer runs a sequence's rows in chunks of this many tokens
+/// (exact: the conv/recurrent states and the K/V blocks carry across chunks), so scratch does not
+/// grow with the prompt. The engine's chunk ([`crate::engine::PREFILL_CHUNK`], one source): 2048
+/// rows give the MoE's grouped GEMMs ~64 rows per expert (top-8 of 256), so each chunk reads
+/// every expert's weights once for 4x the rows of a 512-row chunk; the scratch is ~0.4 GiB at the
+/// 35B shapes. A decode group (at most [`MAX_DECODE_ROWS`] rows) fits the same scratch.
+pub const CHUNK: usize = crate::engine::PREFILL_CHUNK;
+/// Most sequences at once (state slots): the decode group's static buffers and the sampler are
+/// sized for the pool's slots, at most this many (and a group must fit one chunk's scratch).
+pub const MAX_DECODE_ROWS: usize = 256;
+const _: () = assert!(MAX_DECODE_ROWS <= CHUNK);
+/// Slots the plan chooses when `--max-seqs` is not given (fewer when they do not fit).
+pub const DEFAULT_MAX_SEQS: usize = 64;
+
+/// Element counts of one slot of a Gated DeltaNet pool: conv `[3, conv_dim]` (bf16) and
+/// recurrent `[Hv, dk, dv]` (f32).
+pub fn gdn_slot_elems(d: &ModelDims) -> (usize, usize) {
+    (3 * d.conv_dim(), d.linear_num_value_heads * d.linear_key_head_dim * d.linear_value_head_dim)
+}
+
+/// int32 elements of the step description for `rows` slots and tables of `width` blocks:
+/// ids, positions, slots `[rows]` each and a table row `[width]` per sequence.
+pub fn desc_len(rows: usize, width: usize) -> usize {
+    rows * (3 + width)
+}
 /// Query rows of one attention launch during prefill (the split-K partials scale with it).
 pub const ATTN_ROWS: usize = 8;
 /// Most sequence splits of one attention launch, and the shortest split.
@@ -138,41 +158,113 @@ impl ScratchSizes {
                 + c * d.num_attention_heads * d.head_dim
                 + c * self.rlog_w
                 + c * self.slots * 2 * d.moe_intermediate_size
-                + c * self.slots * d.hidden_size
-                + d.vocab_size);
-        // idx + wt, amax, and the MoE prefill's group/tile offsets, row_token and row_of.
-        // (gdn_work: fp32, counted below.)
+                + c * self.slots * d.hidden_size);
+        // idx + wt, and the MoE prefill's group/tile offsets, row_token and row_of.
+        // (gdn_work: fp32, counted below; the greedy sampler's rows: per slot, `step_bytes_per_slot`.)
         let f4 = 4
             * (self.xs
                 + self.asc
                 + self.part_o
                 + self.part_ml
                 + c * d.top_k * 2
-                + 1
                 + 2 * (d.num_experts + 1)
                 + 2 * c * d.top_k);
-        let sampler = crate::cuda::sample::SampleScratch::bytes(1, d.vocab_size);
-        (bf + self.xq + self.aq + f4 + 4 * self.gdn_work) as u64 + sampler
+        (bf + self.xq + self.aq + f4 + 4 * self.gdn_work) as u64
     }
 }
 
-/// The device memory the backend will hold, by purpose.
+/// Device bytes of the step buffers per slot (the decode group has at most one row per slot):
+/// the description row (`desc_len`), the residual and delta rows, a logits row, the sampler's
+/// row and the greedy sampler's two ints.
+pub fn step_bytes_per_slot(d: &ModelDims, table_width: usize) -> u64 {
+    (4 * desc_len(1, table_width) + 2 * 2 * d.hidden_size + 2 * d.vocab_size + 8) as u64
+        + crate::cuda::sample::SampleScratch::bytes(1, d.vocab_size)
+}
+
+/// What the pools cost: `fixed` bytes whatever their size (weights, scratch, prompt
+/// activations, margin), `per_slot` per state slot (recurrent state of every GDN layer + step
+/// buffers), `per_block` per K/V block (every attention layer), and the blocks one sequence of
+/// the longest context needs.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolCosts {
+    pub fixed: u64,
+    pub per_slot: u64,
+    pub per_block: u64,
+    pub seq_blocks: usize,
+}
+
+/// Sizes the pools within `free` bytes: slots = `--max-seqs`, or as many as fit up to
+/// [`DEFAULT_MAX_SEQS`] beside the fixed part and a K/V pool of `--kv-budget` (or of one
+/// longest sequence); blocks = `--kv-budget` / block bytes, or what is left after the slots,
+/// between one longest sequence and `slots` of them. Refuses, naming the flag, what cannot hold
+/// one sequence of `max_context` tokens. (The total is checked by [`MemoryPlan::check`].)
+pub fn size_pools(c: &PoolCosts, req: &PoolRequest, free: u64) -> Result<Capacity> {
+    let g = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let (sb, ctx) = (c.seq_blocks, req.max_context);
+    let one_seq = c.fixed + c.per_slot + sb as u64 * c.per_block;
+    ensure!(
+        one_seq <= free,
+        "not enough GPU memory for one sequence of --max-context {ctx} tokens: it needs {:.2} GiB (weights, scratch and \
+         margin {:.2}, one state slot {:.2}, {sb} K/V blocks {:.2}) but {:.2} GiB is free. Fix: lower --max-context, \
+         free GPU memory, or use --backend cpu.",
+        g(one_seq), g(c.fixed), g(c.per_slot), g(sb as u64 * c.per_block), g(free)
+    );
+    // no attention layer: K/V blocks cost nothing
+    let blocks_of = |bytes: u64| bytes.checked_div(c.per_block).map_or(usize::MAX, |n| n as usize);
+    if let Some(b) = req.kv_budget {
+        let n = blocks_of(b);
+        ensure!(
+            n >= sb,
+            "--kv-budget {b} bytes holds {n} K/V blocks of {KV_BLOCK} tokens; one sequence of --max-context {ctx} \
+             needs {sb} ({:.2} GiB). Fix: raise --kv-budget or lower --max-context.",
+            g(sb as u64 * c.per_block)
+        );
+    }
+    let slots = match req.max_seqs {
+        Some(n) => {
+            ensure!(
+                (1..=MAX_DECODE_ROWS).contains(&n),
+                "--max-seqs {n}: the CUDA backend runs 1 to {MAX_DECODE_ROWS} sequences at once"
+            );
+            n
+        }
+        None => {
+            let kv = req.kv_budget.map_or(sb as u64 * c.per_block, |b| b.max(sb as u64 * c.per_block));
+            let room = free.saturating_sub(c.fixed + kv);
+            ((room / c.per_slot.max(1)) as usize).clamp(1, DEFAULT_MAX_SEQS)
+        }
+    };
+    let most = slots.saturating_mul(sb);
+    let blocks = match req.kv_budget {
+        Some(b) => blocks_of(b).min(most),
+        None => blocks_of(free.saturating_sub(c.fixed + slots as u64 * c.per_slot)).clamp(sb, most),
+    };
+    Ok(Capacity { slots, blocks })
+}
+
+/// The device memory the backend will hold, by purpose, for pools of `slots` and `blocks`.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct MemoryPlan {
     pub weights: u64,
     pub kv_cache: u64,
     pub recurrent_state: u64,
     pub scratch: u64,
+    /// The static step buffers (description, decode rows, logits, sampler) for `slots` rows.
+    pub step_buffers: u64,
     /// Hidden states of a prompt as long as the context (two `[T, hidden]` bf16 buffers).
     pub activations: u64,
     pub margin: u64,
     pub max_context: usize,
+    pub slots: usize,
+    pub blocks: usize,
     pub attention_layers: usize,
     pub gdn_layers: usize,
 }
 
 impl MemoryPlan {
-    pub fn new(ck: &Checkpoint, d: &ModelDims, max_context: usize) -> Self {
+    /// Sizes the pools for `req` within `free` bytes ([`size_pools`]; `source` names where
+    /// `free` came from) and returns the plan and the pools' capacity.
+    pub fn new(ck: &Checkpoint, d: &ModelDims, req: &PoolRequest, free: u64, source: &str) -> Result<(Self, Capacity)> {
         let spec = &ck.spec;
         // Weights are uploaded as stored, except that scales and vectors are widened to f32
         // (vectors are also kept as bf16) — count 4 more bytes per element for those.
@@ -188,27 +280,51 @@ impl MemoryPlan {
         }
         let attention_layers = spec.layers.iter().filter(|l| l.kind == LayerKind::FullAttention).count();
         let gdn_layers = spec.layers.len() - attention_layers;
-        let kv_cache = (attention_layers * max_context * d.num_key_value_heads * d.head_dim * 2 * 2) as u64;
-        let recurrent_state = (gdn_layers
-            * (3 * d.conv_dim() * 2 + d.linear_num_value_heads * d.linear_key_head_dim * d.linear_value_head_dim * 4))
-            as u64;
+        let max_context = req.max_context;
+        let width = max_context.div_ceil(KV_BLOCK);
+        let (conv, ssm) = gdn_slot_elems(d);
+        let state_per_slot = (gdn_layers * (conv * 2 + ssm * 4)) as u64;
+        let step_per_slot = step_bytes_per_slot(d, width);
+        let per_block = (attention_layers * KV_BLOCK * d.num_key_value_heads * d.head_dim * 2 * 2) as u64;
         let scratch = ScratchSizes::new(d).bytes(d);
         let activations = (max_context * (d.hidden_size * 4 + 4)) as u64;
-        MemoryPlan {
+        let costs = PoolCosts {
+            fixed: weights + scratch + activations + MARGIN,
+            per_slot: state_per_slot + step_per_slot,
+            per_block,
+            seq_blocks: width,
+        };
+        let cap = size_pools(&costs, req, free).map_err(|e| e.context(format!("sizing the state pools ({source})")))?;
+        let plan = MemoryPlan {
             weights,
-            kv_cache,
-            recurrent_state,
+            kv_cache: cap.blocks as u64 * per_block,
+            recurrent_state: cap.slots as u64 * state_per_slot,
             scratch,
+            step_buffers: cap.slots as u64 * step_per_slot,
             activations,
             margin: MARGIN,
             max_context,
+            slots: cap.slots,
+            blocks: cap.blocks,
             attention_layers,
             gdn_layers,
-        }
+        };
+        Ok((plan, cap))
+    }
+
+    /// Blocks of one block table row: enough for the planned context.
+    pub fn table_width(&self) -> usize {
+        self.max_context.div_ceil(KV_BLOCK)
     }
 
     pub fn total(&self) -> u64 {
-        self.weights + self.kv_cache + self.recurrent_state + self.scratch + self.activations + self.margin
+        self.weights
+            + self.kv_cache
+            + self.recurrent_state
+            + self.scratch
+            + self.step_buffers
+            + self.activations
+            + self.margin
     }
 
     /// Errors with the numbers when the plan does not fit `free` bytes (`source`: where that
@@ -217,11 +333,13 @@ impl MemoryPlan {
         let g = |b: u64| b as f64 / (1u64 << 30) as f64;
         ensure!(
             self.total() <= free,
-            "not enough GPU memory on '{device}': the CUDA backend needs {:.2} GiB (weights {:.2}, K/V cache {:.2} for {} tokens, \
-             recurrent state {:.2}, scratch {:.2}, activations {:.2}, margin {:.2}) but only {:.2} GiB of {:.2} GiB is free ({source}). \
-             Fix: lower --max-context or --kv-budget, free GPU memory, or use --backend cpu.",
-            g(self.total()), g(self.weights), g(self.kv_cache), self.max_context, g(self.recurrent_state), g(self.scratch),
-            g(self.activations), g(self.margin), g(free), g(total_mem)
+            "not enough GPU memory on '{device}': the CUDA backend needs {:.2} GiB (weights {:.2}, K/V cache {:.2} in {} blocks, \
+             recurrent state {:.2} for {} sequences, scratch {:.2}, step buffers {:.2}, activations {:.2} for {} tokens, \
+             margin {:.2}) but only {:.2} GiB of {:.2} GiB is free ({source}). \
+             Fix: lower --max-context, --max-seqs or --kv-budget, free GPU memory, or use --backend cpu.",
+            g(self.total()), g(self.weights), g(self.kv_cache), self.blocks, g(self.recurrent_state), self.slots,
+            g(self.scratch), g(self.step_buffers), g(self.activations), self.max_context, g(self.margin), g(free),
+            g(total_mem)
         );
         Ok(())
     }
@@ -288,9 +406,12 @@ mod tests {
             kv_cache: 5 * gib,
             recurrent_state: 0,
             scratch: gib,
+            step_buffers: 0,
             activations: 0,
             margin: MARGIN,
             max_context: 262144,
+            slots: 4,
+            blocks: 20,
             attention_layers: 10,
             gdn_layers: 30,
         };
@@ -305,12 +426,44 @@ mod tests {
             "needs 44.00 GiB",
             "weights 37.00",
             "262144 tokens",
+            "4 sequences",
+            "--max-seqs",
             "of 120.00 GiB",
             "MemAvailable",
             "--kv-budget",
         ] {
             assert!(e.contains(want), "missing {want:?} in: {e}");
         }
+    }
+
+    #[test]
+    fn pools_sized_within_free_memory() {
+        let mib = 1u64 << 20;
+        // 63 MiB per slot, 5 MiB per block, 40 blocks per sequence (max_context 10240).
+        let c = PoolCosts { fixed: 1000 * mib, per_slot: 63 * mib, per_block: 5 * mib, seq_blocks: 40 };
+        let req = |s: Option<usize>, kv: Option<u64>| PoolRequest { max_seqs: s, kv_budget: kv, max_context: 10240 };
+        // Plenty of memory: 64 slots, the K/V pool capped at 64 full sequences.
+        let cap = size_pools(&c, &req(None, None), 1 << 50).unwrap();
+        assert_eq!(cap, Capacity { slots: 64, blocks: 64 * 40 });
+        // 1000 + 200 (one sequence's K/V) + 63·10 = 1830 MiB: 10 slots; K/V gets the rest.
+        let cap = size_pools(&c, &req(None, None), 1830 * mib).unwrap();
+        assert_eq!(cap.slots, 10);
+        assert_eq!(cap.blocks, (1830 - 1000 - 630) / 5);
+        // Exactly one sequence fits.
+        let cap = size_pools(&c, &req(None, None), (1000 + 63 + 200) * mib).unwrap();
+        assert_eq!(cap, Capacity { slots: 1, blocks: 40 });
+        // Explicit flags.
+        let cap = size_pools(&c, &req(Some(3), Some(400 * mib)), 1 << 40).unwrap();
+        assert_eq!(cap, Capacity { slots: 3, blocks: 80 });
+        // A budget beyond `slots` full sequences is capped there.
+        let cap = size_pools(&c, &req(Some(3), Some(4000 * mib)), 1 << 40).unwrap();
+        assert_eq!(cap, Capacity { slots: 3, blocks: 120 });
+        let e = size_pools(&c, &req(None, Some(10 * mib)), 1 << 40).unwrap_err().to_string();
+        assert!(e.contains("--kv-budget") && e.contains("needs 40"), "{e}");
+        let e = size_pools(&c, &req(None, None), 1200 * mib).unwrap_err().to_string();
+        assert!(e.contains("--max-context 10240"), "{e}");
+        let e = size_pools(&c, &req(Some(MAX_DECODE_ROWS + 1), None), 1 << 50).unwrap_err().to_string();
+        assert!(e.contains("--max-seqs"), "{e}");
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! kernels. Their math and shape
 //! assumptions are in `kernels/include/ornith_kernels.h`; the checked, slice-based launchers in
 //! [`crate::cuda::prefill`] are their unit-tested entry points (against the CPU reference ops).
-//! A prefill chunk uses them when it has more than [`GEMV_ROWS`] rows; decode keeps the GEMVs.
+//! A prefill chunk (of one sequence) uses them when it has more than [`GEMV_ROWS`] rows; decode
+//! rows keep the GEMVs.
 use super::ops::{Ptr, GEMV_ROWS};
 use super::plan::CHUNK;
 use super::CudaBackend;
@@ -128,6 +129,8 @@ impl CudaBackend {
             tokens: t as i32,
             channels: channels as i32,
             x_stride: x_stride as i32,
+            slot: std::ptr::null(),
+            state_stride: 0,
         };
         let grid = (channels.div_ceil(256) as u32, t.div_ceil(CONV_TT) as u32, 1);
         self.go("conv1d_silu_chunk", grid, 256, (channels * (8 + 12) + t * channels * 4) as u64, p)
@@ -139,6 +142,7 @@ impl CudaBackend {
         let (t, hv, hk) = (p.tokens as usize, p.v_heads as usize, p.k_heads as usize);
         let bytes = hv * 128 * 128 * 4 * 2 + t * ((2 * hk * 128 + hv * 128) * 2 + 4 * hv + hv * 128 * 2);
         ensure!(t <= CHUNK && !p.work.is_null(), "gdn two-phase: {t} tokens > the workspace's {CHUNK}");
+        ensure!(p.slot.is_null(), "gdn two-phase: the chunked form runs one sequence");
         // Bytes: the prep reads q, k, b, a and writes the workspace; the scan reads q, k, v
         // per column block (L2) and the workspace, the state once, and writes o.
         let work = hv * t.div_ceil(64) * ORNITH_GDN_WORK_PER_CHUNK as usize * 4;
@@ -161,7 +165,8 @@ impl CudaBackend {
         )
     }
 
-    /// Causal flash attention of `p.tokens` queries at positions `pos0..` over the K/V cache, with
+    /// Causal flash attention of `p.tokens` queries at positions `pos0..` over the paged K/V cache
+    /// (through the sequence's block table `p.table`), with
     /// the sigmoid output gate from `p.qg`. Bytes: every K/V row once, q, the gate and the output.
     pub(super) fn k_flash_attn(&self, p: OrnithFlashAttnParams) -> Result<()> {
         let (t, qh, kvh) = (p.tokens as usize, p.q_heads as usize, p.kv_heads as usize);

@@ -4,15 +4,18 @@
 //! (generation_config.json) and top-p only (T 0.7, top-p 0.8), all sampled on the device from the
 //! tokenizer's ids as the engine does — the bytes a decode step must read and the fraction of the
 //! measured device copy bandwidth that implies, and per-kernel times of one decode step and of one prefill (CUDA
-//! events). JSON on stdout, a table on stderr.
+//! events). With `--batch 1,2,4,...`: for each batch size B, B sequences prefilled with
+//! `--batch-prompt`-token prompts (different ones), then `--gen` timed decode steps over all B at
+//! once (greedy, then the default sampling), with the aggregate and per-sequence decode tok/s
+//! and the step time. JSON on stdout, tables on stderr.
 use anyhow::{Context, Result};
 use clap::Parser;
 use cudarc::driver::sys::CUevent_flags;
 use ornith_runtime::backend_cuda::profile::{summarize, KernelSummary};
 use ornith_runtime::backend_cuda::CudaBackend;
 use ornith_runtime::cuda::CudaContext;
-use ornith_runtime::engine::SamplingParams;
-use ornith_runtime::graph::Backend;
+use ornith_runtime::engine::{PoolRequest, SamplingParams, PREFILL_CHUNK};
+use ornith_runtime::graph::{Backend, Batch, RowSample, SeqRows, KV_BLOCK};
 use ornith_runtime::weights::Checkpoint;
 use serde::Serialize;
 use std::path::PathBuf;
@@ -37,6 +40,30 @@ struct Args {
     /// Skip prompt lengths once this many seconds have passed.
     #[arg(long, default_value_t = 1e9)]
     budget_s: f64,
+    /// Batch sizes of the batched decode runs, comma-separated (none: batch 1 only).
+    #[arg(long, value_delimiter = ',')]
+    batch: Vec<usize>,
+    /// Prompt length of each sequence of a batched run.
+    #[arg(long, default_value_t = 2048)]
+    batch_prompt: usize,
+}
+
+/// One batched run: B sequences decoded together.
+#[derive(Serialize)]
+struct BatchRun {
+    batch: usize,
+    prompt_tokens: usize,
+    /// Prefill of all B prompts, one after the other (seconds).
+    prefill_s: f64,
+    decode_steps: usize,
+    /// Greedy: tokens of all sequences per second, one sequence's tokens per second, ms per step.
+    decode_tok_s: f64,
+    decode_tok_s_per_seq: f64,
+    decode_step_ms: f64,
+    /// The same steps with the checkpoint's default sampling (every row sampled in one launch).
+    decode_default_sampling_tok_s: f64,
+    decode_default_sampling_tok_s_per_seq: f64,
+    decode_default_sampling_step_ms: f64,
 }
 
 #[derive(Serialize)]
@@ -89,6 +116,97 @@ struct Report {
     sampling_top_p: String,
     memory_plan: ornith_runtime::backend_cuda::plan::MemoryPlan,
     runs: Vec<Run>,
+    batch_runs: Vec<BatchRun>,
+}
+
+/// Samples row 0 of `l` (a batch-1 step).
+fn sample1(
+    b: &CudaBackend,
+    l: &<CudaBackend as Backend>::Logits,
+    n: usize,
+    q: &SamplingParams,
+    step: u64,
+) -> Result<u32> {
+    Ok(b.sample(l, n, &[RowSample { row: 0, params: *q, step }])?[0])
+}
+
+/// Blocks one sequence of a batched run needs: the prompt, both timed decode runs and the
+/// first token.
+fn batch_seq_blocks(prompt: usize, gen: usize) -> usize {
+    (prompt + 2 * gen + 2).div_ceil(KV_BLOCK)
+}
+
+/// B sequences (slots 0..B, blocks `s·per ..` of `pools`), each prefilled in PREFILL_CHUNK
+/// chunks with its own prompt, then `gen` decode steps over all of them greedy and `gen` with
+/// `sampling` (seed + sequence), each step sampling every row in one call.
+#[allow(clippy::too_many_arguments)]
+fn batch_run(
+    b: &CudaBackend,
+    model: &compiled::Model<CudaBackend>,
+    pools: &mut compiled::Pools<CudaBackend>,
+    bsz: usize,
+    prompt_len: usize,
+    gen: usize,
+    n_vocab: usize,
+    sampling: &SamplingParams,
+) -> Result<BatchRun> {
+    let d = compiled::DIMS;
+    let per = batch_seq_blocks(prompt_len, gen);
+    let blocks = |s: usize| ((s * per) as u32..((s + 1) * per) as u32).collect::<Vec<u32>>();
+    let greedy = SamplingParams::greedy();
+    let t0 = Instant::now();
+    let mut toks = Vec::with_capacity(bsz);
+    for s in 0..bsz {
+        pools.clear_slot(b, s)?;
+        // A different prompt per sequence: the same generator, rotated ids.
+        let ids: Vec<u32> =
+            prompt(prompt_len, d.vocab_size).iter().map(|&t| (t + 7919 * s as u32) % d.vocab_size as u32).collect();
+        let mut l = None;
+        for c0 in (0..prompt_len).step_by(PREFILL_CHUNK) {
+            let chunk = &ids[c0..(c0 + PREFILL_CHUNK).min(prompt_len)];
+            l = Some(model.forward(b, pools, &Batch::single(chunk, s, c0, blocks(s), false), &mut |_, _| {})?);
+        }
+        toks.push(sample1(b, &l.expect("a prompt of at least one token"), n_vocab, &greedy, 0)?);
+    }
+    b.context().synchronize()?;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let mut pos = prompt_len;
+    // One decode step of all B sequences, row s sampled with `q` (seed + s) at stream step `step`.
+    let mut one = |q: &SamplingParams, step: u64, toks: &mut Vec<u32>, pos: &mut usize| -> Result<()> {
+        let seqs = (0..bsz).map(|s| SeqRows { slot: s, pos: *pos, len: 1, blocks: blocks(s) }).collect();
+        let batch = Batch { ids: toks.clone(), seqs, all_rows: false };
+        let l = model.forward(b, pools, &batch, &mut |_, _| {})?;
+        let rows: Vec<RowSample> = (0..bsz)
+            .map(|s| RowSample { row: s, params: SamplingParams { seed: q.seed + s as u64, ..*q }, step })
+            .collect();
+        *toks = b.sample(&l, n_vocab, &rows)?;
+        *pos += 1;
+        Ok(())
+    };
+    // One untimed step captures this batch size's graph (the blocks hold it: see batch_seq_blocks).
+    one(&greedy, 1, &mut toks, &mut pos)?;
+    let mut timed = |q: &SamplingParams| -> Result<f64> {
+        let t = Instant::now();
+        for i in 0..gen {
+            one(q, i as u64 + 2, &mut toks, &mut pos)?;
+        }
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let tg = timed(&greedy)?;
+    let ts = timed(sampling)?;
+    let (g, bs) = (gen as f64, bsz as f64);
+    Ok(BatchRun {
+        batch: bsz,
+        prompt_tokens: prompt_len,
+        prefill_s,
+        decode_steps: gen,
+        decode_tok_s: bs * g / tg,
+        decode_tok_s_per_seq: g / tg,
+        decode_step_ms: tg * 1e3 / g,
+        decode_default_sampling_tok_s: bs * g / ts,
+        decode_default_sampling_tok_s_per_seq: g / ts,
+        decode_default_sampling_step_ms: ts * 1e3 / g,
+    })
 }
 
 /// Device-to-device copy bandwidth (bytes read + written per second), median of 10 copies of 2 GiB.
@@ -183,7 +301,7 @@ fn decode_timed(
 ) -> Result<f64> {
     let t = Instant::now();
     for i in 0..steps {
-        *tok = b.sample(&model.decode_step(b, st, *tok)?, n_vocab, q, i as u64 + 1)?;
+        *tok = sample1(b, &model.decode_step(b, st, *tok)?, n_vocab, q, i as u64 + 1)?;
     }
     Ok(t.elapsed().as_secs_f64())
 }
@@ -203,7 +321,8 @@ fn run() -> Result<()> {
     let max_prompt = args.prompts.iter().copied().max().unwrap_or(512);
     // Room for the graph-decoded tokens (greedy, default sampling, top-p), as many with PDL, as
     // many eager ones, the profiled step and the ablation's steps.
-    let ctx = (max_prompt + 5 * args.gen + 16 + ABLATION_ROOM).min(d.max_position_embeddings);
+    let batch_ctx = if args.batch.is_empty() { 0 } else { args.batch_prompt + 2 * args.gen + 2 };
+    let ctx = (max_prompt + 5 * args.gen + 16 + ABLATION_ROOM).max(batch_ctx).min(d.max_position_embeddings);
     let n_vocab = ornith_runtime::tokenizer::Tokenizer::from_file(&dir.join("tokenizer.json"))?.vocab_size();
     anyhow::ensure!(n_vocab <= d.vocab_size, "the tokenizer has {n_vocab} ids, the lm_head {} rows", d.vocab_size);
     let gd = ornith_runtime::protocol::GenerationDefaults::from_model_dir(&dir)?;
@@ -223,9 +342,24 @@ fn run() -> Result<()> {
     let bw = copy_bandwidth(&cx)?;
     eprintln!("ornith-bench: {device}: device copy bandwidth {:.0} GB/s (read + write)", bw / 1e9);
     let t0 = Instant::now();
-    let b = CudaBackend::new(cx, &ck, &d, ctx, false)?;
+    // Pools: one slot of `ctx` tokens (the batch-1 runs) beside `bmax` slots of the batched runs.
+    let bmax = args.batch.iter().copied().max().unwrap_or(0);
+    let per = batch_seq_blocks(args.batch_prompt, args.gen);
+    let seq_blocks = ctx.div_ceil(KV_BLOCK);
+    let req = PoolRequest {
+        max_seqs: Some(bmax.max(1) + 1),
+        kv_budget: Some(compiled::KV_BYTES_PER_TOKEN * KV_BLOCK as u64 * (seq_blocks + bmax * per) as u64),
+        max_context: ctx,
+    };
+    let (b, cap) = CudaBackend::new(cx, &ck, &d, &req, false)?;
     let model = compiled::Model::load(&b, &ck).with_context(|| format!("loading {}", dir.display()))?;
     let mut st = compiled::Model::new_state(&b, ctx)?;
+    let mut batch_pools = if bmax > 0 {
+        anyhow::ensure!(cap.blocks >= seq_blocks + bmax * per, "the K/V pool holds {} blocks", cap.blocks);
+        Some(compiled::Model::new_pools(&b, bmax, bmax * per)?)
+    } else {
+        None
+    };
     b.context().synchronize()?;
     let load_s = t0.elapsed().as_secs_f64();
     let plan = *b.plan();
@@ -238,17 +372,17 @@ fn run() -> Result<()> {
     let static_bytes = plan.weights - expert_bytes - embed_bytes
         + (d.hidden_size * 2) as u64
         + expert_bytes * d.top_k as u64 / d.num_experts as u64;
-    let state_bytes = 2 * plan.recurrent_state;
+    let state_bytes = 2 * plan.recurrent_state / plan.slots as u64; // one sequence's
     let kv_per_pos = (plan.attention_layers * d.num_key_value_heads * d.head_dim * 2 * 2) as u64;
 
     let greedy = SamplingParams::greedy();
     // Warm-up: module JIT, allocator pools, clocks.
     {
-        st.reset(&b);
+        st.reset(&b)?;
         let l = model.prefill(&b, &mut st, &prompt(64, d.vocab_size), false, &mut |_, _| {})?;
-        let mut t = b.sample(&l, n_vocab, &greedy, 0)?;
+        let mut t = sample1(&b, &l, n_vocab, &greedy, 0)?;
         for i in 0..16 {
-            t = b.sample(&model.decode_step(&b, &mut st, t)?, n_vocab, &greedy, i + 1)?;
+            t = sample1(&b, &model.decode_step(&b, &mut st, t)?, n_vocab, &greedy, i + 1)?;
         }
     }
     let started = Instant::now();
@@ -263,10 +397,10 @@ fn run() -> Result<()> {
             continue;
         }
         let ids = prompt(p, d.vocab_size);
-        st.reset(&b);
+        st.reset(&b)?;
         let t0 = Instant::now();
         let l = model.prefill(&b, &mut st, &ids, false, &mut |_, _| {})?;
-        let mut tok = b.sample(&l, n_vocab, &greedy, 0)?;
+        let mut tok = sample1(&b, &l, n_vocab, &greedy, 0)?;
         let ttft = t0.elapsed().as_secs_f64();
         let dec = decode_timed(&b, &model, &mut st, &greedy, n_vocab, args.gen, &mut tok)?;
         // The same number of steps with sampling: the checkpoint's default, then top-p only.
@@ -283,7 +417,7 @@ fn run() -> Result<()> {
         // One more step with every launch timed by events.
         b.profile_begin();
         let l = model.decode_step(&b, &mut st, tok)?;
-        let _ = b.sample(&l, n_vocab, &greedy, 0)?;
+        let _ = sample1(&b, &l, n_vocab, &greedy, 0)?;
         let times = b.profile_end()?;
         let kernels = summarize(&times);
         let kernel_us: f64 = times.iter().map(|t| t.us).sum();
@@ -294,7 +428,7 @@ fn run() -> Result<()> {
             (0.0, Vec::new())
         });
         // One more prefill with every launch timed (after the timed runs, so it cannot slow them).
-        st.reset(&b);
+        st.reset(&b)?;
         b.profile_begin();
         let _ = model.prefill(&b, &mut st, &ids, false, &mut |_, _| {})?;
         let ptimes = b.profile_end()?;
@@ -409,6 +543,31 @@ fn run() -> Result<()> {
             );
         }
     }
+    let mut batch_runs = Vec::new();
+    if let Some(pools) = batch_pools.as_mut() {
+        for &bsz in &args.batch {
+            anyhow::ensure!(bsz >= 1, "--batch sizes must be at least 1");
+            let r = batch_run(&b, &model, pools, bsz, args.batch_prompt, args.gen, n_vocab, &default_sampling)?;
+            batch_runs.push(r);
+        }
+        eprintln!(
+            "\nbatched decode, {}-token prompts, {} steps per mode:\n{:>6} {:>10} {:>11} {:>11} {:>9} {:>12} {:>12} {:>9}",
+            args.batch_prompt, args.gen, "batch", "prefill s", "greedy t/s", "per seq", "ms/step", "default t/s", "per seq", "ms/step"
+        );
+        for r in &batch_runs {
+            eprintln!(
+                "{:>6} {:>10.2} {:>11.1} {:>11.1} {:>9.2} {:>12.1} {:>12.1} {:>9.2}",
+                r.batch,
+                r.prefill_s,
+                r.decode_tok_s,
+                r.decode_tok_s_per_seq,
+                r.decode_step_ms,
+                r.decode_default_sampling_tok_s,
+                r.decode_default_sampling_tok_s_per_seq,
+                r.decode_default_sampling_step_ms
+            );
+        }
+    }
     let report = Report {
         device,
         model: dir.display().to_string(),
@@ -423,6 +582,7 @@ fn run() -> Result<()> {
         sampling_top_p: describe(&top_p_only),
         memory_plan: plan,
         runs,
+        batch_runs,
     };
     println!("{}", serde_json::to_string(&report)?);
     Ok(())

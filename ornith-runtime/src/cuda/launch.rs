@@ -16,7 +16,53 @@ fn i32of(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| anyhow::anyhow!("{what} = {v} does not fit the kernel's int32"))
 }
 
+/// Positions per K/V block (`ORNITH_KV_BLOCK`, = `graph::KV_BLOCK`).
+const KVB: usize = ORNITH_KV_BLOCK as usize;
+
 impl CudaContext {
+    /// Checks a paged K/V launch on the host (the launchers are the kernels' tested entry
+    /// points, so they may read device inputs back): row t at `positions[t]` reads blocks
+    /// `0 ..= positions[t] / KV_BLOCK` of its table row `table[t · stride ..]` (stride 0: one
+    /// table for every row), each inside a cache of `cache_len` elements, `row` per position.
+    pub(crate) fn check_paged(
+        &self,
+        what: &str,
+        cache_len: usize,
+        row: usize,
+        table: &CudaSlice<i32>,
+        stride: usize,
+        positions: &[usize],
+    ) -> Result<()> {
+        let blocks = cache_len / (KVB * row);
+        let host = self.download(table)?;
+        for (t, &p) in positions.iter().enumerate() {
+            let (base, need) = (t * stride, p / KVB + 1);
+            ensure!(
+                base + need <= host.len() && (stride == 0 || need <= stride),
+                "{what}: the block table of row {t} holds no block for position {p}"
+            );
+            if let Some(b) = host[base..base + need].iter().find(|&&b| b < 0 || b as usize >= blocks) {
+                anyhow::bail!("{what}: K/V block {b} outside the cache of {blocks} blocks");
+            }
+        }
+        Ok(())
+    }
+
+    /// Per-row state slots (host copy of `slots`, `tokens` distinct values inside a pool of
+    /// `pool` slots).
+    fn check_slots(&self, what: &str, slots: &CudaSlice<i32>, tokens: usize, pool: usize) -> Result<()> {
+        need(what, slots, tokens)?;
+        let host = self.download(slots)?;
+        let mut seen = std::collections::HashSet::new();
+        for &s in &host[..tokens] {
+            ensure!(
+                s >= 0 && (s as usize) < pool && seen.insert(s),
+                "{what}: slot {s} repeated or outside the pool of {pool}"
+            );
+        }
+        Ok(())
+    }
+
     pub(crate) fn launch<P: crate::cuda::KernelParams>(
         &self,
         name: &str,
@@ -385,7 +431,9 @@ impl CudaContext {
         self.launch("moe_combine", (hidden.div_ceil(256) as u32, tokens as u32, 1), 256, p)
     }
 
-    /// Causal depthwise conv (kernel 4) + SiLU over `tokens` in order, updating `state` [3, channels].
+    /// Causal depthwise conv (kernel 4) + SiLU over `tokens` in order, updating `state` [3, channels];
+    /// or, with `slots`, token t the next one of its own sequence, whose state is slot `slots[t]` of
+    /// `state` [pool, 3, channels].
     #[allow(clippy::too_many_arguments)]
     pub fn conv1d_silu(
         &self,
@@ -396,6 +444,7 @@ impl CudaContext {
         tokens: usize,
         channels: usize,
         x_stride: usize,
+        slots: Option<&CudaSlice<i32>>,
     ) -> Result<()> {
         ensure!(
             tokens > 0 && channels > 0 && x_stride >= channels,
@@ -405,6 +454,9 @@ impl CudaContext {
         need("conv w", w, channels * 4)?;
         need("conv state", state, 3 * channels)?;
         need("conv y", y, tokens * channels)?;
+        if let Some(s) = slots {
+            self.check_slots("conv slots", s, tokens, state.len() / (3 * channels))?;
+        }
         let p = OrnithConvParams {
             x: self.addr(x) as _,
             w: self.addr(w) as _,
@@ -413,11 +465,16 @@ impl CudaContext {
             tokens: tokens as i32,
             channels: channels as i32,
             x_stride: x_stride as i32,
+            slot: slots.map_or(std::ptr::null(), |s| self.addr(s) as _),
+            state_stride: i32of("conv state stride", 3 * channels)?,
         };
-        self.launch("conv1d_silu", (channels.div_ceil(256) as u32, 1, 1), 256, p)
+        let rows = if slots.is_some() { tokens as u32 } else { 1 };
+        self.launch("conv1d_silu", (channels.div_ceil(256) as u32, rows, 1), 256, p)
     }
 
-    /// Recurrent gated delta rule (dk = dv = 128), see `OrnithGdnParams`.
+    /// Recurrent gated delta rule (dk = dv = 128), see `OrnithGdnParams`: `a.tokens` tokens of
+    /// one sequence (state `[v_heads, 128, 128]`), or with `a.slots` one token of each of
+    /// `a.tokens` sequences, token t's state slot `slots[t]` of `state [pool, v_heads, 128, 128]`.
     pub fn gdn_recurrent(&self, a: &GdnArgs, state: &mut CudaSlice<f32>, o: &mut Bf) -> Result<()> {
         ensure!(
             a.tokens > 0 && a.k_heads > 0 && a.v_heads.is_multiple_of(a.k_heads),
@@ -432,8 +489,12 @@ impl CudaContext {
         need("gdn ba", a.ba, (a.tokens - 1) * a.ba_stride + a.a_offset + a.v_heads)?;
         need("gdn a_log", a.a_log, a.v_heads)?;
         need("gdn dt_bias", a.dt_bias, a.v_heads)?;
-        need("gdn state", state, a.v_heads * 128 * 128)?;
+        let per = a.v_heads * 128 * 128;
+        need("gdn state", state, per)?;
         need("gdn o", o, a.tokens * a.v_heads * 128)?;
+        if let Some(s) = a.slots {
+            self.check_slots("gdn slots", s, a.tokens, state.len() / per)?;
+        }
         let p = OrnithGdnParams {
             qkv: self.addr(a.qkv) as _,
             ba: self.addr(a.ba) as _,
@@ -448,8 +509,11 @@ impl CudaContext {
             ba_stride: a.ba_stride as i32,
             a_offset: a.a_offset as i32,
             work: std::ptr::null_mut(),
+            slot: a.slots.map_or(std::ptr::null(), |s| self.addr(s) as _),
+            state_stride: i32of("gdn state stride", per)?,
         };
-        self.launch("gdn_recurrent", (a.v_heads as u32, 4, 1), 128, p)
+        let z = if a.slots.is_some() { a.tokens as u32 } else { 1 };
+        self.launch("gdn_recurrent", (a.v_heads as u32, 4, z), 128, p)
     }
 
     /// Gated RMSNorm per (token, head) over dim <= 128.
@@ -488,7 +552,8 @@ impl CudaContext {
         self.launch("gated_rmsnorm", ((tokens * heads) as u32, 1, 1), 128, p)
     }
 
-    /// q/k norm + partial RoPE + KV-cache write, see `OrnithQkRopeParams`.
+    /// q/k norm + partial RoPE + paged KV-cache write, see `OrnithQkRopeParams`. Caches are
+    /// `[blocks, KV_BLOCK, kv_heads, head_dim]`.
     pub fn qk_norm_rope(&self, a: &QkRopeArgs, q_out: &mut Bf, k_cache: &mut Bf, v_cache: &mut Bf) -> Result<()> {
         let d = a.head_dim;
         ensure!(
@@ -496,21 +561,14 @@ impl CudaContext {
             "qk_rope: head_dim {d} (multiple of 32, <= 256), rot {}",
             a.rot
         );
-        ensure!(
-            a.pos0 + a.tokens <= a.max_seq,
-            "qk_rope: positions {}..{} exceed the cache ({} rows)",
-            a.pos0,
-            a.pos0 + a.tokens,
-            a.max_seq
-        );
+        let (positions, stride) = a.positions(self)?;
+        self.check_paged("qk_rope", k_cache.len().min(v_cache.len()), a.kv_heads * d, a.table, stride, &positions)?;
         need("qk qg", a.qg, a.tokens * a.q_heads * 2 * d)?;
         need("qk k", a.k, a.tokens * a.kv_heads * d)?;
         need("qk v", a.v, a.tokens * a.kv_heads * d)?;
         need("qk q_norm", a.q_norm, d)?;
         need("qk k_norm", a.k_norm, d)?;
         need("qk q_out", q_out, a.tokens * a.q_heads * d)?;
-        need("k cache", k_cache, a.max_seq * a.kv_heads * d)?;
-        need("v cache", v_cache, a.max_seq * a.kv_heads * d)?;
         let p = OrnithQkRopeParams {
             qg: self.addr(a.qg) as _,
             k: self.addr(a.k) as _,
@@ -526,18 +584,20 @@ impl CudaContext {
             kv_heads: a.kv_heads as i32,
             head_dim: d as i32,
             rot: a.rot as i32,
-            max_seq: a.max_seq as i32,
             theta: a.theta,
             eps: a.eps,
             pos_dev: a.pos_dev.map_or(std::ptr::null(), |d| self.addr(d) as _),
+            table: self.addr(a.table) as _,
+            table_stride: i32of("table stride", a.table_stride)?,
         };
         self.launch("qk_norm_rope", ((a.q_heads + a.kv_heads) as u32, a.tokens as u32, 1), d as u32, p)
     }
 
-    /// Split-sequence causal attention (head_dim 256) + sigmoid output gate. Scratch buffers
-    /// `part_o` [tokens*q_heads*splits*256] and `part_ml` [tokens*q_heads*splits*2] with
-    /// splits = ceil((pos0 + tokens) / split_len), or, in the device-position form
-    /// (`a.pos_dev` = (position buffer, splits, min_split)), the given grid of splits.
+    /// Split-sequence causal attention (head_dim 256) over the paged cache + sigmoid output gate.
+    /// Scratch buffers `part_o` [tokens*q_heads*splits*256] and `part_ml` [tokens*q_heads*splits*2]
+    /// with splits = ceil((pos0 + tokens) / split_len), or, in the device-position form
+    /// (`a.pos_dev` = (per-row positions, splits, min_split), per-row block tables), the given
+    /// grid of splits.
     pub fn attention_decode(
         &self,
         a: &AttnArgs,
@@ -550,23 +610,35 @@ impl CudaContext {
             a.kv_heads > 0 && a.q_heads.is_multiple_of(a.kv_heads) && a.q_heads / a.kv_heads <= 8,
             "attention: q_heads/kv_heads must be an integer <= 8"
         );
-        ensure!(a.tokens > 0 && a.split_len > 0, "attention: empty");
-        let total = a.pos0 + a.tokens;
+        ensure!(a.tokens > 0, "attention: empty");
+        let (positions, stride) = match a.pos_dev {
+            Some((p, _, _)) => {
+                need("attn positions", p, a.tokens)?;
+                (self.download(p)?[..a.tokens].iter().map(|&x| x.max(0) as usize).collect::<Vec<_>>(), a.table_stride)
+            }
+            None => ((a.pos0..a.pos0 + a.tokens).collect(), 0),
+        };
         let splits = match a.pos_dev {
             Some((_, n, min)) => {
-                ensure!(
-                    n > 0 && min > 0 && n * total.div_ceil(n).max(min) >= total,
-                    "attention: {n} splits of at least {min} keys"
-                );
+                ensure!(n > 0 && min > 0, "attention: {n} splits of at least {min} keys");
                 n
             }
-            None => total.div_ceil(a.split_len),
+            None => {
+                ensure!(a.split_len > 0, "attention: split length 0");
+                (a.pos0 + a.tokens).div_ceil(a.split_len)
+            }
         };
         ensure!(splits <= 1024, "attention: {splits} splits (the combine kernel holds at most 1024 split weights)");
         need("attn q", a.q, a.tokens * a.q_heads * 256)?;
         need("attn qg", a.qg, a.tokens * a.q_heads * 512)?;
-        need("attn k cache", a.k_cache, total * a.kv_heads * 256)?;
-        need("attn v cache", a.v_cache, total * a.kv_heads * 256)?;
+        self.check_paged(
+            "attention",
+            a.k_cache.len().min(a.v_cache.len()),
+            a.kv_heads * 256,
+            a.table,
+            stride,
+            &positions,
+        )?;
         need("attn part_o", part_o, a.tokens * a.q_heads * splits * 256)?;
         need("attn part_ml", part_ml, a.tokens * a.q_heads * splits * 2)?;
         need("attn out", out, a.tokens * a.q_heads * 256)?;
@@ -588,6 +660,8 @@ impl CudaContext {
             scale: 1.0 / (a.head_dim as f32).sqrt(),
             pos_dev: a.pos_dev.map_or(std::ptr::null(), |d| self.addr(d.0) as _),
             min_split: a.pos_dev.map_or(0, |d| d.2 as i32),
+            table: self.addr(a.table) as _,
+            table_stride: i32of("table stride", a.table_stride)?,
         };
         let group = (a.q_heads / a.kv_heads) as u32;
         self.launch("attn_decode_split", (splits as u32, a.kv_heads as u32, a.tokens as u32), 32 * group, p)?;
@@ -605,6 +679,7 @@ impl CudaContext {
             tokens: tokens as i32,
             n: i32of("n", n)?,
             stride: i32of("stride", stride)?,
+            logit_row: std::ptr::null(),
         };
         self.launch("argmax_bf16", (tokens as u32, 1, 1), 1024, p)
     }
@@ -642,6 +717,8 @@ pub struct GdnArgs<'a> {
     pub qkv_stride: usize,
     pub ba_stride: usize,
     pub a_offset: usize,
+    /// Per-row sequences (`gdn_recurrent` only): token t's state slot.
+    pub slots: Option<&'a CudaSlice<i32>>,
 }
 
 /// Inputs of [`CudaContext::qk_norm_rope`].
@@ -657,11 +734,27 @@ pub struct QkRopeArgs<'a> {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub rot: usize,
-    pub max_seq: usize,
     pub theta: f32,
     pub eps: f32,
-    /// Device-position form: pos0 read from this buffer (which must hold `pos0`).
+    /// Per-row form: token t at position `pos_dev[t]` with block table row t (`pos0` ignored);
+    /// else token t at `pos0 + t` with table row 0.
     pub pos_dev: Option<&'a CudaSlice<i32>>,
+    /// Block tables `[rows, table_stride]` (one row without `pos_dev`).
+    pub table: &'a CudaSlice<i32>,
+    pub table_stride: usize,
+}
+
+impl QkRopeArgs<'_> {
+    /// Each row's position and the table stride the kernel uses (0: one table).
+    fn positions(&self, c: &CudaContext) -> Result<(Vec<usize>, usize)> {
+        Ok(match self.pos_dev {
+            Some(p) => {
+                need("qk positions", p, self.tokens)?;
+                (c.download(p)?[..self.tokens].iter().map(|&x| x.max(0) as usize).collect(), self.table_stride)
+            }
+            None => ((self.pos0..self.pos0 + self.tokens).collect(), 0),
+        })
+    }
 }
 
 /// Inputs of [`CudaContext::attention_decode`].
@@ -676,7 +769,11 @@ pub struct AttnArgs<'a> {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub split_len: usize,
-    /// Device-position form: (buffer holding `pos0`, grid splits, minimum split length); the
-    /// kernel then derives the split length itself and `split_len` is ignored.
+    /// Device-position form: (per-row positions `[tokens]`, grid splits, minimum split length);
+    /// the kernel then derives each row's split length from its own position, reads row t's
+    /// block table at `table[t · table_stride]`, and `pos0`, `split_len` are ignored.
     pub pos_dev: Option<(&'a CudaSlice<i32>, usize, usize)>,
+    /// Block tables (one row without `pos_dev`).
+    pub table: &'a CudaSlice<i32>,
+    pub table_stride: usize,
 }

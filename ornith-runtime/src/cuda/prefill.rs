@@ -231,6 +231,8 @@ impl CudaContext {
             tokens: tokens as i32,
             channels: channels as i32,
             x_stride: i32of("x_stride", x_stride)?,
+            slot: std::ptr::null(),
+            state_stride: 0,
         };
         self.launch_smem(
             "conv1d_silu_chunk",
@@ -249,6 +251,7 @@ impl CudaContext {
             a.v_heads,
             a.k_heads
         );
+        ensure!(a.slots.is_none(), "gdn chunked: runs one sequence (no per-row slots)");
         let kdim = a.k_heads * 128;
         let width = 2 * kdim + a.v_heads * 128;
         ensure!(a.qkv_stride >= width, "gdn: qkv stride {} < {width}", a.qkv_stride);
@@ -278,6 +281,8 @@ impl CudaContext {
             ba_stride: a.ba_stride as i32,
             a_offset: a.a_offset as i32,
             work: std::ptr::null_mut(),
+            slot: std::ptr::null(),
+            state_stride: 0,
         };
         Ok(p)
     }
@@ -330,13 +335,18 @@ impl CudaContext {
         );
         let total = a.pos0 + a.tokens;
         need("flash q", a.q, a.tokens * a.q_heads * 256)?;
-        need("flash k cache", a.k_cache, total * a.kv_heads * 256)?;
-        need("flash v cache", a.v_cache, total * a.kv_heads * 256)?;
+        self.check_paged(
+            "flash attention",
+            a.k_cache.len().min(a.v_cache.len()),
+            a.kv_heads * 256,
+            a.table,
+            0,
+            &[total - 1],
+        )?;
         if let Some(g) = a.qg {
             need("flash qg", g, a.tokens * a.q_heads * 512)?;
         }
         need("flash out", out, a.tokens * a.q_heads * 256)?;
-        i32of("positions", total * a.kv_heads * 256)?;
         let p = OrnithFlashAttnParams {
             q: self.addr(a.q) as _,
             k_cache: self.addr(a.k_cache) as _,
@@ -348,6 +358,7 @@ impl CudaContext {
             q_heads: a.q_heads as i32,
             kv_heads: a.kv_heads as i32,
             scale: 1.0 / 16.0,
+            table: self.addr(a.table) as _,
         };
         self.launch_smem("flash_attn_prefill", (a.tokens.div_ceil(64) as u32, a.q_heads as u32, 1), 128, FA_SMEM, p)
     }
@@ -493,9 +504,12 @@ impl CudaContext {
 pub struct FlashAttnArgs<'a> {
     /// `[tokens, q_heads, 256]` (after q norm + RoPE).
     pub q: &'a Bf,
-    /// `[max_seq, kv_heads, 256]`, positions `0..pos0 + tokens` written.
+    /// Paged `[blocks, KV_BLOCK, kv_heads, 256]`, positions `0..pos0 + tokens` written through
+    /// `table`.
     pub k_cache: &'a Bf,
     pub v_cache: &'a Bf,
+    /// The sequence's block table (position p in cache row `table[p / KV_BLOCK] · KV_BLOCK + p % KV_BLOCK`).
+    pub table: &'a CudaSlice<i32>,
     /// q_proj output `[tokens, q_heads, 512]` (query | gate per head): applies the output gate.
     pub qg: Option<&'a Bf>,
     pub tokens: usize,

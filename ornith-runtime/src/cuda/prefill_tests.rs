@@ -3,7 +3,7 @@
 //! `PERF` line at the real 2K-token shapes (median of 20 event-timed launches after 3 warm-ups).
 use super::launch::GdnArgs;
 use super::prefill::*;
-use super::test_util::{ctx, rng, time_it, POISON, R};
+use super::test_util::{ctx, page, reversed_table, rng, time_it, KVB, POISON, R};
 use crate::cpu::attention::{attention, output_gate};
 use crate::cpu::conv::conv_silu;
 use crate::cpu::fp8::quantize_act_row;
@@ -228,7 +228,7 @@ fn conv1d_chunk_matches_reference() {
         let (mut st_seq, mut st_par) = (c.upload(&bits(&st)).unwrap(), c.upload(&bits(&st)).unwrap());
         let (mut y_seq, mut y_par) =
             (c.upload(&vec![POISON; t * ch]).unwrap(), c.upload(&vec![POISON; t * ch]).unwrap());
-        c.conv1d_silu(&dx, &dw, &mut st_seq, &mut y_seq, t, ch, xs).unwrap();
+        c.conv1d_silu(&dx, &dw, &mut st_seq, &mut y_seq, t, ch, xs, None).unwrap();
         c.conv1d_silu_chunk(&dx, &dw, &mut st_par, &mut y_par, t, ch, xs).unwrap();
         let (gy, gs) = (c.download(&y_par).unwrap(), c.download(&st_par).unwrap());
         let (sy, ss) = (c.download(&y_seq).unwrap(), c.download(&st_seq).unwrap());
@@ -252,7 +252,7 @@ fn conv1d_chunk_matches_reference() {
     let dw = c.upload(&bits(&bfv(&mut r, ch * 4, 1.0))).unwrap();
     let mut st = c.upload(&vec![0u16; 3 * ch]).unwrap();
     let mut y = c.alloc::<u16>(t * ch).unwrap();
-    let seq = time_it(&c, || c.conv1d_silu(&dx, &dw, &mut st, &mut y, t, ch, xs).unwrap());
+    let seq = time_it(&c, || c.conv1d_silu(&dx, &dw, &mut st, &mut y, t, ch, xs, None).unwrap());
     let par = time_it(&c, || c.conv1d_silu_chunk(&dx, &dw, &mut st, &mut y, t, ch, xs).unwrap());
     let gbs = (2 * t * ch * 2) as f64 / par / 1e9;
     eprintln!("PERF conv1d {t} tokens x {ch} channels (x stride {xs}): sequential conv1d_silu {:.1} us, conv1d_silu_chunk {:.1} us ({gbs:.0} GB/s), {:.1}x", seq * 1e6, par * 1e6, seq / par);
@@ -303,6 +303,7 @@ fn gdn_chunked_matches_reference() {
             qkv_stride: stride,
             ba_stride: 2 * hv,
             a_offset: hv,
+            slots: None,
         };
         let mut s = st.clone();
         let mut want = vec![bf16::ZERO; t * hv * dk];
@@ -351,6 +352,7 @@ fn gdn_chunked_matches_reference() {
             qkv_stride: stride,
             ba_stride: 2 * hv,
             a_offset: hv,
+            slots: None,
         };
         let mut work = c.alloc::<f32>(gdn_work_len(t, hv)).unwrap();
         let s2 = time_it(&c, || c.gdn_chunked(&args, &mut dst, &mut o, &mut work).unwrap());
@@ -373,7 +375,8 @@ fn gdn_chunked_matches_reference() {
 /// with cached positions before the new tokens (p0 > 0). Tolerance: the kernel rounds the
 /// probabilities P to bf16 for the P V product (relative error <= 2^-9 each), so
 /// |o - o_ref| <= 2^-9 * sum_j p_j |v_j| / l <= 2^-9 max|v| before the output rounding (1 ulp; the
-/// gate adds one more rounding: 2 ulp); L2 2^-8. A wrong mask, scale or kv head is O(rms).
+/// gate adds one more rounding: 2 ulp); L2 2^-8. A wrong mask, scale or kv head is O(rms). The
+/// cache is paged through a reversed block table (a kernel ignoring the table reads other rows).
 #[test]
 #[ignore]
 fn flash_attention_matches_reference() {
@@ -388,11 +391,15 @@ fn flash_attention_matches_reference() {
         let kc = bfv(&mut r, total * hkv * hd, 2.0);
         let vc = bfv(&mut r, total * hkv * hd, 1.0);
         let qg = bfv(&mut r, t * h * 2 * hd, 3.0);
-        let (dq, dk, dv, dg) = (
+        let need = total.div_ceil(KVB);
+        let table = reversed_table(need);
+        let fill = vec![POISON; (need + 1) * KVB * hkv * hd]; // NaN outside the sequence: a stray read shows
+        let (dq, dk, dv, dg, dt) = (
             c.upload(&bits(&q)).unwrap(),
-            c.upload(&bits(&kc)).unwrap(),
-            c.upload(&bits(&vc)).unwrap(),
+            c.upload(&page(&bits(&kc), hkv * hd, &table, &fill)).unwrap(),
+            c.upload(&page(&bits(&vc), hkv * hd, &table, &fill)).unwrap(),
             c.upload(&bits(&qg)).unwrap(),
+            c.upload(&table).unwrap(),
         );
         let mut out = c.upload(&vec![POISON; t * h * hd]).unwrap();
         let args = FlashAttnArgs {
@@ -404,6 +411,7 @@ fn flash_attention_matches_reference() {
             pos0: p0,
             q_heads: h,
             kv_heads: hkv,
+            table: &dt,
         };
         c.flash_attention(&args, &mut out).unwrap();
         let mut want = vec![bf16::ZERO; t * h * hd];
@@ -426,12 +434,14 @@ fn flash_attention_matches_reference() {
         );
         eprintln!("flash_attention t{t} p0 {p0} gated {gated}: max |d|/rms {worst:.2e}, rel L2 {rel:.2e}");
     }
-    for (t, p0) in [(2048, 0), (8192, 0), (2048, 6144)] {
+    for (t, p0) in [(2048usize, 0usize), (8192, 0), (2048, 6144)] {
         let total = p0 + t;
-        let (dq, dk, dv) = (
+        let need = total.div_ceil(KVB);
+        let (dq, dk, dv, dt) = (
             c.upload(&bits(&bfv(&mut r, t * h * hd, 1.0))).unwrap(),
-            c.upload(&bits(&bfv(&mut r, total * hkv * hd, 1.0))).unwrap(),
-            c.upload(&bits(&bfv(&mut r, total * hkv * hd, 1.0))).unwrap(),
+            c.upload(&bits(&bfv(&mut r, (need + 1) * KVB * hkv * hd, 1.0))).unwrap(),
+            c.upload(&bits(&bfv(&mut r, (need + 1) * KVB * hkv * hd, 1.0))).unwrap(),
+            c.upload(&reversed_table(need)).unwrap(),
         );
         let mut out = c.alloc::<u16>(t * h * hd).unwrap();
         let args = FlashAttnArgs {
@@ -443,6 +453,7 @@ fn flash_attention_matches_reference() {
             pos0: p0,
             q_heads: h,
             kv_heads: hkv,
+            table: &dt,
         };
         let s = time_it(&c, || c.flash_attention(&args, &mut out).unwrap());
         // causal FLOPs: 2 matmuls x 2 flops x hd per (query, visible key), summed over queries

@@ -31,6 +31,8 @@ pub struct SampleScratch {
     sel: CudaSlice<u64>,
     done: CudaSlice<u32>,
     idx: CudaSlice<i32>,
+    /// The logits row of each sampled row.
+    logit_row: CudaSlice<i32>,
 }
 
 fn blocks_for(n: usize) -> usize {
@@ -51,14 +53,19 @@ impl SampleScratch {
             sel: cx.alloc(rows * 2)?,
             done: cx.alloc(rows)?,
             idx: cx.alloc(rows)?,
+            logit_row: cx.alloc(rows)?,
         })
     }
 
     /// Device bytes [`Self::new`] allocates (for the memory plan).
     pub fn bytes(rows: usize, n: usize) -> u64 {
         let b = blocks_for(n);
-        (rows * (4 * ROW_WORDS + 4 * BINS + 4 * b + 8 * b + 16 + 4 + 4)) as u64
+        (rows * (4 * ROW_WORDS + 4 * BINS + 4 * b + 8 * b + 16 + 4 + 4 + 4)) as u64
     }
+}
+
+fn i32of_rows(r: usize) -> Result<i32> {
+    i32::try_from(r).map_err(|_| anyhow::anyhow!("sample: logits row {r} does not fit the kernel's int32"))
 }
 
 /// The device words of one row's parameters.
@@ -69,28 +76,32 @@ fn row_words(p: &SamplingParams, step: u64) -> [u32; ROW_WORDS] {
 }
 
 impl CudaContext {
-    /// Samples row `r` of `logits` (elements `offset + r·stride ..`, candidate columns `0..n`)
-    /// with `rows[r] = (params, step)` (params must not be greedy: greedy rows use
-    /// [`Self::argmax`]). The ids land in the scratch; [`Self::sampled_ids`] reads them.
+    /// Samples, in one launch of each kernel, `rows[i] = (logits row, params, step)`: row `r`
+    /// of `logits` is elements `r·stride ..`, candidate columns `0..n` (params must not be
+    /// greedy: greedy rows use [`Self::argmax`]). The ids land in the scratch in `rows` order;
+    /// [`Self::sampled_ids`] reads them.
     pub fn sample_rows(
         &self,
         logits: &CudaSlice<u16>,
-        offset: usize,
         stride: usize,
         n: usize,
-        rows: &[(SamplingParams, u64)],
+        rows: &[(usize, SamplingParams, u64)],
         s: &mut SampleScratch,
     ) -> Result<()> {
         let r = rows.len();
         ensure!(r > 0 && r <= s.rows, "sample: {r} rows, scratch for {}", s.rows);
         ensure!(n > 0 && n <= s.n && n <= stride, "sample: n {n}, stride {stride}, scratch for {}", s.n);
-        ensure!(offset + (r - 1) * stride + n <= logits.len(), "sample: logits buffer too small");
-        ensure!(rows.iter().all(|(p, _)| !crate::sampling::is_greedy(p)), "sample: greedy rows go to argmax");
-        let words: Vec<u32> = rows.iter().flat_map(|(p, step)| row_words(p, *step)).collect();
+        let last = rows.iter().map(|x| x.0).max().unwrap_or(0);
+        ensure!(last * stride + n <= logits.len(), "sample: logits buffer too small for row {last}");
+        i32of_rows(last)?;
+        ensure!(rows.iter().all(|(_, p, _)| !crate::sampling::is_greedy(p)), "sample: greedy rows go to argmax");
+        let words: Vec<u32> = rows.iter().flat_map(|(_, p, step)| row_words(p, *step)).collect();
         self.stream().memcpy_htod(&words, &mut s.row)?;
+        let lr: Vec<i32> = rows.iter().map(|x| x.0 as i32).collect();
+        self.stream().memcpy_htod(&lr, &mut s.logit_row)?;
         let blocks = blocks_for(n);
         let p = OrnithSampleParams {
-            logits: (self.addr(logits) + 2 * offset as u64) as _,
+            logits: self.addr(logits) as _,
             row: self.addr(&s.row) as _,
             hist: self.addr(&s.hist) as _,
             part_max: self.addr(&s.part_max) as _,
@@ -102,6 +113,7 @@ impl CudaContext {
             n: n as i32,
             stride: stride as i32,
             blocks: blocks as i32,
+            logit_row: self.addr(&s.logit_row) as _,
         };
         let grid = (blocks as u32, r as u32, 1);
         self.launch("sample_prep", grid, 256, p)?;
@@ -189,7 +201,7 @@ mod tests {
                 let dl = c.upload(&l).unwrap();
                 for q in &params {
                     for step in [0u64, 1, 17, 1000] {
-                        c.sample_rows(&dl, 0, stride, n, &[(*q, step)], &mut s).unwrap();
+                        c.sample_rows(&dl, stride, n, &[(0, *q, step)], &mut s).unwrap();
                         let got = c.sampled_ids(&s, 1).unwrap()[0];
                         let want = sampling::sample(&l[..n], q, step).unwrap();
                         assert_eq!(got, want, "n {n}, spread {spread}, {q:?}, step {step}");
@@ -197,21 +209,22 @@ mod tests {
                     }
                 }
             }
-            // Three rows in one launch, each with its own params and step.
+            // Three rows in one launch, each with its own params and step, read out of order
+            // (logits rows 2, 0, 1: the per-row indirection).
             let l: Vec<u16> = (0..3).flat_map(|_| row(&mut r, n, stride, 3.0)).collect();
             let dl = c.upload(&l).unwrap();
-            let rows = [(params[0], 5u64), (params[1], 6), (params[5], 7)];
-            c.sample_rows(&dl, 0, stride, n, &rows, &mut s).unwrap();
+            let rows = [(2usize, params[0], 5u64), (0, params[1], 6), (1, params[5], 7)];
+            c.sample_rows(&dl, stride, n, &rows, &mut s).unwrap();
             let got = c.sampled_ids(&s, 3).unwrap();
-            for (i, (q, step)) in rows.iter().enumerate() {
-                let want = sampling::sample(&l[i * stride..i * stride + n], q, *step).unwrap();
-                assert_eq!(got[i], want, "row {i} of 3, n {n}");
+            for (i, (lr, q, step)) in rows.iter().enumerate() {
+                let want = sampling::sample(&l[lr * stride..lr * stride + n], q, *step).unwrap();
+                assert_eq!(got[i], want, "row {i} of 3 (logits row {lr}), n {n}");
             }
         }
         // A row with no finite logit is an error, as on the CPU.
         let bad = vec![0x7fc0u16; 3000];
         let mut s = SampleScratch::new(&c, 1, 3000).unwrap();
-        c.sample_rows(&c.upload(&bad).unwrap(), 0, 3000, 3000, &[(params[0], 0)], &mut s).unwrap();
+        c.sample_rows(&c.upload(&bad).unwrap(), 3000, 3000, &[(0, params[0], 0)], &mut s).unwrap();
         assert!(c.sampled_ids(&s, 1).is_err());
         eprintln!("sample_matches_reference: {checked} draws identical to the CPU reference");
 
@@ -221,7 +234,7 @@ mod tests {
         let dl = c.upload(&l).unwrap();
         let mut s = SampleScratch::new(&c, 1, stride).unwrap();
         for (name, q) in [("default (T 1, top-k 20, top-p 0.95)", params[0]), ("top-p 0.8, T 0.7", params[1])] {
-            let t = time_it(&c, || c.sample_rows(&dl, 0, stride, n, &[(q, 3)], &mut s).unwrap());
+            let t = time_it(&c, || c.sample_rows(&dl, stride, n, &[(0, q, 3)], &mut s).unwrap());
             eprintln!("PERF sample over {n} bf16 logits, {name}: {:.2} us", t * 1e6);
         }
     }
@@ -240,7 +253,7 @@ mod tests {
         let n = 20_000u64;
         let mut cnt = [0u64; 8];
         for step in 0..n {
-            c.sample_rows(&dl, 0, 8, 8, &[(q, step)], &mut s).unwrap();
+            c.sample_rows(&dl, 8, 8, &[(0, q, step)], &mut s).unwrap();
             cnt[c.sampled_ids(&s, 1).unwrap()[0] as usize] += 1;
         }
         let e: Vec<f64> = l.iter().map(|&b| ((bf16::from_bits(b).to_f64() - 2.5) / 0.8).exp()).collect();

@@ -47,3 +47,34 @@ fn timed(c: &CudaContext, mut f: impl FnMut(), mut before: impl FnMut()) -> f64 
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
 }
+
+/// Positions per K/V block (`ORNITH_KV_BLOCK`).
+pub(super) const KVB: usize = ornith_kernels::bindings::ORNITH_KV_BLOCK as usize;
+
+/// A block table of `need` blocks in a cache of `need + 1` blocks, in reverse order and
+/// skipping block 0 (`table[i] = need - i`), so that a kernel reading the cache as contiguous
+/// rows, or through the identity, reads the wrong rows.
+pub(super) fn reversed_table(need: usize) -> Vec<i32> {
+    (0..need).map(|i| (need - i) as i32).collect()
+}
+
+/// The paged cache `[blocks, KVB, row]` holding the logical rows `[len, row]` (position p at
+/// row `table[p / KVB] · KVB + p % KVB`); every other row is `fill` (same length as the cache).
+pub(super) fn page(logical: &[u16], row: usize, table: &[i32], fill: &[u16]) -> Vec<u16> {
+    let mut out = fill.to_vec();
+    for (p, r) in logical.chunks(row).enumerate() {
+        let at = (table[p / KVB] as usize * KVB + p % KVB) * row;
+        out[at..at + row].copy_from_slice(r);
+    }
+    out
+}
+
+/// The logical rows `[len, row]` of a paged cache (inverse of [`page`]).
+pub(super) fn unpage(paged: &[u16], row: usize, table: &[i32], len: usize) -> Vec<u16> {
+    (0..len)
+        .flat_map(|p| {
+            let at = (table[p / KVB] as usize * KVB + p % KVB) * row;
+            paged[at..at + row].to_vec()
+        })
+        .collect()
+}
