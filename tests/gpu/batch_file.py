@@ -1,0 +1,38 @@
+"""A JSONL batch file through the real `ornith` binary (H200 run): N requests (default 256) of
+2,048-token prompts and 128 generated tokens each (the checkpoint's default sampling, seeded),
+all read at once and run as many at a time as the engine holds. Prints the wall time, the load
+time (an empty run of the same binary, subtracted), generated tokens and generated tok/s, and the
+failed-line count; exits 1 on any failure.
+Usage: batch_file.py ORNITH MODEL_DIR OUT_JSONL [N] [EXTRA_ARGS...]"""
+import json, random, subprocess, sys, time
+
+ornith, model, out = sys.argv[1:4]
+n = int(sys.argv[4]) if len(sys.argv) > 4 else 256
+extra = sys.argv[5:]
+rng = random.Random(7)
+lines = []
+for i in range(n):
+    req = {"custom_id": f"b{i}", "prompt_token_ids": [rng.randrange(1000, 200000) for _ in range(2048)],
+           "max_tokens": 128, "ignore_eos": True, "seed": i}
+    lines.append(json.dumps(req))
+t0 = time.time()
+p = subprocess.Popen([ornith, "--model", model, "--backend", "cuda", "--quiet", *extra], stdin=subprocess.PIPE,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+stdout, stderr = p.communicate("\n".join(lines) + "\n")
+wall = time.time() - t0
+open(out, "w").write(stdout)
+res = [json.loads(l) for l in stdout.splitlines()]
+failed = [r for r in res if r.get("error")]
+gen = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in res if not r.get("error"))
+t1 = time.time()
+subprocess.run([ornith, "--model", model, "--backend", "cuda", "--quiet", *extra], input="", capture_output=True, text=True)
+load = time.time() - t1
+serve = max(wall - load, 1e-9)
+print(f"batch file: {n} requests x 2048 prompt + 128 generated; wall {wall:.1f} s (load {load:.1f} s), "
+      f"generated {gen} tokens, {gen / serve:.1f} generated tok/s after load, "
+      f"{(gen + 2048 * n) / serve:.1f} prompt+generated tok/s; {len(res)} result lines, {len(failed)} failed; rc {p.returncode}")
+for r in failed[:5]:
+    print("  ", r["custom_id"], r["error"])
+if p.returncode != 0:
+    print(stderr[-2000:])
+sys.exit(1 if failed or len(res) != n or p.returncode else 0)
