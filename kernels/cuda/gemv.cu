@@ -288,3 +288,94 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) moe_gemv_fp8(co
         default: moe_gemv_impl<8, 1>(p); break;
     }
 }
+
+// MoE expert GEMV grouped by expert, for a decode group of many tokens: grid
+// (ceil(out / (GEMV_WARPS * R)), active + 1, 1) where `active = min(experts, tokens * top_k)`.
+// Block y < active takes the y-th expert that has assignments (`active_list`, from moe_sort; blocks
+// past `*active_count` exit) and runs its rows over every (token, slot) routed to it
+// (`row_assign[group_offsets[e] .. group_offsets[e + 1]]`, a = token * top_k + slot); the last
+// block y is the shared expert over every token (slot top_k). A warp loads each weight chunk once
+// per MG assignments (4, or 2 for the 8-row form, within the register budget) and applies it to each: every (token, slot, row) is summed in exactly
+// rows_dot1's order (lane chunks l, l + 32, ..., per u within a pass, then warp_sum) and scaled as
+// moe_gemv_impl does, so the result is bit-identical to moe_gemv_fp8 whatever the grouping —
+// the weights are read once per expert and step instead of once per (token, slot).
+template <int R, int U, int MG>
+__device__ __forceinline__ void moe_gemv_grouped_impl(const OrnithMoeGemvParams &p) {
+    const int row0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * R;
+    const bool shared = blockIdx.y == gridDim.y - 1;
+    const size_t in = (size_t)p.in;
+    if (shared && row0 < p.out) prefetch_range_l2(p.shared_w + row0 * in, (size_t)(min(row0 + R, p.out) - row0) * in);
+    pdl_wait();
+    if (row0 >= p.out) return;
+    int a0 = 0, a1 = p.tokens;
+    const uint8_t *wb = p.shared_w;
+    const float *ws = p.shared_ws;
+    if (!shared) {
+        if ((int)blockIdx.y >= *p.active_count) return;
+        const int e = p.active_list[blockIdx.y];
+        a0 = p.group_offsets[e];
+        a1 = p.group_offsets[e + 1];
+        wb = p.w + (size_t)e * p.out * in;
+        ws = p.ws + (size_t)e * p.out;
+    }
+    const int lane = threadIdx.x & 31, slots = p.top_k + 1, n16 = p.in / 16, nr = min(R, p.out - row0);
+    const uint4 *w = reinterpret_cast<const uint4 *>(wb + (size_t)row0 * in);
+    for (int g0 = a0; g0 < a1; g0 += MG) {
+        const int ng = min(MG, a1 - g0);
+        int tok[MG], slot[MG];
+        const uint4 *x[MG];
+        float xs[MG], acc[MG][R];
+#pragma unroll
+        for (int j = 0; j < MG; j++) {
+            const int jj = min(j, ng - 1);  // unused lanes of the pass repeat the last assignment
+            const int a = shared ? -1 : p.row_assign[g0 + jj];
+            tok[j] = shared ? g0 + jj : a / p.top_k;
+            slot[j] = shared ? p.top_k : a % p.top_k;
+            x[j] = reinterpret_cast<const uint4 *>(p.xq + (size_t)tok[j] * p.x_tok_stride + (size_t)slot[j] * p.x_slot_stride);
+            xs[j] = p.xs[tok[j] * p.xs_tok_stride + slot[j] * p.xs_slot_stride];
+#pragma unroll
+            for (int r = 0; r < R; r++) acc[j][r] = 0.f;
+        }
+        for (int base = lane; base < n16; base += 32 * U) {
+            uint4 wv[R][U];
+#pragma unroll
+            for (int u = 0; u < U; u++)
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    const int c = base + u * 32;
+                    wv[r][u] = c < n16 && r < nr ? __ldg(w + (size_t)r * n16 + c) : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int c = base + u * 32;
+                if (c >= n16) break;
+#pragma unroll
+                for (int j = 0; j < MG; j++) {
+                    const uint4 xv = __ldg(x[j] + c);
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[j][r] = dot16_e4m3(wv[r][u], xv, acc[j][r]);
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < MG; j++) {
+#pragma unroll
+            for (int r = 0; r < R; r++) acc[j][r] = warp_sum(acc[j][r]);
+            if (j >= ng) continue;
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                if (lane == r && row0 + r < p.out)
+                    p.y[((size_t)tok[j] * slots + slot[j]) * p.out + row0 + r] = f2bf(acc[j][r] * xs[j] * ws[row0 + r]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2) moe_gemv_grouped(const OrnithMoeGemvParams p) {
+    pdl_launch_dependents();
+    switch (gemv1_u(p.in / 16)) {
+        case 8: moe_gemv_grouped_impl<1, 8, 4>(p); break;
+        case 4: moe_gemv_grouped_impl<2, 4, 4>(p); break;
+        case 2: moe_gemv_grouped_impl<4, 2, 4>(p); break;
+        default: moe_gemv_grouped_impl<8, 1, 2>(p); break;
+    }
+}

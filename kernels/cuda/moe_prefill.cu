@@ -18,22 +18,25 @@ extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_sort(const OrnithMo
     for (int a = threadIdx.x; a < n; a += MS_THREADS) atomicAdd(&cnt[p.idx[a]], 1);
     __syncthreads();
     if (threadIdx.x == 0) {
-        int off = 0, toff = 0;
+        int off = 0, toff = 0, na = 0;
         for (int e = 0; e < p.experts; e++) {
             p.group_offsets[e] = off;
             p.tile_offsets[e] = toff;
             cur[e] = off;
             off += cnt[e];
             toff += (cnt[e] + MS_TILE - 1) / MS_TILE;
+            if (p.active_list && cnt[e] > 0) p.active_list[na++] = e;
         }
         p.group_offsets[p.experts] = off;
         p.tile_offsets[p.experts] = toff;
+        if (p.active_count) *p.active_count = na;
     }
     __syncthreads();
     for (int a = threadIdx.x; a < n; a += MS_THREADS) {
         int pos = atomicAdd(&cur[p.idx[a]], 1);
         p.row_token[pos] = a / p.top_k;
         p.row_of[a] = pos;
+        if (p.row_assign) p.row_assign[pos] = a;
     }
 }
 

@@ -119,6 +119,12 @@ typedef struct OrnithMoeGemvParams {
     int32_t x_slot_stride;
     int32_t xs_tok_stride;
     int32_t xs_slot_stride;
+    /* moe_gemv_grouped only (moe_sort's outputs): the experts with assignments and their count,
+     * each expert's range of row_assign, and the assignment (token * top_k + slot) of each row. */
+    const int32_t *active_list;
+    const int32_t *active_count;
+    const int32_t *group_offsets;
+    const int32_t *row_assign;
 } OrnithMoeGemvParams;
 
 /* SwiGLU of gate_up rows + FP8 quantisation, one row of `inter` per (t, slot):
@@ -366,6 +372,11 @@ typedef struct OrnithMoeSortParams {
     int32_t *tile_offsets;
     int32_t *row_token;
     int32_t *row_of;
+    /* Optional (null to skip): the assignment of each sorted row, the experts with assignments in
+     * ascending order and their count (moe_gemv_grouped). */
+    int32_t *row_assign;
+    int32_t *active_list;
+    int32_t *active_count;
     int32_t tokens;
     int32_t top_k;
     int32_t experts;

@@ -228,10 +228,14 @@ pub struct OrnithMoeGemvParams {
     pub x_slot_stride: i32,
     pub xs_tok_stride: i32,
     pub xs_slot_stride: i32,
+    pub active_list: *const i32,
+    pub active_count: *const i32,
+    pub group_offsets: *const i32,
+    pub row_assign: *const i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithMoeGemvParams"][::std::mem::size_of::<OrnithMoeGemvParams>() - 104usize];
+    ["Size of OrnithMoeGemvParams"][::std::mem::size_of::<OrnithMoeGemvParams>() - 136usize];
     ["Alignment of OrnithMoeGemvParams"][::std::mem::align_of::<OrnithMoeGemvParams>() - 8usize];
     ["Offset of field: OrnithMoeGemvParams::xq"][::std::mem::offset_of!(OrnithMoeGemvParams, xq) - 0usize];
     ["Offset of field: OrnithMoeGemvParams::xs"][::std::mem::offset_of!(OrnithMoeGemvParams, xs) - 8usize];
@@ -255,6 +259,14 @@ const _: () = {
         [::std::mem::offset_of!(OrnithMoeGemvParams, xs_tok_stride) - 92usize];
     ["Offset of field: OrnithMoeGemvParams::xs_slot_stride"]
         [::std::mem::offset_of!(OrnithMoeGemvParams, xs_slot_stride) - 96usize];
+    ["Offset of field: OrnithMoeGemvParams::active_list"]
+        [::std::mem::offset_of!(OrnithMoeGemvParams, active_list) - 104usize];
+    ["Offset of field: OrnithMoeGemvParams::active_count"]
+        [::std::mem::offset_of!(OrnithMoeGemvParams, active_count) - 112usize];
+    ["Offset of field: OrnithMoeGemvParams::group_offsets"]
+        [::std::mem::offset_of!(OrnithMoeGemvParams, group_offsets) - 120usize];
+    ["Offset of field: OrnithMoeGemvParams::row_assign"]
+        [::std::mem::offset_of!(OrnithMoeGemvParams, row_assign) - 128usize];
 };
 impl Default for OrnithMoeGemvParams {
     fn default() -> Self {
@@ -720,13 +732,16 @@ pub struct OrnithMoeSortParams {
     pub tile_offsets: *mut i32,
     pub row_token: *mut i32,
     pub row_of: *mut i32,
+    pub row_assign: *mut i32,
+    pub active_list: *mut i32,
+    pub active_count: *mut i32,
     pub tokens: i32,
     pub top_k: i32,
     pub experts: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithMoeSortParams"][::std::mem::size_of::<OrnithMoeSortParams>() - 56usize];
+    ["Size of OrnithMoeSortParams"][::std::mem::size_of::<OrnithMoeSortParams>() - 80usize];
     ["Alignment of OrnithMoeSortParams"][::std::mem::align_of::<OrnithMoeSortParams>() - 8usize];
     ["Offset of field: OrnithMoeSortParams::idx"][::std::mem::offset_of!(OrnithMoeSortParams, idx) - 0usize];
     ["Offset of field: OrnithMoeSortParams::group_offsets"]
@@ -736,9 +751,15 @@ const _: () = {
     ["Offset of field: OrnithMoeSortParams::row_token"]
         [::std::mem::offset_of!(OrnithMoeSortParams, row_token) - 24usize];
     ["Offset of field: OrnithMoeSortParams::row_of"][::std::mem::offset_of!(OrnithMoeSortParams, row_of) - 32usize];
-    ["Offset of field: OrnithMoeSortParams::tokens"][::std::mem::offset_of!(OrnithMoeSortParams, tokens) - 40usize];
-    ["Offset of field: OrnithMoeSortParams::top_k"][::std::mem::offset_of!(OrnithMoeSortParams, top_k) - 44usize];
-    ["Offset of field: OrnithMoeSortParams::experts"][::std::mem::offset_of!(OrnithMoeSortParams, experts) - 48usize];
+    ["Offset of field: OrnithMoeSortParams::row_assign"]
+        [::std::mem::offset_of!(OrnithMoeSortParams, row_assign) - 40usize];
+    ["Offset of field: OrnithMoeSortParams::active_list"]
+        [::std::mem::offset_of!(OrnithMoeSortParams, active_list) - 48usize];
+    ["Offset of field: OrnithMoeSortParams::active_count"]
+        [::std::mem::offset_of!(OrnithMoeSortParams, active_count) - 56usize];
+    ["Offset of field: OrnithMoeSortParams::tokens"][::std::mem::offset_of!(OrnithMoeSortParams, tokens) - 64usize];
+    ["Offset of field: OrnithMoeSortParams::top_k"][::std::mem::offset_of!(OrnithMoeSortParams, top_k) - 68usize];
+    ["Offset of field: OrnithMoeSortParams::experts"][::std::mem::offset_of!(OrnithMoeSortParams, experts) - 72usize];
 };
 impl Default for OrnithMoeSortParams {
     fn default() -> Self {

@@ -46,7 +46,7 @@ use half::bf16;
 use model_spec::ExpertLayout;
 use ops::{at, Ptr, XIn};
 use ornith_kernels::bindings::*;
-use plan::{MemoryPlan, ScratchSizes, ATTN_ROWS, CHUNK};
+use plan::{MemoryPlan, ScratchSizes, ATTN_ROWS, CHUNK, GROUPED_MOE_ROWS};
 use prefill_ops::use_prefill;
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -237,6 +237,11 @@ struct Scratch {
     tile_offsets: CudaSlice<i32>,
     row_token: CudaSlice<i32>,
     row_of: CudaSlice<i32>,
+    /// Grouped decode MoE: the assignment of each expert-sorted row, the experts with
+    /// assignments and their count (`moe_sort`'s optional outputs).
+    row_assign: CudaSlice<i32>,
+    active_list: CudaSlice<i32>,
+    active_count: CudaSlice<i32>,
     /// Two-phase chunked gated delta rule workspace (`ScratchSizes::gdn_work`).
     gdn_work: CudaSlice<f32>,
 }
@@ -786,6 +791,9 @@ impl CudaBackend {
             tile_offsets: to as _,
             row_token: rt as _,
             row_of: ro as _,
+            row_assign: std::ptr::null_mut(),
+            active_list: std::ptr::null_mut(),
+            active_count: std::ptr::null_mut(),
             tokens: n as i32,
             top_k: k as i32,
             experts: e as i32,
@@ -889,6 +897,9 @@ impl Scratch {
             tile_offsets: cx.alloc(d.num_experts + 1)?,
             row_token: cx.alloc(c * d.top_k)?,
             row_of: cx.alloc(c * d.top_k)?,
+            row_assign: cx.alloc(c * d.top_k)?,
+            active_list: cx.alloc(d.num_experts)?,
+            active_count: cx.alloc(1)?,
             gdn_work: cx.alloc(z.gdn_work)?,
         })
     }
@@ -1125,7 +1136,35 @@ impl Backend for CudaBackend {
                 self.moe_grouped(&w.experts, sh, (xq, xs), n, at(self, &h.delta, r0 * hs))?;
                 continue;
             }
-            self.k_moe_gemv(OrnithMoeGemvParams {
+            // Decode group: expert GEMVs per (token, slot); from GROUPED_MOE_ROWS rows on grouped by
+            // expert (each expert's weights read once per step), with the same bits per row.
+            let grouped = n >= GROUPED_MOE_ROWS;
+            let no_groups = (std::ptr::null(), std::ptr::null(), std::ptr::null(), std::ptr::null());
+            let groups = if grouped {
+                let (go, ra, al, ac) = (
+                    at(self, &s.group_offsets, 0),
+                    at(self, &s.row_assign, 0),
+                    at(self, &s.active_list, 0),
+                    at(self, &s.active_count, 0),
+                );
+                self.k_moe_sort(OrnithMoeSortParams {
+                    idx: at(self, &s.idx, 0) as _,
+                    group_offsets: go as _,
+                    tile_offsets: at(self, &s.tile_offsets, 0) as _,
+                    row_token: at(self, &s.row_token, 0) as _,
+                    row_of: at(self, &s.row_of, 0) as _,
+                    row_assign: ra as _,
+                    active_list: al as _,
+                    active_count: ac as _,
+                    tokens: n as i32,
+                    top_k: k as i32,
+                    experts: e as i32,
+                })?;
+                (al as *const i32, ac as *const i32, go as *const i32, ra as *const i32)
+            } else {
+                no_groups
+            };
+            let gu_params = OrnithMoeGemvParams {
                 xq: xq as _,
                 xs: xs as _,
                 idx: at(self, &s.idx, 0) as _,
@@ -1143,27 +1182,32 @@ impl Backend for CudaBackend {
                 x_slot_stride: 0,
                 xs_tok_stride: 1,
                 xs_slot_stride: 0,
-            })?;
+                active_list: groups.0,
+                active_count: groups.1,
+                group_offsets: groups.2,
+                row_assign: groups.3,
+            };
+            self.k_moe_gemv(gu_params, grouped)?;
             self.k_swiglu(at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), n * slots, inter)?;
-            self.k_moe_gemv(OrnithMoeGemvParams {
-                xq: at(self, &s.aq, 0) as _,
-                xs: at(self, &s.asc, 0) as _,
-                idx: at(self, &s.idx, 0) as _,
-                w: at(self, &w.experts.dn, 0) as _,
-                ws: at(self, &w.experts.dns, 0) as _,
-                shared_w: at(self, &sdn.w, 0) as _,
-                shared_ws: at(self, sdn_s, 0) as _,
-                y: at(self, &s.ys, 0) as _,
-                tokens: n as i32,
-                top_k: k as i32,
-                experts: e as i32,
-                in_: inter as i32,
-                out: hs as i32,
-                x_tok_stride: (slots * inter) as i32,
-                x_slot_stride: inter as i32,
-                xs_tok_stride: slots as i32,
-                xs_slot_stride: 1,
-            })?;
+            self.k_moe_gemv(
+                OrnithMoeGemvParams {
+                    xq: at(self, &s.aq, 0) as _,
+                    xs: at(self, &s.asc, 0) as _,
+                    w: at(self, &w.experts.dn, 0) as _,
+                    ws: at(self, &w.experts.dns, 0) as _,
+                    shared_w: at(self, &sdn.w, 0) as _,
+                    shared_ws: at(self, sdn_s, 0) as _,
+                    y: at(self, &s.ys, 0) as _,
+                    in_: inter as i32,
+                    out: hs as i32,
+                    x_tok_stride: (slots * inter) as i32,
+                    x_slot_stride: inter as i32,
+                    xs_tok_stride: slots as i32,
+                    xs_slot_stride: 1,
+                    ..gu_params
+                },
+                grouped,
+            )?;
             self.k_combine(
                 at(self, &s.ys, 0),
                 at(self, &s.wt, 0),

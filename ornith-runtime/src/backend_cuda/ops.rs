@@ -244,17 +244,25 @@ impl CudaBackend {
 
     /// Routed + shared expert GEMV; bytes count each (token, slot)'s weight rows once (an upper
     /// bound when tokens share experts).
-    pub(super) fn k_moe_gemv(&self, p: OrnithMoeGemvParams) -> Result<()> {
+    /// The expert GEMVs of a decode group: per (token, slot) (`moe_gemv_fp8`), or `grouped` by
+    /// expert over `moe_sort`'s groups (`moe_gemv_grouped`, the same bits; its grid has one block
+    /// row per possible active expert, `min(experts, tokens · top_k)`, plus the shared expert).
+    pub(super) fn k_moe_gemv(&self, p: OrnithMoeGemvParams, grouped: bool) -> Result<()> {
         let slots = (p.top_k + 1) as usize;
-        let (t, in_, out) = (p.tokens as usize, p.in_ as usize, p.out as usize);
+        let (t, in_, out, k) = (p.tokens as usize, p.in_ as usize, p.out as usize, p.top_k as usize);
+        let tiles = crate::cuda::gemv1_blocks(in_ / 16, out);
+        if grouped {
+            anyhow::ensure!(
+                !p.active_list.is_null() && !p.row_assign.is_null(),
+                "moe_gemv_grouped needs moe_sort's groups"
+            );
+            let active = (p.experts as usize).min(t * k);
+            // Each touched expert's weights once (at most `active`), activations per assignment.
+            let bytes = (active + 1) * (out * in_ + out * 4) + t * slots * (in_ + 4 + out * 2);
+            return self.go("moe_gemv_grouped", (tiles, active as u32 + 1, 1), 256, bytes as u64, p);
+        }
         let bytes = t * slots * (out * in_ + out * 4 + in_ + 4 + out * 2);
-        self.go(
-            "moe_gemv_fp8",
-            (crate::cuda::gemv1_blocks(in_ / 16, out), slots as u32, t as u32),
-            256,
-            bytes as u64,
-            p,
-        )
+        self.go("moe_gemv_fp8", (tiles, slots as u32, t as u32), 256, bytes as u64, p)
     }
 
     pub(super) fn k_swiglu(&self, gu: Ptr, q8: Ptr, scale: Ptr, rows: usize, inter: usize) -> Result<()> {

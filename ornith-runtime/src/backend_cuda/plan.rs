@@ -32,6 +32,10 @@ pub fn gdn_slot_elems(d: &ModelDims) -> (usize, usize) {
 pub fn desc_len(rows: usize, width: usize) -> usize {
     rows * (3 + width)
 }
+/// Decode groups of at least this many rows run the routed experts grouped by expert
+/// (`moe_gemv_grouped`: bit-identical to the per-(token, slot) GEMV, each expert's weights read
+/// once per step instead of once per token routed to it).
+pub const GROUPED_MOE_ROWS: usize = 4;
 /// Query rows of one attention launch during prefill (the split-K partials scale with it).
 pub const ATTN_ROWS: usize = 8;
 /// Most sequence splits of one attention launch, and the shortest split.
@@ -159,7 +163,8 @@ impl ScratchSizes {
                 + c * self.rlog_w
                 + c * self.slots * 2 * d.moe_intermediate_size
                 + c * self.slots * d.hidden_size);
-        // idx + wt, and the MoE prefill's group/tile offsets, row_token and row_of.
+        // idx + wt, the MoE's group/tile offsets, row_token, row_of, row_assign and the active
+        // expert list and count.
         // (gdn_work: fp32, counted below; the greedy sampler's rows: per slot, `step_bytes_per_slot`.)
         let f4 = 4
             * (self.xs
@@ -168,7 +173,9 @@ impl ScratchSizes {
                 + self.part_ml
                 + c * d.top_k * 2
                 + 2 * (d.num_experts + 1)
-                + 2 * c * d.top_k);
+                + 3 * c * d.top_k
+                + d.num_experts
+                + 1);
         (bf + self.xq + self.aq + f4 + 4 * self.gdn_work) as u64
     }
 }

@@ -373,8 +373,57 @@ impl CudaContext {
             x_slot_stride: a.x_slot_stride as i32,
             xs_tok_stride: a.xs_tok_stride as i32,
             xs_slot_stride: a.xs_slot_stride as i32,
+            active_list: std::ptr::null(),
+            active_count: std::ptr::null(),
+            group_offsets: std::ptr::null(),
+            row_assign: std::ptr::null(),
         };
         Ok(p)
+    }
+
+    /// `moe_sort` of a decode group's router output `idx [tokens, top_k]` for
+    /// [`CudaContext::moe_gemv_grouped`]: each expert's range of sorted rows, the assignment
+    /// (`token · top_k + slot`) of each sorted row, the experts with assignments and their count.
+    pub fn moe_groups(&self, idx: &CudaSlice<i32>, tokens: usize, top_k: usize, experts: usize) -> Result<MoeGroups> {
+        need("moe_groups idx", idx, tokens * top_k)?;
+        ensure!((1..=1024).contains(&experts), "moe_groups: {experts} experts");
+        let n = tokens * top_k;
+        let g = MoeGroups {
+            group_offsets: self.alloc(experts + 1)?,
+            tile_offsets: self.alloc(experts + 1)?,
+            row_token: self.alloc(n)?,
+            row_of: self.alloc(n)?,
+            row_assign: self.alloc(n)?,
+            active_list: self.alloc(experts)?,
+            active_count: self.alloc(1)?,
+        };
+        let p = OrnithMoeSortParams {
+            idx: self.addr(idx) as _,
+            group_offsets: self.addr(&g.group_offsets) as _,
+            tile_offsets: self.addr(&g.tile_offsets) as _,
+            row_token: self.addr(&g.row_token) as _,
+            row_of: self.addr(&g.row_of) as _,
+            row_assign: self.addr(&g.row_assign) as _,
+            active_list: self.addr(&g.active_list) as _,
+            active_count: self.addr(&g.active_count) as _,
+            tokens: tokens as i32,
+            top_k: top_k as i32,
+            experts: experts as i32,
+        };
+        self.launch("moe_sort", (1, 1, 1), 1024, p)?;
+        Ok(g)
+    }
+
+    /// [`CudaContext::moe_gemv`] grouped by expert over `g` (see `moe_gemv_grouped`): the same
+    /// outputs, bit for bit.
+    pub fn moe_gemv_grouped(&self, a: &MoeGemvArgs, g: &MoeGroups, y: &mut Bf) -> Result<()> {
+        let mut p = self.moe_gemv_params(a, y)?;
+        p.active_list = self.addr(&g.active_list) as _;
+        p.active_count = self.addr(&g.active_count) as _;
+        p.group_offsets = self.addr(&g.group_offsets) as _;
+        p.row_assign = self.addr(&g.row_assign) as _;
+        let active = a.experts.min(a.tokens * a.top_k) as u32;
+        self.launch("moe_gemv_grouped", (super::gemv1_blocks(a.in_ / 16, a.out), active + 1, 1), 256, p)
     }
 
     /// a = bf16(bf16(silu(g)) * u) per row of gate_up [rows, 2*inter], then FP8 per row.
@@ -703,6 +752,17 @@ pub struct MoeGemvArgs<'a> {
     pub x_slot_stride: usize,
     pub xs_tok_stride: usize,
     pub xs_slot_stride: usize,
+}
+
+/// `moe_sort`'s outputs for [`CudaContext::moe_gemv_grouped`].
+pub struct MoeGroups {
+    pub group_offsets: CudaSlice<i32>,
+    pub tile_offsets: CudaSlice<i32>,
+    pub row_token: CudaSlice<i32>,
+    pub row_of: CudaSlice<i32>,
+    pub row_assign: CudaSlice<i32>,
+    pub active_list: CudaSlice<i32>,
+    pub active_count: CudaSlice<i32>,
 }
 
 /// Inputs of [`CudaContext::gdn_recurrent`].

@@ -25,7 +25,7 @@ mod tests;
 /// Kernels per PTX module (names of the `extern "C"` entry points).
 const KERNELS: [(Module, &[&str]); 10] = [
     (Module::Norm, &["embed_gather", "rmsnorm_residual", "quantize_fp8_rows"]),
-    (Module::Gemv, &["gemv_bf16", "gemv_fp8", "gemv_bf16_t1", "gemv_fp8_t1", "moe_gemv_fp8"]),
+    (Module::Gemv, &["gemv_bf16", "gemv_fp8", "gemv_bf16_t1", "gemv_fp8_t1", "moe_gemv_fp8", "moe_gemv_grouped"]),
     (Module::Moe, &["moe_router_topk", "swiglu_quant", "moe_combine"]),
     (Module::Gdn, &["conv1d_silu", "conv1d_silu_chunk", "gdn_recurrent", "gated_rmsnorm"]),
     (Module::Attention, &["qk_norm_rope", "attn_decode_split", "attn_decode_combine"]),

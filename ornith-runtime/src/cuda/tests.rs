@@ -410,9 +410,16 @@ fn moe_decode_matches_reference() {
     // (experts, top_k, hidden, inter, tokens)
     // The expert GEMV's rows per warp follow the row length (gemv1_rows): gate|up in 2048 -> 2,
     // down in 512 -> 8, in 64 / 32 -> 8, in 1024 -> 4 (with odd row counts: 96 and 1024 + 48).
-    for (e, k, h, inter, tokens) in
-        [(256, 8, 2048, 512, 1), (16, 4, 64, 32, 3), (256, 8, 2048, 512, 2), (8, 2, 1024, 48, 2)]
-    {
+    // (256, 8, ..., 13) and (16, 4, ..., 9) also check the grouped form (several assignments per
+    // expert, several passes of a group) against the per-(token, slot) one, bit for bit.
+    for (e, k, h, inter, tokens) in [
+        (256, 8, 2048, 512, 1),
+        (16, 4, 64, 32, 3),
+        (256, 8, 2048, 512, 2),
+        (8, 2, 1024, 48, 2),
+        (256, 8, 2048, 512, 13),
+        (16, 4, 64, 32, 9),
+    ] {
         let slots = k + 1;
         let logits = bfv(&mut r, tokens * (e + 1), 3.0); // router logits + shared-gate logit per token
         let xq = fp8v(&mut r, tokens * h);
@@ -475,6 +482,10 @@ fn moe_decode_matches_reference() {
         };
         c.moe_gemv(&a1, &mut gu).unwrap();
         let ggu = c.download(&gu).unwrap();
+        let groups = c.moe_groups(&idx, tokens, k, e).unwrap();
+        let mut gu2 = c.upload(&vec![POISON; tokens * slots * 2 * inter]).unwrap();
+        c.moe_gemv_grouped(&a1, &groups, &mut gu2).unwrap();
+        assert!(c.download(&gu2).unwrap() == ggu, "grouped gate_up differs from the per-slot GEMV ({tokens} tokens)");
         let dot = |w: &[u8], x: &[u8]| -> f64 {
             w.iter().zip(x).map(|(&a, &b)| e4m3_to_f32(a) as f64 * e4m3_to_f32(b) as f64).sum()
         };
@@ -531,6 +542,9 @@ fn moe_decode_matches_reference() {
         };
         c.moe_gemv(&a2, &mut ys).unwrap();
         let gys = c.download(&ys).unwrap();
+        let mut ys2 = c.upload(&vec![POISON; rows * h]).unwrap();
+        c.moe_gemv_grouped(&a2, &groups, &mut ys2).unwrap();
+        assert!(c.download(&ys2).unwrap() == gys, "grouped down differs from the per-slot GEMV ({tokens} tokens)");
         let mut want_ys = Vec::new();
         for t in 0..tokens {
             for j in 0..slots {
