@@ -163,20 +163,22 @@ extern "C" __global__ void __launch_bounds__(ATT_D) attn_decode_combine(const Or
     }
     // Splits past `used` have weight 0 (empty: past the causal end, as most of the fixed grid of a
     // decode graph is) and finite partials, so they add exactly 0: the loop stops at `used`
-    // rounded up to the 4-way grouping, which leaves every sum as the full loop forms it.
+    // rounded up to the 4-way grouping, which leaves every sum as the full loop forms it. Split s
+    // always goes to accumulator s % 4, also when `p.splits` is not a multiple of 4 (the host
+    // form's exact split count; missing splits add 0), so the host form and the fixed-grid device
+    // form of the same split length give the same bits.
     const int used = (int)block_max((float)(last + 1), sh);
     const float L = block_sum(lsum, sh);  // block_sum ends with a barrier: f[] is complete
-    const int lim = min(p.splits, (used + 3) & ~3);
+    const int lim = (used + 3) & ~3;
     float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
     const float *po = p.part_o + base * ATT_D + i;
-    int s = 0;
-    for (; s + 4 <= lim; s += 4) {
-        acc0 = fmaf(po[(size_t)(s + 0) * ATT_D], f[s + 0], acc0);
-        acc1 = fmaf(po[(size_t)(s + 1) * ATT_D], f[s + 1], acc1);
-        acc2 = fmaf(po[(size_t)(s + 2) * ATT_D], f[s + 2], acc2);
-        acc3 = fmaf(po[(size_t)(s + 3) * ATT_D], f[s + 3], acc3);
+    for (int s = 0; s < lim; s += 4) {
+        const bool h1 = s + 1 < p.splits, h2 = s + 2 < p.splits, h3 = s + 3 < p.splits;
+        acc0 = fmaf(po[(size_t)(s + 0) * ATT_D], f[s + 0], acc0);  // s < used <= splits
+        acc1 = fmaf(h1 ? po[(size_t)(s + 1) * ATT_D] : 0.f, h1 ? f[s + 1] : 0.f, acc1);
+        acc2 = fmaf(h2 ? po[(size_t)(s + 2) * ATT_D] : 0.f, h2 ? f[s + 2] : 0.f, acc2);
+        acc3 = fmaf(h3 ? po[(size_t)(s + 3) * ATT_D] : 0.f, h3 ? f[s + 3] : 0.f, acc3);
     }
-    for (; s < lim; s++) acc0 = fmaf(po[(size_t)s * ATT_D], f[s], acc0);
     const float o = rbf(((acc0 + acc1) + (acc2 + acc3)) / L);
     const float gate = bf2f(p.qg[((size_t)t * p.q_heads + h) * 2 * ATT_D + ATT_D + i]);
     p.out[((size_t)t * p.q_heads + h) * ATT_D + i] = f2bf(o * rbf(sigmoid_f(gate)));
