@@ -264,14 +264,30 @@ async fn errors_have_each_apis_shape_and_status() {
     assert_eq!(r.status().as_u16(), 400);
     let (st, b) = s.post("/v1/chat/completions", json!({"messages": user("hi"), "temperature": -1})).await;
     assert_eq!((st, b["error"]["type"].as_str()), (400, Some("invalid_request_error")));
-    let big = "a".repeat(2 << 20);
-    let r = s.client.post(format!("{}/v1/chat/completions", s.base)).body(big).send().await.unwrap();
+    // Over the 1 MiB limit (a client of its own: the server closes that connection unread).
+    let big = "a".repeat((1 << 20) + 1024);
+    let r = reqwest::Client::new().post(format!("{}/v1/chat/completions", s.base)).body(big).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 413);
+    let b: Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(b["error"]["code"], "request_too_large");
     // A failing engine step: 500 in each shape.
     let (st, b) = s.post("/v1/chat/completions", json!({"messages": user("SAY:FAIL")})).await;
     assert_eq!((st, b["error"]["code"].as_str()), (500, Some("engine_error")), "{b}");
     let (st, b) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": user("SAY:FAIL")})).await;
     assert_eq!((st, b["error"]["type"].as_str()), (500, Some("api_error")), "{b}");
+    // Once streaming, an engine failure is an error event closing the stream.
+    let (st, _, events) = s.stream("/v1/chat/completions", json!({"messages": user("SAY:FAIL"), "stream": true})).await;
+    assert_eq!(st, 200);
+    assert_eq!(events.last().unwrap().1, "[DONE]");
+    let err: Value = serde_json::from_str(&events[events.len() - 2].1).unwrap();
+    assert_eq!(err["error"]["code"], "engine_error", "{events:?}");
+    let body = json!({"max_tokens": 5, "stream": true, "messages": user("SAY:FAIL")});
+    let (st, _, events) = s.stream("/v1/messages", body).await;
+    assert_eq!(st, 200);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["message_start", "error"]);
+    let err: Value = serde_json::from_str(&events[1].1).unwrap();
+    assert_eq!(err["error"]["type"], "api_error");
     s.stop().await;
 }
 
