@@ -148,7 +148,11 @@ fn run(cmd: Command, args: &Args) -> anyhow::Result<()> {
             eprintln!("ornith: serving {name} (context {window} tokens) on http://{addr}; Ctrl-C stops");
             runtime.block_on(http::serve(listener, app, async {
                 let _ = tokio::signal::ctrl_c().await;
-                eprintln!("ornith: stopping (open requests finish first)");
+                eprintln!("ornith: stopping once the open requests are answered (Ctrl-C again: at once)");
+                tokio::spawn(async {
+                    let _ = tokio::signal::ctrl_c().await;
+                    std::process::exit(130);
+                });
             }))?;
             let stats = threads.join()?;
             if !args.quiet {

@@ -323,9 +323,13 @@ fn serve_answers_http_on_the_real_model_and_keeps_stdout_empty() {
     let (st, body) = http(&addr, "POST", "/v1/messages", msg);
     assert_eq!(st, 200);
     assert!(body.contains("event: message_start") && body.contains("event: message_stop"), "{body}");
-    child.kill().unwrap();
+    // Ctrl-C (SIGINT) stops it cleanly.
+    let int = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(int.success());
     let out = child.wait_with_output().unwrap();
     let logs = logs.join().unwrap();
+    assert!(out.status.success(), "{:?}: {logs:?}", out.status);
+    assert!(logs.iter().any(|l| l.contains("stopping")), "{logs:?}");
     assert!(out.stdout.is_empty(), "stdout must stay empty: {:?}", String::from_utf8_lossy(&out.stdout));
     assert!(logs.iter().any(|l| l.starts_with("[ornith] request")), "per-request logs go to stderr: {logs:?}");
 }
