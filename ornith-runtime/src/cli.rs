@@ -10,7 +10,7 @@ use clap::{ArgAction, Parser, Subcommand, ValueEnum};
 #[command(
     name = "ornith",
     version,
-    about = "Ornith inference engine: JSONL requests on stdin, JSONL results on stdout"
+    about = "Ornith inference engine: JSONL requests on stdin, JSONL results on stdout (or `ornith serve`: HTTP)"
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -19,12 +19,28 @@ pub struct Cli {
     pub args: Args,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Subcommand)]
+#[derive(Debug, Clone, PartialEq, Eq, Subcommand)]
 pub enum Command {
     /// Generate: one request per stdin line, one result line per request on stdout (default).
-    Serve,
+    Run,
     /// Count tokens: `{"text": …}` or `{"messages": …}` per line → `{"ids": […], "count": N}`.
     Tokenize,
+    /// HTTP server: the OpenAI (`/v1/chat/completions`, `/v1/completions`, `/v1/models`) and
+    /// Anthropic (`/v1/messages`) APIs on one engine shared by every connection.
+    Serve(ServeArgs),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+pub struct ServeArgs {
+    /// Address to listen on (default: this machine only).
+    #[arg(long, env = "ORNITH_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, env = "ORNITH_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// The model id of `/v1/models` and of responses; requests naming another model get 404
+    /// (default: the checkpoint directory's name).
+    #[arg(long, env = "ORNITH_SERVED_MODEL_NAME", value_name = "NAME")]
+    pub served_model_name: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -65,7 +81,8 @@ pub struct Args {
     /// No per-request log lines on stderr.
     #[arg(long, env = "ORNITH_QUIET", global = true, action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
     pub quiet: bool,
-    /// Longer input lines are skipped and answered with an error line.
+    /// Longer input lines are skipped and answered with an error line (`serve`: larger request
+    /// bodies are answered with 413).
     #[arg(long, env = "ORNITH_MAX_LINE_BYTES", default_value_t = 16 << 20, value_parser = clap::value_parser!(u64).range(1..), global = true, value_name = "BYTES")]
     pub max_line_bytes: u64,
 }
@@ -129,6 +146,11 @@ mod tests {
         assert_eq!(c.args.kv_budget, Some(2 << 30));
         assert!(c.args.ordered);
         assert!(Cli::try_parse_from(["ornith", "--max-line-bytes", "0"]).is_err());
+        assert_eq!(Cli::try_parse_from(["ornith", "run"]).unwrap().command, Some(Command::Run));
+        let c = Cli::try_parse_from(["ornith", "serve", "--port", "9000", "--served-model-name", "m"]).unwrap();
+        let want = ServeArgs { host: "127.0.0.1".into(), port: 9000, served_model_name: Some("m".into()) };
+        assert_eq!(c.command, Some(Command::Serve(want)));
+        assert!(Cli::try_parse_from(["ornith", "serve", "--port", "70000"]).is_err());
         assert!(Cli::try_parse_from(["ornith", "--backend", "tpu"]).is_err());
     }
 

@@ -1,4 +1,4 @@
-//! Ornith runtime: the typed model graph, backends, and the JSONL front end.
+//! Ornith runtime: the typed model graph, backends, the JSONL front end and the HTTP server.
 
 // Lets generated code name this crate as `::ornith_runtime` from inside it too.
 extern crate self as ornith_runtime;
@@ -13,6 +13,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod engine;
 pub mod graph;
+pub mod http;
 pub mod protocol;
 pub mod sampling;
 pub mod tokenizer;

@@ -267,3 +267,69 @@ fn the_binary_links_only_glibc() {
     eprintln!("DT_NEEDED {:?}; newest glibc symbol version {}.{}", needs.needed, glibc.0, glibc.1);
     assert!(glibc >= (2, 2), "{glibc:?}");
 }
+
+/// One HTTP/1.1 request on a fresh connection (`Connection: close`): (status, body as sent).
+fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to ornith serve");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, rest) = out.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP response: {out:?}"));
+    (head.split(' ').nth(1).unwrap().parse().unwrap(), rest.to_string())
+}
+
+#[test]
+fn serve_answers_http_on_the_real_model_and_keeps_stdout_empty() {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ornith"))
+        .args(["serve", "--backend", "cpu", "--max-context", "512", "--port", "0", "--served-model-name", "tiny"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start ornith serve");
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let l = lines.next().expect("ornith serve exited before listening").unwrap();
+        if let Some((_, rest)) = l.split_once(" on http://") {
+            break rest.split(';').next().unwrap().to_string();
+        }
+    };
+    // Keep reading stderr so that the server never blocks on a full pipe.
+    let logs = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
+    let (st, body) = http(&addr, "GET", "/health", "");
+    assert_eq!(st, 200, "{body}");
+    let (st, body) = http(&addr, "GET", "/v1/models", "");
+    assert_eq!(st, 200);
+    let models: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(models["data"][0]["id"], "tiny");
+    assert_eq!(models["data"][0]["max_model_len"], 512);
+    let chat =
+        r#"{"model":"tiny","messages":[{"role":"user","content":"Write a function"}],"max_tokens":6,"temperature":0}"#;
+    let (st, body) = http(&addr, "POST", "/v1/chat/completions", chat);
+    assert_eq!(st, 200, "{body}");
+    let b: Value = serde_json::from_str(&body).unwrap();
+    assert!(b["usage"]["completion_tokens"].as_u64().unwrap() >= 1, "{b}");
+    let (st, body) = http(&addr, "POST", "/v1/chat/completions", &chat.replace("\"tiny\"", "\"other\""));
+    assert_eq!(st, 404, "{body}");
+    let msg = r#"{"model":"tiny","max_tokens":4,"stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    let (st, body) = http(&addr, "POST", "/v1/messages", msg);
+    assert_eq!(st, 200);
+    assert!(body.contains("event: message_start") && body.contains("event: message_stop"), "{body}");
+    // Ctrl-C (SIGINT) stops it cleanly.
+    let int = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(int.success());
+    let out = child.wait_with_output().unwrap();
+    let logs = logs.join().unwrap();
+    assert!(out.status.success(), "{:?}: {logs:?}", out.status);
+    assert!(logs.iter().any(|l| l.contains("stopping")), "{logs:?}");
+    assert!(out.stdout.is_empty(), "stdout must stay empty: {:?}", String::from_utf8_lossy(&out.stdout));
+    assert!(logs.iter().any(|l| l.starts_with("[ornith] request")), "per-request logs go to stderr: {logs:?}");
+}

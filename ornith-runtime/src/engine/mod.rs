@@ -10,7 +10,7 @@
 //!   memory and is never preempted: its tokens do not depend on what else runs (batch invariance).
 //! * [`EngineThread`] (in `thread`) runs an engine on a thread of its own: `submit` returns a
 //!   handle, events (token, finish, error) come back on a channel, `cancel` frees a sequence at
-//!   once. The JSONL front end drives it; so will the HTTP server.
+//!   once. The JSONL front end and the HTTP server (`http`) drive it.
 
 mod core;
 mod pool;

@@ -25,11 +25,20 @@ impl EngineClient {
     /// Queues `req`; returns the id its events carry. A refused request gets one
     /// `EventKind::Error` event with the refusal's code.
     pub fn submit(&self, req: GenRequest) -> u64 {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let id = self.reserve_id();
+        self.submit_as(id, req);
+        id
+    }
+    /// An id for a later [`submit_as`](Self::submit_as): a front end that routes events to
+    /// per-request channels registers the channel under it before any event can arrive.
+    pub fn reserve_id(&self) -> u64 {
+        self.next.fetch_add(1, Ordering::Relaxed)
+    }
+    /// Queues `req` under an id from [`reserve_id`](Self::reserve_id) (used once).
+    pub fn submit_as(&self, id: u64, req: GenRequest) {
         // A send fails only when the engine thread is gone; its sink has then been dropped
         // and the front end sees that.
         let _ = self.tx.send(Cmd::Submit(id, req));
-        id
     }
     /// Ends a sequence now (no event follows) and frees its memory.
     pub fn cancel(&self, id: u64) {

@@ -55,30 +55,34 @@ fn message_json(m: &Message, run_id: u64, line: u64) -> Value {
     json!({"role": "assistant", "content": content, "reasoning": reasoning, "reasoning_content": reasoning, "tool_calls": calls})
 }
 
-/// Builds chunk lines (collected in `out` for the caller to write).
+/// Builds stream chunks (collected in `out` for the caller to send).
 struct Chunker {
     chat: bool,
     id: String,
     created: u64,
     model: String,
-    custom_id: String,
+    /// The JSONL front end's `custom_id` of every chunk (the HTTP server has none).
+    custom_id: Option<String>,
     line: u64,
     n_calls: usize,
     run_id: u64,
-    out: Vec<String>,
+    out: Vec<Value>,
 }
 
 impl Chunker {
     /// One chunk: `delta` for chat, text for completions.
     fn send(&mut self, delta: Value, finish: Option<&str>) {
-        let v = if self.chat {
+        let mut v = if self.chat {
             json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}], "custom_id": self.custom_id})
+                   "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]})
         } else {
             json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "text": delta, "logprobs": null, "finish_reason": finish}], "custom_id": self.custom_id})
+                   "choices": [{"index": 0, "text": delta, "logprobs": null, "finish_reason": finish}]})
         };
-        self.out.push(v.to_string());
+        if let Some(c) = &self.custom_id {
+            v["custom_id"] = json!(c);
+        }
+        self.out.push(v);
     }
 
     /// Sends pending chat deltas and records them into `msg`.
@@ -135,9 +139,44 @@ pub struct Limits {
     pub vocab: usize,
 }
 
+/// The prompt tokens of `req` (its messages rendered by the chat template, or its completion
+/// prompt) and whether the rendered prompt leaves the model thinking.
+pub fn prompt_tokens(
+    req: &Request,
+    codec: &dyn TextCodec,
+    renderer: &dyn PromptRenderer,
+    limits: &Limits,
+) -> Result<(Vec<u32>, bool), LineError> {
+    // The template's errors already say "chat template: …".
+    let tmpl = |e: anyhow::Error| LineError::new("invalid_request", format!("{e:#}"));
+    let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
+    let (prompt, thinking) = match &req.kind {
+        Kind::Chat { messages, tools, kwargs, .. } => {
+            let text = renderer.render(messages, tools.as_ref(), true, kwargs).map_err(tmpl)?;
+            // The template leaves `<think>\n` open when thinking is on.
+            let thinking = text.trim_end_matches(['\n', ' ']).ends_with("<think>");
+            (codec.encode(&text).map_err(tok)?, thinking)
+        }
+        Kind::Completion { prompt: Prompt::Text(t) } => (codec.encode(t).map_err(tok)?, false),
+        Kind::Completion { prompt: Prompt::Ids(ids) } => {
+            let v = limits.vocab;
+            if let Some(bad) = ids.iter().find(|&&i| i as usize >= v) {
+                return Err(LineError::invalid(format!("token id {bad} is outside the vocabulary (size {v})")));
+            }
+            (ids.clone(), false)
+        }
+    };
+    if prompt.is_empty() {
+        return Err(LineError::invalid("the prompt encodes to no tokens"));
+    }
+    Ok((prompt, thinking))
+}
+
 impl<'a> Live<'a> {
     /// Renders and tokenizes `req`, checks it against the window, and returns the engine's
-    /// request with the state that will turn its tokens into the result.
+    /// request with the state that will turn its tokens into the result. `line` identifies the
+    /// request within the run (response and tool-call ids); `custom_id`, when given, goes into
+    /// every chunk (the JSONL front end's).
     #[allow(clippy::too_many_arguments)]
     pub fn start(
         req: Request,
@@ -151,28 +190,7 @@ impl<'a> Live<'a> {
         run_id: u64,
         started: Instant,
     ) -> Result<(GenRequest, Live<'a>), LineError> {
-        // The template's errors already say "chat template: …".
-        let tmpl = |e: anyhow::Error| LineError::new("invalid_request", format!("{e:#}"));
-        let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
-        let (prompt, thinking) = match &req.kind {
-            Kind::Chat { messages, tools, kwargs, .. } => {
-                let text = renderer.render(messages, tools.as_ref(), true, kwargs).map_err(tmpl)?;
-                // The template leaves `<think>\n` open when thinking is on.
-                let thinking = text.trim_end_matches(['\n', ' ']).ends_with("<think>");
-                (codec.encode(&text).map_err(tok)?, thinking)
-            }
-            Kind::Completion { prompt: Prompt::Text(t) } => (codec.encode(t).map_err(tok)?, false),
-            Kind::Completion { prompt: Prompt::Ids(ids) } => {
-                let v = limits.vocab;
-                if let Some(bad) = ids.iter().find(|&&i| i as usize >= v) {
-                    return Err(LineError::invalid(format!("token id {bad} is outside the vocabulary (size {v})")));
-                }
-                (ids.clone(), false)
-            }
-        };
-        if prompt.is_empty() {
-            return Err(LineError::invalid("the prompt encodes to no tokens"));
-        }
+        let (prompt, thinking) = prompt_tokens(&req, codec, renderer, limits)?;
         let window = limits.window;
         let n_prompt = prompt.len();
         if n_prompt >= window {
@@ -207,7 +225,7 @@ impl<'a> Live<'a> {
             id: resp_id,
             created: now_unix(),
             model: model_name.to_string(),
-            custom_id: custom_id.map_or_else(|| format!("line-{line}"), str::to_string),
+            custom_id: custom_id.map(str::to_string),
             line,
             n_calls: 0,
             run_id,
@@ -245,9 +263,14 @@ impl<'a> Live<'a> {
         Ok((gen, live))
     }
 
-    /// Chunk lines produced so far (to be written before anything later of this request).
-    pub fn take_chunks(&mut self) -> Vec<String> {
+    /// Chunks produced so far (to be sent before anything later of this request).
+    pub fn take_chunks(&mut self) -> Vec<Value> {
         std::mem::take(&mut self.chunker.out)
+    }
+
+    /// Tokens of the prompt.
+    pub fn prompt_len(&self) -> usize {
+        self.n_prompt
     }
 
     /// Tokens sampled so far.

@@ -261,10 +261,11 @@ pub fn serve<R: BufRead + Send + 'static, W: Write>(
                     let eos = &opts.defaults.eos_token_ids;
                     let begun = catch_unwind(AssertUnwindSafe(|| {
                         let name = &opts.model_name;
+                        let chunk_id = cid.clone().unwrap_or_else(|| format!("line-{line_no}"));
                         Live::start(
                             req,
                             line_no,
-                            cid.as_deref(),
+                            Some(&chunk_id),
                             codec,
                             renderer,
                             &limits,
@@ -278,7 +279,7 @@ pub fn serve<R: BufRead + Send + 'static, W: Write>(
                     match begun {
                         Ok((gen, mut live)) => {
                             for c in live.take_chunks() {
-                                out.chunk(line_no, c)?;
+                                out.chunk(line_no, c.to_string())?;
                             }
                             let id = client.submit(gen);
                             open.insert(id, Open { line: line_no, custom_id: cid, live });
@@ -304,7 +305,7 @@ pub fn serve<R: BufRead + Send + 'static, W: Write>(
                         EventKind::Error { code, message } => Some(Err(LineError::from_engine(code, message))),
                     };
                     for c in o.live.take_chunks() {
-                        out.chunk(o.line, c)?;
+                        out.chunk(o.line, c.to_string())?;
                     }
                     if let Some(res) = done {
                         let mut o = open.remove(&e.id).expect("present above");
@@ -313,7 +314,7 @@ pub fn serve<R: BufRead + Send + 'static, W: Write>(
                             catch_unwind(AssertUnwindSafe(|| o.live.body())).unwrap_or_else(|_| Err(panicked()))
                         });
                         for c in o.live.take_chunks() {
-                            out.chunk(o.line, c)?;
+                            out.chunk(o.line, c.to_string())?;
                         }
                         let n = o.live.generated();
                         st.answer(&mut out, o.line, o.custom_id.as_deref(), res, n)?;

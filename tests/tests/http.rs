@@ -1,0 +1,541 @@
+//! `ornith serve`'s HTTP server in process on an ephemeral port, over the test doubles (a
+//! byte-level codec, a ChatML renderer, a runner that replays the text after `SAY:`), driven by a
+//! real HTTP client.
+
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use ornith_runtime::engine::{Engine, EngineConfig};
+use ornith_runtime::http::{self, ServerOptions};
+use ornith_runtime::protocol::GenerationDefaults;
+use serde_json::{json, Value};
+
+mod support;
+use support::{ByteCodec, ChatMl, ScriptRunner, ENDOFTEXT, IM_END};
+
+const MODEL: &str = "ornith-test";
+
+struct Server {
+    base: String,
+    client: reqwest::Client,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    threads: Option<http::router::Threads>,
+}
+
+/// A server over an engine of `slots` sequences of `ctx` tokens whose steps take `step`.
+async fn server(ctx: usize, slots: usize, step: Duration) -> Server {
+    let mut runner = ScriptRunner::new(ctx, slots);
+    runner.step_time = step;
+    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: ctx, sample_vocab: 259 };
+    let engine = Engine::new(Box::new(runner), cfg).unwrap();
+    let defaults = GenerationDefaults {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        eos_token_ids: vec![IM_END, ENDOFTEXT],
+    };
+    let opts =
+        ServerOptions { model_name: MODEL.into(), defaults, run_id: 0xabc, quiet: true, max_body_bytes: 1 << 20 };
+    let (app, threads) = http::app(engine, Box::new(ByteCodec), Box::new(ChatMl), opts).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(http::serve(listener, app, async {
+        let _ = stopped.await;
+    }));
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    Server { base, client, stop: Some(stop), task: Some(task), threads: Some(threads) }
+}
+
+impl Server {
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self.client.post(format!("{}{path}", self.base)).body(body.to_string()).send().await.unwrap();
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap();
+        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}")))
+    }
+
+    /// A streamed request: the status, the content type and the events (name, data) in order.
+    async fn stream(&self, path: &str, body: Value) -> (u16, String, Vec<(String, String)>) {
+        let r = self.client.post(format!("{}{path}", self.base)).body(body.to_string()).send().await.unwrap();
+        let status = r.status().as_u16();
+        let ctype = r.headers().get("content-type").map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
+        let text = r.text().await.unwrap();
+        (status, ctype, sse_events(&text))
+    }
+
+    async fn get(&self, path: &str) -> (u16, String) {
+        let r = self.client.get(format!("{}{path}", self.base)).send().await.unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    }
+
+    /// Stops the server; the engine's counters.
+    async fn stop(mut self) -> ornith_runtime::engine::EngineStats {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.take().unwrap().await.unwrap().unwrap();
+        let threads = self.threads.take().unwrap();
+        tokio::task::spawn_blocking(move || threads.join().unwrap()).await.unwrap()
+    }
+}
+
+/// Splits an event stream into (event name or "", data) pairs; every event ends with a blank line.
+fn sse_events(text: &str) -> Vec<(String, String)> {
+    assert!(text.is_empty() || text.ends_with("\n\n"), "the stream must end with a complete event: {text:?}");
+    text.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (mut name, mut data) = (String::new(), String::new());
+            for line in e.lines() {
+                if let Some(n) = line.strip_prefix("event: ") {
+                    name = n.to_string();
+                } else if let Some(d) = line.strip_prefix("data: ") {
+                    data = d.to_string();
+                } else {
+                    panic!("unexpected line {line:?} in the event stream");
+                }
+            }
+            (name, data)
+        })
+        .collect()
+}
+
+fn user(text: &str) -> Value {
+    json!([{"role": "user", "content": text}])
+}
+
+const NO_THINK: &str = "chat_template_kwargs";
+
+fn schema() -> Value {
+    json!({"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}})
+}
+
+fn tool_spec() -> Value {
+    json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": schema()}}])
+}
+
+/// Two tool calls after a thought, in the model's XML format.
+const TWO_CALLS: &str = "SAY:Checking.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completion_non_streamed() {
+    let s = server(512, 2, Duration::ZERO).await;
+    let (st, b) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": user("SAY:Hello, world!"), NO_THINK: {"enable_thinking": false}}),
+        )
+        .await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(b["object"], "chat.completion");
+    assert_eq!(b["model"], MODEL);
+    assert_eq!(b["choices"][0]["message"]["content"], "Hello, world!");
+    assert_eq!(b["choices"][0]["finish_reason"], "stop");
+    assert_eq!(b["usage"]["completion_tokens"], 14, "13 bytes and <|im_end|>");
+    assert!(b.get("custom_id").is_none());
+    // Without `model` too.
+    let (st, b) = s.post("/v1/chat/completions", json!({"messages": user("SAY:ok"), "max_tokens": 1})).await;
+    assert_eq!((st, b["choices"][0]["finish_reason"].as_str()), (200, Some("length")), "{b}");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completion_streamed_with_usage() {
+    let s = server(512, 2, Duration::ZERO).await;
+    let body = json!({"model": MODEL, "messages": user("SAY:Hello, wörld!"), NO_THINK: {"enable_thinking": false},
+                      "stream": true, "stream_options": {"include_usage": true}});
+    let (st, ctype, events) = s.stream("/v1/chat/completions", body).await;
+    assert_eq!(st, 200);
+    assert!(ctype.starts_with("text/event-stream"), "{ctype}");
+    assert_eq!(events.last().unwrap().1, "[DONE]", "[DONE] is last");
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|(_, d)| serde_json::from_str(d).unwrap()).collect();
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk" && c.get("custom_id").is_none()));
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, "Hello, wörld!");
+    let with_usage: Vec<&Value> = chunks.iter().filter(|c| c.get("usage").is_some_and(|u| !u.is_null())).collect();
+    assert_eq!(with_usage.len(), 1, "usage comes once");
+    assert_eq!(with_usage[0]["choices"], json!([]));
+    assert_eq!(with_usage[0]["usage"]["completion_tokens"], 15);
+    assert!(std::ptr::eq(with_usage[0], chunks.last().unwrap()), "the usage chunk is the last one");
+    let fin = &chunks[chunks.len() - 2]["choices"][0];
+    assert_eq!(fin["finish_reason"], "stop");
+    // Without include_usage: no usage chunk.
+    let body = json!({"messages": user("SAY:hi"), "stream": true});
+    let (_, _, events) = s.stream("/v1/chat/completions", body).await;
+    assert!(events.iter().all(|(_, d)| !d.contains("\"usage\"")));
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_tool_calls_and_reasoning() {
+    let s = server(1024, 2, Duration::ZERO).await;
+    let body = json!({"messages": user(TWO_CALLS), "tools": tool_spec(), "stream": true});
+    let (st, _, events) = s.stream("/v1/chat/completions", body).await;
+    assert_eq!(st, 200);
+    let chunks: Vec<Value> =
+        events.iter().filter(|(_, d)| d != "[DONE]").map(|(_, d)| serde_json::from_str(d).unwrap()).collect();
+    let reasoning: String =
+        chunks.iter().filter_map(|c| c["choices"][0]["delta"]["reasoning_content"].as_str()).collect();
+    assert_eq!(reasoning.trim(), "Checking.");
+    let calls: Vec<&Value> =
+        chunks.iter().filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array()).flatten().collect();
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    for (i, c) in calls.iter().enumerate() {
+        assert_eq!(c["index"], i, "a distinct index per call");
+        assert!(c["id"].as_str().unwrap().starts_with("call_"));
+        assert_eq!(c["type"], "function");
+        assert_eq!(c["function"]["name"], "get_weather");
+    }
+    assert_ne!(calls[0]["id"], calls[1]["id"]);
+    let args: Value = serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Paris", "days": 3}));
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "tool_calls");
+    // Non-streamed: the same calls in the message.
+    let (st, b) = s.post("/v1/chat/completions", json!({"messages": user(TWO_CALLS), "tools": tool_spec()})).await;
+    assert_eq!(st, 200);
+    let m = &b["choices"][0]["message"];
+    assert_eq!(m["tool_calls"].as_array().unwrap().len(), 2);
+    assert_eq!(m["reasoning_content"].as_str().unwrap().trim(), "Checking.");
+    assert_eq!(b["choices"][0]["finish_reason"], "tool_calls");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_models_health() {
+    let s = server(512, 2, Duration::ZERO).await;
+    let (st, b) = s.post("/v1/completions", json!({"model": MODEL, "prompt": "SAY:abcdef", "max_tokens": 3})).await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(b["object"], "text_completion");
+    assert_eq!(b["choices"][0]["text"], "abc");
+    assert_eq!(b["choices"][0]["finish_reason"], "length");
+    let body =
+        json!({"prompt": "SAY:abcdef", "max_tokens": 4, "stream": true, "stream_options": {"include_usage": true}});
+    let (st, _, events) = s.stream("/v1/completions", body).await;
+    assert_eq!(st, 200);
+    assert_eq!(events.last().unwrap().1, "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|(_, d)| serde_json::from_str(d).unwrap()).collect();
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert_eq!(text, "abcd");
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 4);
+    let (st, b) = s.post("/v1/completions", json!({"prompt": "SAY:x", "suffix": "y"})).await;
+    assert_eq!((st, b["error"]["code"].as_str()), (400, Some("unsupported_parameter")), "{b}");
+
+    let (st, text) = s.get("/v1/models").await;
+    assert_eq!(st, 200);
+    let m: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(m["object"], "list");
+    assert_eq!(m["data"][0]["id"], MODEL);
+    assert_eq!(m["data"][0]["max_model_len"], 512);
+    let (st, _) = s.get("/health").await;
+    assert_eq!(st, 200);
+    let (st, text) = s.get("/v1/nothing").await;
+    assert_eq!(st, 404, "{text}");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_have_each_apis_shape_and_status() {
+    let s = server(256, 2, Duration::ZERO).await;
+    let (st, b) = s.post("/v1/chat/completions", json!({"model": "gpt-4", "messages": user("hi")})).await;
+    assert_eq!(st, 404);
+    assert_eq!(b["error"]["code"], "model_not_found");
+    assert!(b["error"]["message"].as_str().unwrap().contains("gpt-4"));
+    let (st, b) = s.post("/v1/messages", json!({"model": "claude", "max_tokens": 5, "messages": user("hi")})).await;
+    assert_eq!(st, 404);
+    assert_eq!(b["type"], "error");
+    assert_eq!(b["error"]["type"], "not_found_error");
+    // Context length: the output does not fit, and a prompt that fills the window.
+    let (st, b) = s.post("/v1/chat/completions", json!({"messages": user("hi"), "max_tokens": 1000})).await;
+    assert_eq!((st, b["error"]["code"].as_str()), (400, Some("context_length_exceeded")), "{b}");
+    let long = "z".repeat(300);
+    let (st, b) = s.post("/v1/completions", json!({"prompt": long})).await;
+    assert_eq!((st, b["error"]["code"].as_str()), (400, Some("context_length_exceeded")), "{b}");
+    let (st, b) = s.post("/v1/messages", json!({"max_tokens": 1000, "messages": user("hi")})).await;
+    assert_eq!((st, b["error"]["type"].as_str()), (400, Some("invalid_request_error")), "{b}");
+    assert!(b["error"]["message"].as_str().unwrap().contains("context length"), "{b}");
+    // A streamed request refused up front gets a plain error, not an event stream.
+    let (st, b) =
+        s.post("/v1/chat/completions", json!({"messages": user("hi"), "max_tokens": 1000, "stream": true})).await;
+    assert_eq!((st, b["error"]["code"].as_str()), (400, Some("context_length_exceeded")));
+    // Invalid bodies.
+    let r = s.client.post(format!("{}/v1/chat/completions", s.base)).body("{not json").send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    let (st, b) = s.post("/v1/chat/completions", json!({"messages": user("hi"), "temperature": -1})).await;
+    assert_eq!((st, b["error"]["type"].as_str()), (400, Some("invalid_request_error")));
+    // Over the 1 MiB limit (a client of its own: the server closes that connection unread).
+    let big = "a".repeat((1 << 20) + 1024);
+    let r = reqwest::Client::new().post(format!("{}/v1/chat/completions", s.base)).body(big).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 413);
+    let b: Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(b["error"]["code"], "request_too_large");
+    // A failing engine step: 500 in each shape.
+    let (st, b) = s.post("/v1/chat/completions", json!({"messages": user("SAY:FAIL")})).await;
+    assert_eq!((st, b["error"]["code"].as_str()), (500, Some("engine_error")), "{b}");
+    let (st, b) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": user("SAY:FAIL")})).await;
+    assert_eq!((st, b["error"]["type"].as_str()), (500, Some("api_error")), "{b}");
+    // Once streaming, an engine failure is an error event closing the stream.
+    let (st, _, events) = s.stream("/v1/chat/completions", json!({"messages": user("SAY:FAIL"), "stream": true})).await;
+    assert_eq!(st, 200);
+    assert_eq!(events.last().unwrap().1, "[DONE]");
+    let err: Value = serde_json::from_str(&events[events.len() - 2].1).unwrap();
+    assert_eq!(err["error"]["code"], "engine_error", "{events:?}");
+    let body = json!({"max_tokens": 5, "stream": true, "messages": user("SAY:FAIL")});
+    let (st, _, events) = s.stream("/v1/messages", body).await;
+    assert_eq!(st, 200);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["message_start", "error"]);
+    let err: Value = serde_json::from_str(&events[1].1).unwrap();
+    assert_eq!(err["error"]["type"], "api_error");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_messages_non_streamed() {
+    let s = server(1024, 2, Duration::ZERO).await;
+    let body = json!({"model": MODEL, "max_tokens": 100, "system": "be brief",
+                      "messages": user("SAY:Let me look.</think>\n\nHere it is.")});
+    let (st, b) = s.post("/v1/messages", body).await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(b["type"], "message");
+    assert_eq!(b["role"], "assistant");
+    assert!(b["id"].as_str().unwrap().starts_with("msg_"));
+    assert_eq!(b["content"][0]["type"], "thinking");
+    assert_eq!(b["content"][0]["thinking"].as_str().unwrap().trim(), "Let me look.");
+    assert_eq!(b["content"][1], json!({"type": "text", "text": "Here it is."}));
+    assert_eq!(b["stop_reason"], "end_turn");
+    assert!(b["usage"]["input_tokens"].as_u64().unwrap() > 0);
+    assert!(b["usage"]["output_tokens"].as_u64().unwrap() > 0);
+    // Tools: a tool_use block with its input; then the history with tool_use / tool_result.
+    let tools = json!([{"name": "get_weather", "description": "Weather", "input_schema": schema()}]);
+    let (st, b) = s.post("/v1/messages", json!({"max_tokens": 300, "tools": tools, "messages": user(TWO_CALLS)})).await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(b["stop_reason"], "tool_use");
+    let uses: Vec<&Value> = b["content"].as_array().unwrap().iter().filter(|c| c["type"] == "tool_use").collect();
+    assert_eq!(uses.len(), 2);
+    assert!(uses[0]["id"].as_str().unwrap().starts_with("toolu_"));
+    assert_eq!(uses[0]["input"], json!({"city": "Paris", "days": 3}));
+    let history = json!([
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": uses[0]["id"], "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0]["id"], "content": "sunny"},
+                                     {"type": "text", "text": "SAY:Sunny."}]}]);
+    let (st, b) = s
+        .post(
+            "/v1/messages",
+            json!({"max_tokens": 50, "tools": tools, "messages": history, "thinking": {"type": "disabled"}}),
+        )
+        .await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(b["content"], json!([{"type": "text", "text": "Sunny."}]));
+    // max_tokens and stop sequences.
+    let (_, b) = s.post("/v1/messages", json!({"max_tokens": 2, "messages": user("SAY:abcdef")})).await;
+    assert_eq!(b["stop_reason"], "max_tokens");
+    let body = json!({"max_tokens": 50, "stop_sequences": ["cd"], "thinking": {"type": "disabled"}, "messages": user("SAY:abcdef")});
+    let (_, b) = s.post("/v1/messages", body).await;
+    assert_eq!((b["stop_reason"].as_str(), b["stop_sequence"].as_str()), (Some("stop_sequence"), Some("cd")), "{b}");
+    assert_eq!(b["content"][0]["text"], "ab");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_messages_streamed_event_sequence() {
+    let s = server(1024, 2, Duration::ZERO).await;
+    let tools = json!([{"name": "get_weather", "input_schema": schema()}]);
+    let script = TWO_CALLS.replace("</think>\n\n", "</think>\n\nOn it.\n");
+    let body = json!({"model": MODEL, "max_tokens": 300, "stream": true, "tools": tools, "messages": user(&script)});
+    let (st, ctype, events) = s.stream("/v1/messages", body).await;
+    assert_eq!(st, 200);
+    assert!(ctype.starts_with("text/event-stream"));
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    let data: Vec<Value> = events.iter().map(|(_, d)| serde_json::from_str(d).unwrap()).collect();
+    for (n, d) in names.iter().zip(&data) {
+        assert_eq!(d["type"], *n, "each event's data names its type");
+    }
+    assert_eq!(names[0], "message_start");
+    assert_eq!(data[0]["message"]["usage"]["output_tokens"], 0);
+    assert!(data[0]["message"]["usage"]["input_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(&names[names.len() - 2..], ["message_delta", "message_stop"]);
+    let delta = &data[names.len() - 2];
+    assert_eq!(delta["delta"]["stop_reason"], "tool_use");
+    assert!(delta["usage"]["output_tokens"].as_u64().unwrap() > 0);
+    // Blocks: start, deltas, stop; indexes 0, 1, …; thinking, text, tool_use, tool_use.
+    let mut kinds = Vec::new();
+    let mut open: Option<u64> = None;
+    let (mut thinking, mut text, mut json_parts) = (String::new(), String::new(), Vec::new());
+    for (n, d) in names.iter().zip(&data).skip(1).take(names.len() - 3) {
+        match *n {
+            "content_block_start" => {
+                assert!(open.is_none(), "a block starts while another is open");
+                assert_eq!(d["index"], kinds.len());
+                open = d["index"].as_u64();
+                kinds.push(d["content_block"]["type"].as_str().unwrap().to_string());
+                if kinds.last().unwrap() == "tool_use" {
+                    assert_eq!(d["content_block"]["name"], "get_weather");
+                    assert!(d["content_block"]["id"].as_str().unwrap().starts_with("toolu_"));
+                    json_parts.push(String::new());
+                }
+            }
+            "content_block_delta" => {
+                assert_eq!(d["index"].as_u64(), open);
+                match d["delta"]["type"].as_str().unwrap() {
+                    "thinking_delta" => thinking += d["delta"]["thinking"].as_str().unwrap(),
+                    "text_delta" => text += d["delta"]["text"].as_str().unwrap(),
+                    "input_json_delta" => {
+                        json_parts.last_mut().unwrap().push_str(d["delta"]["partial_json"].as_str().unwrap())
+                    }
+                    t => panic!("delta type {t}"),
+                }
+            }
+            "content_block_stop" => {
+                assert_eq!(d["index"].as_u64(), open);
+                open = None;
+            }
+            other => panic!("unexpected event {other}"),
+        }
+    }
+    assert!(open.is_none());
+    assert_eq!(kinds, ["thinking", "text", "tool_use", "tool_use"]);
+    assert_eq!(thinking.trim(), "Checking.");
+    assert_eq!(text.trim(), "On it.");
+    let inputs: Vec<Value> = json_parts.iter().map(|p| serde_json::from_str(p).unwrap()).collect();
+    assert_eq!(inputs, [json!({"city": "Paris", "days": 3}), json!({"city": "Oslo"})]);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn count_tokens_matches_the_prompt() {
+    let s = server(512, 2, Duration::ZERO).await;
+    let msgs = json!({"model": MODEL, "system": "sys", "messages": user("SAY:hi")});
+    let (st, c) = s.post("/v1/messages/count_tokens", msgs.clone()).await;
+    assert_eq!(st, 200, "{c}");
+    let mut body = msgs;
+    body["max_tokens"] = json!(5);
+    let (_, b) = s.post("/v1/messages", body).await;
+    assert_eq!(c, json!({"input_tokens": b["usage"]["input_tokens"]}));
+    s.stop().await;
+}
+
+/// Every sample line of a Prometheus text exposition: (name with labels, value).
+fn parse_metrics(text: &str) -> Vec<(String, f64)> {
+    text.lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(|l| {
+            let (k, v) = l.rsplit_once(' ').unwrap_or_else(|| panic!("bad sample line {l:?}"));
+            (k.to_string(), v.parse::<f64>().unwrap_or_else(|_| panic!("bad value in {l:?}")))
+        })
+        .collect()
+}
+
+fn metric(m: &[(String, f64)], key: &str) -> f64 {
+    m.iter().find(|(k, _)| k == key).unwrap_or_else(|| panic!("no {key} in {m:?}")).1
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_text_parses_and_counts() {
+    let s = server(512, 2, Duration::ZERO).await;
+    let (st, _) = s.post("/v1/chat/completions", json!({"messages": user("SAY:hello"), "max_tokens": 3})).await;
+    assert_eq!(st, 200);
+    let (st, _) = s.post("/v1/chat/completions", json!({"model": "other", "messages": user("hi")})).await;
+    assert_eq!(st, 404);
+    let (st, text) = s.get("/metrics").await;
+    assert_eq!(st, 200);
+    let m = parse_metrics(&text);
+    assert_eq!(metric(&m, "ornith_http_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"}"), 1.0);
+    assert_eq!(metric(&m, "ornith_http_requests_total{endpoint=\"/v1/chat/completions\",status=\"404\"}"), 1.0);
+    assert!(metric(&m, "ornith_prompt_tokens_total") > 0.0);
+    assert_eq!(metric(&m, "ornith_generation_tokens_total"), 3.0);
+    assert_eq!(metric(&m, "ornith_requests_running"), 0.0);
+    assert_eq!(metric(&m, "ornith_requests_waiting"), 0.0);
+    assert_eq!(metric(&m, "ornith_time_to_first_token_seconds_count"), 1.0);
+    assert_eq!(metric(&m, "ornith_time_to_first_token_seconds_bucket{le=\"+Inf\"}"), 1.0);
+    s.stop().await;
+}
+
+/// A request that would run for minutes on the only slot: `x` forever (ignore_eos).
+fn endless(stream: bool) -> Value {
+    json!({"messages": user("SAY:"), "max_tokens": 4000, "ignore_eos": true, "stream": stream})
+}
+
+/// Runs a short request on a server of one slot; it can only finish if the slot is free.
+async fn short_request_runs(s: &Server) {
+    let t = Instant::now();
+    let (st, b) = s.post("/v1/chat/completions", json!({"messages": user("SAY:ok"), "max_tokens": 5})).await;
+    assert_eq!(st, 200, "{b}");
+    assert!(t.elapsed() < Duration::from_secs(10), "the short request waited for the slot: {:?}", t.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_frees_its_slot() {
+    // 4000 steps of 5 ms: 20 s if the sequence were not cancelled.
+    let s = server(8192, 1, Duration::from_millis(5)).await;
+    // A dropped event stream.
+    let r =
+        s.client.post(format!("{}/v1/chat/completions", s.base)).body(endless(true).to_string()).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let mut body = r.bytes_stream();
+    let mut seen = 0;
+    while seen < 3 {
+        seen += body.next().await.unwrap().unwrap().len().min(1);
+    }
+    drop(body);
+    short_request_runs(&s).await;
+    // An aborted request that does not stream.
+    let c = s.client.clone();
+    let url = format!("{}/v1/chat/completions", s.base);
+    let pending = tokio::spawn(async move { c.post(url).body(endless(false).to_string()).send().await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    pending.abort();
+    let _ = pending.await;
+    short_request_runs(&s).await;
+    // Nothing left in the engine.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (_, text) = s.get("/metrics").await;
+    let m = parse_metrics(&text);
+    assert_eq!(metric(&m, "ornith_requests_running"), 0.0, "{text}");
+    assert_eq!(metric(&m, "ornith_requests_waiting"), 0.0, "{text}");
+    let stats = s.stop().await;
+    assert_eq!(stats.cancelled, 2, "{stats:?}");
+    assert_eq!(stats.finished, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_concurrent_streams_interleave() {
+    let s = server(512, 2, Duration::from_millis(3)).await;
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for (who, text) in [("a", "one two three four five"), ("b", "six seven eight nine ten")] {
+        let (c, url, log) = (s.client.clone(), format!("{}/v1/chat/completions", s.base), log.clone());
+        let body =
+            json!({"messages": user(&format!("SAY:{text}")), "stream": true, NO_THINK: {"enable_thinking": false}});
+        tasks.push(tokio::spawn(async move {
+            let r = c.post(url).body(body.to_string()).send().await.unwrap();
+            let mut all = String::new();
+            let mut stream = r.bytes_stream();
+            while let Some(b) = stream.next().await {
+                let b = b.unwrap();
+                log.lock().unwrap().push(who);
+                all += std::str::from_utf8(&b).unwrap();
+            }
+            let content: String = sse_events(&all)
+                .iter()
+                .filter(|(_, d)| d != "[DONE]")
+                .filter_map(|(_, d)| {
+                    serde_json::from_str::<Value>(d).unwrap()["choices"][0]["delta"]["content"]
+                        .as_str()
+                        .map(str::to_string)
+                })
+                .collect();
+            assert_eq!(content, text);
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let log = log.lock().unwrap().clone();
+    let switches = log.windows(2).filter(|w| w[0] != w[1]).count();
+    assert!(switches >= 4, "the two streams did not interleave: {log:?}");
+    let stats = s.stop().await;
+    assert_eq!(stats.peak_running, 2);
+}
