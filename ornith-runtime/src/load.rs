@@ -83,7 +83,7 @@ pub fn build_runner(args: &Args) -> anyhow::Result<(Box<dyn Runner>, usize)> {
     let cap = plan_cpu_pools(&ck, &req)?;
     if !args.quiet {
         eprintln!(
-            "ornith: using the CPU backend: {} sequences at once, K/V pool {} tokens, context {} tokens",
+            "ornith: {} sequences at once on the CPU, K/V pool {} tokens, context {} tokens",
             cap.slots,
             cap.blocks * KV_BLOCK,
             req.max_context
