@@ -65,6 +65,14 @@ impl ModelDims {
     pub const fn conv_dim(&self) -> usize {
         2 * self.key_dim() + self.value_dim()
     }
+    /// Elements of one sequence's state in one Gated DeltaNet layer: the conv state
+    /// `[K-1, conv_dim]` (bf16) and the recurrent state `[Hv, dk, dv]` (f32).
+    pub const fn gdn_state_elems(&self) -> (usize, usize) {
+        (
+            (self.conv_kernel - 1) * self.conv_dim(),
+            self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim,
+        )
+    }
 }
 
 /// Gated DeltaNet mixer weights (`linear_attn`).

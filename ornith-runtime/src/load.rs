@@ -125,13 +125,11 @@ fn cuda_context(args: &Args) -> anyhow::Result<Option<ornith_runtime::cuda::Cuda
     })
 }
 
-/// Recurrent-state bytes of one sequence: conv + fp32 state of every Gated DeltaNet layer.
+/// Recurrent-state bytes of one sequence: conv (bf16) + fp32 state of every Gated DeltaNet layer.
 pub fn gdn_slot_bytes() -> u64 {
-    let d = &compiled::DIMS;
     let gdn_layers = compiled::LAYER_KINDS.iter().filter(|k| **k == model_spec::LayerKind::LinearAttention).count();
-    let per_layer = (d.conv_kernel - 1) * d.conv_dim() * 2
-        + d.linear_num_value_heads * d.linear_key_head_dim * d.linear_value_head_dim * 4;
-    (gdn_layers * per_layer) as u64
+    let (conv, ssm) = compiled::DIMS.gdn_state_elems();
+    (gdn_layers * (conv * 2 + ssm * 4)) as u64
 }
 
 /// The CPU backend's pools, checked against the host's available memory before anything is

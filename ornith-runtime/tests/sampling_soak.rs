@@ -30,9 +30,9 @@ fn request(i: usize) -> String {
     )
 }
 
-#[test]
-fn a_thousand_seeded_sampled_requests_lose_no_completion() {
-    let input: String = (0..REQUESTS).map(|i| request(i) + "\n").collect();
+/// Runs the binary on the CPU over `input` (written from a thread while stdout is read) and
+/// returns its stdout lines as JSON; the binary must succeed.
+fn run_ornith(input: &str) -> Vec<Value> {
     let mut child = Command::new(env!("CARGO_BIN_EXE_ornith"))
         .args(["--backend", "cpu", "--quiet"])
         .stdin(Stdio::piped())
@@ -41,16 +41,23 @@ fn a_thousand_seeded_sampled_requests_lose_no_completion() {
         .spawn()
         .expect("start ornith");
     let mut stdin = child.stdin.take().unwrap();
+    let input = input.to_string();
     let writer = std::thread::spawn(move || stdin.write_all(input.as_bytes()));
     let out = child.wait_with_output().unwrap();
     writer.join().unwrap().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "ornith failed: {stderr}");
-    let lines: Vec<Value> = String::from_utf8(out.stdout)
+    String::from_utf8(out.stdout)
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
-        .collect();
+        .collect()
+}
+
+#[test]
+fn a_thousand_seeded_sampled_requests_lose_no_completion() {
+    let input: String = (0..REQUESTS).map(|i| request(i) + "\n").collect();
+    let lines = run_ornith(&input);
     assert_eq!(lines.len(), REQUESTS, "one result line per request");
     let mut seen = std::collections::HashSet::new();
     for l in &lines {
@@ -62,17 +69,7 @@ fn a_thousand_seeded_sampled_requests_lose_no_completion() {
     }
     // Seeds reproduce: the same request twice gives the same text.
     let again: String = [request(3), request(3).replace("\"s3\"", "\"s3b\"")].join("\n") + "\n";
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ornith"))
-        .args(["--backend", "cpu", "--quiet"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(again.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    let two: Vec<Value> =
-        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let two = run_ornith(&again);
     let text = |v: &Value| v["response"]["body"]["choices"][0]["text"].clone();
     assert_eq!(text(&two[0]), text(&two[1]));
     let first = lines.iter().find(|l| l["custom_id"] == "s3").unwrap();

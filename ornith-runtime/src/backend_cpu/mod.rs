@@ -288,12 +288,8 @@ impl Backend for CpuBackend {
     }
 
     fn new_gdn_pool(&self, d: &ModelDims, slots: usize) -> Result<CpuGdnPool> {
-        let ssm = d.linear_num_value_heads * d.linear_key_head_dim * d.linear_value_head_dim;
-        Ok(CpuGdnPool {
-            conv: vec![bf16::ZERO; slots * (d.conv_kernel - 1) * d.conv_dim()],
-            ssm: vec![0.0; slots * ssm],
-            slots,
-        })
+        let (conv, ssm) = d.gdn_state_elems();
+        Ok(CpuGdnPool { conv: vec![bf16::ZERO; slots * conv], ssm: vec![0.0; slots * ssm], slots })
     }
 
     fn new_kv_pool(&self, d: &ModelDims, blocks: usize) -> Result<CpuKvPool> {

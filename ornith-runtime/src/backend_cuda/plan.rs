@@ -24,7 +24,7 @@ pub const DEFAULT_MAX_SEQS: usize = 64;
 /// Element counts of one slot of a Gated DeltaNet pool: conv `[3, conv_dim]` (bf16) and
 /// recurrent `[Hv, dk, dv]` (f32).
 pub fn gdn_slot_elems(d: &ModelDims) -> (usize, usize) {
-    (3 * d.conv_dim(), d.linear_num_value_heads * d.linear_key_head_dim * d.linear_value_head_dim)
+    d.gdn_state_elems() // conv_kernel is 4 (check_dims): conv [3, conv_dim]
 }
 
 /// int32 elements of the step description for `rows` slots and tables of `width` blocks:
