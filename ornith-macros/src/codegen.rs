@@ -62,6 +62,7 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
     let mut state_fields = Vec::new();
     let mut state_inits = Vec::new();
     let mut state_resets = Vec::new();
+    let mut state_copies = Vec::new();
     let mut forward = Vec::new();
 
     for l in &spec.layers {
@@ -206,8 +207,9 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
             LayerKind::LinearAttention => {
                 let sdoc = format!(" Layer {i}: conv state and fp32 recurrent state of every slot.");
                 state_fields.push(quote!(#[doc = #sdoc] pub #field: B::GdnPool,));
-                state_inits.push(quote!(#field: b.new_gdn_pool(&DIMS, slots)?,));
+                state_inits.push(quote!(#field: b.new_gdn_pool(&DIMS, cap.slots + cap.snapshots)?,));
                 state_resets.push(quote!(b.clear_slot(&mut self.#field, slot)?;));
+                state_copies.push(quote!(b.copy_slot(&mut self.#field, from, to)?;));
                 forward.push(quote! {
                     b.gated_deltanet(&DIMS, &self.#field.input_layernorm, &self.#field.mixer, &mut p.#field, batch, &mut h)?;
                     b.sparse_moe(&DIMS, &self.#field.post_attention_layernorm, &self.#field.mlp, batch, &mut h)?;
@@ -217,7 +219,7 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
             LayerKind::FullAttention => {
                 let sdoc = format!(" Layer {i}: K/V blocks.");
                 state_fields.push(quote!(#[doc = #sdoc] pub #field: B::KvPool,));
-                state_inits.push(quote!(#field: b.new_kv_pool(&DIMS, blocks)?,));
+                state_inits.push(quote!(#field: b.new_kv_pool(&DIMS, cap.blocks)?,));
                 forward.push(quote! {
                     b.attention(&DIMS, &self.#field.input_layernorm, &self.#field.mixer, &mut p.#field, batch, &mut h)?;
                     b.sparse_moe(&DIMS, &self.#field.post_attention_layernorm, &self.#field.mlp, batch, &mut h)?;
@@ -297,11 +299,14 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
         }
 
         /// The state pools: per Gated DeltaNet layer a conv + recurrent state for each of
-        /// `slots` sequences, per full-attention layer `blocks` K/V blocks, sized once.
+        /// `slots` sequences and `snapshots` prefix-cache snapshots, per full-attention layer
+        /// `blocks` K/V blocks, sized once.
         pub struct Pools<B: #g::Backend> {
             #(#state_fields)*
             /// Sequences the recurrent pools hold.
             pub slots: usize,
+            /// Snapshot rows after the sequences' (the prefix cache's).
+            pub snapshots: usize,
             /// K/V blocks of each attention pool.
             pub blocks: usize,
             /// The backend's records of decode steps over these pools (CUDA graphs).
@@ -313,6 +318,15 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
             pub fn clear_slot(&mut self, b: &B, slot: usize) -> ::anyhow::Result<()> {
                 ::anyhow::ensure!(slot < self.slots, "state slot {} outside the pool of {}", slot, self.slots);
                 #(#state_resets)*
+                Ok(())
+            }
+
+            /// Copies row `from` of every recurrent pool to row `to` (rows: the `slots`
+            /// sequences', then the `snapshots`).
+            pub fn copy_slot(&mut self, b: &B, from: usize, to: usize) -> ::anyhow::Result<()> {
+                let rows = self.slots + self.snapshots;
+                ::anyhow::ensure!(from < rows && to < rows, "state rows {} -> {} outside the pools of {}", from, to, rows);
+                #(#state_copies)*
                 Ok(())
             }
         }
@@ -348,9 +362,15 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
                 })
             }
 
+            /// Pools of `slots` sequences and `blocks` K/V blocks, without a prefix cache.
             pub fn new_pools(b: &B, slots: usize, blocks: usize) -> ::anyhow::Result<Pools<B>> {
-                ::anyhow::ensure!(slots >= 1 && blocks >= 1, "pools of {} slots and {} blocks hold nothing", slots, blocks);
-                Ok(Pools { #(#state_inits)* slots, blocks, graphs: b.new_step_graphs()? })
+                Self::new_pools_for(b, &::ornith_runtime::engine::Capacity { slots, blocks, snapshots: 0 })
+            }
+
+            /// The pools of a capacity the memory plan chose.
+            pub fn new_pools_for(b: &B, cap: &::ornith_runtime::engine::Capacity) -> ::anyhow::Result<Pools<B>> {
+                ::anyhow::ensure!(cap.slots >= 1 && cap.blocks >= 1, "pools of {} slots and {} blocks hold nothing", cap.slots, cap.blocks);
+                Ok(Pools { #(#state_inits)* slots: cap.slots, snapshots: cap.snapshots, blocks: cap.blocks, graphs: b.new_step_graphs()? })
             }
 
             /// Pools of one slot and enough blocks for `max_context` tokens.
@@ -422,17 +442,17 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
         }
 
         impl<B: #g::Backend> Compiled<B> {
-            /// Loads the model and sizes the pools (`slots` sequences, `blocks` K/V blocks).
-            pub fn load(backend: B, ck: &::ornith_runtime::weights::Checkpoint, slots: usize, blocks: usize) -> ::anyhow::Result<Self> {
+            /// Loads the model and makes its pools.
+            pub fn load(backend: B, ck: &::ornith_runtime::weights::Checkpoint, cap: &::ornith_runtime::engine::Capacity) -> ::anyhow::Result<Self> {
                 let model = Model::load(&backend, ck)?;
-                let pools = Model::new_pools(&backend, slots, blocks)?;
+                let pools = Model::new_pools_for(&backend, cap)?;
                 Ok(Compiled { pools, model, backend })
             }
         }
 
         impl<B: #g::Backend> ::ornith_runtime::engine::Runner for Compiled<B> {
             fn capacity(&self) -> ::ornith_runtime::engine::Capacity {
-                ::ornith_runtime::engine::Capacity { slots: self.pools.slots, blocks: self.pools.blocks }
+                ::ornith_runtime::engine::Capacity { slots: self.pools.slots, blocks: self.pools.blocks, snapshots: self.pools.snapshots }
             }
             fn window(&self) -> usize {
                 DIMS.max_position_embeddings
@@ -442,6 +462,9 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
             }
             fn clear_slot(&mut self, slot: usize) -> ::anyhow::Result<()> {
                 self.pools.clear_slot(&self.backend, slot)
+            }
+            fn copy_slot(&mut self, from: usize, to: usize) -> ::anyhow::Result<()> {
+                self.pools.copy_slot(&self.backend, from, to)
             }
             fn run(&mut self, batch: &#g::Batch, n: usize, rows: &[#g::RowSample]) -> ::anyhow::Result<Vec<u32>> {
                 let logits = self.model.forward(&self.backend, &mut self.pools, batch, &mut |_, _| {})?;

@@ -66,6 +66,11 @@ pub struct Args {
     /// (default: what the memory plan leaves after weights and recurrent states).
     #[arg(long, env = "ORNITH_KV_BUDGET", value_parser = parse_bytes, global = true, value_name = "BYTES")]
     pub kv_budget: Option<u64>,
+    /// Memory for the prefix cache's recurrent-state snapshots (~63 MiB each at the 35B shapes),
+    /// e.g. `4GiB`; `0` disables the prefix cache (default: up to 4 GiB as memory allows).
+    /// Its K/V blocks live in the K/V pool's free blocks.
+    #[arg(long, env = "ORNITH_PREFIX_CACHE_BYTES", value_parser = parse_bytes_or_zero, global = true, value_name = "BYTES")]
+    pub prefix_cache_bytes: Option<u64>,
     /// Sequences generated at once: each holds one recurrent-state slot (~63 MiB at the 35B
     /// shapes) whatever its length (default: CUDA up to 64 as memory allows, CPU 4).
     #[arg(long, env = "ORNITH_MAX_SEQS", value_parser = clap::value_parser!(u64).range(1..=4096), global = true, value_name = "N")]
@@ -85,6 +90,14 @@ pub struct Args {
     /// bodies are answered with 413).
     #[arg(long, env = "ORNITH_MAX_LINE_BYTES", default_value_t = 16 << 20, value_parser = clap::value_parser!(u64).range(1..), global = true, value_name = "BYTES")]
     pub max_line_bytes: u64,
+}
+
+/// [`parse_bytes`], or `0`.
+pub fn parse_bytes_or_zero(s: &str) -> Result<u64, String> {
+    if s.trim() == "0" {
+        return Ok(0);
+    }
+    parse_bytes(s)
 }
 
 /// A byte count with an optional unit: `K`/`KiB`, `M`/`MiB`, `G`/`GiB`, `T`/`TiB` are powers of

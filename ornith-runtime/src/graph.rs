@@ -276,6 +276,9 @@ pub trait Backend: Sized + Send {
     fn new_kv_pool(&self, d: &ModelDims, blocks: usize) -> anyhow::Result<Self::KvPool>;
     /// Zeroes one slot's conv and recurrent state (a new sequence starts from it).
     fn clear_slot(&self, p: &mut Self::GdnPool, slot: usize) -> anyhow::Result<()>;
+    /// Copies row `from` of a recurrent pool (conv and recurrent state) to row `to` (a prefix
+    /// cache snapshot is a copy of a sequence's row; a sequence resumes from a copy of one).
+    fn copy_slot(&self, p: &mut Self::GdnPool, from: usize, to: usize) -> anyhow::Result<()>;
     fn new_step_graphs(&self) -> anyhow::Result<Self::StepGraphs>;
 
     // ---- one step ---------------------------------------------------------------------

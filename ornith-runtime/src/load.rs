@@ -58,6 +58,7 @@ pub fn build_runner(args: &Args) -> anyhow::Result<(Box<dyn Runner>, usize)> {
         max_seqs: args.max_seqs.map(|n| n as usize),
         kv_budget: args.kv_budget,
         max_context: context_for(args)?,
+        prefix_cache: args.prefix_cache_bytes,
     };
     #[cfg(not(feature = "cuda"))]
     anyhow::ensure!(
@@ -70,28 +71,39 @@ pub fn build_runner(args: &Args) -> anyhow::Result<(Box<dyn Runner>, usize)> {
         let (b, cap) = ornith_runtime::backend_cuda::CudaBackend::new(cx, &ck, &compiled::DIMS, &req, args.quiet)?;
         if !args.quiet {
             eprintln!(
-                "ornith: using the CUDA backend on '{b_name}': {} sequences at once, K/V pool {} tokens, context {} tokens",
+                "ornith: using the CUDA backend on '{b_name}': {} sequences at once, K/V pool {} tokens, context {} tokens, {}",
                 cap.slots,
                 cap.blocks * KV_BLOCK,
-                req.max_context
+                req.max_context,
+                cache_line(&cap)
             );
         }
-        let r = compiled::Compiled::load(b, &ck, cap.slots, cap.blocks)
-            .with_context(|| format!("loading {}", dir.display()))?;
+        let r = compiled::Compiled::load(b, &ck, &cap).with_context(|| format!("loading {}", dir.display()))?;
         return Ok((Box::new(r), req.max_context));
     }
     let cap = plan_cpu_pools(&ck, &req)?;
     if !args.quiet {
         eprintln!(
-            "ornith: {} sequences at once on the CPU, K/V pool {} tokens, context {} tokens",
+            "ornith: {} sequences at once on the CPU, K/V pool {} tokens, context {} tokens, {}",
             cap.slots,
             cap.blocks * KV_BLOCK,
-            req.max_context
+            req.max_context,
+            cache_line(&cap)
         );
     }
-    let r = compiled::Compiled::load(CpuBackend::new(), &ck, cap.slots, cap.blocks)
-        .with_context(|| format!("loading {}", dir.display()))?;
+    let r =
+        compiled::Compiled::load(CpuBackend::new(), &ck, &cap).with_context(|| format!("loading {}", dir.display()))?;
     Ok((Box::new(r), req.max_context))
+}
+
+fn cache_line(cap: &Capacity) -> String {
+    match cap.snapshots {
+        0 => "prefix cache off".into(),
+        n => format!(
+            "prefix cache of {n} snapshots ({:.2} GiB)",
+            (n as u64 * gdn_slot_bytes()) as f64 / (1u64 << 30) as f64
+        ),
+    }
 }
 
 /// The CUDA context the arguments ask for, or None for the CPU backend.

@@ -75,7 +75,7 @@ fn dist(a: &[f32], b: &[f32]) -> (f64, f64) {
 /// A CUDA backend planned for `seqs` sequences of up to `ctx` tokens (K/V pool: what is free).
 fn cuda_backend_for(ck: &Checkpoint, ctx: usize, seqs: usize) -> CudaBackend {
     let cx = CudaContext::new(0).expect("this test needs a CUDA device");
-    let req = PoolRequest { max_seqs: Some(seqs), kv_budget: None, max_context: ctx };
+    let req = PoolRequest { max_seqs: Some(seqs), kv_budget: None, max_context: ctx, prefix_cache: Some(0) };
     CudaBackend::new(cx, ck, &compiled::DIMS, &req, false).expect("CUDA backend").0
 }
 

@@ -4,7 +4,7 @@
 
 use ornith_runtime::backend_cpu::CpuBackend;
 use ornith_runtime::engine::{
-    drain, Engine, EngineConfig, EventKind, Finish, GenRequest, Runner, SamplingParams, PREFILL_CHUNK,
+    drain, Capacity, Engine, EngineConfig, EventKind, Finish, GenRequest, Runner, SamplingParams, PREFILL_CHUNK,
 };
 use ornith_runtime::graph::{Backend, Batch, SeqRows, KV_BLOCK};
 use ornith_runtime::weights::Checkpoint;
@@ -19,7 +19,7 @@ fn checkpoint() -> Checkpoint {
 }
 
 fn runner(slots: usize, blocks: usize) -> compiled::Compiled<CpuBackend> {
-    compiled::Compiled::load(CpuBackend::new(), &checkpoint(), slots, blocks).unwrap()
+    compiled::Compiled::load(CpuBackend::new(), &checkpoint(), &Capacity { slots, blocks, snapshots: 0 }).unwrap()
 }
 
 /// `n` pseudo-random ids (a fixed stream per `salt`).
@@ -85,7 +85,7 @@ fn every_request_gives_the_tokens_it_gives_alone_with_staggered_arrivals() {
             match ev.kind {
                 EventKind::Token(t) => toks.entry(ev.id).or_default().push(t),
                 EventKind::Error { message, .. } => panic!("request {}: {message}", ev.id),
-                EventKind::Finished(_) => {}
+                EventKind::Finished(_) | EventKind::Admitted { .. } => {}
             }
         }
         steps += 1;
@@ -230,6 +230,6 @@ fn stop_ids_end_a_sequence_and_pools_never_leak_over_a_thousand_requests() {
 #[test]
 fn runner_reports_its_pools() {
     let r = runner(3, 10);
-    assert_eq!(r.capacity(), ornith_runtime::engine::Capacity { slots: 3, blocks: 10 });
+    assert_eq!(r.capacity(), Capacity { slots: 3, blocks: 10, snapshots: 0 });
     assert_eq!(r.window(), compiled::DIMS.max_position_embeddings);
 }

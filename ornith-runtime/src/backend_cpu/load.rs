@@ -2,7 +2,7 @@
 //! (bf16 and E4M3 kept as stored; scales and small vectors widened to f32).
 
 use super::{CpuBackend, CpuExperts, CpuLinear};
-use crate::engine::{Capacity, PoolRequest};
+use crate::engine::{snapshots_for, Capacity, PoolRequest};
 use crate::graph::Prec;
 use crate::graph::KV_BLOCK;
 use crate::weights::{to_bf16, to_f32, Checkpoint};
@@ -140,13 +140,18 @@ pub struct PoolSizes {
 /// The CPU backend's pools: `--max-seqs` (default 4: the CPU is compute-bound, more sequences
 /// at once buy little), K/V blocks from `--kv-budget` (default: every sequence at full context,
 /// capped by half the memory left after weights and states, but always one full sequence), and
-/// the total checked against `avail` (the host's available memory, when known).
+/// the prefix cache's snapshots from `--prefix-cache-bytes` (default: up to 4 GiB, at most a
+/// quarter of what weights and states leave), and the total checked against `avail` (the host's
+/// available memory, when known).
 pub fn plan_pools(z: &PoolSizes, req: &PoolRequest, avail: Option<u64>) -> Result<Capacity> {
     let slots = req.max_seqs.unwrap_or(4);
     anyhow::ensure!(slots >= 1, "--max-seqs must be at least 1");
     let block_bytes = z.kv_per_token.max(1) * KV_BLOCK as u64;
     let per_seq = req.max_context.div_ceil(KV_BLOCK);
     let states = slots as u64 * z.slot;
+    let room = avail.map_or(u64::MAX, |a| a.saturating_sub(z.weights + states));
+    let snapshots = snapshots_for(req.prefix_cache, z.slot, room);
+    let states = states + snapshots as u64 * z.slot;
     let blocks = match req.kv_budget {
         Some(b) => {
             let n = (b / block_bytes) as usize;
@@ -173,14 +178,14 @@ pub fn plan_pools(z: &PoolSizes, req: &PoolRequest, avail: Option<u64>) -> Resul
         let gib = |x: u64| x as f64 / (1u64 << 30) as f64;
         anyhow::ensure!(
             need <= a,
-            "not enough memory: weights, {slots} recurrent states and {} K/V tokens need {:.2} GiB, {:.2} GiB is available. \
-             Fix: lower --max-seqs, --kv-budget or --max-context",
+            "not enough memory: weights, {slots} recurrent states, {snapshots} prefix-cache snapshots and {} K/V tokens need {:.2} GiB, {:.2} GiB is available. \
+             Fix: lower --max-seqs, --kv-budget, --prefix-cache-bytes or --max-context",
             blocks * KV_BLOCK,
             gib(need),
             gib(a)
         );
     }
-    Ok(Capacity { slots, blocks })
+    Ok(Capacity { slots, blocks, snapshots })
 }
 
 #[cfg(test)]
@@ -191,20 +196,27 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     fn req(max_seqs: Option<usize>, kv_budget: Option<u64>, max_context: usize) -> PoolRequest {
-        PoolRequest { max_seqs, kv_budget, max_context }
+        PoolRequest { max_seqs, kv_budget, max_context, prefix_cache: None }
     }
 
     #[test]
     fn the_cpu_plan_admits_and_refuses_as_stated() {
-        // Defaults: 4 slots, every sequence at full context when memory is plentiful.
+        // Defaults: 4 slots, every sequence at full context when memory is plentiful, a 4 GiB
+        // prefix cache (64 snapshots of 64 MiB).
         let c = plan_pools(&Z, &req(None, None, 4096), Some(64 << 30)).unwrap();
-        assert_eq!(c, Capacity { slots: 4, blocks: 4 * 16 });
+        assert_eq!(c, Capacity { slots: 4, blocks: 4 * 16, snapshots: 64 });
         // Tight memory caps the default pool, but never below one full sequence.
         let c = plan_pools(&Z, &req(Some(2), None, 4096), Some((1 << 30) + 128 * MIB + 8 * MIB)).unwrap();
-        assert_eq!(c.blocks, 16);
+        assert_eq!((c.blocks, c.snapshots), (16, 0), "a quarter of 8 MiB holds no snapshot");
         // An explicit budget is exact; one that cannot hold a full sequence is refused.
         let c = plan_pools(&Z, &req(Some(1), Some(64 * 256 * 1024), 4096), None).unwrap();
-        assert_eq!(c, Capacity { slots: 1, blocks: 64 });
+        assert_eq!(c, Capacity { slots: 1, blocks: 64, snapshots: 64 });
+        // --prefix-cache-bytes is exact, 0 disables, and it counts against the memory.
+        let cache = |b: u64| PoolRequest { prefix_cache: Some(b), ..req(Some(1), None, 4096) };
+        assert_eq!(plan_pools(&Z, &cache(640 * MIB), None).unwrap().snapshots, 10);
+        assert_eq!(plan_pools(&Z, &cache(0), Some(64 << 30)).unwrap().snapshots, 0);
+        let e = plan_pools(&Z, &cache(8 << 30), Some(4 << 30)).unwrap_err().to_string();
+        assert!(e.contains("128 prefix-cache snapshots") && e.contains("--prefix-cache-bytes"), "{e}");
         let e = plan_pools(&Z, &req(Some(1), Some(256 * 1024), 4096), None).unwrap_err().to_string();
         assert!(e.contains("--kv-budget") && e.contains("less than one sequence"), "{e}");
         // More than the host has is refused before anything is allocated, naming the flags.

@@ -305,6 +305,14 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn copy_slot(&self, p: &mut CpuGdnPool, from: usize, to: usize) -> Result<()> {
+        ensure!(from < p.slots && to < p.slots, "state rows {from} -> {to} outside the pool of {}", p.slots);
+        let (c, s) = (p.conv.len() / p.slots, p.ssm.len() / p.slots);
+        p.conv.copy_within(from * c..(from + 1) * c, to * c);
+        p.ssm.copy_within(from * s..(from + 1) * s, to * s);
+        Ok(())
+    }
+
     fn new_step_graphs(&self) -> Result<()> {
         Ok(())
     }

@@ -190,6 +190,29 @@ pub struct CudaGdnPool {
     slots: usize,
 }
 
+/// Copies row `from` (of `n` elements) of `buf` to row `to`, on the stream (ordered after the
+/// step that wrote it).
+fn copy_row<T: cudarc::driver::DeviceRepr>(
+    st: &std::sync::Arc<cudarc::driver::CudaStream>,
+    buf: &mut CudaSlice<T>,
+    n: usize,
+    from: usize,
+    to: usize,
+) -> Result<()> {
+    if from == to {
+        return Ok(());
+    }
+    let at = from.max(to) * n;
+    let (lo, mut hi) = buf.split_at_mut(at);
+    if from < to {
+        st.memcpy_dtod(&lo.slice(from * n..(from + 1) * n), &mut hi.slice_mut(0..n))?;
+    } else {
+        let mut lo = lo;
+        st.memcpy_dtod(&hi.slice(0..n), &mut lo.slice_mut(to * n..(to + 1) * n))?;
+    }
+    Ok(())
+}
+
 /// K (normed, rotated) and V `[blocks][KV_BLOCK][Hkv][head_dim]` bf16 of one attention layer.
 /// Positions past a sequence's end are never read (attention masks by position).
 pub struct CudaKvPool {
@@ -950,9 +973,9 @@ impl Backend for CudaBackend {
     /// Pools of at most the planned slots (the step buffers are sized for them).
     fn new_gdn_pool(&self, d: &ModelDims, slots: usize) -> Result<CudaGdnPool> {
         ensure!(
-            (1..=self.cap.slots).contains(&slots),
-            "a recurrent pool of {slots} slots: the memory plan was made for 1..={} (--max-seqs)",
-            self.cap.slots
+            (1..=self.cap.slots + self.cap.snapshots).contains(&slots),
+            "a recurrent pool of {slots} rows: the memory plan was made for 1..={} (--max-seqs, --prefix-cache-bytes)",
+            self.cap.slots + self.cap.snapshots
         );
         let (c, s) = plan::gdn_slot_elems(d);
         let st = self.cx.stream();
@@ -975,6 +998,15 @@ impl Backend for CudaBackend {
         let st = self.cx.stream();
         st.memset_zeros(&mut p.conv.slice_mut(slot * c..(slot + 1) * c)).context("clearing the conv state")?;
         st.memset_zeros(&mut p.ssm.slice_mut(slot * s..(slot + 1) * s)).context("clearing the recurrent state")?;
+        Ok(())
+    }
+
+    fn copy_slot(&self, p: &mut CudaGdnPool, from: usize, to: usize) -> Result<()> {
+        ensure!(from < p.slots && to < p.slots, "state rows {from} -> {to} outside the pool of {}", p.slots);
+        let (c, s) = plan::gdn_slot_elems(&self.dims);
+        let st = self.cx.stream();
+        copy_row(st, &mut p.conv, c, from, to).context("copying the conv state")?;
+        copy_row(st, &mut p.ssm, s, from, to).context("copying the recurrent state")?;
         Ok(())
     }
 

@@ -1,7 +1,7 @@
 //! What the CUDA backend will allocate, computed before anything is allocated and checked
 //! against the device's free memory (`cuMemGetInfo`): on a unified-memory machine (DGX Spark) an
 //! overcommit wedges the whole system instead of failing an allocation.
-use crate::engine::{Capacity, PoolRequest};
+use crate::engine::{snapshots_for, Capacity, PoolRequest};
 use crate::graph::{ModelDims, KV_BLOCK};
 use crate::weights::Checkpoint;
 use anyhow::{ensure, Result};
@@ -190,12 +190,14 @@ pub fn step_bytes_per_slot(d: &ModelDims, table_width: usize) -> u64 {
 
 /// What the pools cost: `fixed` bytes whatever their size (weights, scratch, prompt
 /// activations, margin), `per_slot` per state slot (recurrent state of every GDN layer + step
-/// buffers), `per_block` per K/V block (every attention layer), and the blocks one sequence of
-/// the longest context needs.
+/// buffers), `per_snapshot` per prefix-cache snapshot (the recurrent state alone), `per_block`
+/// per K/V block (every attention layer), and the blocks one sequence of the longest context
+/// needs.
 #[derive(Debug, Clone, Copy)]
 pub struct PoolCosts {
     pub fixed: u64,
     pub per_slot: u64,
+    pub per_snapshot: u64,
     pub per_block: u64,
     pub seq_blocks: usize,
 }
@@ -203,7 +205,9 @@ pub struct PoolCosts {
 /// Sizes the pools within `free` bytes: slots = `--max-seqs`, or as many as fit up to
 /// [`DEFAULT_MAX_SEQS`] beside the fixed part and a K/V pool of `--kv-budget` (or of one
 /// longest sequence); blocks = `--kv-budget` / block bytes, or what is left after the slots,
-/// between one longest sequence and `slots` of them. Refuses, naming the flag, what cannot hold
+/// between one longest sequence and `slots` of them, after the prefix cache's snapshots
+/// (`--prefix-cache-bytes`, default up to 4 GiB and a quarter of what the rest leaves). Refuses,
+/// naming the flag, what cannot hold
 /// one sequence of `max_context` tokens. (The total is checked by [`MemoryPlan::check`].)
 pub fn size_pools(c: &PoolCosts, req: &PoolRequest, free: u64) -> Result<Capacity> {
     let g = |b: u64| b as f64 / (1u64 << 30) as f64;
@@ -242,11 +246,15 @@ pub fn size_pools(c: &PoolCosts, req: &PoolRequest, free: u64) -> Result<Capacit
         }
     };
     let most = slots.saturating_mul(sb);
+    let kv_min = req.kv_budget.unwrap_or(sb as u64 * c.per_block);
+    let room = free.saturating_sub(c.fixed + slots as u64 * c.per_slot + kv_min);
+    let snapshots = snapshots_for(req.prefix_cache, c.per_snapshot, room);
+    let states = slots as u64 * c.per_slot + snapshots as u64 * c.per_snapshot;
     let blocks = match req.kv_budget {
         Some(b) => blocks_of(b).min(most),
-        None => blocks_of(free.saturating_sub(c.fixed + slots as u64 * c.per_slot)).clamp(sb, most),
+        None => blocks_of(free.saturating_sub(c.fixed + states)).clamp(sb, most),
     };
-    Ok(Capacity { slots, blocks })
+    Ok(Capacity { slots, blocks, snapshots })
 }
 
 /// The device memory the backend will hold, by purpose, for pools of `slots` and `blocks`.
@@ -263,6 +271,8 @@ pub struct MemoryPlan {
     pub margin: u64,
     pub max_context: usize,
     pub slots: usize,
+    /// Prefix-cache snapshots (counted in `recurrent_state`).
+    pub snapshots: usize,
     pub blocks: usize,
     pub attention_layers: usize,
     pub gdn_layers: usize,
@@ -298,6 +308,7 @@ impl MemoryPlan {
         let costs = PoolCosts {
             fixed: weights + scratch + activations + MARGIN,
             per_slot: state_per_slot + step_per_slot,
+            per_snapshot: state_per_slot,
             per_block,
             seq_blocks: width,
         };
@@ -305,13 +316,14 @@ impl MemoryPlan {
         let plan = MemoryPlan {
             weights,
             kv_cache: cap.blocks as u64 * per_block,
-            recurrent_state: cap.slots as u64 * state_per_slot,
+            recurrent_state: (cap.slots + cap.snapshots) as u64 * state_per_slot,
             scratch,
             step_buffers: cap.slots as u64 * step_per_slot,
             activations,
             margin: MARGIN,
             max_context,
             slots: cap.slots,
+            snapshots: cap.snapshots,
             blocks: cap.blocks,
             attention_layers,
             gdn_layers,
@@ -341,10 +353,10 @@ impl MemoryPlan {
         ensure!(
             self.total() <= free,
             "not enough GPU memory on '{device}': the CUDA backend needs {:.2} GiB (weights {:.2}, K/V cache {:.2} in {} blocks, \
-             recurrent state {:.2} for {} sequences, scratch {:.2}, step buffers {:.2}, activations {:.2} for {} tokens, \
-             margin {:.2}) but only {:.2} GiB of {:.2} GiB is free ({source}). \
-             Fix: lower --max-context, --max-seqs or --kv-budget, free GPU memory, or use --backend cpu.",
-            g(self.total()), g(self.weights), g(self.kv_cache), self.blocks, g(self.recurrent_state), self.slots,
+             recurrent state {:.2} for {} sequences and {} prefix-cache snapshots, scratch {:.2}, step buffers {:.2}, \
+             activations {:.2} for {} tokens, margin {:.2}) but only {:.2} GiB of {:.2} GiB is free ({source}). \
+             Fix: lower --max-context, --max-seqs, --kv-budget or --prefix-cache-bytes, free GPU memory, or use --backend cpu.",
+            g(self.total()), g(self.weights), g(self.kv_cache), self.blocks, g(self.recurrent_state), self.slots, self.snapshots,
             g(self.scratch), g(self.step_buffers), g(self.activations), self.max_context, g(self.margin), g(free),
             g(total_mem)
         );
@@ -418,6 +430,7 @@ mod tests {
             margin: MARGIN,
             max_context: 262144,
             slots: 4,
+            snapshots: 0,
             blocks: 20,
             attention_layers: 10,
             gdn_layers: 30,
@@ -447,24 +460,44 @@ mod tests {
     fn pools_sized_within_free_memory() {
         let mib = 1u64 << 20;
         // 63 MiB per slot, 5 MiB per block, 40 blocks per sequence (max_context 10240).
-        let c = PoolCosts { fixed: 1000 * mib, per_slot: 63 * mib, per_block: 5 * mib, seq_blocks: 40 };
-        let req = |s: Option<usize>, kv: Option<u64>| PoolRequest { max_seqs: s, kv_budget: kv, max_context: 10240 };
+        let c = PoolCosts {
+            fixed: 1000 * mib,
+            per_slot: 63 * mib,
+            per_snapshot: 60 * mib,
+            per_block: 5 * mib,
+            seq_blocks: 40,
+        };
+        let req = |s: Option<usize>, kv: Option<u64>| PoolRequest {
+            max_seqs: s,
+            kv_budget: kv,
+            max_context: 10240,
+            prefix_cache: Some(0),
+        };
         // Plenty of memory: 64 slots, the K/V pool capped at 64 full sequences.
         let cap = size_pools(&c, &req(None, None), 1 << 50).unwrap();
-        assert_eq!(cap, Capacity { slots: 64, blocks: 64 * 40 });
+        assert_eq!(cap, Capacity { slots: 64, blocks: 64 * 40, snapshots: 0 });
+        // The default prefix cache: 4 GiB of 60 MiB snapshots when memory is plentiful.
+        let dflt = PoolRequest { prefix_cache: None, ..req(None, None) };
+        assert_eq!(size_pools(&c, &dflt, 1 << 50).unwrap().snapshots, 4096 / 60);
         // 1000 + 200 (one sequence's K/V) + 63·10 = 1830 MiB: 10 slots; K/V gets the rest.
         let cap = size_pools(&c, &req(None, None), 1830 * mib).unwrap();
         assert_eq!(cap.slots, 10);
         assert_eq!(cap.blocks, (1830 - 1000 - 630) / 5);
-        // Exactly one sequence fits.
+        // Exactly one sequence fits, and no snapshot beside it by default.
         let cap = size_pools(&c, &req(None, None), (1000 + 63 + 200) * mib).unwrap();
-        assert_eq!(cap, Capacity { slots: 1, blocks: 40 });
+        assert_eq!(cap, Capacity { slots: 1, blocks: 40, snapshots: 0 });
+        let one = PoolRequest { prefix_cache: None, ..req(None, None) };
+        assert_eq!(size_pools(&c, &one, (1000 + 63 + 200) * mib).unwrap().snapshots, 0);
         // Explicit flags.
         let cap = size_pools(&c, &req(Some(3), Some(400 * mib)), 1 << 40).unwrap();
-        assert_eq!(cap, Capacity { slots: 3, blocks: 80 });
+        assert_eq!(cap, Capacity { slots: 3, blocks: 80, snapshots: 0 });
+        // Snapshots come before the default K/V pool.
+        let snaps = PoolRequest { prefix_cache: Some(600 * mib), ..req(Some(1), None) };
+        let cap = size_pools(&c, &snaps, (1000 + 63 + 600 + 400) * mib).unwrap();
+        assert_eq!(cap, Capacity { slots: 1, blocks: 40, snapshots: 10 });
         // A budget beyond `slots` full sequences is capped there.
         let cap = size_pools(&c, &req(Some(3), Some(4000 * mib)), 1 << 40).unwrap();
-        assert_eq!(cap, Capacity { slots: 3, blocks: 120 });
+        assert_eq!(cap, Capacity { slots: 3, blocks: 120, snapshots: 0 });
         let e = size_pools(&c, &req(None, Some(10 * mib)), 1 << 40).unwrap_err().to_string();
         assert!(e.contains("--kv-budget") && e.contains("needs 40"), "{e}");
         let e = size_pools(&c, &req(None, None), 1200 * mib).unwrap_err().to_string();

@@ -350,6 +350,7 @@ fn run() -> Result<()> {
         max_seqs: Some(bmax.max(1) + 1),
         kv_budget: Some(compiled::KV_BYTES_PER_TOKEN * KV_BLOCK as u64 * (seq_blocks + bmax * per) as u64),
         max_context: ctx,
+        prefix_cache: Some(0),
     };
     let (b, cap) = CudaBackend::new(cx, &ck, &d, &req, false)?;
     let model = compiled::Model::load(&b, &ck).with_context(|| format!("loading {}", dir.display()))?;

@@ -15,12 +15,22 @@
 //!
 //! After the step, each sequence that produced logits (decode rows, last prompt chunks) samples
 //! one token on the backend, its `n`-th with step `n` of its seeded stream.
+//!
+//! **The prefix cache** (`prefix`): each full prompt chunk a sequence prefills is entered in the
+//! cache with its K/V blocks, and at some chunk boundaries (`prefix::keeps_snapshot`) the
+//! sequence's recurrent state is copied to a snapshot slot. Admission looks the prompt up and
+//! starts the sequence after the deepest cached snapshot: its block table begins with the cached
+//! chunks' blocks (shared, reference-counted) and its state slot is loaded from the snapshot. When
+//! the oldest waiting request shares more full chunks with a sequence still prefilling them than
+//! the cache holds, it waits until that sequence reaches them (and keeps a snapshot there) rather
+//! than compute the same chunks beside it.
 
 use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
 use super::pool::{BlockPool, SlotPool};
+use super::prefix::{keeps_snapshot, CacheStats, PrefixCache, CHUNK_BLOCKS};
 use super::{Runner, SamplingParams, PREFILL_CHUNK};
 use crate::graph::{Batch, RowSample, SeqRows, KV_BLOCK};
 
@@ -46,6 +56,9 @@ pub enum Finish {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EventKind {
+    /// The request was admitted: its first `cached_tokens` prompt tokens come from the prefix
+    /// cache (not prefilled).
+    Admitted { cached_tokens: usize },
     /// The next sampled token.
     Token(u32),
     /// The sequence ended; its memory is free.
@@ -94,6 +107,7 @@ pub struct EngineStats {
     pub peak_running: usize,
     /// Time inside the runner's forward steps.
     pub busy: Duration,
+    pub cache: CacheStats,
 }
 
 struct Seq {
@@ -106,6 +120,12 @@ struct Seq {
     /// The last sampled token, not yet in the state (the sequence is decoding).
     last: Option<u32>,
     n_out: u64,
+    /// Prefix-cache chunks this sequence uses (resumed after, or entered while prefilling).
+    chain: Vec<usize>,
+    /// False once a chunk could not be entered (a hash collision): no later chunk is either.
+    caching: bool,
+    /// Boundaries a waiting request asked this sequence to keep a snapshot at.
+    wanted: Vec<usize>,
 }
 
 pub struct Engine {
@@ -116,12 +136,26 @@ pub struct Engine {
     waiting: VecDeque<(u64, GenRequest)>,
     /// In admission order.
     running: Vec<Seq>,
+    cache: PrefixCache,
     stats: EngineStats,
 }
 
 fn blocks_for(req: &GenRequest) -> usize {
     // The last sampled token is never fed back, so prompt + max_tokens - 1 positions are written.
     (req.prompt.len() + req.max_tokens as usize - 1).div_ceil(KV_BLOCK)
+}
+
+/// Full chunks that `a` and `b` begin with alike, counting only chunks that end before `a`'s
+/// last token.
+fn common_chunks(a: &[u32], b: &[u32]) -> usize {
+    let mut k = 0;
+    while (k + 1) * PREFILL_CHUNK < a.len()
+        && (k + 1) * PREFILL_CHUNK <= b.len()
+        && a[k * PREFILL_CHUNK..(k + 1) * PREFILL_CHUNK] == b[k * PREFILL_CHUNK..(k + 1) * PREFILL_CHUNK]
+    {
+        k += 1;
+    }
+    k
 }
 
 impl Engine {
@@ -143,6 +177,7 @@ impl Engine {
             runner.window()
         );
         Ok(Engine {
+            cache: PrefixCache::new(cap.snapshots),
             slots: SlotPool::new(cap.slots),
             blocks: BlockPool::new(cap.blocks),
             runner,
@@ -159,8 +194,8 @@ impl Engine {
     pub fn max_context(&self) -> usize {
         self.cfg.max_context
     }
-    pub fn stats(&self) -> &EngineStats {
-        &self.stats
+    pub fn stats(&self) -> EngineStats {
+        EngineStats { cache: self.cache.stats.clone(), ..self.stats.clone() }
     }
     /// Sequences admitted and not finished.
     pub fn running(&self) -> usize {
@@ -169,9 +204,19 @@ impl Engine {
     pub fn waiting(&self) -> usize {
         self.waiting.len()
     }
-    /// (free slots, total slots, free blocks, total blocks).
+    /// (free slots, total slots, free blocks, total blocks). Blocks the prefix cache holds
+    /// count as used.
     pub fn pool_usage(&self) -> (usize, usize, usize, usize) {
         (self.slots.free(), self.slots.total(), self.blocks.free(), self.blocks.total())
+    }
+    /// (cached chunks, snapshots held, snapshot capacity) of the prefix cache.
+    pub fn cache_usage(&self) -> (usize, usize, usize) {
+        self.cache.usage()
+    }
+    /// Empties the prefix cache of everything no running sequence uses (tests: pools must come
+    /// back whole).
+    pub fn evict_cache(&mut self) {
+        self.cache.make_room(self.blocks.total(), &mut self.blocks);
     }
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty()
@@ -229,26 +274,106 @@ impl Engine {
     fn release(&mut self, s: Seq) {
         self.slots.give(s.slot);
         self.blocks.give(s.blocks);
+        self.cache.release(&s.chain, &mut self.blocks);
+    }
+
+    /// The state-pool row of snapshot `snap`: snapshots follow the sequences' slots.
+    fn snapshot_row(&self, snap: usize) -> usize {
+        self.slots.total() + snap
+    }
+
+    /// A sequence still prefilling the chunks that `prompt` shares with it beyond what the cache
+    /// holds (`cached` chunks): its index and the boundary to wait for.
+    fn inflight_prefix(&self, prompt: &[u32], cached: usize) -> Option<(usize, usize)> {
+        self.running.iter().enumerate().find_map(|(i, r)| {
+            if r.last.is_some() || !r.caching {
+                return None;
+            }
+            let k = common_chunks(prompt, &r.req.prompt);
+            (k > cached && r.pos < k * PREFILL_CHUNK).then_some((i, k * PREFILL_CHUNK))
+        })
     }
 
     fn admit(&mut self, events: &mut Vec<Event>) {
         while let Some((_, req)) = self.waiting.front() {
-            let need = blocks_for(req);
-            if self.slots.free() == 0 || self.blocks.free() < need {
+            if self.slots.free() == 0 {
+                break;
+            }
+            let m = self.cache.lookup(&req.prompt);
+            if self.cache.enabled() {
+                if let Some((i, boundary)) = self.inflight_prefix(&req.prompt, m.resume) {
+                    if !self.running[i].wanted.contains(&boundary) {
+                        self.running[i].wanted.push(boundary);
+                    }
+                    break;
+                }
+            }
+            let shared = &m.path[..m.resume];
+            let need = blocks_for(req) - m.resume * CHUNK_BLOCKS;
+            self.cache.acquire(shared);
+            if !self.cache.make_room(need, &mut self.blocks) {
+                self.cache.release(shared, &mut self.blocks);
                 break;
             }
             let (id, req) = self.waiting.pop_front().expect("front exists");
             let slot = self.slots.take().expect("a slot is free");
-            let blocks = self.blocks.take(need).expect("the blocks are free");
-            let s = Seq { id, req, slot, blocks, pos: 0, last: None, n_out: 0 };
-            if let Err(e) = self.runner.clear_slot(slot) {
+            let mut blocks = self.cache.blocks(shared);
+            self.blocks.retain(&blocks);
+            blocks.extend(self.blocks.take(need).expect("the blocks are free"));
+            let pos = m.cached_tokens();
+            let (chain, caching, wanted) = (shared.to_vec(), true, Vec::new());
+            let s = Seq { id, req, slot, blocks, pos, last: None, n_out: 0, chain, caching, wanted };
+            let loaded = match shared.last() {
+                Some(&node) => {
+                    let snap = self.cache.snapshot(node).expect("a resumable chunk has a snapshot");
+                    self.runner.copy_slot(self.snapshot_row(snap), slot)
+                }
+                None => self.runner.clear_slot(slot),
+            };
+            if let Err(e) = loaded {
                 events.push(Event { id, kind: EventKind::Error { code: "engine_error", message: format!("{e:#}") } });
                 self.stats.failed += 1;
                 self.release(s);
                 continue;
             }
+            if self.cache.enabled() && s.req.prompt.len() > PREFILL_CHUNK {
+                let c = &mut self.cache.stats;
+                if pos > 0 {
+                    c.hits += 1;
+                    c.cached_tokens += pos as u64;
+                } else {
+                    c.misses += 1;
+                }
+            }
+            events.push(Event { id, kind: EventKind::Admitted { cached_tokens: pos } });
             self.running.push(s);
         }
+    }
+
+    /// Sequence `i` has just prefilled the full chunk ending at its position: enters the chunk
+    /// in the prefix cache and, where the policy keeps one, copies its state to a snapshot.
+    fn cache_chunk(&mut self, i: usize) -> anyhow::Result<()> {
+        let s = &self.running[i];
+        let (pos, len) = (s.pos, s.req.prompt.len());
+        let (tokens, blocks) =
+            (&s.req.prompt[pos - PREFILL_CHUNK..pos], &s.blocks[(pos - PREFILL_CHUNK) / KV_BLOCK..pos / KV_BLOCK]);
+        let Some((node, shared)) = self.cache.insert(s.chain.last().copied(), tokens, blocks, &mut self.blocks) else {
+            self.running[i].caching = false;
+            return Ok(());
+        };
+        let s = &mut self.running[i];
+        s.chain.push(node);
+        let wanted = s.wanted.contains(&pos);
+        if self.cache.snapshot(node).is_some() || !keeps_snapshot(pos, len, shared, wanted) {
+            return Ok(());
+        }
+        let Some(snap) = self.cache.new_snapshot(node, &mut self.blocks) else { return Ok(()) };
+        let slot = self.running[i].slot;
+        if let Err(e) = self.runner.copy_slot(slot, self.snapshot_row(snap)) {
+            self.cache.drop_snapshot(node, &mut self.blocks);
+            return Err(e.context("saving a prefix-cache snapshot"));
+        }
+        Ok(())
     }
 
     /// Runs one step: admits what fits, runs decode rows and prefill chunks, samples. Returns the
@@ -335,7 +460,21 @@ impl Engine {
                 let mut toks = toks.into_iter();
                 for &(i, len, samples) in &members {
                     let s = &mut self.running[i];
+                    let prefill = s.last.is_none();
                     s.pos += len;
+                    if prefill && s.caching && self.cache.enabled() && s.pos.is_multiple_of(PREFILL_CHUNK) {
+                        if let Err(e) = self.cache_chunk(i) {
+                            let kind = EventKind::Error { code: "engine_error", message: format!("{e:#}") };
+                            events.push(Event { id: self.running[i].id, kind });
+                            done[i] = true;
+                            self.stats.failed += 1;
+                            if samples {
+                                toks.next();
+                            }
+                            continue;
+                        }
+                    }
+                    let s = &mut self.running[i];
                     if !samples {
                         continue;
                     }
@@ -384,7 +523,7 @@ pub fn drain(engine: &mut Engine) -> (HashMap<u64, Vec<u32>>, HashMap<u64, Strin
                 EventKind::Error { message, .. } => {
                     errs.insert(e.id, message);
                 }
-                EventKind::Finished(_) => {}
+                EventKind::Finished(_) | EventKind::Admitted { .. } => {}
             }
         }
     }

@@ -14,6 +14,7 @@
 
 mod core;
 mod pool;
+pub mod prefix;
 mod thread;
 
 pub use self::core::{drain, Engine, EngineConfig, EngineStats, Event, EventKind, Finish, GenRequest, SubmitError};
@@ -56,6 +57,9 @@ pub struct Capacity {
     pub slots: usize,
     /// K/V blocks of [`KV_BLOCK`](crate::graph::KV_BLOCK) positions.
     pub blocks: usize,
+    /// Recurrent-state snapshots of the prefix cache (state-pool rows after the `slots`
+    /// sequences'; 0: no prefix cache).
+    pub snapshots: usize,
 }
 
 /// A loaded model with its state pools (the generated `Compiled<B>`).
@@ -67,6 +71,9 @@ pub trait Runner: Send {
     fn vocab_size(&self) -> usize;
     /// Zeroes a recurrent-state slot before a new sequence uses it.
     fn clear_slot(&mut self, slot: usize) -> anyhow::Result<()>;
+    /// Copies the recurrent state (every Gated DeltaNet layer's conv and recurrent state) of
+    /// row `from` to row `to`; rows are the `slots` sequences' and then the `snapshots`.
+    fn copy_slot(&mut self, from: usize, to: usize) -> anyhow::Result<()>;
     /// Runs one forward step over `batch`, then samples each of `rows` from the first `n`
     /// logits of its row; returns the sampled ids in `rows` order.
     fn run(&mut self, batch: &Batch, n: usize, rows: &[RowSample]) -> anyhow::Result<Vec<u32>>;
@@ -82,4 +89,21 @@ pub struct PoolRequest {
     pub kv_budget: Option<u64>,
     /// The longest sequence (prompt + output) one request may have; the pool holds at least one.
     pub max_context: usize,
+    /// `--prefix-cache-bytes`: bytes of recurrent-state snapshots (None: what the plan chooses,
+    /// at most [`DEFAULT_PREFIX_CACHE_BYTES`]; 0 disables the prefix cache).
+    pub prefix_cache: Option<u64>,
 }
+
+/// The default snapshot budget: 4 GiB, 64 snapshots at the 35B shapes (≈ 63 MiB each), a few
+/// conversations' last turns and a shared system prompt or two.
+pub const DEFAULT_PREFIX_CACHE_BYTES: u64 = 4 << 30;
+
+/// Snapshots a prefix cache of `budget` bytes holds (None: the default, within `room` bytes the
+/// plan leaves, of which it takes at most a quarter) at `slot_bytes` each.
+pub fn snapshots_for(budget: Option<u64>, slot_bytes: u64, room: u64) -> usize {
+    let bytes = budget.unwrap_or_else(|| DEFAULT_PREFIX_CACHE_BYTES.min(room / 4));
+    ((bytes / slot_bytes.max(1)) as usize).min(MAX_SNAPSHOTS)
+}
+
+/// The most snapshots a prefix cache keeps (its bookkeeping scans them on eviction).
+pub const MAX_SNAPSHOTS: usize = 4096;

@@ -28,19 +28,20 @@ impl SlotPool {
     }
 }
 
-/// Free K/V blocks.
+/// K/V blocks, reference-counted: a block is free when no sequence's table and no entry of the
+/// prefix cache holds it.
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     free: Vec<u32>,
-    total: usize,
+    refs: Vec<u32>,
 }
 
 impl BlockPool {
     pub fn new(total: usize) -> Self {
         assert!(total <= u32::MAX as usize, "a pool of {total} blocks");
-        BlockPool { free: (0..total as u32).rev().collect(), total }
+        BlockPool { free: (0..total as u32).rev().collect(), refs: vec![0; total] }
     }
-    /// `n` blocks, or None (and nothing taken) when fewer are free.
+    /// `n` free blocks, each with one reference, or None (and nothing taken) when fewer are free.
     pub fn take(&mut self, n: usize) -> Option<Vec<u32>> {
         if n > self.free.len() {
             return None;
@@ -48,20 +49,35 @@ impl BlockPool {
         let at = self.free.len() - n;
         let mut v = self.free.split_off(at);
         v.reverse();
+        for &b in &v {
+            self.refs[b as usize] = 1;
+        }
         Some(v)
     }
-    pub fn give(&mut self, blocks: Vec<u32>) {
-        for &b in &blocks {
-            assert!((b as usize) < self.total, "block {b} outside the pool");
+    /// One more reference to each of `blocks` (all in use).
+    pub fn retain(&mut self, blocks: &[u32]) {
+        for &b in blocks {
+            let r = &mut self.refs[b as usize];
+            assert!(*r > 0, "block {b} retained while free");
+            *r += 1;
         }
-        self.free.extend(blocks.into_iter().rev());
-        debug_assert!(self.free.len() <= self.total, "blocks returned twice");
+    }
+    /// Drops one reference to each of `blocks`; those left with none are free again.
+    pub fn give(&mut self, blocks: Vec<u32>) {
+        for &b in blocks.iter().rev() {
+            let r = self.refs.get_mut(b as usize).unwrap_or_else(|| panic!("block {b} outside the pool"));
+            assert!(*r > 0, "block {b} returned twice");
+            *r -= 1;
+            if *r == 0 {
+                self.free.push(b);
+            }
+        }
     }
     pub fn free(&self) -> usize {
         self.free.len()
     }
     pub fn total(&self) -> usize {
-        self.total
+        self.refs.len()
     }
 }
 
@@ -85,6 +101,26 @@ mod tests {
         b.give(a);
         assert_eq!(b.free(), 5);
         assert_eq!(b.take(5).unwrap().len(), 5);
+    }
+
+    #[test]
+    fn a_shared_block_is_free_after_its_last_reference() {
+        let mut b = BlockPool::new(4);
+        let a = b.take(2).unwrap();
+        b.retain(&a[..1]);
+        b.give(a.clone());
+        assert_eq!(b.free(), 3, "block {} is still held once", a[0]);
+        b.give(a[..1].to_vec());
+        assert_eq!(b.free(), 4);
+    }
+
+    #[test]
+    #[should_panic(expected = "returned twice")]
+    fn a_block_cannot_be_returned_twice() {
+        let mut b = BlockPool::new(2);
+        let a = b.take(1).unwrap();
+        b.give(a.clone());
+        b.give(a);
     }
 
     #[test]

@@ -78,7 +78,7 @@ impl EngineThread {
                         match rx.try_recv() {
                             Ok(c) => {
                                 if !handle(&mut engine, c, &mut sink) {
-                                    return engine.stats().clone();
+                                    return engine.stats();
                                 }
                             }
                             Err(std::sync::mpsc::TryRecvError::Empty) => break,
@@ -87,12 +87,12 @@ impl EngineThread {
                     }
                     if !engine.has_work() {
                         if !open {
-                            return engine.stats().clone();
+                            return engine.stats();
                         }
                         match rx.recv() {
                             Ok(c) => {
                                 if !handle(&mut engine, c, &mut sink) {
-                                    return engine.stats().clone();
+                                    return engine.stats();
                                 }
                             }
                             Err(_) => open = false,
@@ -101,7 +101,7 @@ impl EngineThread {
                     }
                     for e in engine.step() {
                         if !sink(e) {
-                            return engine.stats().clone();
+                            return engine.stats();
                         }
                     }
                 }

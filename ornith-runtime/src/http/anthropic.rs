@@ -269,7 +269,7 @@ pub fn message(body: &Value) -> Value {
     json!({
         "id": message_id(body["id"].as_str().unwrap_or_default()), "type": "message", "role": "assistant",
         "model": body["model"], "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-        "usage": {"input_tokens": body["usage"]["prompt_tokens"], "output_tokens": body["usage"]["completion_tokens"]},
+        "usage": usage(&body["usage"]),
     })
 }
 
@@ -374,11 +374,20 @@ impl Events {
         out.push((
             "message_delta",
             json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                   "usage": {"output_tokens": body["usage"]["completion_tokens"]}}),
+                   "usage": usage(&body["usage"])}),
         ));
         out.push(("message_stop", json!({"type": "message_stop"})));
         out
     }
+}
+
+/// Anthropic's usage of an OpenAI-shaped one: `input_tokens` counts the prompt tokens not read
+/// from the cache, `cache_read_input_tokens` those that were (their sum is the prompt).
+fn usage(u: &Value) -> Value {
+    let prompt = u["prompt_tokens"].as_u64().unwrap_or(0);
+    let cached = u.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).unwrap_or(0);
+    json!({"input_tokens": prompt - cached.min(prompt), "cache_read_input_tokens": cached,
+           "cache_creation_input_tokens": 0, "output_tokens": u["completion_tokens"]})
 }
 
 #[cfg(test)]

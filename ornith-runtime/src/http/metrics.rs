@@ -22,6 +22,7 @@ pub struct Metrics {
     /// (endpoint, status) → responses.
     requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
     prompt_tokens: AtomicU64,
+    cached_tokens: AtomicU64,
     generation_tokens: AtomicU64,
     running: AtomicI64,
     waiting: AtomicI64,
@@ -37,6 +38,10 @@ impl Metrics {
     pub fn submitted(&self, prompt_tokens: usize) {
         self.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
         self.waiting.fetch_add(1, Ordering::Relaxed);
+    }
+    /// A request was admitted with this many prompt tokens from the prefix cache.
+    pub fn cached(&self, tokens: usize) {
+        self.cached_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
     }
     /// A request sampled its first token `ttft` after it arrived: it is now running.
     pub fn first_token(&self, ttft: Duration) {
@@ -78,6 +83,12 @@ impl Metrics {
             "ornith_prompt_tokens_total",
             "Prompt tokens of the requests submitted to the engine.",
             self.prompt_tokens.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut s,
+            "ornith_prompt_tokens_cached_total",
+            "Prompt tokens served from the prefix cache (not prefilled).",
+            self.cached_tokens.load(Ordering::Relaxed),
         );
         counter(
             &mut s,

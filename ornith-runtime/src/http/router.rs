@@ -266,6 +266,11 @@ fn route(
                         }
                     }
                     EventKind::Finished(_) => Some(Ok(())),
+                    EventKind::Admitted { cached_tokens } => {
+                        o.live.on_admitted(cached_tokens);
+                        metrics.cached(cached_tokens);
+                        None
+                    }
                     EventKind::Error { code, message } => Some(Err(LineError::from_engine(code, message))),
                 };
                 let chunks = o.live.take_chunks();

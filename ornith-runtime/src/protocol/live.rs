@@ -123,6 +123,8 @@ pub struct Live<'a> {
     raw_text: String,
     deltas: Vec<Delta>,
     n_prompt: usize,
+    /// Prompt tokens the prefix cache served (not prefilled).
+    n_cached: usize,
     n_out: u64,
     max_tokens: u64,
     started: Instant,
@@ -252,6 +254,7 @@ impl<'a> Live<'a> {
             raw_text: String::new(),
             deltas: Vec::new(),
             n_prompt,
+            n_cached: 0,
             n_out: 0,
             max_tokens,
             started,
@@ -271,6 +274,12 @@ impl<'a> Live<'a> {
     /// Tokens of the prompt.
     pub fn prompt_len(&self) -> usize {
         self.n_prompt
+    }
+
+    /// The engine admitted the request, the first `cached_tokens` of its prompt from the
+    /// prefix cache.
+    pub fn on_admitted(&mut self, cached_tokens: usize) {
+        self.n_cached = cached_tokens;
     }
 
     /// Tokens sampled so far.
@@ -384,9 +393,9 @@ impl<'a> Live<'a> {
         let decode_s = (end - first).as_secs_f64();
         let rate = |n: f64, s: f64| if s > 0.0 && n > 0.0 { json!((n / s * 10.0).round() / 10.0) } else { Value::Null };
         let ttft_ms = ((first - self.started).as_secs_f64() * 1e4).round() / 10.0;
-        let (n_prompt, n_out) = (self.n_prompt, self.n_out);
-        let usage =
-            json!({"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt as u64 + n_out});
+        let (n_prompt, n_out, n_cached) = (self.n_prompt, self.n_out, self.n_cached);
+        let usage = json!({"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt as u64 + n_out,
+                           "prompt_tokens_details": {"cached_tokens": n_cached}});
         let c = &self.chunker;
         let choice = if chat {
             json!({"index": 0, "message": message, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason})
@@ -397,7 +406,7 @@ impl<'a> Live<'a> {
             "id": c.id, "object": if chat { "chat.completion" } else { "text_completion" }, "created": c.created, "model": c.model,
             "choices": [choice],
             "usage": usage,
-            "ttft_ms": ttft_ms, "prefill_tok_s": rate(n_prompt as f64, prefill_s), "decode_tok_s": rate(n_out as f64 - 1.0, decode_s),
+            "ttft_ms": ttft_ms, "prefill_tok_s": rate((n_prompt - n_cached) as f64, prefill_s), "decode_tok_s": rate(n_out as f64 - 1.0, decode_s),
         });
         if !self.req.warnings.is_empty() {
             body["warnings"] = json!(self.req.warnings);

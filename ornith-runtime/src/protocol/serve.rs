@@ -302,6 +302,10 @@ pub fn serve<R: BufRead + Send + 'static, W: Write>(
                         // The engine ends a sequence on the same token the front end does; a
                         // finish the front end has not seen still answers the request.
                         EventKind::Finished(_) => Some(Ok(())),
+                        EventKind::Admitted { cached_tokens } => {
+                            o.live.on_admitted(cached_tokens);
+                            None
+                        }
                         EventKind::Error { code, message } => Some(Err(LineError::from_engine(code, message))),
                     };
                     for c in o.live.take_chunks() {
@@ -345,6 +349,11 @@ pub fn serve<R: BufRead + Send + 'static, W: Write>(
         eprintln!(
             "[ornith] done: {} lines, {} ok, {} errors; {} tokens generated; {} steps ({} decode rows, {} prefill rows), at most {} sequences at once",
             stats.lines, stats.ok, stats.errors, stats.generated, e.steps, e.decode_rows, e.prefill_rows, e.peak_running
+        );
+        let c = &e.cache;
+        eprintln!(
+            "[ornith] prefix cache: {} hits, {} misses, {} prompt tokens served from it; {} snapshots taken, {} evicted; {} chunks evicted",
+            c.hits, c.misses, c.cached_tokens, c.snapshots_taken, c.snapshots_evicted, c.chunks_evicted
         );
     }
     Ok(stats)

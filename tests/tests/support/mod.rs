@@ -149,7 +149,7 @@ impl ScriptRunner {
 
 impl Runner for ScriptRunner {
     fn capacity(&self) -> Capacity {
-        Capacity { slots: self.slots, blocks: self.slots * self.ctx.div_ceil(KV_BLOCK) }
+        Capacity { slots: self.slots, blocks: self.slots * self.ctx.div_ceil(KV_BLOCK), snapshots: 0 }
     }
     fn window(&self) -> usize {
         self.ctx
@@ -161,6 +161,9 @@ impl Runner for ScriptRunner {
         self.fed[slot].clear();
         self.script[slot] = None;
         Ok(())
+    }
+    fn copy_slot(&mut self, from: usize, to: usize) -> anyhow::Result<()> {
+        anyhow::bail!("the scripted runner has no snapshot rows (copy {from} -> {to})")
     }
     fn run(&mut self, batch: &Batch, n: usize, rows: &[RowSample]) -> anyhow::Result<Vec<u32>> {
         assert!(n > 0 && n <= 259, "sampling {n} ids");
