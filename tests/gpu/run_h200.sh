@@ -12,6 +12,8 @@
 #   6. full preset: 1,000 greedy steps finite, the decode graph against eager.
 # PHASE=check runs 1–2 only, PHASE=full 3–6 only (two device calls of under 10 minutes each; the
 # full checkpoint synthesised by the first full run is reused while the machine stays warm).
+# PHASE=prefix: the full preset's prefix-cache identity test, then tests/gpu/prefix_cache.py (a
+# growing agent conversation and a shared-system-prompt batch file, with and without the cache).
 # Logs and JSON go to $OUT; a short table to stdout.
 set -uo pipefail
 name=${1:?usage: tests/gpu/run_h200.sh NAME [PROMPTS] [BATCH]}
@@ -32,15 +34,25 @@ timeout 240 "$G/kernels" --ignored --test-threads=1 --nocapture > "$OUT/kernels.
 grep -E "PERF|panicked|test result|identical to the CPU" "$OUT/kernels.log" | cut -c1-220
 t0=$SECONDS
 "$G/xtask" synth --preset shallow --out "$C/shallow" > "$OUT/synth_shallow.log" 2>&1; echo "synth shallow rc=$? $((SECONDS - t0))s"
-ORNITH_TEST_MODEL=$C/shallow timeout 210 "$G/test_shallow" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu cuda_ops_vs_cpu batch_invariance > "$OUT/test_shallow.log" 2>&1
+ORNITH_TEST_MODEL=$C/shallow timeout 210 "$G/test_shallow" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu cuda_ops_vs_cpu batch_invariance prefix_cache_resume > "$OUT/test_shallow.log" 2>&1
 echo "test_shallow rc=$? $((SECONDS - t0))s"
-grep -E "^OP|CPU chunked|prefill:|decode|batch invariance|panicked|test result" "$OUT/test_shallow.log" | cut -c1-330
+grep -E "^OP|CPU chunked|prefill:|decode|batch invariance|prefix cache|panicked|test result" "$OUT/test_shallow.log" | cut -c1-330
 rm -rf "$C/shallow"
 fi
 [ "$phase" = check ] && exit 0
 t0=$SECONDS
 if [ -f "$C/full/config.json" ]; then echo "synth full: reusing $C/full"; else
 "$G/xtask" synth --preset full --out "$C/full" > "$OUT/synth_full.log" 2>&1; echo "synth full rc=$? $((SECONDS - t0))s"; fi
+if [ "$phase" = prefix ]; then
+    t0=$SECONDS
+    ORNITH_TEST_MODEL=$C/full timeout 150 "$G/test_full" --ignored --nocapture --test-threads=1 prefix_cache_resume > "$OUT/test_full_prefix.log" 2>&1
+    echo "test_full prefix rc=$? $((SECONDS - t0))s"
+    grep -E "prefix cache|panicked|test result" "$OUT/test_full_prefix.log" | cut -c1-300
+    t0=$SECONDS
+    timeout 420 python3 tests/gpu/prefix_cache.py "$G/ornith_full" "$C/full" "$OUT/prefix_cache.json" ${PREFIX_ARGS:-}
+    echo "prefix cache rc=$? $((SECONDS - t0))s"
+    exit 0
+fi
 t0=$SECONDS
 timeout 330 "$G/bench_full" --model "$C/full" --prompts "$prompts" --gen 64 --budget-s 120 --batch "$batch" > "$OUT/bench_full.json" 2> "$OUT/bench_full.err"
 echo "bench rc=$? $((SECONDS - t0))s"
@@ -60,6 +72,6 @@ if [ -d .gpu/wheels ]; then
     tail -25 "$OUT/peer.out"
 fi
 t0=$SECONDS
-ORNITH_TEST_MODEL=$C/full timeout 60 "$G/test_full" --ignored --nocapture --test-threads=1 cuda_decode_1000 cuda_decode_graph > "$OUT/test_full.log" 2>&1
+ORNITH_TEST_MODEL=$C/full timeout 60 "$G/test_full" --ignored --nocapture --test-threads=1 cuda_decode_1000 cuda_decode_graph prefix_cache_resume > "$OUT/test_full.log" 2>&1
 echo "test_full rc=$? $((SECONDS - t0))s"
 grep -E "1000|graph|panicked|test result" "$OUT/test_full.log" | cut -c1-300
