@@ -88,7 +88,8 @@ fn conversation(turn: usize) -> Value {
     let tools = json!([{"type": "function", "function": {
         "name": "read_file", "description": "Read a file of the repository.",
         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]);
-    let sampling = if turn % 2 == 0 { json!({"temperature": 0}) } else { json!({"temperature": 0.8, "seed": turn}) };
+    let sampling =
+        if turn.is_multiple_of(2) { json!({"temperature": 0}) } else { json!({"temperature": 0.8, "seed": turn}) };
     let mut line = json!({"custom_id": format!("turn-{turn}"), "messages": messages, "tools": tools, "max_tokens": 4});
     line.as_object_mut().unwrap().extend(sampling.as_object().unwrap().clone());
     line
