@@ -13,6 +13,7 @@
 
 pub mod anthropic;
 pub mod metrics;
+pub mod responses;
 pub mod router;
 
 use std::convert::Infallible;
@@ -50,6 +51,9 @@ pub struct ServerOptions {
     pub quiet: bool,
     /// Larger request bodies are refused (413).
     pub max_body_bytes: usize,
+    /// When set, every endpoint but `/health` needs it as `Authorization: Bearer KEY` or
+    /// `x-api-key: KEY` (401 otherwise).
+    pub api_key: Option<String>,
 }
 
 struct AppState {
@@ -97,6 +101,7 @@ impl ApiError {
             Api::Anthropic => {
                 let ty = match self.status {
                     StatusCode::NOT_FOUND => "not_found_error",
+                    StatusCode::UNAUTHORIZED => "authentication_error",
                     StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
                     s if s.is_server_error() => "api_error",
                     _ => "invalid_request_error",
@@ -140,12 +145,14 @@ pub fn app(
     let app = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses_endpoint))
         .route("/v1/messages", post(messages))
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(state.clone(), require_key))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state);
     Ok((app, threads))
@@ -161,6 +168,49 @@ pub async fn serve(
 }
 
 type St = State<Arc<AppState>>;
+
+/// Whether `given` equals `key`, in a time that depends on the key's length only.
+fn same_key(given: &[u8], key: &[u8]) -> bool {
+    let mut diff = given.len() ^ key.len();
+    for (i, k) in key.iter().enumerate() {
+        diff |= usize::from(given.get(i).copied().unwrap_or(!k) ^ k);
+    }
+    diff == 0
+}
+
+/// `--api-key`: lets a request through when it carries the key (`/health` always).
+async fn require_key(State(st): St, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let Some(key) = st.opts.api_key.as_deref() else { return next.run(req).await };
+    let path = req.uri().path().to_string();
+    let h = req.headers();
+    let bearer = h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    let given = h.get("x-api-key").and_then(|v| v.to_str().ok()).or(bearer);
+    if path == "/health" || given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
+        return next.run(req).await;
+    }
+    let api = if path.starts_with("/v1/messages") { Api::Anthropic } else { Api::OpenAi };
+    let what = if given.is_some() { "a wrong API key" } else { "no API key" };
+    let e = ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "invalid_api_key",
+        format!("the request has {what}; send `Authorization: Bearer KEY` or `x-api-key: KEY` (--api-key)"),
+    );
+    respond(&st, "auth", api, Err(e))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn keys_compare_whole() {
+        use super::same_key;
+        assert!(same_key(b"secret", b"secret"));
+        assert!(!same_key(b"secreT", b"secret"));
+        assert!(!same_key(b"secret!", b"secret"));
+        assert!(!same_key(b"secre", b"secret"));
+        assert!(!same_key(b"", b"secret"));
+        assert!(!same_key(&[0xff ^ b's'], b"s"), "a missing byte never matches");
+    }
+}
 
 /// The JSON object of a request body, and a model name that is ours.
 fn json_body(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
@@ -289,31 +339,20 @@ async fn openai(st: &AppState, url: &'static str, body: Result<Bytes, BytesRejec
         return Ok(json_response(StatusCode::OK, &finish(rx, guard).await?));
     }
     let chat = url == "/v1/chat/completions";
-    let s = futures_util::stream::unfold(Some((rx, guard)), move |state| async move {
-        let (mut rx, mut guard) = state?;
-        let data = |v: &Value| format!("data: {v}\n\n");
-        let text = match rx.recv().await {
-            Some(Out::Chunks(cs)) => {
-                let text: String = cs.iter().map(data).collect();
-                return Some((Ok::<_, Infallible>(Bytes::from(text)), Some((rx, guard))));
+    let data = |v: &Value| format!("data: {v}\n\n");
+    Ok(event_stream(rx, guard, String::new(), move |out| {
+        let text = match out {
+            Ok(chunk) => return data(chunk),
+            Err(Ok(body)) if include_usage => {
+                let object = if chat { "chat.completion.chunk" } else { "text_completion" };
+                data(&json!({"id": body["id"], "object": object, "created": body["created"],
+                    "model": body["model"], "choices": [], "usage": body["usage"]}))
             }
-            Some(Out::Accepted { .. }) => return Some((Ok(Bytes::new()), Some((rx, guard)))),
-            Some(Out::Done(Ok(body))) => {
-                let mut text = String::new();
-                if include_usage {
-                    let object = if chat { "chat.completion.chunk" } else { "text_completion" };
-                    text += &data(&json!({"id": body["id"], "object": object, "created": body["created"],
-                        "model": body["model"], "choices": [], "usage": body["usage"]}));
-                }
-                text
-            }
-            Some(Out::Done(Err(e))) => data(&ApiError::from_line(e).body(Api::OpenAi)),
-            None => data(&ApiError::from_line(router::engine_stopped()).body(Api::OpenAi)),
+            Err(Ok(_)) => String::new(),
+            Err(Err(e)) => data(&ApiError::from_line(e.clone()).body(Api::OpenAi)),
         };
-        guard.done();
-        Some((Ok(Bytes::from(text + "data: [DONE]\n\n")), None))
-    });
-    Ok(sse(Body::from_stream(s)))
+        text + "data: [DONE]\n\n"
+    }))
 }
 
 async fn messages(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
@@ -340,31 +379,89 @@ async fn anthropic_messages(st: &AppState, body: Result<Bytes, BytesRejection>) 
     if !stream {
         return Ok(json_response(StatusCode::OK, &anthropic::message(&finish(rx, guard).await?)));
     }
-    let events = anthropic::Events::new(&st.opts.model_name);
+    let mut events = anthropic::Events::new(&st.opts.model_name);
     let msg_id = anthropic::message_id(&format!("{:016x}{id:08x}", st.opts.run_id));
     let first = events.start(&msg_id, prompt_tokens);
-    let s = futures_util::stream::unfold(Some((rx, guard, events, Some(first))), move |state| async move {
-        let (mut rx, mut guard, mut events, first) = state?;
-        let data = |evs: Vec<anthropic::Event>| -> String {
-            evs.iter().map(|(name, v)| format!("event: {name}\ndata: {v}\n\n")).collect()
-        };
-        if let Some(f) = first {
-            return Some((Ok::<_, Infallible>(Bytes::from(data(vec![f]))), Some((rx, guard, events, None))));
+    let text = |evs: Vec<anthropic::Event>| -> String {
+        evs.iter().map(|(name, v)| format!("event: {name}\ndata: {v}\n\n")).collect()
+    };
+    let first = text(vec![first]);
+    Ok(event_stream(rx, guard, first, move |out| match out {
+        Ok(chunk) => text(events.chunk(chunk)),
+        Err(Ok(body)) => text(events.finish(body)),
+        Err(Err(e)) => text(vec![("error", ApiError::from_line(e.clone()).body(Api::Anthropic))]),
+    }))
+}
+
+/// What an event stream turns into text: a chunk (`Ok`), or the end: the final body or the error.
+type StreamItem<'a> = Result<&'a Value, Result<&'a Value, &'a LineError>>;
+
+/// The server-sent events of a streamed request: `first`, then what `render` makes of each
+/// chunk and of the end. Dropping the stream (the client went away) cancels the request.
+fn event_stream<F>(rx: UnboundedReceiver<Out>, guard: CancelOnDrop, first: String, render: F) -> Response
+where
+    F: FnMut(StreamItem<'_>) -> String + Send + 'static,
+{
+    struct State<F> {
+        rx: UnboundedReceiver<Out>,
+        guard: CancelOnDrop,
+        render: F,
+        first: Option<String>,
+    }
+    let state = State { rx, guard, render, first: Some(first) };
+    let s = futures_util::stream::unfold(Some(state), |state| async move {
+        let mut st = state?;
+        if let Some(f) = st.first.take() {
+            return Some((Ok::<_, Infallible>(Bytes::from(f)), Some(st)));
         }
-        let text = match rx.recv().await {
-            Some(Out::Chunks(cs)) => {
-                let text: String = cs.iter().map(|c| data(events.chunk(c))).collect();
-                return Some((Ok(Bytes::from(text)), Some((rx, guard, events, None))));
-            }
-            Some(Out::Accepted { .. }) => return Some((Ok(Bytes::new()), Some((rx, guard, events, None)))),
-            Some(Out::Done(Ok(body))) => data(events.finish(&body)),
-            Some(Out::Done(Err(e))) => data(vec![("error", ApiError::from_line(e).body(Api::Anthropic))]),
-            None => data(vec![("error", ApiError::from_line(router::engine_stopped()).body(Api::Anthropic))]),
+        let (text, end) = match st.rx.recv().await {
+            Some(Out::Chunks(cs)) => (cs.iter().map(|c| (st.render)(Ok(c))).collect::<String>(), false),
+            Some(Out::Accepted { .. }) => (String::new(), false),
+            Some(Out::Done(Ok(body))) => ((st.render)(Err(Ok(&body))), true),
+            Some(Out::Done(Err(e))) => ((st.render)(Err(Err(&e))), true),
+            None => ((st.render)(Err(Err(&router::engine_stopped()))), true),
         };
-        guard.done();
-        Some((Ok(Bytes::from(text)), None))
+        if end {
+            st.guard.done();
+            return Some((Ok(Bytes::from(text)), None));
+        }
+        Some((Ok(Bytes::from(text)), Some(st)))
     });
-    Ok(sse(Body::from_stream(s)))
+    sse(Body::from_stream(s))
+}
+
+async fn responses_endpoint(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
+    let r = openai_responses(&st, body).await;
+    respond(&st, "/v1/responses", Api::OpenAi, r)
+}
+
+async fn openai_responses(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let body = json_body(st, body)?;
+    let id = st.router.reserve_id();
+    let (chat, warnings) = responses::chat_body(&body).map_err(ApiError::from_line)?;
+    if !st.opts.quiet {
+        for w in &warnings {
+            eprintln!("[ornith] request {id}: warning: {w}");
+        }
+    }
+    let req = parse_request(st, id, "/v1/chat/completions", chat)?;
+    let stream = req.stream;
+    let resp_id = format!("resp_{:016x}{id:08x}", st.opts.run_id);
+    let echo = responses::Echo::new(resp_id, now_unix(), &st.opts.model_name, &body);
+    let (_, rx, guard) = start(st, id, req).await?;
+    if !stream {
+        return Ok(json_response(StatusCode::OK, &responses::response(&echo, &finish(rx, guard).await?)));
+    }
+    let mut events = responses::Events::new(echo);
+    let text = |evs: Vec<responses::Event>| -> String {
+        evs.iter().map(|(name, v)| format!("event: {name}\ndata: {v}\n\n")).collect()
+    };
+    let first = text(events.start());
+    Ok(event_stream(rx, guard, first, move |out| match out {
+        Ok(chunk) => text(events.chunk(chunk)),
+        Err(Ok(body)) => text(events.finish(body)),
+        Err(Err(e)) => text(events.failed(e.code, &e.message)),
+    }))
 }
 
 async fn count_tokens(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
@@ -391,7 +488,7 @@ async fn health(State(st): St) -> Response {
 }
 
 async fn metrics_text(State(st): St) -> Response {
-    let text = st.metrics.render();
+    let text = st.metrics.render(st.router.pool_usage());
     let r = (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response();
     respond(&st, "/metrics", Api::OpenAi, Ok(r))
 }

@@ -131,6 +131,33 @@ pub struct Live<'a> {
     finish: Option<Finish>,
 }
 
+/// The fill-in-the-middle tokens, in the order Qwen2.5-Coder and Qwen3(-Coder) are trained on
+/// ("prefix-suffix-middle"): `<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>`, then
+/// the model writes the middle (Qwen2.5-Coder's README and `examples/Qwen2.5-Coder-fim.py`).
+pub const FIM_TOKENS: [&str; 3] = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"];
+
+/// The prompt tokens of a fill-in-the-middle request, or `unsupported_parameter` when the
+/// tokenizer has no FIM tokens. Prefix and suffix are encoded apart, so that no token spans a
+/// FIM marker.
+pub fn fim_prompt(codec: &dyn TextCodec, prefix: &str, suffix: &str) -> Result<Vec<u32>, LineError> {
+    let [Some(p), Some(s), Some(m)] = FIM_TOKENS.map(|t| codec.token_id(t)) else {
+        return Err(LineError::new(
+            "unsupported_parameter",
+            format!(
+                "`suffix` (fill-in-the-middle) needs the tokenizer's {} tokens; this checkpoint's tokenizer lacks them",
+                FIM_TOKENS.join(", ")
+            ),
+        ));
+    };
+    let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
+    let mut ids = vec![p];
+    ids.extend(codec.encode(prefix).map_err(tok)?);
+    ids.push(s);
+    ids.extend(codec.encode(suffix).map_err(tok)?);
+    ids.push(m);
+    Ok(ids)
+}
+
 /// What the front end needs of the engine to start a request.
 pub struct Limits {
     /// Longest prompt + output.
@@ -158,6 +185,7 @@ pub fn prompt_tokens(
             (codec.encode(&text).map_err(tok)?, thinking)
         }
         Kind::Completion { prompt: Prompt::Text(t) } => (codec.encode(t).map_err(tok)?, false),
+        Kind::Completion { prompt: Prompt::Fim { prefix, suffix } } => (fim_prompt(codec, prefix, suffix)?, false),
         Kind::Completion { prompt: Prompt::Ids(ids) } => {
             let v = limits.vocab;
             if let Some(bad) = ids.iter().find(|&&i| i as usize >= v) {
@@ -403,5 +431,44 @@ impl<'a> Live<'a> {
             body["warnings"] = json!(self.req.warnings);
         }
         Ok(body)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Bytes are ids 0–255; `fim` adds the three FIM tokens as 300, 301, 302.
+    struct Bytes {
+        fim: bool,
+    }
+
+    impl TextCodec for Bytes {
+        fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+            Ok(text.bytes().map(u32::from).collect())
+        }
+        fn decode(&self, _: &[u32], _: bool) -> anyhow::Result<String> {
+            unimplemented!("not used")
+        }
+        fn token_id(&self, token: &str) -> Option<u32> {
+            let i = FIM_TOKENS.iter().position(|t| *t == token)?;
+            self.fim.then_some(300 + i as u32)
+        }
+        fn vocab_size(&self) -> usize {
+            303
+        }
+        fn stream<'a>(&'a self, _: bool) -> Box<dyn TokenStream + 'a> {
+            unimplemented!("not used")
+        }
+    }
+
+    #[test]
+    fn fim_prompt_is_prefix_suffix_middle() {
+        let ids = fim_prompt(&Bytes { fim: true }, "ab", "c").unwrap();
+        assert_eq!(ids, [300, b'a' as u32, b'b' as u32, 302, b'c' as u32, 301]);
+        assert_eq!(fim_prompt(&Bytes { fim: true }, "", "").unwrap(), [300, 302, 301]);
+        let e = fim_prompt(&Bytes { fim: false }, "ab", "c").unwrap_err();
+        assert_eq!(e.code, "unsupported_parameter");
+        assert!(e.message.contains("<|fim_prefix|>") && e.message.contains("lacks them"), "{}", e.message);
     }
 }
