@@ -29,6 +29,11 @@ async fn server(ctx: usize, slots: usize, step: Duration) -> Server {
 }
 
 async fn server_with_key(ctx: usize, slots: usize, step: Duration, api_key: Option<&str>) -> Server {
+    server_opts(ctx, slots, step, |o| o.api_key = api_key.map(str::to_string)).await
+}
+
+/// A server whose options `f` adjusts.
+async fn server_opts(ctx: usize, slots: usize, step: Duration, f: impl FnOnce(&mut ServerOptions)) -> Server {
     let mut runner = ScriptRunner::new(ctx, slots);
     runner.step_time = step;
     let cfg = EngineConfig { max_batch_tokens: 2048, max_context: ctx, sample_vocab: 259 };
@@ -40,14 +45,16 @@ async fn server_with_key(ctx: usize, slots: usize, step: Duration, api_key: Opti
         min_p: 0.0,
         eos_token_ids: vec![IM_END, ENDOFTEXT],
     };
-    let opts = ServerOptions {
+    let mut opts = ServerOptions {
         model_name: MODEL.into(),
         defaults,
         run_id: 0xabc,
         quiet: true,
         max_body_bytes: 1 << 20,
-        api_key: api_key.map(str::to_string),
+        api_key: None,
+        ping_interval: http::PING_INTERVAL,
     };
+    f(&mut opts);
     let (app, threads) = http::app(engine, Box::new(ByteCodec), Box::new(ChatMl), opts).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
@@ -929,5 +936,30 @@ async fn api_key_is_required_when_set() {
     assert_eq!(s.client.get(url("/health")).send().await.unwrap().status().as_u16(), 200);
     let (_, text) = s.get("/metrics").await;
     assert!(text.contains("error"), "metrics need the key too: {text}");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_stream_pings_while_the_engine_is_slow() {
+    // Steps of 150 ms, pings after 40 ms of silence.
+    let s = server_opts(512, 1, Duration::from_millis(150), |o| o.ping_interval = Duration::from_millis(40)).await;
+    let body = json!({"max_tokens": 16, "stream": true, "messages": user("SAY:ab"), "thinking": {"type": "disabled"}});
+    let (st, _, events) = s.stream("/v1/messages", body).await;
+    assert_eq!(st, 200);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names.first(), Some(&"message_start"));
+    assert_eq!(names.last(), Some(&"message_stop"));
+    let pings: Vec<&(String, String)> = events.iter().filter(|(n, _)| n == "ping").collect();
+    assert!(pings.len() >= 3, "{names:?}");
+    assert!(pings.iter().all(|(_, d)| d == r#"{"type":"ping"}"#), "{pings:?}");
+    let text: String = events
+        .iter()
+        .filter(|(n, _)| n == "content_block_delta")
+        .map(|(_, d)| serde_json::from_str::<Value>(d).unwrap()["delta"]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(text, "ab", "pings do not disturb the content");
+    // The OpenAI stream of the same wait has no pings.
+    let (_, _, events) = s.stream("/v1/chat/completions", json!({"messages": user("SAY:ab"), "stream": true})).await;
+    assert!(events.iter().all(|(n, _)| n.is_empty()), "{events:?}");
     s.stop().await;
 }

@@ -19,7 +19,7 @@ pub mod router;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
@@ -54,7 +54,14 @@ pub struct ServerOptions {
     /// When set, every endpoint but `/health` needs it as `Authorization: Bearer KEY` or
     /// `x-api-key: KEY` (401 otherwise).
     pub api_key: Option<String>,
+    /// An Anthropic event stream that has sent nothing for this long sends a `ping` event (as
+    /// Anthropic's API does), so that clients and proxies do not time out during a long prefill
+    /// or a wait in the queue.
+    pub ping_interval: Duration,
 }
+
+/// The default [`ServerOptions::ping_interval`].
+pub const PING_INTERVAL: Duration = Duration::from_secs(10);
 
 struct AppState {
     router: EngineRouter,
@@ -340,7 +347,7 @@ async fn openai(st: &AppState, url: &'static str, body: Result<Bytes, BytesRejec
     }
     let chat = url == "/v1/chat/completions";
     let data = |v: &Value| format!("data: {v}\n\n");
-    Ok(event_stream(rx, guard, String::new(), move |out| {
+    Ok(event_stream(rx, guard, String::new(), None, move |out| {
         let text = match out {
             Ok(chunk) => return data(chunk),
             Err(Ok(body)) if include_usage => {
@@ -386,7 +393,8 @@ async fn anthropic_messages(st: &AppState, body: Result<Bytes, BytesRejection>) 
         evs.iter().map(|(name, v)| format!("event: {name}\ndata: {v}\n\n")).collect()
     };
     let first = text(vec![first]);
-    Ok(event_stream(rx, guard, first, move |out| match out {
+    let ping = Some((st.opts.ping_interval, text(vec![("ping", json!({"type": "ping"}))])));
+    Ok(event_stream(rx, guard, first, ping, move |out| match out {
         Ok(chunk) => text(events.chunk(chunk)),
         Err(Ok(body)) => text(events.finish(body)),
         Err(Err(e)) => text(vec![("error", ApiError::from_line(e.clone()).body(Api::Anthropic))]),
@@ -397,8 +405,15 @@ async fn anthropic_messages(st: &AppState, body: Result<Bytes, BytesRejection>) 
 type StreamItem<'a> = Result<&'a Value, Result<&'a Value, &'a LineError>>;
 
 /// The server-sent events of a streamed request: `first`, then what `render` makes of each
-/// chunk and of the end. Dropping the stream (the client went away) cancels the request.
-fn event_stream<F>(rx: UnboundedReceiver<Out>, guard: CancelOnDrop, first: String, render: F) -> Response
+/// chunk and of the end; with `ping` = (interval, event), that event whenever nothing else was
+/// sent for the interval. Dropping the stream (the client went away) cancels the request.
+fn event_stream<F>(
+    rx: UnboundedReceiver<Out>,
+    guard: CancelOnDrop,
+    first: String,
+    ping: Option<(Duration, String)>,
+    render: F,
+) -> Response
 where
     F: FnMut(StreamItem<'_>) -> String + Send + 'static,
 {
@@ -407,14 +422,25 @@ where
         guard: CancelOnDrop,
         render: F,
         first: Option<String>,
+        ping: Option<(Duration, String)>,
     }
-    let state = State { rx, guard, render, first: Some(first) };
+    let state = State { rx, guard, render, first: Some(first), ping };
     let s = futures_util::stream::unfold(Some(state), |state| async move {
         let mut st = state?;
         if let Some(f) = st.first.take() {
             return Some((Ok::<_, Infallible>(Bytes::from(f)), Some(st)));
         }
-        let (text, end) = match st.rx.recv().await {
+        let out = match &st.ping {
+            None => st.rx.recv().await,
+            Some((every, event)) => match tokio::time::timeout(*every, st.rx.recv()).await {
+                Ok(out) => out,
+                Err(_) => {
+                    let ping = Bytes::from(event.clone());
+                    return Some((Ok(ping), Some(st)));
+                }
+            },
+        };
+        let (text, end) = match out {
             Some(Out::Chunks(cs)) => (cs.iter().map(|c| (st.render)(Ok(c))).collect::<String>(), false),
             Some(Out::Accepted { .. }) => (String::new(), false),
             Some(Out::Done(Ok(body))) => ((st.render)(Err(Ok(&body))), true),
@@ -457,7 +483,7 @@ async fn openai_responses(st: &AppState, body: Result<Bytes, BytesRejection>) ->
         evs.iter().map(|(name, v)| format!("event: {name}\ndata: {v}\n\n")).collect()
     };
     let first = text(events.start());
-    Ok(event_stream(rx, guard, first, move |out| match out {
+    Ok(event_stream(rx, guard, first, None, move |out| match out {
         Ok(chunk) => text(events.chunk(chunk)),
         Err(Ok(body)) => text(events.finish(body)),
         Err(Err(e)) => text(events.failed(e.code, &e.message)),

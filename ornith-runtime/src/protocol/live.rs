@@ -438,7 +438,7 @@ impl<'a> Live<'a> {
 mod tests {
     use super::*;
 
-    /// Bytes are ids 0–255; `fim` adds the three FIM tokens as 300, 301, 302.
+    /// Bytes are ids 0–255; `fim` adds `<|fim_prefix|>` 300, `<|fim_suffix|>` 301, `<|fim_middle|>` 302.
     struct Bytes {
         fim: bool,
     }
@@ -465,8 +465,8 @@ mod tests {
     #[test]
     fn fim_prompt_is_prefix_suffix_middle() {
         let ids = fim_prompt(&Bytes { fim: true }, "ab", "c").unwrap();
-        assert_eq!(ids, [300, b'a' as u32, b'b' as u32, 302, b'c' as u32, 301]);
-        assert_eq!(fim_prompt(&Bytes { fim: true }, "", "").unwrap(), [300, 302, 301]);
+        assert_eq!(ids, [300, b'a' as u32, b'b' as u32, 301, b'c' as u32, 302]);
+        assert_eq!(fim_prompt(&Bytes { fim: true }, "", "").unwrap(), [300, 301, 302]);
         let e = fim_prompt(&Bytes { fim: false }, "ab", "c").unwrap_err();
         assert_eq!(e.code, "unsupported_parameter");
         assert!(e.message.contains("<|fim_prefix|>") && e.message.contains("lacks them"), "{}", e.message);
