@@ -10,6 +10,14 @@ anything else: a check failed (the traceback says which).
 import json
 import pathlib
 import sys
+import time
+
+T0 = time.monotonic()
+
+
+def mark(what):
+    """Prints how long the checks took so far (the Rust test shows stdout)."""
+    print(f"{time.monotonic() - T0:7.2f} s  {what}", flush=True)
 
 REQUIREMENTS = pathlib.Path(__file__).resolve().parent.parent / "requirements-sdk.txt"
 
@@ -41,6 +49,7 @@ for mod in (openai, anthropic):
         )
         sys.exit(3)
 
+mark("imported the SDKs")
 BASE, MODEL = sys.argv[1], sys.argv[2]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 # Two tool calls after a thought, in the model's XML format (the scripted runner replays it).
@@ -70,6 +79,7 @@ def check_openai():
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens == 14 and r.usage.total_tokens == r.usage.prompt_tokens + 14, r.usage
 
+    mark('Streamed, usage once in the last chunk.')
     # Streamed, usage once in the last chunk.
     chunks = list(
         c.chat.completions.create(
@@ -86,10 +96,12 @@ def check_openai():
     assert len(with_usage) == 1 and with_usage[0] is chunks[-1] and chunks[-1].choices == [], chunks[-1]
     assert with_usage[0].usage.completion_tokens == 14
 
+    mark('A stop string: not included, finish_reas')
     # A stop string: not included, finish_reason stop.
     r = c.chat.completions.create(model=MODEL, messages=user("SAY:one two three"), stop=[" three"], extra_body=NO_THINK)
     assert r.choices[0].message.content == "one two" and r.choices[0].finish_reason == "stop", r
 
+    mark('Tools with required fields, non-streamed')
     # Tools with required fields, non-streamed and streamed; the thought in reasoning_content.
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
     r = c.chat.completions.create(model=MODEL, messages=user(TWO_CALLS), tools=tools)
@@ -106,10 +118,12 @@ def check_openai():
     assert [json.loads(calls[i]["args"]) for i in sorted(calls)] == WANT_ARGS, calls
     assert all(calls[i]["name"] == "get_weather" and calls[i]["id"] for i in calls)
 
+    mark('Completions.')
     # Completions.
     r = c.completions.create(model=MODEL, prompt="SAY:abcdef", max_tokens=3)
     assert r.choices[0].text == "abc" and r.choices[0].finish_reason == "length", r
 
+    mark("Errors: the API's shape, raised as the S")
     # Errors: the API's shape, raised as the SDK's exceptions.
     try:
         c.chat.completions.create(model="other", messages=user("hi"))
@@ -122,11 +136,13 @@ def check_openai():
     except openai.BadRequestError as e:
         assert e.code == "invalid_request" and "temperature" in e.message, e
 
+    mark('The Responses API: non-streamed, streame')
     # The Responses API: non-streamed, streamed through the SDK's accumulator, function calls.
     r = c.responses.create(model=MODEL, input="SAY:Hello, world!", reasoning={"effort": "none"})
     assert r.output_text == "Hello, world!" and r.status == "completed", r
     assert r.usage.output_tokens == 14
     rtools = [{"type": "function", "name": "get_weather", "parameters": SCHEMA, "strict": True}]
+    mark('with c.responses.stream(')
     with c.responses.stream(model=MODEL, input=TWO_CALLS, tools=rtools) as s:
         kinds = [ev.type for ev in s]
         final = s.get_final_response()
@@ -159,6 +175,7 @@ def check_anthropic():
     assert [b.type for b in r.content] == ["text"] and r.content[0].text == "Hello, world!", r
     assert r.stop_reason == "end_turn" and r.usage.output_tokens == 14, r
 
+    mark('with c.messages.stream(model=MODEL, max_')
     with c.messages.stream(model=MODEL, max_tokens=64, messages=user("SAY:Hello, world!"), thinking=off) as s:
         text = "".join(s.text_stream)
         final = s.get_final_message()
@@ -173,6 +190,7 @@ def check_anthropic():
     r = c.messages.create(model=MODEL, max_tokens=3, messages=user("SAY:abcdef"), thinking=off)
     assert r.stop_reason == "max_tokens" and r.content[0].text == "abc", r
 
+    mark('tools = [{"name": "get_weather", "descri')
     tools = [{"name": "get_weather", "description": "Weather forecast", "input_schema": SCHEMA}]
     r = c.messages.create(model=MODEL, max_tokens=1024, messages=user(TWO_CALLS), tools=tools)
     assert r.stop_reason == "tool_use", r
@@ -182,6 +200,7 @@ def check_anthropic():
         final = s.get_final_message()
     assert [b.input for b in final.content if b.type == "tool_use"] == WANT_ARGS, final
 
+    mark('count_tokens equals')
     # count_tokens equals the prompt the engine ran for the same body.
     body = {"model": MODEL, "system": "Be brief.", "messages": user("SAY:ok"), "tools": tools}
     counted = c.messages.count_tokens(**body).input_tokens
@@ -201,5 +220,7 @@ def check_anthropic():
 
 
 check_openai()
+mark("openai done")
 check_anthropic()
+mark("anthropic done")
 print(f"sdk_clients.py: openai {openai.__version__} and anthropic {anthropic.__version__}: every check passed")

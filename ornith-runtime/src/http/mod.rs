@@ -12,6 +12,7 @@
 //! that goes away (a dropped connection or event stream) cancels its sequence at once.
 
 pub mod anthropic;
+mod auth;
 pub mod metrics;
 pub mod responses;
 pub mod router;
@@ -159,7 +160,7 @@ pub fn app(
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
-        .layer(axum::middleware::from_fn_with_state(state.clone(), require_key))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_key))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state);
     Ok((app, threads))
@@ -175,49 +176,6 @@ pub async fn serve(
 }
 
 type St = State<Arc<AppState>>;
-
-/// Whether `given` equals `key`, in a time that depends on the key's length only.
-fn same_key(given: &[u8], key: &[u8]) -> bool {
-    let mut diff = given.len() ^ key.len();
-    for (i, k) in key.iter().enumerate() {
-        diff |= usize::from(given.get(i).copied().unwrap_or(!k) ^ k);
-    }
-    diff == 0
-}
-
-/// `--api-key`: lets a request through when it carries the key (`/health` always).
-async fn require_key(State(st): St, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
-    let Some(key) = st.opts.api_key.as_deref() else { return next.run(req).await };
-    let path = req.uri().path().to_string();
-    let h = req.headers();
-    let bearer = h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-    let given = h.get("x-api-key").and_then(|v| v.to_str().ok()).or(bearer);
-    if path == "/health" || given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
-        return next.run(req).await;
-    }
-    let api = if path.starts_with("/v1/messages") { Api::Anthropic } else { Api::OpenAi };
-    let what = if given.is_some() { "a wrong API key" } else { "no API key" };
-    let e = ApiError::new(
-        StatusCode::UNAUTHORIZED,
-        "invalid_api_key",
-        format!("the request has {what}; send `Authorization: Bearer KEY` or `x-api-key: KEY` (--api-key)"),
-    );
-    respond(&st, "auth", api, Err(e))
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn keys_compare_whole() {
-        use super::same_key;
-        assert!(same_key(b"secret", b"secret"));
-        assert!(!same_key(b"secreT", b"secret"));
-        assert!(!same_key(b"secret!", b"secret"));
-        assert!(!same_key(b"secre", b"secret"));
-        assert!(!same_key(b"", b"secret"));
-        assert!(!same_key(&[0xff ^ b's'], b"s"), "a missing byte never matches");
-    }
-}
 
 /// The JSON object of a request body, and a model name that is ours.
 fn json_body(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {

@@ -106,9 +106,8 @@ fn messages(b: &Map<String, Value>) -> Result<Vec<Value>, LineError> {
         let ty = item.get("type").and_then(Value::as_str);
         match ty {
             None | Some("message") => {
-                let role = item.get("role").and_then(Value::as_str);
-                let role = match role {
-                    Some("user" | "assistant" | "system") => role.unwrap(),
+                let role = match item.get("role").and_then(Value::as_str) {
+                    Some(r @ ("user" | "assistant" | "system")) => r,
                     Some("developer") => "system",
                     _ => return Err(invalid(format!("{what}: `role` must be user, assistant, system or developer"))),
                 };

@@ -133,8 +133,15 @@ pub struct Live<'a> {
 
 /// The fill-in-the-middle tokens, in the order Qwen2.5-Coder and Qwen3(-Coder) are trained on
 /// ("prefix-suffix-middle"): `<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>`, then
-/// the model writes the middle (Qwen2.5-Coder's README and `examples/Qwen2.5-Coder-fim.py`).
+/// the model writes the middle (the QwenLM/Qwen2.5-Coder README, "file-level" and "repository
+/// level code infilling").
 pub const FIM_TOKENS: [&str; 3] = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"];
+
+/// Tokens that also end a fill-in-the-middle completion: the README's examples stop on every FIM
+/// and repository token, since the model may go on to another file or another hole after the
+/// middle.
+pub const FIM_STOP_TOKENS: [&str; 6] =
+    ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"];
 
 /// The prompt tokens of a fill-in-the-middle request, or `unsupported_parameter` when the
 /// tokenizer has no FIM tokens. Prefix and suffix are encoded apart, so that no token spans a
@@ -207,7 +214,7 @@ impl<'a> Live<'a> {
     /// every chunk (the JSONL front end's).
     #[allow(clippy::too_many_arguments)]
     pub fn start(
-        req: Request,
+        mut req: Request,
         line: u64,
         custom_id: Option<&str>,
         codec: &'a dyn TextCodec,
@@ -219,6 +226,9 @@ impl<'a> Live<'a> {
         started: Instant,
     ) -> Result<(GenRequest, Live<'a>), LineError> {
         let (prompt, thinking) = prompt_tokens(&req, codec, renderer, limits)?;
+        if let Kind::Completion { prompt: Prompt::Fim { .. } } = &req.kind {
+            req.stop_token_ids.extend(FIM_STOP_TOKENS.iter().filter_map(|t| codec.token_id(t)));
+        }
         let window = limits.window;
         let n_prompt = prompt.len();
         if n_prompt >= window {
@@ -470,5 +480,39 @@ mod tests {
         let e = fim_prompt(&Bytes { fim: false }, "ab", "c").unwrap_err();
         assert_eq!(e.code, "unsupported_parameter");
         assert!(e.message.contains("<|fim_prefix|>") && e.message.contains("lacks them"), "{}", e.message);
+    }
+
+    struct NoTemplate;
+    impl PromptRenderer for NoTemplate {
+        fn render(
+            &self,
+            _: &Value,
+            _: Option<&Value>,
+            _: bool,
+            _: &serde_json::Map<String, Value>,
+        ) -> anyhow::Result<String> {
+            unimplemented!("completions have no template")
+        }
+    }
+
+    #[test]
+    fn a_fim_request_also_stops_at_the_fim_tokens() {
+        let defaults = super::super::GenerationDefaults {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            eos_token_ids: vec![7],
+        };
+        let limits = Limits { window: 64, vocab: 303 };
+        let start = |line: Value| {
+            let req = super::super::request::parse(&line, &defaults, 1).unwrap();
+            let codec = Bytes { fim: true };
+            let (gen, _) =
+                Live::start(req, 1, None, &codec, &NoTemplate, &limits, &[7], "m", 1, Instant::now()).unwrap();
+            gen.stop_ids
+        };
+        assert_eq!(start(json!({"prompt": "ab", "suffix": "c"})), [7, 300, 301, 302]);
+        assert_eq!(start(json!({"prompt": "ab"})), [7], "a plain completion does not");
     }
 }
