@@ -36,11 +36,11 @@ pub enum Command {
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
 pub struct BatchArgs {
     /// Requests, one JSON object per line (the `ornith run` shapes).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, env = "ORNITH_BATCH_INPUT", value_name = "FILE")]
     pub input: PathBuf,
     /// Results, one line per request, appended as each finishes; an earlier run's complete
     /// result lines are kept and their requests skipped.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, env = "ORNITH_BATCH_OUTPUT", value_name = "FILE")]
     pub output: PathBuf,
 }
 

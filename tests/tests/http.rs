@@ -303,6 +303,16 @@ async fn errors_have_each_apis_shape_and_status() {
     assert_eq!(names, ["message_start", "error"]);
     let err: Value = serde_json::from_str(&events[1].1).unwrap();
     assert_eq!(err["error"]["type"], "api_error");
+    // The Responses API: 500 in the OpenAI shape, and once streaming `response.failed` last.
+    let (st, b) = s.post("/v1/responses", json!({"input": "SAY:FAIL"})).await;
+    assert_eq!((st, b["error"]["code"].as_str()), (500, Some("engine_error")), "{b}");
+    let (st, _, events) = s.stream("/v1/responses", json!({"input": "SAY:FAIL", "stream": true})).await;
+    assert_eq!(st, 200);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["response.created", "response.in_progress", "response.failed"]);
+    let failed: Value = serde_json::from_str(&events[2].1).unwrap();
+    assert_eq!(failed["response"]["status"], "failed");
+    assert_eq!(failed["response"]["error"]["code"], "engine_error", "{failed}");
     s.stop().await;
 }
 

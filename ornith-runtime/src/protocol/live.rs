@@ -468,7 +468,18 @@ mod tests {
             303
         }
         fn stream<'a>(&'a self, _: bool) -> Box<dyn TokenStream + 'a> {
-            unimplemented!("not used")
+            Box::new(NoText)
+        }
+    }
+
+    /// A detokenizer that yields nothing (the tests below generate no tokens).
+    struct NoText;
+    impl TokenStream for NoText {
+        fn push(&mut self, _: u32) -> anyhow::Result<Option<String>> {
+            Ok(None)
+        }
+        fn flush(&mut self) -> anyhow::Result<Option<String>> {
+            Ok(None)
         }
     }
 
