@@ -28,6 +28,20 @@ pub enum Command {
     /// HTTP server: the OpenAI (`/v1/chat/completions`, `/v1/completions`, `/v1/models`) and
     /// Anthropic (`/v1/messages`) APIs on one engine shared by every connection.
     Serve(ServeArgs),
+    /// Run a JSONL file into a JSONL file, resumably: a rerun after a crash, a kill or Ctrl-C
+    /// skips the requests whose result is already in the output and appends the rest.
+    Batch(BatchArgs),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+pub struct BatchArgs {
+    /// Requests, one JSON object per line (the `ornith run` shapes).
+    #[arg(long, env = "ORNITH_BATCH_INPUT", value_name = "FILE")]
+    pub input: PathBuf,
+    /// Results, one line per request, appended as each finishes; an earlier run's complete
+    /// result lines are kept and their requests skipped.
+    #[arg(long, env = "ORNITH_BATCH_OUTPUT", value_name = "FILE")]
+    pub output: PathBuf,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
@@ -41,6 +55,10 @@ pub struct ServeArgs {
     /// (default: the checkpoint directory's name).
     #[arg(long, env = "ORNITH_SERVED_MODEL_NAME", value_name = "NAME")]
     pub served_model_name: Option<String>,
+    /// Require this key on every request but `/health` (`Authorization: Bearer KEY` or
+    /// `x-api-key: KEY`; 401 without it). Default: no key needed.
+    #[arg(long, env = "ORNITH_API_KEY", value_name = "KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -161,9 +179,16 @@ mod tests {
         assert!(Cli::try_parse_from(["ornith", "--max-line-bytes", "0"]).is_err());
         assert_eq!(Cli::try_parse_from(["ornith", "run"]).unwrap().command, Some(Command::Run));
         let c = Cli::try_parse_from(["ornith", "serve", "--port", "9000", "--served-model-name", "m"]).unwrap();
-        let want = ServeArgs { host: "127.0.0.1".into(), port: 9000, served_model_name: Some("m".into()) };
+        let want =
+            ServeArgs { host: "127.0.0.1".into(), port: 9000, served_model_name: Some("m".into()), api_key: None };
         assert_eq!(c.command, Some(Command::Serve(want)));
         assert!(Cli::try_parse_from(["ornith", "serve", "--port", "70000"]).is_err());
+        let c = Cli::try_parse_from(["ornith", "batch", "--input", "in.jsonl", "--output", "out.jsonl", "--quiet"])
+            .unwrap();
+        let want = BatchArgs { input: "in.jsonl".into(), output: "out.jsonl".into() };
+        assert_eq!(c.command, Some(Command::Batch(want)));
+        assert!(c.args.quiet);
+        assert!(Cli::try_parse_from(["ornith", "batch", "--input", "in.jsonl"]).is_err(), "--output is required");
         assert!(Cli::try_parse_from(["ornith", "--backend", "tpu"]).is_err());
     }
 

@@ -1,23 +1,26 @@
 //! `ornith`: JSONL requests on stdin, JSONL results on stdout, logs on stderr; `ornith serve`:
 //! the HTTP server.
 
+use std::fs::{File, OpenOptions};
 use std::io;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
 use clap::Parser;
 
-use ornith_runtime::cli::{Args, Cli, Command};
+use ornith_runtime::cli::{Args, BatchArgs, Cli, Command};
 use ornith_runtime::engine::{Engine, EngineConfig};
 mod load;
 use ornith_runtime::http::{self, ServerOptions};
-use ornith_runtime::protocol::{self, GenerationDefaults, PromptRenderer, ServeOptions, TextCodec};
+use ornith_runtime::protocol::{self, BatchControl, GenerationDefaults, PromptRenderer, ServeOptions, TextCodec};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli.command.unwrap_or(Command::Run), &cli.args) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("ornith: error: {e:#}");
             ExitCode::FAILURE
@@ -87,9 +90,97 @@ fn load_all(args: &Args) -> anyhow::Result<Loaded> {
     Ok(Loaded { engine, codec, renderer, defaults, name })
 }
 
-fn run(cmd: Command, args: &Args) -> anyhow::Result<()> {
+/// Stores the number of the first SIGINT or SIGTERM in `flag` (on a thread of its own); a second
+/// signal exits at once with 128 + its number.
+fn watch_signals(flag: Arc<AtomicI32>) -> anyhow::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (mut int, mut term) =
+        rt.block_on(async { anyhow::Ok((signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?)) })?;
+    std::thread::Builder::new().name("ornith-signals".into()).spawn(move || {
+        rt.block_on(async move {
+            loop {
+                let n = tokio::select! {
+                    _ = int.recv() => 2,
+                    _ = term.recv() => 15,
+                };
+                if flag.swap(n, Ordering::SeqCst) != 0 {
+                    eprintln!("ornith: stopping at once");
+                    std::process::exit(128 + n);
+                }
+                eprintln!("ornith: signal {n}: stopping; the requests generating now are cancelled (again: at once)");
+            }
+        })
+    })?;
+    Ok(())
+}
+
+fn batch(ba: &BatchArgs, args: &Args, max_line_bytes: usize) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(
+        !args.ordered,
+        "--ordered does not apply to `ornith batch`: its results are appended as they finish and matched by custom_id"
+    );
+    let same = match (ba.input.canonicalize(), ba.output.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    anyhow::ensure!(!same, "--input and --output are the same file ({})", ba.input.display());
+    let input = File::open(&ba.input).with_context(|| format!("opening --input {}", ba.input.display()))?;
+    let total = protocol::batch::count_lines(&ba.input)?;
+    // Signals are watched before the long load, so that Ctrl-C during it is a clean stop too.
+    let stop = Arc::new(AtomicI32::new(0));
+    watch_signals(stop.clone())?;
+    let prep = protocol::batch::prepare_output(&ba.output)?;
+    if !args.quiet && (prep.kept > 0 || prep.truncated_bytes > 0 || prep.dropped_cancelled > 0) {
+        eprintln!(
+            "ornith: resuming into {}: {} results kept; {} cancelled lines and an unfinished last line of {} bytes removed",
+            ba.output.display(),
+            prep.kept,
+            prep.dropped_cancelled,
+            prep.truncated_bytes
+        );
+    }
+    let l = load_all(args)?;
+    let out = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&ba.output)
+        .with_context(|| format!("opening --output {}", ba.output.display()))?;
+    let mut opts = ServeOptions::new(l.name, l.defaults);
+    opts.quiet = args.quiet;
+    opts.max_line_bytes = max_line_bytes;
+    let ctl = BatchControl { done: prep.done, stop: stop.clone(), results_only: true, total_lines: Some(total) };
+    if !args.quiet {
+        eprintln!(
+            "ornith: batch {} -> {} ({total} lines; context {} tokens)",
+            ba.input.display(),
+            ba.output.display(),
+            l.engine.max_context()
+        );
+    }
+    let stats = protocol::serve_with(
+        io::BufReader::with_capacity(1 << 20, input),
+        io::BufWriter::new(out),
+        l.engine,
+        l.codec.as_ref(),
+        l.renderer.as_ref(),
+        &opts,
+        ctl,
+    )?;
+    if let Some(sig) = stats.stopped_by {
+        eprintln!(
+            "ornith: stopped by signal {sig}: {} requests cancelled, {} not begun; rerun the same command to resume",
+            stats.cancelled, stats.not_run
+        );
+        return Ok(ExitCode::from(128 + sig as u8));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run(cmd: Command, args: &Args) -> anyhow::Result<ExitCode> {
     let max_line_bytes = usize::try_from(args.max_line_bytes).unwrap_or(usize::MAX);
     match cmd {
+        Command::Batch(ba) => return batch(&ba, args, max_line_bytes),
         Command::Tokenize => {
             let (codec, renderer) = load::build_frontend(args)?;
             protocol::tokenize(
@@ -142,6 +233,8 @@ fn run(cmd: Command, args: &Args) -> anyhow::Result<()> {
                 run_id: protocol::serve::fresh_run_id(),
                 quiet: args.quiet,
                 max_body_bytes: max_line_bytes,
+                api_key: sa.api_key.clone().filter(|k| !k.is_empty()),
+                ping_interval: http::PING_INTERVAL,
             };
             let name = opts.model_name.clone();
             let (app, threads) = http::app(l.engine, l.codec, l.renderer, opts)?;
@@ -163,5 +256,5 @@ fn run(cmd: Command, args: &Args) -> anyhow::Result<()> {
             }
         }
     }
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }

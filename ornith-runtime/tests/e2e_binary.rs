@@ -319,6 +319,15 @@ fn serve_answers_http_on_the_real_model_and_keeps_stdout_empty() {
     assert!(b["usage"]["completion_tokens"].as_u64().unwrap() >= 1, "{b}");
     let (st, body) = http(&addr, "POST", "/v1/chat/completions", &chat.replace("\"tiny\"", "\"other\""));
     assert_eq!(st, 404, "{body}");
+    // Fill-in-the-middle and the Responses API on the real tokenizer and template.
+    let fim = r#"{"prompt":"def f(","suffix":"):\n    pass\n","max_tokens":3,"temperature":0}"#;
+    let (st, body) = http(&addr, "POST", "/v1/completions", fim);
+    assert_eq!(st, 200, "{body}");
+    let resp = r#"{"model":"tiny","input":[{"role":"user","content":"hi"}],"instructions":"Be brief.","max_output_tokens":4,"stream":true}"#;
+    let (st, body) = http(&addr, "POST", "/v1/responses", resp);
+    assert_eq!(st, 200, "{body}");
+    assert!(body.contains("event: response.created") && body.contains("\"sequence_number\""), "{body}");
+    assert!(body.contains("event: response.completed") || body.contains("event: response.incomplete"), "{body}");
     let msg = r#"{"model":"tiny","max_tokens":4,"stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
     let (st, body) = http(&addr, "POST", "/v1/messages", msg);
     assert_eq!(st, 200);
@@ -332,4 +341,234 @@ fn serve_answers_http_on_the_real_model_and_keeps_stdout_empty() {
     assert!(logs.iter().any(|l| l.contains("stopping")), "{logs:?}");
     assert!(out.stdout.is_empty(), "stdout must stay empty: {:?}", String::from_utf8_lossy(&out.stdout));
     assert!(logs.iter().any(|l| l.starts_with("[ornith] request")), "per-request logs go to stderr: {logs:?}");
+}
+
+// ------------------------------------------------------------------ ornith batch (resumable)
+
+/// The batch tests' input: `n` lines of greedy and seeded-sampled chat and completion requests
+/// of 1–3 tokens (the tiny model on the CPU costs ~10 ms a decode step; the streamed ones, which
+/// `batch` writes without chunks, run 12 so that some are generating at any time), lines without
+/// a `custom_id` (matched as `line-N`) and bad lines (answered with an error line, which a resume
+/// keeps too).
+fn batch_input(n: usize) -> String {
+    let mut s = String::new();
+    for i in 1..=n {
+        let line = match i % 10 {
+            0 => format!(r#"{{"custom_id":"bad{i}","messages":[{{"role":"user""#), // broken JSON
+            1 => format!(r#"{{"prompt":"fn f{i}(","max_tokens":{},"temperature":0}}"#, 1 + i % 3),
+            2 | 5 => format!(
+                r#"{{"custom_id":"s{i}","messages":[{{"role":"user","content":"Say {i}"}}],"max_tokens":{},"temperature":0.9,"top_k":40,"seed":{i}}}"#,
+                1 + i % 3
+            ),
+            3 => format!(
+                r#"{{"custom_id":"st{i}","messages":[{{"role":"user","content":"Stream {i}"}}],"max_tokens":12,"temperature":0,"stream":true}}"#
+            ),
+            _ => format!(
+                r#"{{"custom_id":"g{i}","method":"POST","url":"/v1/chat/completions","body":{{"messages":[{{"role":"user","content":"Count to {i}"}}],"max_tokens":{},"temperature":0}}}}"#,
+                1 + i % 3
+            ),
+        };
+        s += &line;
+        s.push('\n');
+    }
+    s
+}
+
+const BATCH_ARGS: &[&str] = &["--backend", "cpu", "--max-context", "256", "--max-seqs", "32"];
+
+/// A scratch directory of this test process.
+fn scratch(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("ornith-e2e-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn batch_command(input: &std::path::Path, output: &std::path::Path) -> Command {
+    batch_command_q(input, output, true)
+}
+
+fn batch_command_q(input: &std::path::Path, output: &std::path::Path, quiet: bool) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ornith"));
+    c.arg("batch").arg("--input").arg(input).arg("--output").arg(output).args(BATCH_ARGS);
+    if quiet {
+        c.arg("--quiet");
+    }
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    c
+}
+
+/// Runs `ornith batch` to the end; asserts it succeeded with nothing on stdout.
+fn batch_to_end(input: &std::path::Path, output: &std::path::Path) -> String {
+    let out = batch_command(input, output).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "ornith batch failed ({:?}): {stderr}", out.status);
+    assert!(out.stdout.is_empty(), "stdout must stay empty: {:?}", String::from_utf8_lossy(&out.stdout));
+    stderr
+}
+
+/// What of a result line must not depend on the run: the answer and its usage, or the error.
+fn essence(r: &Value) -> Value {
+    if r["error"].is_null() {
+        let b = &r["response"]["body"];
+        serde_json::json!({"choices": b["choices"], "usage": b["usage"]})
+    } else {
+        serde_json::json!({"code": r["error"]["code"], "message": r["error"]["message"], "line": r["error"]["line"]})
+    }
+}
+
+/// The output file's lines by custom_id; asserts every line is a complete result line and that
+/// no custom_id appears twice.
+fn results_by_id(path: &std::path::Path) -> std::collections::BTreeMap<String, Value> {
+    let text = std::fs::read_to_string(path).unwrap();
+    assert!(text.is_empty() || text.ends_with('\n'), "the output ends with a complete line");
+    let mut m = std::collections::BTreeMap::new();
+    for l in text.lines() {
+        let v: Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"));
+        assert!(v.get("response").is_some(), "only result lines: {l}");
+        let id = v["custom_id"].as_str().unwrap().to_string();
+        assert!(m.insert(id.clone(), v).is_none(), "custom_id {id} appears twice");
+    }
+    m
+}
+
+fn line_count(path: &std::path::Path) -> usize {
+    std::fs::read(path).map(|b| b.iter().filter(|&&c| c == b'\n').count()).unwrap_or(0)
+}
+
+const BATCH_N: usize = 500;
+
+/// The uninterrupted run of the 500-line file (computed once, shared by the batch tests).
+fn batch_reference() -> &'static (std::path::PathBuf, std::collections::BTreeMap<String, Value>) {
+    static REF: std::sync::OnceLock<(std::path::PathBuf, std::collections::BTreeMap<String, Value>)> =
+        std::sync::OnceLock::new();
+    REF.get_or_init(|| {
+        let dir = scratch("batch-ref");
+        let input = dir.join("in.jsonl");
+        std::fs::write(&input, batch_input(BATCH_N)).unwrap();
+        let output = dir.join("out.jsonl");
+        batch_to_end(&input, &output);
+        let m = results_by_id(&output);
+        assert_eq!(m.len(), BATCH_N, "one result line per input line");
+        assert!(m.contains_key("line-1") && m.contains_key("line-491"), "lines without custom_id are line-N");
+        assert_eq!(m["bad10"]["error"]["code"], "invalid_json");
+        assert!(m["g4"]["error"].is_null(), "{}", m["g4"]);
+        // A second run over the complete output has nothing left to do and changes nothing.
+        let before = std::fs::read(&output).unwrap();
+        let stderr = {
+            let out = batch_command_q(&input, &output, false).output().unwrap();
+            assert!(out.status.success());
+            String::from_utf8_lossy(&out.stderr).into_owned()
+        };
+        assert_eq!(std::fs::read(&output).unwrap(), before, "{stderr}");
+        assert!(
+            stderr.contains(&format!("{BATCH_N}/{BATCH_N} lines answered ({BATCH_N} from an earlier run")),
+            "{stderr}"
+        );
+        (input, m)
+    })
+}
+
+fn assert_same_as_reference(output: &std::path::Path) {
+    let (_, want) = batch_reference();
+    let got = results_by_id(output);
+    assert_eq!(got.len(), want.len(), "every custom_id exactly once");
+    for (id, w) in want {
+        let g = got.get(id).unwrap_or_else(|| panic!("{id} is missing"));
+        assert_eq!(essence(g), essence(w), "{id} differs from the uninterrupted run");
+    }
+}
+
+#[test]
+fn batch_resumes_after_kill_9_without_duplicating_or_dropping_a_request() {
+    use rand::{Rng, SeedableRng};
+    let (input, _) = batch_reference();
+    let seed: u64 = std::env::var("ORNITH_KILL_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(14);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = scratch("batch-kill");
+    let output = dir.join("out.jsonl");
+    // Kill at a random point of the run (after K result lines), then once more in the resumed
+    // run, then let it finish.
+    for round in 0..2 {
+        let at = line_count(&output) + rng.random_range(20..200);
+        let mut child = batch_command(input, &output).spawn().unwrap();
+        let t = std::time::Instant::now();
+        while line_count(&output) < at {
+            assert!(child.try_wait().unwrap().is_none(), "round {round}: ornith batch ended before line {at}");
+            assert!(t.elapsed().as_secs() < 120, "round {round}: no progress");
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        child.kill().unwrap(); // SIGKILL
+        let status = child.wait().unwrap();
+        assert!(!status.success(), "seed {seed}: killed");
+        let n = line_count(&output);
+        eprintln!("seed {seed} round {round}: killed after {n} result lines");
+        assert!(n < BATCH_N, "seed {seed}: the kill came after the end");
+        // A kill in the middle of a write leaves an unfinished line: make sure one is there.
+        let mut f = std::fs::OpenOptions::new().append(true).open(&output).unwrap();
+        f.write_all(br#"{"id":"batch_req_x","custom_id":"g4","response":{"status_co"#).unwrap();
+    }
+    let stderr = batch_to_end(input, &output);
+    assert!(stderr.is_empty(), "--quiet: {stderr}");
+    assert_same_as_reference(&output);
+}
+
+#[test]
+fn batch_stops_on_sigint_with_cancelled_lines_and_a_rerun_completes_it() {
+    let (input, _) = batch_reference();
+    let dir = scratch("batch-int");
+    let output = dir.join("out.jsonl");
+    let mut child = batch_command(input, &output).spawn().unwrap();
+    let t = std::time::Instant::now();
+    while line_count(&output) < 60 {
+        assert!(child.try_wait().unwrap().is_none(), "ornith batch ended early");
+        assert!(t.elapsed().as_secs() < 120, "no progress");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let int = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(int.success());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "SIGINT exits with 128 + 2: {stderr}");
+    assert!(out.stdout.is_empty());
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.contains("stopped by signal 2") && stderr.contains("rerun the same command"), "{stderr}");
+    let part = results_by_id(&output);
+    assert!(part.len() < BATCH_N, "it stopped before the end ({} lines)", part.len());
+    let cancelled: Vec<&Value> = part.values().filter(|r| r["error"]["code"] == "cancelled").collect();
+    assert!(!cancelled.is_empty(), "the requests generating at the signal are answered `cancelled`");
+    assert!(cancelled.len() <= 32, "at most --max-seqs requests generate at once: {}", cancelled.len());
+    assert!(cancelled[0]["error"]["message"].as_str().unwrap().contains("signal 2"), "{}", cancelled[0]);
+    // The rerun drops the cancelled lines, runs those requests again and the rest.
+    batch_to_end(input, &output);
+    assert_same_as_reference(&output);
+}
+
+/// `suffix` (fill-in-the-middle) through the real Qwen3.5 tokenizer: the prompt is exactly
+/// `<|fim_prefix|>` prefix `<|fim_suffix|>` suffix `<|fim_middle|>` (the tokenizer's own ids).
+#[test]
+fn fim_suffix_uses_the_tokenizers_fim_tokens() {
+    let (prefix, suffix) = ("def add(a, b):\n    ", "\n    return c\n");
+    let fim =
+        serde_json::json!({"custom_id": "fim", "prompt": prefix, "suffix": suffix, "max_tokens": 3, "temperature": 0});
+    let batch = serde_json::json!({"custom_id": "fim-batch", "url": "/v1/completions",
+                                   "body": {"prompt": prefix, "suffix": suffix, "max_tokens": 3, "temperature": 0}});
+    let input = format!("{fim}\n{batch}\n");
+    let (lines, stderr) = run(&["--backend", "cpu", "--max-context", "256", "--ordered"], input.as_bytes());
+    assert_eq!(lines.len(), 2, "{stderr}");
+    for l in &lines {
+        assert!(l["error"].is_null(), "{l}");
+        assert_eq!(l["response"]["body"]["object"], "text_completion");
+    }
+    let text = format!("<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>");
+    let (tok, _) = run(&["tokenize"], format!("{}\n", serde_json::json!({"text": text})).as_bytes());
+    let ids = tok[0]["ids"].as_array().unwrap();
+    assert_eq!(ids[0], 248060, "<|fim_prefix|> is one token");
+    assert_eq!(ids[ids.len() - 1], 248061, "<|fim_middle|> ends the prompt");
+    assert!(ids.contains(&serde_json::json!(248062)), "<|fim_suffix|>");
+    for l in &lines {
+        assert_eq!(l["response"]["body"]["usage"]["prompt_tokens"], tok[0]["count"], "{l}");
+    }
+    // Same answer either way (greedy).
+    assert_eq!(lines[0]["response"]["body"]["choices"], lines[1]["response"]["body"]["choices"]);
 }

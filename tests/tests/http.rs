@@ -25,6 +25,15 @@ struct Server {
 
 /// A server over an engine of `slots` sequences of `ctx` tokens whose steps take `step`.
 async fn server(ctx: usize, slots: usize, step: Duration) -> Server {
+    server_with_key(ctx, slots, step, None).await
+}
+
+async fn server_with_key(ctx: usize, slots: usize, step: Duration, api_key: Option<&str>) -> Server {
+    server_opts(ctx, slots, step, |o| o.api_key = api_key.map(str::to_string)).await
+}
+
+/// A server whose options `f` adjusts.
+async fn server_opts(ctx: usize, slots: usize, step: Duration, f: impl FnOnce(&mut ServerOptions)) -> Server {
     let mut runner = ScriptRunner::new(ctx, slots);
     runner.step_time = step;
     let cfg = EngineConfig { max_batch_tokens: 2048, max_context: ctx, sample_vocab: 259 };
@@ -36,8 +45,16 @@ async fn server(ctx: usize, slots: usize, step: Duration) -> Server {
         min_p: 0.0,
         eos_token_ids: vec![IM_END, ENDOFTEXT],
     };
-    let opts =
-        ServerOptions { model_name: MODEL.into(), defaults, run_id: 0xabc, quiet: true, max_body_bytes: 1 << 20 };
+    let mut opts = ServerOptions {
+        model_name: MODEL.into(),
+        defaults,
+        run_id: 0xabc,
+        quiet: true,
+        max_body_bytes: 1 << 20,
+        api_key: None,
+        ping_interval: http::PING_INTERVAL,
+    };
+    f(&mut opts);
     let (app, threads) = http::app(engine, Box::new(ByteCodec), Box::new(ChatMl), opts).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
@@ -219,8 +236,6 @@ async fn completions_models_health() {
     let text: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
     assert_eq!(text, "abcd");
     assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 4);
-    let (st, b) = s.post("/v1/completions", json!({"prompt": "SAY:x", "suffix": "y"})).await;
-    assert_eq!((st, b["error"]["code"].as_str()), (400, Some("unsupported_parameter")), "{b}");
 
     let (st, text) = s.get("/v1/models").await;
     assert_eq!(st, 200);
@@ -288,6 +303,16 @@ async fn errors_have_each_apis_shape_and_status() {
     assert_eq!(names, ["message_start", "error"]);
     let err: Value = serde_json::from_str(&events[1].1).unwrap();
     assert_eq!(err["error"]["type"], "api_error");
+    // The Responses API: 500 in the OpenAI shape, and once streaming `response.failed` last.
+    let (st, b) = s.post("/v1/responses", json!({"input": "SAY:FAIL"})).await;
+    assert_eq!((st, b["error"]["code"].as_str()), (500, Some("engine_error")), "{b}");
+    let (st, _, events) = s.stream("/v1/responses", json!({"input": "SAY:FAIL", "stream": true})).await;
+    assert_eq!(st, 200);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["response.created", "response.in_progress", "response.failed"]);
+    let failed: Value = serde_json::from_str(&events[2].1).unwrap();
+    assert_eq!(failed["response"]["status"], "failed");
+    assert_eq!(failed["response"]["error"]["code"], "engine_error", "{failed}");
     s.stop().await;
 }
 
@@ -538,4 +563,413 @@ async fn two_concurrent_streams_interleave() {
     assert!(switches >= 4, "the two streams did not interleave: {log:?}");
     let stats = s.stop().await;
     assert_eq!(stats.peak_running, 2);
+}
+
+// ------------------------------------------------------------------ /v1/responses (Responses API)
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_non_streamed_and_refusals() {
+    let s = server(1024, 2, Duration::ZERO).await;
+    let body = json!({"model": MODEL, "instructions": "be brief", "input": "SAY:Hello, world!",
+                      "reasoning": {"effort": "none"}});
+    let (st, r) = s.post("/v1/responses", body).await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["object"], "response");
+    assert!(r["id"].as_str().unwrap().starts_with("resp_"), "{r}");
+    assert_eq!((r["status"].as_str(), r["model"].as_str()), (Some("completed"), Some(MODEL)));
+    assert_eq!(r["instructions"], "be brief");
+    let out = r["output"].as_array().unwrap();
+    assert_eq!(out.len(), 1, "{r}");
+    assert_eq!(out[0]["type"], "message");
+    assert_eq!(out[0]["role"], "assistant");
+    assert_eq!(
+        out[0]["content"][0],
+        json!({"type": "output_text", "text": "Hello, world!", "annotations": [], "logprobs": []})
+    );
+    assert_eq!(r["usage"]["output_tokens"], 14, "13 bytes and <|im_end|>");
+    let u = &r["usage"];
+    assert_eq!(u["total_tokens"].as_u64(), Some(u["input_tokens"].as_u64().unwrap() + 14));
+    // Tool calls after a thought: reasoning and function_call items; message items with
+    // function_call / function_call_output history are accepted.
+    let tools = json!([{"type": "function", "name": "get_weather", "parameters": schema()}]);
+    let input = json!([
+        {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\":\"Rome\"}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"role": "user", "content": TWO_CALLS}]);
+    let (st, r) = s.post("/v1/responses", json!({"input": input, "tools": tools})).await;
+    assert_eq!(st, 200, "{r}");
+    let types: Vec<&str> = r["output"].as_array().unwrap().iter().map(|i| i["type"].as_str().unwrap()).collect();
+    assert_eq!(types, ["reasoning", "function_call", "function_call"], "{r}");
+    assert_eq!(r["output"][0]["content"][0]["text"].as_str().unwrap().trim(), "Checking.");
+    let call = &r["output"][1];
+    assert!(call["call_id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(call["name"], "get_weather");
+    let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Paris", "days": 3}));
+    // max_output_tokens ends it: incomplete.
+    let (st, r) = s.post("/v1/responses", json!({"input": "SAY:abcdef", "max_output_tokens": 2})).await;
+    assert_eq!(st, 200);
+    assert_eq!(
+        (r["status"].as_str(), r["incomplete_details"]["reason"].as_str()),
+        (Some("incomplete"), Some("max_output_tokens"))
+    );
+    // Stateless: previous_response_id is refused, saying so.
+    let (st, e) = s.post("/v1/responses", json!({"input": "x", "previous_response_id": "resp_1"})).await;
+    assert_eq!(st, 400);
+    assert_eq!(e["error"]["code"], "invalid_request");
+    assert!(e["error"]["message"].as_str().unwrap().contains("stores no responses"), "{e}");
+    let (st, e) = s.post("/v1/responses", json!({"input": "x", "tools": [{"type": "web_search"}]})).await;
+    assert_eq!((st, e["error"]["code"].as_str()), (400, Some("unsupported_parameter")), "{e}");
+    let (st, _) = s.post("/v1/responses", json!({"input": "x", "model": "other"})).await;
+    assert_eq!(st, 404);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_streamed_event_sequence() {
+    let s = server(1024, 2, Duration::ZERO).await;
+    let tools = json!([{"type": "function", "name": "get_weather", "parameters": schema()}]);
+    let input =
+        format!("{}\nDone.", TWO_CALLS.replace("SAY:Checking.\n</think>\n\n", "SAY:Checking.\n</think>\n\nOn it.\n"));
+    let (st, ctype, events) = s.stream("/v1/responses", json!({"input": input, "tools": tools, "stream": true})).await;
+    assert_eq!(st, 200);
+    assert!(ctype.starts_with("text/event-stream"), "{ctype}");
+    assert!(events.iter().all(|(n, _)| n != "[DONE]" && !n.is_empty()), "every event is named, no [DONE]");
+    let evs: Vec<Value> = events.iter().map(|(_, d)| serde_json::from_str(d).unwrap()).collect();
+    for (i, ((name, _), e)) in events.iter().zip(&evs).enumerate() {
+        assert_eq!(e["type"], name.as_str(), "the event line names the data's type");
+        assert_eq!(e["sequence_number"], i as u64);
+    }
+    assert_eq!(evs[0]["type"], "response.created");
+    assert_eq!(evs[0]["response"]["status"], "in_progress");
+    assert_eq!(evs[1]["type"], "response.in_progress");
+    let last = evs.last().unwrap();
+    assert_eq!(last["type"], "response.completed");
+    // Rebuild the output from the deltas; it must equal the final response's output.
+    let mut items: Vec<Value> = Vec::new();
+    let mut open: Option<usize> = None;
+    for e in &evs[2..evs.len() - 1] {
+        let idx = e["output_index"].as_u64().unwrap() as usize;
+        match e["type"].as_str().unwrap() {
+            "response.output_item.added" => {
+                assert!(open.is_none(), "one item at a time");
+                assert_eq!(idx, items.len());
+                items.push(e["item"].clone());
+                open = Some(idx);
+            }
+            "response.content_part.added" | "response.content_part.done" => assert_eq!(Some(idx), open),
+            "response.reasoning_text.delta" | "response.output_text.delta" => {
+                assert_eq!(Some(idx), open);
+                assert_eq!(e["item_id"], items[idx]["id"]);
+                let t = items[idx]["text"].as_str().unwrap_or("").to_string() + e["delta"].as_str().unwrap();
+                items[idx]["text"] = json!(t);
+            }
+            "response.reasoning_text.done" | "response.output_text.done" => {
+                assert_eq!(e["text"], items[idx]["text"]);
+            }
+            "response.function_call_arguments.delta" => {
+                assert_eq!(items[idx]["arguments"], "");
+                items[idx]["args"] = e["delta"].clone();
+            }
+            "response.function_call_arguments.done" => assert_eq!(e["arguments"], items[idx]["args"]),
+            "response.output_item.done" => {
+                assert_eq!(Some(idx), open);
+                assert_eq!(e["item"]["id"], items[idx]["id"]);
+                assert_eq!(e["item"]["status"], "completed");
+                open = None;
+            }
+            t => panic!("unexpected event {t}"),
+        }
+    }
+    assert!(open.is_none());
+    let out = last["response"]["output"].as_array().unwrap();
+    let kinds: Vec<&str> = out.iter().map(|i| i["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["reasoning", "message", "function_call", "function_call", "message"]);
+    assert_eq!(out[0]["content"][0]["text"], items[0]["text"]);
+    assert_eq!(out[0]["content"][0]["text"].as_str().unwrap().trim(), "Checking.");
+    assert_eq!(out[1]["content"][0]["text"].as_str().unwrap().trim(), "On it.");
+    let args: Vec<Value> =
+        out[2..4].iter().map(|c| serde_json::from_str(c["arguments"].as_str().unwrap()).unwrap()).collect();
+    assert_eq!(args, [json!({"city": "Paris", "days": 3}), json!({"city": "Oslo"})]);
+    assert_eq!(out[2]["arguments"], items[2]["args"]);
+    assert_ne!(out[2]["call_id"], out[3]["call_id"]);
+    assert!(last["response"]["usage"]["output_tokens"].as_u64().unwrap() > 10);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_suffix_without_fim_tokens_is_a_clear_400() {
+    let s = server(512, 2, Duration::ZERO).await;
+    let (st, e) = s.post("/v1/completions", json!({"prompt": "def f(", "suffix": "):\n", "max_tokens": 3})).await;
+    assert_eq!(st, 400, "{e}");
+    assert_eq!(e["error"]["code"], "unsupported_parameter");
+    assert!(e["error"]["message"].as_str().unwrap().contains("<|fim_prefix|>"), "{e}");
+    s.stop().await;
+}
+
+// ------------------------------------------------------------------ the official Python SDKs
+
+/// The pinned `openai` and `anthropic` SDKs (tests/requirements-sdk.txt, installed by .ci/run)
+/// run tests/sdk/sdk_clients.py against this server. Missing SDKs fail the test, saying how to
+/// install them, unless ORNITH_SKIP_SDK_TESTS=1 (local development only; see docs/TESTING.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_python_sdks_against_the_server() {
+    let s = server(4096, 4, Duration::ZERO).await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/sdk/sdk_clients.py");
+    let base = s.base.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("python3").args([script, &base, MODEL]).output()
+    })
+    .await
+    .unwrap();
+    let missing = |why: String| {
+        if std::env::var("ORNITH_SKIP_SDK_TESTS").as_deref() == Ok("1") {
+            eprintln!("skipped (ORNITH_SKIP_SDK_TESTS=1): {why}");
+        } else {
+            panic!(
+                "{why}\nthe official SDK tests need python3 and the pinned SDKs: pip install -r tests/requirements-sdk.txt \
+                 (ORNITH_SKIP_SDK_TESTS=1 skips them for local development)"
+            );
+        }
+    };
+    match out {
+        Err(e) => missing(format!("python3 could not be started: {e}")),
+        Ok(o) if o.status.code() == Some(3) => missing(String::from_utf8_lossy(&o.stderr).into_owned()),
+        Ok(o) => {
+            let (stdout, stderr) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+            assert!(o.status.success(), "the SDK checks failed ({:?}):\n{stdout}\n{stderr}", o.status);
+            assert!(stdout.contains("every check passed"), "{stdout}");
+            eprintln!("{stdout}");
+        }
+    }
+    s.stop().await;
+}
+
+// ------------------------------------------------------------------ load and faults
+
+/// One client of the load test: what it sends and how it reads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Client {
+    /// A streamed chat request, read to the end; its text must come back exactly.
+    Chat,
+    /// A streamed Anthropic request, read to the end.
+    Messages,
+    /// Reads one chunk of an endless stream, then drops the connection.
+    Disconnect,
+    /// Reads its stream with a pause between chunks.
+    Slow,
+    Malformed,
+    Oversized,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_64_streams_with_disconnects_bad_bodies_and_a_slow_reader() {
+    let s = server(8192, 8, Duration::from_millis(1)).await;
+    let pool = |text: &str| {
+        let m = parse_metrics(text);
+        ["ornith_pool_slots_used", "ornith_pool_kv_blocks_used", "ornith_requests_running", "ornith_requests_waiting"]
+            .map(|k| metric(&m, k))
+    };
+    let rss = |text: &str| metric(&parse_metrics(text), "process_resident_memory_bytes");
+    // Warm up once, then take the idle baseline.
+    let (st, _) = s.post("/v1/chat/completions", json!({"messages": user("SAY:warm"), "max_tokens": 8})).await;
+    assert_eq!(st, 200);
+    let (_, idle) = s.get("/metrics").await;
+    assert_eq!(pool(&idle), [0.0; 4], "{idle}");
+    let (idle_rss, total_slots) = (rss(&idle), metric(&parse_metrics(&idle), "ornith_pool_slots_total"));
+    assert_eq!(total_slots, 8.0);
+
+    let kinds: Vec<Client> = (0..64)
+        .map(|i| match i {
+            5 | 14 | 23 | 32 | 41 | 52 | 61 => Client::Disconnect, // 7 of 64: ~10%
+            20 | 50 => Client::Malformed,                          // with the oversized one, 3 of 64: ~5%
+            40 => Client::Oversized,
+            63 => Client::Slow,
+            _ if i % 4 == 1 => Client::Messages,
+            _ => Client::Chat,
+        })
+        .collect();
+    let peak_rss = std::sync::Arc::new(std::sync::Mutex::new(idle_rss));
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for (i, kind) in kinds.iter().copied().enumerate() {
+        let (c, base) = (s.client.clone(), s.base.clone());
+        tasks.push(tokio::spawn(async move {
+            let text = format!("client {i} says hello to the server");
+            let (path, body) = match kind {
+                Client::Chat | Client::Slow => (
+                    "/v1/chat/completions",
+                    json!({"messages": user(&format!("SAY:{text}")), "stream": true,
+                           "stream_options": {"include_usage": true}, NO_THINK: {"enable_thinking": false}})
+                    .to_string(),
+                ),
+                Client::Messages => (
+                    "/v1/messages",
+                    json!({"max_tokens": 200, "messages": user(&format!("SAY:{text}")), "stream": true,
+                           "thinking": {"type": "disabled"}})
+                    .to_string(),
+                ),
+                Client::Disconnect => ("/v1/chat/completions", endless(true).to_string()),
+                Client::Malformed => ("/v1/chat/completions", "{\"messages\": [".to_string()),
+                Client::Oversized => ("/v1/chat/completions", format!("{{\"pad\": \"{}\"}}", "x".repeat(1 << 20))),
+            };
+            // The server closes an oversized body's connection unread: a client of its own.
+            let c = if kind == Client::Oversized { reqwest::Client::new() } else { c };
+            let r = c.post(format!("{base}{path}")).body(body).send().await.unwrap();
+            let status = r.status().as_u16();
+            match kind {
+                Client::Malformed => {
+                    assert_eq!(status, 400);
+                    let e: Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+                    assert_eq!(e["error"]["code"], "invalid_json", "{e}");
+                    return;
+                }
+                Client::Oversized => {
+                    assert_eq!(status, 413);
+                    return;
+                }
+                _ => assert_eq!(status, 200, "client {i} ({kind:?})"),
+            }
+            let mut stream = r.bytes_stream();
+            let mut all = String::new();
+            while let Some(b) = stream.next().await {
+                all += std::str::from_utf8(&b.unwrap()).unwrap();
+                match kind {
+                    Client::Disconnect => return, // drops the stream mid-way
+                    Client::Slow => tokio::time::sleep(Duration::from_millis(20)).await,
+                    _ => {}
+                }
+            }
+            let events = sse_events(&all); // asserts complete events
+            if kind == Client::Messages {
+                assert_eq!(events.first().unwrap().0, "message_start");
+                assert_eq!(events.last().unwrap().0, "message_stop");
+                let text_out: String = events
+                    .iter()
+                    .filter(|(n, _)| n == "content_block_delta")
+                    .map(|(_, d)| {
+                        serde_json::from_str::<Value>(d).unwrap()["delta"]["text"].as_str().unwrap().to_string()
+                    })
+                    .collect();
+                assert_eq!(text_out, text, "client {i}");
+            } else {
+                assert_eq!(events.last().unwrap().1, "[DONE]", "client {i}");
+                let chunks: Vec<Value> =
+                    events[..events.len() - 1].iter().map(|(_, d)| serde_json::from_str(d).unwrap()).collect();
+                let text_out: String =
+                    chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+                assert_eq!(text_out, text, "client {i}");
+                assert_eq!(chunks.iter().filter(|c| !c["usage"].is_null()).count(), 1, "usage once");
+            }
+        }));
+    }
+    // Sample the server's memory while the clients run.
+    let sampler = {
+        let (c, url, peak) = (s.client.clone(), format!("{}/metrics", s.base), peak_rss.clone());
+        tokio::spawn(async move {
+            loop {
+                if let Ok(r) = c.get(&url).send().await {
+                    if let Ok(t) = r.text().await {
+                        let v = metric(&parse_metrics(&t), "process_resident_memory_bytes");
+                        let mut p = peak.lock().unwrap();
+                        *p = p.max(v);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let elapsed = t.elapsed();
+    sampler.abort();
+    // The pools return to idle (the disconnected clients' sequences were cancelled).
+    let t2 = Instant::now();
+    let after = loop {
+        let (_, text) = s.get("/metrics").await;
+        if pool(&text) == [0.0; 4] || t2.elapsed() > Duration::from_secs(5) {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(pool(&after), [0.0; 4], "the pools must be idle again: {after}");
+    let m = parse_metrics(&after);
+    let n = |k: &str| m.iter().filter(|(key, _)| key.starts_with(k)).map(|(_, v)| v).sum::<f64>();
+    let peak = *peak_rss.lock().unwrap();
+    let after_rss = rss(&after);
+    eprintln!(
+        "load: 64 clients in {elapsed:?}; 7 disconnects, 3 bad bodies, 1 slow reader; RSS idle {:.1} MiB, peak {:.1} MiB, after {:.1} MiB",
+        idle_rss / 1048576.0,
+        peak / 1048576.0,
+        after_rss / 1048576.0
+    );
+    assert_eq!(n("ornith_http_requests_total{endpoint=\"/v1/chat/completions\",status=\"400\""), 2.0);
+    assert_eq!(n("ornith_http_requests_total{endpoint=\"/v1/chat/completions\",status=\"413\""), 1.0);
+    // Memory: back near the baseline (the test process's whole RSS, so other tests running at
+    // the same time count too; a leak of the 64 streams' state would be far above this).
+    assert!(after_rss < idle_rss + 64.0 * 1048576.0, "RSS idle {idle_rss}, after {after_rss}");
+    assert!(elapsed < Duration::from_secs(60), "{elapsed:?}");
+    let stats = s.stop().await;
+    assert_eq!(stats.cancelled, 7, "every disconnect cancelled its sequence: {stats:?}");
+    assert_eq!(stats.finished, 1 + 64 - 7 - 3, "{stats:?}");
+    assert_eq!(stats.failed, 0);
+}
+
+// ------------------------------------------------------------------ --api-key
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_is_required_when_set() {
+    let s = server_with_key(512, 2, Duration::ZERO, Some("s3cret")).await;
+    let url = |p: &str| format!("{}{p}", s.base);
+    let chat = json!({"messages": user("SAY:ok"), "max_tokens": 2}).to_string();
+    // Without a key, or with a wrong one: 401 in each API's shape.
+    let r = s.client.post(url("/v1/chat/completions")).body(chat.clone()).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    let e: Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(e["error"]["code"], "invalid_api_key", "{e}");
+    assert!(e["error"]["message"].as_str().unwrap().contains("no API key"), "{e}");
+    let r = s.client.post(url("/v1/chat/completions")).bearer_auth("s3cre").body(chat.clone()).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    let msg = json!({"max_tokens": 2, "messages": user("SAY:ok")}).to_string();
+    let r = s.client.post(url("/v1/messages")).header("x-api-key", "nope").body(msg.clone()).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    let e: Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+    assert_eq!(e["error"]["type"], "authentication_error", "{e}");
+    assert_eq!(s.client.get(url("/v1/models")).send().await.unwrap().status().as_u16(), 401);
+    // With it (either header): through. /health needs none.
+    let r = s.client.post(url("/v1/chat/completions")).bearer_auth("s3cret").body(chat).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let r = s.client.post(url("/v1/messages")).header("x-api-key", "s3cret").body(msg).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(s.client.get(url("/health")).send().await.unwrap().status().as_u16(), 200);
+    let (_, text) = s.get("/metrics").await;
+    assert!(text.contains("error"), "metrics need the key too: {text}");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_stream_pings_while_the_engine_is_slow() {
+    // Steps of 150 ms, pings after 40 ms of silence.
+    let s = server_opts(512, 1, Duration::from_millis(150), |o| o.ping_interval = Duration::from_millis(40)).await;
+    let body = json!({"max_tokens": 16, "stream": true, "messages": user("SAY:ab"), "thinking": {"type": "disabled"}});
+    let (st, _, events) = s.stream("/v1/messages", body).await;
+    assert_eq!(st, 200);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names.first(), Some(&"message_start"));
+    assert_eq!(names.last(), Some(&"message_stop"));
+    let pings: Vec<&(String, String)> = events.iter().filter(|(n, _)| n == "ping").collect();
+    assert!(pings.len() >= 3, "{names:?}");
+    assert!(pings.iter().all(|(_, d)| d == r#"{"type":"ping"}"#), "{pings:?}");
+    let text: String = events
+        .iter()
+        .filter(|(n, _)| n == "content_block_delta")
+        .map(|(_, d)| serde_json::from_str::<Value>(d).unwrap()["delta"]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(text, "ab", "pings do not disturb the content");
+    // The OpenAI stream of the same wait has no pings.
+    let (_, _, events) = s.stream("/v1/chat/completions", json!({"messages": user("SAY:ab"), "stream": true})).await;
+    assert!(events.iter().all(|(n, _)| n.is_empty()), "{events:?}");
+    s.stop().await;
 }

@@ -647,3 +647,77 @@ fn readme_error_table_lists_exactly_the_error_codes() {
     let codes: std::collections::BTreeSet<String> = protocol::ERROR_CODES.iter().map(|(c, _)| c.to_string()).collect();
     assert_eq!(documented, codes, "README.md's error table and protocol::ERROR_CODES differ");
 }
+
+// ---------------------------------------------------------------- ornith batch's serve loop
+
+/// `serve_with` under a [`protocol::BatchControl`]: (output lines, stats).
+fn run_batch(
+    input: &str,
+    ctl: protocol::BatchControl,
+    step: std::time::Duration,
+) -> (Vec<Value>, protocol::ServeStats) {
+    let mut runner = ScriptRunner::new(512, 2);
+    runner.step_time = step;
+    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
+    let engine = Engine::new(Box::new(runner), cfg).unwrap();
+    let mut o = opts();
+    o.ordered = false;
+    let mut out = Vec::new();
+    let input = std::io::BufReader::new(Cursor::new(input.to_string().into_bytes()));
+    let stats = protocol::serve_with(input, &mut out, engine, &ByteCodec, &ChatMl, &o, ctl).unwrap();
+    let lines = String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    (lines, stats)
+}
+
+#[test]
+fn batch_skips_what_is_done_and_still_flags_a_later_duplicate() {
+    let input = [
+        r#"{"custom_id":"a","messages":[{"role":"user","content":"SAY:one"}]}"#,
+        r#"{"custom_id":"a","messages":[{"role":"user","content":"SAY:dup"}]}"#,
+        r#"{"custom_id":"b","messages":[{"role":"user","content":"SAY:two"}],"stream":true}"#,
+        r#"{"messages":[{"role":"user","content":"SAY:three"}]}"#,
+        r#"{"prompt":"SAY:four"}"#,
+    ]
+    .join("\n");
+    // The output already holds a's result and line 5's.
+    let done = [("a".to_string(), 1), ("line-5".to_string(), 1)].into_iter().collect();
+    let ctl = protocol::BatchControl { done, results_only: true, total_lines: Some(5), ..Default::default() };
+    let (lines, stats) = run_batch(&input, ctl, std::time::Duration::ZERO);
+    assert_eq!(stats.skipped, 2, "{stats:?}");
+    assert!(lines.iter().all(is_result), "only result lines (no stream chunks): {lines:?}");
+    let mut ids: Vec<&str> = lines.iter().map(|l| l["custom_id"].as_str().unwrap()).collect();
+    ids.sort();
+    assert_eq!(ids, ["a", "b", "line-4"]);
+    let dup = lines.iter().find(|l| l["custom_id"] == "a").unwrap();
+    assert_eq!(dup["error"]["code"], "duplicate_custom_id", "the second `a` is still a duplicate: {dup}");
+    assert_eq!(dup["error"]["line"], 2);
+}
+
+#[test]
+fn batch_stop_cancels_what_generates_and_leaves_the_rest_unanswered() {
+    // Two long requests generate (2 slots), two more wait; stop after a few steps.
+    let long = |id: &str| {
+        format!(
+            r#"{{"custom_id":"{id}","messages":[{{"role":"user","content":"SAY:"}}],"max_tokens":400,"ignore_eos":true}}"#
+        )
+    };
+    let input = [long("p"), long("q"), long("r"), long("s")].join("\n");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
+    let flag = stop.clone();
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(150));
+        flag.store(15, std::sync::atomic::Ordering::SeqCst);
+    });
+    let ctl = protocol::BatchControl { stop, results_only: true, ..Default::default() };
+    let (lines, stats) = run_batch(&input, ctl, std::time::Duration::from_millis(5));
+    t.join().unwrap();
+    assert_eq!(stats.stopped_by, Some(15));
+    assert_eq!((stats.cancelled, stats.not_run), (2, 2), "{stats:?}");
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    for l in &lines {
+        assert_eq!(l["error"]["code"], "cancelled", "{l}");
+        assert!(["p", "q"].contains(&l["custom_id"].as_str().unwrap()), "{l}");
+        assert!(l["error"]["message"].as_str().unwrap().contains("signal 15"), "{l}");
+    }
+    assert_eq!(stats.engine.cancelled, 4, "every open request is cancelled in the engine");
+}

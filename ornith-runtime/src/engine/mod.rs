@@ -19,7 +19,7 @@ mod thread;
 
 pub use self::core::{drain, Engine, EngineConfig, EngineStats, Event, EventKind, Finish, GenRequest, SubmitError};
 pub use self::pool::{BlockPool, SlotPool};
-pub use self::thread::{EngineClient, EngineThread};
+pub use self::thread::{EngineClient, EngineThread, PoolUsage};
 
 use crate::graph::{Batch, RowSample};
 

@@ -2,7 +2,7 @@
 //! [`EngineClient`] (cloneable, `Send`): `submit` and `cancel` are messages; events come back
 //! through the sink given at spawn.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -14,11 +14,41 @@ enum Cmd {
     Cancel(u64),
 }
 
+/// The engine's pool occupancy, as the engine thread last published it (after every command and
+/// every step).
+#[derive(Debug, Default)]
+struct PoolGauges {
+    free_slots: AtomicUsize,
+    total_slots: AtomicUsize,
+    free_blocks: AtomicUsize,
+    total_blocks: AtomicUsize,
+}
+
+impl PoolGauges {
+    fn publish(&self, engine: &Engine) {
+        let (fs, ts, fb, tb) = engine.pool_usage();
+        self.free_slots.store(fs, Ordering::Relaxed);
+        self.total_slots.store(ts, Ordering::Relaxed);
+        self.free_blocks.store(fb, Ordering::Relaxed);
+        self.total_blocks.store(tb, Ordering::Relaxed);
+    }
+}
+
+/// Pool occupancy: recurrent-state slots and K/V blocks held by sequences, of the totals.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolUsage {
+    pub slots_used: usize,
+    pub slots_total: usize,
+    pub blocks_used: usize,
+    pub blocks_total: usize,
+}
+
 /// A handle to submit to and cancel on an [`EngineThread`].
 #[derive(Clone)]
 pub struct EngineClient {
     tx: Sender<Cmd>,
     next: Arc<AtomicU64>,
+    pool: Arc<PoolGauges>,
 }
 
 impl EngineClient {
@@ -44,6 +74,13 @@ impl EngineClient {
     pub fn cancel(&self, id: u64) {
         let _ = self.tx.send(Cmd::Cancel(id));
     }
+    /// The pools' occupancy after the engine's last command or step.
+    pub fn pool_usage(&self) -> PoolUsage {
+        let g = &self.pool;
+        let (fs, ts) = (g.free_slots.load(Ordering::Relaxed), g.total_slots.load(Ordering::Relaxed));
+        let (fb, tb) = (g.free_blocks.load(Ordering::Relaxed), g.total_blocks.load(Ordering::Relaxed));
+        PoolUsage { slots_used: ts - fs.min(ts), slots_total: ts, blocks_used: tb - fb.min(tb), blocks_total: tb }
+    }
 }
 
 pub struct EngineThread {
@@ -57,6 +94,9 @@ impl EngineThread {
         mut sink: impl FnMut(Event) -> bool + Send + 'static,
     ) -> (EngineThread, EngineClient) {
         let (tx, rx): (Sender<Cmd>, Receiver<Cmd>) = channel();
+        let pool = Arc::new(PoolGauges::default());
+        pool.publish(&engine);
+        let gauges = pool.clone();
         let join = std::thread::Builder::new()
             .name("ornith-engine".into())
             .spawn(move || {
@@ -85,6 +125,7 @@ impl EngineThread {
                             Err(std::sync::mpsc::TryRecvError::Disconnected) => open = false,
                         }
                     }
+                    gauges.publish(&engine);
                     if !engine.has_work() {
                         if !open {
                             return engine.stats();
@@ -99,7 +140,11 @@ impl EngineThread {
                         }
                         continue;
                     }
-                    for e in engine.step() {
+                    let events = engine.step();
+                    // Published before the events go out: a client that sees its request end
+                    // sees the pools without it.
+                    gauges.publish(&engine);
+                    for e in events {
                         if !sink(e) {
                             return engine.stats();
                         }
@@ -107,7 +152,7 @@ impl EngineThread {
                 }
             })
             .expect("spawning the engine thread");
-        (EngineThread { join }, EngineClient { tx, next: Arc::new(AtomicU64::new(1)) })
+        (EngineThread { join }, EngineClient { tx, next: Arc::new(AtomicU64::new(1)), pool })
     }
 
     /// Waits for the thread (after every client was dropped); its counters.

@@ -64,8 +64,8 @@ impl Metrics {
         g.fetch_sub(1, Ordering::Relaxed);
     }
 
-    /// The Prometheus text exposition.
-    pub fn render(&self) -> String {
+    /// The Prometheus text exposition, with the engine's pool occupancy.
+    pub fn render(&self, pool: crate::engine::PoolUsage) -> String {
         let mut s = String::new();
         s += "# HELP ornith_http_requests_total HTTP responses by endpoint and status code.\n";
         s += "# TYPE ornith_http_requests_total counter\n";
@@ -108,6 +108,18 @@ impl Metrics {
             "Requests in the engine without a token yet (queued, or in prefill).",
             self.waiting.load(Ordering::Relaxed),
         );
+        let pool_gauges = [
+            ("ornith_pool_slots_used", "Recurrent-state slots held by sequences.", pool.slots_used),
+            ("ornith_pool_slots_total", "Recurrent-state slots of the pool.", pool.slots_total),
+            ("ornith_pool_kv_blocks_used", "K/V blocks held by sequences.", pool.blocks_used),
+            ("ornith_pool_kv_blocks_total", "K/V blocks of the pool.", pool.blocks_total),
+        ];
+        for (name, help, v) in pool_gauges {
+            gauge(&mut s, name, help, v as i64);
+        }
+        if let Some(rss) = resident_bytes() {
+            gauge(&mut s, "process_resident_memory_bytes", "Resident memory of the server process.", rss as i64);
+        }
         let h = self.ttft.lock().unwrap_or_else(|e| e.into_inner());
         s += "# HELP ornith_time_to_first_token_seconds Time from a request's arrival to its first token.\n";
         s += "# TYPE ornith_time_to_first_token_seconds histogram\n";
@@ -122,6 +134,14 @@ impl Metrics {
         let _ = writeln!(s, "ornith_time_to_first_token_seconds_count {cum}");
         s
     }
+}
+
+/// The process's resident memory (`VmRSS` of `/proc/self/status`; None where there is none).
+pub fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.trim_start_matches("VmRSS:").trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kb * 1024)
 }
 
 #[cfg(test)]
@@ -139,7 +159,11 @@ mod tests {
         m.left(true);
         m.submitted(1);
         m.left(false);
-        let t = m.render();
+        let pool = crate::engine::PoolUsage { slots_used: 1, slots_total: 4, blocks_used: 3, blocks_total: 16 };
+        let t = m.render(pool);
+        assert!(t.contains("ornith_pool_slots_used 1\n") && t.contains("ornith_pool_kv_blocks_total 16\n"), "{t}");
+        assert!(resident_bytes().is_some_and(|b| b > 1 << 20), "Linux has VmRSS");
+        assert!(t.contains("process_resident_memory_bytes "), "{t}");
         assert!(t.contains("ornith_requests_running 1\n") && t.contains("ornith_requests_waiting 0\n"), "{t}");
         assert!(t.contains("ornith_http_requests_total{endpoint=\"/v1/models\",status=\"200\"} 1\n"), "{t}");
         assert!(t.contains("ornith_prompt_tokens_total 16\n"));

@@ -12,13 +12,15 @@
 //! that goes away (a dropped connection or event stream) cancels its sequence at once.
 
 pub mod anthropic;
+mod auth;
 pub mod metrics;
+pub mod responses;
 pub mod router;
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
@@ -50,7 +52,17 @@ pub struct ServerOptions {
     pub quiet: bool,
     /// Larger request bodies are refused (413).
     pub max_body_bytes: usize,
+    /// When set, every endpoint but `/health` needs it as `Authorization: Bearer KEY` or
+    /// `x-api-key: KEY` (401 otherwise).
+    pub api_key: Option<String>,
+    /// An Anthropic event stream that has sent nothing for this long sends a `ping` event (as
+    /// Anthropic's API does), so that clients and proxies do not time out during a long prefill
+    /// or a wait in the queue.
+    pub ping_interval: Duration,
 }
+
+/// The default [`ServerOptions::ping_interval`].
+pub const PING_INTERVAL: Duration = Duration::from_secs(10);
 
 struct AppState {
     router: EngineRouter,
@@ -97,6 +109,7 @@ impl ApiError {
             Api::Anthropic => {
                 let ty = match self.status {
                     StatusCode::NOT_FOUND => "not_found_error",
+                    StatusCode::UNAUTHORIZED => "authentication_error",
                     StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
                     s if s.is_server_error() => "api_error",
                     _ => "invalid_request_error",
@@ -140,12 +153,14 @@ pub fn app(
     let app = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses_endpoint))
         .route("/v1/messages", post(messages))
         .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_key))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state);
     Ok((app, threads))
@@ -289,31 +304,20 @@ async fn openai(st: &AppState, url: &'static str, body: Result<Bytes, BytesRejec
         return Ok(json_response(StatusCode::OK, &finish(rx, guard).await?));
     }
     let chat = url == "/v1/chat/completions";
-    let s = futures_util::stream::unfold(Some((rx, guard)), move |state| async move {
-        let (mut rx, mut guard) = state?;
-        let data = |v: &Value| format!("data: {v}\n\n");
-        let text = match rx.recv().await {
-            Some(Out::Chunks(cs)) => {
-                let text: String = cs.iter().map(data).collect();
-                return Some((Ok::<_, Infallible>(Bytes::from(text)), Some((rx, guard))));
+    let data = |v: &Value| format!("data: {v}\n\n");
+    Ok(event_stream(rx, guard, String::new(), None, move |out| {
+        let text = match out {
+            Ok(chunk) => return data(chunk),
+            Err(Ok(body)) if include_usage => {
+                let object = if chat { "chat.completion.chunk" } else { "text_completion" };
+                data(&json!({"id": body["id"], "object": object, "created": body["created"],
+                    "model": body["model"], "choices": [], "usage": body["usage"]}))
             }
-            Some(Out::Accepted { .. }) => return Some((Ok(Bytes::new()), Some((rx, guard)))),
-            Some(Out::Done(Ok(body))) => {
-                let mut text = String::new();
-                if include_usage {
-                    let object = if chat { "chat.completion.chunk" } else { "text_completion" };
-                    text += &data(&json!({"id": body["id"], "object": object, "created": body["created"],
-                        "model": body["model"], "choices": [], "usage": body["usage"]}));
-                }
-                text
-            }
-            Some(Out::Done(Err(e))) => data(&ApiError::from_line(e).body(Api::OpenAi)),
-            None => data(&ApiError::from_line(router::engine_stopped()).body(Api::OpenAi)),
+            Err(Ok(_)) => String::new(),
+            Err(Err(e)) => data(&ApiError::from_line(e.clone()).body(Api::OpenAi)),
         };
-        guard.done();
-        Some((Ok(Bytes::from(text + "data: [DONE]\n\n")), None))
-    });
-    Ok(sse(Body::from_stream(s)))
+        text + "data: [DONE]\n\n"
+    }))
 }
 
 async fn messages(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
@@ -340,31 +344,108 @@ async fn anthropic_messages(st: &AppState, body: Result<Bytes, BytesRejection>) 
     if !stream {
         return Ok(json_response(StatusCode::OK, &anthropic::message(&finish(rx, guard).await?)));
     }
-    let events = anthropic::Events::new(&st.opts.model_name);
+    let mut events = anthropic::Events::new(&st.opts.model_name);
     let msg_id = anthropic::message_id(&format!("{:016x}{id:08x}", st.opts.run_id));
     let first = events.start(&msg_id, prompt_tokens);
-    let s = futures_util::stream::unfold(Some((rx, guard, events, Some(first))), move |state| async move {
-        let (mut rx, mut guard, mut events, first) = state?;
-        let data = |evs: Vec<anthropic::Event>| -> String {
-            evs.iter().map(|(name, v)| format!("event: {name}\ndata: {v}\n\n")).collect()
-        };
-        if let Some(f) = first {
-            return Some((Ok::<_, Infallible>(Bytes::from(data(vec![f]))), Some((rx, guard, events, None))));
+    let text = |evs: Vec<anthropic::Event>| -> String {
+        evs.iter().map(|(name, v)| format!("event: {name}\ndata: {v}\n\n")).collect()
+    };
+    let first = text(vec![first]);
+    let ping = Some((st.opts.ping_interval, text(vec![("ping", json!({"type": "ping"}))])));
+    Ok(event_stream(rx, guard, first, ping, move |out| match out {
+        Ok(chunk) => text(events.chunk(chunk)),
+        Err(Ok(body)) => text(events.finish(body)),
+        Err(Err(e)) => text(vec![("error", ApiError::from_line(e.clone()).body(Api::Anthropic))]),
+    }))
+}
+
+/// What an event stream turns into text: a chunk (`Ok`), or the end: the final body or the error.
+type StreamItem<'a> = Result<&'a Value, Result<&'a Value, &'a LineError>>;
+
+/// The server-sent events of a streamed request: `first`, then what `render` makes of each
+/// chunk and of the end; with `ping` = (interval, event), that event whenever nothing else was
+/// sent for the interval. Dropping the stream (the client went away) cancels the request.
+fn event_stream<F>(
+    rx: UnboundedReceiver<Out>,
+    guard: CancelOnDrop,
+    first: String,
+    ping: Option<(Duration, String)>,
+    render: F,
+) -> Response
+where
+    F: FnMut(StreamItem<'_>) -> String + Send + 'static,
+{
+    struct State<F> {
+        rx: UnboundedReceiver<Out>,
+        guard: CancelOnDrop,
+        render: F,
+        first: Option<String>,
+        ping: Option<(Duration, String)>,
+    }
+    let state = State { rx, guard, render, first: Some(first), ping };
+    let s = futures_util::stream::unfold(Some(state), |state| async move {
+        let mut st = state?;
+        if let Some(f) = st.first.take() {
+            return Some((Ok::<_, Infallible>(Bytes::from(f)), Some(st)));
         }
-        let text = match rx.recv().await {
-            Some(Out::Chunks(cs)) => {
-                let text: String = cs.iter().map(|c| data(events.chunk(c))).collect();
-                return Some((Ok(Bytes::from(text)), Some((rx, guard, events, None))));
-            }
-            Some(Out::Accepted { .. }) => return Some((Ok(Bytes::new()), Some((rx, guard, events, None)))),
-            Some(Out::Done(Ok(body))) => data(events.finish(&body)),
-            Some(Out::Done(Err(e))) => data(vec![("error", ApiError::from_line(e).body(Api::Anthropic))]),
-            None => data(vec![("error", ApiError::from_line(router::engine_stopped()).body(Api::Anthropic))]),
+        let out = match &st.ping {
+            None => st.rx.recv().await,
+            Some((every, event)) => match tokio::time::timeout(*every, st.rx.recv()).await {
+                Ok(out) => out,
+                Err(_) => {
+                    let ping = Bytes::from(event.clone());
+                    return Some((Ok(ping), Some(st)));
+                }
+            },
         };
-        guard.done();
-        Some((Ok(Bytes::from(text)), None))
+        let (text, end) = match out {
+            Some(Out::Chunks(cs)) => (cs.iter().map(|c| (st.render)(Ok(c))).collect::<String>(), false),
+            Some(Out::Accepted { .. }) => (String::new(), false),
+            Some(Out::Done(Ok(body))) => ((st.render)(Err(Ok(&body))), true),
+            Some(Out::Done(Err(e))) => ((st.render)(Err(Err(&e))), true),
+            None => ((st.render)(Err(Err(&router::engine_stopped()))), true),
+        };
+        if end {
+            st.guard.done();
+            return Some((Ok(Bytes::from(text)), None));
+        }
+        Some((Ok(Bytes::from(text)), Some(st)))
     });
-    Ok(sse(Body::from_stream(s)))
+    sse(Body::from_stream(s))
+}
+
+async fn responses_endpoint(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
+    let r = openai_responses(&st, body).await;
+    respond(&st, "/v1/responses", Api::OpenAi, r)
+}
+
+async fn openai_responses(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let body = json_body(st, body)?;
+    let id = st.router.reserve_id();
+    let (chat, warnings) = responses::chat_body(&body).map_err(ApiError::from_line)?;
+    if !st.opts.quiet {
+        for w in &warnings {
+            eprintln!("[ornith] request {id}: warning: {w}");
+        }
+    }
+    let req = parse_request(st, id, "/v1/chat/completions", chat)?;
+    let stream = req.stream;
+    let resp_id = format!("resp_{:016x}{id:08x}", st.opts.run_id);
+    let echo = responses::Echo::new(resp_id, now_unix(), &st.opts.model_name, &body);
+    let (_, rx, guard) = start(st, id, req).await?;
+    if !stream {
+        return Ok(json_response(StatusCode::OK, &responses::response(&echo, &finish(rx, guard).await?)));
+    }
+    let mut events = responses::Events::new(echo);
+    let text = |evs: Vec<responses::Event>| -> String {
+        evs.iter().map(|(name, v)| format!("event: {name}\ndata: {v}\n\n")).collect()
+    };
+    let first = text(events.start());
+    Ok(event_stream(rx, guard, first, None, move |out| match out {
+        Ok(chunk) => text(events.chunk(chunk)),
+        Err(Ok(body)) => text(events.finish(body)),
+        Err(Err(e)) => text(events.failed(e.code, &e.message)),
+    }))
 }
 
 async fn count_tokens(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
@@ -391,7 +472,7 @@ async fn health(State(st): St) -> Response {
 }
 
 async fn metrics_text(State(st): St) -> Response {
-    let text = st.metrics.render();
+    let text = st.metrics.render(st.router.pool_usage());
     let r = (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response();
     respond(&st, "/metrics", Api::OpenAi, Ok(r))
 }

@@ -97,6 +97,11 @@ impl EngineRouter {
         (rx, CancelOnDrop { tx: Some(self.tx.clone()), id })
     }
 
+    /// The engine's pool occupancy.
+    pub fn pool_usage(&self) -> crate::engine::PoolUsage {
+        self.client.pool_usage()
+    }
+
     /// The prompt tokens `req` would have.
     pub async fn count(&self, req: Request) -> Result<usize, LineError> {
         let (reply, rx) = oneshot::channel();

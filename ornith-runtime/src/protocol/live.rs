@@ -133,6 +133,40 @@ pub struct Live<'a> {
     finish: Option<Finish>,
 }
 
+/// The fill-in-the-middle tokens, in the order Qwen2.5-Coder and Qwen3(-Coder) are trained on
+/// ("prefix-suffix-middle"): `<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>`, then
+/// the model writes the middle (the QwenLM/Qwen2.5-Coder README, "file-level" and "repository
+/// level code infilling").
+pub const FIM_TOKENS: [&str; 3] = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"];
+
+/// Tokens that also end a fill-in-the-middle completion: the README's examples stop on every FIM
+/// and repository token, since the model may go on to another file or another hole after the
+/// middle.
+pub const FIM_STOP_TOKENS: [&str; 6] =
+    ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"];
+
+/// The prompt tokens of a fill-in-the-middle request, or `unsupported_parameter` when the
+/// tokenizer has no FIM tokens. Prefix and suffix are encoded apart, so that no token spans a
+/// FIM marker.
+pub fn fim_prompt(codec: &dyn TextCodec, prefix: &str, suffix: &str) -> Result<Vec<u32>, LineError> {
+    let [Some(p), Some(s), Some(m)] = FIM_TOKENS.map(|t| codec.token_id(t)) else {
+        return Err(LineError::new(
+            "unsupported_parameter",
+            format!(
+                "`suffix` (fill-in-the-middle) needs the tokenizer's {} tokens; this checkpoint's tokenizer lacks them",
+                FIM_TOKENS.join(", ")
+            ),
+        ));
+    };
+    let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
+    let mut ids = vec![p];
+    ids.extend(codec.encode(prefix).map_err(tok)?);
+    ids.push(s);
+    ids.extend(codec.encode(suffix).map_err(tok)?);
+    ids.push(m);
+    Ok(ids)
+}
+
 /// What the front end needs of the engine to start a request.
 pub struct Limits {
     /// Longest prompt + output.
@@ -160,6 +194,7 @@ pub fn prompt_tokens(
             (codec.encode(&text).map_err(tok)?, thinking)
         }
         Kind::Completion { prompt: Prompt::Text(t) } => (codec.encode(t).map_err(tok)?, false),
+        Kind::Completion { prompt: Prompt::Fim { prefix, suffix } } => (fim_prompt(codec, prefix, suffix)?, false),
         Kind::Completion { prompt: Prompt::Ids(ids) } => {
             let v = limits.vocab;
             if let Some(bad) = ids.iter().find(|&&i| i as usize >= v) {
@@ -181,7 +216,7 @@ impl<'a> Live<'a> {
     /// every chunk (the JSONL front end's).
     #[allow(clippy::too_many_arguments)]
     pub fn start(
-        req: Request,
+        mut req: Request,
         line: u64,
         custom_id: Option<&str>,
         codec: &'a dyn TextCodec,
@@ -193,6 +228,9 @@ impl<'a> Live<'a> {
         started: Instant,
     ) -> Result<(GenRequest, Live<'a>), LineError> {
         let (prompt, thinking) = prompt_tokens(&req, codec, renderer, limits)?;
+        if let Kind::Completion { prompt: Prompt::Fim { .. } } = &req.kind {
+            req.stop_token_ids.extend(FIM_STOP_TOKENS.iter().filter_map(|t| codec.token_id(t)));
+        }
         let window = limits.window;
         let n_prompt = prompt.len();
         if n_prompt >= window {
@@ -412,5 +450,89 @@ impl<'a> Live<'a> {
             body["warnings"] = json!(self.req.warnings);
         }
         Ok(body)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Bytes are ids 0–255; `fim` adds `<|fim_prefix|>` 300, `<|fim_suffix|>` 301, `<|fim_middle|>` 302.
+    struct Bytes {
+        fim: bool,
+    }
+
+    impl TextCodec for Bytes {
+        fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+            Ok(text.bytes().map(u32::from).collect())
+        }
+        fn decode(&self, _: &[u32], _: bool) -> anyhow::Result<String> {
+            unimplemented!("not used")
+        }
+        fn token_id(&self, token: &str) -> Option<u32> {
+            let i = FIM_TOKENS.iter().position(|t| *t == token)?;
+            self.fim.then_some(300 + i as u32)
+        }
+        fn vocab_size(&self) -> usize {
+            303
+        }
+        fn stream<'a>(&'a self, _: bool) -> Box<dyn TokenStream + 'a> {
+            Box::new(NoText)
+        }
+    }
+
+    /// A detokenizer that yields nothing (the tests below generate no tokens).
+    struct NoText;
+    impl TokenStream for NoText {
+        fn push(&mut self, _: u32) -> anyhow::Result<Option<String>> {
+            Ok(None)
+        }
+        fn flush(&mut self) -> anyhow::Result<Option<String>> {
+            Ok(None)
+        }
+    }
+
+    #[test]
+    fn fim_prompt_is_prefix_suffix_middle() {
+        let ids = fim_prompt(&Bytes { fim: true }, "ab", "c").unwrap();
+        assert_eq!(ids, [300, b'a' as u32, b'b' as u32, 301, b'c' as u32, 302]);
+        assert_eq!(fim_prompt(&Bytes { fim: true }, "", "").unwrap(), [300, 301, 302]);
+        let e = fim_prompt(&Bytes { fim: false }, "ab", "c").unwrap_err();
+        assert_eq!(e.code, "unsupported_parameter");
+        assert!(e.message.contains("<|fim_prefix|>") && e.message.contains("lacks them"), "{}", e.message);
+    }
+
+    struct NoTemplate;
+    impl PromptRenderer for NoTemplate {
+        fn render(
+            &self,
+            _: &Value,
+            _: Option<&Value>,
+            _: bool,
+            _: &serde_json::Map<String, Value>,
+        ) -> anyhow::Result<String> {
+            unimplemented!("completions have no template")
+        }
+    }
+
+    #[test]
+    fn a_fim_request_also_stops_at_the_fim_tokens() {
+        let defaults = super::super::GenerationDefaults {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            eos_token_ids: vec![7],
+        };
+        let limits = Limits { window: 64, vocab: 303 };
+        let start = |line: Value| {
+            let req = super::super::request::parse(&line, &defaults, 1).unwrap();
+            let codec = Bytes { fim: true };
+            let (gen, _) =
+                Live::start(req, 1, None, &codec, &NoTemplate, &limits, &[7], "m", 1, Instant::now()).unwrap();
+            gen.stop_ids
+        };
+        assert_eq!(start(json!({"prompt": "ab", "suffix": "c"})), [7, 300, 301, 302]);
+        assert_eq!(start(json!({"prompt": "ab"})), [7], "a plain completion does not");
     }
 }

@@ -9,6 +9,7 @@
 //! so that it can be tested with doubles; `adapters.rs` implements them for the real types.
 
 pub mod adapters;
+pub mod batch;
 pub mod genconfig;
 pub mod lines;
 pub mod live;
@@ -21,7 +22,7 @@ pub mod toolcall;
 
 pub use genconfig::GenerationDefaults;
 pub use request::{LineError, ERROR_CODES};
-pub use serve::{serve, ServeOptions, ServeStats};
+pub use serve::{serve, serve_with, BatchControl, ServeOptions, ServeStats};
 pub use tokenize::tokenize;
 
 /// Incremental detokenizer: returns text only once it is complete UTF-8.

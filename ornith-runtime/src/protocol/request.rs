@@ -43,7 +43,8 @@ pub const ERROR_CODES: &[(&str, &str)] = &[
     (
         "unsupported_parameter",
         "a parameter this build cannot honour: `n` > 1, penalties, `logprobs`, `response_format` other \
-         than text, a forced `tool_choice`, `echo`/`suffix`, several prompts in one line",
+         than text, a forced `tool_choice`, `echo`, several prompts in one line, `suffix` when the tokenizer \
+         has no fill-in-the-middle tokens",
     ),
     ("unsupported_content", "image, audio, video or file parts (this build serves text only)"),
     ("unsupported_url", "a Batch line whose `url` is neither `/v1/chat/completions` nor `/v1/completions`"),
@@ -51,6 +52,10 @@ pub const ERROR_CODES: &[(&str, &str)] = &[
     ("tokenizer_error", "the tokenizer failed on the text"),
     ("engine_error", "the backend failed while generating"),
     ("internal_error", "the engine panicked on this request (the next lines still run)"),
+    (
+        "cancelled",
+        "`ornith batch` was stopped (SIGINT, SIGTERM) while the request was generating; a rerun runs it again",
+    ),
 ];
 
 impl LineError {
@@ -75,6 +80,11 @@ type R<T> = Result<T, LineError>;
 pub enum Prompt {
     Text(String),
     Ids(Vec<u32>),
+    /// Fill-in-the-middle (`suffix` given): the model writes what goes between the two.
+    Fim {
+        prefix: String,
+        suffix: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -452,15 +462,27 @@ fn parse_completion(b: &Map<String, Value>) -> R<Kind> {
             )))
         }
     };
+    if get_bool(b, "echo")? == Some(true) {
+        return Err(LineError::new("unsupported_parameter", "`echo` is not supported by this build"));
+    }
+    let prompt = match (present(b, "suffix"), prompt) {
+        (None, p) => p,
+        (Some(Value::String(suffix)), Prompt::Text(prefix)) => {
+            // An empty prefix is a cursor at the start of the file.
+            return Ok(Kind::Completion { prompt: Prompt::Fim { prefix, suffix: suffix.clone() } });
+        }
+        (Some(Value::String(_)), _) => {
+            return Err(LineError::invalid("`suffix` (fill-in-the-middle) needs a text `prompt`, not token ids"))
+        }
+        (Some(v), _) => return Err(LineError::invalid(format!("`suffix` must be a string, got {}", short(v)))),
+    };
     let empty = match &prompt {
         Prompt::Text(s) => s.is_empty(),
         Prompt::Ids(ids) => ids.is_empty(),
+        Prompt::Fim { .. } => false,
     };
     if empty {
         return Err(LineError::invalid("the prompt is empty"));
-    }
-    if get_bool(b, "echo")? == Some(true) || present(b, "suffix").is_some() {
-        return Err(LineError::new("unsupported_parameter", "`echo` and `suffix` are not supported by this build"));
     }
     Ok(Kind::Completion { prompt })
 }
@@ -752,6 +774,18 @@ mod tests {
         assert_eq!(r.kind, Kind::Completion { prompt: Prompt::Ids(vec![1, 2]) });
         assert!(p(json!({"prompt_token_ids": []})).is_err());
         assert!(p(json!({"prompt": ["a", "b"]})).is_err());
+        // `suffix`: fill-in-the-middle, with a text prompt (possibly empty) only.
+        let r = p(json!({"prompt": "def f(", "suffix": "):\n"})).unwrap();
+        assert_eq!(r.kind, Kind::Completion { prompt: Prompt::Fim { prefix: "def f(".into(), suffix: "):\n".into() } });
+        let r = p(json!({"prompt": "", "suffix": "x"})).unwrap();
+        assert_eq!(r.kind, Kind::Completion { prompt: Prompt::Fim { prefix: "".into(), suffix: "x".into() } });
+        assert_eq!(
+            p(json!({"prompt": "a", "suffix": null})).unwrap().kind,
+            Kind::Completion { prompt: Prompt::Text("a".into()) }
+        );
+        assert!(p(json!({"prompt": [1, 2], "suffix": "x"})).unwrap_err().message.contains("text `prompt`"));
+        assert!(p(json!({"prompt": "a", "suffix": 3})).unwrap_err().message.contains("`suffix` must be a string"));
+        assert_eq!(p(json!({"prompt": "a", "echo": true})).unwrap_err().code, "unsupported_parameter");
     }
 
     #[test]

@@ -24,9 +24,10 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{self, BufRead, Write};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::mpsc::{channel, Sender};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::mpsc::{channel, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
@@ -80,16 +81,46 @@ pub struct ServeStats {
     pub lines: u64,
     pub ok: u64,
     pub errors: u64,
+    /// `ornith batch`: lines skipped because the output already had their result.
+    pub skipped: u64,
+    /// Stopped by a signal: requests that had begun generating, answered `cancelled`.
+    pub cancelled: u64,
+    /// Stopped by a signal: lines read or queued but not begun, left without a result line.
+    pub not_run: u64,
+    /// The signal number that stopped the run (None: it ran to the end of the input).
+    pub stopped_by: Option<i32>,
     /// Tokens sampled for the requests answered.
     pub generated: u64,
     /// The engine's counters.
     pub engine: EngineStats,
 }
 
+/// What `ornith batch` adds to the serve loop (see `protocol::batch`).
+#[derive(Debug, Default)]
+pub struct BatchControl {
+    /// Result lines the output already holds, by `custom_id` (`line-N` for a line without one):
+    /// that many input lines with the id are skipped (a later duplicate still gets its
+    /// `duplicate_custom_id` line).
+    pub done: HashMap<String, u32>,
+    /// Set to a signal number (SIGINT 2, SIGTERM 15) to stop: no further line is admitted,
+    /// requests that have begun generating are cancelled and answered `cancelled`, the others
+    /// get no line (a resume runs them).
+    pub stop: Arc<AtomicI32>,
+    /// Write only result lines (no stream chunks, whatever a request's `stream`).
+    pub results_only: bool,
+    /// Input lines in all, for the progress line on stderr (None: no progress line).
+    pub total_lines: Option<u64>,
+}
+
+/// How often the serve loop looks at [`BatchControl::stop`] when no message comes.
+const STOP_POLL: Duration = Duration::from_millis(50);
+
 /// Writes lines, in completion order or (ordered) in input order.
 struct Emitter<W: Write> {
     w: W,
     ordered: bool,
+    /// Drop chunk lines (`ornith batch`).
+    results_only: bool,
     /// Next input line (1-based) whose lines may be written in ordered mode.
     next: u64,
     /// Ordered mode: lines of later requests, and whether their result line is in.
@@ -104,6 +135,9 @@ impl<W: Write> Emitter<W> {
 
     /// A chunk line of request `line`.
     fn chunk(&mut self, line: u64, s: String) -> io::Result<()> {
+        if self.results_only {
+            return Ok(());
+        }
         if !self.ordered || line == self.next {
             self.write_line(&s)?;
             return self.w.flush();
@@ -210,6 +244,19 @@ pub fn serve<R: BufRead + Send + 'static, W: Write>(
     renderer: &dyn PromptRenderer,
     opts: &ServeOptions,
 ) -> anyhow::Result<ServeStats> {
+    serve_with(reader, writer, engine, codec, renderer, opts, BatchControl::default())
+}
+
+/// [`serve`] with `ornith batch`'s skipping, stopping and progress.
+pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
+    reader: R,
+    writer: W,
+    engine: Engine,
+    codec: &dyn TextCodec,
+    renderer: &dyn PromptRenderer,
+    opts: &ServeOptions,
+    mut ctl: BatchControl,
+) -> anyhow::Result<ServeStats> {
     let limits = Limits { window: engine.max_context(), vocab: codec.vocab_size() };
     let (tx, rx) = channel::<Msg>();
     let credits = Arc::new(Credits { state: Mutex::new((opts.max_in_flight.max(1), false)), cv: Condvar::new() });
@@ -228,14 +275,25 @@ pub fn serve<R: BufRead + Send + 'static, W: Write>(
     }
     let gone = GoneSignal(tx);
     let (thread, client) = EngineThread::spawn(engine, move |e| gone.0.send(Msg::Event(e)).is_ok());
-    let mut out = Emitter { w: writer, ordered: opts.ordered, next: 1, pending: BTreeMap::new() };
-    let mut st = Run { opts, stats: ServeStats::default(), credits: &credits };
+    let mut out =
+        Emitter { w: writer, ordered: opts.ordered, results_only: ctl.results_only, next: 1, pending: BTreeMap::new() };
+    let progress = ctl.total_lines.filter(|_| !opts.quiet).map(|total| Progress { total, last: Instant::now() });
+    let mut st = Run { opts, stats: ServeStats::default(), credits: &credits, progress };
     let mut seen: HashSet<String> = HashSet::new();
     let mut open: HashMap<u64, Open<'_>> = HashMap::new();
     let (mut line_no, mut eof, mut engine_alive) = (0u64, false, true);
     let r = (|| -> anyhow::Result<()> {
         while !(eof && open.is_empty()) {
-            let Ok(msg) = rx.recv() else { break };
+            let signal = ctl.stop.load(Ordering::Relaxed);
+            if signal != 0 {
+                st.stop(&mut out, &client, &mut open, signal)?;
+                break;
+            }
+            let msg = match rx.recv_timeout(STOP_POLL) {
+                Ok(m) => m,
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => break,
+            };
             match msg {
                 Msg::Line(Err(e)) => return Err(e.into()),
                 Msg::Line(Ok(None)) => eof = true,
@@ -247,6 +305,20 @@ pub fn serve<R: BufRead + Send + 'static, W: Write>(
                     let started = Instant::now();
                     let parsed = catch_unwind(AssertUnwindSafe(|| parse_line(raw, line_no, opts, &mut seen, &mut cid)))
                         .unwrap_or_else(|_| Err(panicked()));
+                    // `ornith batch`: the output already has this line's result.
+                    let key = cid.clone().unwrap_or_else(|| format!("line-{line_no}"));
+                    if let Some(n) = ctl.done.get_mut(&key).filter(|n| **n > 0) {
+                        *n -= 1;
+                        st.stats.skipped += 1;
+                        credits.give();
+                        st.tick();
+                        continue;
+                    }
+                    if let (Ok(req), false) = (&parsed, opts.quiet) {
+                        for w in &req.warnings {
+                            eprintln!("[ornith] line {line_no}: warning: {w}");
+                        }
+                    }
                     let req = match parsed {
                         Ok(r) => r,
                         Err(e) => {
@@ -342,8 +414,12 @@ pub fn serve<R: BufRead + Send + 'static, W: Write>(
     }
     drop(client);
     r?;
+    let st_progress = st.progress.take();
     let mut stats = st.stats;
     stats.engine = thread.join()?;
+    if let Some(p) = &st_progress {
+        p.print(&stats);
+    }
     if !opts.quiet {
         let e = &stats.engine;
         eprintln!(
@@ -367,14 +443,70 @@ fn engine_stopped() -> LineError {
     LineError::new("internal_error", "the engine thread stopped; see stderr")
 }
 
+/// `ornith batch`'s progress line on stderr (at most one a second, and one at the end).
+struct Progress {
+    total: u64,
+    last: Instant,
+}
+
+impl Progress {
+    fn print(&self, s: &ServeStats) {
+        let done = s.ok + s.errors + s.skipped;
+        eprintln!(
+            "[ornith] batch: {done}/{} lines answered ({} from an earlier run, {} errors)",
+            self.total, s.skipped, s.errors
+        );
+    }
+}
+
 /// What answering a line needs.
 struct Run<'o> {
     opts: &'o ServeOptions,
     stats: ServeStats,
     credits: &'o Credits,
+    progress: Option<Progress>,
 }
 
 impl Run<'_> {
+    /// Prints the progress line if a second has passed since the last one.
+    fn tick(&mut self) {
+        if let Some(p) = &mut self.progress {
+            if p.last.elapsed() >= Duration::from_secs(1) {
+                p.last = Instant::now();
+                p.print(&self.stats);
+            }
+        }
+    }
+
+    /// Stops on `signal`: cancels every open request in the engine; those that have begun
+    /// generating are answered `cancelled`, the others (queued, in prefill) get no line.
+    fn stop<W: Write>(
+        &mut self,
+        out: &mut Emitter<W>,
+        client: &crate::engine::EngineClient,
+        open: &mut HashMap<u64, Open<'_>>,
+        signal: i32,
+    ) -> io::Result<()> {
+        self.stats.stopped_by = Some(signal);
+        self.credits.stop();
+        let mut left: Vec<(u64, Open)> = open.drain().collect();
+        left.sort_by_key(|(_, o)| o.line);
+        for (id, o) in left {
+            client.cancel(id);
+            if o.live.generated() == 0 {
+                self.stats.not_run += 1;
+                continue;
+            }
+            self.stats.cancelled += 1;
+            let msg = format!(
+                "stopped by signal {signal} after {} tokens; the request was cancelled (rerun `ornith batch` to resume)",
+                o.live.generated()
+            );
+            self.answer(out, o.line, o.custom_id.as_deref(), Err(LineError::new("cancelled", msg)), 0)?;
+        }
+        out.w.flush()
+    }
+
     /// Writes the result line of `line` and gives its read-ahead credit back.
     fn answer<W: Write>(
         &mut self,
@@ -409,7 +541,9 @@ impl Run<'_> {
             }
         };
         self.credits.give();
-        out.result(line, text)
+        out.result(line, text)?;
+        self.tick();
+        Ok(())
     }
 }
 
@@ -475,13 +609,7 @@ fn parse_line(
         }
     }
     let seed = mix64(opts.run_id ^ mix64(line));
-    let req = request::parse(&value, &opts.defaults, seed)?;
-    if !opts.quiet {
-        for w in &req.warnings {
-            eprintln!("[ornith] line {line}: warning: {w}");
-        }
-    }
-    Ok(req)
+    request::parse(&value, &opts.defaults, seed)
 }
 
 #[cfg(test)]
@@ -494,7 +622,7 @@ mod tests {
 
     #[test]
     fn ordered_emitter_buffers_out_of_order_completions() {
-        let mut e = Emitter { w: Vec::new(), ordered: true, next: 1, pending: BTreeMap::new() };
+        let mut e = Emitter { w: Vec::new(), ordered: true, results_only: false, next: 1, pending: BTreeMap::new() };
         // Request 2 streams and finishes before request 1.
         e.chunk(2, "2a".into()).unwrap();
         e.result(2, "2r".into()).unwrap();
@@ -513,7 +641,7 @@ mod tests {
 
     #[test]
     fn unordered_emitter_writes_at_once() {
-        let mut e = Emitter { w: Vec::new(), ordered: false, next: 1, pending: BTreeMap::new() };
+        let mut e = Emitter { w: Vec::new(), ordered: false, results_only: false, next: 1, pending: BTreeMap::new() };
         e.result(2, "2r".into()).unwrap();
         e.result(1, "1r".into()).unwrap();
         assert_eq!(lines(&e), ["2r", "1r"]);
