@@ -29,8 +29,8 @@
 //!   tables from the static description `desc` written before each replay, the attention splits
 //!   a row over at most [`plan::MAX_SPLITS`] (the kernels derive each row's split length from its
 //!   position) on a grid fixed by the GPU, and the step's activations and logits live in static
-//!   buffers sized for the pool's slots. With
-//!   profiling on (`ornith-bench`), or `set_decode_graph(false)`, the same launches run eagerly.
+//!   buffers sized for the pool's slots. With profiling on (`ornith-bench`), or
+//!   `set_decode_graph(false)`, the same launches run eagerly.
 mod load;
 mod ops;
 pub mod plan;
