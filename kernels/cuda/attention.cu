@@ -64,8 +64,9 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const OrnithQkRop
 // of each tile with its own online-softmax state, and the two states are merged at the item's end.
 // Per warp and tile, with the keys as the mma's M and the (padded) heads as N:
 //   S^T [16 keys x 8 heads] = K [16 x 256] Q^T [256 x 8]      (bf16 mma.sync, fp32 accumulators)
-//   s = S^T * scale (key >= k1: -inf);  m' = max(m, max_keys s);  P = e^{s - m'}
-//   l = l e^{m - m'} + sum_keys P;  O^T [256 x 8] = O^T e^{m - m'} + V^T [256 x 16] bf16(P)^T [16 x 8]
+//   s = S^T * scale (key >= k1: -inf);  m' = max(m, max_keys s);  P = e^{s - m'}  (fp32)
+//   l = l e^{m - m'} + sum_keys P;  O^T [256 x 8] = O^T e^{m - m'} + V^T [256 x 16] P^T [16 x 8],
+// the last product as two bf16 mma (P = bf16(P) + bf16(P - bf16(P)), 16 significant bits).
 // The S^T accumulators turn into P^T's B fragments with movmatrix (an 8x8 transpose in registers),
 // V^T's A fragments come from the V tile with ldmatrix.trans. Rows are 512 bytes = 32 chunks of 16;
 // chunk c of row r lives at c ^ (r & 7) (conflict-free ldmatrix).
@@ -230,18 +231,26 @@ extern "C" __global__ void __launch_bounds__(64) attn_decode_split(const OrnithA
                 o[i][2] *= alpha[0];
                 o[i][3] *= alpha[1];
             }
-            // P^T as B fragments (k = key, n = head): the transposes of the two 8x8 bf16 blocks
-            // [keys g | g + 8][heads 2qd, 2qd + 1] this lane holds.
-            uint32_t pb[2];
-            movmatrix_t(pb[0], pack_bf16x2(pr[0], pr[1]));
-            movmatrix_t(pb[1], pack_bf16x2(pr[2], pr[3]));
-            // O^T += V^T P^T: 16 m-tiles of 16 dims; A = V^T via ldmatrix.trans of the V rows
+            // P = P_hi + P_lo, both bf16 (P_hi = bf16(P), P_lo = bf16(P - P_hi)): P V keeps P to
+            // 2^-17 relative, as the CPU reference's fp32 P. P^T as B fragments (k = key,
+            // n = head): the transposes of the two 8x8 blocks [keys g | g + 8][heads 2qd, 2qd + 1]
+            // this lane holds.
+            float lo[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) lo[e] = pr[e] - rbf(pr[e]);
+            uint32_t ph[2], pl[2];
+            movmatrix_t(ph[0], pack_bf16x2(pr[0], pr[1]));
+            movmatrix_t(ph[1], pack_bf16x2(pr[2], pr[3]));
+            movmatrix_t(pl[0], pack_bf16x2(lo[0], lo[1]));
+            movmatrix_t(pl[1], pack_bf16x2(lo[2], lo[3]));
+            // O^T += V^T P_hi^T + V^T P_lo^T: 16 m-tiles of 16 dims; A = V^T via ldmatrix.trans
             const int j = lane >> 3, vr = (lane & 7) + (j >> 1) * 8;
 #pragma unroll
             for (int i = 0; i < 16; i++) {
                 uint32_t a[4];
                 ldsm_x4_t(sv + aswz(vr, 2 * i + (j & 1)), a[0], a[1], a[2], a[3]);
-                mma_bf16(o[i], a, pb);
+                mma_bf16(o[i], a, ph);
+                mma_bf16(o[i], a, pl);
             }
         }
         if (last) {  // merge the two warps' states, write the item's partials

@@ -3,7 +3,7 @@
 //! `PERF` line at the real 2K-token shapes (median of 20 event-timed launches after 3 warm-ups).
 use super::launch::GdnArgs;
 use super::prefill::*;
-use super::test_util::{check, ctx, page, reversed_table, rng, time_it, KVB, POISON, R};
+use super::test_util::{ctx, page, reversed_table, rng, time_it, KVB, POISON, R};
 use crate::cpu::attention::{attention, output_gate};
 use crate::cpu::conv::conv_silu;
 use crate::cpu::fp8::quantize_act_row;
@@ -37,6 +37,32 @@ fn fp8v(r: &mut R, n: usize) -> Vec<u8> {
 fn fp8_pattern(n: usize, seed: u64) -> Vec<u8> {
     (0..n as u64).map(|i| ((i.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(seed) >> 40) as u8) & 0x7E).collect()
 }
+/// Spacing of bf16 numbers at |v| (one ulp).
+fn ulp(v: f64) -> f64 {
+    2f64.powi(v.abs().max(1e-30).log2().floor() as i32 - 7)
+}
+
+/// Elementwise check of a bf16 output against a reference that went through the same cast points:
+/// |got - want| <= ulps * ulp(want) + abs_rms * rms(want) for every element, no NaN/unwritten
+/// element, and ||got - want|| / ||want|| <= rel_l2. Returns (max |d| / rms, rel_l2).
+fn check(name: &str, got: &[u16], want: &[f64], ulps: f64, abs_rms: f64, rel_l2: f64) -> (f64, f64) {
+    assert_eq!(got.len(), want.len(), "{name}: length");
+    let rms = (want.iter().map(|w| w * w).sum::<f64>() / want.len() as f64).sqrt();
+    let (mut num, mut den, mut worst) = (0.0, 0.0, 0f64);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let g = bf16::from_bits(g).to_f64();
+        assert!(g.is_finite(), "{name}[{i}]: got {g} (unwritten or NaN), want {w}");
+        let d = (g - w).abs();
+        assert!(d <= ulps * ulp(w) + abs_rms * rms, "{name}[{i}]: got {g}, want {w} (rms {rms})");
+        worst = worst.max(d / rms.max(1e-300));
+        num += d * d;
+        den += w * w;
+    }
+    let rel = (num / den.max(1e-300)).sqrt();
+    assert!(rel <= rel_l2, "{name}: relative L2 error {rel} > {rel_l2}");
+    (worst, rel)
+}
+
 // ---------------------------------------------------------------------------------------------
 // GEMMs
 

@@ -78,29 +78,3 @@ pub(super) fn unpage(paged: &[u16], row: usize, table: &[i32], len: usize) -> Ve
         })
         .collect()
 }
-
-/// Spacing of bf16 numbers at |v| (one ulp).
-pub(super) fn ulp(v: f64) -> f64 {
-    2f64.powi(v.abs().max(1e-30).log2().floor() as i32 - 7)
-}
-
-/// Elementwise check of a bf16 output against a reference that went through the same cast points:
-/// |got - want| <= ulps * ulp(want) + abs_rms * rms(want) for every element, no NaN/unwritten
-/// element, and ||got - want|| / ||want|| <= rel_l2. Returns (max |d| / rms, rel_l2).
-pub(super) fn check(name: &str, got: &[u16], want: &[f64], ulps: f64, abs_rms: f64, rel_l2: f64) -> (f64, f64) {
-    assert_eq!(got.len(), want.len(), "{name}: length");
-    let rms = (want.iter().map(|w| w * w).sum::<f64>() / want.len() as f64).sqrt();
-    let (mut num, mut den, mut worst) = (0.0, 0.0, 0f64);
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let g = half::bf16::from_bits(g).to_f64();
-        assert!(g.is_finite(), "{name}[{i}]: got {g} (unwritten or NaN), want {w}");
-        let d = (g - w).abs();
-        assert!(d <= ulps * ulp(w) + abs_rms * rms, "{name}[{i}]: got {g}, want {w} (rms {rms})");
-        worst = worst.max(d / rms.max(1e-300));
-        num += d * d;
-        den += w * w;
-    }
-    let rel = (num / den.max(1e-300)).sqrt();
-    assert!(rel <= rel_l2, "{name}: relative L2 error {rel} > {rel_l2}");
-    (worst, rel)
-}
