@@ -51,18 +51,19 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const OrnithQkRop
 // ---------------------------------------------------------------------------------------------
 // Decode attention (flash-decoding over the paged cache, see OrnithAttnParams).
 //
-// Work item = (row t, kv head, split s): the keys k0 = s * split_len .. k1 = min(k0 + split_len,
-// len) of row t (len = its position + 1) against the `group` (<= 8) query heads of that kv head,
-// written as one partial per head: m = max of the scaled scores, l = sum e^{score - m},
-// o = sum e^{score - m} v (fp32, unnormalised). A row's split length comes from its own length
-// (att_split_len), so its items, and their bits, never depend on the other rows of the launch or
-// on the grid: block b takes items b, b + gridDim.x, ... (the grid is any size; the launcher
-// sizes it to the GPU), streaming their K/V tiles through one cp.async pipeline.
+// Work item = (row t, kv-head pair, split s): the keys k0 = s * split_len .. k1 = min(k0 +
+// split_len, len) of row t (len = its position + 1) against the query heads of kv heads 2 pair
+// and 2 pair + 1 (`group` <= 8 each), written as one partial per query head: m = max of the
+// scaled scores, l = sum e^{score - m}, o = sum e^{score - m} v (fp32, unnormalised). A row's split
+// length comes from its own length (att_split_len), so its items, and their bits, never depend
+// on the other rows of the launch or on the grid: block b takes items b, b + gridDim.x, ...
+// (the launcher sizes the grid to the GPU), streaming their K/V tiles through one cp.async
+// pipeline that runs on from one item into the next.
 //
-// Block = 2 warps. Each K/V row is loaded once per item into shared memory for all query heads
-// of the group: tiles of 32 keys (K and V, 32 KiB), double buffered; warp w takes keys 16w..16w+15
-// of each tile with its own online-softmax state, and the two states are merged at the item's end.
-// Per warp and tile, with the keys as the mma's M and the (padded) heads as N:
+// Block = 2 warps, warp w = kv head 2 pair + w. A cache position's K (and V) rows of the two kv
+// heads are 1 KiB contiguous; each is loaded once per item into shared memory for all query heads
+// of the group: tiles of 16 keys (K and V of both heads, 32 KiB), double buffered. Per warp and
+// tile, with the keys as the mma's M and the (padded) query heads as N:
 //   S^T [16 keys x 8 heads] = K [16 x 256] Q^T [256 x 8]      (bf16 mma.sync, fp32 accumulators)
 //   s = S^T * scale (key >= k1: -inf);  m' = max(m, max_keys s);  P = e^{s - m'}  (fp32)
 //   l = l e^{m - m'} + sum_keys P;  O^T [256 x 8] = O^T e^{m - m'} + V^T [256 x 16] P^T [16 x 8],
@@ -72,15 +73,15 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const OrnithQkRop
 // chunk c of row r lives at c ^ (r & 7) (conflict-free ldmatrix).
 
 #define ATT_D 256
-#define ATT_ROW 512                // bytes per K, V or Q row
-#define ATT_G 8                    // query heads per kv head as the mma's N (fewer: zero rows)
-#define ATT_TILE 32                // keys per pipeline stage (2 warps x 16)
-#define ATT_STAGE (2 * ATT_TILE * ATT_ROW)  // K then V of one stage: 32 KiB
-#define ATT_MAX_ROWS 8             // rows per launch (launcher-checked)
-#define ATT_MAX_SPLITS 1024        // launcher-checked (the combine holds the split weights)
-// Dynamic shared memory: 2 stages of K/V, then 2 slots of the item's Q [8][256] (72 KiB;
-// = ATT_SPLIT_SMEM of the launcher).
-#define ATT_SMEM (2 * ATT_STAGE + 2 * ATT_G * ATT_ROW)
+#define ATT_ROW 512                              // bytes per K, V or Q row of one head
+#define ATT_G 8                                  // query heads per kv head as the mma's N
+#define ATT_TILE 16                              // keys per pipeline stage
+#define ATT_STAGE (2 * 2 * ATT_TILE * ATT_ROW)   // K then V of 2 kv heads: 32 KiB
+#define ATT_QSLOT (2 * ATT_G * ATT_ROW)          // the Q rows of one item: 8 KiB
+#define ATT_MAX_ROWS 8                           // rows per launch (launcher-checked)
+#define ATT_MAX_SPLITS 1024                      // launcher-checked (the combine's split weights)
+// Dynamic shared memory: 2 stages of K/V, then 2 Q slots (80 KiB; = ATT_SPLIT_SMEM of the launcher).
+#define ATT_SMEM (2 * ATT_STAGE + 2 * ATT_QSLOT)
 
 __device__ __forceinline__ uint32_t aswz(int row, int chunk) {
     return (uint32_t)(row * ATT_ROW + ((chunk ^ (row & 7)) << 4));
@@ -100,15 +101,15 @@ extern "C" __global__ void __launch_bounds__(64) attn_decode_split(const OrnithA
     extern __shared__ __align__(128) uint8_t smem[];
     __shared__ int r_len[ATT_MAX_ROWS], r_sl[ATT_MAX_ROWS], r_start[ATT_MAX_ROWS + 1];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int group = p.q_heads / p.kv_heads;
-    if (tid == 0) {  // items of row t: [r_start[t], r_start[t + 1]), kv head major
+    const int group = p.q_heads / p.kv_heads, pairs = (p.kv_heads + 1) / 2;
+    if (tid == 0) {  // items of row t: [r_start[t], r_start[t + 1]), kv-head pair major
         int acc = 0;
         for (int t = 0; t < p.tokens; t++) {
             const int len = att_len(p, t), sl = att_split_len(p, len);
             r_len[t] = len;
             r_sl[t] = sl;
             r_start[t] = acc;
-            acc += (len + sl - 1) / sl * p.kv_heads;
+            acc += (len + sl - 1) / sl * pairs;
         }
         r_start[p.tokens] = acc;
     }
@@ -117,41 +118,47 @@ extern "C" __global__ void __launch_bounds__(64) attn_decode_split(const OrnithA
     if ((int)blockIdx.x >= total) return;
     const uint32_t s0 = smem_u32(smem), sq0 = s0 + 2 * ATT_STAGE;
     struct Item {
-        int t, kvh, s, k0, k1;
+        int t, pair, s, k0, k1;
     };
     auto item = [&](int i) {
         Item it;
         it.t = 0;
         while (i >= r_start[it.t + 1]) it.t++;
-        const int j = i - r_start[it.t], used = (r_start[it.t + 1] - r_start[it.t]) / p.kv_heads;
-        it.kvh = j / used;
+        const int j = i - r_start[it.t], used = (r_start[it.t + 1] - r_start[it.t]) / pairs;
+        it.pair = j / used;
         it.s = j % used;
         it.k0 = it.s * r_sl[it.t];
         it.k1 = min(it.k0 + r_sl[it.t], r_len[it.t]);
         return it;
     };
-    // cp.async of keys k0 + 32 tile .. of item `it` into stage `stg` (keys >= k1 zero-filled):
-    // warp 0 copies the K rows, warp 1 the V rows, lane c chunk c of each; with the item's first
-    // tile also its Q rows (heads >= group zero-filled) into Q slot `qslot`.
+    // cp.async of keys k0 + 16 tile .. of item `it` into stage `stg` (keys >= k1 and a missing
+    // second kv head zero-filled): thread tid copies 16-byte chunk tid of each key's 1 KiB K and V
+    // rows of the pair (warp w: kv head 2 pair + w, to rows 16 w .. of the stage's K and V); with
+    // the item's first tile also its Q rows (row 8 w + i: query head i of kv head 2 pair + w).
     auto load = [&](int stg, const Item &it, int tile, int qslot) {
         const int32_t *table = p.table + (p.pos_dev ? (size_t)it.t * p.table_stride : 0);
-        const uint16_t *cache = (warp == 0 ? p.k_cache : p.v_cache) + (size_t)it.kvh * ATT_D + lane * 8;
-        const uint32_t dst = s0 + stg * ATT_STAGE + warp * ATT_TILE * ATT_ROW;
+        const int kv = 2 * it.pair + warp;
+        const bool head = kv < p.kv_heads;
+        const size_t col = (size_t)(head ? kv : 0) * ATT_D + lane * 8;
+        const uint32_t dk = s0 + stg * ATT_STAGE + warp * ATT_TILE * ATT_ROW, dv = dk + 2 * ATT_TILE * ATT_ROW;
         const size_t pitch = (size_t)p.kv_heads * ATT_D;
         const int j0 = it.k0 + tile * ATT_TILE;
-#pragma unroll 8
+#pragma unroll 4
         for (int r = 0; r < ATT_TILE; r++) {
             const int j = j0 + r;
             const bool ok = j < it.k1;
-            cp_async16(dst + aswz(r, lane), cache + kv_row(table, ok ? j : it.k0) * pitch, ok ? 16 : 0);
+            const size_t off = kv_row(table, ok ? j : it.k0) * pitch + col;
+            const int n = ok && head ? 16 : 0;
+            cp_async16(dk + aswz(r, lane), p.k_cache + off, n);
+            cp_async16(dv + aswz(r, lane), p.v_cache + off, n);
         }
         if (tile == 0) {
-            const uint16_t *q = p.q + ((size_t)it.t * p.q_heads + (size_t)it.kvh * group) * ATT_D;
 #pragma unroll
-            for (int id = tid; id < ATT_G * 32; id += 64) {
-                const int hh = id >> 5, c = id & 31;
-                const bool ok = hh < group;
-                cp_async16(sq0 + qslot * ATT_G * ATT_ROW + aswz(hh, c), q + (ok ? hh : 0) * ATT_D + c * 8, ok ? 16 : 0);
+            for (int id = tid; id < 2 * ATT_G * 32; id += 64) {
+                const int w = id >> 8, i = (id >> 5) & 7, c = id & 31, kq = 2 * it.pair + w;
+                const bool ok = kq < p.kv_heads && i < group;
+                const uint16_t *src = p.q + ((size_t)it.t * p.q_heads + (ok ? kq * group + i : 0)) * ATT_D + c * 8;
+                cp_async16(sq0 + qslot * ATT_QSLOT + aswz(w * ATT_G + i, c), src, ok ? 16 : 0);
             }
         }
     };
@@ -180,17 +187,18 @@ extern "C" __global__ void __launch_bounds__(64) attn_decode_split(const OrnithA
         __syncthreads();  // stage `stage` has landed for every thread; stage ^ 1 is free
         if (more) load(stage ^ 1, nxt, last ? 0 : ct + 1, (nq + 1) & 1);
         cp_commit();
-        if (ct == 0) {  // the item's Q^T B fragments: ldmatrix of the Q rows (row = head)
-            const uint32_t sq = sq0 + (nq & 1) * ATT_G * ATT_ROW;
+        const int kv = 2 * cur.pair + warp;  // this warp's kv head (none: idle)
+        if (kv < p.kv_heads) {
+            if (ct == 0) {  // the item's Q^T B fragments: ldmatrix of the Q rows (row = head)
+                const uint32_t sq = sq0 + (nq & 1) * ATT_QSLOT + warp * ATT_G * ATT_ROW;
 #pragma unroll
-            for (int c4 = 0; c4 < 8; c4++)
-                ldsm_x4(sq + aswz(lane & 7, 4 * c4 + (lane >> 3)), qf[2 * c4][0], qf[2 * c4][1], qf[2 * c4 + 1][0],
-                        qf[2 * c4 + 1][1]);
-        }
-        const int key0 = cur.k0 + ct * ATT_TILE + warp * 16;  // this warp's first key
-        if (key0 < cur.k1) {  // (then key0 itself is valid: every head sees a finite score)
-            const uint32_t sk = s0 + stage * ATT_STAGE + warp * 16 * ATT_ROW;  // row & 7 = local row & 7
-            const uint32_t sv = sk + ATT_TILE * ATT_ROW;
+                for (int c4 = 0; c4 < 8; c4++)
+                    ldsm_x4(sq + aswz(lane & 7, 4 * c4 + (lane >> 3)), qf[2 * c4][0], qf[2 * c4][1],
+                            qf[2 * c4 + 1][0], qf[2 * c4 + 1][1]);
+            }
+            const int key0 = cur.k0 + ct * ATT_TILE;  // key0 < k1: every head sees a finite score
+            const uint32_t sk = s0 + stage * ATT_STAGE + warp * ATT_TILE * ATT_ROW;
+            const uint32_t sv = sk + 2 * ATT_TILE * ATT_ROW;
             // S^T = K Q^T over 16 k-steps, two accumulator chains (even / odd k-steps)
             float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
             const int ar = (lane & 7) + ((lane >> 3) & 1) * 8;
@@ -209,7 +217,7 @@ extern "C" __global__ void __launch_bounds__(64) attn_decode_split(const OrnithA
                 const int key = key0 + g + (e >> 1) * 8;
                 sc[e] = key < cur.k1 ? (sa[e] + sb[e]) * p.scale : -INFINITY;
             }
-            // online softmax per head: the max over the warp's 16 keys (the 8 lanes sharing qd)
+            // online softmax per head: the max over the tile's 16 keys (the 8 lanes sharing qd)
             float mx[2] = {fmaxf(sc[0], sc[2]), fmaxf(sc[1], sc[3])}, alpha[2];
 #pragma unroll
             for (int hh = 0; hh < 2; hh++) {
@@ -219,9 +227,12 @@ extern "C" __global__ void __launch_bounds__(64) attn_decode_split(const OrnithA
                 alpha[hh] = expf(m[hh] - mn);           // m = -inf before the first key: 0
                 m[hh] = mn;
             }
-            float pr[4];
+            float pr[4], lo[4];
 #pragma unroll
-            for (int e = 0; e < 4; e++) pr[e] = expf(sc[e] - m[e & 1]);  // masked keys: 0
+            for (int e = 0; e < 4; e++) {
+                pr[e] = expf(sc[e] - m[e & 1]);  // masked keys: 0
+                lo[e] = pr[e] - rbf(pr[e]);
+            }
             l[0] = l[0] * alpha[0] + (pr[0] + pr[2]);
             l[1] = l[1] * alpha[1] + (pr[1] + pr[3]);
 #pragma unroll
@@ -235,9 +246,6 @@ extern "C" __global__ void __launch_bounds__(64) attn_decode_split(const OrnithA
             // 2^-17 relative, as the CPU reference's fp32 P. P^T as B fragments (k = key,
             // n = head): the transposes of the two 8x8 blocks [keys g | g + 8][heads 2qd, 2qd + 1]
             // this lane holds.
-            float lo[4];
-#pragma unroll
-            for (int e = 0; e < 4; e++) lo[e] = pr[e] - rbf(pr[e]);
             uint32_t ph[2], pl[2];
             movmatrix_t(ph[0], pack_bf16x2(pr[0], pr[1]));
             movmatrix_t(ph[1], pack_bf16x2(pr[2], pr[3]));
@@ -252,43 +260,14 @@ extern "C" __global__ void __launch_bounds__(64) attn_decode_split(const OrnithA
                 mma_bf16(o[i], a, ph);
                 mma_bf16(o[i], a, pl);
             }
-        }
-        if (last) {  // merge the two warps' states, write the item's partials
-#pragma unroll
-            for (int hh = 0; hh < 2; hh++)
-#pragma unroll
-                for (int off = 4; off < 32; off <<= 1) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], off);
-            __syncthreads();  // both warps are done with stage `stage`: it holds warp 1's state
-            float *mb = reinterpret_cast<float *>(smem + stage * ATT_STAGE);
-            if (warp == 1) {
-#pragma unroll
-                for (int i = 0; i < 16; i++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) mb[(i * 4 + e) * 32 + lane] = o[i][e];
-                *reinterpret_cast<float4 *>(mb + 64 * 32 + lane * 4) = make_float4(m[0], m[1], l[0], l[1]);
-            }
-            __syncthreads();
-            if (warp == 0) {
-                const float4 w1 = *reinterpret_cast<const float4 *>(mb + 64 * 32 + lane * 4);
-                const float m1[2] = {w1.x, w1.y}, l1[2] = {w1.z, w1.w};
-                float f0[2], f1[2];
+            if (last) {  // the item's partials for this warp's query heads 2qd, 2qd + 1
 #pragma unroll
                 for (int hh = 0; hh < 2; hh++) {
-                    const float M = fmaxf(m[hh], m1[hh]);  // m[hh] is finite: warp 0 saw key k0
-                    f0[hh] = expf(m[hh] - M);
-                    f1[hh] = expf(m1[hh] - M);  // warp 1 saw no key: m1 = -inf, f1 = 0
-                    m[hh] = M;
-                    l[hh] = l[hh] * f0[hh] + l1[hh] * f1[hh];
-                }
 #pragma unroll
-                for (int i = 0; i < 16; i++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) o[i][e] = o[i][e] * f0[e & 1] + mb[(i * 4 + e) * 32 + lane] * f1[e & 1];
-#pragma unroll
-                for (int hh = 0; hh < 2; hh++) {
+                    for (int off = 4; off < 32; off <<= 1) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], off);
                     const int n = 2 * qd + hh;
                     if (n >= group) continue;
-                    const size_t part = ((size_t)cur.t * p.q_heads + (size_t)cur.kvh * group + n) * p.splits + cur.s;
+                    const size_t part = ((size_t)cur.t * p.q_heads + (size_t)kv * group + n) * p.splits + cur.s;
                     float *po = p.part_o + part * ATT_D + g;
 #pragma unroll
                     for (int i = 0; i < 16; i++) {
@@ -300,10 +279,10 @@ extern "C" __global__ void __launch_bounds__(64) attn_decode_split(const OrnithA
                         p.part_ml[part * 2 + 1] = l[hh];
                     }
                 }
+                reset();
             }
-            reset();
-            nq++;
         }
+        if (last) nq++;
         if (!more) break;
         ci = ni;
         cur = nxt;

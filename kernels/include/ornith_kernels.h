@@ -249,8 +249,9 @@ typedef struct OrnithQkRopeParams {
 /* Causal attention over the paged bf16 KV cache, split along the sequence (flash-decoding).
  * Token t at position pos (pos0 + t through `table`, or pos_dev[t] through table + t * table_stride
  * as in OrnithQkRopeParams) attends keys 0..pos. q [tokens, q_heads, head_dim] (head_dim 256).
- * Pass 1 (split): each work item (t, kv head, split) writes, for every q head of the kv head's
- * group, m, l and unnormalised o[head_dim] (fp32) to part_* (index (t * q_heads + h) * splits + s).
+ * Pass 1 (split): each work item (t, pair of kv heads, split) writes, for every q head of the two
+ * kv heads' groups, m, l and unnormalised o[head_dim] (fp32) to part_* (index
+ * (t * q_heads + h) * splits + s).
  * Pass 2 (combine): o = sum of rescaled partials / l;  out = bf16( bf16(o) * bf16(sigmoid(gate)) ),
  * gate = qg[t, h, head_dim:2*head_dim]. out [tokens, q_heads * head_dim]. tokens <= 8.
  * Split layout: split s covers keys s*split_len .. (s+1)*split_len; row t has

@@ -25,16 +25,16 @@ pub(crate) type AttnLaunch<'a> =
     dyn FnMut(&'static str, (u32, u32, u32), u32, u32, u64, OrnithAttnParams) -> Result<()> + 'a;
 
 /// Dynamic shared memory of `attn_decode_split` (`ATT_SMEM` in attention.cu): two stages of a
-/// 32-key K and V tile (2 x 32 KiB) and two slots of an item's 8 query rows (2 x 4 KiB).
-pub(crate) const ATT_SPLIT_SMEM: u32 = 2 * 2 * 32 * 512 + 2 * 8 * 512;
+/// 16-key K and V tile of two kv heads (2 x 32 KiB) and two slots of an item's 16 query rows
+/// (2 x 8 KiB).
+pub(crate) const ATT_SPLIT_SMEM: u32 = 2 * 2 * 2 * 16 * 512 + 2 * 16 * 512;
 /// Rows (query tokens) of one decode attention launch (`ATT_MAX_ROWS` in attention.cu).
 pub const ATT_MAX_ROWS: usize = 8;
 /// Most splits the combine merges (`ATT_MAX_SPLITS` in attention.cu).
 const ATT_MAX_SPLITS: usize = 1024;
 /// Resident `attn_decode_split` blocks per SM its grid is sized for (fewer where the shared
-/// memory allows fewer). At long context one row is 2 x 256 work items of equal length (a split
-/// of each kv head), which 2 per SM on the H200's 132 SMs take in two nearly full rounds (264 +
-/// 248); 3 per SM would run a second round of 116 blocks on a mostly idle GPU.
+/// memory allows fewer): at long context one row is 256 work items of equal length (a split of
+/// both kv heads), which 2 per SM on the H200's 132 SMs take in one round.
 pub(crate) const ATT_BLOCKS_PER_SM: u32 = 2;
 
 impl CudaContext {
@@ -678,17 +678,17 @@ impl CudaContext {
             (1..=ATT_MAX_SPLITS).contains(&splits),
             "attention: {splits} splits (the combine kernel holds at most {ATT_MAX_SPLITS} split weights)"
         );
-        // Work items (row, kv head, split): exact in the host form, at most `splits` per row and
-        // kv head in the device-position form.
+        // Work items (row, kv-head pair, split): exact in the host form, at most `splits` per row
+        // and pair in the device-position form.
         let items = if p.pos_dev.is_null() {
             let sl = p.split_len as usize;
             ensure!(sl > 0, "attention: split length 0");
             let last = p.pos0 as usize + t;
             ensure!(last.div_ceil(sl) <= splits, "attention: {last} keys in {splits} splits of {sl}");
-            (1..=t).map(|r| (p.pos0 as usize + r).div_ceil(sl)).sum::<usize>() * kvh
+            (1..=t).map(|r| (p.pos0 as usize + r).div_ceil(sl)).sum::<usize>() * kvh.div_ceil(2)
         } else {
             ensure!(p.min_split > 0, "attention: {splits} splits of at least {} keys", p.min_split);
-            t * kvh * splits
+            t * kvh.div_ceil(2) * splits
         };
         let blocks = self.attn_blocks.min(items as u32);
         let kv_bytes = keys * kvh * 256 * 2 * 2;

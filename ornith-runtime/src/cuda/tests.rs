@@ -932,8 +932,8 @@ fn attention_decode_matches_reference() {
 /// sequences' blocks descending through one cache that is NaN everywhere else, block 0 unused) =
 /// `cpu::attention::attention` of each sequence alone times `bf16(sigmoid(gate))`, compared with
 /// `close` as in `attention_decode_matches_reference` (fp32 order noise only: the kernel keeps
-/// the scores, softmax and P in fp32 — P·V as two bf16 halves of P). Lengths: 1 and 37 (one
-/// partial 32-key tile), 256 (one K/V block), 300 (two), 1000 (splits of 32 keys), 8191 and
+/// the scores, softmax and P in fp32 — P·V as two bf16 halves of P). Lengths: 1 and 37 (partial
+/// 16-key tiles), 256 (one K/V block), 300 (two), 1000 (splits of 32 keys), 8191 and
 /// 100,003 (~100K: splits of 391 keys, a multiple of neither the tile nor the block). A wrong
 /// mask, scale, kv head, table or split is O(rms). Then each row alone in the host form (its
 /// split length given, a grid of only its own work items) must give the group's bits: a row's
