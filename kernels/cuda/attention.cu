@@ -1,6 +1,7 @@
 // Full attention, decode path: q/k RMSNorm + partial RoPE + KV-cache write, split-sequence attention
-// (flash-decoding) and the combine with the sigmoid output gate.
+// (flash-decoding, tensor cores) and the combine with the sigmoid output gate.
 #include "common.cuh"
+#include "mma.cuh"
 
 // Cache row of position `pos` through a block table (ORNITH_KV_BLOCK positions per block).
 __device__ __forceinline__ size_t kv_row(const int32_t *table, int pos) {
@@ -47,138 +48,288 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const OrnithQkRop
     }
 }
 
-#define ATT_D 256
-#define ATT_KEYS 4  // keys whose loads are in flight together
+// ---------------------------------------------------------------------------------------------
+// Decode attention (flash-decoding over the paged cache, see OrnithAttnParams).
+//
+// Work item = (row t, kv-head pair, split s): the keys k0 = s * split_len .. k1 = min(k0 +
+// split_len, len) of row t (len = its position + 1) against the query heads of kv heads 2 pair
+// and 2 pair + 1 (`group` <= 8 each), written as one partial per query head: m = max of the
+// scaled scores, l = sum e^{score - m}, o = sum e^{score - m} v (fp32, unnormalised). A row's split
+// length comes from its own length (att_split_len), so its items, and their bits, never depend
+// on the other rows of the launch or on the grid: block b takes items b, b + gridDim.x, ...
+// (the launcher sizes the grid to the GPU), streaming their K/V tiles through one cp.async
+// pipeline that runs on from one item into the next.
+//
+// Block = 2 warps, warp w = kv head 2 pair + w. A cache position's K (and V) rows of the two kv
+// heads are 1 KiB contiguous; each is loaded once per item into shared memory for all query heads
+// of the group: tiles of 16 keys (K and V of both heads, 32 KiB), double buffered. Per warp and
+// tile, with the keys as the mma's M and the (padded) query heads as N:
+//   S^T [16 keys x 8 heads] = K [16 x 256] Q^T [256 x 8]      (bf16 mma.sync, fp32 accumulators)
+//   s = S^T * scale (key >= k1: -inf);  m' = max(m, max_keys s);  P = e^{s - m'}  (fp32)
+//   l = l e^{m - m'} + sum_keys P;  O^T [256 x 8] = O^T e^{m - m'} + V^T [256 x 16] P^T [16 x 8],
+// the last product as two bf16 mma (P = bf16(P) + bf16(P - bf16(P)), 16 significant bits).
+// The S^T accumulators turn into P^T's B fragments with movmatrix (an 8x8 transpose in registers),
+// V^T's A fragments come from the V tile with ldmatrix.trans. Rows are 512 bytes = 32 chunks of 16;
+// chunk c of row r lives at c ^ (r & 7) (conflict-free ldmatrix).
 
-// grid (splits, kv_heads, tokens), block 32 * (q_heads / kv_heads) threads: warp g handles q head
-// kvh * group + g. Lane l holds dims 8l..8l+7. Online softmax in fp32.
-extern "C" __global__ void __launch_bounds__(256) attn_decode_split(const OrnithAttnParams p) {
-    pdl_entry();
-    const int split = blockIdx.x, kvh = blockIdx.y, t = blockIdx.z;
-    const int group = p.q_heads / p.kv_heads;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (warp >= group) return;
-    const int h = kvh * group + warp;
-    const int pos = p.pos_dev ? p.pos_dev[t] : p.pos0 + t;
-    const int32_t *table = p.table + (p.pos_dev ? (size_t)t * p.table_stride : 0);
-    const int len = pos + 1;  // causal: keys 0..pos
-    int split_len = p.split_len;
-    if (p.pos_dev) {  // device-position form: the host's split_for formula over `splits` blocks,
-        // from this row's own length only (a row's bits do not depend on the other rows)
-        split_len = max((len + p.splits - 1) / p.splits, p.min_split);
-    }
-    const int k0 = split * split_len;
-    const int k1 = min(k0 + split_len, len);
-    float q[8], o[8];
-    {
-        uint4 qv = *reinterpret_cast<const uint4 *>(p.q + ((size_t)t * p.q_heads + h) * ATT_D + lane * 8);
-        const uint32_t qa[4] = {qv.x, qv.y, qv.z, qv.w};
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            q[2 * e] = __uint_as_float(qa[e] << 16) * p.scale;
-            q[2 * e + 1] = __uint_as_float(qa[e] & 0xffff0000u) * p.scale;
-        }
-    }
-#pragma unroll
-    for (int e = 0; e < 8; e++) o[e] = 0.f;
-    float m = -INFINITY, l = 0.f;
-    const size_t kstride = (size_t)p.kv_heads * ATT_D;
-    const uint16_t *kb = p.k_cache + (size_t)kvh * ATT_D + lane * 8;
-    const uint16_t *vb = p.v_cache + (size_t)kvh * ATT_D + lane * 8;
-    for (int j0 = k0; j0 < k1; j0 += ATT_KEYS) {
-        uint4 kv[ATT_KEYS], vv[ATT_KEYS];
-#pragma unroll
-        for (int u = 0; u < ATT_KEYS; u++) {
-            const size_t r = kv_row(table, min(j0 + u, k1 - 1));
-            kv[u] = *reinterpret_cast<const uint4 *>(kb + r * kstride);
-            vv[u] = *reinterpret_cast<const uint4 *>(vb + r * kstride);
-        }
-        float sc[ATT_KEYS];
-#pragma unroll
-        for (int u = 0; u < ATT_KEYS; u++) {
-            const uint32_t ka[4] = {kv[u].x, kv[u].y, kv[u].z, kv[u].w};
-            float d = 0.f;
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                d = fmaf(q[2 * e], __uint_as_float(ka[e] << 16), d);
-                d = fmaf(q[2 * e + 1], __uint_as_float(ka[e] & 0xffff0000u), d);
-            }
-            sc[u] = d;
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1)
-#pragma unroll
-            for (int u = 0; u < ATT_KEYS; u++) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], off);
-#pragma unroll
-        for (int u = 0; u < ATT_KEYS; u++) {
-            if (j0 + u >= k1) break;
-            const float mn = fmaxf(m, sc[u]);
-            const float corr = expf(m - mn);  // exp(-inf) = 0 on the first key
-            const float pr = expf(sc[u] - mn);
-            l = l * corr + pr;
-            const uint32_t va[4] = {vv[u].x, vv[u].y, vv[u].z, vv[u].w};
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                o[2 * e] = fmaf(pr, __uint_as_float(va[e] << 16), o[2 * e] * corr);
-                o[2 * e + 1] = fmaf(pr, __uint_as_float(va[e] & 0xffff0000u), o[2 * e + 1] * corr);
-            }
-            m = mn;
-        }
-    }
-    const size_t part = ((size_t)t * p.q_heads + h) * p.splits + split;
-    float4 *po = reinterpret_cast<float4 *>(p.part_o + part * ATT_D + lane * 8);
-    po[0] = make_float4(o[0], o[1], o[2], o[3]);
-    po[1] = make_float4(o[4], o[5], o[6], o[7]);
-    if (lane == 0) {
-        p.part_ml[part * 2] = m;  // -inf with l = 0 for a split past the causal end
-        p.part_ml[part * 2 + 1] = l;
-    }
+#define ATT_D 256
+#define ATT_ROW 512                              // bytes per K, V or Q row of one head
+#define ATT_G 8                                  // query heads per kv head as the mma's N
+#define ATT_TILE 16                              // keys per pipeline stage
+#define ATT_STAGE (2 * 2 * ATT_TILE * ATT_ROW)   // K then V of 2 kv heads: 32 KiB
+#define ATT_QSLOT (2 * ATT_G * ATT_ROW)          // the Q rows of one item: 8 KiB
+#define ATT_MAX_ROWS 8                           // rows per launch (launcher-checked)
+#define ATT_MAX_SPLITS 1024                      // launcher-checked (the combine's split weights)
+// Dynamic shared memory: 2 stages of K/V, then 2 Q slots (80 KiB; = ATT_SPLIT_SMEM of the launcher).
+#define ATT_SMEM (2 * ATT_STAGE + 2 * ATT_QSLOT)
+
+__device__ __forceinline__ uint32_t aswz(int row, int chunk) {
+    return (uint32_t)(row * ATT_ROW + ((chunk ^ (row & 7)) << 4));
+}
+// Row t's length (keys 0..pos, causal) and split length: given (host form), or the host's
+// split_for formula over `splits` from the row's own length (device-position form).
+__device__ __forceinline__ int att_len(const OrnithAttnParams &p, int t) {
+    return (p.pos_dev ? p.pos_dev[t] : p.pos0 + t) + 1;
+}
+__device__ __forceinline__ int att_split_len(const OrnithAttnParams &p, int len) {
+    return p.pos_dev ? max((len + p.splits - 1) / p.splits, p.min_split) : p.split_len;
 }
 
-#define ATT_MAX_SPLITS 1024  // launcher-checked
+// grid (any, 1, 1), block 64 threads, ATT_SMEM bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(64) attn_decode_split(const OrnithAttnParams p) {
+    pdl_entry();
+    extern __shared__ __align__(128) uint8_t smem[];
+    __shared__ int r_len[ATT_MAX_ROWS], r_sl[ATT_MAX_ROWS], r_start[ATT_MAX_ROWS + 1];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int group = p.q_heads / p.kv_heads, pairs = (p.kv_heads + 1) / 2;
+    if (tid == 0) {  // items of row t: [r_start[t], r_start[t + 1]), kv-head pair major
+        int acc = 0;
+        for (int t = 0; t < p.tokens; t++) {
+            const int len = att_len(p, t), sl = att_split_len(p, len);
+            r_len[t] = len;
+            r_sl[t] = sl;
+            r_start[t] = acc;
+            acc += (len + sl - 1) / sl * pairs;
+        }
+        r_start[p.tokens] = acc;
+    }
+    __syncthreads();
+    const int total = r_start[p.tokens];
+    if ((int)blockIdx.x >= total) return;
+    const uint32_t s0 = smem_u32(smem), sq0 = s0 + 2 * ATT_STAGE;
+    struct Item {
+        int t, pair, s, k0, k1;
+    };
+    auto item = [&](int i) {
+        Item it;
+        it.t = 0;
+        while (i >= r_start[it.t + 1]) it.t++;
+        const int j = i - r_start[it.t], used = (r_start[it.t + 1] - r_start[it.t]) / pairs;
+        it.pair = j / used;
+        it.s = j % used;
+        it.k0 = it.s * r_sl[it.t];
+        it.k1 = min(it.k0 + r_sl[it.t], r_len[it.t]);
+        return it;
+    };
+    // cp.async of keys k0 + 16 tile .. of item `it` into stage `stg` (keys >= k1 and a missing
+    // second kv head zero-filled): thread tid copies 16-byte chunk tid of each key's 1 KiB K and V
+    // rows of the pair (warp w: kv head 2 pair + w, to rows 16 w .. of the stage's K and V); with
+    // the item's first tile also its Q rows (row 8 w + i: query head i of kv head 2 pair + w).
+    auto load = [&](int stg, const Item &it, int tile, int qslot) {
+        const int32_t *table = p.table + (p.pos_dev ? (size_t)it.t * p.table_stride : 0);
+        const int kv = 2 * it.pair + warp;
+        const bool head = kv < p.kv_heads;
+        const size_t col = (size_t)(head ? kv : 0) * ATT_D + lane * 8;
+        const uint32_t dk = s0 + stg * ATT_STAGE + warp * ATT_TILE * ATT_ROW, dv = dk + 2 * ATT_TILE * ATT_ROW;
+        const size_t pitch = (size_t)p.kv_heads * ATT_D;
+        const int j0 = it.k0 + tile * ATT_TILE;
+#pragma unroll 4
+        for (int r = 0; r < ATT_TILE; r++) {
+            const int j = j0 + r;
+            const bool ok = j < it.k1;
+            const size_t off = kv_row(table, ok ? j : it.k0) * pitch + col;
+            const int n = ok && head ? 16 : 0;
+            cp_async16(dk + aswz(r, lane), p.k_cache + off, n);
+            cp_async16(dv + aswz(r, lane), p.v_cache + off, n);
+        }
+        if (tile == 0) {
+#pragma unroll
+            for (int id = tid; id < 2 * ATT_G * 32; id += 64) {
+                const int w = id >> 8, i = (id >> 5) & 7, c = id & 31, kq = 2 * it.pair + w;
+                const bool ok = kq < p.kv_heads && i < group;
+                const uint16_t *src = p.q + ((size_t)it.t * p.q_heads + (ok ? kq * group + i : 0)) * ATT_D + c * 8;
+                cp_async16(sq0 + qslot * ATT_QSLOT + aswz(w * ATT_G + i, c), src, ok ? 16 : 0);
+            }
+        }
+    };
 
-// grid (q_heads, tokens), block ATT_D threads: merge the splits, normalise, gate.
-//   M = max_s m_s,  f_s = e^{m_s - M} (0 for an empty split, m_s = -inf),  L = sum_s l_s f_s,
-//   o_i = (sum_s f_s o_{s,i}) / L.
-// The split statistics are read in parallel (thread j takes splits j, j + 256, ...) and the
-// weights f_s kept in shared memory, so the per-dimension loop over the splits is only
-// independent loads and FMAs.
+    const int g = lane >> 2, qd = lane & 3;  // fragment row / column pair of this lane
+    float o[16][4];                           // O^T: o[i] = dims 16i + g (+8) x heads 2qd, 2qd + 1
+    float m[2], l[2];                         // heads 2qd, 2qd + 1 (l: this lane's keys only)
+    uint32_t qf[16][2];                       // Q^T B fragments, k-steps of 16 dims
+    auto reset = [&]() {
+#pragma unroll
+        for (int i = 0; i < 16; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+        m[0] = m[1] = -INFINITY;
+        l[0] = l[1] = 0.f;
+    };
+    reset();
+    int ci = blockIdx.x, ct = 0, nq = 0, stage = 0;  // item, its tile, items begun, stage of `ct`
+    Item cur = item(ci);
+    load(0, cur, 0, 0);
+    cp_commit();
+    for (;;) {
+        const bool last = (ct + 1) * ATT_TILE >= cur.k1 - cur.k0;  // the item's last tile
+        const int ni = last ? ci + (int)gridDim.x : ci;
+        const bool more = ni < total;
+        const Item nxt = last && more ? item(ni) : cur;
+        cp_wait<0>();
+        __syncthreads();  // stage `stage` has landed for every thread; stage ^ 1 is free
+        if (more) load(stage ^ 1, nxt, last ? 0 : ct + 1, (nq + 1) & 1);
+        cp_commit();
+        const int kv = 2 * cur.pair + warp;  // this warp's kv head (none: idle)
+        if (kv < p.kv_heads) {
+            if (ct == 0) {  // the item's Q^T B fragments: ldmatrix of the Q rows (row = head)
+                const uint32_t sq = sq0 + (nq & 1) * ATT_QSLOT + warp * ATT_G * ATT_ROW;
+#pragma unroll
+                for (int c4 = 0; c4 < 8; c4++)
+                    ldsm_x4(sq + aswz(lane & 7, 4 * c4 + (lane >> 3)), qf[2 * c4][0], qf[2 * c4][1],
+                            qf[2 * c4 + 1][0], qf[2 * c4 + 1][1]);
+            }
+            const int key0 = cur.k0 + ct * ATT_TILE;  // key0 < k1: every head sees a finite score
+            const uint32_t sk = s0 + stage * ATT_STAGE + warp * ATT_TILE * ATT_ROW;
+            const uint32_t sv = sk + 2 * ATT_TILE * ATT_ROW;
+            // S^T = K Q^T over 16 k-steps, two accumulator chains (even / odd k-steps)
+            float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
+            const int ar = (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+            for (int kk = 0; kk < 16; kk += 2) {
+                uint32_t a[4], b[4];
+                ldsm_x4(sk + aswz(ar, 2 * kk + (lane >> 4)), a[0], a[1], a[2], a[3]);
+                ldsm_x4(sk + aswz(ar, 2 * kk + 2 + (lane >> 4)), b[0], b[1], b[2], b[3]);
+                mma_bf16(sa, a, qf[kk]);
+                mma_bf16(sb, b, qf[kk + 1]);
+            }
+            // c[e]: key key0 + g + 8 (e >> 1), head 2 qd + (e & 1)
+            float sc[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = key0 + g + (e >> 1) * 8;
+                sc[e] = key < cur.k1 ? (sa[e] + sb[e]) * p.scale : -INFINITY;
+            }
+            // online softmax per head: the max over the tile's 16 keys (the 8 lanes sharing qd)
+            float mx[2] = {fmaxf(sc[0], sc[2]), fmaxf(sc[1], sc[3])}, alpha[2];
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+#pragma unroll
+                for (int off = 4; off < 32; off <<= 1) mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], off));
+                const float mn = fmaxf(m[hh], mx[hh]);  // finite
+                alpha[hh] = expf(m[hh] - mn);           // m = -inf before the first key: 0
+                m[hh] = mn;
+            }
+            float pr[4], lo[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                pr[e] = expf(sc[e] - m[e & 1]);  // masked keys: 0
+                lo[e] = pr[e] - rbf(pr[e]);
+            }
+            l[0] = l[0] * alpha[0] + (pr[0] + pr[2]);
+            l[1] = l[1] * alpha[1] + (pr[1] + pr[3]);
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                o[i][0] *= alpha[0];
+                o[i][1] *= alpha[1];
+                o[i][2] *= alpha[0];
+                o[i][3] *= alpha[1];
+            }
+            // P = P_hi + P_lo, both bf16 (P_hi = bf16(P), P_lo = bf16(P - P_hi)): P V keeps P to
+            // 2^-17 relative, as the CPU reference's fp32 P. P^T as B fragments (k = key,
+            // n = head): the transposes of the two 8x8 blocks [keys g | g + 8][heads 2qd, 2qd + 1]
+            // this lane holds.
+            uint32_t ph[2], pl[2];
+            movmatrix_t(ph[0], pack_bf16x2(pr[0], pr[1]));
+            movmatrix_t(ph[1], pack_bf16x2(pr[2], pr[3]));
+            movmatrix_t(pl[0], pack_bf16x2(lo[0], lo[1]));
+            movmatrix_t(pl[1], pack_bf16x2(lo[2], lo[3]));
+            // O^T += V^T P_hi^T + V^T P_lo^T: 16 m-tiles of 16 dims; A = V^T via ldmatrix.trans
+            const int j = lane >> 3, vr = (lane & 7) + (j >> 1) * 8;
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                uint32_t a[4];
+                ldsm_x4_t(sv + aswz(vr, 2 * i + (j & 1)), a[0], a[1], a[2], a[3]);
+                mma_bf16(o[i], a, ph);
+                mma_bf16(o[i], a, pl);
+            }
+            if (last) {  // the item's partials for this warp's query heads 2qd, 2qd + 1
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++) {
+#pragma unroll
+                    for (int off = 4; off < 32; off <<= 1) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], off);
+                    const int n = 2 * qd + hh;
+                    if (n >= group) continue;
+                    const size_t part = ((size_t)cur.t * p.q_heads + (size_t)kv * group + n) * p.splits + cur.s;
+                    float *po = p.part_o + part * ATT_D + g;
+#pragma unroll
+                    for (int i = 0; i < 16; i++) {
+                        po[16 * i] = o[i][hh];
+                        po[16 * i + 8] = o[i][2 + hh];
+                    }
+                    if (g == 0) {
+                        p.part_ml[part * 2] = m[hh];
+                        p.part_ml[part * 2 + 1] = l[hh];
+                    }
+                }
+                reset();
+            }
+        }
+        if (last) nq++;
+        if (!more) break;
+        ci = ni;
+        cur = nxt;
+        ct = last ? 0 : ct + 1;
+        stage ^= 1;
+    }
+    cp_wait<0>();
+}
+
+// grid (q_heads, tokens), block ATT_D threads: merge the splits of row t, head h, normalise, gate.
+//   M = max_s m_s,  f_s = e^{m_s - M},  L = sum_s l_s f_s,  o_i = (sum_s f_s o_{s,i}) / L,
+//   out = bf16( bf16(o) * bf16(sigmoid(gate)) ).
+// Only the row's `used` = ceil(len / split_len) splits are read (each holds at least one key), so
+// the grid's split count (the partials' stride) never enters the sums: the host form (exact split
+// count) and the fixed-grid device form of the same split length give the same bits. The split
+// statistics are read in parallel (thread j takes splits j, j + 256, ...) and the weights f_s kept
+// in shared memory; split s sums into accumulator s % 4.
 extern "C" __global__ void __launch_bounds__(ATT_D) attn_decode_combine(const OrnithAttnParams p) {
     pdl_entry();
     __shared__ float f[ATT_MAX_SPLITS];
     __shared__ float sh[32];
     const int h = blockIdx.x, t = blockIdx.y, i = threadIdx.x;
+    const int len = att_len(p, t), sl = att_split_len(p, len);
+    const int used = (len + sl - 1) / sl;
     const size_t base = ((size_t)t * p.q_heads + h) * p.splits;
     float mx = -INFINITY;
-    for (int s = i; s < p.splits; s += ATT_D) mx = fmaxf(mx, p.part_ml[(base + s) * 2]);
+    for (int s = i; s < used; s += ATT_D) mx = fmaxf(mx, p.part_ml[(base + s) * 2]);
     const float M = block_max(mx, sh);
     float lsum = 0.f;
-    int last = -1;  // the last split with a non-zero weight
-    for (int s = i; s < p.splits; s += ATT_D) {
-        const float ms = p.part_ml[(base + s) * 2];
-        const float w = ms == -INFINITY ? 0.f : expf(ms - M);
+    for (int s = i; s < used; s += ATT_D) {
+        const float w = expf(p.part_ml[(base + s) * 2] - M);
         f[s] = w;
-        if (w != 0.f) last = s;
         lsum = fmaf(p.part_ml[(base + s) * 2 + 1], w, lsum);
     }
-    // Splits past `used` have weight 0 (empty: past the causal end, as most of the fixed grid of a
-    // decode graph is) and finite partials, so they add exactly 0: the loop stops at `used`
-    // rounded up to the 4-way grouping, which leaves every sum as the full loop forms it. Split s
-    // always goes to accumulator s % 4, also when `p.splits` is not a multiple of 4 (the host
-    // form's exact split count; missing splits add 0), so the host form and the fixed-grid device
-    // form of the same split length give the same bits.
-    const int used = (int)block_max((float)(last + 1), sh);
     const float L = block_sum(lsum, sh);  // block_sum ends with a barrier: f[] is complete
-    const int lim = (used + 3) & ~3;
     float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
     const float *po = p.part_o + base * ATT_D + i;
-    for (int s = 0; s < lim; s += 4) {
-        const bool h1 = s + 1 < p.splits, h2 = s + 2 < p.splits, h3 = s + 3 < p.splits;
-        acc0 = fmaf(po[(size_t)(s + 0) * ATT_D], f[s + 0], acc0);  // s < used <= splits
-        acc1 = fmaf(h1 ? po[(size_t)(s + 1) * ATT_D] : 0.f, h1 ? f[s + 1] : 0.f, acc1);
-        acc2 = fmaf(h2 ? po[(size_t)(s + 2) * ATT_D] : 0.f, h2 ? f[s + 2] : 0.f, acc2);
-        acc3 = fmaf(h3 ? po[(size_t)(s + 3) * ATT_D] : 0.f, h3 ? f[s + 3] : 0.f, acc3);
+    int s = 0;
+    for (; s + 4 <= used; s += 4) {
+        acc0 = fmaf(po[(size_t)(s + 0) * ATT_D], f[s + 0], acc0);
+        acc1 = fmaf(po[(size_t)(s + 1) * ATT_D], f[s + 1], acc1);
+        acc2 = fmaf(po[(size_t)(s + 2) * ATT_D], f[s + 2], acc2);
+        acc3 = fmaf(po[(size_t)(s + 3) * ATT_D], f[s + 3], acc3);
     }
+    if (s + 0 < used) acc0 = fmaf(po[(size_t)(s + 0) * ATT_D], f[s + 0], acc0);
+    if (s + 1 < used) acc1 = fmaf(po[(size_t)(s + 1) * ATT_D], f[s + 1], acc1);
+    if (s + 2 < used) acc2 = fmaf(po[(size_t)(s + 2) * ATT_D], f[s + 2], acc2);
     const float o = rbf(((acc0 + acc1) + (acc2 + acc3)) / L);
     const float gate = bf2f(p.qg[((size_t)t * p.q_heads + h) * 2 * ATT_D + ATT_D + i]);
     p.out[((size_t)t * p.q_heads + h) * ATT_D + i] = f2bf(o * rbf(sigmoid_f(gate)));

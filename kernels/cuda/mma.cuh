@@ -1,5 +1,6 @@
-// Tensor-core helpers for the prefill kernels: cp.async, ldmatrix, mma.sync (no wgmma/tcgen05,
-// so the same PTX runs on sm_90 and sm_121). Included, never compiled alone.
+// Tensor-core helpers of the prefill kernels and the decode attention: cp.async, ldmatrix,
+// movmatrix, mma.sync (no wgmma/tcgen05, so the same PTX runs on sm_90 and sm_121). Included,
+// never compiled alone.
 #pragma once
 #include <stdint.h>
 
@@ -38,4 +39,9 @@ __device__ __forceinline__ void mma_bf16(float *c, const uint32_t *a, const uint
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t *>(&v);
+}
+// Transpose of an 8x8 b16 matrix held as mma fragments: lane 4i + j holds row i, columns 2j and
+// 2j + 1 of `a`, and gets the same positions of the transpose in `d`.
+__device__ __forceinline__ void movmatrix_t(uint32_t &d, uint32_t a) {
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(a));
 }

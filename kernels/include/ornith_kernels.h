@@ -249,15 +249,18 @@ typedef struct OrnithQkRopeParams {
 /* Causal attention over the paged bf16 KV cache, split along the sequence (flash-decoding).
  * Token t at position pos (pos0 + t through `table`, or pos_dev[t] through table + t * table_stride
  * as in OrnithQkRopeParams) attends keys 0..pos. q [tokens, q_heads, head_dim] (head_dim 256).
- * Pass 1 (split): each (t, head, split) writes m, l and unnormalised o[head_dim] (fp32) to part_*.
+ * Pass 1 (split): each work item (t, pair of kv heads, split) writes, for every q head of the two
+ * kv heads' groups, m, l and unnormalised o[head_dim] (fp32) to part_* (index
+ * (t * q_heads + h) * splits + s).
  * Pass 2 (combine): o = sum of rescaled partials / l;  out = bf16( bf16(o) * bf16(sigmoid(gate)) ),
- * gate = qg[t, h, head_dim:2*head_dim]. out [tokens, q_heads * head_dim].
- * Split layout: split s covers keys s*split_len .. (s+1)*split_len; partials are indexed with
- * `splits` (the grid's x size). Device-position form (pos_dev non-null, per-row sequences, for
- * captured decode graphs): row t's split_len = max(ceil((pos_dev[t] + 1) / splits), min_split) is
- * computed on the device from that row's own position only (the host's `split_for` formula); the
- * grid keeps `splits` blocks and those past the causal end write m = -inf, l = 0, which the
- * combine skips. */
+ * gate = qg[t, h, head_dim:2*head_dim]. out [tokens, q_heads * head_dim]. tokens <= 8.
+ * Split layout: split s covers keys s*split_len .. (s+1)*split_len; row t has
+ * ceil((pos_t + 1) / split_len) of them (`splits` is the partials' stride, at least that many).
+ * Device-position form (pos_dev non-null, per-row sequences, for captured decode graphs): row t's
+ * split_len = max(ceil((pos_dev[t] + 1) / splits), min_split) is computed on the device from that
+ * row's own position only (the host's `split_for` formula). The split kernel's grid is any size
+ * (block b takes items b, b + gridDim.x, ...), so neither the grid nor the other rows change a
+ * row's bits. */
 typedef struct OrnithAttnParams {
     const uint16_t *q;
     const uint16_t *k_cache;

@@ -419,7 +419,8 @@ const OP_GDN_DECODE: f64 = 5e-3;
 /// prefill figures (up to 2.5e-3). 2e-2 allows about (2e-2 / 2^-4)^2 = 10% of one row's codes to
 /// flip by one step — far beyond what summation order does (the prefill figures imply well under
 /// 1%) and far below what a wrong expert, scale or cache position gives (O(1)). The decode
-/// attention kernel keeps P in fp32, so the flash kernel's 1.2e-2 does not apply.
+/// attention kernel keeps P to 16 significant bits (P·V as two bf16 mma, P = bf16(P) +
+/// bf16(P - bf16(P))), so the flash kernel's 1.2e-2 (bf16 P) does not apply.
 const OP_FP8_DECODE: f64 = 2e-2;
 /// Decode logits (final norm + BF16 lm_head GEMV of one row): the prefill logits bound, 3e-4.
 const OP_LOGITS_DECODE: f64 = 3e-4;

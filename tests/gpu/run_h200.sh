@@ -11,9 +11,11 @@
 #   5. a 256-request JSONL batch file through the real binary (tests/gpu/batch_file.py);
 #   6. full preset: 1,000 greedy steps finite, the decode graph against eager.
 # PHASE=check runs 1–2 only, PHASE=full 3–6 only (two device calls of under 10 minutes each; the
-# full checkpoint synthesised by the first full run is reused while the machine stays warm).
-# PHASE=prefix: the full preset's prefix-cache identity test, then tests/gpu/prefix_cache.py (a
-# growing agent conversation and a shared-system-prompt batch file, with and without the cache).
+# full checkpoint synthesised by the first full run is reused while the machine stays warm),
+# PHASE=bench 3 only, PHASE=check+bench 1–3. With BASE=<name> (a baseline's .gpu/<name>/bench_full.xz, carried too) the
+# bench runs first with that binary (prompts BASE_PROMPTS, default PROMPTS), into bench_base.*.
+# PHASE=prefix: 1–2, then the full preset's prefix-cache identity test and tests/gpu/prefix_cache.py
+# (a growing agent conversation and a shared-system-prompt batch file, with and without the cache).
 # Logs and JSON go to $OUT; a short table to stdout.
 set -uo pipefail
 name=${1:?usage: tests/gpu/run_h200.sh NAME [PROMPTS] [BATCH]}
@@ -28,7 +30,7 @@ for f in "$src"/*.xz; do
 done
 echo "commit $(cat "$src/COMMIT" 2>/dev/null)"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 phase=${PHASE:-all}
-if [ "$phase" != full ]; then
+if [ "$phase" != full ] && [ "$phase" != bench ]; then
 t0=$SECONDS
 timeout 240 "$G/kernels" --ignored --test-threads=1 --nocapture > "$OUT/kernels.log" 2>&1; echo "kernels rc=$? $((SECONDS - t0))s"
 grep -E "PERF|panicked|test result|identical to the CPU" "$OUT/kernels.log" | cut -c1-220
@@ -53,9 +55,22 @@ if [ "$phase" = prefix ]; then
     echo "prefix cache rc=$? $((SECONDS - t0))s"
     exit 0
 fi
+if [ -n "${BASE:-}" ]; then
+    t0=$SECONDS
+    python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' ".gpu/$BASE/bench_full.xz" "$G/bench_base"
+    chmod +x "$G/bench_base"
+    echo "baseline bench: commit $(cat ".gpu/$BASE/COMMIT" 2>/dev/null)"
+    timeout 330 "$G/bench_base" --model "$C/full" --prompts "${BASE_PROMPTS:-$prompts}" --gen 64 --budget-s 120 --batch "$batch" > "$OUT/bench_base.json" 2> "$OUT/bench_base.err"
+    echo "bench base rc=$? $((SECONDS - t0))s"
+    grep -E "^ +[0-9]+ +[0-9.]+ +[0-9]+ " "$OUT/bench_base.err" | head -20
+fi
 t0=$SECONDS
 timeout 330 "$G/bench_full" --model "$C/full" --prompts "$prompts" --gen 64 --budget-s 120 --batch "$batch" > "$OUT/bench_full.json" 2> "$OUT/bench_full.err"
 echo "bench rc=$? $((SECONDS - t0))s"
+if [ "$phase" = bench ] || [ "$phase" = check+bench ]; then
+    grep -E "^ +[0-9]+ +[0-9.]+ +[0-9]+ |attn_decode|skipping|error" "$OUT/bench_full.err" | head -40
+    exit 0
+fi
 grep -v uploading "$OUT/bench_full.err" | head -130
 if [ -x "$G/ornith_full" ]; then
     t0=$SECONDS

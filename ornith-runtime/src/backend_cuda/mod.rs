@@ -26,10 +26,11 @@
 //!   `pos0 + t`, one block table and its slot's state.
 //! * A decode step ([`Batch::is_decode`]) is captured as a CUDA graph once per number of
 //!   sequences and replayed ([`Backend::step`]): the kernels read ids, positions, slots and block
-//!   tables from the static description `desc` written before each replay, the attention grid
-//!   is fixed at [`plan::MAX_SPLITS`] splits (the kernel derives each row's split length), and the
-//!   step's activations and logits live in static buffers sized for the pool's slots. With
-//!   profiling on (`ornith-bench`), or `set_decode_graph(false)`, the same launches run eagerly.
+//!   tables from the static description `desc` written before each replay, the attention splits
+//!   a row over at most [`plan::MAX_SPLITS`] (the kernels derive each row's split length from its
+//!   position) on a grid fixed by the GPU, and the step's activations and logits live in static
+//!   buffers sized for the pool's slots. With profiling on (`ornith-bench`), or
+//!   `set_decode_graph(false)`, the same launches run eagerly.
 mod load;
 mod ops;
 pub mod plan;
@@ -658,7 +659,8 @@ impl CudaBackend {
         self.lin(&w.out_proj, "out_proj", on, at(self, &h.delta, r0 * hs), hs, n, prefill)
     }
 
-    /// Rows `r0 .. r0 + n` of an attention layer (`rows`: whose positions and blocks).
+    /// Rows `r0 .. r0 + n` of an attention layer (`rows`: whose positions and blocks; `pos`:
+    /// the rows' positions as the host knows them, for the profile's byte counts only).
     #[allow(clippy::too_many_arguments)]
     fn attention_rows<Q: Prec, K: Prec, V: Prec, O: Prec>(
         &self,
@@ -669,6 +671,7 @@ impl CudaBackend {
         r0: usize,
         n: usize,
         h: &CudaAct,
+        pos: &[usize],
     ) -> Result<()> {
         let d = &self.dims;
         let (hs, nh, nkv, hd) = (d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim);
@@ -743,11 +746,13 @@ impl CudaBackend {
             })?;
         } else {
             // ATTN_ROWS rows per launch (the split partials are sized for that many).
+            const _: () = assert!(ATTN_ROWS <= crate::cuda::launch::ATT_MAX_ROWS);
             for a0 in (0..n).step_by(ATTN_ROWS) {
                 let m = ATTN_ROWS.min(n - a0);
-                // Device-position form: a fixed grid of MAX_SPLITS splits, the kernel derives
-                // each row's split_for length from its own position; one sequence: the host's
-                // split_for over the launch's last row (identical splits, identical results).
+                // Device-position form: MAX_SPLITS splits at most (the partials' stride), the
+                // kernels derive each row's split_for length from its own position; one
+                // sequence: the host's split_for over the launch's last row (identical splits,
+                // identical results).
                 let (split_len, splits, tab) = match rows {
                     Rows::Group => (0, plan::MAX_SPLITS, table + (4 * a0 * tw) as u64),
                     Rows::Seq { .. } => {
@@ -755,27 +760,30 @@ impl CudaBackend {
                         (l, s, table)
                     }
                 };
-                self.k_attention(OrnithAttnParams {
-                    q: at(self, &s.q, a0 * nh * hd) as _,
-                    k_cache: at(self, &pool.k, 0) as _,
-                    v_cache: at(self, &pool.v, 0) as _,
-                    qg: at(self, &s.qg, a0 * nh * 2 * hd) as _,
-                    part_o: at(self, &s.part_o, 0) as _,
-                    part_ml: at(self, &s.part_ml, 0) as _,
-                    out: at(self, &s.on, a0 * nh * hd) as _,
-                    tokens: m as i32,
-                    pos0: (p0 + a0) as i32,
-                    q_heads: nh as i32,
-                    kv_heads: nkv as i32,
-                    head_dim: hd as i32,
-                    split_len: split_len as i32,
-                    splits: splits as i32,
-                    scale: 1.0 / (hd as f32).sqrt(),
-                    pos_dev: pos_ptr(a0),
-                    min_split: plan::MIN_SPLIT as i32,
-                    table: tab as _,
-                    table_stride: tw as i32,
-                })?;
+                self.k_attention(
+                    OrnithAttnParams {
+                        q: at(self, &s.q, a0 * nh * hd) as _,
+                        k_cache: at(self, &pool.k, 0) as _,
+                        v_cache: at(self, &pool.v, 0) as _,
+                        qg: at(self, &s.qg, a0 * nh * 2 * hd) as _,
+                        part_o: at(self, &s.part_o, 0) as _,
+                        part_ml: at(self, &s.part_ml, 0) as _,
+                        out: at(self, &s.on, a0 * nh * hd) as _,
+                        tokens: m as i32,
+                        pos0: (p0 + a0) as i32,
+                        q_heads: nh as i32,
+                        kv_heads: nkv as i32,
+                        head_dim: hd as i32,
+                        split_len: split_len as i32,
+                        splits: splits as i32,
+                        scale: 1.0 / (hd as f32).sqrt(),
+                        pos_dev: pos_ptr(a0),
+                        min_split: plan::MIN_SPLIT as i32,
+                        table: tab as _,
+                        table_stride: tw as i32,
+                    },
+                    pos[a0..a0 + m].iter().map(|&x| x + 1).sum(),
+                )?;
             }
         }
         let att = XIn { bf: at(self, &s.on, 0), q8: None, stride: nh * hd };
@@ -1106,7 +1114,8 @@ impl Backend for CudaBackend {
         }
         let g = group_rows(batch);
         if g > 0 {
-            self.attention_rows(norm, w, pool, Rows::Group, 0, g, h)?;
+            let pos: Vec<usize> = batch.seqs[..g].iter().map(|s| s.pos).collect();
+            self.attention_rows(norm, w, pool, Rows::Group, 0, g, h, &pos)?;
         }
         for (i, (s, r)) in batch.seqs.iter().zip(batch.row_starts()).enumerate().skip(g) {
             for c0 in (0..s.len).step_by(CHUNK) {
@@ -1119,6 +1128,7 @@ impl Backend for CudaBackend {
                     r + c0,
                     n,
                     h,
+                    &(s.pos + c0..s.pos + c0 + n).collect::<Vec<_>>(),
                 )?;
             }
         }

@@ -385,16 +385,13 @@ impl CudaBackend {
         self.go("qk_norm_rope", ((qh + kvh) as u32, t as u32, 1), d as u32, bytes as u64, p)
     }
 
-    /// Split-sequence attention + combine; bytes are the K/V rows read (per token; for per-row
-    /// positions, whose values only the device knows, one key per row: a lower bound).
-    pub(super) fn k_attention(&self, p: OrnithAttnParams) -> Result<()> {
-        let (t, kvh, qh, splits) = (p.tokens as usize, p.kv_heads as usize, p.q_heads as usize, p.splits as usize);
-        let total = if p.pos_dev.is_null() { (p.pos0 as usize) + t } else { 1 };
-        let kv_bytes = t * total * kvh * 256 * 2 * 2;
-        let group = (qh / kvh) as u32;
-        self.go("attn_decode_split", (splits as u32, kvh as u32, t as u32), 32 * group, kv_bytes as u64, p)?;
-        let part = t * qh * splits * (256 + 2) * 4 + t * qh * 256 * 4;
-        self.go("attn_decode_combine", (qh as u32, t as u32, 1), 256, part as u64, p)
+    /// Split-sequence attention + combine through their one launcher
+    /// (`CudaContext::launch_attention`); `keys`: the K/V positions the rows read in all (the
+    /// bytes of the profile).
+    pub(super) fn k_attention(&self, p: OrnithAttnParams, keys: usize) -> Result<()> {
+        self.cx.launch_attention(p, keys, &mut |name, grid, block, smem, bytes, p| {
+            self.go_smem(name, grid, block, smem, bytes, p)
+        })
     }
 
     /// Argmax of the first `n` columns of `rows` logits rows (row stride `stride`): row i of

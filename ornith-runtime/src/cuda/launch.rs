@@ -19,6 +19,24 @@ fn i32of(what: &str, v: usize) -> Result<i32> {
 /// Positions per K/V block (`ORNITH_KV_BLOCK`, = `graph::KV_BLOCK`).
 const KVB: usize = ORNITH_KV_BLOCK as usize;
 
+/// One kernel launch as [`CudaContext::launch_attention`] hands it out: (kernel, grid, block,
+/// dynamic shared bytes, bytes it reads, parameters).
+pub(crate) type AttnLaunch<'a> =
+    dyn FnMut(&'static str, (u32, u32, u32), u32, u32, u64, OrnithAttnParams) -> Result<()> + 'a;
+
+/// Dynamic shared memory of `attn_decode_split` (`ATT_SMEM` in attention.cu): two stages of a
+/// 16-key K and V tile of two kv heads (2 x 32 KiB) and two slots of an item's 16 query rows
+/// (2 x 8 KiB).
+pub(crate) const ATT_SPLIT_SMEM: u32 = 2 * 2 * 2 * 16 * 512 + 2 * 16 * 512;
+/// Rows (query tokens) of one decode attention launch (`ATT_MAX_ROWS` in attention.cu).
+pub const ATT_MAX_ROWS: usize = 8;
+/// Most splits the combine merges (`ATT_MAX_SPLITS` in attention.cu).
+const ATT_MAX_SPLITS: usize = 1024;
+/// Resident `attn_decode_split` blocks per SM its grid is sized for (fewer where the shared
+/// memory allows fewer): at long context one row is 256 work items of equal length (a split of
+/// both kv heads), which 2 per SM on the H200's 132 SMs take in one round.
+pub(crate) const ATT_BLOCKS_PER_SM: u32 = 2;
+
 impl CudaContext {
     /// Checks a paged K/V launch on the host (the launchers are the kernels' tested entry
     /// points, so they may read device inputs back): row t at `positions[t]` reads blocks
@@ -642,11 +660,49 @@ impl CudaContext {
         self.launch("qk_norm_rope", ((a.q_heads + a.kv_heads) as u32, a.tokens as u32, 1), d as u32, p)
     }
 
-    /// Split-sequence causal attention (head_dim 256) over the paged cache + sigmoid output gate.
+    /// The one launcher of the decode attention (`attn_decode_split` then `attn_decode_combine`,
+    /// see `OrnithAttnParams` and attention.cu): checks the shape, sizes the split kernel's grid
+    /// to the GPU ([`CudaContext::attn_blocks`] blocks at most, each taking every grid-th work
+    /// item; the grid never changes a result) and hands each launch (kernel, grid, block, shared
+    /// bytes, bytes it reads, params) to `go`: a plain launch ([`Self::attention_decode`]) or the
+    /// CUDA backend's profiled one. `keys`: the K/V positions the rows read in all (the bytes).
+    pub(crate) fn launch_attention(&self, p: OrnithAttnParams, keys: usize, go: &mut AttnLaunch) -> Result<()> {
+        let (t, qh, kvh, splits) = (p.tokens as usize, p.q_heads as usize, p.kv_heads as usize, p.splits as usize);
+        ensure!(p.head_dim == 256, "attention: head_dim {} (kernel is written for 256)", p.head_dim);
+        ensure!(
+            kvh > 0 && qh.is_multiple_of(kvh) && qh / kvh <= 8,
+            "attention: q_heads/kv_heads must be an integer <= 8"
+        );
+        ensure!((1..=ATT_MAX_ROWS).contains(&t), "attention: {t} rows (1..={ATT_MAX_ROWS} per launch)");
+        ensure!(
+            (1..=ATT_MAX_SPLITS).contains(&splits),
+            "attention: {splits} splits (the combine kernel holds at most {ATT_MAX_SPLITS} split weights)"
+        );
+        // Work items (row, kv-head pair, split): exact in the host form, at most `splits` per row
+        // and pair in the device-position form.
+        let items = if p.pos_dev.is_null() {
+            let sl = p.split_len as usize;
+            ensure!(sl > 0, "attention: split length 0");
+            let last = p.pos0 as usize + t;
+            ensure!(last.div_ceil(sl) <= splits, "attention: {last} keys in {splits} splits of {sl}");
+            (1..=t).map(|r| (p.pos0 as usize + r).div_ceil(sl)).sum::<usize>() * kvh.div_ceil(2)
+        } else {
+            ensure!(p.min_split > 0, "attention: {splits} splits of at least {} keys", p.min_split);
+            t * kvh.div_ceil(2) * splits
+        };
+        let blocks = self.attn_blocks.min(items as u32);
+        let kv_bytes = keys * kvh * 256 * 2 * 2;
+        go("attn_decode_split", (blocks, 1, 1), 64, ATT_SPLIT_SMEM, kv_bytes as u64, p)?;
+        let part = t * qh * splits * (256 + 2) * 4 + t * qh * 256 * 4; // at most
+        go("attn_decode_combine", (qh as u32, t as u32, 1), 256, 0, part as u64, p)
+    }
+
+    /// Split-sequence causal attention (head_dim 256) over the paged cache + sigmoid output gate,
+    /// from buffers (the kernel tests' entry; checks the buffers, then [`Self::launch_attention`]).
     /// Scratch buffers `part_o` [tokens*q_heads*splits*256] and `part_ml` [tokens*q_heads*splits*2]
     /// with splits = ceil((pos0 + tokens) / split_len), or, in the device-position form
     /// (`a.pos_dev` = (per-row positions, splits, min_split), per-row block tables), the given
-    /// grid of splits.
+    /// number of splits.
     pub fn attention_decode(
         &self,
         a: &AttnArgs,
@@ -654,11 +710,21 @@ impl CudaContext {
         part_ml: &mut CudaSlice<f32>,
         out: &mut Bf,
     ) -> Result<()> {
-        ensure!(a.head_dim == 256, "attention: head_dim {} (kernel is written for 256)", a.head_dim);
-        ensure!(
-            a.kv_heads > 0 && a.q_heads.is_multiple_of(a.kv_heads) && a.q_heads / a.kv_heads <= 8,
-            "attention: q_heads/kv_heads must be an integer <= 8"
-        );
+        let (p, keys) = self.attention_params(a, part_o, part_ml, out)?;
+        self.launch_attention(p, keys, &mut |name, grid, block, smem, _, p| {
+            self.launch_smem(name, grid, block, smem, p)
+        })
+    }
+
+    /// The checked kernel parameters of [`Self::attention_decode`] and the K/V positions its rows
+    /// read (to time the launches alone).
+    pub(crate) fn attention_params(
+        &self,
+        a: &AttnArgs,
+        part_o: &mut CudaSlice<f32>,
+        part_ml: &mut CudaSlice<f32>,
+        out: &mut Bf,
+    ) -> Result<(OrnithAttnParams, usize)> {
         ensure!(a.tokens > 0, "attention: empty");
         let (positions, stride) = match a.pos_dev {
             Some((p, _, _)) => {
@@ -668,16 +734,9 @@ impl CudaContext {
             None => ((a.pos0..a.pos0 + a.tokens).collect(), 0),
         };
         let splits = match a.pos_dev {
-            Some((_, n, min)) => {
-                ensure!(n > 0 && min > 0, "attention: {n} splits of at least {min} keys");
-                n
-            }
-            None => {
-                ensure!(a.split_len > 0, "attention: split length 0");
-                (a.pos0 + a.tokens).div_ceil(a.split_len)
-            }
+            Some((_, n, _)) => n,
+            None => (a.pos0 + a.tokens).div_ceil(a.split_len.max(1)),
         };
-        ensure!(splits <= 1024, "attention: {splits} splits (the combine kernel holds at most 1024 split weights)");
         need("attn q", a.q, a.tokens * a.q_heads * 256)?;
         need("attn qg", a.qg, a.tokens * a.q_heads * 512)?;
         self.check_paged(
@@ -703,18 +762,16 @@ impl CudaContext {
             pos0: a.pos0 as i32,
             q_heads: a.q_heads as i32,
             kv_heads: a.kv_heads as i32,
-            head_dim: 256,
+            head_dim: a.head_dim as i32,
             split_len: a.split_len as i32,
-            splits: splits as i32,
+            splits: i32of("attention splits", splits)?,
             scale: 1.0 / (a.head_dim as f32).sqrt(),
             pos_dev: a.pos_dev.map_or(std::ptr::null(), |d| self.addr(d.0) as _),
             min_split: a.pos_dev.map_or(0, |d| d.2 as i32),
             table: self.addr(a.table) as _,
             table_stride: i32of("table stride", a.table_stride)?,
         };
-        let group = (a.q_heads / a.kv_heads) as u32;
-        self.launch("attn_decode_split", (splits as u32, a.kv_heads as u32, a.tokens as u32), 32 * group, p)?;
-        self.launch("attn_decode_combine", (a.q_heads as u32, a.tokens as u32, 1), 256, p)
+        Ok((p, positions.iter().map(|&x| x + 1).sum()))
     }
 
     /// Greedy sampling: argmax over the first `n` columns of each row.

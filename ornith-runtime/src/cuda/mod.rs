@@ -81,6 +81,9 @@ pub struct CudaContext {
     funcs: HashMap<&'static str, CudaFunction>,
     /// Launch with programmatic dependent launch (see [`CudaContext::set_pdl`]).
     pdl: AtomicBool,
+    /// Blocks of the decode attention's split kernel ([`launch::ATT_BLOCKS_PER_SM`] per SM, or
+    /// as many as its shared memory lets reside).
+    pub(crate) attn_blocks: u32,
 }
 
 /// A kernel's by-value parameter struct: a bindgen `#[repr(C)]` struct of the shared header
@@ -152,7 +155,17 @@ impl CudaContext {
             }
             modules.push(module);
         }
-        Ok(Self { ctx, stream, arch, name, _modules: modules, funcs, pdl: AtomicBool::new(false) })
+        let split = &funcs["attn_decode_split"];
+        let smem = launch::ATT_SPLIT_SMEM;
+        split.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )?;
+        let per_sm = split.occupancy_max_active_blocks_per_multiprocessor(64, smem as usize, None)?;
+        anyhow::ensure!(per_sm > 0, "'{name}' cannot hold one attn_decode_split block ({smem} bytes of shared memory)");
+        let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let attn_blocks = sms.max(1) as u32 * per_sm.min(launch::ATT_BLOCKS_PER_SM);
+        Ok(Self { ctx, stream, arch, name, _modules: modules, funcs, pdl: AtomicBool::new(false), attn_blocks })
     }
 
     /// Programmatic dependent launch (off by default: on the H200 a decode graph captured with it

@@ -757,12 +757,13 @@ fn gated_rmsnorm_matches_reference() {
 /// `cpu::attention::attention` (fp32 softmax and P·V, one bf16 rounding), times the output gate
 /// `bf16(sigmoid(gate))` of `cpu::attention::output_gate` with the product left unrounded, as in
 /// the f64 loop this replaced (`close`). Why not `output_gate` itself: the kernel's split-K
-/// combine and the CPU's sum differ by fp32 noise (~1e-6), which rounds some `o` (~3e-4 of them)
-/// to neighbouring bf16 values; rounding the gated product on both sides as well would let such
-/// an element differ by up to 2 ulps, where the f64-shaped reference (1 ulp of `o`·gate + half an
-/// ulp) keeps the risk profile this tolerance was tested with. The per-row (device-position)
-/// forms must equal the host forms bit for bit — also with every row reading its own copy of
-/// the sequence through its own block table (a decode group of different sequences).
+/// combine and the CPU's sum differ by fp32 noise (~1e-6; the tensor-core P·V carries P as two
+/// bf16 halves, 16 significant bits), which rounds some `o` (~3e-4 of them) to neighbouring bf16
+/// values; rounding the gated product on both sides as well would let such an element differ by
+/// up to 2 ulps, where the f64-shaped reference (1 ulp of `o`·gate + half an ulp) keeps the risk
+/// profile this tolerance was tested with. The per-row (device-position) forms must equal the
+/// host forms bit for bit — also with every row reading its own copy of the sequence through its
+/// own block table (a decode group of different sequences).
 #[test]
 #[ignore]
 fn attention_decode_matches_reference() {
@@ -920,6 +921,135 @@ fn attention_decode_matches_reference() {
             let s = time_it(&c, || c.attention_decode(&aa, &mut po, &mut pml, &mut out).unwrap());
             let bytes = (2 * max_seq * row * 2) as f64;
             eprintln!("PERF attention_decode len {max_seq}: {:.2} us, {:.0} GB/s of KV", s * 1e6, bytes / s / 1e9);
+        }
+    }
+}
+
+/// The decode attention (`attn_decode_split` + `attn_decode_combine`) over a decode group of
+/// sequences of different lengths in one launch, in the captured decode graph's form: positions
+/// read from the device, each row's split length derived from its own length over a grid of 256
+/// splits (at least 32 keys), each row reading its own K/V through its own block table (the
+/// sequences' blocks descending through one cache that is NaN everywhere else, block 0 unused) =
+/// `cpu::attention::attention` of each sequence alone times `bf16(sigmoid(gate))`, compared with
+/// `close` as in `attention_decode_matches_reference` (fp32 order noise only: the kernel keeps
+/// the scores, softmax and P in fp32 — P·V as two bf16 halves of P). Lengths: 1 and 37 (partial
+/// 16-key tiles), 256 (one K/V block), 300 (two), 1000 (splits of 32 keys), 8191 and
+/// 100,003 (~100K: splits of 391 keys, a multiple of neither the tile nor the block). A wrong
+/// mask, scale, kv head, table or split is O(rms). Then each row alone in the host form (its
+/// split length given, a grid of only its own work items) must give the group's bits: a row's
+/// result depends neither on the other rows nor on the grid (batch invariance). PERF: the ~100K
+/// row alone (K/V GB/s).
+#[test]
+#[ignore]
+fn attention_decode_group_matches_reference() {
+    let c = ctx();
+    let mut r = rng(12);
+    let (qh, kvh, d) = (16usize, 2usize, 256usize);
+    let row = kvh * d;
+    let lens = [1usize, 37, 256, 300, 1000, 8191, 100_003];
+    let n = lens.len();
+    let (grid, min_split) = (256usize, 32usize);
+    let need: Vec<usize> = lens.iter().map(|l| l.div_ceil(KVB)).collect();
+    let blocks = need.iter().sum::<usize>() + 1;
+    let width = *need.iter().max().unwrap();
+    let mut next = blocks;
+    let tables: Vec<Vec<i32>> = need
+        .iter()
+        .map(|&k| {
+            (0..k)
+                .map(|_| {
+                    next -= 1;
+                    next as i32
+                })
+                .collect()
+        })
+        .collect();
+    let (mut kc, mut vc) = (vec![POISON; blocks * KVB * row], vec![POISON; blocks * KVB * row]);
+    let (mut ks, mut vs) = (Vec::new(), Vec::new());
+    for (i, &len) in lens.iter().enumerate() {
+        let (k, v) = (bfv(&mut r, len * row, 2.0), bfv(&mut r, len * row, 1.0));
+        for p in 0..len {
+            let at = (tables[i][p / KVB] as usize * KVB + p % KVB) * row;
+            kc[at..at + row].copy_from_slice(&k[p * row..(p + 1) * row]);
+            vc[at..at + row].copy_from_slice(&v[p * row..(p + 1) * row]);
+        }
+        ks.push(k);
+        vs.push(v);
+    }
+    let q = bfv(&mut r, n * qh * d, 2.0);
+    let qg = bfv(&mut r, n * qh * 2 * d, 3.0);
+    let pos: Vec<i32> = lens.iter().map(|&l| (l - 1) as i32).collect();
+    let flat: Vec<i32> = tables
+        .iter()
+        .flat_map(|t| {
+            let mut w = t.clone();
+            w.resize(width, 0);
+            w
+        })
+        .collect();
+    let (dq, dqg, dk, dv) =
+        (c.upload(&q).unwrap(), c.upload(&qg).unwrap(), c.upload(&kc).unwrap(), c.upload(&vc).unwrap());
+    let (dpos, dtab) = (c.upload(&pos).unwrap(), c.upload(&flat).unwrap());
+    let mut po = c.alloc::<f32>(n * qh * grid * d).unwrap();
+    let mut pml = c.alloc::<f32>(n * qh * grid * 2).unwrap();
+    let mut out = c.upload(&vec![POISON; n * qh * d]).unwrap();
+    let group = AttnArgs {
+        q: &dq,
+        qg: &dqg,
+        k_cache: &dk,
+        v_cache: &dv,
+        tokens: n,
+        pos0: 0,
+        q_heads: qh,
+        kv_heads: kvh,
+        head_dim: d,
+        split_len: 0,
+        pos_dev: Some((&dpos, grid, min_split)),
+        table: &dtab,
+        table_stride: width,
+    };
+    c.attention_decode(&group, &mut po, &mut pml, &mut out).unwrap();
+    let got = c.download(&out).unwrap();
+    for (i, &len) in lens.iter().enumerate() {
+        let (qs, gs) = (&q[i * qh * d..(i + 1) * qh * d], &qg[i * qh * 2 * d..(i + 1) * qh * 2 * d]);
+        let mut o_cpu = vec![bf16::ZERO; qh * d];
+        attention(&bv(qs), 1, len - 1, &bv(&ks[i]), &bv(&vs[i]), qh, kvh, d, &mut o_cpu);
+        let gate = gs.chunks(2 * d).flat_map(|b| b[d..].to_vec());
+        let sg = |g: u16| bf16::from_f32(crate::cpu::sigmoid(bf16::from_bits(g).to_f32())).to_f64();
+        let want: Vec<f64> = o_cpu.iter().zip(gate).map(|(o, g)| o.to_f64() * sg(g)).collect();
+        let mine = &got[i * qh * d..(i + 1) * qh * d];
+        let name = format!("attention group row {i}, length {len}");
+        close(&name, mine, &want);
+        let rms = (want.iter().map(|w| w * w).sum::<f64>() / want.len() as f64).sqrt();
+        let worst = mine.iter().zip(&want).map(|(&g, w)| (f(g) - w).abs()).fold(0.0, f64::max);
+        eprintln!("{name}: max |d| / rms {:.2e}", worst / rms);
+        // The row alone, host form: its own split length, a grid of its own items only.
+        let (dq1, dqg1, dtab1) = (c.upload(qs).unwrap(), c.upload(gs).unwrap(), c.upload(&tables[i]).unwrap());
+        let alone = AttnArgs {
+            q: &dq1,
+            qg: &dqg1,
+            tokens: 1,
+            pos0: len - 1,
+            split_len: len.div_ceil(grid).max(min_split),
+            pos_dev: None,
+            table: &dtab1,
+            table_stride: 0,
+            ..group
+        };
+        let mut o1 = c.upload(&vec![POISON; qh * d]).unwrap();
+        c.attention_decode(&alone, &mut po, &mut pml, &mut o1).unwrap();
+        assert_eq!(c.download(&o1).unwrap(), mine, "{name}: alone (host form) differs from the group");
+        if len == 100_003 {
+            let (p, keys) = c.attention_params(&alone, &mut po, &mut pml, &mut o1).unwrap();
+            let plain =
+                &mut |k: &'static str, g: (u32, u32, u32), b: u32, sm: u32, _: u64, p| c.launch_smem(k, g, b, sm, p);
+            let s = time_it(&c, || c.launch_attention(p, keys, plain).unwrap());
+            let bytes = (len * row * 2 * 2) as f64;
+            eprintln!(
+                "PERF attention_decode len {len} (split + combine): {:.1} us, {:.0} GB/s of K/V",
+                s * 1e6,
+                bytes / s / 1e9
+            );
         }
     }
 }
