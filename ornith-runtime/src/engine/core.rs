@@ -30,7 +30,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
 use super::pool::{BlockPool, SlotPool};
-use super::prefix::{keeps_snapshot, CacheStats, PrefixCache, CHUNK_BLOCKS};
+use super::prefix::{chunk_keys, keeps_snapshot, CacheStats, PrefixCache, CHUNK_BLOCKS};
 use super::{Runner, SamplingParams, PREFILL_CHUNK};
 use crate::graph::{Batch, RowSample, SeqRows, KV_BLOCK};
 
@@ -126,6 +126,8 @@ struct Seq {
     caching: bool,
     /// Boundaries a waiting request asked this sequence to keep a snapshot at.
     wanted: Vec<usize>,
+    /// The prompt's chunk keys (empty without a prefix cache).
+    keys: Vec<u64>,
 }
 
 pub struct Engine {
@@ -133,7 +135,8 @@ pub struct Engine {
     cfg: EngineConfig,
     slots: SlotPool,
     blocks: BlockPool,
-    waiting: VecDeque<(u64, GenRequest)>,
+    /// Id, request, its prompt's chunk keys (empty without a prefix cache).
+    waiting: VecDeque<(u64, GenRequest, Vec<u64>)>,
     /// In admission order.
     running: Vec<Seq>,
     cache: PrefixCache,
@@ -145,14 +148,15 @@ fn blocks_for(req: &GenRequest) -> usize {
     (req.prompt.len() + req.max_tokens as usize - 1).div_ceil(KV_BLOCK)
 }
 
-/// Full chunks that `a` and `b` begin with alike, counting only chunks that end before `a`'s
-/// last token.
-fn common_chunks(a: &[u32], b: &[u32]) -> usize {
+/// Full chunks that prompts `a` and `b` (with their chunk keys) begin with alike, counting only
+/// chunks that end before `a`'s last token.
+fn common_chunks(a: &[u32], ka: &[u64], b: &[u32], kb: &[u64]) -> usize {
+    let same = |k: usize| {
+        let r = k * PREFILL_CHUNK..(k + 1) * PREFILL_CHUNK;
+        ka[k] == kb[k] && a[r.clone()] == b[r]
+    };
     let mut k = 0;
-    while (k + 1) * PREFILL_CHUNK < a.len()
-        && (k + 1) * PREFILL_CHUNK <= b.len()
-        && a[k * PREFILL_CHUNK..(k + 1) * PREFILL_CHUNK] == b[k * PREFILL_CHUNK..(k + 1) * PREFILL_CHUNK]
-    {
+    while k < ka.len() && k < kb.len() && (k + 1) * PREFILL_CHUNK < a.len() && same(k) {
         k += 1;
     }
     k
@@ -225,7 +229,7 @@ impl Engine {
     /// Queues a request under `id` (unique among the queued and running ones).
     pub fn submit(&mut self, id: u64, req: GenRequest) -> Result<(), SubmitError> {
         let invalid = |m: String| SubmitError { code: "invalid_request", message: m };
-        if self.waiting.iter().any(|(w, _)| *w == id) || self.running.iter().any(|s| s.id == id) {
+        if self.waiting.iter().any(|(w, _, _)| *w == id) || self.running.iter().any(|s| s.id == id) {
             return Err(invalid(format!("request id {id} is already in the engine")));
         }
         if req.prompt.is_empty() {
@@ -250,14 +254,15 @@ impl Engine {
             });
         }
         // max_context <= blocks * KV_BLOCK (checked in new), so every admitted length fits the pool.
-        self.waiting.push_back((id, req));
+        let keys = if self.cache.enabled() { chunk_keys(&req.prompt) } else { Vec::new() };
+        self.waiting.push_back((id, req, keys));
         Ok(())
     }
 
     /// Drops a queued or running sequence and frees its memory. False if `id` is unknown
     /// (already finished).
     pub fn cancel(&mut self, id: u64) -> bool {
-        if let Some(i) = self.waiting.iter().position(|(w, _)| *w == id) {
+        if let Some(i) = self.waiting.iter().position(|(w, _, _)| *w == id) {
             self.waiting.remove(i);
             self.stats.cancelled += 1;
             return true;
@@ -284,24 +289,24 @@ impl Engine {
 
     /// A sequence still prefilling the chunks that `prompt` shares with it beyond what the cache
     /// holds (`cached` chunks): its index and the boundary to wait for.
-    fn inflight_prefix(&self, prompt: &[u32], cached: usize) -> Option<(usize, usize)> {
+    fn inflight_prefix(&self, prompt: &[u32], keys: &[u64], cached: usize) -> Option<(usize, usize)> {
         self.running.iter().enumerate().find_map(|(i, r)| {
             if r.last.is_some() || !r.caching {
                 return None;
             }
-            let k = common_chunks(prompt, &r.req.prompt);
+            let k = common_chunks(prompt, keys, &r.req.prompt, &r.keys);
             (k > cached && r.pos < k * PREFILL_CHUNK).then_some((i, k * PREFILL_CHUNK))
         })
     }
 
     fn admit(&mut self, events: &mut Vec<Event>) {
-        while let Some((_, req)) = self.waiting.front() {
+        while let Some((_, req, keys)) = self.waiting.front() {
             if self.slots.free() == 0 {
                 break;
             }
-            let m = self.cache.lookup(&req.prompt);
+            let m = self.cache.lookup(&req.prompt, keys);
             if self.cache.enabled() {
-                if let Some((i, boundary)) = self.inflight_prefix(&req.prompt, m.resume) {
+                if let Some((i, boundary)) = self.inflight_prefix(&req.prompt, keys, m.resume) {
                     if !self.running[i].wanted.contains(&boundary) {
                         self.running[i].wanted.push(boundary);
                     }
@@ -315,14 +320,14 @@ impl Engine {
                 self.cache.release(shared, &mut self.blocks);
                 break;
             }
-            let (id, req) = self.waiting.pop_front().expect("front exists");
+            let (id, req, keys) = self.waiting.pop_front().expect("front exists");
             let slot = self.slots.take().expect("a slot is free");
             let mut blocks = self.cache.blocks(shared);
             self.blocks.retain(&blocks);
             blocks.extend(self.blocks.take(need).expect("the blocks are free"));
             let pos = m.cached_tokens();
             let (chain, caching, wanted) = (shared.to_vec(), true, Vec::new());
-            let s = Seq { id, req, slot, blocks, pos, last: None, n_out: 0, chain, caching, wanted };
+            let s = Seq { id, req, slot, blocks, pos, last: None, n_out: 0, chain, caching, wanted, keys };
             let loaded = match shared.last() {
                 Some(&node) => {
                     let snap = self.cache.snapshot(node).expect("a resumable chunk has a snapshot");
@@ -357,7 +362,9 @@ impl Engine {
         let (pos, len) = (s.pos, s.req.prompt.len());
         let (tokens, blocks) =
             (&s.req.prompt[pos - PREFILL_CHUNK..pos], &s.blocks[(pos - PREFILL_CHUNK) / KV_BLOCK..pos / KV_BLOCK]);
-        let Some((node, shared)) = self.cache.insert(s.chain.last().copied(), tokens, blocks, &mut self.blocks) else {
+        let k = s.keys[pos / PREFILL_CHUNK - 1];
+        let Some((node, shared)) = self.cache.insert(s.chain.last().copied(), k, tokens, blocks, &mut self.blocks)
+        else {
             self.running[i].caching = false;
             return Ok(());
         };

@@ -96,6 +96,12 @@ fn key(tokens: &[u32]) -> u64 {
     h.finish()
 }
 
+/// The keys of `prompt`'s full chunks (computed once per request: a request waiting for memory
+/// is looked up again every step).
+pub fn chunk_keys(prompt: &[u32]) -> Vec<u64> {
+    prompt.chunks_exact(PREFILL_CHUNK).map(key).collect()
+}
+
 impl PrefixCache {
     /// A cache of at most `snapshots` recurrent-state snapshots (0 disables it).
     pub fn new(snapshots: usize) -> Self {
@@ -124,24 +130,24 @@ impl PrefixCache {
         self.clock
     }
 
-    fn child(&self, parent: Option<usize>, tokens: &[u32]) -> Option<usize> {
+    fn child(&self, parent: Option<usize>, key: u64, tokens: &[u32]) -> Option<usize> {
         let siblings = match parent {
             None => &self.roots,
             Some(p) => &self.node(p).children,
         };
-        siblings.get(&key(tokens)).copied().filter(|&c| *self.node(c).tokens == *tokens)
+        siblings.get(&key).copied().filter(|&c| *self.node(c).tokens == *tokens)
     }
 
-    /// The longest chain of cached chunks that `prompt` begins with, and how much of it a
-    /// sequence can resume after.
-    pub fn lookup(&self, prompt: &[u32]) -> Match {
+    /// The longest chain of cached chunks that `prompt` begins with (`keys`: its
+    /// [`chunk_keys`]), and how much of it a sequence can resume after.
+    pub fn lookup(&self, prompt: &[u32], keys: &[u64]) -> Match {
         let mut m = Match::default();
         if !self.enabled() {
             return m;
         }
         let mut parent = None;
-        for (i, chunk) in prompt.chunks_exact(PREFILL_CHUNK).enumerate() {
-            let Some(id) = self.child(parent, chunk) else { break };
+        for (i, (chunk, &k)) in prompt.chunks_exact(PREFILL_CHUNK).zip(keys).enumerate() {
+            let Some(id) = self.child(parent, k, chunk) else { break };
             m.path.push(id);
             if self.node(id).snap.is_some() && (i + 1) * PREFILL_CHUNK < prompt.len() {
                 m.resume = i + 1;
@@ -184,19 +190,21 @@ impl PrefixCache {
         }
     }
 
-    /// A sequence prefilled the full chunk `tokens` after `parent`, into `blocks`: the node for
-    /// it, and whether it was already cached (another prompt computed the same chunk). A new
-    /// node takes a reference to `blocks`. The sequence is counted as a user either way. None
-    /// when a different chunk with the same hash is cached (nothing is cached then).
+    /// A sequence prefilled the full chunk `tokens` (key `k`) after `parent`, into `blocks`:
+    /// the node for it, and whether it was already cached (another prompt computed the same
+    /// chunk). A new node takes a reference to `blocks`. The sequence is counted as a user
+    /// either way. None when a different chunk with the same hash is cached (nothing is cached
+    /// then).
     pub fn insert(
         &mut self,
         parent: Option<usize>,
+        k: u64,
         tokens: &[u32],
         blocks: &[u32],
         pool: &mut BlockPool,
     ) -> Option<(usize, bool)> {
         assert_eq!((tokens.len(), blocks.len()), (PREFILL_CHUNK, CHUNK_BLOCKS), "a chunk and its blocks");
-        let k = key(tokens);
+        debug_assert_eq!(k, key(tokens), "the chunk's key");
         let t = self.tick();
         let siblings = match parent {
             None => &self.roots,
@@ -353,7 +361,7 @@ mod tests {
         let mut chain = Vec::new();
         for (i, chunk) in p.chunks_exact(C).enumerate() {
             let blocks = pool.take(CHUNK_BLOCKS).unwrap();
-            let (id, _) = c.insert(chain.last().copied(), chunk, &blocks, pool).unwrap();
+            let (id, _) = c.insert(chain.last().copied(), key(chunk), chunk, &blocks, pool).unwrap();
             pool.give(blocks); // the sequence's own reference
             if snap(i) && c.snapshot(id).is_none() {
                 c.new_snapshot(id, pool).unwrap();
@@ -370,16 +378,16 @@ mod tests {
         let p = prompt(1, 3, 0);
         let chain = fill(&mut c, &mut pool, &p, |_| true);
         // The same prompt: 3 full chunks, but its last token must be computed, so 2 resume.
-        let m = c.lookup(&p);
+        let m = c.lookup(&p, &chunk_keys(&p));
         assert_eq!((m.path.clone(), m.resume, m.cached_tokens()), (chain.clone(), 2, 2 * C));
         // A longer prompt with the same beginning resumes after all 3.
         let mut longer = p.clone();
         longer.extend_from_slice(&[7; 10]);
-        assert_eq!(c.lookup(&longer).resume, 3);
+        assert_eq!(c.lookup(&longer, &chunk_keys(&longer)).resume, 3);
         // A prompt that differs inside chunk 1 matches chunk 0 only.
         let mut other = longer.clone();
         other[C + 5] ^= 1;
-        assert_eq!(c.lookup(&other), Match { path: vec![chain[0]], resume: 1 });
+        assert_eq!(c.lookup(&other, &chunk_keys(&other)), Match { path: vec![chain[0]], resume: 1 });
         // Blocks: the cache holds 3 chunks' worth; the sequence's references are gone.
         assert_eq!(pool.free(), 64 - 3 * CHUNK_BLOCKS);
         assert_eq!(c.blocks(&chain[..1]).len(), CHUNK_BLOCKS);
@@ -392,7 +400,7 @@ mod tests {
         let chain = fill(&mut c, &mut pool, &p, |i| i == 1);
         // chunk 2 had no snapshot and no children: gone when its sequence was; 0 and 1 stay.
         assert_eq!(c.usage(), (2, 1, 8));
-        assert_eq!(c.lookup(&p), Match { path: chain[..2].to_vec(), resume: 2 });
+        assert_eq!(c.lookup(&p, &chunk_keys(&p)), Match { path: chain[..2].to_vec(), resume: 2 });
         assert_eq!(pool.free(), 64 - 2 * CHUNK_BLOCKS);
     }
 
@@ -402,11 +410,18 @@ mod tests {
         let (a, b, d) = (prompt(3, 1, 1), prompt(4, 1, 1), prompt(5, 1, 1));
         fill(&mut c, &mut pool, &a, |_| true);
         fill(&mut c, &mut pool, &b, |_| true);
-        let m = c.lookup(&a);
+        let m = c.lookup(&a, &chunk_keys(&a));
         c.acquire(&m.path[..m.resume]); // a is used again: b is now the older
         c.release(&m.path[..m.resume], &mut pool);
         fill(&mut c, &mut pool, &d, |_| true);
-        assert_eq!((c.lookup(&a).resume, c.lookup(&b).resume, c.lookup(&d).resume), (1, 0, 1));
+        assert_eq!(
+            (
+                c.lookup(&a, &chunk_keys(&a)).resume,
+                c.lookup(&b, &chunk_keys(&b)).resume,
+                c.lookup(&d, &chunk_keys(&d)).resume
+            ),
+            (1, 0, 1)
+        );
         assert_eq!(c.usage(), (2, 2, 2));
         assert_eq!(pool.free(), 64 - 2 * CHUNK_BLOCKS, "b's blocks went with its snapshot");
         assert_eq!(c.stats.snapshots_evicted, 1);
@@ -419,12 +434,12 @@ mod tests {
         fill(&mut c, &mut pool, &a, |_| true);
         fill(&mut c, &mut pool, &b, |_| true);
         assert_eq!(pool.free(), 0);
-        let m = c.lookup(&b);
+        let m = c.lookup(&b, &chunk_keys(&b));
         c.acquire(&m.path);
         assert!(c.make_room(2 * CHUNK_BLOCKS, &mut pool), "a's two chunks can go");
-        assert_eq!(c.lookup(&a).path.len(), 0);
+        assert_eq!(c.lookup(&a, &chunk_keys(&a)).path.len(), 0);
         assert!(!c.make_room(3 * CHUNK_BLOCKS, &mut pool), "b's chunks are in use");
-        assert_eq!(c.lookup(&b).resume, 2);
+        assert_eq!(c.lookup(&b, &chunk_keys(&b)).resume, 2);
         c.release(&m.path, &mut pool);
         assert!(c.make_room(4 * CHUNK_BLOCKS, &mut pool));
         assert_eq!(c.usage(), (0, 0, 8));
@@ -435,8 +450,8 @@ mod tests {
         let (mut c, mut pool) = (PrefixCache::new(4), BlockPool::new(64));
         let p = prompt(8, 1, 3);
         let (b1, b2) = (pool.take(CHUNK_BLOCKS).unwrap(), pool.take(CHUNK_BLOCKS).unwrap());
-        let (n1, existed1) = c.insert(None, &p[..C], &b1, &mut pool).unwrap();
-        let (n2, existed2) = c.insert(None, &p[..C], &b2, &mut pool).unwrap();
+        let (n1, existed1) = c.insert(None, key(&p[..C]), &p[..C], &b1, &mut pool).unwrap();
+        let (n2, existed2) = c.insert(None, key(&p[..C]), &p[..C], &b2, &mut pool).unwrap();
         assert_eq!((n1, existed1, existed2), (n2, false, true));
         assert_eq!(c.blocks(&[n1]), b1, "the first sequence's blocks are the cached ones");
         c.new_snapshot(n1, &mut pool).unwrap();
@@ -452,7 +467,7 @@ mod tests {
         let (mut c, mut pool) = (PrefixCache::new(0), BlockPool::new(64));
         let p = prompt(9, 2, 1);
         fill(&mut c, &mut pool, &p, |_| false);
-        assert_eq!(c.lookup(&p), Match::default());
+        assert_eq!(c.lookup(&p, &chunk_keys(&p)), Match::default());
         assert_eq!(pool.free(), 64);
     }
 
