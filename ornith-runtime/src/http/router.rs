@@ -194,8 +194,9 @@ struct Open<'a> {
     started: Instant,
     /// When its last token came (inter-token latency).
     last_token: Instant,
-    /// Given back (dropped) when the request leaves `open`.
-    _place: Place,
+    /// Given back when the request leaves `open`, before its `Done` is sent: a client that has
+    /// seen its request end finds the place free.
+    place: Place,
 }
 
 fn route(
@@ -250,7 +251,7 @@ fn route(
                         }
                         metrics.submitted(prompt_tokens);
                         client.submit_as(id, gen);
-                        open.insert(id, Open { live, tx, started, last_token: started, _place: place });
+                        open.insert(id, Open { live, tx, started, last_token: started, place });
                     }
                     Err(e) => {
                         let _ = tx.send(Out::Done(Err(e)));
@@ -309,6 +310,7 @@ fn route(
                     if !cfg.quiet {
                         log_result(e.id, &res);
                     }
+                    drop(o.place);
                     let _ = o.tx.send(Out::Done(res));
                     continue;
                 }
@@ -327,6 +329,7 @@ fn route(
                 engine_alive = false;
                 for (_, o) in open.drain() {
                     metrics.left(o.live.generated() > 0);
+                    drop(o.place);
                     let _ = o.tx.send(Out::Done(Err(engine_stopped())));
                 }
             }
