@@ -59,6 +59,11 @@ pub struct ServeArgs {
     /// `x-api-key: KEY`; 401 without it). Default: no key needed.
     #[arg(long, env = "ORNITH_API_KEY", value_name = "KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Generation requests that may wait beyond the engine's sequence slots (`--max-seqs`): with
+    /// slots + N in the server, new ones get 429 with `Retry-After` (count_tokens, models,
+    /// health and metrics are never refused). Bounds the memory queued requests hold.
+    #[arg(long, env = "ORNITH_MAX_QUEUE", value_name = "N", default_value_t = crate::http::queue::DEFAULT_MAX_QUEUE)]
+    pub max_queue: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -179,9 +184,16 @@ mod tests {
         assert!(Cli::try_parse_from(["ornith", "--max-line-bytes", "0"]).is_err());
         assert_eq!(Cli::try_parse_from(["ornith", "run"]).unwrap().command, Some(Command::Run));
         let c = Cli::try_parse_from(["ornith", "serve", "--port", "9000", "--served-model-name", "m"]).unwrap();
-        let want =
-            ServeArgs { host: "127.0.0.1".into(), port: 9000, served_model_name: Some("m".into()), api_key: None };
+        let want = ServeArgs {
+            host: "127.0.0.1".into(),
+            port: 9000,
+            served_model_name: Some("m".into()),
+            api_key: None,
+            max_queue: crate::http::queue::DEFAULT_MAX_QUEUE,
+        };
         assert_eq!(c.command, Some(Command::Serve(want)));
+        let c = Cli::try_parse_from(["ornith", "serve", "--max-queue", "0"]).unwrap();
+        assert!(matches!(c.command, Some(Command::Serve(ServeArgs { max_queue: 0, .. }))));
         assert!(Cli::try_parse_from(["ornith", "serve", "--port", "70000"]).is_err());
         let c = Cli::try_parse_from(["ornith", "batch", "--input", "in.jsonl", "--output", "out.jsonl", "--quiet"])
             .unwrap();

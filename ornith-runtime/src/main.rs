@@ -235,6 +235,7 @@ fn run(cmd: Command, args: &Args) -> anyhow::Result<ExitCode> {
                 max_body_bytes: max_line_bytes,
                 api_key: sa.api_key.clone().filter(|k| !k.is_empty()),
                 ping_interval: http::PING_INTERVAL,
+                max_queue: sa.max_queue,
             };
             let name = opts.model_name.clone();
             let (app, threads) = http::app(l.engine, l.codec, l.renderer, opts)?;

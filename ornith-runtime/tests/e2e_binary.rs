@@ -290,6 +290,7 @@ fn serve_answers_http_on_the_real_model_and_keeps_stdout_empty() {
     use std::io::{BufRead, BufReader};
     let mut child = Command::new(env!("CARGO_BIN_EXE_ornith"))
         .args(["serve", "--backend", "cpu", "--max-context", "512", "--port", "0", "--served-model-name", "tiny"])
+        .args(["--max-seqs", "1", "--max-queue", "3"])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -332,6 +333,18 @@ fn serve_answers_http_on_the_real_model_and_keeps_stdout_empty() {
     let (st, body) = http(&addr, "POST", "/v1/messages", msg);
     assert_eq!(st, 200);
     assert!(body.contains("event: message_start") && body.contains("event: message_stop"), "{body}");
+    // --max-queue reaches the server (one slot + 3 places to wait); the engine's figures reach /metrics.
+    let (st, text) = http(&addr, "GET", "/metrics", "");
+    assert_eq!(st, 200);
+    let sample = |name: &str| -> f64 {
+        let line = text.lines().find(|l| l.split(' ').next() == Some(name));
+        line.unwrap_or_else(|| panic!("no {name} in {text}")).rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert_eq!(sample("ornith_requests_in_flight_limit"), 4.0, "{text}");
+    assert_eq!(sample("ornith_requests_in_flight"), 0.0, "{text}");
+    assert_eq!(sample("ornith_pool_slots_total"), 1.0, "{text}");
+    assert!(sample("ornith_inter_token_seconds_count") >= 1.0, "{text}");
+    assert!(sample("ornith_prefix_cache_snapshots_capacity") >= 0.0, "{text}");
     // Ctrl-C (SIGINT) stops it cleanly.
     let int = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
     assert!(int.success());

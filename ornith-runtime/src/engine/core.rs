@@ -217,6 +217,10 @@ impl Engine {
     pub fn cache_usage(&self) -> (usize, usize, usize) {
         self.cache.usage()
     }
+    /// The prefix cache's counters (what [`stats`](Self::stats) has, without copying the rest).
+    pub fn cache_stats(&self) -> &CacheStats {
+        &self.cache.stats
+    }
     /// Empties the prefix cache of everything no running sequence uses (tests: pools must come
     /// back whole).
     pub fn evict_cache(&mut self) {

@@ -19,7 +19,8 @@ mod thread;
 
 pub use self::core::{drain, Engine, EngineConfig, EngineStats, Event, EventKind, Finish, GenRequest, SubmitError};
 pub use self::pool::{BlockPool, SlotPool};
-pub use self::thread::{EngineClient, EngineThread, PoolUsage};
+pub use self::prefix::CacheStats;
+pub use self::thread::{EngineClient, EngineGauges, EngineThread, PoolUsage};
 
 use crate::graph::{Batch, RowSample};
 

@@ -8,29 +8,52 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use super::core::{Engine, EngineStats, Event, EventKind, GenRequest};
+use super::prefix::CacheStats;
 
 enum Cmd {
     Submit(u64, GenRequest),
     Cancel(u64),
 }
 
-/// The engine's pool occupancy, as the engine thread last published it (after every command and
-/// every step).
+/// The engine's pool, queue and prefix-cache figures, as the engine thread last published them
+/// (after every command and every step).
 #[derive(Debug, Default)]
-struct PoolGauges {
+struct Gauges {
     free_slots: AtomicUsize,
     total_slots: AtomicUsize,
     free_blocks: AtomicUsize,
     total_blocks: AtomicUsize,
+    waiting: AtomicUsize,
+    chunks: AtomicUsize,
+    snapshots: AtomicUsize,
+    snapshots_total: AtomicUsize,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    cached_tokens: AtomicU64,
+    snapshots_taken: AtomicU64,
+    snapshots_evicted: AtomicU64,
+    chunks_evicted: AtomicU64,
 }
 
-impl PoolGauges {
+impl Gauges {
     fn publish(&self, engine: &Engine) {
         let (fs, ts, fb, tb) = engine.pool_usage();
         self.free_slots.store(fs, Ordering::Relaxed);
         self.total_slots.store(ts, Ordering::Relaxed);
         self.free_blocks.store(fb, Ordering::Relaxed);
         self.total_blocks.store(tb, Ordering::Relaxed);
+        self.waiting.store(engine.waiting(), Ordering::Relaxed);
+        let (chunks, snaps, snaps_total) = engine.cache_usage();
+        self.chunks.store(chunks, Ordering::Relaxed);
+        self.snapshots.store(snaps, Ordering::Relaxed);
+        self.snapshots_total.store(snaps_total, Ordering::Relaxed);
+        let c = engine.cache_stats();
+        self.hits.store(c.hits, Ordering::Relaxed);
+        self.misses.store(c.misses, Ordering::Relaxed);
+        self.cached_tokens.store(c.cached_tokens, Ordering::Relaxed);
+        self.snapshots_taken.store(c.snapshots_taken, Ordering::Relaxed);
+        self.snapshots_evicted.store(c.snapshots_evicted, Ordering::Relaxed);
+        self.chunks_evicted.store(c.chunks_evicted, Ordering::Relaxed);
     }
 }
 
@@ -43,12 +66,27 @@ pub struct PoolUsage {
     pub blocks_total: usize,
 }
 
+/// What the engine thread publishes for monitoring (`/metrics`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineGauges {
+    pub pool: PoolUsage,
+    /// Requests queued in the engine, not yet admitted (waiting for a slot or K/V blocks).
+    pub waiting: usize,
+    /// Prefix-cache chunks held (each [`PREFILL_CHUNK`](super::PREFILL_CHUNK) tokens of K/V).
+    pub cache_chunks: usize,
+    /// Recurrent-state snapshots held, and how many the cache has room for.
+    pub snapshots: usize,
+    pub snapshots_total: usize,
+    /// The prefix cache's counters since the engine started.
+    pub cache: CacheStats,
+}
+
 /// A handle to submit to and cancel on an [`EngineThread`].
 #[derive(Clone)]
 pub struct EngineClient {
     tx: Sender<Cmd>,
     next: Arc<AtomicU64>,
-    pool: Arc<PoolGauges>,
+    gauges: Arc<Gauges>,
 }
 
 impl EngineClient {
@@ -76,10 +114,30 @@ impl EngineClient {
     }
     /// The pools' occupancy after the engine's last command or step.
     pub fn pool_usage(&self) -> PoolUsage {
-        let g = &self.pool;
+        let g = &self.gauges;
         let (fs, ts) = (g.free_slots.load(Ordering::Relaxed), g.total_slots.load(Ordering::Relaxed));
         let (fb, tb) = (g.free_blocks.load(Ordering::Relaxed), g.total_blocks.load(Ordering::Relaxed));
         PoolUsage { slots_used: ts - fs.min(ts), slots_total: ts, blocks_used: tb - fb.min(tb), blocks_total: tb }
+    }
+    /// The pools, the engine's queue and the prefix cache after the engine's last command or step.
+    pub fn gauges(&self) -> EngineGauges {
+        let g = &self.gauges;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        EngineGauges {
+            pool: self.pool_usage(),
+            waiting: g.waiting.load(Ordering::Relaxed),
+            cache_chunks: g.chunks.load(Ordering::Relaxed),
+            snapshots: g.snapshots.load(Ordering::Relaxed),
+            snapshots_total: g.snapshots_total.load(Ordering::Relaxed),
+            cache: CacheStats {
+                hits: l(&g.hits),
+                misses: l(&g.misses),
+                cached_tokens: l(&g.cached_tokens),
+                snapshots_taken: l(&g.snapshots_taken),
+                snapshots_evicted: l(&g.snapshots_evicted),
+                chunks_evicted: l(&g.chunks_evicted),
+            },
+        }
     }
 }
 
@@ -94,9 +152,9 @@ impl EngineThread {
         mut sink: impl FnMut(Event) -> bool + Send + 'static,
     ) -> (EngineThread, EngineClient) {
         let (tx, rx): (Sender<Cmd>, Receiver<Cmd>) = channel();
-        let pool = Arc::new(PoolGauges::default());
-        pool.publish(&engine);
-        let gauges = pool.clone();
+        let published = Arc::new(Gauges::default());
+        published.publish(&engine);
+        let gauges = published.clone();
         let join = std::thread::Builder::new()
             .name("ornith-engine".into())
             .spawn(move || {
@@ -152,7 +210,7 @@ impl EngineThread {
                 }
             })
             .expect("spawning the engine thread");
-        (EngineThread { join }, EngineClient { tx, next: Arc::new(AtomicU64::new(1)), pool })
+        (EngineThread { join }, EngineClient { tx, next: Arc::new(AtomicU64::new(1)), gauges: published })
     }
 
     /// Waits for the thread (after every client was dropped); its counters.

@@ -14,6 +14,7 @@
 pub mod anthropic;
 mod auth;
 pub mod metrics;
+pub mod queue;
 pub mod responses;
 pub mod router;
 
@@ -37,7 +38,8 @@ use crate::protocol::request::{self, LineError};
 use crate::protocol::{GenerationDefaults, PromptRenderer, TextCodec};
 use crate::sampling::mix64;
 
-use self::metrics::Metrics;
+use self::metrics::{Metrics, QueueUsage};
+use self::queue::Admission;
 use self::router::{CancelOnDrop, EngineRouter, Out, RouterConfig, Threads};
 
 /// What the server needs besides the engine and the front end.
@@ -59,6 +61,9 @@ pub struct ServerOptions {
     /// Anthropic's API does), so that clients and proxies do not time out during a long prefill
     /// or a wait in the queue.
     pub ping_interval: Duration,
+    /// Generation requests that may wait beyond the engine's sequence slots (`--max-queue`): at
+    /// most slots + this many are in the server at once; more get 429 with `Retry-After`.
+    pub max_queue: usize,
 }
 
 /// The default [`ServerOptions::ping_interval`].
@@ -68,6 +73,7 @@ struct AppState {
     router: EngineRouter,
     opts: ServerOptions,
     metrics: Arc<Metrics>,
+    admission: Arc<Admission>,
     created: u64,
 }
 
@@ -91,6 +97,15 @@ impl ApiError {
         ApiError { status, code, message: message.into() }
     }
 
+    /// 429: every place for a generation request is taken (`--max-queue`).
+    fn queue_full(limit: usize) -> Self {
+        let msg = format!(
+            "the server is at its limit of {limit} generation requests (running and queued, --max-queue); retry after {} s",
+            queue::RETRY_AFTER_SECS
+        );
+        ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded", msg)
+    }
+
     /// The HTTP status of a front-end error code.
     fn from_line(e: LineError) -> Self {
         let status = match e.code {
@@ -103,7 +118,12 @@ impl ApiError {
     fn body(&self, api: Api) -> Value {
         match api {
             Api::OpenAi => {
-                let ty = if self.status.is_server_error() { "server_error" } else { "invalid_request_error" };
+                let ty = match self.status {
+                    // OpenAI's own 429s: `"type": "requests", "code": "rate_limit_exceeded"`.
+                    StatusCode::TOO_MANY_REQUESTS => "requests",
+                    s if s.is_server_error() => "server_error",
+                    _ => "invalid_request_error",
+                };
                 json!({"error": {"message": self.message, "type": ty, "param": null, "code": self.code}})
             }
             Api::Anthropic => {
@@ -111,6 +131,7 @@ impl ApiError {
                     StatusCode::NOT_FOUND => "not_found_error",
                     StatusCode::UNAUTHORIZED => "authentication_error",
                     StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+                    StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
                     s if s.is_server_error() => "api_error",
                     _ => "invalid_request_error",
                 };
@@ -120,7 +141,11 @@ impl ApiError {
     }
 
     fn response(&self, api: Api) -> Response {
-        json_response(self.status, &self.body(api))
+        let mut r = json_response(self.status, &self.body(api));
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            r.headers_mut().insert(header::RETRY_AFTER, queue::RETRY_AFTER_SECS.into());
+        }
+        r
     }
 }
 
@@ -149,7 +174,8 @@ pub fn app(
     };
     let (threads, router) = router::spawn(engine, codec, renderer, cfg, metrics.clone())?;
     let limit = opts.max_body_bytes;
-    let state = Arc::new(AppState { router, opts, metrics, created: now_unix() });
+    let admission = Admission::new(router.pool_usage().slots_total.saturating_add(opts.max_queue));
+    let state = Arc::new(AppState { router, opts, metrics, admission, created: now_unix() });
     let app = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
@@ -224,14 +250,15 @@ fn parse_request(st: &AppState, id: u64, url: &str, body: Value) -> Result<reque
     Ok(req)
 }
 
-/// Starts `req` and waits for the engine to accept it: the prompt's token count, the request's
-/// channel and its cancel guard.
+/// Takes a place for `req` (429 when there is none), starts it and waits for the engine to
+/// accept it: the prompt's token count, the request's channel and its cancel guard.
 async fn start(
     st: &AppState,
     id: u64,
     req: request::Request,
 ) -> Result<(usize, UnboundedReceiver<Out>, CancelOnDrop), ApiError> {
-    let (mut rx, mut guard) = st.router.start(id, req);
+    let place = st.admission.try_enter().ok_or_else(|| ApiError::queue_full(st.admission.limit()))?;
+    let (mut rx, mut guard) = st.router.start(id, req, place);
     match rx.recv().await {
         Some(Out::Accepted { prompt_tokens }) => Ok((prompt_tokens, rx, guard)),
         Some(Out::Done(Err(e))) => {
@@ -472,7 +499,8 @@ async fn health(State(st): St) -> Response {
 }
 
 async fn metrics_text(State(st): St) -> Response {
-    let text = st.metrics.render(st.router.pool_usage());
+    let queue = QueueUsage { in_flight: st.admission.held(), limit: st.admission.limit() };
+    let text = st.metrics.render(&st.router.gauges(), queue);
     let r = (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response();
     respond(&st, "/metrics", Api::OpenAi, Ok(r))
 }

@@ -22,6 +22,7 @@ use crate::protocol::request::{LineError, Request};
 use crate::protocol::{PromptRenderer, TextCodec};
 
 use super::metrics::Metrics;
+use super::queue::Place;
 
 /// What a request's channel carries, in order: `Accepted` (or one `Done` with the refusal), then
 /// `Chunks` (streamed requests), then `Done`.
@@ -41,6 +42,7 @@ pub(crate) enum Msg {
         req: Request,
         started: Instant,
         tx: mpsc::UnboundedSender<Out>,
+        place: Place,
     },
     Count {
         req: Request,
@@ -86,12 +88,12 @@ impl EngineRouter {
         self.client.reserve_id()
     }
 
-    /// Starts `req` under `id`; its results come on the returned channel. Dropping the
-    /// [`CancelOnDrop`] guard before `Done` cancels it.
-    pub fn start(&self, id: u64, req: Request) -> (mpsc::UnboundedReceiver<Out>, CancelOnDrop) {
+    /// Starts `req` under `id`, holding `place` until it ends; its results come on the returned
+    /// channel. Dropping the [`CancelOnDrop`] guard before `Done` cancels it.
+    pub fn start(&self, id: u64, req: Request, place: Place) -> (mpsc::UnboundedReceiver<Out>, CancelOnDrop) {
         let (tx, rx) = mpsc::unbounded_channel();
         let started = Instant::now();
-        if self.tx.send(Msg::Start { id, req, started, tx }).is_err() {
+        if self.tx.send(Msg::Start { id, req, started, tx, place }).is_err() {
             // The router is gone: the receiver sees a closed channel.
         }
         (rx, CancelOnDrop { tx: Some(self.tx.clone()), id })
@@ -100,6 +102,11 @@ impl EngineRouter {
     /// The engine's pool occupancy.
     pub fn pool_usage(&self) -> crate::engine::PoolUsage {
         self.client.pool_usage()
+    }
+
+    /// The engine's pools, queue and prefix cache.
+    pub fn gauges(&self) -> crate::engine::EngineGauges {
+        self.client.gauges()
     }
 
     /// The prompt tokens `req` would have.
@@ -185,6 +192,11 @@ struct Open<'a> {
     live: Live<'a>,
     tx: mpsc::UnboundedSender<Out>,
     started: Instant,
+    /// When its last token came (inter-token latency).
+    last_token: Instant,
+    /// Given back when the request leaves `open`, before its `Done` is sent: a client that has
+    /// seen its request end finds the place free.
+    place: Place,
 }
 
 fn route(
@@ -207,7 +219,7 @@ fn route(
                     .unwrap_or_else(|_| Err(panicked()));
                 let _ = reply.send(r.map(|(p, _)| p.len()));
             }
-            Msg::Start { id, req, started, tx } => {
+            Msg::Start { id, req, started, tx, place } => {
                 if !engine_alive {
                     let _ = tx.send(Out::Done(Err(engine_stopped())));
                     continue;
@@ -239,7 +251,7 @@ fn route(
                         }
                         metrics.submitted(prompt_tokens);
                         client.submit_as(id, gen);
-                        open.insert(id, Open { live, tx, started });
+                        open.insert(id, Open { live, tx, started, last_token: started, place });
                     }
                     Err(e) => {
                         let _ = tx.send(Out::Done(Err(e)));
@@ -259,9 +271,13 @@ fn route(
                 let Some(o) = open.get_mut(&e.id) else { continue };
                 let done: Option<Result<(), LineError>> = match e.kind {
                     EventKind::Token(t) => {
+                        let now = Instant::now();
                         if o.live.generated() == 0 {
-                            metrics.first_token(o.started.elapsed());
+                            metrics.first_token(now - o.started);
+                        } else {
+                            metrics.inter_token(now - o.last_token);
                         }
+                        o.last_token = now;
                         metrics.generated(1);
                         match catch_unwind(AssertUnwindSafe(|| o.live.on_token(t))).unwrap_or_else(|_| Err(panicked()))
                         {
@@ -294,6 +310,7 @@ fn route(
                     if !cfg.quiet {
                         log_result(e.id, &res);
                     }
+                    drop(o.place);
                     let _ = o.tx.send(Out::Done(res));
                     continue;
                 }
@@ -312,6 +329,7 @@ fn route(
                 engine_alive = false;
                 for (_, o) in open.drain() {
                     metrics.left(o.live.generated() > 0);
+                    drop(o.place);
                     let _ = o.tx.send(Out::Done(Err(engine_stopped())));
                 }
             }

@@ -2,6 +2,8 @@
 //! renderer and a runner that replays the text after `SAY:` in the prompt.
 #![allow(dead_code)]
 
+pub mod server;
+
 use std::sync::{Arc, Mutex};
 
 use ornith_runtime::engine::{Capacity, Runner, SamplingParams};
@@ -122,11 +124,15 @@ impl PromptRenderer for ChatMl {
 
 /// Replays the tokens after the last `SAY:` of the prompt (up to `<|im_end|>`), then
 /// `<|im_end|>`, then `x` forever, for each sequence of a batch from its own slot.
-/// `SAY:FAIL` fails the step, `SAY:PANIC` panics in it.
+/// `SAY:FAIL` fails the step, `SAY:PANIC` panics in it. With
+/// [`with_snapshots`](ScriptRunner::with_snapshots), a snapshot row after the slots holds a copy
+/// of a slot's state (for the prefix cache).
 pub struct ScriptRunner {
     pub ctx: usize,
     pub slots: usize,
-    /// Per slot: the tokens fed so far, and the script with its read position once sampling began.
+    pub snapshots: usize,
+    /// Per state row (the slots', then the snapshots'): the tokens fed so far, and the script
+    /// with its read position once sampling began.
     pub fed: Vec<Vec<u32>>,
     pub script: Vec<Option<(Vec<u32>, usize)>>,
     pub calls: Arc<Mutex<Vec<SamplingParams>>>,
@@ -139,17 +145,26 @@ impl ScriptRunner {
         ScriptRunner {
             ctx,
             slots,
+            snapshots: 0,
             fed: vec![Vec::new(); slots],
             script: vec![None; slots],
             calls: Arc::new(Mutex::new(Vec::new())),
             step_time: std::time::Duration::ZERO,
         }
     }
+
+    /// The same with `n` prefix-cache snapshot rows.
+    pub fn with_snapshots(mut self, n: usize) -> Self {
+        self.snapshots = n;
+        self.fed.resize(self.slots + n, Vec::new());
+        self.script.resize(self.slots + n, None);
+        self
+    }
 }
 
 impl Runner for ScriptRunner {
     fn capacity(&self) -> Capacity {
-        Capacity { slots: self.slots, blocks: self.slots * self.ctx.div_ceil(KV_BLOCK), snapshots: 0 }
+        Capacity { slots: self.slots, blocks: self.slots * self.ctx.div_ceil(KV_BLOCK), snapshots: self.snapshots }
     }
     fn window(&self) -> usize {
         self.ctx
@@ -163,7 +178,11 @@ impl Runner for ScriptRunner {
         Ok(())
     }
     fn copy_slot(&mut self, from: usize, to: usize) -> anyhow::Result<()> {
-        anyhow::bail!("the scripted runner has no snapshot rows (copy {from} -> {to})")
+        let rows = self.slots + self.snapshots;
+        anyhow::ensure!(from < rows && to < rows, "copy {from} -> {to} outside the {rows} state rows");
+        self.fed[to] = self.fed[from].clone();
+        self.script[to] = self.script[from].clone();
+        Ok(())
     }
     fn run(&mut self, batch: &Batch, n: usize, rows: &[RowSample]) -> anyhow::Result<Vec<u32>> {
         assert!(n > 0 && n <= 259, "sampling {n} ids");
