@@ -48,18 +48,16 @@ fn next_param_start(text: &str, mut from: usize) -> Option<usize> {
     None
 }
 
-/// End of a parameter value: the first `</parameter>` followed by a structural delimiter or the
-/// end of the text.
+/// End of a parameter value: the first `</parameter>` followed by a structural delimiter, by the
+/// beginning of one that the output's end cut off (`</func` when `max_tokens` ran out), or by
+/// the end of the text.
 fn param_value_end(value: &str) -> Option<usize> {
+    const DELIMITERS: [&str; 3] = [PARAM_PREFIX, FUNCTION_END, TOOL_CALL_END];
     let mut from = 0;
     while let Some(i) = value[from..].find(PARAM_END) {
         let at = from + i;
         let rest = value[at + PARAM_END.len()..].trim_start();
-        if rest.is_empty()
-            || rest.starts_with(PARAM_PREFIX)
-            || rest.starts_with(FUNCTION_END)
-            || rest.starts_with(TOOL_CALL_END)
-        {
+        if DELIMITERS.iter().any(|d| rest.starts_with(d) || d.starts_with(rest)) {
             return Some(at);
         }
         from = at + PARAM_END.len();
@@ -302,6 +300,25 @@ mod tests {
         assert!(parse_block("no function here", None).is_none());
         let c = parse_block("<function=noargs>\n</function>", None).unwrap();
         assert_eq!(c.arguments, "{}");
+    }
+
+    /// An output cut off by `max_tokens` inside the closing tags keeps the values it completed:
+    /// a `</parameter>` followed by the start of `</function>` (or of the next `<parameter=`) at
+    /// the very end closes its value; the cut tag is not part of it.
+    #[test]
+    fn a_block_cut_inside_its_closing_tags_keeps_clean_values() {
+        let t = tools();
+        for cut in ["</func", "</", "<", "<param", "</function", "\n</tool_"] {
+            let block = format!(
+                "\n<function=edit>\n<parameter=path>\nsrc/a.rs\n</parameter>\n<parameter=line>\n1\n</parameter>\n{cut}"
+            );
+            let c = parse_block(&block, Some(&t)).unwrap();
+            let a: Value = serde_json::from_str(&c.arguments).unwrap();
+            assert_eq!(a, json!({"path": "src/a.rs", "line": 1}), "cut at {cut:?}");
+        }
+        // A literal `</parameter>` inside a value, followed by ordinary text, is still content.
+        let c = parse_block("<function=edit>\n<parameter=path>\na</parameter>b\n</parameter>\n</fu", None).unwrap();
+        assert_eq!(serde_json::from_str::<Value>(&c.arguments).unwrap(), json!({"path": "a</parameter>b"}));
     }
 
     #[test]
