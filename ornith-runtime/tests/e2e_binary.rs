@@ -9,6 +9,9 @@ use std::process::{Command, Stdio};
 #[path = "../../xtask/src/elf.rs"]
 mod elf;
 
+mod common;
+use common::{http, listening_addr};
+
 /// Runs the binary; returns (success, stdout, stderr).
 fn run_raw(args: &[&str], env: &[(&str, &str)], input: &[u8]) -> (bool, String, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_ornith"))
@@ -268,23 +271,6 @@ fn the_binary_links_only_glibc() {
     assert!(glibc >= (2, 2), "{glibc:?}");
 }
 
-/// One HTTP/1.1 request on a fresh connection (`Connection: close`): (status, body as sent).
-fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
-    use std::io::Read;
-    let mut s = std::net::TcpStream::connect(addr).expect("connect to ornith serve");
-    s.set_read_timeout(Some(std::time::Duration::from_secs(120))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let (head, rest) = out.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP response: {out:?}"));
-    (head.split(' ').nth(1).unwrap().parse().unwrap(), rest.to_string())
-}
-
 #[test]
 fn serve_answers_http_on_the_real_model_and_keeps_stdout_empty() {
     use std::io::{BufRead, BufReader};
@@ -297,12 +283,7 @@ fn serve_answers_http_on_the_real_model_and_keeps_stdout_empty() {
         .spawn()
         .expect("start ornith serve");
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let addr = loop {
-        let l = lines.next().expect("ornith serve exited before listening").unwrap();
-        if let Some((_, rest)) = l.split_once(" on http://") {
-            break rest.split(';').next().unwrap().to_string();
-        }
-    };
+    let addr = listening_addr(&mut lines);
     // Keep reading stderr so that the server never blocks on a full pipe.
     let logs = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
     let (st, body) = http(&addr, "GET", "/health", "");

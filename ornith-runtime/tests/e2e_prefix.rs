@@ -8,6 +8,8 @@ use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 
+mod common;
+
 /// A running binary that answers one JSONL line at a time.
 struct Agent {
     child: std::process::Child,
@@ -132,23 +134,11 @@ fn a_ten_turn_agent_conversation_hits_the_cache_every_turn_and_answers_as_withou
     without.finish();
 }
 
-/// One HTTP/1.1 request on a fresh connection: (status, body).
-fn http(addr: &str, path: &str, body: &str) -> (u16, Value) {
-    use std::io::Read;
-    let mut s = std::net::TcpStream::connect(addr).expect("connect to ornith serve");
-    s.set_read_timeout(Some(std::time::Duration::from_secs(300))).unwrap();
-    let method = if body.is_empty() { "GET" } else { "POST" };
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let (head, rest) = out.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP response: {out:?}"));
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (status, serde_json::from_str(rest).unwrap_or(Value::String(rest.to_string())))
+/// A request to `ornith serve` (GET when `body` is empty): (status, the body as JSON, or as a
+/// string when it is not JSON).
+fn call(addr: &str, path: &str, body: &str) -> (u16, Value) {
+    let (status, text) = common::http(addr, if body.is_empty() { "GET" } else { "POST" }, path, body);
+    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
 }
 
 /// The server reports what the cache served: OpenAI `prompt_tokens_details.cached_tokens`,
@@ -165,12 +155,7 @@ fn the_http_apis_report_cached_prompt_tokens() {
         .spawn()
         .expect("start ornith serve");
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let addr = loop {
-        let l = lines.next().expect("ornith serve exited before listening").unwrap();
-        if let Some((_, rest)) = l.split_once(" on http://") {
-            break rest.split(';').next().unwrap().to_string();
-        }
-    };
+    let addr = common::listening_addr(&mut lines);
     let logs = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
     let system = format!("You are a careful coding agent. {}", text(2600, 7));
     let chat = |q: &str| {
@@ -178,24 +163,24 @@ fn the_http_apis_report_cached_prompt_tokens() {
                "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]})
         .to_string()
     };
-    let (st, first) = http(&addr, "/v1/chat/completions", &chat("What does parse do?"));
+    let (st, first) = call(&addr, "/v1/chat/completions", &chat("What does parse do?"));
     assert_eq!(st, 200, "{first}");
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
-    let (st, second) = http(&addr, "/v1/chat/completions", &chat("And what does report do?"));
+    let (st, second) = call(&addr, "/v1/chat/completions", &chat("And what does report do?"));
     assert_eq!(st, 200, "{second}");
     let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
     assert!(cached >= 2048, "the shared system prompt comes from the cache: {second}");
     let msg = json!({"model": "tiny", "max_tokens": 2, "temperature": 0, "system": system,
                      "messages": [{"role": "user", "content": "Which function handles quotes?"}]});
-    let (st, m) = http(&addr, "/v1/messages", &msg.to_string());
+    let (st, m) = call(&addr, "/v1/messages", &msg.to_string());
     assert_eq!(st, 200, "{m}");
     let (input, read) =
         (m["usage"]["input_tokens"].as_u64().unwrap(), m["usage"]["cache_read_input_tokens"].as_u64().unwrap());
     assert!(read >= 2048 && input >= 1, "{m}");
-    let (st, count) = http(&addr, "/v1/messages/count_tokens", &msg.to_string());
+    let (st, count) = call(&addr, "/v1/messages/count_tokens", &msg.to_string());
     assert_eq!(st, 200);
     assert_eq!(count["input_tokens"].as_u64(), Some(input + read), "input + cache read = the prompt");
-    let (_, metrics) = http(&addr, "/metrics", "");
+    let (_, metrics) = call(&addr, "/metrics", "");
     let metrics = metrics.as_str().unwrap_or_default().to_string();
     let line = metrics.lines().find(|l| l.starts_with("ornith_prompt_tokens_cached_total ")).unwrap_or_default();
     let n: u64 = line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or(0);

@@ -10,6 +10,9 @@ use ornith_runtime::graph::{Backend, Batch, SeqRows, KV_BLOCK};
 use ornith_runtime::weights::Checkpoint;
 use std::collections::HashMap;
 
+mod common;
+use common::ids as prompt;
+
 mod compiled {
     ornith_macros::model!();
 }
@@ -20,17 +23,6 @@ fn checkpoint() -> Checkpoint {
 
 fn runner(slots: usize, blocks: usize) -> compiled::Compiled<CpuBackend> {
     compiled::Compiled::load(CpuBackend::new(), &checkpoint(), &Capacity { slots, blocks, snapshots: 0 }).unwrap()
-}
-
-/// `n` pseudo-random ids (a fixed stream per `salt`).
-fn prompt(n: usize, salt: u64) -> Vec<u32> {
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ salt.wrapping_mul(0xD1B5_4A32_D192_ED03);
-    (0..n)
-        .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((x >> 33) % 5000) as u32
-        })
-        .collect()
 }
 
 const CTX: usize = 4096;

@@ -9,6 +9,9 @@ use ornith_runtime::graph::{Backend, Batch, KV_BLOCK};
 use ornith_runtime::weights::Checkpoint;
 use std::collections::HashMap;
 
+mod common;
+use common::ids;
+
 mod compiled {
     ornith_macros::model!();
 }
@@ -31,17 +34,6 @@ fn engine(slots: usize, blocks: usize, snapshots: usize) -> Engine {
     Engine::new(Box::new(r), cfg).unwrap()
 }
 
-/// `n` pseudo-random ids (a fixed stream per `salt`).
-fn ids(n: usize, salt: u64) -> Vec<u32> {
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ salt.wrapping_mul(0xD1B5_4A32_D192_ED03);
-    (0..n)
-        .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((x >> 33) % 5000) as u32
-        })
-        .collect()
-}
-
 fn join(a: &[u32], b: &[u32]) -> Vec<u32> {
     [a, b].concat()
 }
@@ -57,6 +49,14 @@ fn request(prompt: Vec<u32>, i: u64) -> GenRequest {
 
 /// Runs `engine` until idle: tokens and cached prompt tokens by id.
 fn drain(e: &mut Engine) -> (HashMap<u64, Vec<u32>>, HashMap<u64, usize>) {
+    drain_observing(e, |_| {})
+}
+
+/// [`drain`], calling `after_step` with the engine after every step.
+fn drain_observing(
+    e: &mut Engine,
+    mut after_step: impl FnMut(&Engine),
+) -> (HashMap<u64, Vec<u32>>, HashMap<u64, usize>) {
     let (mut toks, mut cached) = (HashMap::new(), HashMap::new());
     while e.has_work() {
         for ev in e.step() {
@@ -69,6 +69,7 @@ fn drain(e: &mut Engine) -> (HashMap<u64, Vec<u32>>, HashMap<u64, usize>) {
                 EventKind::Finished(_) => {}
             }
         }
+        after_step(e);
     }
     (toks, cached)
 }
@@ -198,23 +199,12 @@ fn concurrent_sequences_with_a_common_prefix_share_its_blocks() {
     let mut e = engine(2, total, 4);
     e.submit(1, a.clone()).unwrap();
     e.submit(2, b.clone()).unwrap();
-    let (mut toks, mut cached) = (HashMap::new(), HashMap::new());
     let mut used_together = None;
-    while e.has_work() {
-        for ev in e.step() {
-            match ev.kind {
-                EventKind::Token(t) => toks.entry(ev.id).or_insert_with(Vec::new).push(t),
-                EventKind::Admitted { cached_tokens } => {
-                    cached.insert(ev.id, cached_tokens);
-                }
-                EventKind::Error { message, .. } => panic!("{message}"),
-                EventKind::Finished(_) => {}
-            }
-        }
+    let (toks, cached) = drain_observing(&mut e, |e| {
         if e.running() == 2 && used_together.is_none() {
             used_together = Some(total - e.pool_usage().2);
         }
-    }
+    });
     assert_eq!((cached[&1], cached[&2]), (0, 2 * C), "the second request resumed after the shared chunks");
     assert_eq!(
         used_together,
