@@ -1,9 +1,36 @@
-// Decode GEMV / few-row GEMM: BF16 weights and FP8 (E4M3) W8A8 weights, and the MoE expert GEMV.
-// Memory-bound: each warp streams one weight row with 16-byte loads, UNROLL loads in flight per lane.
+// Decode products on tensor cores: y = x · Wᵀ for a decode group of any number of tokens, BF16
+// weights and FP8 (E4M3) W8A8 weights, and the MoE expert form. One kernel per form serves every
+// batch size, so a token's result never depends on what else is in the group (batch invariance
+// by construction, below).
+//
+// The tile. A warp computes 16 weight rows (the mma's M) for the group's tokens in N tiles of 8
+// (tokens as N), K in steps of 64 bytes of each row: 2 mma.sync per step and N tile
+// (m16n8k16 bf16 or m16n8k32 e4m3, fp32 accumulators). Lane (g = lane / 4, c = lane % 4) loads the
+// 16 bytes at byte offset k + 16c of weight rows g and g + 8 and of token (8j + g)'s activations,
+// for every N tile j, and feeds them to the mma unchanged: registers x, y of each load form the
+// first mma's fragments, z, w the second's. That is a fixed permutation of K applied to both
+// operands alike, so each product is the dot product of a row with a token, exactly; the
+// weights are read once per step whatever the token count (fragments reused across N tiles).
+//
+// Summation order. Each output element is the fp32 sum of its row's K in the order the mma steps
+// visit it, split into `ks` consecutive slices (one warp each) whose partial sums are added in
+// slice order: ((s0 + s1) + s2) + ... `ks` depends only on (bytes per row, out) (gemv_tc_ksplit),
+// never on the token count, and mma columns are independent, so a token's result is the same bits
+// in a group of 1 or of 64. Tokens past the group reuse the last token's activations (their
+// columns are computed and dropped); K past the row (a row of bytes % 64 != 0) reads as zeros.
+// Cast points as the CPU reference: fp32 sum, then y = bf16(sum) (BF16) or
+// bf16(sum · xs[t] · ws[row]) (FP8); E4M3 × E4M3 and bf16 × bf16 products are exact in fp32.
+//
+// Block = 8 warps = (8 / ks) row groups of 16 × ks slices; grid.x = ceil(ceil(out / 16) / (8 / ks)).
+// The Rust launchers size grids with the same rule (cuda::gemv_tc_blocks).
 #include "common.cuh"
+#include "mma.cuh"
 
-#define GEMV_WARPS 8
-#define GEMV_UNROLL 4
+#define TC_WARPS 8
+// 64-byte K steps per pass: 2 * U weight loads in flight per lane; 4 for up to 16 tokens (memory
+// bound), 2 beyond (each load feeds 2 * NT mma, and the accumulators need the registers).
+__host__ __device__ constexpr int tc_u(int nt) { return nt <= 2 ? 4 : 2; }
+#define TC_NT 8  // N tiles per pass over the weights (64 tokens); larger groups take more passes
 
 // Before pdl_wait (see common.cuh): pull the `bytes` of weights from `row` on (one warp's rows,
 // contiguous) toward L2, one 128-byte line per lane per step, so the first loads after the wait hit
@@ -14,368 +41,279 @@ __device__ __forceinline__ void prefetch_range_l2(const void *row, size_t bytes)
     for (size_t off = (size_t)(threadIdx.x & 31) * 128; off < bytes; off += 32 * 128) prefetch_l2(b + off);
 }
 
-// Dot of 8 bf16 weights with 8 bf16 activations, fp32 FMAs in element order.
-__device__ __forceinline__ float dot8_bf16(const uint4 &w, const uint4 &x, float acc) {
-    const uint32_t wa[4] = {w.x, w.y, w.z, w.w};
-    const uint32_t xa[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        acc = fmaf(__uint_as_float(wa[e] << 16), __uint_as_float(xa[e] << 16), acc);
-        acc = fmaf(__uint_as_float(wa[e] & 0xffff0000u), __uint_as_float(xa[e] & 0xffff0000u), acc);
-    }
-    return acc;
+// K slices per row group: the most (<= 8) that keep >= 2048 warps in the grid short of, each slice
+// >= 256 bytes and a whole number of 64-byte steps.
+__host__ __device__ constexpr int gemv_tc_ksplit(int row_bytes, int out) {
+    int groups = (out + 15) / 16, ks = 1;
+    while (ks < TC_WARPS && groups * ks < 2048 && row_bytes % (ks * 2 * 64) == 0 && row_bytes / (ks * 2) >= 256) ks *= 2;
+    return ks;
 }
 
-// y[t, row] for t < T: one warp, row of `in` bf16 weights; x rows read through L1 (shared by all warps).
-template <int T>
-__device__ __forceinline__ void gemv_bf16_row(const OrnithGemvBf16Params &p, int row) {
-    const int lane = threadIdx.x & 31;
-    const uint4 *w = reinterpret_cast<const uint4 *>(p.w + (size_t)row * p.in);
-    const int n16 = p.in / 8;  // 16-byte chunks per row
-    float acc[T];
-#pragma unroll
-    for (int t = 0; t < T; t++) acc[t] = 0.f;
-    for (int base = lane; base < n16; base += 32 * GEMV_UNROLL) {
-        uint4 wv[GEMV_UNROLL];
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; u++) {
-            int c = base + u * 32;
-            wv[u] = c < n16 ? __ldg(w + c) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; u++) {
-            int c = base + u * 32;
-            if (c >= n16) break;
-#pragma unroll
-            for (int t = 0; t < T; t++)
-                acc[t] = dot8_bf16(wv[u], __ldg(reinterpret_cast<const uint4 *>(p.x + (size_t)t * p.x_stride) + c), acc[t]);
-        }
+// Pull this warp's 16 rows' slice [k0, k1) toward L2 (before pdl_wait; rows clamped to nrows).
+__device__ __forceinline__ void prefetch_tile_l2(const uint8_t *w, size_t row_bytes, int nrows, int k0, int k1) {
+    const int lines = (k1 - k0 + 127) / 128;
+    for (int i = threadIdx.x & 31; i < 16 * lines; i += 32) {
+        const int r = min(i / lines, nrows - 1);
+        prefetch_l2(w + (size_t)r * row_bytes + k0 + (i % lines) * 128);
     }
-#pragma unroll
-    for (int t = 0; t < T; t++) {
-        float s = warp_sum(acc[t]);
-        if (lane == 0) p.y[(size_t)t * p.y_stride + row] = f2bf(s);
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_bf16(const OrnithGemvBf16Params p) {
-    pdl_launch_dependents();
-    int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row < p.out) prefetch_range_l2(p.w + (size_t)row * p.in, (size_t)p.in * 2);
-    pdl_wait();
-    if (row >= p.out) return;
-    switch (p.tokens) {
-        case 1: gemv_bf16_row<1>(p, row); break;
-        case 2: gemv_bf16_row<2>(p, row); break;
-        case 3: gemv_bf16_row<3>(p, row); break;
-        case 4: gemv_bf16_row<4>(p, row); break;
-        case 5: gemv_bf16_row<5>(p, row); break;
-        case 6: gemv_bf16_row<6>(p, row); break;
-        case 7: gemv_bf16_row<7>(p, row); break;
-        case 8: gemv_bf16_row<8>(p, row); break;
-        default: break;
-    }
-}
-
-// Dot of 16 E4M3 weights with 16 E4M3 activations, fp32 accumulation (products of E4M3 values
-// are exact in fp32; the sum rounds).
-__device__ __forceinline__ float dot16_e4m3(const uint4 &w, const uint4 &x, float acc) {
-    const uint32_t wa[4] = {w.x, w.y, w.z, w.w};
-    const uint32_t xa[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        float2 w0 = e4m3x2_to_f2((uint16_t)(wa[e] & 0xffff)), w1 = e4m3x2_to_f2((uint16_t)(wa[e] >> 16));
-        float2 x0 = e4m3x2_to_f2((uint16_t)(xa[e] & 0xffff)), x1 = e4m3x2_to_f2((uint16_t)(xa[e] >> 16));
-        acc = fmaf(w0.x, x0.x, acc);
-        acc = fmaf(w0.y, x0.y, acc);
-        acc = fmaf(w1.x, x1.x, acc);
-        acc = fmaf(w1.y, x1.y, acc);
-    }
-    return acc;
-}
-
-// acc[t] = sum_i e4m3(w[i]) * e4m3(x_t[i]) over one row of `in` codes, one warp.
-template <int T>
-__device__ __forceinline__ void fp8_row_dot(const uint8_t *wrow, const uint8_t *x, size_t x_stride, int in,
-                                            float (&acc)[T]) {
-    const int lane = threadIdx.x & 31;
-    const uint4 *w = reinterpret_cast<const uint4 *>(wrow);
-    const int n16 = in / 16;
-#pragma unroll
-    for (int t = 0; t < T; t++) acc[t] = 0.f;
-    for (int base = lane; base < n16; base += 32 * GEMV_UNROLL) {
-        uint4 wv[GEMV_UNROLL];
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; u++) {
-            int c = base + u * 32;
-            wv[u] = c < n16 ? __ldg(w + c) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; u++) {
-            int c = base + u * 32;
-            if (c >= n16) break;
-#pragma unroll
-            for (int t = 0; t < T; t++) {
-                uint4 xv = __ldg(reinterpret_cast<const uint4 *>(x + (size_t)t * x_stride) + c);
-                acc[t] = dot16_e4m3(wv[u], xv, acc[t]);
-            }
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < T; t++) acc[t] = warp_sum(acc[t]);
-}
-
-template <int T>
-__device__ __forceinline__ void gemv_fp8_row(const OrnithGemvFp8Params &p, int row) {
-    float acc[T];
-    fp8_row_dot<T>(p.w + (size_t)row * p.in, p.xq, (size_t)p.x_stride, p.in, acc);
-    if ((threadIdx.x & 31) == 0) {
-        float ws = p.ws[row];
-#pragma unroll
-        for (int t = 0; t < T; t++) p.y[(size_t)t * p.y_stride + row] = f2bf(acc[t] * p.xs[t] * ws);
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_fp8(const OrnithGemvFp8Params p) {
-    pdl_launch_dependents();
-    int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row < p.out) prefetch_range_l2(p.w + (size_t)row * p.in, (size_t)p.in);
-    pdl_wait();
-    if (row >= p.out) return;
-    switch (p.tokens) {
-        case 1: gemv_fp8_row<1>(p, row); break;
-        case 2: gemv_fp8_row<2>(p, row); break;
-        case 3: gemv_fp8_row<3>(p, row); break;
-        case 4: gemv_fp8_row<4>(p, row); break;
-        case 5: gemv_fp8_row<5>(p, row); break;
-        case 6: gemv_fp8_row<6>(p, row); break;
-        case 7: gemv_fp8_row<7>(p, row); break;
-        case 8: gemv_fp8_row<8>(p, row); break;
-        default: break;
-    }
-}
-
-// =============================================================================================
-// Single-token GEMVs: the decode step's shape. Same math and cast points as the kernels above; the
-// work layout differs so that every lane keeps 8 independent 16-byte weight loads in flight
-// whatever the row length:
-//   a warp owns R consecutive rows and reads U chunks of each per pass, all R * U = 8 loads issued
-//   before the first FMA, with U = 8, 4, 2, 1 where a row has >= 8, >= 4, >= 2, < 2 chunks per
-//   lane (ceil(n16 / 32), n16 = 16-byte chunks per row) and R = 8 / U (gemv1_rows).
-// So short rows (the MoE down projection: 512 FP8 codes = 32 chunks, R = 8) keep 128 B in flight
-// per lane like long ones. Lane l sums chunks l, l + 32, l + 64, ... of each row in that order, as
-// the multi-token kernels do, so for one token they produce the same bits. Block = GEMV_WARPS
-// warps, grid = ceil(out / (GEMV_WARPS * R)) (x tokens and slots for the MoE form); the Rust
-// launchers size grids with the same rule (`gemv1_rows`). __launch_bounds__(256, 4): <= 64
-// registers, 32 warps per SM.
-// =============================================================================================
-__host__ __device__ constexpr int gemv1_u(int n16) {
-    return n16 > 7 * 32 ? 8 : n16 > 3 * 32 ? 4 : n16 > 32 ? 2 : 1;
-}
-__host__ __device__ constexpr int gemv1_rows(int n16) { return 8 / gemv1_u(n16); }
-
-// acc[r] = warp-summed dot of row r (rows of n16 chunks, consecutive from w; only the first nr
-// exist, the others read as zeros) with x; FP8 selects E4M3 x E4M3 chunks of 16, else bf16 x bf16
-// chunks of 8. Every lane gets the sums.
-template <bool FP8, int R, int U>
-__device__ __forceinline__ void rows_dot1(const uint4 *w, int nr, const uint4 *x, int n16, float (&acc)[R]) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int r = 0; r < R; r++) acc[r] = 0.f;
-    for (int base = lane; base < n16; base += 32 * U) {
-        uint4 wv[R][U];
-#pragma unroll
-        for (int u = 0; u < U; u++)
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                const int c = base + u * 32;
-                wv[r][u] = c < n16 && r < nr ? __ldg(w + (size_t)r * n16 + c) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int c = base + u * 32;
-            if (c >= n16) break;
-            const uint4 xv = __ldg(x + c);
-#pragma unroll
-            for (int r = 0; r < R; r++) acc[r] = FP8 ? dot16_e4m3(wv[r][u], xv, acc[r]) : dot8_bf16(wv[r][u], xv, acc[r]);
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < R; r++) acc[r] = warp_sum(acc[r]);
-}
-
-// y[row] = bf16(x . w[row]) (BF16) or bf16((xq . w[row]) * xs * ws[row]) (FP8) for one token.
-template <bool FP8, int R, int U>
-__device__ __forceinline__ void gemv1_impl(const uint8_t *wb, const float *ws, const uint8_t *x, const float *xs,
-                                           uint16_t *y, int in, int out) {
-    constexpr int ES = FP8 ? 1 : 2;
-    const int n16 = in * ES / 16;
-    const int row0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * R;
-    if (row0 < out) prefetch_range_l2(wb + (size_t)row0 * in * ES, (size_t)(min(row0 + R, out) - row0) * in * ES);
-    pdl_wait();
-    if (row0 >= out) return;
-    float acc[R];
-    rows_dot1<FP8, R, U>(reinterpret_cast<const uint4 *>(wb + (size_t)row0 * in * ES), min(R, out - row0),
-                         reinterpret_cast<const uint4 *>(x), n16, acc);
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int r = 0; r < R; r++)
-        if (lane == r && row0 + r < out) y[row0 + r] = f2bf(FP8 ? acc[r] * xs[0] * ws[row0 + r] : acc[r]);
 }
 
 template <bool FP8>
-__device__ __forceinline__ void gemv1(const uint8_t *wb, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
-                                      int in, int out) {
-    switch (gemv1_u(in * (FP8 ? 1 : 2) / 16)) {
-        case 8: gemv1_impl<FP8, 1, 8>(wb, ws, x, xs, y, in, out); break;
-        case 4: gemv1_impl<FP8, 2, 4>(wb, ws, x, xs, y, in, out); break;
-        case 2: gemv1_impl<FP8, 4, 2>(wb, ws, x, xs, y, in, out); break;
-        default: gemv1_impl<FP8, 8, 1>(wb, ws, x, xs, y, in, out); break;
-    }
+__device__ __forceinline__ void mma_step(float *acc, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+    const uint32_t a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
+    if (FP8) mma_e4m3(acc, a, b); else mma_bf16(acc, a, b);
 }
 
-// gemv_bf16 for tokens = 1 (OrnithGemvBf16Params; tokens and strides unused).
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_bf16_t1(const OrnithGemvBf16Params p) {
-    pdl_launch_dependents();
-    gemv1<false>(reinterpret_cast<const uint8_t *>(p.w), nullptr, reinterpret_cast<const uint8_t *>(p.x), nullptr, p.y, p.in, p.out);
-}
-
-// gemv_fp8 for tokens = 1 (OrnithGemvFp8Params; tokens and strides unused).
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) gemv_fp8_t1(const OrnithGemvFp8Params p) {
-    pdl_launch_dependents();
-    gemv1<true>(p.w, p.ws, p.xq, p.xs, p.y, p.in, p.out);
-}
-
-// MoE expert GEMV: grid (ceil(out / (GEMV_WARPS * R)), top_k + 1 slots, tokens), R = gemv1_rows(in / 16).
-// Slot top_k is the shared expert, whose rows are known before the router has run (prefetched
-// before the wait); a routed expert's index is read after it.
-template <int R, int U>
-__device__ __forceinline__ void moe_gemv_impl(const OrnithMoeGemvParams &p) {
-    const int slot = blockIdx.y, t = blockIdx.z;
-    const int row0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * R;
-    const size_t in = (size_t)p.in;
-    if (slot == p.top_k && row0 < p.out) prefetch_range_l2(p.shared_w + row0 * in, (size_t)(min(row0 + R, p.out) - row0) * in);
-    pdl_wait();
-    if (row0 >= p.out) return;
-    const uint8_t *wb;
-    const float *ws;
-    if (slot < p.top_k) {
-        int e = p.idx[t * p.top_k + slot];
-        if (e < 0 || e >= p.experts) e = 0;  // the router never writes such an index; stay in bounds
-        wb = p.w + (size_t)e * p.out * in;
-        ws = p.ws + (size_t)e * p.out;
-    } else {
-        wb = p.shared_w;
-        ws = p.shared_ws;
-    }
-    const uint8_t *x = p.xq + (size_t)t * p.x_tok_stride + (size_t)slot * p.x_slot_stride;
-    const float xs = p.xs[t * p.xs_tok_stride + slot * p.xs_slot_stride];
-    float acc[R];
-    rows_dot1<true, R, U>(reinterpret_cast<const uint4 *>(wb + (size_t)row0 * in), min(R, p.out - row0),
-                          reinterpret_cast<const uint4 *>(x), p.in / 16, acc);
-    const int lane = threadIdx.x & 31, slots = p.top_k + 1;
+// acc[j] += rows (w, 16 rows of row_bytes, the first nrows real) · tokens of N tile j over the
+// bytes [k0, k1) of each row; xoff[j] = byte offset of this lane's token (8j + g) in x.
+template <bool FP8, int NT>
+__device__ __forceinline__ void tc_tile(const uint8_t *w, size_t row_bytes, int nrows, const uint8_t *x,
+                                        const uint32_t (&xoff)[NT], int k0, int k1, float (&acc)[NT][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const uint8_t *wg = w + (size_t)min(g, nrows - 1) * row_bytes, *wg8 = w + (size_t)min(g + 8, nrows - 1) * row_bytes;
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    constexpr int TC_U = tc_u(NT);
+    for (int kb = k0; kb < k1; kb += 64 * TC_U) {
+        uint4 wa[TC_U], wb[TC_U];
 #pragma unroll
-    for (int r = 0; r < R; r++)
-        if (lane == r && row0 + r < p.out) p.y[((size_t)t * slots + slot) * p.out + row0 + r] = f2bf(acc[r] * xs * ws[row0 + r]);
-}
-
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) moe_gemv_fp8(const OrnithMoeGemvParams p) {
-    pdl_launch_dependents();
-    switch (gemv1_u(p.in / 16)) {
-        case 8: moe_gemv_impl<1, 8>(p); break;
-        case 4: moe_gemv_impl<2, 4>(p); break;
-        case 2: moe_gemv_impl<4, 2>(p); break;
-        default: moe_gemv_impl<8, 1>(p); break;
-    }
-}
-
-// MoE expert GEMV grouped by expert, for a decode group of many tokens: grid
-// (ceil(out / (GEMV_WARPS * R)), active + 1, 1) where `active = min(experts, tokens * top_k)`.
-// Block y < active takes the y-th expert that has assignments (`active_list`, from moe_sort; blocks
-// past `*active_count` exit) and runs its rows over every (token, slot) routed to it
-// (`row_assign[group_offsets[e] .. group_offsets[e + 1]]`, a = token * top_k + slot); the last
-// block y is the shared expert over every token (slot top_k). A warp loads each weight chunk once
-// per MG assignments (4, or 2 for the 8-row form, within the register budget) and applies it to each: every (token, slot, row) is summed in exactly
-// rows_dot1's order (lane chunks l, l + 32, ..., per u within a pass, then warp_sum) and scaled as
-// moe_gemv_impl does, so the result is bit-identical to moe_gemv_fp8 whatever the grouping —
-// the weights are read once per expert and step instead of once per (token, slot).
-template <int R, int U, int MG>
-__device__ __forceinline__ void moe_gemv_grouped_impl(const OrnithMoeGemvParams &p) {
-    const int row0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * R;
-    const bool shared = blockIdx.y == gridDim.y - 1;
-    const size_t in = (size_t)p.in;
-    if (shared && row0 < p.out) prefetch_range_l2(p.shared_w + row0 * in, (size_t)(min(row0 + R, p.out) - row0) * in);
-    pdl_wait();
-    if (row0 >= p.out) return;
-    int a0 = 0, a1 = p.tokens;
-    const uint8_t *wb = p.shared_w;
-    const float *ws = p.shared_ws;
-    if (!shared) {
-        if ((int)blockIdx.y >= *p.active_count) return;
-        const int e = p.active_list[blockIdx.y];
-        a0 = p.group_offsets[e];
-        a1 = p.group_offsets[e + 1];
-        wb = p.w + (size_t)e * p.out * in;
-        ws = p.ws + (size_t)e * p.out;
-    }
-    const int lane = threadIdx.x & 31, slots = p.top_k + 1, n16 = p.in / 16, nr = min(R, p.out - row0);
-    const uint4 *w = reinterpret_cast<const uint4 *>(wb + (size_t)row0 * in);
-    for (int g0 = a0; g0 < a1; g0 += MG) {
-        const int ng = min(MG, a1 - g0);
-        int tok[MG], slot[MG];
-        const uint4 *x[MG];
-        float xs[MG], acc[MG][R];
-#pragma unroll
-        for (int j = 0; j < MG; j++) {
-            const int jj = min(j, ng - 1);  // unused lanes of the pass repeat the last assignment
-            const int a = shared ? -1 : p.row_assign[g0 + jj];
-            tok[j] = shared ? g0 + jj : a / p.top_k;
-            slot[j] = shared ? p.top_k : a % p.top_k;
-            x[j] = reinterpret_cast<const uint4 *>(p.xq + (size_t)tok[j] * p.x_tok_stride + (size_t)slot[j] * p.x_slot_stride);
-            xs[j] = p.xs[tok[j] * p.xs_tok_stride + slot[j] * p.xs_slot_stride];
-#pragma unroll
-            for (int r = 0; r < R; r++) acc[j][r] = 0.f;
+        for (int u = 0; u < TC_U; u++) {
+            const int off = kb + u * 64 + 16 * c;
+            const bool ok = off < k1;
+            wa[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(wg + off)) : z;
+            wb[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(wg8 + off)) : z;
         }
-        for (int base = lane; base < n16; base += 32 * U) {
-            uint4 wv[R][U];
 #pragma unroll
-            for (int u = 0; u < U; u++)
+        for (int u = 0; u < TC_U; u++) {
+            if (kb + u * 64 >= k1) break;  // warp-uniform
+            const int off = kb + u * 64 + 16 * c;
+            const bool ok = off < k1;
 #pragma unroll
-                for (int r = 0; r < R; r++) {
-                    const int c = base + u * 32;
-                    wv[r][u] = c < n16 && r < nr ? __ldg(w + (size_t)r * n16 + c) : make_uint4(0, 0, 0, 0);
-                }
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                const int c = base + u * 32;
-                if (c >= n16) break;
-#pragma unroll
-                for (int j = 0; j < MG; j++) {
-                    const uint4 xv = __ldg(x[j] + c);
-#pragma unroll
-                    for (int r = 0; r < R; r++) acc[j][r] = dot16_e4m3(wv[r][u], xv, acc[j][r]);
-                }
+            for (int j = 0; j < NT; j++) {
+                const uint4 xv = ok ? __ldg(reinterpret_cast<const uint4 *>(x + xoff[j] + off)) : z;
+                mma_step<FP8>(acc[j], wa[u].x, wb[u].x, wa[u].y, wb[u].y, xv.x, xv.y);
+                mma_step<FP8>(acc[j], wa[u].z, wb[u].z, wa[u].w, wb[u].w, xv.z, xv.w);
             }
         }
+    }
+}
+
+// Adds the ks slices' partial sums of each row group in slice order into the slice-0 warp's acc
+// (every warp of the block calls it; `red` holds TC_WARPS x NT * 4 x 32 floats).
+template <int NT>
+__device__ __forceinline__ void tc_reduce(float (&acc)[NT][4], int ks, float *red) {
+    if (ks == 1) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, s = warp % ks;
+    if (s != 0)
 #pragma unroll
-        for (int j = 0; j < MG; j++) {
+        for (int j = 0; j < NT; j++)
 #pragma unroll
-            for (int r = 0; r < R; r++) acc[j][r] = warp_sum(acc[j][r]);
-            if (j >= ng) continue;
+            for (int i = 0; i < 4; i++) red[(warp * NT * 4 + j * 4 + i) * 32 + lane] = acc[j][i];
+    __syncthreads();
+    if (s == 0)
+        for (int ss = 1; ss < ks; ss++)
 #pragma unroll
-            for (int r = 0; r < R; r++)
-                if (lane == r && row0 + r < p.out)
-                    p.y[((size_t)tok[j] * slots + slot[j]) * p.out + row0 + r] = f2bf(acc[j][r] * xs[j] * ws[row0 + r]);
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[j][i] += red[((warp + ss) * NT * 4 + j * 4 + i) * 32 + lane];
+    __syncthreads();
+}
+
+// Where a warp works: its 16 rows from row0, its K slice [k0, k1), and whether it holds the sums.
+struct TcPlace {
+    int row0, k0, k1, ks;
+    bool lead;
+};
+__device__ __forceinline__ TcPlace tc_place(int row_bytes, int out) {
+    const int ks = gemv_tc_ksplit(row_bytes, out), warp = threadIdx.x >> 5, s = warp % ks;
+    const int slice = ks == 1 ? row_bytes : row_bytes / ks;
+    TcPlace t;
+    t.ks = ks;
+    t.row0 = (blockIdx.x * (TC_WARPS / ks) + warp / ks) * 16;
+    t.k0 = s * slice;
+    t.k1 = t.k0 + slice;
+    t.lead = s == 0;
+    return t;
+}
+
+// Dense form: y[t * y_stride + o] for t < tokens, o < out; x rows of x_stride elements.
+template <bool FP8, int NT>
+__device__ __forceinline__ void gemv_tc_pass(const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
+                                             int tokens, int t0, int in, int out, int x_stride, int y_stride, const TcPlace &pl,
+                                             float *red) {
+    constexpr int ES = FP8 ? 1 : 2;
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const size_t row_bytes = (size_t)in * ES;
+    uint32_t xoff[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) xoff[j] = (uint32_t)(min(t0 + 8 * j + g, tokens - 1) * x_stride * ES);
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
+    const int nrows = max(1, min(16, out - pl.row0));
+    if (pl.row0 < out) tc_tile<FP8, NT>(w + (size_t)pl.row0 * row_bytes, row_bytes, nrows, x, xoff, pl.k0, pl.k1, acc);
+    tc_reduce<NT>(acc, pl.ks, red);
+    if (!pl.lead || pl.row0 >= out) return;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int row = pl.row0 + g + (i >> 1) * 8, t = t0 + 8 * j + 2 * c + (i & 1);
+            if (row < out && t < tokens) y[(size_t)t * y_stride + row] = f2bf(FP8 ? acc[j][i] * xs[t] * ws[row] : acc[j][i]);
+        }
+}
+
+template <bool FP8>
+__device__ __forceinline__ void gemv_tc(const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
+                                        int tokens, int in, int out, int x_stride, int y_stride) {
+    __shared__ float red[TC_WARPS * TC_NT * 4 * 32];
+    constexpr int ES = FP8 ? 1 : 2;
+    const TcPlace pl = tc_place(in * ES, out);
+    if (pl.row0 < out) prefetch_tile_l2(w + (size_t)pl.row0 * in * ES, (size_t)in * ES, min(16, out - pl.row0), pl.k0, pl.k1);
+    pdl_wait();
+    for (int t0 = 0; t0 < tokens; t0 += 8 * TC_NT) {
+        switch ((min(tokens - t0, 8 * TC_NT) + 7) / 8) {
+            case 1: gemv_tc_pass<FP8, 1>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
+            case 2: gemv_tc_pass<FP8, 2>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
+            case 3: gemv_tc_pass<FP8, 3>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
+            case 4: gemv_tc_pass<FP8, 4>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
+            case 5:
+            case 6: gemv_tc_pass<FP8, 6>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
+            default: gemv_tc_pass<FP8, 8>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2) moe_gemv_grouped(const OrnithMoeGemvParams p) {
+// y[t, o] = bf16(Σ_i x[t, i] · w[o, i]) for any number of tokens (BF16 weights).
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) gemv_bf16(const OrnithGemvBf16Params p) {
     pdl_launch_dependents();
-    switch (gemv1_u(p.in / 16)) {
-        case 8: moe_gemv_grouped_impl<1, 8, 4>(p); break;
-        case 4: moe_gemv_grouped_impl<2, 4, 4>(p); break;
-        case 2: moe_gemv_grouped_impl<4, 2, 4>(p); break;
-        default: moe_gemv_grouped_impl<8, 1, 2>(p); break;
+    gemv_tc<false>(reinterpret_cast<const uint8_t *>(p.w), nullptr, reinterpret_cast<const uint8_t *>(p.x), nullptr, p.y,
+                   p.tokens, p.in, p.out, p.x_stride, p.y_stride);
+}
+
+// y[t, o] = bf16((Σ_i e4m3(xq[t, i]) · e4m3(w[o, i])) · xs[t] · ws[o]) for any number of tokens.
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) gemv_fp8(const OrnithGemvFp8Params p) {
+    pdl_launch_dependents();
+    gemv_tc<true>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride);
+}
+
+// =============================================================================================
+// MoE expert products (FP8): y[(t * (top_k + 1) + slot) * out + o] for every (token, slot), slot
+// top_k being the shared expert. The same tile and summation order as the dense form with the
+// expert's rows as M and (token, slot) pairs as N, so the two grids below give the same bits:
+//   moe_gemv_fp8     grid (tiles, top_k + 1, tokens): one pair per block (the routed expert's index
+//                    read after pdl_wait; the shared expert's rows prefetched before it);
+//   moe_gemv_grouped grid (tiles, active + 1, 1), active = min(experts, tokens * top_k): block y <
+//                    *active_count takes the y-th expert with assignments (active_list, from
+//                    moe_sort) over its pairs row_assign[group_offsets[e] ..] (a = token * top_k +
+//                    slot), the last block y the shared expert over every token — each expert's
+//                    weights read once per step.
+// tiles = gemv_tc_blocks(in, out) (the dense rule on one expert's [out, in]).
+// =============================================================================================
+
+// The (token, slot) pair of each column of a block: from a list of assignments
+// (a = token * top_k + slot), or tokens t_base, t_base + 1, ... of one fixed slot.
+struct MoeCols {
+    const int32_t *assign;
+    int top_k, n, t_base, slot;
+    __device__ __forceinline__ void pair(int i, int &t, int &s) const {
+        if (assign) {
+            const int a = assign[i];
+            t = a / top_k;
+            s = a % top_k;
+        } else {
+            t = t_base + i;
+            s = slot;
+        }
     }
+};
+
+template <int NT>
+__device__ __forceinline__ void moe_tc_pass(const OrnithMoeGemvParams &p, const uint8_t *wb, const float *ws, const MoeCols &cols,
+                                            int n0, const TcPlace &pl, float *red) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, slots = p.top_k + 1;
+    uint32_t xoff[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        int t, slot;
+        cols.pair(min(n0 + 8 * j + g, cols.n - 1), t, slot);
+        xoff[j] = (uint32_t)(t * p.x_tok_stride + slot * p.x_slot_stride);
+    }
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
+    const int nrows = max(1, min(16, p.out - pl.row0));
+    if (pl.row0 < p.out) tc_tile<true, NT>(wb + (size_t)pl.row0 * p.in, (size_t)p.in, nrows, p.xq, xoff, pl.k0, pl.k1, acc);
+    tc_reduce<NT>(acc, pl.ks, red);
+    if (!pl.lead || pl.row0 >= p.out) return;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int n = n0 + 8 * j + 2 * c + h;
+            if (n >= cols.n) continue;
+            int t, slot;
+            cols.pair(n, t, slot);
+            const float xs = p.xs[t * p.xs_tok_stride + slot * p.xs_slot_stride];
+#pragma unroll
+            for (int v = 0; v < 2; v++) {
+                const int row = pl.row0 + g + 8 * v;
+                if (row < p.out) p.y[((size_t)t * slots + slot) * p.out + row] = f2bf(acc[j][2 * v + h] * xs * ws[row]);
+            }
+        }
+}
+
+__device__ __forceinline__ void moe_tc(const OrnithMoeGemvParams &p, const uint8_t *wb, const float *ws, const MoeCols &cols,
+                                       const TcPlace &pl) {
+    __shared__ float red[TC_WARPS * TC_NT * 4 * 32];
+    for (int n0 = 0; n0 < cols.n; n0 += 8 * TC_NT) {
+        switch ((min(cols.n - n0, 8 * TC_NT) + 7) / 8) {
+            case 1: moe_tc_pass<1>(p, wb, ws, cols, n0, pl, red); break;
+            case 2: moe_tc_pass<2>(p, wb, ws, cols, n0, pl, red); break;
+            case 3:
+            case 4: moe_tc_pass<4>(p, wb, ws, cols, n0, pl, red); break;
+            default: moe_tc_pass<8>(p, wb, ws, cols, n0, pl, red); break;
+        }
+    }
+}
+
+// The routed expert e's weights (an index the router never writes is clamped into range).
+__device__ __forceinline__ void moe_expert(const OrnithMoeGemvParams &p, int e, const uint8_t *&wb, const float *&ws) {
+    if (e < 0 || e >= p.experts) e = 0;
+    wb = p.w + (size_t)e * p.out * p.in;
+    ws = p.ws + (size_t)e * p.out;
+}
+
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) moe_gemv_fp8(const OrnithMoeGemvParams p) {
+    pdl_launch_dependents();
+    const TcPlace pl = tc_place(p.in, p.out);
+    const int slot = blockIdx.y, t = blockIdx.z;
+    const bool shared = slot == p.top_k;
+    if (shared && pl.row0 < p.out) prefetch_tile_l2(p.shared_w + (size_t)pl.row0 * p.in, p.in, min(16, p.out - pl.row0), pl.k0, pl.k1);
+    pdl_wait();
+    const uint8_t *wb = p.shared_w;
+    const float *ws = p.shared_ws;
+    if (!shared) moe_expert(p, p.idx[t * p.top_k + slot], wb, ws);
+    moe_tc(p, wb, ws, MoeCols{nullptr, p.top_k, 1, t, slot}, pl);
+}
+
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) moe_gemv_grouped(const OrnithMoeGemvParams p) {
+    pdl_launch_dependents();
+    const TcPlace pl = tc_place(p.in, p.out);
+    const bool shared = blockIdx.y == gridDim.y - 1;
+    if (shared && pl.row0 < p.out) prefetch_tile_l2(p.shared_w + (size_t)pl.row0 * p.in, p.in, min(16, p.out - pl.row0), pl.k0, pl.k1);
+    pdl_wait();
+    if (shared) {
+        moe_tc(p, p.shared_w, p.shared_ws, MoeCols{nullptr, p.top_k, p.tokens, 0, p.top_k}, pl);
+        return;
+    }
+    if ((int)blockIdx.y >= *p.active_count) return;
+    const int e = p.active_list[blockIdx.y], a0 = p.group_offsets[e], a1 = p.group_offsets[e + 1];
+    const uint8_t *wb;
+    const float *ws;
+    moe_expert(p, e, wb, ws);
+    moe_tc(p, wb, ws, MoeCols{p.row_assign + a0, p.top_k, a1 - a0, 0, 0}, pl);
 }

@@ -153,7 +153,7 @@ impl CudaBackend {
         self.go("quantize_fp8_rows", (rows as u32, 1, 1), 256, (rows * cols * 3 + rows * 4) as u64, p)
     }
 
-    /// `y[t, o] = x[t] · w[o]` for up to 8 rows (`w` BF16 `[out, in]`).
+    /// `y[t, o] = x[t] · w[o]` for any number of rows (`w` BF16 `[out, in]`).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn k_gemv_bf16(
         &self,
@@ -166,7 +166,6 @@ impl CudaBackend {
         xs: usize,
         ys: usize,
     ) -> Result<()> {
-        debug_assert!((1..=GEMV_ROWS).contains(&t));
         let p = OrnithGemvBf16Params {
             x: x as _,
             w: w as _,
@@ -178,13 +177,10 @@ impl CudaBackend {
             y_stride: ys as i32,
         };
         let bytes = (out * in_ * 2 + t * (in_ + out) * 2) as u64;
-        if t == 1 {
-            return self.go("gemv_bf16_t1", (crate::cuda::gemv1_blocks(in_ / 8, out), 1, 1), 256, bytes, p);
-        }
-        self.go("gemv_bf16", (out.div_ceil(8) as u32, 1, 1), 256, bytes, p)
+        self.go("gemv_bf16", (crate::cuda::gemv_tc_blocks(in_ * 2, out), 1, 1), 256, bytes, p)
     }
 
-    /// FP8 W8A8 GEMV for up to 8 rows.
+    /// FP8 W8A8 decode product for any number of rows.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn k_gemv_fp8(
         &self,
@@ -199,7 +195,6 @@ impl CudaBackend {
         xs: usize,
         ys: usize,
     ) -> Result<()> {
-        debug_assert!((1..=GEMV_ROWS).contains(&t));
         let p = OrnithGemvFp8Params {
             xq: xq as _,
             xs: xsc as _,
@@ -213,10 +208,7 @@ impl CudaBackend {
             y_stride: ys as i32,
         };
         let bytes = (out * in_ + out * 4 + t * (in_ + 4 + out * 2)) as u64;
-        if t == 1 {
-            return self.go("gemv_fp8_t1", (crate::cuda::gemv1_blocks(in_ / 16, out), 1, 1), 256, bytes, p);
-        }
-        self.go("gemv_fp8", (out.div_ceil(8) as u32, 1, 1), 256, bytes, p)
+        self.go("gemv_fp8", (crate::cuda::gemv_tc_blocks(in_, out), 1, 1), 256, bytes, p)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -250,7 +242,7 @@ impl CudaBackend {
     pub(super) fn k_moe_gemv(&self, p: OrnithMoeGemvParams, grouped: bool) -> Result<()> {
         let slots = (p.top_k + 1) as usize;
         let (t, in_, out, k) = (p.tokens as usize, p.in_ as usize, p.out as usize, p.top_k as usize);
-        let tiles = crate::cuda::gemv1_blocks(in_ / 16, out);
+        let tiles = crate::cuda::gemv_tc_blocks(in_, out);
         if grouped {
             anyhow::ensure!(
                 !p.active_list.is_null() && !p.row_assign.is_null(),
@@ -417,8 +409,9 @@ impl CudaBackend {
     }
 
     /// `y = x @ W^T` for `t` rows: the prefill GEMM when `prefill` (a chunk of one sequence of
-    /// more than 8 rows, and the operands are 16-byte aligned), else the decode GEMV in blocks of
-    /// 8 rows (each row the single-row kernel's bits, whatever the other rows: a decode group). FP8 Linears quantise `x` first (per
+    /// more than 8 rows, and the operands are 16-byte aligned), else the decode product over all
+    /// `t` rows in one launch (each row's bits independent of the other rows: a decode group).
+    /// FP8 Linears quantise `x` first (per
     /// token, compressed-tensors semantics) unless `x.q8` is given. Both kernels compute the same
     /// cast points (fp32 sums, one bf16 rounding of the scaled sum); they differ in summation order.
     #[allow(clippy::too_many_arguments)]
@@ -441,19 +434,7 @@ impl CudaBackend {
                 if prefill && gemm_aligned(x.bf, x.stride * 2, in_ * 2) {
                     return self.k_gemm_bf16(x.bf, w.w, y, t, in_, out, x.stride, y_stride);
                 }
-                for r0 in (0..t).step_by(GEMV_ROWS) {
-                    let n = GEMV_ROWS.min(t - r0);
-                    self.k_gemv_bf16(
-                        x.bf + (r0 * x.stride * 2) as u64,
-                        w.w,
-                        y + (r0 * y_stride * 2) as u64,
-                        n,
-                        in_,
-                        out,
-                        x.stride,
-                        y_stride,
-                    )?;
-                }
+                self.k_gemv_bf16(x.bf, w.w, y, t, in_, out, x.stride, y_stride)?;
             }
             Some(ws) => {
                 let (xq, xsc, xstride) = match x.q8 {
@@ -466,21 +447,7 @@ impl CudaBackend {
                 if prefill && gemm_aligned(xq, xstride, in_) {
                     return self.k_gemm_fp8(xq, xsc, w.w, ws, y, t, in_, out, xstride, y_stride);
                 }
-                for r0 in (0..t).step_by(GEMV_ROWS) {
-                    let n = GEMV_ROWS.min(t - r0);
-                    self.k_gemv_fp8(
-                        xq + (r0 * xstride) as u64,
-                        xsc + (r0 * 4) as u64,
-                        w.w,
-                        ws,
-                        y + (r0 * y_stride * 2) as u64,
-                        n,
-                        in_,
-                        out,
-                        xstride,
-                        y_stride,
-                    )?;
-                }
+                self.k_gemv_fp8(xq, xsc, w.w, ws, y, t, in_, out, xstride, y_stride)?;
             }
         }
         Ok(())

@@ -64,6 +64,10 @@ struct BatchRun {
     decode_default_sampling_tok_s: f64,
     decode_default_sampling_tok_s_per_seq: f64,
     decode_default_sampling_step_ms: f64,
+    /// One more greedy step with every launch timed by events (eager), aggregated by kernel.
+    kernels: Vec<KernelSummary>,
+    /// Sum of those launches' times (us).
+    kernel_us: f64,
 }
 
 #[derive(Serialize)]
@@ -194,6 +198,12 @@ fn batch_run(
     };
     let tg = timed(&greedy)?;
     let ts = timed(sampling)?;
+    // One more greedy step with every launch timed (after the timed runs; eager while profiled).
+    b.profile_begin();
+    one(&greedy, gen as u64 + 2, &mut toks, &mut pos)?;
+    let times = b.profile_end()?;
+    let kernel_us: f64 = times.iter().map(|t| t.us).sum();
+    let kernels = summarize(&times);
     let (g, bs) = (gen as f64, bsz as f64);
     Ok(BatchRun {
         batch: bsz,
@@ -206,6 +216,8 @@ fn batch_run(
         decode_default_sampling_tok_s: bs * g / ts,
         decode_default_sampling_tok_s_per_seq: g / ts,
         decode_default_sampling_step_ms: ts * 1e3 / g,
+        kernels,
+        kernel_us,
     })
 }
 
@@ -567,6 +579,26 @@ fn run() -> Result<()> {
                 r.decode_default_sampling_tok_s_per_seq,
                 r.decode_default_sampling_step_ms
             );
+        }
+        for r in &batch_runs {
+            let mut ks: Vec<&KernelSummary> = r.kernels.iter().collect();
+            ks.sort_by(|a, b| b.total_us.total_cmp(&a.total_us));
+            eprintln!("\nbatch {} profiled step: {:.0} us of kernel time; by kernel:", r.batch, r.kernel_us);
+            eprintln!(
+                "{:>22} {:>8} {:>10} {:>8} {:>10} {:>8}",
+                "kernel", "launches", "total us", "share", "MB", "GB/s"
+            );
+            for k in ks.iter().take(12) {
+                eprintln!(
+                    "{:>22} {:>8} {:>10.1} {:>7.1}% {:>10.2} {:>8.0}",
+                    k.kernel,
+                    k.launches,
+                    k.total_us,
+                    100.0 * k.total_us / r.kernel_us.max(1e-9),
+                    k.bytes as f64 / 1e6,
+                    k.gb_per_s
+                );
+            }
         }
     }
     let report = Report {

@@ -182,14 +182,15 @@ impl CudaContext {
     }
 
     fn gemv_checks(tokens: usize, in_: usize, out: usize, xs: usize, ys: usize, align: usize) -> Result<()> {
-        ensure!((1..=ORNITH_GEMV_MAX_TOKENS as usize).contains(&tokens), "gemv: tokens {tokens} must be 1..=8");
+        // The kernel forms activation offsets as i32 (token * x_stride * element bytes).
+        ensure!(tokens >= 1 && tokens * xs * (16 / align) <= i32::MAX as usize, "gemv: {tokens} tokens of stride {xs}");
         ensure!(in_ > 0 && in_.is_multiple_of(16), "gemv: in {in_} must be a positive multiple of 16");
         ensure!(out > 0 && xs >= in_ && ys >= out, "gemv: strides x {xs} >= in {in_}, y {ys} >= out {out}");
         ensure!(xs.is_multiple_of(align), "gemv: x stride {xs} must keep rows 16-byte aligned");
         Ok(())
     }
 
-    /// y[t, o] = bf16(sum_i x[t, i] w[o, i]) for 1..=8 tokens.
+    /// y[t, o] = bf16(sum_i x[t, i] w[o, i]) for any number of tokens (a decode group).
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_bf16(
         &self,
@@ -203,14 +204,7 @@ impl CudaContext {
         y_stride: usize,
     ) -> Result<()> {
         let p = self.gemv_bf16_params(x, w, y, tokens, in_, out, x_stride, y_stride)?;
-        self.launch("gemv_bf16", (out.div_ceil(8) as u32, 1, 1), 256, p)
-    }
-
-    /// [`Self::gemv_bf16`] for one token by the single-token kernel `gemv_bf16_t1` (the decode
-    /// path; the same bits as `gemv_bf16`).
-    pub fn gemv_bf16_t1(&self, x: &Bf, w: &Bf, y: &mut Bf, in_: usize, out: usize) -> Result<()> {
-        let p = self.gemv_bf16_params(x, w, y, 1, in_, out, in_, out)?;
-        self.launch("gemv_bf16_t1", (super::gemv1_blocks(in_ / 8, out), 1, 1), 256, p)
+        self.launch("gemv_bf16", (super::gemv_tc_blocks(in_ * 2, out), 1, 1), 256, p)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -257,24 +251,7 @@ impl CudaContext {
         y_stride: usize,
     ) -> Result<()> {
         let p = self.gemv_fp8_params(xq, xs, w, ws, y, tokens, in_, out, x_stride, y_stride)?;
-        self.launch("gemv_fp8", (out.div_ceil(8) as u32, 1, 1), 256, p)
-    }
-
-    /// [`Self::gemv_fp8`] for one token by the single-token kernel `gemv_fp8_t1` (the decode
-    /// path; the same bits as `gemv_fp8`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv_fp8_t1(
-        &self,
-        xq: &CudaSlice<u8>,
-        xs: &CudaSlice<f32>,
-        w: &CudaSlice<u8>,
-        ws: &CudaSlice<f32>,
-        y: &mut Bf,
-        in_: usize,
-        out: usize,
-    ) -> Result<()> {
-        let p = self.gemv_fp8_params(xq, xs, w, ws, y, 1, in_, out, in_, out)?;
-        self.launch("gemv_fp8_t1", (super::gemv1_blocks(in_ / 16, out), 1, 1), 256, p)
+        self.launch("gemv_fp8", (super::gemv_tc_blocks(in_, out), 1, 1), 256, p)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -347,7 +324,7 @@ impl CudaContext {
         let p = self.moe_gemv_params(a, y)?;
         self.launch(
             "moe_gemv_fp8",
-            (super::gemv1_blocks(a.in_ / 16, a.out), (a.top_k + 1) as u32, a.tokens as u32),
+            (super::gemv_tc_blocks(a.in_, a.out), (a.top_k + 1) as u32, a.tokens as u32),
             256,
             p,
         )
@@ -364,6 +341,13 @@ impl CudaContext {
         ensure!(
             a.x_tok_stride.is_multiple_of(16) && a.x_slot_stride.is_multiple_of(16),
             "moe_gemv: activation strides must keep 16-byte alignment"
+        );
+        // The kernel forms activation offsets as i32 (token * x_tok_stride + slot * x_slot_stride).
+        ensure!(
+            a.tokens * a.x_tok_stride + a.top_k * a.x_slot_stride <= i32::MAX as usize,
+            "moe_gemv: {} tokens of stride {}",
+            a.tokens,
+            a.x_tok_stride
         );
         need("moe_gemv idx", a.idx, a.tokens * a.top_k)?;
         need("moe_gemv w", a.w, a.experts * a.out * a.in_)?;
@@ -441,7 +425,7 @@ impl CudaContext {
         p.group_offsets = self.addr(&g.group_offsets) as _;
         p.row_assign = self.addr(&g.row_assign) as _;
         let active = a.experts.min(a.tokens * a.top_k) as u32;
-        self.launch("moe_gemv_grouped", (super::gemv1_blocks(a.in_ / 16, a.out), active + 1, 1), 256, p)
+        self.launch("moe_gemv_grouped", (super::gemv_tc_blocks(a.in_, a.out), active + 1, 1), 256, p)
     }
 
     /// a = bf16(bf16(silu(g)) * u) per row of gate_up [rows, 2*inter], then FP8 per row.

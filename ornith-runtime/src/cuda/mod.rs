@@ -25,7 +25,7 @@ mod tests;
 /// Kernels per PTX module (names of the `extern "C"` entry points).
 const KERNELS: [(Module, &[&str]); 10] = [
     (Module::Norm, &["embed_gather", "rmsnorm_residual", "quantize_fp8_rows"]),
-    (Module::Gemv, &["gemv_bf16", "gemv_fp8", "gemv_bf16_t1", "gemv_fp8_t1", "moe_gemv_fp8", "moe_gemv_grouped"]),
+    (Module::Gemv, &["gemv_bf16", "gemv_fp8", "moe_gemv_fp8", "moe_gemv_grouped"]),
     (Module::Moe, &["moe_router_topk", "swiglu_quant", "moe_combine"]),
     (Module::Gdn, &["conv1d_silu", "conv1d_silu_chunk", "gdn_recurrent", "gated_rmsnorm"]),
     (Module::Attention, &["qk_norm_rope", "attn_decode_split", "attn_decode_combine"]),
@@ -36,28 +36,27 @@ const KERNELS: [(Module, &[&str]); 10] = [
     (Module::MoePrefill, &["moe_sort", "swiglu_quant_ct", "moe_combine_prefill"]),
 ];
 
-/// Rows per warp of the single-token GEMVs (`gemv1_rows` in gemv.cu) for rows of `n16` 16-byte
-/// chunks: each lane keeps 8 loads in flight, 8, 4, 2 or 1 per row where a row has more than 7, 3
-/// or 1 chunks per lane (n16 / 32), and R = 8 / that.
-pub(crate) fn gemv1_rows(n16: usize) -> usize {
-    let u = if n16 > 7 * 32 {
-        8
-    } else if n16 > 3 * 32 {
-        4
-    } else if n16 > 32 {
-        2
-    } else {
-        1
-    };
-    8 / u
-}
-
-/// Warps per block of the GEMV kernels (`GEMV_WARPS` in gemv.cu).
+/// Warps per block of the decode products (`TC_WARPS` in gemv.cu).
 pub(crate) const GEMV_WARPS: usize = 8;
 
-/// Blocks of a single-token GEMV (and of the MoE GEMV per slot): `out` rows, R rows per warp.
-pub(crate) fn gemv1_blocks(n16: usize, out: usize) -> u32 {
-    out.div_ceil(GEMV_WARPS * gemv1_rows(n16)) as u32
+/// K slices per 16-row group of the tensor-core decode products (`gemv_tc_ksplit` in gemv.cu):
+/// the most (at most 8) that keep at least 2,048 warps short of, each slice at least 256 bytes and
+/// a whole number of 64-byte steps. A function of the weight's shape only, so a row's summation
+/// order never depends on the token count.
+pub(crate) fn gemv_tc_ksplit(row_bytes: usize, out: usize) -> usize {
+    let groups = out.div_ceil(16);
+    let mut ks = 1;
+    while ks < GEMV_WARPS && groups * ks < 2048 && row_bytes.is_multiple_of(ks * 2 * 64) && row_bytes / (ks * 2) >= 256
+    {
+        ks *= 2;
+    }
+    ks
+}
+
+/// Blocks of a decode product over `out` rows of `row_bytes` (the MoE forms: per expert):
+/// `GEMV_WARPS / ks` row groups of 16 per block.
+pub(crate) fn gemv_tc_blocks(row_bytes: usize, out: usize) -> u32 {
+    out.div_ceil(16).div_ceil(GEMV_WARPS / gemv_tc_ksplit(row_bytes, out)) as u32
 }
 
 /// The PTX arch shipped for a compute capability.
@@ -267,5 +266,29 @@ mod arch_tests {
         assert_eq!(arch_for(12, 1, "GB10").unwrap(), Arch::Sm121);
         let e = arch_for(8, 0, "A100").unwrap_err().to_string();
         assert!(e.contains("A100") && e.contains("sm_90") && e.contains("sm_121"), "{e}");
+    }
+}
+
+#[cfg(test)]
+mod gemv_tc_tests {
+    use super::*;
+    /// The K split of the real decode shapes (bytes per row, rows) and their grids: it fixes each
+    /// row's summation order, so a change here changes every decode product's bits.
+    #[test]
+    fn gemv_tc_split_of_the_decode_shapes() {
+        for (row_bytes, out, ks, blocks) in [
+            (4096, 248_320, 1, 1940), // lm_head, BF16
+            (4096, 12_352, 4, 386),   // GDN fused input projection, BF16
+            (8192, 2048, 8, 128),     // GDN out_proj, BF16
+            (4096, 257, 8, 17),       // router + shared-expert gate, BF16
+            (2048, 9216, 4, 288),     // attention q|k|v, FP8
+            (4096, 2048, 8, 128),     // o_proj, FP8
+            (2048, 1024, 8, 64),      // (shared) expert gate|up, FP8
+            (512, 2048, 2, 32),       // (shared) expert down, FP8
+            (32, 64, 1, 1),           // tiny preset: half a 64-byte step
+        ] {
+            assert_eq!(gemv_tc_ksplit(row_bytes, out), ks, "{row_bytes} x {out}");
+            assert_eq!(gemv_tc_blocks(row_bytes, out), blocks, "{row_bytes} x {out}");
+        }
     }
 }

@@ -182,65 +182,69 @@ fn perf(c: &super::CudaContext, what: &str, bytes: f64, mut f: impl FnMut()) {
     );
 }
 
-/// Whether a GEMV shape is one whose speed is reported: the real decode shapes (batch 1).
+/// Whether a decode-product shape is one whose speed is reported: the real decode shapes, alone
+/// and in groups of 8 and 64 (aggregate bytes: the weights once, each token's activations).
 fn decode_shape(inp: usize, tokens: usize) -> bool {
-    tokens == 1 && inp >= 2048
+    inp >= 2048 && matches!(tokens, 1 | 8 | 64)
 }
 
-/// Checks a GEMV output `y` (`tokens` rows of stride `yst`, `out` values each) against the
-/// reference (`want`, `tokens * out` values): the padding between rows untouched, values within
-/// `close`'s tolerance, and — for the second kernel run on the same shape (the single-token kernel after the multi-token one,
-/// which sums in the same order) — the same bits as the first.
+/// Checks a decode-product output `y` (`tokens` rows of stride `yst`, `out` values each) against
+/// the reference (`want`, `tokens * out` values): the padding between rows untouched, values within
+/// `close`'s tolerance.
 fn check_gemv_rows(
     name: &str,
     y: &[u16],
     (inp, out, tokens, yst): (usize, usize, usize, usize),
     want: &[f64],
-    first: &mut Option<Vec<u16>>,
-) {
+) -> Vec<u16> {
     assert!(
         (0..tokens).all(|t| y[t * yst + out..(t + 1) * yst].iter().all(|&b| b == POISON)),
         "{name}: wrote outside the rows"
     );
     let got: Vec<u16> = (0..tokens * out).map(|k| y[(k / out) * yst + k % out]).collect();
     close(&format!("{name} {inp}x{out} t{tokens}"), &got, want);
-    match first {
-        None => *first = Some(got),
-        Some(g) => assert!(*g == got, "{name} {inp}x{out}: differs from the multi-token kernel"),
-    }
+    got
 }
 
-/// BF16 GEMVs (multi-token and single-token kernels) = `cpu::linear::linear_bf16` (fp32
-/// accumulation, one bf16 rounding) on the same rows; tolerance at `close`.
+/// Batch invariance of a decode product: row `t` of a group's output (`group`, `out` per row) is
+/// bit for bit what the same token gives alone (`alone`).
+fn check_alone(name: &str, group: &[u16], alone: &[u16], t: usize, out: usize) {
+    assert!(group[t * out..(t + 1) * out] == *alone, "{name}: token {t} of the group differs from the token alone");
+}
+
+/// BF16 decode product = `cpu::linear::linear_bf16` (fp32 accumulation, one bf16 rounding) on the
+/// same rows; tolerance at `close`. Each group's first and last tokens, run alone, give the same
+/// bits as in the group (the summation order depends on the weight's shape only).
 #[test]
 #[ignore]
 fn gemv_bf16_matches_reference() {
     let c = ctx();
     let mut r = rng(4);
-    // (in, out, tokens, extra x / y stride): odd row counts, tiny rows (in 16: one 16-byte chunk),
-    // every token count, strided rows, one token in every row class of the single-token kernel
-    // (chunks per row 2, 34, 64, 128, 256, 512: 8, 4, 4, 2, 1, 1 rows per warp; odd row counts
-    // leave a warp's last rows empty), and the real decode shapes: GDN fused input projection
-    // 2048 -> 12352, out_proj 4096 -> 2048, router (+ shared gate) 2048 -> 257, lm_head.
+    // (in, out, tokens, extra x / y stride): odd row counts (a row group's last rows empty), tiny
+    // rows (in 16: 32 bytes, half a 64-byte step; in 272: a partial last step), strided rows, every
+    // N-tile count (1..8 tiles, and 70 tokens: a second pass over the weights), and the real decode
+    // shapes: GDN fused input projection 2048 -> 12352 (4 K slices), out_proj 4096 -> 2048 (8),
+    // router (+ shared gate) 2048 -> 257, lm_head (1 slice).
     let shapes = [
         (64, 67, 3, 0),
         (16, 45, 4, 8),
+        (272, 33, 9, 0),
         (2048, 8192, 1, 0),
         (2048, 257, 2, 0),
         (4096, 2048, 8, 0),
         (2048, 33, 5, 0),
-        (1024, 100, 6, 24),
-        (512, 70, 7, 0),
-        (4096, 77, 2, 16),
-        (16, 45, 1, 0),
-        (272, 33, 1, 0),
-        (512, 70, 1, 0),
-        (1024, 100, 1, 0),
-        (4096, 77, 1, 0),
+        (1024, 100, 17, 24),
+        (512, 70, 33, 0),
+        (4096, 77, 41, 16),
+        (2048, 12352, 64, 0),
+        (1024, 300, 70, 0),
         (2048, 12352, 1, 0),
+        (2048, 12352, 8, 0),
         (4096, 2048, 1, 0),
+        (4096, 2048, 64, 0),
         (2048, 257, 1, 0),
         (2048, 248320, 1, 0),
+        (2048, 248320, 8, 0),
     ];
     for (inp, out, tokens, pad) in shapes {
         let (xst, yst) = (inp + pad, out + pad);
@@ -252,27 +256,20 @@ fn gemv_bf16_matches_reference() {
         let mut yc = vec![bf16::ZERO; tokens * out];
         linear_bf16(&xr, &bv(&w), tokens, inp, out, &mut yc);
         let want = wf(&yc);
-        let mut generic = None;
-        for t1 in [false, true] {
-            if t1 && (tokens != 1 || pad != 0) {
-                continue;
-            }
-            let name = if t1 { "gemv_bf16_t1" } else { "gemv_bf16" };
-            let mut y = c.upload(&vec![POISON; tokens * yst]).unwrap();
-            let run = |y: &mut cudarc::driver::CudaSlice<u16>| {
-                if t1 {
-                    c.gemv_bf16_t1(&dx, &dw, y, inp, out)
-                } else {
-                    c.gemv_bf16(&dx, &dw, y, tokens, inp, out, xst, yst)
-                }
-                .unwrap()
-            };
-            run(&mut y);
-            check_gemv_rows(name, &c.download(&y).unwrap(), (inp, out, tokens, yst), &want, &mut generic);
-            if decode_shape(inp, tokens) {
-                let bytes = (out * inp * 2 + tokens * (inp + out) * 2) as f64;
-                perf(&c, &format!("{name} in {inp} out {out} tokens {tokens}"), bytes, || run(&mut y));
-            }
+        let mut y = c.upload(&vec![POISON; tokens * yst]).unwrap();
+        c.gemv_bf16(&dx, &dw, &mut y, tokens, inp, out, xst, yst).unwrap();
+        let got = check_gemv_rows("gemv_bf16", &c.download(&y).unwrap(), (inp, out, tokens, yst), &want);
+        for t in [0, tokens - 1] {
+            let d1 = c.upload(&x[t * xst..t * xst + inp]).unwrap();
+            let mut y1 = c.upload(&vec![POISON; out]).unwrap();
+            c.gemv_bf16(&d1, &dw, &mut y1, 1, inp, out, inp, out).unwrap();
+            check_alone(&format!("gemv_bf16 {inp}x{out} t{tokens}"), &got, &c.download(&y1).unwrap(), t, out);
+        }
+        if decode_shape(inp, tokens) {
+            let bytes = (out * inp * 2 + tokens * (inp + out) * 2) as f64;
+            perf(&c, &format!("gemv_bf16 in {inp} out {out} tokens {tokens}"), bytes, || {
+                c.gemv_bf16(&dx, &dw, &mut y, tokens, inp, out, xst, yst).unwrap()
+            });
         }
     }
 }
@@ -289,39 +286,40 @@ fn fp8v(r: &mut R, n: usize) -> Vec<u8> {
         .collect()
 }
 
-/// FP8 GEMVs (multi-token and single-token kernels). The kernels take pre-quantised E4M3
-/// activations and an f32 scale per token, a contract no CPU op has (`cpu::linear::linear_fp8`
-/// quantises bf16 activations itself), so the main shapes, fed random codes and scales, keep an
-/// f64 reference: `(sum of exact E4M3 products) * xs * ws`. Then, on a few shapes, the kernels
-/// are fed what `cpu::fp8::quantize_act_row` makes of bf16 rows and must match
-/// `cpu::linear::linear_fp8` of those rows (same exact products, fp32 sums in another order, the
-/// same f32 epilogue and one bf16 rounding: `close`).
+/// FP8 decode product. The kernel takes pre-quantised E4M3 activations and an f32 scale per
+/// token, a contract no CPU op has (`cpu::linear::linear_fp8` quantises bf16 activations itself),
+/// so the main shapes, fed random codes and scales, keep an f64 reference:
+/// `(sum of exact E4M3 products) * xs * ws`. Then, on a few shapes, the kernel is fed what
+/// `cpu::fp8::quantize_act_row` makes of bf16 rows and must match `cpu::linear::linear_fp8` of
+/// those rows (same exact products, fp32 sums in another order, the same f32 epilogue and one bf16
+/// rounding: `close`). Each group's first and last tokens alone give the same bits as in the group.
 #[test]
 #[ignore]
 fn gemv_fp8_matches_reference() {
     let c = ctx();
     let mut r = rng(5);
-    // (in, out, tokens, extra x / y stride): as for BF16 (one token: chunks per row 1, 32, 64, 65,
-    // 128, 256), plus the decode shapes q|k|v 2048 -> 9216 and o_proj 4096 -> 2048.
+    // (in, out, tokens, extra x / y stride): as for BF16 (in 16 and 1040: partial 64-byte steps),
+    // plus the decode shapes q|k|v 2048 -> 9216 (4 K slices), o_proj 4096 -> 2048 (8), the shared
+    // expert 2048 -> 1024 and 512 -> 2048.
     let shapes = [
         (64, 67, 3, 0),
         (16, 40, 6, 16),
+        (1040, 90, 12, 0),
         (2048, 8192, 1, 0),
         (2048, 1024, 2, 0),
         (512, 2048, 1, 0),
+        (512, 2048, 23, 0),
         (4096, 2048, 8, 0),
         (1024, 300, 8, 32),
         (2048, 100, 4, 0),
         (4096, 77, 2, 16),
-        (1024, 51, 5, 0),
+        (1024, 51, 65, 0),
         (1024, 90, 7, 0),
-        (16, 40, 1, 0),
-        (1024, 51, 1, 0),
-        (1040, 90, 1, 0),
-        (2048, 100, 1, 0),
-        (4096, 77, 1, 0),
         (2048, 9216, 1, 0),
+        (2048, 9216, 8, 0),
+        (2048, 9216, 64, 0),
         (4096, 2048, 1, 0),
+        (4096, 2048, 64, 0),
         (2048, 250000, 1, 0),
     ];
     for (inp, out, tokens, pad) in shapes {
@@ -340,30 +338,24 @@ fn gemv_fp8_matches_reference() {
                 acc * xs[t] as f64 * ws[o] as f64
             })
             .collect();
-        let mut generic = None;
-        for t1 in [false, true] {
-            if t1 && (tokens != 1 || pad != 0) {
-                continue;
-            }
-            let name = if t1 { "gemv_fp8_t1" } else { "gemv_fp8" };
-            let mut y = c.upload(&vec![POISON; tokens * yst]).unwrap();
-            let run = |y: &mut cudarc::driver::CudaSlice<u16>| {
-                if t1 {
-                    c.gemv_fp8_t1(&dxq, &dxs, &dw, &dws, y, inp, out)
-                } else {
-                    c.gemv_fp8(&dxq, &dxs, &dw, &dws, y, tokens, inp, out, xst, yst)
-                }
-            };
-            run(&mut y).unwrap();
-            check_gemv_rows(name, &c.download(&y).unwrap(), (inp, out, tokens, yst), &want, &mut generic);
-            if decode_shape(inp, tokens) {
-                let bytes = (out * inp + out * 4 + tokens * (inp + out * 2)) as f64;
-                perf(&c, &format!("{name} in {inp} out {out} tokens {tokens}"), bytes, || run(&mut y).unwrap());
-            }
+        let mut y = c.upload(&vec![POISON; tokens * yst]).unwrap();
+        c.gemv_fp8(&dxq, &dxs, &dw, &dws, &mut y, tokens, inp, out, xst, yst).unwrap();
+        let got = check_gemv_rows("gemv_fp8", &c.download(&y).unwrap(), (inp, out, tokens, yst), &want);
+        for t in [0, tokens - 1] {
+            let (d1, s1) = (c.upload(&xq[t * xst..t * xst + inp]).unwrap(), c.upload(&xs[t..t + 1]).unwrap());
+            let mut y1 = c.upload(&vec![POISON; out]).unwrap();
+            c.gemv_fp8(&d1, &s1, &dw, &dws, &mut y1, 1, inp, out, inp, out).unwrap();
+            check_alone(&format!("gemv_fp8 {inp}x{out} t{tokens}"), &got, &c.download(&y1).unwrap(), t, out);
+        }
+        if decode_shape(inp, tokens) {
+            let bytes = (out * inp + out * 4 + tokens * (inp + out * 2)) as f64;
+            perf(&c, &format!("gemv_fp8 in {inp} out {out} tokens {tokens}"), bytes, || {
+                c.gemv_fp8(&dxq, &dxs, &dw, &dws, &mut y, tokens, inp, out, xst, yst).unwrap()
+            });
         }
     }
     // Against the CPU W8A8 Linear: bf16 rows quantised by the CPU reference quantiser.
-    for (inp, out, tokens) in [(2048, 9216, 1), (4096, 2048, 1), (2048, 257, 3), (1024, 51, 5)] {
+    for (inp, out, tokens) in [(2048, 9216, 1), (4096, 2048, 1), (2048, 257, 3), (1024, 51, 5), (2048, 1024, 40)] {
         let x = bfv(&mut r, tokens * inp, 4.0);
         let w = fp8v(&mut r, out * inp);
         let ws: Vec<f32> = (0..out).map(|_| bf16::from_f32(r.random_range(0.0001f32..0.001)).to_f32()).collect();
@@ -376,21 +368,9 @@ fn gemv_fp8_matches_reference() {
         let want = wf(&yc);
         let (dxq, dxs, dw, dws) =
             (c.upload(&xq).unwrap(), c.upload(&xs).unwrap(), c.upload(&w).unwrap(), c.upload(&ws).unwrap());
-        let mut generic = None;
-        for t1 in [false, true] {
-            if t1 && tokens != 1 {
-                continue;
-            }
-            let name = if t1 { "gemv_fp8_t1 vs cpu" } else { "gemv_fp8 vs cpu" };
-            let mut y = c.upload(&vec![POISON; tokens * out]).unwrap();
-            if t1 {
-                c.gemv_fp8_t1(&dxq, &dxs, &dw, &dws, &mut y, inp, out)
-            } else {
-                c.gemv_fp8(&dxq, &dxs, &dw, &dws, &mut y, tokens, inp, out, inp, out)
-            }
-            .unwrap();
-            check_gemv_rows(name, &c.download(&y).unwrap(), (inp, out, tokens, out), &want, &mut generic);
-        }
+        let mut y = c.upload(&vec![POISON; tokens * out]).unwrap();
+        c.gemv_fp8(&dxq, &dxs, &dw, &dws, &mut y, tokens, inp, out, inp, out).unwrap();
+        check_gemv_rows("gemv_fp8 vs cpu", &c.download(&y).unwrap(), (inp, out, tokens, out), &want);
     }
 }
 
@@ -408,10 +388,12 @@ fn moe_decode_matches_reference() {
     let c = ctx();
     let mut r = rng(6);
     // (experts, top_k, hidden, inter, tokens)
-    // The expert GEMV's rows per warp follow the row length (gemv1_rows): gate|up in 2048 -> 2,
-    // down in 512 -> 8, in 64 / 32 -> 8, in 1024 -> 4 (with odd row counts: 96 and 1024 + 48).
-    // (256, 8, ..., 13) and (16, 4, ..., 9) also check the grouped form (several assignments per
-    // expert, several passes of a group) against the per-(token, slot) one, bit for bit.
+    // K slices per row group follow the expert's shape (gemv_tc_ksplit): gate|up 2048 -> 1024: 8,
+    // down 512 -> 2048: 2, the small shapes 1 (in 48 / 32: a partial 64-byte step; odd row
+    // count 96). Every case also checks the grouped form against the per-(token, slot) one, bit
+    // for bit: several assignments per expert (13, 64 tokens), several N tiles of one expert
+    // (16 experts x 40 tokens: ~10 per expert), more than one pass of 64 columns (4 experts x
+    // 100 tokens, and the shared expert over 100 tokens).
     for (e, k, h, inter, tokens) in [
         (256, 8, 2048, 512, 1),
         (16, 4, 64, 32, 3),
@@ -419,6 +401,9 @@ fn moe_decode_matches_reference() {
         (8, 2, 1024, 48, 2),
         (256, 8, 2048, 512, 13),
         (16, 4, 64, 32, 9),
+        (256, 8, 2048, 512, 64),
+        (16, 4, 64, 32, 40),
+        (4, 2, 64, 32, 100),
     ] {
         let slots = k + 1;
         let logits = bfv(&mut r, tokens * (e + 1), 3.0); // router logits + shared-gate logit per token
