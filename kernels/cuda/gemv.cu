@@ -30,7 +30,15 @@
 // 64-byte K steps per pass: 2 * U weight loads in flight per lane; 4 for up to 16 tokens (memory
 // bound), 2 beyond (each load feeds 2 * NT mma, and the accumulators need the registers).
 __host__ __device__ constexpr int tc_u(int nt) { return nt <= 2 ? 4 : 2; }
-#define TC_NT 8  // N tiles per pass over the weights (64 tokens); larger groups take more passes
+// N tiles per pass over the weights. Two builds of each dense kernel: the narrow one (1 tile =
+// 8 tokens per pass, <= 64 registers, 4 blocks per SM: the memory-bound batch-1 and MoE shapes
+// need the loads in flight) and the wide one (up to 8 tiles = 64 tokens per pass, <= 128
+// registers, 2 blocks per SM: each weight load feeds up to 16 mma). They differ only in how many
+// columns share a pass, never in a column's arithmetic, so they give the same bits; the launchers
+// take the narrow build for groups of up to 8 tokens (cuda::gemv_tc_wide). A group larger than a
+// pass takes more passes (the weight tile again, from L2). The MoE kernels are narrow.
+#define TC_NARROW 1
+#define TC_WIDE 8
 
 // Before pdl_wait (see common.cuh): pull the `bytes` of weights from `row` on (one warp's rows,
 // contiguous) toward L2, one 128-byte line per lane per step, so the first loads after the wait hit
@@ -70,23 +78,26 @@ template <bool FP8, int NT>
 __device__ __forceinline__ void tc_tile(const uint8_t *w, size_t row_bytes, int nrows, const uint8_t *x,
                                         const uint32_t (&xoff)[NT], int k0, int k1, float (&acc)[NT][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const uint8_t *wg = w + (size_t)min(g, nrows - 1) * row_bytes, *wg8 = w + (size_t)min(g + 8, nrows - 1) * row_bytes;
+    // Byte offsets (within the 16-row tile, < 2^31) of this lane's two rows at its first chunk.
+    const uint32_t og = (uint32_t)(min(g, nrows - 1) * row_bytes) + 16 * c;
+    const uint32_t og8 = (uint32_t)(min(g + 8, nrows - 1) * row_bytes) + 16 * c;
+    x += 16 * c;
     const uint4 z = make_uint4(0, 0, 0, 0);
     constexpr int TC_U = tc_u(NT);
     for (int kb = k0; kb < k1; kb += 64 * TC_U) {
         uint4 wa[TC_U], wb[TC_U];
 #pragma unroll
         for (int u = 0; u < TC_U; u++) {
-            const int off = kb + u * 64 + 16 * c;
-            const bool ok = off < k1;
-            wa[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(wg + off)) : z;
-            wb[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(wg8 + off)) : z;
+            const int off = kb + u * 64;
+            const bool ok = off + 16 * c < k1;
+            wa[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(w + og + off)) : z;
+            wb[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(w + og8 + off)) : z;
         }
 #pragma unroll
         for (int u = 0; u < TC_U; u++) {
             if (kb + u * 64 >= k1) break;  // warp-uniform
-            const int off = kb + u * 64 + 16 * c;
-            const bool ok = off < k1;
+            const int off = kb + u * 64;
+            const bool ok = off + 16 * c < k1;
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 const uint4 xv = ok ? __ldg(reinterpret_cast<const uint4 *>(x + xoff[j] + off)) : z;
@@ -164,38 +175,52 @@ __device__ __forceinline__ void gemv_tc_pass(const uint8_t *w, const float *ws, 
         }
 }
 
-template <bool FP8>
+template <bool FP8, int NTMAX>
 __device__ __forceinline__ void gemv_tc(const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
                                         int tokens, int in, int out, int x_stride, int y_stride) {
-    __shared__ float red[TC_WARPS * TC_NT * 4 * 32];
+    __shared__ float red[TC_WARPS * NTMAX * 4 * 32];
     constexpr int ES = FP8 ? 1 : 2;
     const TcPlace pl = tc_place(in * ES, out);
     if (pl.row0 < out) prefetch_tile_l2(w + (size_t)pl.row0 * in * ES, (size_t)in * ES, min(16, out - pl.row0), pl.k0, pl.k1);
     pdl_wait();
-    for (int t0 = 0; t0 < tokens; t0 += 8 * TC_NT) {
-        switch ((min(tokens - t0, 8 * TC_NT) + 7) / 8) {
-            case 1: gemv_tc_pass<FP8, 1>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
+    for (int t0 = 0; t0 < tokens; t0 += 8 * NTMAX) {
+        const int nt = (min(tokens - t0, 8 * NTMAX) + 7) / 8;
+        if (NTMAX == 1) {
+            gemv_tc_pass<FP8, 1>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red);
+            continue;
+        }
+        switch (nt) {
+            case 1:
             case 2: gemv_tc_pass<FP8, 2>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
             case 3: gemv_tc_pass<FP8, 3>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
             case 4: gemv_tc_pass<FP8, 4>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
             case 5:
             case 6: gemv_tc_pass<FP8, 6>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
-            default: gemv_tc_pass<FP8, 8>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
+            default: gemv_tc_pass<FP8, NTMAX>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
         }
     }
 }
 
 // y[t, o] = bf16(Σ_i x[t, i] · w[o, i]) for any number of tokens (BF16 weights).
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) gemv_bf16(const OrnithGemvBf16Params p) {
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 4) gemv_bf16(const OrnithGemvBf16Params p) {
     pdl_launch_dependents();
-    gemv_tc<false>(reinterpret_cast<const uint8_t *>(p.w), nullptr, reinterpret_cast<const uint8_t *>(p.x), nullptr, p.y,
-                   p.tokens, p.in, p.out, p.x_stride, p.y_stride);
+    gemv_tc<false, TC_NARROW>(reinterpret_cast<const uint8_t *>(p.w), nullptr, reinterpret_cast<const uint8_t *>(p.x), nullptr,
+                              p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride);
+}
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) gemv_bf16_wide(const OrnithGemvBf16Params p) {
+    pdl_launch_dependents();
+    gemv_tc<false, TC_WIDE>(reinterpret_cast<const uint8_t *>(p.w), nullptr, reinterpret_cast<const uint8_t *>(p.x), nullptr,
+                            p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride);
 }
 
 // y[t, o] = bf16((Σ_i e4m3(xq[t, i]) · e4m3(w[o, i])) · xs[t] · ws[o]) for any number of tokens.
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) gemv_fp8(const OrnithGemvFp8Params p) {
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 4) gemv_fp8(const OrnithGemvFp8Params p) {
     pdl_launch_dependents();
-    gemv_tc<true>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride);
+    gemv_tc<true, TC_NARROW>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride);
+}
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) gemv_fp8_wide(const OrnithGemvFp8Params p) {
+    pdl_launch_dependents();
+    gemv_tc<true, TC_WIDE>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride);
 }
 
 // =============================================================================================
@@ -268,16 +293,8 @@ __device__ __forceinline__ void moe_tc_pass(const OrnithMoeGemvParams &p, const 
 
 __device__ __forceinline__ void moe_tc(const OrnithMoeGemvParams &p, const uint8_t *wb, const float *ws, const MoeCols &cols,
                                        const TcPlace &pl) {
-    __shared__ float red[TC_WARPS * TC_NT * 4 * 32];
-    for (int n0 = 0; n0 < cols.n; n0 += 8 * TC_NT) {
-        switch ((min(cols.n - n0, 8 * TC_NT) + 7) / 8) {
-            case 1: moe_tc_pass<1>(p, wb, ws, cols, n0, pl, red); break;
-            case 2: moe_tc_pass<2>(p, wb, ws, cols, n0, pl, red); break;
-            case 3:
-            case 4: moe_tc_pass<4>(p, wb, ws, cols, n0, pl, red); break;
-            default: moe_tc_pass<8>(p, wb, ws, cols, n0, pl, red); break;
-        }
-    }
+    __shared__ float red[TC_WARPS * TC_NARROW * 4 * 32];
+    for (int n0 = 0; n0 < cols.n; n0 += 8 * TC_NARROW) moe_tc_pass<TC_NARROW>(p, wb, ws, cols, n0, pl, red);
 }
 
 // The routed expert e's weights (an index the router never writes is clamped into range).
@@ -287,7 +304,7 @@ __device__ __forceinline__ void moe_expert(const OrnithMoeGemvParams &p, int e, 
     ws = p.ws + (size_t)e * p.out;
 }
 
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) moe_gemv_fp8(const OrnithMoeGemvParams p) {
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 4) moe_gemv_fp8(const OrnithMoeGemvParams p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out);
     const int slot = blockIdx.y, t = blockIdx.z;
@@ -300,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) moe_gemv_fp8(cons
     moe_tc(p, wb, ws, MoeCols{nullptr, p.top_k, 1, t, slot}, pl);
 }
 
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) moe_gemv_grouped(const OrnithMoeGemvParams p) {
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 4) moe_gemv_grouped(const OrnithMoeGemvParams p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out);
     const bool shared = blockIdx.y == gridDim.y - 1;

@@ -177,7 +177,8 @@ impl CudaBackend {
             y_stride: ys as i32,
         };
         let bytes = (out * in_ * 2 + t * (in_ + out) * 2) as u64;
-        self.go("gemv_bf16", (crate::cuda::gemv_tc_blocks(in_ * 2, out), 1, 1), 256, bytes, p)
+        let name = if crate::cuda::gemv_tc_wide(t) { "gemv_bf16_wide" } else { "gemv_bf16" };
+        self.go(name, (crate::cuda::gemv_tc_blocks(in_ * 2, out), 1, 1), 256, bytes, p)
     }
 
     /// FP8 W8A8 decode product for any number of rows.
@@ -208,7 +209,8 @@ impl CudaBackend {
             y_stride: ys as i32,
         };
         let bytes = (out * in_ + out * 4 + t * (in_ + 4 + out * 2)) as u64;
-        self.go("gemv_fp8", (crate::cuda::gemv_tc_blocks(in_, out), 1, 1), 256, bytes, p)
+        let name = if crate::cuda::gemv_tc_wide(t) { "gemv_fp8_wide" } else { "gemv_fp8" };
+        self.go(name, (crate::cuda::gemv_tc_blocks(in_, out), 1, 1), 256, bytes, p)
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -25,7 +25,7 @@ mod tests;
 /// Kernels per PTX module (names of the `extern "C"` entry points).
 const KERNELS: [(Module, &[&str]); 10] = [
     (Module::Norm, &["embed_gather", "rmsnorm_residual", "quantize_fp8_rows"]),
-    (Module::Gemv, &["gemv_bf16", "gemv_fp8", "moe_gemv_fp8", "moe_gemv_grouped"]),
+    (Module::Gemv, &["gemv_bf16", "gemv_bf16_wide", "gemv_fp8", "gemv_fp8_wide", "moe_gemv_fp8", "moe_gemv_grouped"]),
     (Module::Moe, &["moe_router_topk", "swiglu_quant", "moe_combine"]),
     (Module::Gdn, &["conv1d_silu", "conv1d_silu_chunk", "gdn_recurrent", "gated_rmsnorm"]),
     (Module::Attention, &["qk_norm_rope", "attn_decode_split", "attn_decode_combine"]),
@@ -51,6 +51,13 @@ pub(crate) fn gemv_tc_ksplit(row_bytes: usize, out: usize) -> usize {
         ks *= 2;
     }
     ks
+}
+
+/// Whether a decode product of `tokens` rows takes the wide build (`gemv_*_wide`: up to 64 tokens
+/// per pass over the weights, 2 blocks per SM) rather than the narrow one (8 per pass, 4 blocks per
+/// SM). The two give the same bits (gemv.cu).
+pub(crate) fn gemv_tc_wide(tokens: usize) -> bool {
+    tokens > 8
 }
 
 /// Blocks of a decode product over `out` rows of `row_bytes` (the MoE forms: per expert):
