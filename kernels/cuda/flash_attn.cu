@@ -20,6 +20,7 @@
 #define FA_BK 64
 #define FA_NJ (FA_BK / 8)  // n-tiles of 8 keys per tile
 #define FA_ROW 512         // bytes per row
+static_assert(ORNITH_KV_BLOCK % FA_BK == 0, "a key tile must lie inside one K/V block");
 
 __device__ __forceinline__ uint32_t fswz(int row, int chunk) {
     return (uint32_t)(row * FA_ROW + ((chunk ^ (row & 7)) << 4));
@@ -52,15 +53,18 @@ extern "C" __global__ void __launch_bounds__(128) flash_attn_prefill(const Ornit
         const uint16_t *src = p.q + ((size_t)t * p.q_heads + h) * FA_D + c * 8;
         cp_async16(sq + fswz(r, c), t < p.tokens ? (const void *)src : (const void *)p.q, t < p.tokens ? 16 : 0);
     }
-    // One K or V tile (64 rows x 32 chunks, 16 per thread) into `dst`; rows past nkeys zero-filled.
+    // One K or V tile (64 rows x 32 chunks; this thread: chunk tid % 32 of rows tid / 32 + 4i) into
+    // `dst`; rows past nkeys zero-filled. Paged: position j lives in cache row
+    // table[j / ORNITH_KV_BLOCK] * ORNITH_KV_BLOCK + j % ORNITH_KV_BLOCK, and a 64-aligned tile lies
+    // inside one block, so its rows are consecutive from one table entry.
     auto load_tile = [&](const uint16_t *cache, uint32_t dst, int tile) {
-        for (int id = tid; id < FA_BK * 32; id += 128) {
-            int r = id >> 5, c = id & 31, j = tile * FA_BK + r;
-            bool ok = j < nkeys;
-            // paged: position j lives in cache row table[j / ORNITH_KV_BLOCK] * ORNITH_KV_BLOCK + j % ORNITH_KV_BLOCK
-            const size_t row = ok ? (size_t)__ldg(p.table + j / ORNITH_KV_BLOCK) * ORNITH_KV_BLOCK + j % ORNITH_KV_BLOCK : 0;
-            size_t off = row * kv_pitch + (size_t)kvh * FA_D + c * 8;
-            cp_async16(dst + fswz(r, c), ok ? (const void *)(cache + off) : (const void *)cache, ok ? 16 : 0);
+        const int j0 = tile * FA_BK, c = tid & 31, r0 = tid >> 5;  // j0 < nkeys
+        const size_t row0 = (size_t)__ldg(p.table + j0 / ORNITH_KV_BLOCK) * ORNITH_KV_BLOCK + j0 % ORNITH_KV_BLOCK;
+        const uint16_t *src = cache + (row0 + r0) * kv_pitch + (size_t)kvh * FA_D + c * 8;
+#pragma unroll 4
+        for (int r = r0; r < FA_BK; r += 4, src += 4 * kv_pitch) {
+            const bool ok = j0 + r < nkeys;
+            cp_async16(dst + fswz(r, c), ok ? (const void *)src : (const void *)cache, ok ? 16 : 0);
         }
     };
     load_tile(p.k_cache, sk, 0);

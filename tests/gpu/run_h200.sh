@@ -14,7 +14,7 @@
 # full checkpoint synthesised by the first full run is reused while the machine stays warm),
 # PHASE=bench 3 only, PHASE=check+bench 1–3. With BASE=<name> (a baseline's .gpu/<name>/bench_full.xz, carried too) the
 # bench runs first with that binary (prompts BASE_PROMPTS, default PROMPTS), into bench_base.*.
-# PHASE=prefill: the flash attention kernel test, the bench's prefill at 2K / 32K / 128K and one
+# PHASE=prefill (about 6 minutes): the flash attention kernel test, the bench's prefill at 2K / 32K / 128K and one
 # 261,000-token JSONL request through the binary (tests/gpu/long_prompt.py).
 # PHASE=prefix: 1–2, then the full preset's prefix-cache identity test and tests/gpu/prefix_cache.py
 # (a growing agent conversation and a shared-system-prompt batch file, with and without the cache).
