@@ -45,9 +45,9 @@ if [ "$phase" = prefill ]; then
     t0=$SECONDS
     timeout 200 "$G/bench_full" --model "$C/full" --prompts "${2:-2048,32768,131072}" --gen 8 --budget-s 150 > "$OUT/bench_prefill.json" 2> "$OUT/bench_prefill.err"
     echo "bench rc=$? $((SECONDS - t0))s"
-    grep -E "^ +[0-9]+ +[0-9.]+ +[0-9]+ |prefill of|flash_attn_prefill|gemm|gdn_chunk|skipping|error" "$OUT/bench_prefill.err" | head -30
+    grep -E "^ +[0-9]+ +[0-9.]+ +[0-9]+ |prefill of|flash_attn_prefill|gemm|gdn_chunk| MB$|skipping|error" "$OUT/bench_prefill.err" | head -40
     t0=$SECONDS
-    timeout 200 python3 tests/gpu/long_prompt.py "$G/ornith_full" "$C/full" "$OUT/long_prompt.json" "${LONG:-261000}"
+    timeout 200 python3 "$(dirname "$0")/long_prompt.py" "$G/ornith_full" "$C/full" "$OUT/long_prompt.json" "${LONG:-261000}"
     echo "long prompt rc=$? $((SECONDS - t0))s"
     exit 0
 fi

@@ -4,7 +4,8 @@
 // fa_var.cuh: the templated variants of run 1 (fa_variants_1.txt, 2026-12-01; "fast h1 bk64 stag"
 // is the committed kernel's algorithm). fa_prod.cuh: kernels/cuda/flash_attn.cu at b12083e with
 // three knobs (table lookup per tile, tree reductions, fragment prefetch) — prepared, NOT run
-// (the device was withdrawn after run 1). This file lists the second set of variants.
+// (no device call after run 1); fa_dsplit.cuh: the head dim split between two warps
+// (prepared, NOT run). This file lists the second set of variants.
 // Build: nvcc -O3 -std=c++17 -arch=sm_90 -L<cuda lib dir with libcudart_static.a> -o fa_bench main.cu
 #include <cstdio>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include <cuda_runtime.h>
 #include "fa_var.cuh"
 #include "fa_prod.cuh"
+#include "fa_dsplit.cuh"
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
 
@@ -37,6 +39,7 @@ int main(int argc, char **argv) {
         Var{"prod hoist tree pref", fa_prod<true, true, true>, 1, 128, 3 * 64 * 512},
         Var{"prod hoist pref", fa_prod<true, false, true>, 1, 128, 3 * 64 * 512},
         Var{"prod pref", fa_prod<false, false, true>, 1, 128, 3 * 64 * 512},
+        Var{"dsplit bk32", fa_dsplit, 1, 256, DS_SMEM},
     };
     for (auto &v : vars) {
         CK(cudaFuncSetAttribute(v.k, cudaFuncAttributeMaxDynamicSharedMemorySize, v.smem));
