@@ -33,8 +33,10 @@ for line in sys.stdin:
         print(m["executable"])' | tail -1
 }
 cp "$(test_exe -p ornith-runtime --lib)" "$out/kernels"
+if [ "${MODEL_TESTS:-1}" = 1 ]; then  # MODEL_TESTS=0: no test_shallow / test_full (PHASE=prefill needs neither)
 cp "$(ORNITH_SPEC=$specs/shallow.spec.json test_exe -p ornith-runtime --test cuda_model)" "$out/test_shallow"
 cp "$(ORNITH_SPEC=$specs/full.spec.json test_exe -p ornith-runtime --test cuda_model)" "$out/test_full"
+fi
 ORNITH_SPEC=$specs/full.spec.json cargo build -q --release -p ornith-runtime --bin ornith-bench
 cp "${CARGO_TARGET_DIR:-target}/release/ornith-bench" "$out/bench_full"
 ORNITH_SPEC=$specs/full.spec.json cargo build -q --release -p ornith-runtime --bin ornith

@@ -14,6 +14,8 @@
 # full checkpoint synthesised by the first full run is reused while the machine stays warm),
 # PHASE=bench 3 only, PHASE=check+bench 1–3. With BASE=<name> (a baseline's .gpu/<name>/bench_full.xz, carried too) the
 # bench runs first with that binary (prompts BASE_PROMPTS, default PROMPTS), into bench_base.*.
+# PHASE=prefill (about 6 minutes): the flash attention kernel test, the bench's prefill at 2K / 32K / 128K and one
+# 261,000-token JSONL request through the binary (tests/gpu/long_prompt.py).
 # PHASE=prefix: 1–2, then the full preset's prefix-cache identity test and tests/gpu/prefix_cache.py
 # (a growing agent conversation and a shared-system-prompt batch file, with and without the cache).
 # Logs and JSON go to $OUT; a short table to stdout.
@@ -30,6 +32,25 @@ for f in "$src"/*.xz; do
 done
 echo "commit $(cat "$src/COMMIT" 2>/dev/null)"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 phase=${PHASE:-all}
+if [ "$phase" = prefill ]; then
+    # Long-context prefill: the flash attention kernel test (CPU reference, PERF lines to 128K
+    # cached), the full preset's bench prefill at PROMPTS (default here 2K / 32K / 128K; the per-kernel
+    # prefill table at the last), then one LONG-token JSONL request (default 261,000) through the binary.
+    t0=$SECONDS
+    timeout 120 "$G/kernels" --ignored --test-threads=1 --nocapture flash_attention > "$OUT/kernels_flash.log" 2>&1; echo "kernels flash rc=$? $((SECONDS - t0))s"
+    grep -E "PERF|flash_attention t|panicked|test result" "$OUT/kernels_flash.log" | cut -c1-220
+    t0=$SECONDS
+    if [ -f "$C/full/config.json" ]; then echo "synth full: reusing $C/full"; else
+    "$G/xtask" synth --preset full --out "$C/full" > "$OUT/synth_full.log" 2>&1; echo "synth full rc=$? $((SECONDS - t0))s"; fi
+    t0=$SECONDS
+    timeout 200 "$G/bench_full" --model "$C/full" --prompts "${2:-2048,32768,131072}" --gen 8 --budget-s 150 > "$OUT/bench_prefill.json" 2> "$OUT/bench_prefill.err"
+    echo "bench rc=$? $((SECONDS - t0))s"
+    grep -E "^ +[0-9]+ +[0-9.]+ +[0-9]+ |prefill of|flash_attn_prefill|gemm|gdn_chunk| MB$|skipping|error" "$OUT/bench_prefill.err" | head -40
+    t0=$SECONDS
+    timeout 200 python3 "$(dirname "$0")/long_prompt.py" "$G/ornith_full" "$C/full" "$OUT/long_prompt.json" "${LONG:-261000}"
+    echo "long prompt rc=$? $((SECONDS - t0))s"
+    exit 0
+fi
 if [ "$phase" != full ] && [ "$phase" != bench ]; then
 t0=$SECONDS
 timeout 240 "$G/kernels" --ignored --test-threads=1 --nocapture > "$OUT/kernels.log" 2>&1; echo "kernels rc=$? $((SECONDS - t0))s"

@@ -31,6 +31,7 @@
 //!   position) on a grid fixed by the GPU, and the step's activations and logits live in static
 //!   buffers sized for the pool's slots. With profiling on (`ornith-bench`), or
 //!   `set_decode_graph(false)`, the same launches run eagerly.
+pub mod decode_bytes;
 mod load;
 mod ops;
 pub mod plan;

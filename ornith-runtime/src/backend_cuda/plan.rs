@@ -5,7 +5,7 @@ use crate::engine::{snapshots_for, Capacity, PoolRequest};
 use crate::graph::{ModelDims, KV_BLOCK};
 use crate::weights::Checkpoint;
 use anyhow::{ensure, Result};
-use model_spec::{DType, LayerKind};
+use model_spec::{report, DType, LayerKind, ModelSpec, TensorInfo};
 
 /// Rows of one prefill chunk: a layer runs a sequence's rows in chunks of this many tokens
 /// (exact: the conv/recurrent states and the K/V blocks carry across chunks), so scratch does not
@@ -257,6 +257,48 @@ pub fn size_pools(c: &PoolCosts, req: &PoolRequest, free: u64) -> Result<Capacit
     Ok(Capacity { slots, blocks, snapshots })
 }
 
+/// How the CUDA backend holds a checkpoint tensor (`load.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceForm {
+    /// FP8 codes and BF16 matrices: the stored bytes.
+    AsStored,
+    /// An FP8 weight's per-channel `*_scale`: f32 only (4 bytes per element).
+    ScaleF32,
+    /// A vector (1-D, or a `[C, 1, k]` conv kernel): bf16 and f32 both (6 bytes per element).
+    Vector,
+}
+
+/// The form of tensor `name` on the device.
+pub fn device_form(name: &str, t: &TensorInfo) -> DeviceForm {
+    if !matches!(t.dtype, DType::BF16 | DType::F32) {
+        DeviceForm::AsStored
+    } else if name.ends_with("_scale") {
+        DeviceForm::ScaleF32
+    } else if t.shape.len() == 1 || (t.shape.len() == 3 && t.shape[1] == 1) {
+        DeviceForm::Vector
+    } else {
+        DeviceForm::AsStored
+    }
+}
+
+/// Device bytes of tensor `name` as the backend holds it ([`device_form`]).
+pub fn device_bytes(name: &str, t: &TensorInfo) -> u64 {
+    match device_form(name, t) {
+        DeviceForm::AsStored => t.nbytes(),
+        DeviceForm::ScaleF32 => 4 * t.numel() as u64,
+        DeviceForm::Vector => 6 * t.numel() as u64,
+    }
+}
+
+/// Device bytes of every weight the backend uploads (the text model: no `visual.*`, no `mtp.*`).
+pub fn device_weight_bytes(spec: &ModelSpec) -> u64 {
+    spec.tensors
+        .iter()
+        .filter(|(n, _)| !report::is_visual(n) && !n.starts_with("mtp."))
+        .map(|(n, t)| device_bytes(n, t))
+        .sum()
+}
+
 /// The device memory the backend will hold, by purpose, for pools of `slots` and `blocks`.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct MemoryPlan {
@@ -283,18 +325,7 @@ impl MemoryPlan {
     /// `free` came from) and returns the plan and the pools' capacity.
     pub fn new(ck: &Checkpoint, d: &ModelDims, req: &PoolRequest, free: u64, source: &str) -> Result<(Self, Capacity)> {
         let spec = &ck.spec;
-        // Weights are uploaded as stored, except that scales and vectors are widened to f32
-        // (vectors are also kept as bf16) — count 4 more bytes per element for those.
-        let mut weights = spec.device_weight_bytes();
-        for (name, t) in &spec.tensors {
-            if name.contains("visual.") || name.starts_with("mtp.") {
-                continue;
-            }
-            let small = t.shape.len() == 1 || (t.shape.len() == 3 && t.shape[1] == 1) || name.ends_with("_scale");
-            if small && matches!(t.dtype, DType::BF16 | DType::F32) {
-                weights += 4 * t.numel() as u64;
-            }
-        }
+        let weights = device_weight_bytes(spec);
         let attention_layers = spec.layers.iter().filter(|l| l.kind == LayerKind::FullAttention).count();
         let gdn_layers = spec.layers.len() - attention_layers;
         let max_context = req.max_context;

@@ -11,6 +11,7 @@
 use anyhow::{Context, Result};
 use clap::Parser;
 use cudarc::driver::sys::CUevent_flags;
+use ornith_runtime::backend_cuda::decode_bytes::{decode_step_bytes, total, ByteGroup};
 use ornith_runtime::backend_cuda::profile::{summarize, KernelSummary};
 use ornith_runtime::backend_cuda::CudaBackend;
 use ornith_runtime::cuda::CudaContext;
@@ -88,6 +89,8 @@ struct Run {
     decode_pdl_tok_s: f64,
     decode_ms_per_token: f64,
     bytes_per_decoded_token: u64,
+    /// `bytes_per_decoded_token` by group (`backend_cuda::decode_bytes`).
+    decode_bytes_by_group: Vec<ByteGroup>,
     achieved_gb_s: f64,
     fraction_of_ceiling: f64,
     decode_step_kernels: Vec<KernelSummary>,
@@ -219,6 +222,15 @@ fn batch_run(
         kernels,
         kernel_us,
     })
+}
+
+/// The byte count of one decode step (the "% of ceiling" denominator) by group, on stderr.
+fn print_decode_bytes(groups: &[ByteGroup], position: usize) {
+    eprintln!("ornith-bench: bytes one decode step reads at position {position}:");
+    for g in groups {
+        eprintln!("{:>28} {:>10.2} MB", g.group, g.bytes as f64 / 1e6);
+    }
+    eprintln!("{:>28} {:>10.2} MB", "total", total(groups) as f64 / 1e6);
 }
 
 /// Device-to-device copy bandwidth (bytes read + written per second), median of 10 copies of 2 GiB.
@@ -377,16 +389,10 @@ fn run() -> Result<()> {
     let load_s = t0.elapsed().as_secs_f64();
     let plan = *b.plan();
 
-    // Bytes a decode step must read: every weight once, except the embedding table (one row)
-    // and the routed experts (top_k of E per layer); plus K/V and the recurrent state.
+    // Stored bytes of the routed experts (the report's field); what a decode step reads is
+    // `decode_step_bytes`.
     let expert_bytes: u64 =
         ck.spec.tensors.iter().filter(|(n, _)| n.contains(".mlp.experts.")).map(|(_, t)| t.nbytes()).sum();
-    let embed_bytes = (d.vocab_size * d.hidden_size * 2) as u64;
-    let static_bytes = plan.weights - expert_bytes - embed_bytes
-        + (d.hidden_size * 2) as u64
-        + expert_bytes * d.top_k as u64 / d.num_experts as u64;
-    let state_bytes = 2 * plan.recurrent_state / plan.slots as u64; // one sequence's
-    let kv_per_pos = (plan.attention_layers * d.num_key_value_heads * d.head_dim * 2 * 2) as u64;
 
     let greedy = SamplingParams::greedy();
     // Warm-up: module JIT, allocator pools, clocks.
@@ -445,8 +451,12 @@ fn run() -> Result<()> {
         b.profile_begin();
         let _ = model.prefill(&b, &mut st, &ids, false, &mut |_, _| {})?;
         let ptimes = b.profile_end()?;
-        let avg_pos = (p + args.gen / 2) as u64;
-        let bytes = static_bytes + state_bytes + kv_per_pos * avg_pos;
+        let avg_pos = p + args.gen / 2;
+        let groups = decode_step_bytes(&ck.spec, avg_pos);
+        let bytes = total(&groups);
+        if runs.is_empty() {
+            print_decode_bytes(&groups, avg_pos);
+        }
         let tok_s = args.gen as f64 / dec;
         let achieved = bytes as f64 * tok_s;
         runs.push(Run {
@@ -461,6 +471,7 @@ fn run() -> Result<()> {
             decode_pdl_tok_s: args.gen as f64 / dec_pdl,
             decode_ms_per_token: dec * 1e3 / args.gen as f64,
             bytes_per_decoded_token: bytes,
+            decode_bytes_by_group: groups,
             achieved_gb_s: achieved / 1e9,
             fraction_of_ceiling: achieved / bw,
             decode_step_kernels: kernels,

@@ -30,7 +30,8 @@ pub const GDN_SCAN_COLS: usize = 16;
 pub fn gdn_work_len(tokens: usize, v_heads: usize) -> usize {
     v_heads * tokens.div_ceil(64) * ORNITH_GDN_WORK_PER_CHUNK as usize
 }
-pub(crate) const FA_SMEM: u32 = 64 * 512 + 4 * 32 * 512;
+/// `flash_attn_prefill`: Q, K and V tiles of 64 rows x 512 bytes (`FA_BQ`, `FA_BK`).
+pub(crate) const FA_SMEM: u32 = 3 * 64 * 512;
 /// Tokens per block of `conv1d_silu_chunk` (`CONV_TT` in `gdn.cu`).
 pub const CONV_TT: usize = 32;
 

@@ -377,15 +377,24 @@ fn gdn_chunked_matches_reference() {
 /// |o - o_ref| <= 2^-9 * sum_j p_j |v_j| / l <= 2^-9 max|v| before the output rounding (1 ulp; the
 /// gate adds one more rounding: 2 ulp); L2 2^-8. A wrong mask, scale or kv head is O(rms). The
 /// cache is paged through a reversed block table (a kernel ignoring the table reads other rows).
+/// The last two cases are long context: 5,000 and 9,003 cached positions (tiles wholly below every
+/// query's diagonal, unmasked; a block's last tiles masked and partly skipped per warp).
 #[test]
 #[ignore]
 fn flash_attention_matches_reference() {
     let c = ctx();
     let mut r = rng(24);
     let (h, hkv, hd) = (16, 2, 256);
-    for (t, p0, gated) in
-        [(1, 0, true), (37, 0, false), (64, 0, true), (130, 5, true), (200, 77, false), (65, 300, true)]
-    {
+    for (t, p0, gated) in [
+        (1, 0, true),
+        (37, 0, false),
+        (64, 0, true),
+        (130, 5, true),
+        (200, 77, false),
+        (65, 300, true),
+        (96, 5000, true),
+        (130, 9003, false),
+    ] {
         let total = p0 + t;
         let q = bfv(&mut r, t * h * hd, 2.0);
         let kc = bfv(&mut r, total * hkv * hd, 2.0);
@@ -434,7 +443,7 @@ fn flash_attention_matches_reference() {
         );
         eprintln!("flash_attention t{t} p0 {p0} gated {gated}: max |d|/rms {worst:.2e}, rel L2 {rel:.2e}");
     }
-    for (t, p0) in [(2048usize, 0usize), (8192, 0), (2048, 6144)] {
+    for (t, p0) in [(2048usize, 0usize), (8192, 0), (2048, 6144), (2048, 129_024)] {
         let total = p0 + t;
         let need = total.div_ceil(KVB);
         let (dq, dk, dv, dt) = (
