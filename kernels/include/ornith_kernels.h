@@ -54,7 +54,8 @@ typedef struct OrnithQuantParams {
     int32_t cols;
 } OrnithQuantParams;
 
-/* Decode GEMV/GEMM with few rows (tokens <= ORNITH_GEMV_MAX_TOKENS).
+/* Decode products for any number of tokens (gemv.cu; a prefill chunk of up to
+ * ORNITH_GEMV_MAX_TOKENS rows also takes them, a longer one the prefill GEMM).
  * BF16:  y[t, o] = bf16( sum_i x[t, i] * w[o, i] ), fp32 accumulation.
  * FP8:   y[t, o] = bf16( (sum_i e4m3(xq[t, i]) * e4m3(w[o, i])) * xs[t] * ws[o] ).
  * `x_stride`/`y_stride` are row strides in elements; `in` must be a multiple of 16. */

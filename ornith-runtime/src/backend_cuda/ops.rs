@@ -20,7 +20,8 @@ pub fn at<T>(b: &CudaBackend, s: &CudaSlice<T>, off: usize) -> Ptr {
     b.cx.addr(s) + (off * std::mem::size_of::<T>()) as u64
 }
 
-/// Rows of up to 8 tokens: the GEMV kernels' limit (`ORNITH_GEMV_MAX_TOKENS`).
+/// A prefill chunk of at most this many rows takes the decode products, a longer one the
+/// prefill GEMM (`ORNITH_GEMV_MAX_TOKENS`).
 pub const GEMV_ROWS: usize = ORNITH_GEMV_MAX_TOKENS as usize;
 
 /// An activation in both forms a Linear may want: bf16 rows and per-token FP8 rows with their
