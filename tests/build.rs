@@ -7,7 +7,7 @@ use std::path::PathBuf;
 fn main() {
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
-    for name in ["micro-fp8", "micro-bf16"] {
+    for name in ["micro-fp8", "micro-bf16", "micro-nvfp4"] {
         let dir = manifest.join("fixtures").join(name);
         for f in ["config.json", "model.safetensors", "generation_config.json"] {
             println!("cargo:rerun-if-changed={}", dir.join(f).display());
