@@ -72,6 +72,53 @@ pub fn dequantize(packed: &[u8], scales: &[u8], global_scale: f32, rows: usize, 
     out
 }
 
+/// Largest E2M1 magnitude.
+pub const E2M1_MAX: f32 = 6.0;
+
+/// Encodes one value as the nearest E2M1 code (ties to the even code; saturating at ±6;
+/// NaN → 0). Sign kept for -0.0.
+pub fn e2m1_from_f32(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0;
+    }
+    let sign = if x.is_sign_negative() { 8u8 } else { 0 };
+    let a = x.abs();
+    let mut best = 0u8;
+    for c in 1..8u8 {
+        let (db, dc) = ((a - E2M1_TABLE[best as usize]).abs(), (a - E2M1_TABLE[c as usize]).abs());
+        if dc < db || (dc == db && c % 2 == 0) {
+            best = c;
+        }
+    }
+    sign | best
+}
+
+/// The global scale compressed-tensors derives from a tensor's largest magnitude:
+/// `448 · 6 / amax` in f32 (so the largest group scale lands on E4M3's maximum).
+pub fn global_scale_for(amax: f32) -> f32 {
+    crate::fp8::E4M3_MAX * E2M1_MAX / amax
+}
+
+/// Quantises one row `[in]` with the given global scale the way compressed-tensors' NVFP4
+/// observer does per group: `scale = e4m3(amax_group / 6 · global)`, codes
+/// `e2m1(x / (e4m3(scale) / global))` (an all-zero group gets scale 0 and zero codes). Writes
+/// `packed` `[in/2]` (even column in the low nibble) and `scales` `[in/16]`.
+pub fn quantize_row(row: &[f32], global_scale: f32, packed: &mut [u8], scales: &mut [u8]) {
+    let n = row.len();
+    assert!(n.is_multiple_of(GROUP) && packed.len() == n / 2 && scales.len() == n / GROUP, "NVFP4 row shapes");
+    packed.fill(0);
+    for (g, chunk) in row.chunks_exact(GROUP).enumerate() {
+        let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+        scales[g] = crate::fp8::e4m3_from_f32(amax / E2M1_MAX * global_scale);
+        let s = group_scale(scales[g], global_scale);
+        for (k, &x) in chunk.iter().enumerate() {
+            let c = if s > 0.0 { e2m1_from_f32(x / s) } else { 0 };
+            let i = g * GROUP + k;
+            packed[i / 2] |= c << ((i & 1) * 4);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -82,6 +129,26 @@ mod tests {
     fn first_column_is_the_low_nibble() {
         assert_eq!(E2M1_TABLE[code(&[0xF1], 0) as usize], 0.5);
         assert_eq!(E2M1_TABLE[code(&[0xF1], 1) as usize], -6.0);
+    }
+
+    #[test]
+    fn encoding_round_trips_every_code_and_rounds_to_nearest() {
+        for c in 0..16u8 {
+            assert_eq!(e2m1_from_f32(E2M1_TABLE[c as usize]), c, "code {c}");
+        }
+        assert_eq!(E2M1_TABLE[e2m1_from_f32(2.4) as usize], 2.0);
+        assert_eq!(E2M1_TABLE[e2m1_from_f32(2.5) as usize], 2.0); // tie → even code (4)
+        assert_eq!(E2M1_TABLE[e2m1_from_f32(-5.5) as usize], -6.0);
+        assert_eq!(E2M1_TABLE[e2m1_from_f32(100.0) as usize], 6.0);
+        // A quantised row dequantises to within half a step of each group's grid.
+        let row: Vec<f32> = (0..32).map(|i| (i as f32 - 15.5) * 0.01).collect();
+        let (mut p, mut s) = (vec![0u8; 16], vec![0u8; 2]);
+        let g = global_scale_for(0.155);
+        quantize_row(&row, g, &mut p, &mut s);
+        let back = dequantize(&p, &s, g, 1, 32);
+        for (x, w) in row.iter().zip(&back) {
+            assert!((x - w.to_f32()).abs() <= 0.155 / 6.0 + 1e-6, "{x} -> {w}");
+        }
     }
 
     /// The global scale divides: scale byte 0x38 is 1.0, global 4 gives a quarter.
