@@ -424,4 +424,23 @@ typedef struct OrnithFlashAttnParams {
 } OrnithFlashAttnParams;
 
 
+/* NVFP4A16 weights (compressed-tensors nvfp4-pack-quantized): `w` U8 [out, in/2], two E2M1 codes
+ * per byte (column 2j in the low nibble), `ws` E4M3 [out, in/16] group scales, `gs` the global scale.
+ * A weight is  wd[o, i] = bf16( e2m1(code[o, i]) * f32( f32(e4m3(ws[o, i/16])) / gs ) ).
+ * Dequantise:  y[o, i] = wd[o, i]  (bf16 [out, in]; `x`, `tokens`, strides unused).
+ * GEMV:        y[t, o] = bf16( sum_i x[t, i] * wd[o, i] ), fp32 accumulation; `in` % 32 == 0,
+ *              tokens <= ORNITH_GEMV_MAX_TOKENS; `x_stride`/`y_stride` row strides in elements. */
+typedef struct OrnithNvfp4Params {
+    const uint16_t *x;
+    const uint8_t *w;
+    const uint8_t *ws;
+    uint16_t *y;
+    float gs;
+    int32_t tokens;
+    int32_t in;
+    int32_t out;
+    int32_t x_stride;
+    int32_t y_stride;
+} OrnithNvfp4Params;
+
 #endif

@@ -862,3 +862,41 @@ impl Default for OrnithFlashAttnParams {
         }
     }
 }
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct OrnithNvfp4Params {
+    pub x: *const u16,
+    pub w: *const u8,
+    pub ws: *const u8,
+    pub y: *mut u16,
+    pub gs: f32,
+    pub tokens: i32,
+    pub in_: i32,
+    pub out: i32,
+    pub x_stride: i32,
+    pub y_stride: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of OrnithNvfp4Params"][::std::mem::size_of::<OrnithNvfp4Params>() - 56usize];
+    ["Alignment of OrnithNvfp4Params"][::std::mem::align_of::<OrnithNvfp4Params>() - 8usize];
+    ["Offset of field: OrnithNvfp4Params::x"][::std::mem::offset_of!(OrnithNvfp4Params, x) - 0usize];
+    ["Offset of field: OrnithNvfp4Params::w"][::std::mem::offset_of!(OrnithNvfp4Params, w) - 8usize];
+    ["Offset of field: OrnithNvfp4Params::ws"][::std::mem::offset_of!(OrnithNvfp4Params, ws) - 16usize];
+    ["Offset of field: OrnithNvfp4Params::y"][::std::mem::offset_of!(OrnithNvfp4Params, y) - 24usize];
+    ["Offset of field: OrnithNvfp4Params::gs"][::std::mem::offset_of!(OrnithNvfp4Params, gs) - 32usize];
+    ["Offset of field: OrnithNvfp4Params::tokens"][::std::mem::offset_of!(OrnithNvfp4Params, tokens) - 36usize];
+    ["Offset of field: OrnithNvfp4Params::in_"][::std::mem::offset_of!(OrnithNvfp4Params, in_) - 40usize];
+    ["Offset of field: OrnithNvfp4Params::out"][::std::mem::offset_of!(OrnithNvfp4Params, out) - 44usize];
+    ["Offset of field: OrnithNvfp4Params::x_stride"][::std::mem::offset_of!(OrnithNvfp4Params, x_stride) - 48usize];
+    ["Offset of field: OrnithNvfp4Params::y_stride"][::std::mem::offset_of!(OrnithNvfp4Params, y_stride) - 52usize];
+};
+impl Default for OrnithNvfp4Params {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}

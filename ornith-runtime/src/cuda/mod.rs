@@ -13,6 +13,9 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 
 pub mod launch;
+pub mod nvfp4;
+#[cfg(test)]
+mod nvfp4_tests;
 pub mod prefill;
 #[cfg(test)]
 mod prefill_tests;
@@ -23,7 +26,7 @@ mod test_util;
 mod tests;
 
 /// Kernels per PTX module (names of the `extern "C"` entry points).
-const KERNELS: [(Module, &[&str]); 10] = [
+const KERNELS: [(Module, &[&str]); 11] = [
     (Module::Norm, &["embed_gather", "rmsnorm_residual", "quantize_fp8_rows"]),
     (Module::Gemv, &["gemv_bf16", "gemv_fp8", "gemv_bf16_t1", "gemv_fp8_t1", "moe_gemv_fp8", "moe_gemv_grouped"]),
     (Module::Moe, &["moe_router_topk", "swiglu_quant", "moe_combine"]),
@@ -34,6 +37,7 @@ const KERNELS: [(Module, &[&str]); 10] = [
     (Module::GdnChunk, &["gdn_chunk_prep", "gdn_chunk_scan"]),
     (Module::FlashAttn, &["flash_attn_prefill"]),
     (Module::MoePrefill, &["moe_sort", "swiglu_quant_ct", "moe_combine_prefill"]),
+    (Module::Nvfp4, &["nvfp4_dequant", "gemv_nvfp4"]),
 ];
 
 /// Rows per warp of the single-token GEMVs (`gemv1_rows` in gemv.cu) for rows of `n16` 16-byte
@@ -105,6 +109,7 @@ kernel_params!(
     OrnithQuantParams,
     OrnithGemvBf16Params,
     OrnithGemvFp8Params,
+    OrnithNvfp4Params,
     OrnithRouterParams,
     OrnithMoeGemvParams,
     OrnithSwigluQuantParams,
