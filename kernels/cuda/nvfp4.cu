@@ -108,3 +108,66 @@ extern "C" __global__ void __launch_bounds__(NVFP4_WARPS * 32) gemv_nvfp4(const 
         default: break;
     }
 }
+
+// MoE expert GEMV over NVFP4 experts grouped by expert, for a decode group of many tokens: grid
+// (ceil(out / NVFP4_WARPS), active + 1, 1), active = min(experts, tokens * top_k). Block y < active
+// takes the y-th expert with assignments (active_list; blocks past *active_count exit) and runs
+// each of its rows over every (token, slot) routed to it (row_assign[group_offsets[e] ..
+// group_offsets[e + 1]], a = token * top_k + slot), MG assignments per pass: each 32-weight chunk
+// is loaded once per pass and applied to each. The last block y is the shared
+// expert over every token (slot top_k). Every (token, slot, row) is summed in gemv_nvfp4_row's
+// order (lane chunks l, l + 32, ..., then the warp sum), so it is bit-identical to gemv_nvfp4 on
+// that expert and that row whatever the grouping: the result does not depend on the batch.
+#define NVFP4_MG 4
+extern "C" __global__ void __launch_bounds__(NVFP4_WARPS * 32) moe_gemv_nvfp4_grouped(const OrnithMoeGemvNvfp4Params p) {
+    pdl_launch_dependents();
+    pdl_wait();
+    const int row = blockIdx.x * NVFP4_WARPS + (threadIdx.x >> 5);
+    if (row >= p.out) return;
+    const bool shared = blockIdx.y == gridDim.y - 1;
+    int a0 = 0, a1 = p.tokens;
+    const uint8_t *wb = p.shared_w, *sb = p.shared_ws;
+    float gs = p.shared_gs;
+    if (!shared) {
+        if ((int)blockIdx.y >= *p.active_count) return;
+        const int e = p.active_list[blockIdx.y];
+        a0 = p.group_offsets[e];
+        a1 = p.group_offsets[e + 1];
+        wb = p.w + (size_t)e * p.out * (p.in / 2);
+        sb = p.ws + (size_t)e * p.out * (p.in / 16);
+        gs = p.gs[e];
+    }
+    const int lane = threadIdx.x & 31, slots = p.top_k + 1, n32 = p.in / 32;
+    const uint4 *w = reinterpret_cast<const uint4 *>(wb + (size_t)row * (p.in / 2));
+    const uint8_t *ws = sb + (size_t)row * (p.in / 16);
+    for (int g0 = a0; g0 < a1; g0 += NVFP4_MG) {
+        const int ng = min(NVFP4_MG, a1 - g0);
+        int tok[NVFP4_MG], slot[NVFP4_MG];
+        const uint16_t *x[NVFP4_MG];
+        float acc[NVFP4_MG];
+#pragma unroll
+        for (int j = 0; j < NVFP4_MG; j++) {
+            const int jj = min(j, ng - 1);  // unused lanes of the pass repeat the last assignment
+            const int a = shared ? -1 : p.row_assign[g0 + jj];
+            tok[j] = shared ? g0 + jj : a / p.top_k;
+            slot[j] = shared ? p.top_k : a % p.top_k;
+            x[j] = p.x + (size_t)tok[j] * p.x_tok_stride + (size_t)slot[j] * p.x_slot_stride;
+            acc[j] = 0.f;
+        }
+        for (int c = lane; c < n32; c += 32) {
+            const uint4 wv = __ldg(w + c);
+            const float s0 = group_scale(ws[2 * c], gs), s1 = group_scale(ws[2 * c + 1], gs);
+#pragma unroll
+            for (int j = 0; j < NVFP4_MG; j++) {
+                float a[1] = {acc[j]};
+                chunk32<1>(wv, s0, s1, x[j], 0, (size_t)c, a);
+                acc[j] = a[0];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < NVFP4_MG; j++) {
+            const float sum = warp_sum(acc[j]);
+            if (j < ng && lane == 0) p.y[((size_t)tok[j] * slots + slot[j]) * p.out + row] = f2bf(sum);
+        }
+    }
+}

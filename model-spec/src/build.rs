@@ -409,9 +409,9 @@ impl Planner<'_> {
             ),
         };
         let expected = match precision {
-            Precision::Bf16 => format!("BF16 {weight} ({why})"),
-            Precision::Fp8 => format!("F8_E4M3 {weight} ({why})"),
-            Precision::Nvfp4 => format!("U8 {packed} with weight_scale and weight_global_scale ({why})"),
+            Precision::Bf16 => format!("BF16 ({why})"),
+            Precision::Fp8 => format!("F8_E4M3 ({why})"),
+            Precision::Nvfp4 => format!("U8 .weight_packed with .weight_scale and .weight_global_scale ({why})"),
         };
         Err(SpecError::TensorMismatch {
             path: self.shard_path(&tensor),

@@ -37,7 +37,7 @@ const KERNELS: [(Module, &[&str]); 11] = [
     (Module::GdnChunk, &["gdn_chunk_prep", "gdn_chunk_scan"]),
     (Module::FlashAttn, &["flash_attn_prefill"]),
     (Module::MoePrefill, &["moe_sort", "swiglu_quant_ct", "moe_combine_prefill"]),
-    (Module::Nvfp4, &["nvfp4_dequant", "gemv_nvfp4"]),
+    (Module::Nvfp4, &["nvfp4_dequant", "gemv_nvfp4", "moe_gemv_nvfp4_grouped"]),
 ];
 
 /// Rows per warp of the single-token GEMVs (`gemv1_rows` in gemv.cu) for rows of `n16` 16-byte
@@ -110,6 +110,7 @@ kernel_params!(
     OrnithGemvBf16Params,
     OrnithGemvFp8Params,
     OrnithNvfp4Params,
+    OrnithMoeGemvNvfp4Params,
     OrnithRouterParams,
     OrnithMoeGemvParams,
     OrnithSwigluQuantParams,

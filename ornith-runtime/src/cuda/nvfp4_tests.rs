@@ -1,6 +1,7 @@
 //! The NVFP4A16 kernels against the CPU reference (`model_spec::nvfp4`, `cpu::linear::linear_nvfp4`,
 //! which CI tests against compressed-tensors' decompressor and the BF16 Linear), `#[ignore]`d
 //! (CI has no GPU): `cargo test -p ornith-runtime nvfp4 -- --ignored`.
+use super::nvfp4::MoeNvfp4Args;
 use super::test_util::{ctx, rng, POISON, R};
 use super::tests::{close, perf};
 use crate::cpu::linear::linear_nvfp4;
@@ -81,6 +82,93 @@ fn gemv_nvfp4_matches_reference() {
         if tokens == 1 && inp >= 512 {
             let bytes = (out * inp / 2 + out * inp / 16 + (inp + out) * 2) as f64;
             perf(&c, &name, bytes, || c.gemv_nvfp4(&dx, &dw, &dws, gs, &mut y, 1, inp, out, xst, yst).unwrap());
+        }
+    }
+}
+
+/// The grouped MoE GEMV over NVFP4 experts: every (token, slot) row equals `linear_nvfp4` of its
+/// expert (`close`) and, bit for bit, `gemv_nvfp4` of that expert on that row alone — so the
+/// result does not depend on which tokens share the step. Groups from the real `moe_sort`; the
+/// gate/up form (one input per token) and the down form (one input per slot), 1, 5 and 13 tokens.
+#[test]
+#[ignore]
+fn moe_gemv_nvfp4_grouped_matches_reference() {
+    let c = ctx();
+    let mut r = rng(43);
+    let (experts, top_k) = (16usize, 4usize);
+    for (inp, out, per_slot) in [(2048, 512, false), (512, 2048, true), (64, 32, true)] {
+        let ws_all: Vec<(Vec<u8>, Vec<u8>, f32)> = (0..=experts).map(|_| weight(&mut r, out, inp)).collect();
+        let (w, ws): (Vec<u8>, Vec<u8>) = (
+            ws_all[..experts].iter().flat_map(|e| e.0.clone()).collect(),
+            ws_all[..experts].iter().flat_map(|e| e.1.clone()).collect(),
+        );
+        let gs: Vec<f32> = ws_all[..experts].iter().map(|e| e.2).collect();
+        let shared = &ws_all[experts];
+        let (dw, dws, dgs) = (c.upload(&w).unwrap(), c.upload(&ws).unwrap(), c.upload(&gs).unwrap());
+        let (dsw, dsws) = (c.upload(&shared.0).unwrap(), c.upload(&shared.1).unwrap());
+        for tokens in [1usize, 5, 13] {
+            // Distinct experts per token.
+            let mut idx = Vec::new();
+            for _ in 0..tokens {
+                let mut chosen: Vec<i32> = Vec::new();
+                while chosen.len() < top_k {
+                    let e = r.random_range(0..experts as i32);
+                    if !chosen.contains(&e) {
+                        chosen.push(e);
+                    }
+                }
+                idx.extend(chosen);
+            }
+            let slots = top_k + 1;
+            let (tok_stride, slot_stride) = if per_slot { (slots * inp, inp) } else { (inp, 0) };
+            let x: Vec<u16> =
+                (0..tokens * tok_stride).map(|_| bf16::from_f32(r.random_range(-1.0f32..1.0)).to_bits()).collect();
+            let (dx, didx) = (c.upload(&x).unwrap(), c.upload(&idx).unwrap());
+            let g = c.moe_groups(&didx, tokens, top_k, experts).unwrap();
+            let mut y = c.upload(&vec![POISON; tokens * slots * out]).unwrap();
+            let a = MoeNvfp4Args {
+                x: &dx,
+                w: &dw,
+                ws: &dws,
+                gs: &dgs,
+                shared_w: &dsw,
+                shared_ws: &dsws,
+                shared_gs: shared.2,
+                tokens,
+                top_k,
+                experts,
+                in_: inp,
+                out,
+                x_tok_stride: tok_stride,
+                x_slot_stride: slot_stride,
+            };
+            c.moe_gemv_nvfp4_grouped(&a, &g, &mut y).unwrap();
+            let got = c.download(&y).unwrap();
+            for t in 0..tokens {
+                for j in 0..slots {
+                    let e = if j < top_k { idx[t * top_k + j] as usize } else { experts };
+                    let (we, wse, gse) = &ws_all[e];
+                    let xrow = &x[t * tok_stride + j * slot_stride..][..inp];
+                    let mut yc = vec![bf16::ZERO; out];
+                    let xb: Vec<bf16> = xrow.iter().map(|&b| bf16::from_bits(b)).collect();
+                    linear_nvfp4(&xb, we, wse, *gse, 1, inp, out, &mut yc);
+                    let row = &got[(t * slots + j) * out..][..out];
+                    let name = format!("moe_gemv_nvfp4 {inp}x{out} tokens {tokens} t{t} slot {j} expert {e}");
+                    close(&name, row, &yc.iter().map(|v| v.to_f64()).collect::<Vec<_>>());
+                    let (dx1, dwe, dwse) = (c.upload(xrow).unwrap(), c.upload(we).unwrap(), c.upload(wse).unwrap());
+                    let mut y1 = c.upload(&vec![POISON; out]).unwrap();
+                    c.gemv_nvfp4(&dx1, &dwe, &dwse, *gse, &mut y1, 1, inp, out, inp, out).unwrap();
+                    assert_eq!(c.download(&y1).unwrap(), row, "{name}: differs from gemv_nvfp4 alone");
+                }
+            }
+            if tokens == 13 && inp >= 512 {
+                // Bytes: the routed experts touched (at most 16 here) and the shared one.
+                let touched = idx.iter().collect::<std::collections::HashSet<_>>().len() + 1;
+                let bytes = (touched * (out * inp / 2 + out * inp / 16)) as f64;
+                perf(&c, &format!("moe_gemv_nvfp4_grouped {inp}x{out} tokens 13 ({touched} experts)"), bytes, || {
+                    c.moe_gemv_nvfp4_grouped(&a, &g, &mut y).unwrap()
+                });
+            }
         }
     }
 }
