@@ -210,3 +210,22 @@ fn nvfp4_fixture_is_classified_as_stored() {
     // Every stored tensor is in the spec's inventory (model-spec refuses extras; visual counted).
     assert_eq!(spec.tensors.len(), stored.len());
 }
+
+/// `cargo xtask inspect`'s report of the NVFP4A16 fixture: the scheme, the 4-bit routed experts,
+/// and the bytes by form equal to the stored tensors' (codes: half a byte per weight; scales: one
+/// E4M3 byte per 16 weights plus 4 bytes of global scale per Linear).
+#[test]
+fn nvfp4_report_shows_the_4bit_bytes() {
+    let dir = fixture("micro-nvfp4");
+    let spec = model_spec::load_checkpoint(&dir).unwrap();
+    let text = model_spec::report::render(&spec);
+    assert!(text.contains("nvfp4-pack-quantized: NVFP4A16"), "{text}");
+    assert!(text.contains("routed expert Linears: 192 NVFP4, 0 BF16"), "{text}");
+    let stored = stored_tensors(&dir);
+    let weights: usize =
+        stored.iter().filter(|(n, _)| n.ends_with(".weight_packed")).map(|(_, (_, s))| s[0] * s[1] * 2).sum();
+    let form = model_spec::report::by_form(&spec);
+    assert_eq!(form["NVFP4 codes"], (208, weights as u64 / 2));
+    assert_eq!(form["NVFP4 scales"], (416, weights as u64 / 16 + 208 * 4));
+    assert!(text.contains("NVFP4 codes"), "{text}");
+}
