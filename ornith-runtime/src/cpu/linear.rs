@@ -83,7 +83,7 @@ pub fn linear_nvfp4(
     n_out: usize,
     y: &mut [bf16],
 ) {
-    use model_spec::nvfp4::{dequantize_row, GROUP};
+    use model_spec::nvfp4::{code, dequant, group_scale, GROUP};
     assert!(n_in.is_multiple_of(GROUP), "linear_nvfp4: n_in {n_in} is not a multiple of {GROUP}");
     check_len("linear_nvfp4 x", x.len(), t * n_in);
     check_len("linear_nvfp4 packed", packed.len(), n_out * n_in / 2);
@@ -96,15 +96,12 @@ pub fn linear_nvfp4(
         n_in,
         n_out,
         |o, row| {
-            let mut w = vec![bf16::ZERO; n_in];
-            dequantize_row(
-                &packed[o * n_in / 2..][..n_in / 2],
-                &scale[o * n_in / GROUP..][..n_in / GROUP],
-                global,
-                &mut w,
-            );
-            for (d, &v) in row.iter_mut().zip(&w) {
-                *d = bf16_to_f32(v);
+            let (p, s) = (&packed[o * n_in / 2..][..n_in / 2], &scale[o * n_in / GROUP..][..n_in / GROUP]);
+            for (g, chunk) in row.chunks_exact_mut(GROUP).enumerate() {
+                let gs = group_scale(s[g], global);
+                for (k, d) in chunk.iter_mut().enumerate() {
+                    *d = bf16_to_f32(dequant(code(p, g * GROUP + k), gs));
+                }
             }
         },
         |_, _, acc| acc,
