@@ -425,4 +425,51 @@ typedef struct OrnithFlashAttnParams {
 } OrnithFlashAttnParams;
 
 
+/* NVFP4A16 weights (compressed-tensors nvfp4-pack-quantized): `w` U8 [out, in/2], two E2M1 codes
+ * per byte (column 2j in the low nibble), `ws` E4M3 [out, in/16] group scales, `gs` the global scale.
+ * A weight is  wd[o, i] = bf16( e2m1(code[o, i]) * f32( f32(e4m3(ws[o, i/16])) / gs ) ).
+ * Dequantise:  y[o, i] = wd[o, i]  (bf16 [out, in]; `x`, `tokens`, strides unused).
+ * GEMV:        y[t, o] = bf16( sum_i x[t, i] * wd[o, i] ), fp32 accumulation; `in` % 32 == 0,
+ *              tokens <= ORNITH_GEMV_MAX_TOKENS; `x_stride`/`y_stride` row strides in elements. */
+typedef struct OrnithNvfp4Params {
+    const uint16_t *x;
+    const uint8_t *w;
+    const uint8_t *ws;
+    uint16_t *y;
+    float gs;
+    int32_t tokens;
+    int32_t in;
+    int32_t out;
+    int32_t x_stride;
+    int32_t y_stride;
+} OrnithNvfp4Params;
+
+/* MoE expert GEMV over NVFP4A16 experts, grouped by expert (moe_gemv_grouped's layout, BF16
+ * activations): slot j < top_k of token t uses expert idx[t, j] (weights w + e * out * in/2,
+ * scales ws + e * out * in/16, global scale gs[e]); slot top_k the shared expert (shared_w,
+ * shared_ws, shared_gs). Activation of (t, j): x + t * x_tok_stride + j * x_slot_stride (bf16
+ * elements; x_slot_stride 0: one input per token). y[(t * slots + j) * out + o] bf16.
+ * active_list / active_count / group_offsets / row_assign as moe_sort writes them. in % 32 == 0. */
+typedef struct OrnithMoeGemvNvfp4Params {
+    const uint16_t *x;
+    const uint8_t *w;
+    const uint8_t *ws;
+    const float *gs;
+    const uint8_t *shared_w;
+    const uint8_t *shared_ws;
+    float shared_gs;
+    int32_t tokens;
+    int32_t top_k;
+    int32_t experts;
+    int32_t in;
+    int32_t out;
+    int32_t x_tok_stride;
+    int32_t x_slot_stride;
+    uint16_t *y;
+    const int32_t *active_list;
+    const int32_t *active_count;
+    const int32_t *group_offsets;
+    const int32_t *row_assign;
+} OrnithMoeGemvNvfp4Params;
+
 #endif

@@ -862,3 +862,109 @@ impl Default for OrnithFlashAttnParams {
         }
     }
 }
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct OrnithNvfp4Params {
+    pub x: *const u16,
+    pub w: *const u8,
+    pub ws: *const u8,
+    pub y: *mut u16,
+    pub gs: f32,
+    pub tokens: i32,
+    pub in_: i32,
+    pub out: i32,
+    pub x_stride: i32,
+    pub y_stride: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of OrnithNvfp4Params"][::std::mem::size_of::<OrnithNvfp4Params>() - 56usize];
+    ["Alignment of OrnithNvfp4Params"][::std::mem::align_of::<OrnithNvfp4Params>() - 8usize];
+    ["Offset of field: OrnithNvfp4Params::x"][::std::mem::offset_of!(OrnithNvfp4Params, x) - 0usize];
+    ["Offset of field: OrnithNvfp4Params::w"][::std::mem::offset_of!(OrnithNvfp4Params, w) - 8usize];
+    ["Offset of field: OrnithNvfp4Params::ws"][::std::mem::offset_of!(OrnithNvfp4Params, ws) - 16usize];
+    ["Offset of field: OrnithNvfp4Params::y"][::std::mem::offset_of!(OrnithNvfp4Params, y) - 24usize];
+    ["Offset of field: OrnithNvfp4Params::gs"][::std::mem::offset_of!(OrnithNvfp4Params, gs) - 32usize];
+    ["Offset of field: OrnithNvfp4Params::tokens"][::std::mem::offset_of!(OrnithNvfp4Params, tokens) - 36usize];
+    ["Offset of field: OrnithNvfp4Params::in_"][::std::mem::offset_of!(OrnithNvfp4Params, in_) - 40usize];
+    ["Offset of field: OrnithNvfp4Params::out"][::std::mem::offset_of!(OrnithNvfp4Params, out) - 44usize];
+    ["Offset of field: OrnithNvfp4Params::x_stride"][::std::mem::offset_of!(OrnithNvfp4Params, x_stride) - 48usize];
+    ["Offset of field: OrnithNvfp4Params::y_stride"][::std::mem::offset_of!(OrnithNvfp4Params, y_stride) - 52usize];
+};
+impl Default for OrnithNvfp4Params {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct OrnithMoeGemvNvfp4Params {
+    pub x: *const u16,
+    pub w: *const u8,
+    pub ws: *const u8,
+    pub gs: *const f32,
+    pub shared_w: *const u8,
+    pub shared_ws: *const u8,
+    pub shared_gs: f32,
+    pub tokens: i32,
+    pub top_k: i32,
+    pub experts: i32,
+    pub in_: i32,
+    pub out: i32,
+    pub x_tok_stride: i32,
+    pub x_slot_stride: i32,
+    pub y: *mut u16,
+    pub active_list: *const i32,
+    pub active_count: *const i32,
+    pub group_offsets: *const i32,
+    pub row_assign: *const i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of OrnithMoeGemvNvfp4Params"][::std::mem::size_of::<OrnithMoeGemvNvfp4Params>() - 120usize];
+    ["Alignment of OrnithMoeGemvNvfp4Params"][::std::mem::align_of::<OrnithMoeGemvNvfp4Params>() - 8usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::x"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, x) - 0usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::w"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, w) - 8usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::ws"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, ws) - 16usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::gs"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, gs) - 24usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::shared_w"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, shared_w) - 32usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::shared_ws"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, shared_ws) - 40usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::shared_gs"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, shared_gs) - 48usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::tokens"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, tokens) - 52usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::top_k"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, top_k) - 56usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::experts"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, experts) - 60usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::in_"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, in_) - 64usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::out"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, out) - 68usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::x_tok_stride"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, x_tok_stride) - 72usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::x_slot_stride"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, x_slot_stride) - 76usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::y"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, y) - 80usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::active_list"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, active_list) - 88usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::active_count"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, active_count) - 96usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::group_offsets"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, group_offsets) - 104usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::row_assign"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, row_assign) - 112usize];
+};
+impl Default for OrnithMoeGemvNvfp4Params {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}

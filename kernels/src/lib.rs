@@ -42,10 +42,11 @@ pub enum Module {
     GdnChunk,
     FlashAttn,
     MoePrefill,
+    Nvfp4,
 }
 
 impl Module {
-    pub const ALL: [Module; 10] = [
+    pub const ALL: [Module; 11] = [
         Module::Norm,
         Module::Gemv,
         Module::Moe,
@@ -56,6 +57,7 @@ impl Module {
         Module::GdnChunk,
         Module::FlashAttn,
         Module::MoePrefill,
+        Module::Nvfp4,
     ];
     /// Source file stem in `kernels/cuda/`.
     pub fn stem(self) -> &'static str {
@@ -70,6 +72,7 @@ impl Module {
             Module::GdnChunk => "gdn_chunk",
             Module::FlashAttn => "flash_attn",
             Module::MoePrefill => "moe_prefill",
+            Module::Nvfp4 => "nvfp4",
         }
     }
 }
@@ -90,6 +93,7 @@ macro_rules! ptx_table {
 ptx_table!(
     Norm => "norm", Gemv => "gemv", Moe => "moe", Gdn => "gdn", Attention => "attention", Sample => "sample",
     Gemm => "gemm", GdnChunk => "gdn_chunk", FlashAttn => "flash_attn", MoePrefill => "moe_prefill",
+    Nvfp4 => "nvfp4",
 );
 
 /// The digest stamped in a PTX text (its first line), if present.

@@ -17,6 +17,10 @@ struct Expect {
 
 const BF16: &[DType] = &[DType::BF16];
 const F8: &[DType] = &[DType::F8_E4M3];
+const U8: &[DType] = &[DType::U8];
+const F32: &[DType] = &[DType::F32];
+/// Weights per NVFP4 group scale (`group_size` of the scheme, checked by `validate_scheme`).
+pub const NVFP4_GROUP: usize = 16;
 /// Small parameter vectors: stored BF16 or F32 depending on the exporter (Qwen3.5 keeps
 /// `A_log` and `linear_attn.norm` in F32, Qwen3.6 in BF16); converted at load.
 const VEC: &[DType] = &[DType::BF16, DType::F32];
@@ -25,7 +29,7 @@ const SCALE: &[DType] = &[DType::BF16, DType::F32];
 const FIX_SHAPE: &str =
     "this tensor does not fit the dimensions in config.json; use the config.json that came with these weights";
 const FIX_DTYPE: &str =
-    "re-export the checkpoint with the vendor recipe (compressed-tensors FP8_DYNAMIC) or use the BF16 original";
+    "re-export the checkpoint with the vendor recipe (compressed-tensors FP8_DYNAMIC or NVFP4A16) or use the BF16 original";
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> SpecError + '_ {
     move |source| SpecError::Io { path: path.to_path_buf(), err: source }
@@ -289,7 +293,8 @@ fn dims_of(path: &Path, t: &TextConfig) -> Result<(Dims, Vec<LayerKind>)> {
 struct Planner<'a> {
     dir: &'a Path,
     stored: &'a BTreeMap<String, (String, HeaderEntry)>,
-    quant: Option<&'a IgnoreList>,
+    /// The ignore list and the precision of every Linear it does not keep in BF16.
+    quant: Option<(&'a IgnoreList, Precision)>,
     expected: BTreeMap<String, Expect>,
 }
 
@@ -312,12 +317,12 @@ impl Planner<'_> {
         let (precision, ignored_by) = match self.quant {
             None => (Precision::Bf16, None),
             Some(_) if !quantizable => (Precision::Bf16, None),
-            Some(ig) => match ig.matching(&module) {
+            Some((ig, quantised)) => match ig.matching(&module) {
                 Some(p) => (Precision::Bf16, Some(p.to_string())),
-                None => (Precision::Fp8, None),
+                None => (quantised, None),
             },
         };
-        self.check_stored_precision(&format!("{module}.weight"), precision, ignored_by.as_deref(), quantizable)?;
+        self.check_stored_precision(&module, precision, ignored_by.as_deref(), quantizable)?;
         let w = format!("{module}.weight");
         match precision {
             Precision::Bf16 => self.expect(w, BF16, vec![out_f, in_f], FIX_SHAPE),
@@ -332,46 +337,89 @@ impl Planner<'_> {
                     },
                 );
             }
+            Precision::Nvfp4 => {
+                let packed = format!("{module}.weight_packed");
+                if !in_f.is_multiple_of(NVFP4_GROUP) {
+                    return Err(SpecError::TensorMismatch {
+                        path: self.shard_path(&packed),
+                        tensor: packed,
+                        expected: format!("in_features a multiple of the group size {NVFP4_GROUP}"),
+                        found: format!("in_features {in_f}"),
+                        fix: "NVFP4 groups of 16 weights must tile every row; keep this module in BF16 with an ignore entry".into(),
+                    });
+                }
+                self.expect(packed, U8, vec![out_f, in_f / 2], FIX_SHAPE);
+                self.expected.insert(
+                    format!("{module}.weight_scale"),
+                    Expect {
+                        dtypes: F8,
+                        shapes: vec![vec![out_f, in_f / NVFP4_GROUP]],
+                        fix:
+                            "NVFP4 needs one F8_E4M3 scale per 16 weights of a row; re-export with the NVFP4A16 scheme",
+                    },
+                );
+                self.expected.insert(
+                    format!("{module}.weight_global_scale"),
+                    Expect {
+                        dtypes: F32,
+                        shapes: vec![vec![1]],
+                        fix: "NVFP4 needs one F32 global scale per Linear; re-export with the NVFP4A16 scheme",
+                    },
+                );
+            }
         }
         Ok(LinearSpec { module, precision, out_features: out_f, in_features: in_f, ignored_by })
     }
 
-    /// The ignore list and the stored dtype must tell the same story.
+    /// The ignore list and the stored tensors must tell the same story: `{module}.weight` in
+    /// F8_E4M3 is FP8, `{module}.weight_packed` is NVFP4, a `{module}.weight` of any other dtype
+    /// is BF16 (its dtype is checked with the rest of the inventory).
     fn check_stored_precision(
         &self,
-        weight: &str,
+        module: &str,
         precision: Precision,
         ignored_by: Option<&str>,
         quantizable: bool,
     ) -> Result<()> {
-        let Some((_, e)) = self.stored.get(weight) else { return Ok(()) }; // reported as missing later
-        let stored_fp8 = e.dtype == DType::F8_E4M3;
-        let path = self.shard_path(weight);
-        match (precision, stored_fp8) {
-            (Precision::Bf16, true) => {
-                let why = match (self.quant.is_some(), ignored_by, quantizable) {
-                    (false, _, _) => "config.json has no quantization_config, so every Linear is BF16".to_string(),
-                    (true, Some(p), _) => format!("ignore entry {p:?} keeps this module in BF16"),
-                    (true, None, false) => "this module is not an nn.Linear (the router), which compressed-tensors never quantises".to_string(),
-                    (true, None, true) => unreachable!(),
-                };
-                Err(SpecError::TensorMismatch {
-                    path,
-                    tensor: weight.to_string(),
-                    expected: format!("BF16 ({why})"),
-                    found: "F8_E4M3".into(),
-                    fix: "the ignore patterns in quantization_config disagree with the stored dtypes; restore the config.json that came with these shards".into(),
-                })
-            }
-            (Precision::Fp8, false) => Err(SpecError::TensorMismatch {
-                path,
-                tensor: weight.to_string(),
-                expected: "F8_E4M3 (no entry of quantization_config.ignore matches this module, so compressed-tensors quantised it)".into(),
-                found: e.dtype.to_string(),
-                fix: "the ignore patterns in quantization_config disagree with the stored dtypes; restore the config.json that came with these shards".into(),
-            }),
-            _ => Ok(()),
+        let weight = format!("{module}.weight");
+        let packed = format!("{module}.weight_packed");
+        let (tensor, stored) = match (self.stored.get(&weight), self.stored.get(&packed)) {
+            (Some((_, e)), _) if e.dtype == DType::F8_E4M3 => (weight.clone(), Precision::Fp8),
+            (Some(_), _) => (weight.clone(), Precision::Bf16),
+            (None, Some(_)) => (packed.clone(), Precision::Nvfp4),
+            (None, None) => return Ok(()), // reported as missing later
+        };
+        if stored == precision {
+            return Ok(());
         }
+        let found = match stored {
+            Precision::Bf16 => format!("{} (a plain .weight)", self.stored[&tensor].1.dtype),
+            Precision::Fp8 => "F8_E4M3 (an FP8 .weight)".into(),
+            Precision::Nvfp4 => "U8 .weight_packed (an NVFP4 weight)".into(),
+        };
+        let why = match (self.quant, ignored_by, quantizable) {
+            (None, _, _) => "config.json has no quantization_config, so every Linear is BF16".to_string(),
+            (Some(_), Some(p), _) => format!("ignore entry {p:?} keeps this module in BF16"),
+            (Some(_), None, false) => {
+                "this module is not an nn.Linear (the router), which compressed-tensors never quantises".to_string()
+            }
+            (Some((_, q)), None, true) => format!(
+                "no entry of quantization_config.ignore matches this module, so compressed-tensors quantised it to {}",
+                q.name()
+            ),
+        };
+        let expected = match precision {
+            Precision::Bf16 => format!("BF16 ({why})"),
+            Precision::Fp8 => format!("F8_E4M3 ({why})"),
+            Precision::Nvfp4 => format!("U8 .weight_packed with .weight_scale and .weight_global_scale ({why})"),
+        };
+        Err(SpecError::TensorMismatch {
+            path: self.shard_path(&tensor),
+            tensor,
+            expected,
+            found,
+            fix: "the quantization_config (format and ignore patterns) disagrees with the stored tensors; restore the config.json that came with these shards".into(),
+        })
     }
 }
 
@@ -386,8 +434,8 @@ pub fn load_checkpoint(dir: &Path) -> Result<ModelSpec> {
 
     let ignore = match &parsed.quant {
         Some(q) => {
-            validate_scheme(&config_path, q)?;
-            Some(IgnoreList::compile(&config_path, &q.ignore)?)
+            let precision = validate_scheme(&config_path, q)?;
+            Some((IgnoreList::compile(&config_path, &q.ignore)?, precision))
         }
         None => None,
     };
@@ -460,7 +508,8 @@ pub fn load_checkpoint(dir: &Path) -> Result<ModelSpec> {
     })?;
 
     // --- expected inventory and precisions ----------------------------------------------
-    let mut pl = Planner { dir, stored: &stored, quant: ignore.as_ref(), expected: BTreeMap::new() };
+    let mut pl =
+        Planner { dir, stored: &stored, quant: ignore.as_ref().map(|(l, p)| (l, *p)), expected: BTreeMap::new() };
     let h = dims.hidden_size;
     pl.expect(format!("{prefix}.embed_tokens.weight"), BF16, vec![dims.vocab_size, h], FIX_SHAPE);
     pl.expect(format!("{prefix}.norm.weight"), VEC, vec![h], FIX_SHAPE);
@@ -655,8 +704,8 @@ fn plan_experts(pl: &mut Planner<'_>, m: &str, d: &Dims) -> Result<ExpertsSpec> 
                 None => prec[k] = Some(spec.precision),
                 Some(p) if p != spec.precision => {
                     return Err(SpecError::TensorMismatch {
-                        path: pl.shard_path(&format!("{}.weight", spec.module)),
-                        tensor: format!("{}.weight", spec.module),
+                        path: pl.shard_path(&weight_name(&spec)),
+                        tensor: weight_name(&spec),
                         expected: format!("{p:?} like expert 0's {proj}"),
                         found: format!("{:?}", spec.precision),
                         fix: "experts of one layer must share one precision; fix the ignore list".into(),
@@ -676,6 +725,14 @@ fn plan_experts(pl: &mut Planner<'_>, m: &str, d: &Dims) -> Result<ExpertsSpec> 
         up_proj: prec[1].unwrap(),
         down_proj: prec[2].unwrap(),
     })
+}
+
+/// The tensor holding a Linear's weight: `.weight_packed` for NVFP4, `.weight` otherwise.
+fn weight_name(l: &LinearSpec) -> String {
+    match l.precision {
+        Precision::Nvfp4 => format!("{}.weight_packed", l.module),
+        _ => format!("{}.weight", l.module),
+    }
 }
 
 /// Stop tokens: generation_config.json's `eos_token_id` (int or list) when present, else the

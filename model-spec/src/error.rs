@@ -16,7 +16,7 @@ pub enum SpecError {
     #[error("{path}: {field}: expected {expected}, found {found}. Fix: {fix}")]
     Config { path: PathBuf, field: String, expected: String, found: String, fix: String },
 
-    #[error("{path}: unsupported quantization: {what}. Ornith reads compressed-tensors FP8 W8A8 (format float-quantized, weights: 8-bit float, strategy channel, static; input activations: 8-bit float, strategy token, dynamic) or an unquantized BF16 checkpoint; it never guesses another format. Fix: use such an export.")]
+    #[error("{path}: unsupported quantization: {what}. Ornith reads compressed-tensors FP8 W8A8 (format float-quantized, weights: 8-bit float, strategy channel, static; input activations: 8-bit float, strategy token, dynamic), compressed-tensors NVFP4A16 (format nvfp4-pack-quantized, weights: 4-bit float, strategy tensor_group, group size 16, E4M3 group scales, static; no activation quantization) or an unquantized BF16 checkpoint; it never guesses another format. Fix: use such an export.")]
     Quant { path: PathBuf, what: String },
 
     #[error("{path}: invalid ignore pattern {pattern:?}: {reason}")]

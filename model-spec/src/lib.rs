@@ -3,7 +3,7 @@
 //! Reads a Qwen3.5-MoE checkpoint directory — `config.json`, `model.safetensors.index.json` and
 //! every shard's safetensors header (memory-mapped; tensor data is never touched) — validates it
 //! completely, and produces one [`ModelSpec`]: dimensions, layer kinds, every tensor's name,
-//! dtype, shape, shard and offset, and each Linear's precision (FP8 W8A8 or BF16) decided by the
+//! dtype, shape, shard and offset, and each Linear's precision (FP8 W8A8, NVFP4A16 or BF16) decided by the
 //! compressed-tensors ignore list and cross-checked against the stored dtypes.
 //!
 //! `cargo xtask gen` writes the spec to a file; `ornith-macros` turns it into the typed model
@@ -15,6 +15,7 @@ pub mod config;
 pub mod error;
 pub mod fp8;
 pub mod header;
+pub mod nvfp4;
 pub mod quant;
 pub mod report;
 
@@ -129,6 +130,23 @@ pub enum Precision {
     /// compressed-tensors W8A8 FP8: `.weight` F8_E4M3 `[out, in]` with `.weight_scale`
     /// (one scale per output channel), activations quantised per token at run time.
     Fp8,
+    /// compressed-tensors NVFP4A16 (`nvfp4-pack-quantized`): `.weight_packed` U8 `[out, in/2]`
+    /// (two E2M1 codes per byte, the even column in the low nibble), `.weight_scale` F8_E4M3
+    /// `[out, in/16]` (one scale per 16 weights of a row), `.weight_global_scale` F32 `[1]`.
+    /// The weight is `bf16(e2m1 · f32(f32(scale) / global_scale))` (compressed-tensors' decompressor:
+    /// the group scale is divided by the global scale); activations stay BF16.
+    Nvfp4,
+}
+
+impl Precision {
+    /// The name used in reports and the generated graph ("BF16", "FP8", "NVFP4").
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Bf16 => "BF16",
+            Precision::Fp8 => "FP8",
+            Precision::Nvfp4 => "NVFP4",
+        }
+    }
 }
 
 /// Kind of a decoder layer's token mixer.

@@ -41,6 +41,34 @@ pub fn group_of(spec: &ModelSpec, name: &str) -> &'static str {
     "norms"
 }
 
+/// Tensor count and bytes of the language model's Linears by precision (`NVFP4 codes`,
+/// `NVFP4 scales`, `FP8 codes`, …): the bytes a decode step streams per form.
+pub fn by_form(spec: &ModelSpec) -> BTreeMap<String, (usize, u64)> {
+    let mut out: BTreeMap<String, (usize, u64)> = BTreeMap::new();
+    let mut add = |name: &str, b: u64| {
+        let e = out.entry(name.to_string()).or_default();
+        e.0 += 1;
+        e.1 += b;
+    };
+    for (n, t) in &spec.tensors {
+        if is_visual(n) || n.starts_with("mtp.") {
+            continue;
+        }
+        let (module, suffix) = n.rsplit_once('.').unwrap_or((n, ""));
+        let nvfp4 = spec.tensors.contains_key(&format!("{module}.weight_packed"));
+        let fp8 = spec.tensors.get(&format!("{module}.weight")).is_some_and(|w| w.dtype == DType::F8_E4M3);
+        let form = match (suffix, nvfp4, fp8) {
+            ("weight_packed", true, _) => "NVFP4 codes",
+            ("weight_scale" | "weight_global_scale", true, _) => "NVFP4 scales",
+            ("weight", _, true) => "FP8 codes",
+            ("weight_scale", _, true) => "FP8 scales",
+            _ => "BF16 and vectors",
+        };
+        add(form, t.nbytes());
+    }
+    out
+}
+
 fn gib(b: u64) -> String {
     format!("{:.2} GiB ({b} B)", b as f64 / (1u64 << 30) as f64)
 }
@@ -85,11 +113,12 @@ pub fn render(spec: &ModelSpec) -> String {
     }
     match &spec.quant {
         Some(q) => {
-            let _ = writeln!(
-                s,
-                "quantization {} / {}: FP8 E4M3 weights, per-channel scales, dynamic per-token activations",
-                q.quant_method, q.format
-            );
+            let scheme = if q.format == crate::quant::FORMAT_NVFP4 {
+                "NVFP4A16: E2M1 weights, one E4M3 scale per 16 weights and an F32 global scale per Linear, BF16 activations"
+            } else {
+                "FP8 E4M3 weights, per-channel scales, dynamic per-token activations"
+            };
+            let _ = writeln!(s, "quantization {} / {}: {scheme}", q.quant_method, q.format);
             let _ =
                 writeln!(s, "ignore list  {} entr{}:", q.ignore.len(), if q.ignore.len() == 1 { "y" } else { "ies" });
             for p in q.ignore.iter().take(12) {
@@ -103,14 +132,14 @@ pub fn render(spec: &ModelSpec) -> String {
             let _ = writeln!(s, "quantization none: every Linear is BF16");
         }
     }
-    let (mut fp8, mut bf16) = (0usize, 0usize);
+    let (mut fp8, mut nvfp4, mut bf16) = (0usize, 0usize, 0usize);
     for l in &spec.layers {
         let e = &l.mlp.experts;
         for p in [e.gate_proj, e.up_proj, e.down_proj] {
-            if p == crate::Precision::Fp8 {
-                fp8 += e.num_experts
-            } else {
-                bf16 += e.num_experts
+            match p {
+                crate::Precision::Fp8 => fp8 += e.num_experts,
+                crate::Precision::Nvfp4 => nvfp4 += e.num_experts,
+                crate::Precision::Bf16 => bf16 += e.num_experts,
             }
         }
     }
@@ -119,7 +148,12 @@ pub fn render(spec: &ModelSpec) -> String {
         Some(crate::ExpertLayout::Fused) => "fused gate_up_proj/down_proj",
         None => "no layers",
     };
-    let _ = writeln!(s, "routed expert Linears: {fp8} FP8, {bf16} BF16 (layout: {layout})");
+    let quantised = if nvfp4 > 0 { format!("{nvfp4} NVFP4") } else { format!("{fp8} FP8") };
+    let _ = writeln!(s, "routed expert Linears: {quantised}, {bf16} BF16 (layout: {layout})");
+    let _ = writeln!(s, "bytes by form (codes and scales of each Linear precision):");
+    for (k, (n, b)) in &by_form(spec) {
+        let _ = writeln!(s, "  {:<16} {:>6} tensors  {}", k, n, gib(*b));
+    }
     let mtp = if spec.mtp_tensors > 0 {
         format!(
             "present: {} mtp.* tensors (config mtp_num_hidden_layers: {}) — not used by this engine",

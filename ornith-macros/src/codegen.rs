@@ -9,14 +9,12 @@ fn prec(p: Precision) -> TokenStream {
     match p {
         Precision::Bf16 => quote!(Bf16),
         Precision::Fp8 => quote!(Fp8),
+        Precision::Nvfp4 => quote!(Nvfp4),
     }
 }
 
 fn pname(p: Precision) -> &'static str {
-    match p {
-        Precision::Bf16 => "BF16",
-        Precision::Fp8 => "FP8",
-    }
+    p.name()
 }
 
 fn lin_doc(l: &LinearSpec) -> String {
@@ -250,7 +248,7 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
     let eps_lit = proc_macro2::Literal::f64_suffixed(eps);
 
     quote! {
-        use ::ornith_runtime::graph::{self, Backend, Bf16, DecoderLayer, Fp8, GatedAttention, GatedDeltaNet, SparseMoe};
+        use ::ornith_runtime::graph::{self, Backend, Bf16, DecoderLayer, Fp8, GatedAttention, GatedDeltaNet, Nvfp4, SparseMoe};
 
         /// sha256 fingerprint of the checkpoint this graph was generated from.
         pub const FINGERPRINT: &str = #fp;

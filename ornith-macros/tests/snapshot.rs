@@ -1,5 +1,5 @@
-//! Snapshot of the code `model!()` generates for the 4-layer micro FP8 fixture (made by
-//! llm-compressor), so every change to the generated graph is reviewed as a diff.
+//! Snapshots of the code `model!()` generates for the 4-layer micro fixtures (BF16, and the FP8
+//! and NVFP4A16 exports made by llm-compressor), so every change to the generated graph is reviewed as a diff.
 //! `UPDATE_SNAPSHOTS=1 cargo test -p ornith-macros` rewrites the snapshot.
 
 #[path = "../src/codegen.rs"]
@@ -38,6 +38,11 @@ fn micro_bf16_expansion_matches_snapshot() {
 }
 
 #[test]
+fn micro_nvfp4_expansion_matches_snapshot() {
+    check("micro-nvfp4");
+}
+
+#[test]
 fn precision_follows_the_checkpoint() {
     // Same model, two exports: FP8 Linears appear exactly where llm-compressor quantised.
     let fp8 = expand("micro-fp8");
@@ -53,4 +58,11 @@ fn precision_follows_the_checkpoint() {
     // Only the import names Fp8 in the BF16 export: no Linear has it as its type.
     assert_eq!(bf16.matches("Fp8").count(), 1, "the BF16 export has no FP8 Linear");
     assert_ne!(fp8, bf16);
+    // The NVFP4A16 export of the same model: 4-bit exactly where the FP8 export is FP8.
+    let nvfp4 = expand("micro-nvfp4");
+    assert!(nvfp4.contains("graph::GatedAttention<B, Nvfp4, Nvfp4, Nvfp4, Nvfp4>"), "attention q/k/v/o are NVFP4");
+    assert!(nvfp4.contains("graph::GatedDeltaNet<B, Bf16, Bf16, Bf16, Bf16, Bf16>"), "linear_attn stays BF16");
+    assert_eq!(nvfp4.matches("Fp8").count(), 1, "the NVFP4 export has no FP8 Linear");
+    assert_eq!(nvfp4.matches("Nvfp4").count(), fp8.matches("Fp8").count(), "NVFP4 where the FP8 export is FP8");
+    assert_eq!(fp8.matches("Nvfp4").count(), 1, "the FP8 export has no NVFP4 Linear");
 }

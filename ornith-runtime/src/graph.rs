@@ -1,7 +1,7 @@
 //! Building blocks of the typed model graph that `ornith_macros::model!` emits.
 //!
 //! The macro decides, from the checkpoint's spec, the type of every layer: a Gated DeltaNet or a
-//! gated full-attention mixer, and the precision (`Fp8` or `Bf16`) of every Linear as a type
+//! gated full-attention mixer, and the precision (`Fp8`, `Nvfp4` or `Bf16`) of every Linear as a type
 //! parameter. Backends implement [`Backend`] at the level of layer operations over a [`Batch`]
 //! (rows of several sequences: one decode token of some, a prefill chunk of others); the
 //! generated `forward` is a straight line of calls into it, with no match on layer kind.
@@ -21,6 +21,9 @@ pub trait Prec: 'static + Send + Sync {
 pub struct Bf16;
 /// compressed-tensors W8A8: E4M3 weights × per-channel scale, per-token dynamic E4M3 activations.
 pub struct Fp8;
+/// compressed-tensors NVFP4A16: E2M1 weights, an E4M3 scale per 16 weights divided by an F32
+/// global scale, BF16 activations (`model_spec::Precision::Nvfp4` states the dequantisation).
+pub struct Nvfp4;
 
 impl Prec for Bf16 {
     const KIND: Precision = Precision::Bf16;
@@ -29,6 +32,10 @@ impl Prec for Bf16 {
 impl Prec for Fp8 {
     const KIND: Precision = Precision::Fp8;
     const NAME: &'static str = "FP8";
+}
+impl Prec for Nvfp4 {
+    const KIND: Precision = Precision::Nvfp4;
+    const NAME: &'static str = "NVFP4";
 }
 
 /// Model dimensions as compile-time constants (the macro writes one `DIMS`).

@@ -367,6 +367,26 @@ fn ignore_list_matches_a_stored_fp8_linear() {
     );
 }
 
+/// An NVFP4A16 quantization_config over FP8 shards: the first quantised Linear is named, with
+/// what the config implies and what is stored.
+#[test]
+fn nvfp4_config_over_fp8_tensors_is_refused() {
+    let d = tiny();
+    edit_json(&d.path().join("config.json"), |v| {
+        v["quantization_config"] = xtask::synth::config::quantization_config_nvfp4a16();
+    });
+    let e = load_err(d.path());
+    assert_has(
+        &e,
+        &[
+            ".weight: expected U8 .weight_packed with .weight_scale and .weight_global_scale",
+            "quantised it to NVFP4",
+            "found F8_E4M3 (an FP8 .weight)",
+            "Fix:",
+        ],
+    );
+}
+
 #[test]
 fn gen_on_a_bad_checkpoint_keeps_the_old_spec() {
     let d = tiny();

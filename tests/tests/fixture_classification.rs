@@ -163,3 +163,69 @@ fn bf16_fixture_is_all_bf16() {
     }
     assert_eq!(spec.dims.vocab_size, 1024);
 }
+
+/// The NVFP4A16 export of the same model (llm-compressor `scheme="NVFP4A16"`, same six patterns,
+/// tests/generators/make_micro_nvfp4.py): every Linear the tool packed is NVFP4 in the spec with
+/// exactly the three tensors it wrote, every other one BF16, and the spec holds nothing else.
+#[test]
+fn nvfp4_fixture_is_classified_as_stored() {
+    let dir = fixture("micro-nvfp4");
+    let spec = model_spec::load_checkpoint(&dir)
+        .unwrap_or_else(|e| panic!("model-spec rejects the llm-compressor NVFP4A16 output: {e}"));
+    let stored = stored_tensors(&dir);
+    let linears = spec_linears(&spec);
+    let q = spec.quant.as_ref().expect("NVFP4 fixture has a quantization_config");
+    assert_eq!((q.quant_method.as_str(), q.format.as_str()), ("compressed-tensors", "nvfp4-pack-quantized"));
+
+    let mut nvfp4 = 0;
+    for (m, p) in &linears {
+        let w = stored.get(&format!("{m}.weight"));
+        let packed = stored.get(&format!("{m}.weight_packed"));
+        match p {
+            Precision::Nvfp4 => {
+                nvfp4 += 1;
+                assert!(w.is_none(), "{m}: NVFP4 Linear also stores a plain .weight");
+                let (pd, ps) = packed.unwrap_or_else(|| panic!("{m}.weight_packed missing"));
+                let (out, inn) = (ps[0], ps[1] * 2);
+                assert_eq!(pd, "U8", "{m}.weight_packed");
+                assert_eq!(stored[&format!("{m}.weight_scale")], ("F8_E4M3".to_string(), vec![out, inn / 16]), "{m}");
+                assert_eq!(stored[&format!("{m}.weight_global_scale")], ("F32".to_string(), vec![1]), "{m}");
+            }
+            Precision::Bf16 => {
+                assert_eq!(w.map(|x| x.0.as_str()), Some("BF16"), "{m}");
+                assert!(packed.is_none() && !stored.contains_key(&format!("{m}.weight_scale")), "{m}");
+            }
+            Precision::Fp8 => panic!("{m}: FP8 in an NVFP4 export"),
+        }
+    }
+    // The tool packed exactly these: 4 layers x (16 experts x 3 + shared 3) + 4 attention = 208.
+    assert_eq!(stored.keys().filter(|n| n.ends_with(".weight_packed")).count(), 208);
+    assert_eq!(nvfp4, 208);
+    for l in &spec.layers {
+        assert_eq!([l.mlp.experts.gate_proj, l.mlp.experts.up_proj, l.mlp.experts.down_proj], [Precision::Nvfp4; 3]);
+        assert_eq!(l.mlp.gate.precision, Precision::Bf16);
+        assert_eq!(l.mlp.shared_expert_gate.precision, Precision::Bf16);
+    }
+    assert_eq!(spec.lm_head.precision, Precision::Bf16);
+    // Every stored tensor is in the spec's inventory (model-spec refuses extras; visual counted).
+    assert_eq!(spec.tensors.len(), stored.len());
+}
+
+/// `cargo xtask inspect`'s report of the NVFP4A16 fixture: the scheme, the 4-bit routed experts,
+/// and the bytes by form equal to the stored tensors' (codes: half a byte per weight; scales: one
+/// E4M3 byte per 16 weights plus 4 bytes of global scale per Linear).
+#[test]
+fn nvfp4_report_shows_the_4bit_bytes() {
+    let dir = fixture("micro-nvfp4");
+    let spec = model_spec::load_checkpoint(&dir).unwrap();
+    let text = model_spec::report::render(&spec);
+    assert!(text.contains("nvfp4-pack-quantized: NVFP4A16"), "{text}");
+    assert!(text.contains("routed expert Linears: 192 NVFP4, 0 BF16"), "{text}");
+    let stored = stored_tensors(&dir);
+    let weights: usize =
+        stored.iter().filter(|(n, _)| n.ends_with(".weight_packed")).map(|(_, (_, s))| s[0] * s[1] * 2).sum();
+    let form = model_spec::report::by_form(&spec);
+    assert_eq!(form["NVFP4 codes"], (208, weights as u64 / 2));
+    assert_eq!(form["NVFP4 scales"], (416, weights as u64 / 16 + 208 * 4));
+    assert!(text.contains("NVFP4 codes"), "{text}");
+}

@@ -149,3 +149,45 @@ fn shallow_preset_plan() {
     assert_eq!((q.dtype, q.shape.clone()), (DType::F8_E4M3, vec![8192, 2048]));
     assert!(plan.shards.len() >= 2 && plan.shards.iter().all(|s| s.data_len <= 4 << 30));
 }
+
+/// `--quant nvfp4a16` for the shallow and full presets: model-spec accepts the metadata, every
+/// Linear the FP8 export quantises is NVFP4 here (the rest BF16), and the routed experts take
+/// the 4-bit bytes: codes (half a byte per weight) plus one E4M3 scale per 16 weights and one F32
+/// global scale per Linear.
+#[test]
+fn nvfp4_presets_validate_with_4bit_bytes() {
+    for preset in [Preset::Shallow, Preset::Full] {
+        let tmp = tempfile::tempdir().unwrap();
+        let opts = SynthOptions {
+            contents: Contents::HeadersOnly,
+            quant: synth::Quant::Nvfp4a16,
+            ..SynthOptions::new(preset, 0)
+        };
+        synth::synth(tmp.path(), opts).unwrap();
+        let spec = load_checkpoint(tmp.path()).expect("the NVFP4 metadata checkpoint validates");
+        let fp8 = synth::plan(preset, 0);
+        let fp8_linears = fp8.tensors().filter(|(_, t)| t.dtype == DType::F8_E4M3).count();
+        let packed: Vec<&String> = spec.tensors.keys().filter(|n| n.ends_with(".weight_packed")).collect();
+        assert_eq!(packed.len(), fp8_linears, "{preset}: NVFP4 exactly where the FP8 export is FP8");
+        for n in &packed {
+            let module = n.strip_suffix(".weight_packed").unwrap();
+            assert!(fp8.find(&format!("{module}.weight")).is_some_and(|(_, t)| t.dtype == DType::F8_E4M3), "{n}");
+        }
+        let d = &spec.dims;
+        let (e, i, h, l) =
+            (d.num_experts as u64, d.moe_intermediate_size as u64, d.hidden_size as u64, spec.layers.len() as u64);
+        let routed: u64 = spec
+            .tensors
+            .iter()
+            .filter(|(n, _)| model_spec::report::group_of(&spec, n) == "routed experts")
+            .map(|(_, t)| t.nbytes())
+            .sum();
+        assert_eq!(routed, l * e * 3 * (i * h / 2 + i * h / 16 + 4), "{preset}: routed expert bytes");
+        for layer in &spec.layers {
+            let x = &layer.mlp.experts;
+            assert_eq!([x.gate_proj, x.up_proj, x.down_proj], [model_spec::Precision::Nvfp4; 3]);
+            assert_eq!(layer.mlp.shared_expert.down_proj.precision, model_spec::Precision::Nvfp4);
+            assert_eq!(layer.mlp.gate.precision, model_spec::Precision::Bf16);
+        }
+    }
+}

@@ -50,6 +50,7 @@ fn check_linear(l: &LinearSpec, spec: &ModelSpec) {
             assert_eq!(w.dtype, DType::BF16, "{}", l.module);
             assert!(spec.tensor(&format!("{}.weight_scale", l.module)).is_none(), "{}", l.module);
         }
+        Precision::Nvfp4 => unreachable!("the FP8 preset"),
     }
 }
 
@@ -260,10 +261,67 @@ fn stored_values_match_the_generated_f32() {
                 fp8_checked += 1;
             }
             Kind::Fp8Scale { .. } => {} // checked with its weight
+            Kind::Nvfp4Packed(_) | Kind::Nvfp4Scale { .. } => panic!("{}: NVFP4 in the FP8 plan", t.name),
         }
     }
     // q/k/v/o of the one attention layer + 3 shared-expert and 16 × 3 routed Linears per layer.
     assert_eq!(fp8_checked, 4 + 4 * 3 + 4 * 16 * 3);
+}
+
+/// `--quant nvfp4a16`: the same Linears as the FP8 export are NVFP4 (the rest identical: BF16 and
+/// F32 tensors are the same bytes as in the FP8 export of the same seed), each stored row is the
+/// generator's f32 row quantised by `model_spec::nvfp4::quantize_row` with the plan's global
+/// scale, and every dequantised weight is within half an E2M1 step of its group's grid (or
+/// saturated at ±6 of its group scale).
+#[test]
+fn nvfp4_stored_values_are_the_generated_rows_quantised() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut opts = SynthOptions::new(Preset::Tiny, 3);
+    opts.quant = synth::Quant::Nvfp4a16;
+    let plan = synth::synth(a.path(), opts).unwrap();
+    synth_tiny(b.path(), 3);
+    let (spec, fp8) = (load_checkpoint(a.path()).unwrap(), load_checkpoint(b.path()).unwrap());
+    let global = synth::plan::nvfp4_global_scale();
+    let mut checked = 0;
+    for (_, t) in plan.tensors() {
+        match &t.kind {
+            Kind::Dense(_) if !t.name.ends_with(".weight_global_scale") => {
+                assert_eq!(tensor_bytes(&spec, &t.name), tensor_bytes(&fp8, &t.name), "{}", t.name)
+            }
+            Kind::Dense(_) => {
+                assert_eq!(tensor_bytes(&spec, &t.name), global.to_le_bytes(), "{}", t.name);
+            }
+            Kind::Nvfp4Packed(init) => {
+                let module = t.name.strip_suffix(".weight_packed").unwrap();
+                assert!(fp8.tensor(&format!("{module}.weight")).unwrap().dtype == DType::F8_E4M3, "{module}");
+                let (packed, scales) =
+                    (tensor_bytes(&spec, &t.name), tensor_bytes(&spec, &format!("{module}.weight_scale")));
+                let (rows, n_in) = (t.shape[0], t.shape[1] * 2);
+                let key = TensorKey::new(3, &t.name);
+                let mut row = vec![0f32; n_in];
+                for r in 0..rows {
+                    key.fill_row(*init, r as u64, &mut row);
+                    let (mut p, mut s) = (vec![0u8; n_in / 2], vec![0u8; n_in / 16]);
+                    model_spec::nvfp4::quantize_row(&row, global, &mut p, &mut s);
+                    assert_eq!(p, packed[r * n_in / 2..][..n_in / 2], "{} row {r}", t.name);
+                    assert_eq!(s, scales[r * n_in / 16..][..n_in / 16], "{} row {r} scales", t.name);
+                    let deq = model_spec::nvfp4::dequantize(&p, &s, global, 1, n_in);
+                    for (j, (&w, d)) in row.iter().zip(&deq).enumerate() {
+                        let gs = model_spec::nvfp4::group_scale(s[j / 16], global);
+                        let sat = w.abs() >= 6.0 * gs && d.to_f32().abs() == bf16::from_f32(6.0 * gs).to_f32();
+                        // Half the widest E2M1 step (4 → 6: 2·gs) is gs; the product is then rounded
+                        // to bf16 (half an ulp, at most 2^-8 of the value).
+                        let bound = gs * (1.0 + 1e-6) + d.to_f32().abs() / 256.0;
+                        assert!(sat || (d.to_f32() - w).abs() <= bound, "{}[{r},{j}]: {w} -> {d} (gs {gs})", t.name);
+                    }
+                }
+                checked += 1;
+            }
+            Kind::Nvfp4Scale { .. } => {} // checked with its packed weight
+            Kind::Fp8Weight(_) | Kind::Fp8Scale { .. } => panic!("{}: FP8 in the NVFP4 plan", t.name),
+        }
+    }
+    assert_eq!(checked, 4 + 4 * 3 + 4 * 16 * 3);
 }
 
 /// Scale of the values: weights ~ N(0, 0.02), A_log = ln U(0.01, 16).

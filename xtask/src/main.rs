@@ -2,7 +2,7 @@
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
-use xtask::synth::{self, Contents, Preset, SynthOptions};
+use xtask::synth::{self, Contents, Preset, Quant, SynthOptions};
 
 #[derive(Parser)]
 #[command(name = "cargo xtask")]
@@ -25,10 +25,13 @@ enum Cmd {
     /// Build the release `ornith` binary, stripped, into <target>/dist/ with a README.txt, and
     /// check that it links nothing beyond glibc.
     Dist,
-    /// Write a deterministic synthetic checkpoint in the vendor's FP8 format.
+    /// Write a deterministic synthetic checkpoint in the vendor's FP8 format (or NVFP4A16).
     Synth {
         #[arg(long, value_enum)]
         preset: Preset,
+        /// The compressed-tensors scheme: fp8 (FP8_DYNAMIC, the served export) or nvfp4a16.
+        #[arg(long, value_enum, default_value = "fp8")]
+        quant: Quant,
         #[arg(long)]
         out: PathBuf,
         #[arg(long, default_value_t = synth::DEFAULT_SEED)]
@@ -73,10 +76,10 @@ fn run(cmd: Cmd) -> Result<()> {
         Cmd::Inspect { dir } => {
             xtask::gen::inspect(&dir)?;
         }
-        Cmd::Synth { preset, out, seed, headers_only } => {
+        Cmd::Synth { preset, quant, out, seed, headers_only } => {
             let start = std::time::Instant::now();
             let contents = if headers_only { Contents::HeadersOnly } else { Contents::Data };
-            let plan = synth::synth(&out, SynthOptions { preset, seed, contents, progress: true })?;
+            let plan = synth::synth(&out, SynthOptions { preset, seed, quant, contents, progress: true })?;
             eprintln!(
                 "wrote {} tensors ({} bytes) in {} shard(s) to {} in {:.2?}",
                 plan.tensor_count(),

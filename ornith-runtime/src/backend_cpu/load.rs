@@ -13,27 +13,49 @@ use std::marker::PhantomData;
 
 const VEC: &[DType] = &[DType::BF16, DType::F32];
 
-/// Weight bytes of one Linear as loaded: `(bf16 weights, e4m3 codes, f32 scales)`.
-pub(super) fn load_linear_parts(
+/// One Linear as loaded (see [`CpuLinear`]'s fields).
+pub(super) fn load_linear_parts<P: Prec>(
     ck: &Checkpoint,
     module: &str,
-    kind: Precision,
     out_f: usize,
     in_f: usize,
-) -> Result<(Vec<bf16>, Vec<u8>, Vec<f32>)> {
+) -> Result<CpuLinear<P>> {
     let wname = format!("{module}.weight");
-    match kind {
-        Precision::Bf16 => {
-            let v = ck.tensor(&wname, &[DType::BF16], &[out_f, in_f])?;
-            Ok((to_bf16(&v), Vec::new(), Vec::new()))
-        }
+    let mut l = CpuLinear {
+        out_features: out_f,
+        in_features: in_f,
+        w: Vec::new(),
+        w8: Vec::new(),
+        scale: Vec::new(),
+        scale8: Vec::new(),
+        global: 0.0,
+        _p: PhantomData,
+    };
+    match P::KIND {
+        Precision::Bf16 => l.w = to_bf16(&ck.tensor(&wname, &[DType::BF16], &[out_f, in_f])?),
         Precision::Fp8 => {
-            let v = ck.tensor(&wname, &[DType::F8_E4M3], &[out_f, in_f])?;
-            let sname = format!("{module}.weight_scale");
-            let s = ck.tensor(&sname, VEC, &[out_f, 1])?;
-            Ok((Vec::new(), v.bytes.to_vec(), to_f32(&s)))
+            l.w8 = ck.tensor(&wname, &[DType::F8_E4M3], &[out_f, in_f])?.bytes.to_vec();
+            l.scale = to_f32(&ck.tensor(&format!("{module}.weight_scale"), VEC, &[out_f, 1])?);
+        }
+        Precision::Nvfp4 => {
+            let g = model_spec::nvfp4::GROUP;
+            anyhow::ensure!(
+                in_f.is_multiple_of(g),
+                "{module}: NVFP4 needs in_features a multiple of {g}, found {in_f}"
+            );
+            l.w8 = ck.tensor(&format!("{module}.weight_packed"), &[DType::U8], &[out_f, in_f / 2])?.bytes.to_vec();
+            l.scale8 =
+                ck.tensor(&format!("{module}.weight_scale"), &[DType::F8_E4M3], &[out_f, in_f / g])?.bytes.to_vec();
+            let gs = to_f32(&ck.tensor(&format!("{module}.weight_global_scale"), &[DType::F32], &[1])?);
+            l.global = gs[0];
+            anyhow::ensure!(
+                l.global.is_finite() && l.global > 0.0,
+                "{module}.weight_global_scale: expected a positive finite F32, found {}. Fix: re-export the checkpoint with the NVFP4A16 scheme",
+                l.global
+            );
         }
     }
+    Ok(l)
 }
 
 impl CpuBackend {
@@ -44,8 +66,7 @@ impl CpuBackend {
         out_f: usize,
         in_f: usize,
     ) -> Result<CpuLinear<P>> {
-        let (w, w8, scale) = load_linear_parts(ck, module, P::KIND, out_f, in_f)?;
-        Ok(CpuLinear { out_features: out_f, in_features: in_f, w, w8, scale, _p: PhantomData })
+        load_linear_parts(ck, module, out_f, in_f)
     }
 
     pub(super) fn experts<G: Prec, U: Prec, D: Prec>(
@@ -98,7 +119,16 @@ impl CpuBackend {
 }
 
 fn bf16_linear<P: Prec>(w: Vec<bf16>, out_features: usize, in_features: usize) -> CpuLinear<P> {
-    CpuLinear { out_features, in_features, w, w8: Vec::new(), scale: Vec::new(), _p: PhantomData }
+    CpuLinear {
+        out_features,
+        in_features,
+        w,
+        w8: Vec::new(),
+        scale: Vec::new(),
+        scale8: Vec::new(),
+        global: 0.0,
+        _p: PhantomData,
+    }
 }
 
 /// Bytes of host memory available for new allocations (Linux `MemAvailable`).

@@ -39,13 +39,16 @@ impl CpuBackend {
     }
 }
 
-/// A Linear `[out, in]`: BF16 weights in `w`, or E4M3 codes in `w8` with per-channel `scale`.
+/// A Linear `[out, in]`: BF16 weights in `w`, or E4M3 codes in `w8` with per-channel `scale`,
+/// or NVFP4 packed codes in `w8` with E4M3 group scales in `scale8` and the global scale `global`.
 pub struct CpuLinear<P: Prec> {
     pub out_features: usize,
     pub in_features: usize,
     w: Vec<bf16>,
     w8: Vec<u8>,
     scale: Vec<f32>,
+    scale8: Vec<u8>,
+    global: f32,
     _p: PhantomData<P>,
 }
 
@@ -59,6 +62,7 @@ impl<P: Prec> CpuLinear<P> {
             (Precision::Fp8, Fp8Arith::OracleFakeQuant) => {
                 LinearWeight::Fp8FakeQuant { w: &self.w8, scale: &self.scale }
             }
+            (Precision::Nvfp4, _) => LinearWeight::Nvfp4 { packed: &self.w8, scale: &self.scale8, global: self.global },
         }
     }
 

@@ -5,12 +5,16 @@
 use super::{CudaBackend, CudaExperts, CudaLinear, CudaVector, DevLinear};
 use crate::graph::{ModelDims, Prec};
 use crate::weights::{to_f32, Checkpoint};
-use anyhow::{ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use model_spec::{DType, ExpertLayout, ModelSpec, Precision};
 use std::io::Write;
 use std::marker::PhantomData;
+
+/// The refusal for an NVFP4A16 checkpoint: the CUDA kernels read FP8 and BF16 weights only.
+const NVFP4_ON_CUDA: &str =
+    "NVFP4 weights are not implemented on the CUDA backend (only on the CPU reference). Fix: run with --backend cpu, or serve the FP8 export";
 
 const VEC: &[DType] = &[DType::BF16, DType::F32];
 
@@ -90,6 +94,7 @@ impl CudaBackend {
                     scale: Some(self.put_f32(&s)?),
                 })
             }
+            Precision::Nvfp4 => bail!("{module}: {NVFP4_ON_CUDA}"),
         }
     }
 
@@ -106,6 +111,7 @@ impl CudaBackend {
         out_f: usize,
         in_f: usize,
     ) -> Result<CudaLinear<P>> {
+        ensure!(P::KIND != Precision::Nvfp4, "{module}: {NVFP4_ON_CUDA}");
         if let Some((parts, idx)) = fused_group(&ck.spec, &self.dims, module, P::KIND) {
             if idx > 0 {
                 return Ok(CudaLinear { dev: None, _p: PhantomData });

@@ -7,6 +7,9 @@
 //!   `y[t,o] = bf16( (Σ_i e4m3(qx[t,i]) · e4m3(w8[o,i])) · sx[t] · sw[o] )`: E4M3 values decoded
 //!   exactly to f32 (every product of two E4M3 values is exact in f32), fp32 accumulation,
 //!   then `(acc · sx) · sw` in f32 and one bf16 rounding.
+//! * NVFP4A16: each weight row is dequantised as compressed-tensors does
+//!   ([`model_spec::nvfp4`]: `bf16(e2m1 · f32(e4m3 scale / global))`), then the BF16 product:
+//!   `y[t,o] = bf16( Σ_i x[t,i] · w[o,i] )` — bit for bit [`linear_bf16`] on the dequantised weight.
 //!
 //! Shapes: `x [t, n_in]`, `w [n_out, n_in]`, `w_scale [n_out]`, `y [t, n_out]`.
 //! Work is split over blocks of output rows (rayon); inside, one decoded weight row is dotted with
@@ -29,6 +32,9 @@ pub enum LinearWeight<'a> {
     /// The same stored FP8 weight computed the way the transformers oracle simulates it
     /// ([`linear_fp8_fake_quant`]); for tests that explain the oracle, never for serving.
     Fp8FakeQuant { w: &'a [u8], scale: &'a [f32] },
+    /// NVFP4: packed E2M1 codes `[n_out, n_in/2]`, E4M3 group scales `[n_out, n_in/16]` (bytes as
+    /// stored) and the global scale.
+    Nvfp4 { packed: &'a [u8], scale: &'a [u8], global: f32 },
 }
 
 impl LinearWeight<'_> {
@@ -38,6 +44,7 @@ impl LinearWeight<'_> {
             LinearWeight::Bf16(w) => linear_bf16(x, w, t, n_in, n_out, y),
             LinearWeight::Fp8 { w, scale } => linear_fp8(x, w, scale, t, n_in, n_out, y),
             LinearWeight::Fp8FakeQuant { w, scale } => linear_fp8_fake_quant(x, w, scale, t, n_in, n_out, y),
+            LinearWeight::Nvfp4 { packed, scale, global } => linear_nvfp4(x, packed, scale, global, t, n_in, n_out, y),
         }
     }
 }
@@ -56,6 +63,45 @@ pub fn linear_bf16(x: &[bf16], w: &[bf16], t: usize, n_in: usize, n_out: usize, 
         |o, row| {
             for (d, &s) in row.iter_mut().zip(&w[o * n_in..(o + 1) * n_in]) {
                 *d = bf16_to_f32(s);
+            }
+        },
+        |_, _, acc| acc,
+        y,
+    );
+}
+
+/// NVFP4A16 linear (module doc): the weight row is dequantised to bf16 exactly as
+/// compressed-tensors' decompressor does, then dotted like [`linear_bf16`].
+#[allow(clippy::too_many_arguments)]
+pub fn linear_nvfp4(
+    x: &[bf16],
+    packed: &[u8],
+    scale: &[u8],
+    global: f32,
+    t: usize,
+    n_in: usize,
+    n_out: usize,
+    y: &mut [bf16],
+) {
+    use model_spec::nvfp4::{code, dequant, group_scale, GROUP};
+    assert!(n_in.is_multiple_of(GROUP), "linear_nvfp4: n_in {n_in} is not a multiple of {GROUP}");
+    check_len("linear_nvfp4 x", x.len(), t * n_in);
+    check_len("linear_nvfp4 packed", packed.len(), n_out * n_in / 2);
+    check_len("linear_nvfp4 scale", scale.len(), n_out * n_in / GROUP);
+    check_len("linear_nvfp4 y", y.len(), t * n_out);
+    let xf: Vec<f32> = x.iter().map(|&v| bf16_to_f32(v)).collect();
+    gemm(
+        &xf,
+        t,
+        n_in,
+        n_out,
+        |o, row| {
+            let (p, s) = (&packed[o * n_in / 2..][..n_in / 2], &scale[o * n_in / GROUP..][..n_in / GROUP]);
+            for (g, chunk) in row.chunks_exact_mut(GROUP).enumerate() {
+                let gs = group_scale(s[g], global);
+                for (k, d) in chunk.iter_mut().enumerate() {
+                    *d = bf16_to_f32(dequant(code(p, g * GROUP + k), gs));
+                }
             }
         },
         |_, _, acc| acc,
@@ -297,6 +343,32 @@ mod tests {
                     let got = y[tt * n_out + o].to_f64();
                     assert!((got - exact).abs() <= bf16_ulp(exact), "t{tt} o{o}: {got} vs {exact}");
                 }
+            }
+        }
+    }
+
+    /// NVFP4: the product is the BF16 Linear on the weight compressed-tensors would dequantise
+    /// (model_spec::nvfp4, checked against its decompressor in tests/tests/golden_nvfp4.rs), bit
+    /// for bit, and a row's result does not depend on how many rows run with it.
+    #[test]
+    fn nvfp4_matches_reference() {
+        let mut r = rng(11);
+        for &(t, n_in, n_out) in &[(1, 16, 8), (6, 64, 33), (5, 2048, 12)] {
+            let x = uniform_bf16(&mut r, t * n_in, 3.0);
+            let packed: Vec<u8> = (0..n_out * n_in / 2).map(|_| r.random::<u8>()).collect();
+            // E4M3 scales of normal and subnormal magnitude (codes 0x01..0x7e, no NaN).
+            let scale: Vec<u8> = (0..n_out * n_in / 16).map(|_| r.random_range(1u8..0x7f)).collect();
+            let global = 2688.0 / r.random_range(0.5f32..8.0);
+            let wd = model_spec::nvfp4::dequantize(&packed, &scale, global, n_out, n_in);
+            let mut want = vec![bf16::ZERO; t * n_out];
+            linear_bf16(&x, &wd, t, n_in, n_out, &mut want);
+            let mut got = vec![bf16::ZERO; t * n_out];
+            LinearWeight::Nvfp4 { packed: &packed, scale: &scale, global }.apply(&x, t, n_in, n_out, &mut got);
+            assert_eq!(got, want, "t {t} n_in {n_in} n_out {n_out}");
+            for tt in 0..t {
+                let mut one = vec![bf16::ZERO; n_out];
+                linear_nvfp4(&x[tt * n_in..(tt + 1) * n_in], &packed, &scale, global, 1, n_in, n_out, &mut one);
+                assert_eq!(one, got[tt * n_out..(tt + 1) * n_out], "row {tt} alone");
             }
         }
     }

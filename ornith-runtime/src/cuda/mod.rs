@@ -13,6 +13,9 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 
 pub mod launch;
+pub mod nvfp4;
+#[cfg(test)]
+mod nvfp4_tests;
 pub mod prefill;
 #[cfg(test)]
 mod prefill_tests;
@@ -23,7 +26,7 @@ mod test_util;
 mod tests;
 
 /// Kernels per PTX module (names of the `extern "C"` entry points).
-const KERNELS: [(Module, &[&str]); 10] = [
+const KERNELS: [(Module, &[&str]); 11] = [
     (Module::Norm, &["embed_gather", "rmsnorm_residual", "quantize_fp8_rows"]),
     (Module::Gemv, &["gemv_bf16", "gemv_bf16_wide", "gemv_fp8", "gemv_fp8_wide", "moe_gemv_fp8", "moe_gemv_grouped"]),
     (Module::Moe, &["moe_router_topk", "swiglu_quant", "moe_combine"]),
@@ -34,6 +37,7 @@ const KERNELS: [(Module, &[&str]); 10] = [
     (Module::GdnChunk, &["gdn_chunk_prep", "gdn_chunk_scan"]),
     (Module::FlashAttn, &["flash_attn_prefill"]),
     (Module::MoePrefill, &["moe_sort", "swiglu_quant_ct", "moe_combine_prefill"]),
+    (Module::Nvfp4, &["nvfp4_dequant", "gemv_nvfp4", "moe_gemv_nvfp4_grouped"]),
 ];
 
 /// Warps per block of the decode products (`TC_WARPS` in gemv.cu).
@@ -111,6 +115,8 @@ kernel_params!(
     OrnithQuantParams,
     OrnithGemvBf16Params,
     OrnithGemvFp8Params,
+    OrnithNvfp4Params,
+    OrnithMoeGemvNvfp4Params,
     OrnithRouterParams,
     OrnithMoeGemvParams,
     OrnithSwigluQuantParams,

@@ -55,7 +55,7 @@ fn wf(v: &[bf16]) -> Vec<f64> {
 /// * Against f64: each element differs by about one bf16 rounding (relative 2^-8) of its own
 ///   magnitude or of the typical magnitude (cancellation in a sum), plus fp32-vs-f64 noise; one
 ///   half-ulp rounding is 2^-9 ~ 2e-3 at most in L2.
-fn close(name: &str, got: &[u16], want: &[f64]) {
+pub(super) fn close(name: &str, got: &[u16], want: &[f64]) {
     assert_eq!(got.len(), want.len(), "{name}: length");
     let rms = (want.iter().map(|w| w * w).sum::<f64>() / want.len() as f64).sqrt();
     let (mut num, mut den) = (0.0, 0.0);
@@ -170,7 +170,7 @@ fn quantize_fp8_matches_reference() {
 
 /// PERF line for one GEMV launch: L2-warm (operands resident from the previous run) and L2-cold
 /// times; the cold one is what a decode step sees.
-fn perf(c: &super::CudaContext, what: &str, bytes: f64, mut f: impl FnMut()) {
+pub(super) fn perf(c: &super::CudaContext, what: &str, bytes: f64, mut f: impl FnMut()) {
     let warm = time_it(c, &mut f);
     let cold = time_cold(c, &mut f);
     eprintln!(

@@ -4,6 +4,7 @@
 //! FP8_DYNAMIC preset scheme. The vendor keeps the six ignore patterns unexpanded
 //! (llm-compressor itself would write one explicit module name per ignored Linear).
 
+use super::plan::Quant;
 use super::preset::Preset;
 use serde_json::{json, Map, Value};
 
@@ -55,8 +56,44 @@ pub fn quantization_config() -> Value {
     })
 }
 
-/// The whole `config.json`.
+/// `quantization_config` exactly as compressed-tensors 0.19 serialises the NVFP4A16 scheme
+/// (checked against llm-compressor 0.14's output, tests/fixtures/micro-nvfp4/config.json), with
+/// the vendor's six ignore patterns unexpanded.
+pub fn quantization_config_nvfp4a16() -> Value {
+    json!({
+        "config_groups": {
+            "group_0": {
+                "format": "nvfp4-pack-quantized",
+                "input_activations": null,
+                "output_activations": null,
+                "targets": ["Linear"],
+                "weights": {
+                    "actorder": null, "block_structure": null, "dynamic": false, "group_size": 16,
+                    "num_bits": 4, "observer": "memoryless_minmax", "observer_kwargs": {},
+                    "scale_dtype": "torch.float8_e4m3fn", "strategy": "tensor_group", "symmetric": true,
+                    "type": "float", "zp_dtype": null
+                }
+            }
+        },
+        "format": "nvfp4-pack-quantized",
+        "global_compression_ratio": null,
+        "ignore": VENDOR_IGNORE,
+        "kv_cache_scheme": null,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": "0.19.0"
+    })
+}
+
+/// The whole `config.json` of the FP8 export.
 pub fn config_json(preset: Preset) -> Value {
+    config_json_quant(preset, Quant::Fp8)
+}
+
+/// The whole `config.json` for `quant`.
+pub fn config_json_quant(preset: Preset, quant: Quant) -> Value {
     let t = preset.text();
     let v = preset.vision();
     let layer_types: Vec<&str> = (0..t.num_hidden_layers)
@@ -132,7 +169,10 @@ pub fn config_json(preset: Preset) -> Value {
         "dtype": "bfloat16",
         "image_token_id": 248056,
         "model_type": "qwen3_5_moe",
-        "quantization_config": quantization_config(),
+        "quantization_config": match quant {
+            Quant::Fp8 => quantization_config(),
+            Quant::Nvfp4a16 => quantization_config_nvfp4a16(),
+        },
         "text_config": text,
         "tie_word_embeddings": false,
         "transformers_version": "5.17.0",

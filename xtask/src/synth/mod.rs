@@ -1,5 +1,6 @@
 //! `cargo xtask synth`: deterministic synthetic checkpoints in the vendor's exact format
-//! (compressed-tensors FP8_DYNAMIC export of `Qwen3_5MoeForConditionalGeneration`).
+//! (compressed-tensors FP8_DYNAMIC export of `Qwen3_5MoeForConditionalGeneration`, or with
+//! `--quant nvfp4a16` the NVFP4A16 export of the same layout).
 //!
 //! Same preset and seed → byte-identical files. The [`plan`] (names, dtypes, shapes, shards,
 //! offsets, header bytes) is separate from the [`write`]r, so the full 35 GB layout can be
@@ -11,7 +12,7 @@ pub mod plan;
 pub mod preset;
 pub mod write;
 
-pub use plan::{plan, Plan};
+pub use plan::{plan, plan_quant, Plan, Quant};
 pub use preset::Preset;
 pub use write::Contents;
 
@@ -29,6 +30,8 @@ pub const DEFAULT_SEED: u64 = 0;
 pub struct SynthOptions {
     pub preset: Preset,
     pub seed: u64,
+    /// The quantisation scheme of the export (FP8 unless asked).
+    pub quant: Quant,
     pub contents: Contents,
     /// Show a progress bar on stderr.
     pub progress: bool,
@@ -36,7 +39,7 @@ pub struct SynthOptions {
 
 impl SynthOptions {
     pub fn new(preset: Preset, seed: u64) -> Self {
-        SynthOptions { preset, seed, contents: Contents::Data, progress: false }
+        SynthOptions { preset, seed, quant: Quant::Fp8, contents: Contents::Data, progress: false }
     }
 }
 
@@ -44,12 +47,12 @@ impl SynthOptions {
 /// model.safetensors.index.json, the shards and the tokenizer files. Returns the plan.
 pub fn synth(out: &Path, opts: SynthOptions) -> Result<Plan> {
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let plan = plan(opts.preset, opts.seed);
+    let plan = plan_quant(opts.preset, opts.seed, opts.quant);
     let write = |name: &str, text: String| -> Result<()> {
         let p = out.join(name);
         std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
     };
-    write("config.json", config::to_pretty(&config::config_json(opts.preset)))?;
+    write("config.json", config::to_pretty(&config::config_json_quant(opts.preset, opts.quant)))?;
     write("generation_config.json", config::to_pretty(&config::generation_config_json()))?;
     write("model.safetensors.index.json", config::to_pretty(&plan.index_json()))?;
     write::write_shards(&plan, out, opts.contents, opts.progress)?;

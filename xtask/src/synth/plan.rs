@@ -11,6 +11,24 @@ use model_spec::DType;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+/// Which compressed-tensors scheme quantises the Linears the ignore list does not keep BF16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, clap::ValueEnum)]
+pub enum Quant {
+    /// FP8_DYNAMIC (`float-quantized`): the vendor's served export.
+    #[default]
+    Fp8,
+    /// NVFP4A16 (`nvfp4-pack-quantized`): E2M1 weights in groups of 16, BF16 activations.
+    Nvfp4a16,
+}
+
+/// The global scale of every synthetic NVFP4 Linear: compressed-tensors' `448 · 6 / amax` for an
+/// amax of six standard deviations of [`Init::WEIGHT`] (the weights are drawn before quantising,
+/// and the rare value beyond 6σ saturates at ±6 of its group's scale).
+pub fn nvfp4_global_scale() -> f32 {
+    let Init::Normal { std, .. } = Init::WEIGHT else { unreachable!("Linear weights are normal") };
+    model_spec::nvfp4::global_scale_for(6.0 * std)
+}
+
 /// How a tensor's bytes are produced.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Kind {
@@ -22,6 +40,12 @@ pub enum Kind {
     /// The `[out, 1]` BF16 scales of the FP8 weight `weight` (whose values come from `init`
     /// with rows of `in_features`).
     Fp8Scale { weight: String, init: Init, in_features: usize },
+    /// An NVFP4 Linear's `weight_packed` `[out, in/2]`: each row drawn from `init` (f32, the
+    /// stream of the `.weight_packed` tensor's name), then quantised with
+    /// `model_spec::nvfp4::quantize_row` and [`nvfp4_global_scale`].
+    Nvfp4Packed(Init),
+    /// The `[out, in/16]` E4M3 group scales of the NVFP4 weight `packed`.
+    Nvfp4Scale { packed: String, init: Init, in_features: usize },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -59,6 +83,7 @@ impl ShardPlan {
 pub struct Plan {
     pub preset: Preset,
     pub seed: u64,
+    pub quant: Quant,
     pub shards: Vec<ShardPlan>,
 }
 
@@ -96,6 +121,7 @@ const UNIT_NORM: Init = Init::Normal { mean: 1.0, std: 0.1 };
 
 struct Lister {
     ignore: IgnoreList,
+    quant: Quant,
     out: Vec<(String, DType, Vec<usize>, Kind)>,
 }
 
@@ -104,12 +130,24 @@ impl Lister {
         self.out.push((name, dtype, shape, Kind::Dense(init)));
     }
 
-    /// A Linear: FP8 (weight + per-channel scale) unless an ignore pattern matches the module,
-    /// exactly as compressed-tensors decides it.
+    /// A Linear: FP8 (weight + per-channel scale) or NVFP4 (packed codes, group scales, global
+    /// scale) unless an ignore pattern matches the module, exactly as compressed-tensors decides it.
     fn linear(&mut self, module: String, out_f: usize, in_f: usize) {
         let weight = format!("{module}.weight");
         if self.ignore.matching(&module).is_some() {
             self.dense(weight, DType::BF16, vec![out_f, in_f], Init::WEIGHT);
+        } else if self.quant == Quant::Nvfp4a16 {
+            let g = model_spec::nvfp4::GROUP;
+            assert!(in_f.is_multiple_of(g), "{module}: in_features {in_f} is not a multiple of {g}");
+            let packed = format!("{module}.weight_packed");
+            self.dense(format!("{module}.weight_global_scale"), DType::F32, vec![1], Init::Const(nvfp4_global_scale()));
+            self.out.push((
+                format!("{module}.weight_scale"),
+                DType::F8_E4M3,
+                vec![out_f, in_f / g],
+                Kind::Nvfp4Scale { packed: packed.clone(), init: Init::WEIGHT, in_features: in_f },
+            ));
+            self.out.push((packed, DType::U8, vec![out_f, in_f / 2], Kind::Nvfp4Packed(Init::WEIGHT)));
         } else {
             self.out.push((
                 format!("{module}.weight_scale"),
@@ -134,10 +172,10 @@ impl Lister {
 }
 
 /// Every tensor of the preset (unordered), with its dtype, shape and how to make it.
-fn list_tensors(preset: Preset) -> Vec<(String, DType, Vec<usize>, Kind)> {
+fn list_tensors(preset: Preset, quant: Quant) -> Vec<(String, DType, Vec<usize>, Kind)> {
     let patterns: Vec<String> = VENDOR_IGNORE.iter().map(|s| s.to_string()).collect();
     let ignore = IgnoreList::compile(Path::new("config.json"), &patterns).expect("the vendor ignore patterns compile");
-    let mut l = Lister { ignore, out: Vec::new() };
+    let mut l = Lister { ignore, quant, out: Vec::new() };
     let t = preset.text();
     let (h, v) = (t.hidden_size, t.vocab_size);
     let p = "model.language_model";
@@ -249,11 +287,17 @@ fn header_bytes(tensors: &[PlannedTensor]) -> Vec<u8> {
     s.into_bytes()
 }
 
-/// Builds the plan: tensors in name order (so each FP8 `.weight` is directly followed by its
-/// `.weight_scale`), filled greedily into shards of at most `preset.max_shard_bytes()` of data
-/// (a single larger tensor gets a shard of its own), contiguous byte ranges per shard.
+/// The FP8 plan ([`plan_quant`] with [`Quant::Fp8`]).
 pub fn plan(preset: Preset, seed: u64) -> Plan {
-    let mut list = list_tensors(preset);
+    plan_quant(preset, seed, Quant::Fp8)
+}
+
+/// Builds the plan: tensors in name order (so each FP8 `.weight` is directly followed by its
+/// `.weight_scale`, each NVFP4 `.weight_packed` by its `.weight_scale`), filled greedily into
+/// shards of at most `preset.max_shard_bytes()` of data (a single larger tensor gets a shard of
+/// its own), contiguous byte ranges per shard.
+pub fn plan_quant(preset: Preset, seed: u64, quant: Quant) -> Plan {
+    let mut list = list_tensors(preset, quant);
     list.sort_by(|a, b| a.0.cmp(&b.0));
     let limit = preset.max_shard_bytes();
     let mut groups: Vec<Vec<PlannedTensor>> = Vec::new();
@@ -282,5 +326,5 @@ pub fn plan(preset: Preset, seed: u64) -> Plan {
             tensors,
         })
         .collect();
-    Plan { preset, seed, shards }
+    Plan { preset, seed, quant, shards }
 }

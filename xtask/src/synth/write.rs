@@ -40,8 +40,9 @@ pub fn write_shards(plan: &Plan, dir: &Path, contents: Contents, progress: bool)
     } else {
         ProgressBar::hidden()
     };
-    // Scales of the FP8 weight written last, reused for its `.weight_scale` when that follows.
-    let mut pending: Option<(String, Vec<bf16>)> = None;
+    // The encoded scales of the FP8 or NVFP4 weight written last, reused for its `.weight_scale`
+    // when that follows.
+    let mut pending: Option<(String, Vec<u8>)> = None;
     for shard in &plan.shards {
         let path = dir.join(&shard.file);
         write_shard(plan.seed, shard, &path, contents, &bar, &mut pending)
@@ -57,7 +58,7 @@ fn write_shard(
     path: &Path,
     contents: Contents,
     bar: &ProgressBar,
-    pending: &mut Option<(String, Vec<bf16>)>,
+    pending: &mut Option<(String, Vec<u8>)>,
 ) -> Result<()> {
     let file = File::create(path)?;
     let mut w = BufWriter::with_capacity(8 << 20, file);
@@ -97,7 +98,7 @@ fn write_tensor(
     t: &PlannedTensor,
     w: &mut impl Write,
     bar: &ProgressBar,
-    pending: &mut Option<(String, Vec<bf16>)>,
+    pending: &mut Option<(String, Vec<u8>)>,
 ) -> Result<u64> {
     let (rows, row_len) = rows_of(&t.shape);
     if row_len == 0 {
@@ -140,28 +141,84 @@ fn write_tensor(
                 total += bytes.len() as u64;
                 bar.inc(bytes.len() as u64);
             }
+            *pending = Some((t.name.clone(), scales.iter().flat_map(|s| s.to_le_bytes()).collect()));
+        }
+        Kind::Nvfp4Packed(init) => {
+            let key = TensorKey::new(seed, &t.name);
+            let (g, global) = (model_spec::nvfp4::GROUP, super::plan::nvfp4_global_scale());
+            let n_in = row_len * 2;
+            let mut scales = Vec::with_capacity(rows * n_in / g);
+            let mut f = vec![0f32; batch_rows * n_in];
+            for r0 in (0..rows).step_by(batch_rows) {
+                let n = batch_rows.min(rows - r0);
+                let buf = &mut f[..n * n_in];
+                gen_rows(key, *init, r0, n_in, buf);
+                bytes.resize(n * row_len, 0);
+                let mut s = vec![0u8; n * n_in / g];
+                bytes
+                    .par_chunks_mut(row_len)
+                    .zip(buf.par_chunks(n_in))
+                    .zip(s.par_chunks_mut(n_in / g))
+                    .for_each(|((p, row), s)| model_spec::nvfp4::quantize_row(row, global, p, s));
+                scales.extend_from_slice(&s);
+                w.write_all(&bytes)?;
+                total += bytes.len() as u64;
+                bar.inc(bytes.len() as u64);
+            }
             *pending = Some((t.name.clone(), scales));
         }
-        Kind::Fp8Scale { weight, init, in_features } => {
-            let scales = match pending.take() {
-                Some((name, s)) if name == *weight => s,
-                _ => fp8_scales(seed, weight, *init, rows, *in_features),
+        Kind::Fp8Scale { .. } | Kind::Nvfp4Scale { .. } => {
+            let (weight, want) = match &t.kind {
+                Kind::Fp8Scale { weight, .. } => (weight, rows * 2),
+                Kind::Nvfp4Scale { packed, .. } => (packed, rows * row_len),
+                _ => unreachable!(),
             };
-            if scales.len() != rows || row_len != 1 {
+            let b = match pending.take() {
+                Some((name, s)) if name == *weight => s,
+                _ => scales_of(seed, &t.kind, rows),
+            };
+            if b.len() != want || (matches!(t.kind, Kind::Fp8Scale { .. }) && row_len != 1) {
                 bail!(
-                    "plan error: scale tensor {} {:?} does not match its weight's {} rows",
+                    "plan error: scale tensor {} {:?} does not match its weight's {} scale bytes",
                     t.name,
                     t.shape,
-                    scales.len()
+                    b.len()
                 );
             }
-            let b: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
             w.write_all(&b)?;
             total += b.len() as u64;
             bar.inc(b.len() as u64);
         }
     }
     Ok(total)
+}
+
+/// The encoded bytes of a scale tensor, recomputed from its weight's rows (when the weight was
+/// not the tensor written just before it).
+fn scales_of(seed: u64, kind: &Kind, rows: usize) -> Vec<u8> {
+    match kind {
+        Kind::Fp8Scale { weight, init, in_features } => {
+            fp8_scales(seed, weight, *init, rows, *in_features).iter().flat_map(|s| s.to_le_bytes()).collect()
+        }
+        Kind::Nvfp4Scale { packed, init, in_features } => nvfp4_scales(seed, packed, *init, rows, *in_features),
+        _ => unreachable!("only scale tensors"),
+    }
+}
+
+/// The E4M3 group scales `[rows, in/16]` of an NVFP4 weight, recomputed from its rows.
+pub fn nvfp4_scales(seed: u64, packed: &str, init: Init, rows: usize, in_features: usize) -> Vec<u8> {
+    let key = TensorKey::new(seed, packed);
+    let (g, global) = (model_spec::nvfp4::GROUP, super::plan::nvfp4_global_scale());
+    (0..rows)
+        .into_par_iter()
+        .flat_map_iter(|r| {
+            let mut row = vec![0f32; in_features];
+            key.fill_row(init, r as u64, &mut row);
+            let (mut p, mut s) = (vec![0u8; in_features / 2], vec![0u8; in_features / g]);
+            model_spec::nvfp4::quantize_row(&row, global, &mut p, &mut s);
+            s
+        })
+        .collect()
 }
 
 /// The per-channel scales of an FP8 weight, recomputed from its rows.
