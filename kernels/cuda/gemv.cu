@@ -35,19 +35,10 @@ __host__ __device__ constexpr int tc_u(int nt) { return nt <= 2 ? 4 : 2; }
 // need the loads in flight) and the wide one (up to 8 tiles = 64 tokens per pass, <= 128
 // registers, 2 blocks per SM: each weight load feeds up to 16 mma). They differ only in how many
 // columns share a pass, never in a column's arithmetic, so they give the same bits; the launchers
-// take the narrow build for groups of up to 8 tokens (cuda::gemv_tc_wide). A group larger than a
+// take the narrow build for groups of up to 8 tokens (cuda::gemv_tc_kernel). A group larger than a
 // pass takes more passes (the weight tile again, from L2). The MoE kernels are narrow.
 #define TC_NARROW 1
 #define TC_WIDE 8
-
-// Before pdl_wait (see common.cuh): pull the `bytes` of weights from `row` on (one warp's rows,
-// contiguous) toward L2, one 128-byte line per lane per step, so the first loads after the wait hit
-// L2 instead of DRAM. Weights are never written during decode, so this is safe while the previous
-// kernel still runs.
-__device__ __forceinline__ void prefetch_range_l2(const void *row, size_t bytes) {
-    const char *b = static_cast<const char *>(row);
-    for (size_t off = (size_t)(threadIdx.x & 31) * 128; off < bytes; off += 32 * 128) prefetch_l2(b + off);
-}
 
 // K slices per row group: the most (<= 8) that keep >= 2048 warps in the grid short of, each slice
 // >= 256 bytes and a whole number of 64-byte steps.

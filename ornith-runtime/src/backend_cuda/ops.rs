@@ -178,7 +178,7 @@ impl CudaBackend {
             y_stride: ys as i32,
         };
         let bytes = (out * in_ * 2 + t * (in_ + out) * 2) as u64;
-        let name = if crate::cuda::gemv_tc_wide(t) { "gemv_bf16_wide" } else { "gemv_bf16" };
+        let name = crate::cuda::gemv_tc_kernel(false, t);
         self.go(name, (crate::cuda::gemv_tc_blocks(in_ * 2, out), 1, 1), 256, bytes, p)
     }
 
@@ -210,7 +210,7 @@ impl CudaBackend {
             y_stride: ys as i32,
         };
         let bytes = (out * in_ + out * 4 + t * (in_ + 4 + out * 2)) as u64;
-        let name = if crate::cuda::gemv_tc_wide(t) { "gemv_fp8_wide" } else { "gemv_fp8" };
+        let name = crate::cuda::gemv_tc_kernel(true, t);
         self.go(name, (crate::cuda::gemv_tc_blocks(in_, out), 1, 1), 256, bytes, p)
     }
 

@@ -204,7 +204,7 @@ impl CudaContext {
         y_stride: usize,
     ) -> Result<()> {
         let p = self.gemv_bf16_params(x, w, y, tokens, in_, out, x_stride, y_stride)?;
-        let name = if super::gemv_tc_wide(tokens) { "gemv_bf16_wide" } else { "gemv_bf16" };
+        let name = super::gemv_tc_kernel(false, tokens);
         self.launch(name, (super::gemv_tc_blocks(in_ * 2, out), 1, 1), 256, p)
     }
 
@@ -252,7 +252,7 @@ impl CudaContext {
         y_stride: usize,
     ) -> Result<()> {
         let p = self.gemv_fp8_params(xq, xs, w, ws, y, tokens, in_, out, x_stride, y_stride)?;
-        let name = if super::gemv_tc_wide(tokens) { "gemv_fp8_wide" } else { "gemv_fp8" };
+        let name = super::gemv_tc_kernel(true, tokens);
         self.launch(name, (super::gemv_tc_blocks(in_, out), 1, 1), 256, p)
     }
 

@@ -57,11 +57,16 @@ pub(crate) fn gemv_tc_ksplit(row_bytes: usize, out: usize) -> usize {
     ks
 }
 
-/// Whether a decode product of `tokens` rows takes the wide build (`gemv_*_wide`: up to 64 tokens
-/// per pass over the weights, 2 blocks per SM) rather than the narrow one (8 per pass, 4 blocks per
-/// SM). The two give the same bits (gemv.cu).
-pub(crate) fn gemv_tc_wide(tokens: usize) -> bool {
-    tokens > 8
+/// The decode-product kernel for `tokens` rows: the wide build (`gemv_*_wide`: up to 64 tokens per
+/// pass over the weights, 2 blocks per SM) for more than 8 tokens, else the narrow one (8 per pass,
+/// 4 blocks per SM). The two give the same bits (gemv.cu).
+pub(crate) fn gemv_tc_kernel(fp8: bool, tokens: usize) -> &'static str {
+    match (fp8, tokens > 8) {
+        (false, false) => "gemv_bf16",
+        (false, true) => "gemv_bf16_wide",
+        (true, false) => "gemv_fp8",
+        (true, true) => "gemv_fp8_wide",
+    }
 }
 
 /// Blocks of a decode product over `out` rows of `row_bytes` (the MoE forms: per expert):
