@@ -23,38 +23,40 @@
 //
 // Block = 8 warps = (8 / ks) row groups of 16 × ks slices; grid.x = ceil(ceil(out / 16) / (8 / ks)).
 // The Rust launchers size grids with the same rule (cuda::gemv_tc_blocks).
+//
+// No L2 prefetch of the tile before pdl_wait: a warp's tile is up to 16 rows x its whole slice
+// (64 KB for the lm_head), and the resident warps' prefetches together overflow L2, so lines were
+// evicted before use and read twice (H200, lm_head 2048 -> 248,320: 399 us with the prefetch,
+// 302 us without; docs/PERF.md, fifth session).
 #include "common.cuh"
 #include "mma.cuh"
 
 #define TC_WARPS 8
+// Blocks per SM: the narrow build 4 (32 warps, <= 64 registers), the wide one 2 (<= 128).
+#define TC_NARROW_BLOCKS 4
+#define TC_WIDE_BLOCKS 2
+// The K split aims at this many warps in the grid (cuda::gemv_tc_ksplit mirrors the rule).
+#define TC_TARGET_WARPS 2048
 // 64-byte K steps per pass: 2 * U weight loads in flight per lane; 4 for up to 16 tokens (memory
 // bound), 2 beyond (each load feeds 2 * NT mma, and the accumulators need the registers).
 __host__ __device__ constexpr int tc_u(int nt) { return nt <= 2 ? 4 : 2; }
 // N tiles per pass over the weights. Two builds of each dense kernel: the narrow one (1 tile =
-// 8 tokens per pass, <= 64 registers, 4 blocks per SM: the memory-bound batch-1 and MoE shapes
+// 8 tokens per pass, <= 64 registers, TC_NARROW_BLOCKS per SM: the memory-bound batch-1 and MoE shapes
 // need the loads in flight) and the wide one (up to 8 tiles = 64 tokens per pass, <= 128
-// registers, 2 blocks per SM: each weight load feeds up to 16 mma). They differ only in how many
+// registers, TC_WIDE_BLOCKS per SM: each weight load feeds up to 16 mma). They differ only in how many
 // columns share a pass, never in a column's arithmetic, so they give the same bits; the launchers
 // take the narrow build for groups of up to 8 tokens (cuda::gemv_tc_kernel). A group larger than a
 // pass takes more passes (the weight tile again, from L2). The MoE kernels are narrow.
 #define TC_NARROW 1
 #define TC_WIDE 8
 
-// K slices per row group: the most (<= 8) that keep >= 2048 warps in the grid short of, each slice
-// >= 256 bytes and a whole number of 64-byte steps.
+// K slices per row group: the most (<= TC_WARPS) that keep TC_TARGET_WARPS warps in the grid short
+// of, each slice >= 256 bytes and a whole number of 64-byte steps.
 __host__ __device__ constexpr int gemv_tc_ksplit(int row_bytes, int out) {
     int groups = (out + 15) / 16, ks = 1;
-    while (ks < TC_WARPS && groups * ks < 2048 && row_bytes % (ks * 2 * 64) == 0 && row_bytes / (ks * 2) >= 256) ks *= 2;
+    while (ks < TC_WARPS && groups * ks < TC_TARGET_WARPS && row_bytes % (ks * 2 * 64) == 0 && row_bytes / (ks * 2) >= 256)
+        ks *= 2;
     return ks;
-}
-
-// Pull this warp's 16 rows' slice [k0, k1) toward L2 (before pdl_wait; rows clamped to nrows).
-__device__ __forceinline__ void prefetch_tile_l2(const uint8_t *w, size_t row_bytes, int nrows, int k0, int k1) {
-    const int lines = (k1 - k0 + 127) / 128;
-    for (int i = threadIdx.x & 31; i < 16 * lines; i += 32) {
-        const int r = min(i / lines, nrows - 1);
-        prefetch_l2(w + (size_t)r * row_bytes + k0 + (i % lines) * 128);
-    }
 }
 
 template <bool FP8>
@@ -99,25 +101,24 @@ __device__ __forceinline__ void tc_tile(const uint8_t *w, size_t row_bytes, int 
     }
 }
 
-// Adds the ks slices' partial sums of each row group in slice order into the slice-0 warp's acc
-// (every warp of the block calls it; `red` holds TC_WARPS x NT * 4 x 32 floats).
+// Adds the ks slices' partial sums of each row group in slice order into the slice-0 warp's acc,
+// one N tile at a time (every warp of the block calls it; `red` holds TC_WARPS x 4 x 32 floats).
 template <int NT>
 __device__ __forceinline__ void tc_reduce(float (&acc)[NT][4], int ks, float *red) {
     if (ks == 1) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, s = warp % ks;
-    if (s != 0)
 #pragma unroll
-        for (int j = 0; j < NT; j++)
+    for (int j = 0; j < NT; j++) {
+        if (s != 0)
 #pragma unroll
-            for (int i = 0; i < 4; i++) red[(warp * NT * 4 + j * 4 + i) * 32 + lane] = acc[j][i];
-    __syncthreads();
-    if (s == 0)
-        for (int ss = 1; ss < ks; ss++)
+            for (int i = 0; i < 4; i++) red[(warp * 4 + i) * 32 + lane] = acc[j][i];
+        __syncthreads();
+        if (s == 0)
+            for (int ss = 1; ss < ks; ss++)
 #pragma unroll
-            for (int j = 0; j < NT; j++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) acc[j][i] += red[((warp + ss) * NT * 4 + j * 4 + i) * 32 + lane];
-    __syncthreads();
+                for (int i = 0; i < 4; i++) acc[j][i] += red[((warp + ss) * 4 + i) * 32 + lane];
+        __syncthreads();
+    }
 }
 
 // Where a warp works: its 16 rows from row0, its K slice [k0, k1), and whether it holds the sums.
@@ -169,10 +170,9 @@ __device__ __forceinline__ void gemv_tc_pass(const uint8_t *w, const float *ws, 
 template <bool FP8, int NTMAX>
 __device__ __forceinline__ void gemv_tc(const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
                                         int tokens, int in, int out, int x_stride, int y_stride) {
-    __shared__ float red[TC_WARPS * NTMAX * 4 * 32];
+    __shared__ float red[TC_WARPS * 4 * 32];
     constexpr int ES = FP8 ? 1 : 2;
     const TcPlace pl = tc_place(in * ES, out);
-    if (pl.row0 < out) prefetch_tile_l2(w + (size_t)pl.row0 * in * ES, (size_t)in * ES, min(16, out - pl.row0), pl.k0, pl.k1);
     pdl_wait();
     for (int t0 = 0; t0 < tokens; t0 += 8 * NTMAX) {
         const int nt = (min(tokens - t0, 8 * NTMAX) + 7) / 8;
@@ -193,23 +193,23 @@ __device__ __forceinline__ void gemv_tc(const uint8_t *w, const float *ws, const
 }
 
 // y[t, o] = bf16(Σ_i x[t, i] · w[o, i]) for any number of tokens (BF16 weights).
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 4) gemv_bf16(const OrnithGemvBf16Params p) {
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) gemv_bf16(const OrnithGemvBf16Params p) {
     pdl_launch_dependents();
     gemv_tc<false, TC_NARROW>(reinterpret_cast<const uint8_t *>(p.w), nullptr, reinterpret_cast<const uint8_t *>(p.x), nullptr,
                               p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride);
 }
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) gemv_bf16_wide(const OrnithGemvBf16Params p) {
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv_bf16_wide(const OrnithGemvBf16Params p) {
     pdl_launch_dependents();
     gemv_tc<false, TC_WIDE>(reinterpret_cast<const uint8_t *>(p.w), nullptr, reinterpret_cast<const uint8_t *>(p.x), nullptr,
                             p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride);
 }
 
 // y[t, o] = bf16((Σ_i e4m3(xq[t, i]) · e4m3(w[o, i])) · xs[t] · ws[o]) for any number of tokens.
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 4) gemv_fp8(const OrnithGemvFp8Params p) {
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) gemv_fp8(const OrnithGemvFp8Params p) {
     pdl_launch_dependents();
     gemv_tc<true, TC_NARROW>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride);
 }
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) gemv_fp8_wide(const OrnithGemvFp8Params p) {
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv_fp8_wide(const OrnithGemvFp8Params p) {
     pdl_launch_dependents();
     gemv_tc<true, TC_WIDE>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride);
 }
@@ -219,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) gemv_fp8_wide(con
 // top_k being the shared expert. The same tile and summation order as the dense form with the
 // expert's rows as M and (token, slot) pairs as N, so the two grids below give the same bits:
 //   moe_gemv_fp8     grid (tiles, top_k + 1, tokens): one pair per block (the routed expert's index
-//                    read after pdl_wait; the shared expert's rows prefetched before it);
+//                    read after pdl_wait);
 //   moe_gemv_grouped grid (tiles, active + 1, 1), active = min(experts, tokens * top_k): block y <
 //                    *active_count takes the y-th expert with assignments (active_list, from
 //                    moe_sort) over its pairs row_assign[group_offsets[e] ..] (a = token * top_k +
@@ -284,7 +284,7 @@ __device__ __forceinline__ void moe_tc_pass(const OrnithMoeGemvParams &p, const 
 
 __device__ __forceinline__ void moe_tc(const OrnithMoeGemvParams &p, const uint8_t *wb, const float *ws, const MoeCols &cols,
                                        const TcPlace &pl) {
-    __shared__ float red[TC_WARPS * TC_NARROW * 4 * 32];
+    __shared__ float red[TC_WARPS * 4 * 32];
     for (int n0 = 0; n0 < cols.n; n0 += 8 * TC_NARROW) moe_tc_pass<TC_NARROW>(p, wb, ws, cols, n0, pl, red);
 }
 
@@ -295,12 +295,11 @@ __device__ __forceinline__ void moe_expert(const OrnithMoeGemvParams &p, int e, 
     ws = p.ws + (size_t)e * p.out;
 }
 
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 4) moe_gemv_fp8(const OrnithMoeGemvParams p) {
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_fp8(const OrnithMoeGemvParams p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out);
     const int slot = blockIdx.y, t = blockIdx.z;
     const bool shared = slot == p.top_k;
-    if (shared && pl.row0 < p.out) prefetch_tile_l2(p.shared_w + (size_t)pl.row0 * p.in, p.in, min(16, p.out - pl.row0), pl.k0, pl.k1);
     pdl_wait();
     const uint8_t *wb = p.shared_w;
     const float *ws = p.shared_ws;
@@ -308,11 +307,10 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 4) moe_gemv_fp8(cons
     moe_tc(p, wb, ws, MoeCols{nullptr, p.top_k, 1, t, slot}, pl);
 }
 
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 4) moe_gemv_grouped(const OrnithMoeGemvParams p) {
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_grouped(const OrnithMoeGemvParams p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out);
     const bool shared = blockIdx.y == gridDim.y - 1;
-    if (shared && pl.row0 < p.out) prefetch_tile_l2(p.shared_w + (size_t)pl.row0 * p.in, p.in, min(16, p.out - pl.row0), pl.k0, pl.k1);
     pdl_wait();
     if (shared) {
         moe_tc(p, p.shared_w, p.shared_ws, MoeCols{nullptr, p.top_k, p.tokens, 0, p.top_k}, pl);
