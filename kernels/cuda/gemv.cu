@@ -22,7 +22,7 @@
 // bf16(sum · xs[t] · ws[row]) (FP8); E4M3 × E4M3 and bf16 × bf16 products are exact in fp32.
 //
 // Block = 8 warps = (8 / ks) row groups of 16 × ks slices; grid.x = ceil(ceil(out / 16) / (8 / ks)).
-// The Rust launchers size grids with the same rule (cuda::gemv_tc_blocks).
+// The Rust launchers size grids with the same rule (cuda::gemv_tc_blocks, cuda::moe_tc_blocks).
 //
 // No L2 prefetch of the tile before pdl_wait: a warp's tile is up to 16 rows x its whole slice
 // (64 KB for the lm_head), and the resident warps' prefetches together overflow L2, so lines were
@@ -35,8 +35,16 @@
 // Blocks per SM: the narrow build 4 (32 warps, <= 64 registers), the wide one 2 (<= 128).
 #define TC_NARROW_BLOCKS 4
 #define TC_WIDE_BLOCKS 2
-// The K split aims at this many warps in the grid (cuda::gemv_tc_ksplit mirrors the rule).
+// The K split aims at this many warps in the grid (cuda::gemv_tc_ksplit mirrors the rule): the
+// dense Linears at 2048; the MoE expert products at MOE_TARGET_WARPS per expert (or slot), since
+// their grids hold many experts and a block of one 256-byte round per warp spends more on its
+// set-up (the expert's index, its assignments) than on its loads. Measured on the H200 (expert
+// gate|up and down, 1 / 8 / 64 tokens, docs/PERF.md fifth session): target 256 with MOE_U = 2
+// takes a layer's expert products from 21.4 to 16.9 us at 1 token and from 359 to 280 us at 64.
 #define TC_TARGET_WARPS 2048
+#define MOE_TARGET_WARPS 256
+// 64-byte K steps per pass of the MoE kernels (2 * MOE_U weight loads in flight per lane).
+#define MOE_U 2
 // 64-byte K steps per pass: 2 * U weight loads in flight per lane; 4 for up to 16 tokens (memory
 // bound), 2 beyond (each load feeds 2 * NT mma, and the accumulators need the registers).
 __host__ __device__ constexpr int tc_u(int nt) { return nt <= 2 ? 4 : 2; }
@@ -52,9 +60,9 @@ __host__ __device__ constexpr int tc_u(int nt) { return nt <= 2 ? 4 : 2; }
 
 // K slices per row group: the most (<= TC_WARPS) that keep TC_TARGET_WARPS warps in the grid short
 // of, each slice >= 256 bytes and a whole number of 64-byte steps.
-__host__ __device__ constexpr int gemv_tc_ksplit(int row_bytes, int out) {
+__host__ __device__ constexpr int gemv_tc_ksplit(int row_bytes, int out, int target = TC_TARGET_WARPS) {
     int groups = (out + 15) / 16, ks = 1;
-    while (ks < TC_WARPS && groups * ks < TC_TARGET_WARPS && row_bytes % (ks * 2 * 64) == 0 && row_bytes / (ks * 2) >= 256)
+    while (ks < TC_WARPS && groups * ks < target && row_bytes % (ks * 2 * 64) == 0 && row_bytes / (ks * 2) >= 256)
         ks *= 2;
     return ks;
 }
@@ -67,7 +75,7 @@ __device__ __forceinline__ void mma_step(float *acc, uint32_t a0, uint32_t a1, u
 
 // acc[j] += rows (w, 16 rows of row_bytes, the first nrows real) · tokens of N tile j over the
 // bytes [k0, k1) of each row; xoff[j] = byte offset of this lane's token (8j + g) in x.
-template <bool FP8, int NT>
+template <bool FP8, int NT, int TC_U>
 __device__ __forceinline__ void tc_tile(const uint8_t *w, size_t row_bytes, int nrows, const uint8_t *x,
                                         const uint32_t (&xoff)[NT], int k0, int k1, float (&acc)[NT][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
@@ -76,7 +84,6 @@ __device__ __forceinline__ void tc_tile(const uint8_t *w, size_t row_bytes, int 
     const uint32_t og8 = (uint32_t)(min(g + 8, nrows - 1) * row_bytes) + 16 * c;
     x += 16 * c;
     const uint4 z = make_uint4(0, 0, 0, 0);
-    constexpr int TC_U = tc_u(NT);
     for (int kb = k0; kb < k1; kb += 64 * TC_U) {
         uint4 wa[TC_U], wb[TC_U];
 #pragma unroll
@@ -126,8 +133,8 @@ struct TcPlace {
     int row0, k0, k1, ks;
     bool lead;
 };
-__device__ __forceinline__ TcPlace tc_place(int row_bytes, int out) {
-    const int ks = gemv_tc_ksplit(row_bytes, out), warp = threadIdx.x >> 5, s = warp % ks;
+__device__ __forceinline__ TcPlace tc_place(int row_bytes, int out, int target = TC_TARGET_WARPS) {
+    const int ks = gemv_tc_ksplit(row_bytes, out, target), warp = threadIdx.x >> 5, s = warp % ks;
     const int slice = ks == 1 ? row_bytes : row_bytes / ks;
     TcPlace t;
     t.ks = ks;
@@ -155,7 +162,7 @@ __device__ __forceinline__ void gemv_tc_pass(const uint8_t *w, const float *ws, 
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
     const int nrows = max(1, min(16, out - pl.row0));
-    if (pl.row0 < out) tc_tile<FP8, NT>(w + (size_t)pl.row0 * row_bytes, row_bytes, nrows, x, xoff, pl.k0, pl.k1, acc);
+    if (pl.row0 < out) tc_tile<FP8, NT, tc_u(NT)>(w + (size_t)pl.row0 * row_bytes, row_bytes, nrows, x, xoff, pl.k0, pl.k1, acc);
     tc_reduce<NT>(acc, pl.ks, red);
     if (!pl.lead || pl.row0 >= out) return;
 #pragma unroll
@@ -225,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv
 //                    moe_sort) over its pairs row_assign[group_offsets[e] ..] (a = token * top_k +
 //                    slot), the last block y the shared expert over every token — each expert's
 //                    weights read once per step.
-// tiles = gemv_tc_blocks(in, out) (the dense rule on one expert's [out, in]).
+// tiles = moe_tc_blocks(in, out) (the dense rule on one expert's [out, in], MOE_TARGET_WARPS).
 // =============================================================================================
 
 // The (token, slot) pair of each column of a block: from a list of assignments
@@ -262,7 +269,7 @@ __device__ __forceinline__ void moe_tc_pass(const OrnithMoeGemvParams &p, const 
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
     const int nrows = max(1, min(16, p.out - pl.row0));
-    if (pl.row0 < p.out) tc_tile<true, NT>(wb + (size_t)pl.row0 * p.in, (size_t)p.in, nrows, p.xq, xoff, pl.k0, pl.k1, acc);
+    if (pl.row0 < p.out) tc_tile<true, NT, MOE_U>(wb + (size_t)pl.row0 * p.in, (size_t)p.in, nrows, p.xq, xoff, pl.k0, pl.k1, acc);
     tc_reduce<NT>(acc, pl.ks, red);
     if (!pl.lead || pl.row0 >= p.out) return;
 #pragma unroll
@@ -297,7 +304,7 @@ __device__ __forceinline__ void moe_expert(const OrnithMoeGemvParams &p, int e, 
 
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_fp8(const OrnithMoeGemvParams p) {
     pdl_launch_dependents();
-    const TcPlace pl = tc_place(p.in, p.out);
+    const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
     const int slot = blockIdx.y, t = blockIdx.z;
     const bool shared = slot == p.top_k;
     pdl_wait();
@@ -309,7 +316,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
 
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_grouped(const OrnithMoeGemvParams p) {
     pdl_launch_dependents();
-    const TcPlace pl = tc_place(p.in, p.out);
+    const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
     const bool shared = blockIdx.y == gridDim.y - 1;
     pdl_wait();
     if (shared) {

@@ -245,7 +245,7 @@ impl CudaBackend {
     pub(super) fn k_moe_gemv(&self, p: OrnithMoeGemvParams, grouped: bool) -> Result<()> {
         let slots = (p.top_k + 1) as usize;
         let (t, in_, out, k) = (p.tokens as usize, p.in_ as usize, p.out as usize, p.top_k as usize);
-        let tiles = crate::cuda::gemv_tc_blocks(in_, out);
+        let tiles = crate::cuda::moe_tc_blocks(in_, out);
         if grouped {
             anyhow::ensure!(
                 !p.active_list.is_null() && !p.row_assign.is_null(),

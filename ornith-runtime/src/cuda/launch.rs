@@ -324,12 +324,7 @@ impl CudaContext {
     /// Expert GEMV for top_k routed slots + the shared slot (see `OrnithMoeGemvParams`).
     pub fn moe_gemv(&self, a: &MoeGemvArgs, y: &mut Bf) -> Result<()> {
         let p = self.moe_gemv_params(a, y)?;
-        self.launch(
-            "moe_gemv_fp8",
-            (super::gemv_tc_blocks(a.in_, a.out), (a.top_k + 1) as u32, a.tokens as u32),
-            256,
-            p,
-        )
+        self.launch("moe_gemv_fp8", (super::moe_tc_blocks(a.in_, a.out), (a.top_k + 1) as u32, a.tokens as u32), 256, p)
     }
 
     fn moe_gemv_params(&self, a: &MoeGemvArgs, y: &Bf) -> Result<OrnithMoeGemvParams> {
@@ -427,7 +422,7 @@ impl CudaContext {
         p.group_offsets = self.addr(&g.group_offsets) as _;
         p.row_assign = self.addr(&g.row_assign) as _;
         let active = a.experts.min(a.tokens * a.top_k) as u32;
-        self.launch("moe_gemv_grouped", (super::gemv_tc_blocks(a.in_, a.out), active + 1, 1), 256, p)
+        self.launch("moe_gemv_grouped", (super::moe_tc_blocks(a.in_, a.out), active + 1, 1), 256, p)
     }
 
     /// a = bf16(bf16(silu(g)) * u) per row of gate_up [rows, 2*inter], then FP8 per row.

@@ -43,14 +43,22 @@ const KERNELS: [(Module, &[&str]); 11] = [
 /// Warps per block of the decode products (`TC_WARPS` in gemv.cu).
 pub(crate) const GEMV_WARPS: usize = 8;
 
+/// Warps the K split of a dense decode product aims at (`TC_TARGET_WARPS` in gemv.cu).
+pub(crate) const GEMV_TARGET_WARPS: usize = 2048;
+/// The same for one expert (or slot) of the MoE decode products (`MOE_TARGET_WARPS`).
+pub(crate) const MOE_TARGET_WARPS: usize = 256;
+
 /// K slices per 16-row group of the tensor-core decode products (`gemv_tc_ksplit` in gemv.cu):
-/// the most (at most 8) that keep at least 2,048 warps short of, each slice at least 256 bytes and
-/// a whole number of 64-byte steps. A function of the weight's shape only, so a row's summation
+/// the most (at most 8) that keep `target` warps short of, each slice at least 256 bytes and a
+/// whole number of 64-byte steps. A function of the weight's shape only, so a row's summation
 /// order never depends on the token count.
-pub(crate) fn gemv_tc_ksplit(row_bytes: usize, out: usize) -> usize {
+pub(crate) fn gemv_tc_ksplit(row_bytes: usize, out: usize, target: usize) -> usize {
     let groups = out.div_ceil(16);
     let mut ks = 1;
-    while ks < GEMV_WARPS && groups * ks < 2048 && row_bytes.is_multiple_of(ks * 2 * 64) && row_bytes / (ks * 2) >= 256
+    while ks < GEMV_WARPS
+        && groups * ks < target
+        && row_bytes.is_multiple_of(ks * 2 * 64)
+        && row_bytes / (ks * 2) >= 256
     {
         ks *= 2;
     }
@@ -69,10 +77,15 @@ pub(crate) fn gemv_tc_kernel(fp8: bool, tokens: usize) -> &'static str {
     }
 }
 
-/// Blocks of a decode product over `out` rows of `row_bytes` (the MoE forms: per expert):
-/// `GEMV_WARPS / ks` row groups of 16 per block.
+/// Blocks of a dense decode product over `out` rows of `row_bytes`: `GEMV_WARPS / ks` row groups
+/// of 16 per block.
 pub(crate) fn gemv_tc_blocks(row_bytes: usize, out: usize) -> u32 {
-    out.div_ceil(16).div_ceil(GEMV_WARPS / gemv_tc_ksplit(row_bytes, out)) as u32
+    out.div_ceil(16).div_ceil(GEMV_WARPS / gemv_tc_ksplit(row_bytes, out, GEMV_TARGET_WARPS)) as u32
+}
+
+/// Blocks per expert (or slot) of the MoE decode products over one expert's `[out, in]` (FP8).
+pub(crate) fn moe_tc_blocks(in_: usize, out: usize) -> u32 {
+    out.div_ceil(16).div_ceil(GEMV_WARPS / gemv_tc_ksplit(in_, out, MOE_TARGET_WARPS)) as u32
 }
 
 /// The PTX arch shipped for a compute capability.
@@ -301,12 +314,19 @@ mod gemv_tc_tests {
             (4096, 257, 8, 17),       // router + shared-expert gate, BF16
             (2048, 9216, 4, 288),     // attention q|k|v, FP8
             (4096, 2048, 8, 128),     // o_proj, FP8
-            (2048, 1024, 8, 64),      // (shared) expert gate|up, FP8
-            (512, 2048, 2, 32),       // (shared) expert down, FP8
             (32, 64, 1, 1),           // tiny preset: half a 64-byte step
         ] {
-            assert_eq!(gemv_tc_ksplit(row_bytes, out), ks, "{row_bytes} x {out}");
+            assert_eq!(gemv_tc_ksplit(row_bytes, out, GEMV_TARGET_WARPS), ks, "{row_bytes} x {out}");
             assert_eq!(gemv_tc_blocks(row_bytes, out), blocks, "{row_bytes} x {out}");
+        }
+        // One expert's [out, in] of the MoE products (FP8).
+        for (in_, out, ks, blocks) in [
+            (2048, 1024, 4, 32), // (shared) expert gate|up
+            (512, 2048, 2, 32),  // (shared) expert down
+            (32, 64, 1, 1),      // tiny preset
+        ] {
+            assert_eq!(gemv_tc_ksplit(in_, out, MOE_TARGET_WARPS), ks, "{in_} x {out}");
+            assert_eq!(moe_tc_blocks(in_, out), blocks, "{in_} x {out}");
         }
     }
 }

@@ -388,8 +388,8 @@ fn moe_decode_matches_reference() {
     let c = ctx();
     let mut r = rng(6);
     // (experts, top_k, hidden, inter, tokens)
-    // K slices per row group follow the expert's shape (gemv_tc_ksplit): gate|up 2048 -> 1024: 8,
-    // down 512 -> 2048: 2, the small shapes 1 (in 48 / 32: a partial 64-byte step; odd row
+    // K slices per row group follow the expert's shape (gemv_tc_ksplit, MoE target): gate|up
+    // 2048 -> 1024: 4, down 512 -> 2048: 2, the small shapes 1 (in 48 / 32: a partial 64-byte step; odd row
     // count 96). Every case also checks the grouped form against the per-(token, slot) one, bit
     // for bit: several assignments per expert (13, 64 tokens), several N tiles of one expert
     // (16 experts x 40 tokens: ~10 per expert), more than one pass of 64 columns (4 experts x
