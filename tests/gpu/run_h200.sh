@@ -16,6 +16,7 @@
 # bench runs first with that binary (prompts BASE_PROMPTS, default PROMPTS), into bench_base.*.
 # PHASE=prefill (about 6 minutes): the flash attention kernel test, the bench's prefill at 2K / 32K / 128K and one
 # 261,000-token JSONL request through the binary (tests/gpu/long_prompt.py).
+# PHASE=check+file: 1–2, then the 256-request JSONL batch file through the binary (5. above).
 # PHASE=prefix: 1–2, then the full preset's prefix-cache identity test and tests/gpu/prefix_cache.py
 # (a growing agent conversation and a shared-system-prompt batch file, with and without the cache).
 # Logs and JSON go to $OUT; a short table to stdout.
@@ -66,6 +67,11 @@ fi
 t0=$SECONDS
 if [ -f "$C/full/config.json" ]; then echo "synth full: reusing $C/full"; else
 "$G/xtask" synth --preset full --out "$C/full" > "$OUT/synth_full.log" 2>&1; echo "synth full rc=$? $((SECONDS - t0))s"; fi
+if [ "$phase" = check+file ]; then
+    t0=$SECONDS
+    timeout 300 python3 tests/gpu/batch_file.py "$G/ornith_full" "$C/full" "$OUT/batch_file.jsonl" "${FILE_N:-256}"; echo "batch file rc=$? $((SECONDS - t0))s"
+    exit 0
+fi
 if [ "$phase" = prefix ]; then
     t0=$SECONDS
     ORNITH_TEST_MODEL=$C/full timeout 150 "$G/test_full" --ignored --nocapture --test-threads=1 prefix_cache_resume > "$OUT/test_full_prefix.log" 2>&1

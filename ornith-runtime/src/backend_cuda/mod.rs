@@ -37,6 +37,7 @@ mod ops;
 pub mod plan;
 mod prefill_ops;
 pub mod profile;
+pub mod spark;
 
 use crate::cuda::CudaContext;
 use crate::engine::{Capacity, PoolRequest};

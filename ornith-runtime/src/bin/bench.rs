@@ -13,6 +13,7 @@ use clap::Parser;
 use cudarc::driver::sys::CUevent_flags;
 use ornith_runtime::backend_cuda::decode_bytes::{decode_step_bytes, total, ByteGroup};
 use ornith_runtime::backend_cuda::profile::{summarize, KernelSummary};
+use ornith_runtime::backend_cuda::spark::{spark_kernels, spark_step, SparkKernel, SparkStep};
 use ornith_runtime::backend_cuda::CudaBackend;
 use ornith_runtime::cuda::CudaContext;
 use ornith_runtime::engine::{PoolRequest, SamplingParams, PREFILL_CHUNK};
@@ -47,6 +48,10 @@ struct Args {
     /// Prompt length of each sequence of a batched run.
     #[arg(long, default_value_t = 2048)]
     batch_prompt: usize,
+    /// DGX Spark (GB10) bandwidth, GB/s, of the labelled Spark estimate (backend_cuda::spark):
+    /// 273 is the specification, 231-240 what it streams in practice.
+    #[arg(long, default_value_t = 240.0)]
+    spark_gb_s: f64,
 }
 
 /// One batched run: B sequences decoded together.
@@ -69,6 +74,9 @@ struct BatchRun {
     kernels: Vec<KernelSummary>,
     /// Sum of those launches' times (us).
     kernel_us: f64,
+    /// An estimate for a DGX Spark from the greedy step and the profile's bytes (which count
+    /// every possibly active expert: an upper bound), not a measurement.
+    spark_estimate: SparkStep,
 }
 
 #[derive(Serialize)]
@@ -105,6 +113,10 @@ struct Run {
     prefill_kernels: Vec<KernelSummary>,
     prefill_kernel_us: f64,
     prefill_launches: usize,
+    /// An estimate for a DGX Spark from this run's greedy step and bytes, not a measurement.
+    spark_estimate: SparkStep,
+    /// The same per kernel of the event-timed step.
+    spark_kernels: Vec<SparkKernel>,
 }
 
 #[derive(Serialize)]
@@ -156,6 +168,7 @@ fn batch_run(
     gen: usize,
     n_vocab: usize,
     sampling: &SamplingParams,
+    (here_gb_s, spark_gb_s): (f64, f64),
 ) -> Result<BatchRun> {
     let d = compiled::DIMS;
     let per = batch_seq_blocks(prompt_len, gen);
@@ -208,6 +221,8 @@ fn batch_run(
     let kernel_us: f64 = times.iter().map(|t| t.us).sum();
     let kernels = summarize(&times);
     let (g, bs) = (gen as f64, bsz as f64);
+    let step_bytes = kernels.iter().map(|k| k.bytes).sum();
+    let spark_estimate = spark_step(step_bytes, tg * 1e6 / g, bsz, here_gb_s, spark_gb_s);
     Ok(BatchRun {
         batch: bsz,
         prompt_tokens: prompt_len,
@@ -221,7 +236,41 @@ fn batch_run(
         decode_default_sampling_step_ms: ts * 1e3 / g,
         kernels,
         kernel_us,
+        spark_estimate,
     })
+}
+
+/// The labelled DGX Spark estimate of the batch-1 runs (and per kernel at the last prompt), on stderr.
+fn print_spark(runs: &[Run], spark_gb_s: f64) {
+    eprintln!(
+        "\nDGX Spark ESTIMATE at {spark_gb_s} GB/s, batch 1 (not a measurement; backend_cuda::spark):\n{:>8} {:>13} {:>14} {:>10} {:>11}",
+        "prompt", "ceiling t/s", "estimate t/s", "fixed us", "stream us"
+    );
+    for r in runs {
+        let e = &r.spark_estimate;
+        eprintln!(
+            "{:>8} {:>13.1} {:>14.1} {:>10.0} {:>11.0}",
+            r.prompt_tokens, e.ceiling_tok_s, e.estimate_tok_s, e.fixed_us, e.ceiling_us
+        );
+    }
+    if let Some(r) = runs.last() {
+        eprintln!("per kernel at prompt {} (event-timed step):", r.prompt_tokens);
+        eprintln!(
+            "{:>22} {:>8} {:>10} {:>12} {:>14} {:>15}",
+            "kernel", "launches", "MB", "us/launch", "spark stream", "spark estimate"
+        );
+        for k in &r.spark_kernels {
+            eprintln!(
+                "{:>22} {:>8} {:>10.2} {:>12.1} {:>14.0} {:>15.0}",
+                k.kernel,
+                k.launches,
+                k.bytes as f64 / 1e6,
+                k.here_us_per_launch,
+                k.spark_stream_us,
+                k.spark_estimate_us
+            );
+        }
+    }
 }
 
 /// The byte count of one decode step (the "% of ceiling" denominator) by group, on stderr.
@@ -459,6 +508,8 @@ fn run() -> Result<()> {
         }
         let tok_s = args.gen as f64 / dec;
         let achieved = bytes as f64 * tok_s;
+        let spark_kernels = spark_kernels(&kernels, bw / 1e9, args.spark_gb_s);
+        let spark_estimate = spark_step(bytes, dec * 1e6 / args.gen as f64, 1, bw / 1e9, args.spark_gb_s);
         runs.push(Run {
             prompt_tokens: p,
             ttft_s: ttft,
@@ -482,6 +533,8 @@ fn run() -> Result<()> {
             prefill_kernels: summarize(&ptimes),
             prefill_kernel_us: ptimes.iter().map(|t| t.us).sum(),
             prefill_launches: ptimes.len(),
+            spark_estimate,
+            spark_kernels,
         });
     }
 
@@ -567,11 +620,13 @@ fn run() -> Result<()> {
             );
         }
     }
+    print_spark(&runs, args.spark_gb_s);
     let mut batch_runs = Vec::new();
     if let Some(pools) = batch_pools.as_mut() {
         for &bsz in &args.batch {
             anyhow::ensure!(bsz >= 1, "--batch sizes must be at least 1");
-            let r = batch_run(&b, &model, pools, bsz, args.batch_prompt, args.gen, n_vocab, &default_sampling)?;
+            let bws = (bw / 1e9, args.spark_gb_s);
+            let r = batch_run(&b, &model, pools, bsz, args.batch_prompt, args.gen, n_vocab, &default_sampling, bws)?;
             batch_runs.push(r);
         }
         eprintln!(
@@ -589,6 +644,18 @@ fn run() -> Result<()> {
                 r.decode_default_sampling_tok_s,
                 r.decode_default_sampling_tok_s_per_seq,
                 r.decode_default_sampling_step_ms
+            );
+        }
+        eprintln!(
+            "\nDGX Spark ESTIMATE of the batched steps at {} GB/s (not a measurement; backend_cuda::spark; bytes as the profile counts them):\n{:>6} {:>10} {:>13} {:>14} {:>10}",
+            args.spark_gb_s, "batch", "MB/step", "ceiling t/s", "estimate t/s", "fixed us"
+        );
+        for r in &batch_runs {
+            let e = &r.spark_estimate;
+            let mb = r.kernels.iter().map(|k| k.bytes).sum::<u64>() as f64 / 1e6;
+            eprintln!(
+                "{:>6} {:>10.0} {:>13.1} {:>14.1} {:>10.0}",
+                r.batch, mb, e.ceiling_tok_s, e.estimate_tok_s, e.fixed_us
             );
         }
         for r in &batch_runs {
