@@ -358,7 +358,7 @@ fn gdn_chunked_matches_reference() {
         let s2 = time_it(&c, || c.gdn_chunked(&args, &mut dst, &mut o, &mut work).unwrap());
         let mut p = c.gdn_params(&args, &mut dst, &mut o).unwrap();
         p.work = c.addr(&work) as _;
-        let prep = time_it(&c, || c.gdn_chunk_prep_raw(p).unwrap());
+        let prep = time_it(&c, || c.k_gdn_chunk_prep(p).unwrap());
         eprintln!(
             "PERF gdn_chunked {t} tokens, 32 v-heads x 128 x 128: {:.3} ms (prep {:.3} ms, scan ~{:.3} ms)",
             s2 * 1e3,

@@ -7,7 +7,7 @@
 //! maxima), `sample_hist` (histogram of the keys that keep a nonzero weight), `sample_select`
 //! (top-k and top-p thresholds from the histogram, one block per row), `sample_draw` (per-block
 //! kept mass; the last block to finish walks the slice that holds the target).
-use super::CudaContext;
+use super::{CudaContext, Launch};
 use crate::engine::SamplingParams;
 use crate::sampling::{draw_bits, Prepared};
 use anyhow::{ensure, Result};
@@ -116,10 +116,11 @@ impl CudaContext {
             logit_row: self.addr(&s.logit_row) as _,
         };
         let grid = (blocks as u32, r as u32, 1);
-        self.launch("sample_prep", grid, 256, p)?;
-        self.launch("sample_hist", grid, 256, p)?;
-        self.launch("sample_select", (r as u32, 1, 1), 1024, p)?;
-        self.launch("sample_draw", grid, 256, p)
+        let (logit_bytes, hist_bytes) = ((r * n * 2) as u64, (r * BINS * 4) as u64);
+        self.launch(Launch::new("sample_prep", grid, 256, logit_bytes + hist_bytes), p)?;
+        self.launch(Launch::new("sample_hist", grid, 256, logit_bytes + hist_bytes), p)?;
+        self.launch(Launch::new("sample_select", (r as u32, 1, 1), 1024, hist_bytes), p)?;
+        self.launch(Launch::new("sample_draw", grid, 256, logit_bytes), p)
     }
 
     /// The ids of the last [`Self::sample_rows`] call's `rows` rows (waits for the stream).

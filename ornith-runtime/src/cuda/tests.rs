@@ -1026,9 +1026,7 @@ fn attention_decode_group_matches_reference() {
         assert_eq!(c.download(&o1).unwrap(), mine, "{name}: alone (host form) differs from the group");
         if len == 100_003 {
             let (p, keys) = c.attention_params(&alone, &mut po, &mut pml, &mut o1).unwrap();
-            let plain =
-                &mut |k: &'static str, g: (u32, u32, u32), b: u32, sm: u32, _: u64, p| c.launch_smem(k, g, b, sm, p);
-            let s = time_it(&c, || c.launch_attention(p, keys, plain).unwrap());
+            let s = time_it(&c, || c.k_attention(p, keys).unwrap());
             let bytes = (len * row * 2 * 2) as f64;
             eprintln!(
                 "PERF attention_decode len {len} (split + combine): {:.1} us, {:.0} GB/s of K/V",
