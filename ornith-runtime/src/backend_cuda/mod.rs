@@ -271,7 +271,7 @@ struct Scratch {
 /// The CUDA backend on device 0.
 pub struct CudaBackend {
     cx: CudaContext,
-    dims: ModelDims,
+    dims: Dims,
     sz: ScratchSizes,
     s: Scratch,
     plan: MemoryPlan,
@@ -334,7 +334,7 @@ impl CudaBackend {
     pub fn new(
         cx: CudaContext,
         ck: &Checkpoint,
-        dims: &ModelDims,
+        dims: &Dims,
         req: &PoolRequest,
         quiet: bool,
     ) -> Result<(Self, Capacity)> {
@@ -825,7 +825,7 @@ impl CudaBackend {
         out: ops::Ptr,
     ) -> Result<()> {
         let d = &self.dims;
-        let (hs, e, k, inter) = (d.hidden_size, ex.experts, d.top_k, d.moe_intermediate_size);
+        let (hs, e, k, inter) = (d.hidden_size, ex.experts, d.num_experts_per_tok, d.moe_intermediate_size);
         let s = &self.s;
         let nk = n * k;
         let (go, to, rt, ro) = (
@@ -918,7 +918,7 @@ struct SharedExpert {
 
 impl Scratch {
     /// Scratch of one chunk, and the greedy sampler's `rows` results.
-    fn new(cx: &CudaContext, d: &ModelDims, z: &ScratchSizes, rows: usize) -> Result<Self> {
+    fn new(cx: &CudaContext, d: &Dims, z: &ScratchSizes, rows: usize) -> Result<Self> {
         let c = CHUNK;
         Ok(Scratch {
             xb: cx.alloc(z.xb)?,
@@ -935,8 +935,8 @@ impl Scratch {
             part_o: cx.alloc(z.part_o)?,
             part_ml: cx.alloc(z.part_ml)?,
             rlog: cx.alloc(c * z.rlog_w)?,
-            idx: cx.alloc(c * d.top_k)?,
-            wt: cx.alloc(c * d.top_k)?,
+            idx: cx.alloc(c * d.num_experts_per_tok)?,
+            wt: cx.alloc(c * d.num_experts_per_tok)?,
             gu: cx.alloc(c * z.slots * 2 * d.moe_intermediate_size)?,
             aq: cx.alloc(z.aq)?,
             asc: cx.alloc(z.asc)?,
@@ -945,9 +945,9 @@ impl Scratch {
             amax_rows: cx.alloc(rows)?,
             group_offsets: cx.alloc(d.num_experts + 1)?,
             tile_offsets: cx.alloc(d.num_experts + 1)?,
-            row_token: cx.alloc(c * d.top_k)?,
-            row_of: cx.alloc(c * d.top_k)?,
-            row_assign: cx.alloc(c * d.top_k)?,
+            row_token: cx.alloc(c * d.num_experts_per_tok)?,
+            row_of: cx.alloc(c * d.num_experts_per_tok)?,
+            row_assign: cx.alloc(c * d.num_experts_per_tok)?,
             active_list: cx.alloc(d.num_experts)?,
             active_count: cx.alloc(1)?,
             gdn_work: cx.alloc(z.gdn_work)?,
@@ -998,7 +998,7 @@ impl Backend for CudaBackend {
     }
 
     /// Pools of at most the planned slots (the step buffers are sized for them).
-    fn new_gdn_pool(&self, d: &ModelDims, slots: usize) -> Result<CudaGdnPool> {
+    fn new_gdn_pool(&self, d: &Dims, slots: usize) -> Result<CudaGdnPool> {
         ensure!(
             (1..=self.cap.slots + self.cap.snapshots).contains(&slots),
             "a recurrent pool of {slots} rows: the memory plan was made for 1..={} (--max-seqs, --prefix-cache-bytes)",
@@ -1009,7 +1009,7 @@ impl Backend for CudaBackend {
         Ok(CudaGdnPool { conv: st.alloc_zeros(slots * c)?, ssm: st.alloc_zeros(slots * s)?, slots })
     }
 
-    fn new_kv_pool(&self, d: &ModelDims, blocks: usize) -> Result<CudaKvPool> {
+    fn new_kv_pool(&self, d: &Dims, blocks: usize) -> Result<CudaKvPool> {
         ensure!(
             blocks >= 1 && blocks <= self.cap.blocks,
             "a K/V pool of {blocks} blocks: the memory plan was made for 1..={} (--kv-budget)",
@@ -1062,7 +1062,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn embed(&self, d: &ModelDims, table: &CudaEmbedding, batch: &Batch) -> Result<CudaAct> {
+    fn embed(&self, d: &Dims, table: &CudaEmbedding, batch: &Batch) -> Result<CudaAct> {
         let table = &table.table;
         self.check_deferred()?;
         let t = batch.rows();
@@ -1089,7 +1089,7 @@ impl Backend for CudaBackend {
 
     fn gated_deltanet<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
         &self,
-        _d: &ModelDims,
+        _d: &Dims,
         norm: &CudaVector,
         w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
         pool: &mut CudaGdnPool,
@@ -1116,7 +1116,7 @@ impl Backend for CudaBackend {
 
     fn attention<Q: Prec, K: Prec, V: Prec, O: Prec>(
         &self,
-        _d: &ModelDims,
+        _d: &Dims,
         norm: &CudaVector,
         w: &GatedAttention<Self, Q, K, V, O>,
         pool: &mut CudaKvPool,
@@ -1156,7 +1156,7 @@ impl Backend for CudaBackend {
 
     fn sparse_moe<R: Prec, Eg: Prec, Eu: Prec, Ed: Prec, Sg: Prec, Su: Prec, Sd: Prec, Sgate: Prec>(
         &self,
-        d: &ModelDims,
+        d: &Dims,
         norm: &CudaVector,
         w: &SparseMoe<Self, R, Eg, Eu, Ed, Sg, Su, Sd, Sgate>,
         batch: &Batch,
@@ -1164,7 +1164,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         self.layer_start(h, batch)?;
         ensure!(w.shared_up_proj.dev.is_none(), "shared_expert.up_proj must be fused into gate_proj");
-        let (hs, e, k, inter) = (d.hidden_size, w.experts.experts, d.top_k, d.moe_intermediate_size);
+        let (hs, e, k, inter) = (d.hidden_size, w.experts.experts, d.num_experts_per_tok, d.moe_intermediate_size);
         let (sgu, sdn) = (w.shared_gate_proj.dev("shared gate_up")?, w.shared_down_proj.dev("shared down")?);
         let (sgu_s, sdn_s) = match (&sgu.scale, &sdn.scale) {
             (Some(a), Some(b)) => (a, b),
@@ -1285,7 +1285,7 @@ impl Backend for CudaBackend {
 
     fn logits<P: Prec>(
         &self,
-        d: &ModelDims,
+        d: &Dims,
         norm: &CudaVector,
         lm_head: &CudaLinear<P>,
         batch: &Batch,

@@ -2,7 +2,7 @@
 //! offsets inside wide scratch rows, e.g. the Gated DeltaNet's `[qkv | z | b | a]` projection
 //! row) and the Linear op, which picks the kernel for a row count and calls its launcher. Every
 //! kernel has one launcher, in [`crate::cuda`] (the kernel tests call the same ones through
-//! slice wrappers); the shapes come from the compiled [`ModelDims`](crate::graph::ModelDims) and
+//! slice wrappers); the shapes come from the compiled [`Dims`](crate::graph::Dims) and
 //! the scratch sizes fixed in [`super::plan`], both checked once when the backend is built.
 use super::CudaBackend;
 use crate::cuda::prefill::gemm_aligned;
