@@ -90,8 +90,9 @@ impl CudaContext {
         self.launch(Launch::new("rmsnorm_residual", (t as u32, 1, 1), 256, bytes as u64), p)
     }
 
-    /// Per-row FP8 quantisation of `rows` contiguous rows of `cols`: scale = amax/448,
-    /// q8 = e4m3(x / scale).
+    /// Per-row FP8 quantisation of `rows` contiguous rows of `cols`, compressed-tensors' form
+    /// (`act_scale` / `quant_e4m3` of common.cuh): scale = bf16(amax / 448) (2^-7 if 0),
+    /// q8 = e4m3(bf16(x / scale)).
     pub(crate) fn k_quant(&self, x: Ptr, q8: Ptr, scale: Ptr, rows: usize, cols: usize) -> Result<()> {
         ensure!(rows > 0 && cols > 0, "quantize: empty");
         let p = OrnithQuantParams {
