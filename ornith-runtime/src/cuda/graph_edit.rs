@@ -32,26 +32,32 @@ impl Drop for EditedGraph {
 }
 
 /// A node's dependencies (`out = false`) or dependent nodes (`out = true`) with their edges.
+/// The arrays are passed filled-in (never a count query with null arrays, which the driver may
+/// refuse as lossy when an edge is programmatic) and grown until the driver returns fewer entries
+/// than they hold.
 ///
 /// # Safety
 /// `node` must be a live node of a graph not used by another thread.
 unsafe fn edges(node: CUgraphNode, out: bool) -> Result<Vec<(CUgraphNode, CUgraphEdgeData)>> {
-    let query = |nodes: *mut CUgraphNode, data: *mut CUgraphEdgeData, n: &mut usize| {
-        if out {
-            sys::cuGraphNodeGetDependentNodes_v2(node, nodes, data, n)
+    let mut cap = 8usize;
+    loop {
+        let mut nodes: Vec<CUgraphNode> = vec![std::ptr::null_mut(); cap];
+        // SAFETY: a zeroed edge is a valid plain-data value (the driver overwrites it).
+        let mut data: Vec<CUgraphEdgeData> = vec![std::mem::zeroed(); cap];
+        let mut n = cap;
+        let r = if out {
+            sys::cuGraphNodeGetDependentNodes_v2(node, nodes.as_mut_ptr(), data.as_mut_ptr(), &mut n)
         } else {
-            sys::cuGraphNodeGetDependencies_v2(node, nodes, data, n)
+            sys::cuGraphNodeGetDependencies_v2(node, nodes.as_mut_ptr(), data.as_mut_ptr(), &mut n)
+        };
+        r.result().context("reading a graph node's edges")?;
+        if n < cap {
+            nodes.truncate(n);
+            data.truncate(n);
+            return Ok(nodes.into_iter().zip(data).collect());
         }
-    };
-    let mut n = 0usize;
-    query(std::ptr::null_mut(), std::ptr::null_mut(), &mut n).result().context("counting a graph node's edges")?;
-    let mut nodes = vec![std::ptr::null_mut(); n];
-    // SAFETY: a zeroed edge is a valid plain-data value (the driver overwrites it).
-    let mut data: Vec<CUgraphEdgeData> = vec![std::mem::zeroed(); n];
-    query(nodes.as_mut_ptr(), data.as_mut_ptr(), &mut n).result().context("reading a graph node's edges")?;
-    nodes.truncate(n);
-    data.truncate(n);
-    Ok(nodes.into_iter().zip(data).collect())
+        cap *= 8;
+    }
 }
 
 impl CudaContext {
