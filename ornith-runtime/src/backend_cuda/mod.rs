@@ -21,8 +21,8 @@
 //!   sequence's logits do not depend on the other rows of the step (batch invariance).
 //! * Each prefill sequence runs as one sequence: its rows in chunks of [`plan::CHUNK`] (=
 //!   `engine::PREFILL_CHUNK`); a chunk of more than 8 rows runs the prefill kernels
-//!   ([`crate::cuda::prefill`]: tensor-core GEMMs, chunked gated delta rule, causal flash
-//!   attention over its blocks, MoE grouped by expert), a shorter one the decode kernels with its position
+//!   (tensor-core GEMMs, chunked gated delta rule, causal flash attention over its blocks, MoE
+//!   grouped by expert), a shorter one the decode kernels with its position
 //!   `pos0 + t`, one block table and its slot's state.
 //! * A decode step ([`Batch::is_decode`]) is captured as a CUDA graph once per number of
 //!   sequences and replayed ([`Backend::step`]): the kernels read ids, positions, slots and block
@@ -765,7 +765,7 @@ impl CudaBackend {
             })?;
         } else {
             // ATTN_ROWS rows per launch (the split partials are sized for that many).
-            const _: () = assert!(ATTN_ROWS <= crate::cuda::launch::ATT_MAX_ROWS);
+            const _: () = assert!(ATTN_ROWS <= crate::cuda::attention::ATT_MAX_ROWS);
             for a0 in (0..n).step_by(ATTN_ROWS) {
                 let m = ATTN_ROWS.min(n - a0);
                 // Device-position form: MAX_SPLITS splits at most (the partials' stride), the

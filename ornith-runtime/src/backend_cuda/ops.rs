@@ -5,7 +5,7 @@
 //! slice wrappers); the shapes come from the compiled [`Dims`](crate::graph::Dims) and
 //! the scratch sizes fixed in [`super::plan`], both checked once when the backend is built.
 use super::CudaBackend;
-use crate::cuda::prefill::gemm_aligned;
+use crate::cuda::gemm::gemm_aligned;
 pub use crate::cuda::Ptr;
 use anyhow::{ensure, Result};
 use cudarc::driver::CudaSlice;

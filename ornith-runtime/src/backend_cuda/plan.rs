@@ -148,7 +148,7 @@ impl ScratchSizes {
             part_ml: ATTN_ROWS * d.num_attention_heads * MAX_SPLITS * 2,
             rlog_w: d.num_experts + 1,
             slots,
-            gdn_work: crate::cuda::prefill::gdn_work_len(CHUNK, d.linear_num_value_heads),
+            gdn_work: crate::cuda::gdn::gdn_work_len(CHUNK, d.linear_num_value_heads),
         }
     }
 

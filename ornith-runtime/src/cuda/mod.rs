@@ -4,17 +4,17 @@
 //! neither the CUDA toolkit nor a GPU. The device's compute capability picks the PTX: 9.0 → sm_90,
 //! 12.x → sm_121; anything else is refused with the device's name.
 //!
-//! **One launcher per kernel.** Every kernel has exactly one function that builds its parameter
-//! struct, checks what the kernel assumes (alignment, divisibility, limits; an error, never a
-//! launch on a bad shape), computes its grid, block and shared memory and the bytes it must
-//! move, and launches it through [`CudaContext::launch`]: [`launch`] (decode kernels),
-//! [`prefill`] (prefill kernels), [`nvfp4`], [`sample`]. They take device addresses ([`Ptr`])
-//! and shapes, or, where the kernel has many inputs, its bindgen parameter struct, so the CUDA
-//! backend (`backend_cuda`) calls them at column offsets inside its wide scratch rows. The
-//! kernel tests call them through thin slice-based wrappers in the same files, which only check
-//! the buffers' lengths against the shapes (and, for tables and slots held on the device, read
-//! them back) and convert the slices to addresses. The kernels' math is stated in
-//! `kernels/include/ornith_kernels.h`.
+//! **One launcher per kernel**, in one file per op family (the kernels' `.cu` files): [`norm`],
+//! [`gemv`], [`moe`], [`gdn`], [`attention`], [`gemm`], [`sample`], [`nvfp4`]. Each kernel has
+//! exactly one function that builds its parameter struct, checks what the kernel assumes
+//! (alignment, divisibility, limits; an error, never a launch on a bad shape), computes its grid,
+//! block and shared memory and the bytes it must move, and launches it through
+//! [`CudaContext::launch`]. They take device addresses ([`Ptr`]) and shapes, or, where the kernel
+//! has many inputs, its bindgen parameter struct, so the CUDA backend (`backend_cuda`) calls them
+//! at column offsets inside its wide scratch rows. The kernel tests call them through thin
+//! slice-based wrappers in the same files, which only check the buffers' lengths against the
+//! shapes (and, for tables and slots held on the device, read them back) and convert the slices
+//! to addresses. The kernels' math is stated in `kernels/include/ornith_kernels.h`.
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{
     CudaContext as DriverContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
@@ -32,6 +32,11 @@ pub type Ptr = u64;
 pub(crate) fn need<T>(what: &str, s: &CudaSlice<T>, n: usize) -> Result<()> {
     anyhow::ensure!(s.len() >= n, "{what}: buffer has {} elements, the launch needs {n}", s.len());
     Ok(())
+}
+
+/// Whether address `a` is a multiple of `n` bytes (a kernel's vector loads).
+pub(crate) fn aligned(a: Ptr, n: u64) -> bool {
+    a.is_multiple_of(n)
 }
 
 /// `v` as the kernel's int32 parameter, or an error naming it.
@@ -62,12 +67,16 @@ impl Launch {
     }
 }
 
+pub mod attention;
+pub mod gdn;
+pub mod gemm;
+pub mod gemv;
 pub mod graph_edit;
-pub mod launch;
+pub mod moe;
+pub mod norm;
 pub mod nvfp4;
 #[cfg(test)]
 mod nvfp4_tests;
-pub mod prefill;
 #[cfg(test)]
 mod prefill_tests;
 pub mod profile;
@@ -161,7 +170,7 @@ pub struct CudaContext {
     funcs: HashMap<&'static str, CudaFunction>,
     /// Launch with programmatic dependent launch (see [`CudaContext::set_pdl`]).
     pdl: AtomicBool,
-    /// Blocks of the decode attention's split kernel ([`launch::ATT_BLOCKS_PER_SM`] per SM, or
+    /// Blocks of the decode attention's split kernel ([`attention::ATT_BLOCKS_PER_SM`] per SM, or
     /// as many as its shared memory lets reside).
     pub(crate) attn_blocks: u32,
     /// Whether [`Self::profile`] holds a recording (see [`Self::profile_begin`]).
@@ -242,7 +251,7 @@ impl CudaContext {
             modules.push(module);
         }
         let split = &funcs["attn_decode_split"];
-        let smem = launch::ATT_SPLIT_SMEM;
+        let smem = attention::ATT_SPLIT_SMEM;
         split.set_attribute(
             cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
@@ -250,7 +259,7 @@ impl CudaContext {
         let per_sm = split.occupancy_max_active_blocks_per_multiprocessor(64, smem as usize, None)?;
         anyhow::ensure!(per_sm > 0, "'{name}' cannot hold one attn_decode_split block ({smem} bytes of shared memory)");
         let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-        let attn_blocks = sms.max(1) as u32 * per_sm.min(launch::ATT_BLOCKS_PER_SM);
+        let attn_blocks = sms.max(1) as u32 * per_sm.min(attention::ATT_BLOCKS_PER_SM);
         Ok(Self {
             ctx,
             stream,

@@ -4,8 +4,8 @@
 //! `[out, in/16]` and the global scale (`model_spec::nvfp4` states the math). Not yet used by the
 //! CUDA backend, whose loader refuses NVFP4 checkpoints, so each kernel's one launcher takes
 //! buffers (the kernel tests' form); wiring them in splits each into an address launcher and a
-//! slice wrapper as in [`super::launch`].
-use super::launch::MoeGroups;
+//! slice wrapper as in [`super::gemv`].
+use super::moe::MoeGroups;
 use super::{CudaContext, Launch};
 use anyhow::{ensure, Result};
 use cudarc::driver::CudaSlice;

@@ -1,8 +1,9 @@
 //! Prefill kernels against the CPU reference ops (`crate::cpu`), `#[ignore]`d (CI has no GPU):
 //! `cargo test -p ornith-runtime prefill -- --ignored --test-threads=1`. Each test also prints a
 //! `PERF` line at the real 2K-token shapes (median of 20 event-timed launches after 3 warm-ups).
-use super::launch::GdnArgs;
-use super::prefill::*;
+use super::attention::*;
+use super::gdn::*;
+use super::moe::*;
 use super::test_util::{ctx, page, reversed_table, rng, time_it, KVB, POISON, R};
 use crate::cpu::attention::{attention, output_gate};
 use crate::cpu::conv::conv_silu;

@@ -5,7 +5,9 @@
 //! `cpu::linear::linear_fp8` quantises bf16 activations itself; the SwiGLU and the MoE combine
 //! are inline steps of `cpu::moe`), the reference stays an f64 loop with the same bf16 cast
 //! points, and the test says so. Tolerance rationale at `close`.
-use super::launch::*;
+use super::attention::*;
+use super::gdn::*;
+use super::gemv::*;
 use super::test_util::{ctx, page, reversed_table, rng, time_cold, time_it, unpage, KVB, POISON, R};
 use crate::cpu::attention::{apply_rope, attention, split_q_gate};
 use crate::cpu::conv::conv_silu;
