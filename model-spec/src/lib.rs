@@ -245,8 +245,9 @@ pub struct LayerSpec {
     pub mlp: MoeSpec,
 }
 
-/// Model dimensions (from `text_config`, validated).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Model dimensions (from `text_config`, validated), with config.json's names: the one dims type
+/// (the generated model's `DIMS` is one, which the backends read).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Dims {
     pub vocab_size: usize,
     pub hidden_size: usize,
@@ -271,18 +272,26 @@ pub struct Dims {
 }
 
 impl Dims {
-    pub fn key_dim(&self) -> usize {
+    pub const fn key_dim(&self) -> usize {
         self.linear_num_key_heads * self.linear_key_head_dim
     }
-    pub fn value_dim(&self) -> usize {
+    pub const fn value_dim(&self) -> usize {
         self.linear_num_value_heads * self.linear_value_head_dim
     }
     /// Channels of the depthwise conv: `[q | k | v]`.
-    pub fn conv_dim(&self) -> usize {
+    pub const fn conv_dim(&self) -> usize {
         2 * self.key_dim() + self.value_dim()
     }
+    /// Elements of one sequence's state in one Gated DeltaNet layer: the conv state
+    /// `[K-1, conv_dim]` (bf16) and the recurrent state `[Hv, dk, dv]` (f32).
+    pub const fn gdn_state_elems(&self) -> (usize, usize) {
+        (
+            (self.linear_conv_kernel_dim - 1) * self.conv_dim(),
+            self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim,
+        )
+    }
     /// KV-cache bytes per token (BF16 K and V over all full-attention layers).
-    pub fn kv_bytes_per_token(&self, full_attention_layers: usize) -> u64 {
+    pub const fn kv_bytes_per_token(&self, full_attention_layers: usize) -> u64 {
         (full_attention_layers * 2 * self.num_key_value_heads * self.head_dim * 2) as u64
     }
 }

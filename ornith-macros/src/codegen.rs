@@ -255,10 +255,10 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
         /// The checkpoint directory the spec was made from (the default `--model`).
         pub const MODEL_DIR: &str = #model_dir;
         /// Dimensions of the compiled model.
-        pub const DIMS: #g::ModelDims = #g::ModelDims {
+        pub const DIMS: #g::Dims = #g::Dims {
             vocab_size: #vocab,
             hidden_size: #hidden,
-            num_layers: #layers_n,
+            num_hidden_layers: #layers_n,
             num_attention_heads: #nh,
             num_key_value_heads: #nkv,
             head_dim: #hd,
@@ -268,11 +268,11 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
             linear_num_value_heads: #lv,
             linear_key_head_dim: #lkd,
             linear_value_head_dim: #lvd,
-            conv_kernel: #ck,
+            linear_conv_kernel_dim: #ck,
             num_experts: #ne,
-            top_k: #topk,
+            num_experts_per_tok: #topk,
             moe_intermediate_size: #mi,
-            shared_intermediate_size: #si,
+            shared_expert_intermediate_size: #si,
             rms_norm_eps: #eps_lit,
             max_position_embeddings: #maxpos,
         };

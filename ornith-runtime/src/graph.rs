@@ -38,49 +38,8 @@ impl Prec for Nvfp4 {
     const NAME: &'static str = "NVFP4";
 }
 
-/// Model dimensions as compile-time constants (the macro writes one `DIMS`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ModelDims {
-    pub vocab_size: usize,
-    pub hidden_size: usize,
-    pub num_layers: usize,
-    pub num_attention_heads: usize,
-    pub num_key_value_heads: usize,
-    pub head_dim: usize,
-    pub rotary_dim: usize,
-    pub rope_theta: f64,
-    pub linear_num_key_heads: usize,
-    pub linear_num_value_heads: usize,
-    pub linear_key_head_dim: usize,
-    pub linear_value_head_dim: usize,
-    pub conv_kernel: usize,
-    pub num_experts: usize,
-    pub top_k: usize,
-    pub moe_intermediate_size: usize,
-    pub shared_intermediate_size: usize,
-    pub rms_norm_eps: f64,
-    pub max_position_embeddings: usize,
-}
-
-impl ModelDims {
-    pub const fn key_dim(&self) -> usize {
-        self.linear_num_key_heads * self.linear_key_head_dim
-    }
-    pub const fn value_dim(&self) -> usize {
-        self.linear_num_value_heads * self.linear_value_head_dim
-    }
-    pub const fn conv_dim(&self) -> usize {
-        2 * self.key_dim() + self.value_dim()
-    }
-    /// Elements of one sequence's state in one Gated DeltaNet layer: the conv state
-    /// `[K-1, conv_dim]` (bf16) and the recurrent state `[Hv, dk, dv]` (f32).
-    pub const fn gdn_state_elems(&self) -> (usize, usize) {
-        (
-            (self.conv_kernel - 1) * self.conv_dim(),
-            self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim,
-        )
-    }
-}
+/// Model dimensions with config.json's names (the macro writes one `DIMS`).
+pub use model_spec::Dims;
 
 /// Gated DeltaNet mixer weights (`linear_attn`).
 pub struct GatedDeltaNet<B: Backend, Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec> {
@@ -278,9 +237,9 @@ pub trait Backend: Sized + Send {
 
     // ---- state pools ----------------------------------------------------------------------
     /// Recurrent state for `slots` sequences, zeroed.
-    fn new_gdn_pool(&self, d: &ModelDims, slots: usize) -> anyhow::Result<Self::GdnPool>;
+    fn new_gdn_pool(&self, d: &Dims, slots: usize) -> anyhow::Result<Self::GdnPool>;
     /// `blocks` K/V blocks (contents undefined until written).
-    fn new_kv_pool(&self, d: &ModelDims, blocks: usize) -> anyhow::Result<Self::KvPool>;
+    fn new_kv_pool(&self, d: &Dims, blocks: usize) -> anyhow::Result<Self::KvPool>;
     /// Zeroes one slot's conv and recurrent state (a new sequence starts from it).
     fn clear_slot(&self, p: &mut Self::GdnPool, slot: usize) -> anyhow::Result<()>;
     /// Copies row `from` of a recurrent pool (conv and recurrent state) to row `to` (a prefix
@@ -306,13 +265,13 @@ pub trait Backend: Sized + Send {
     ) -> anyhow::Result<Self::Logits>;
 
     // ---- layer operations (over every row of the step) ----------------------------------
-    fn embed(&self, d: &ModelDims, table: &Self::Embedding, batch: &Batch) -> anyhow::Result<Self::Act>;
+    fn embed(&self, d: &Dims, table: &Self::Embedding, batch: &Batch) -> anyhow::Result<Self::Act>;
 
     /// `h = h + GDN(RMSNorm(h))`: each sequence's rows continue from its slot of `pool`
     /// (chunked form for a prefill chunk, recurrent form for one token).
     fn gated_deltanet<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
         &self,
-        d: &ModelDims,
+        d: &Dims,
         norm: &Self::Vector,
         w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
         pool: &mut Self::GdnPool,
@@ -324,7 +283,7 @@ pub trait Backend: Sized + Send {
     /// their K/V into its blocks and attend causally over its positions `0 ..= p`.
     fn attention<Q: Prec, K: Prec, V: Prec, O: Prec>(
         &self,
-        d: &ModelDims,
+        d: &Dims,
         norm: &Self::Vector,
         w: &GatedAttention<Self, Q, K, V, O>,
         pool: &mut Self::KvPool,
@@ -336,7 +295,7 @@ pub trait Backend: Sized + Send {
     #[allow(clippy::too_many_arguments)]
     fn sparse_moe<R: Prec, Eg: Prec, Eu: Prec, Ed: Prec, Sg: Prec, Su: Prec, Sd: Prec, Sgate: Prec>(
         &self,
-        d: &ModelDims,
+        d: &Dims,
         norm: &Self::Vector,
         w: &SparseMoe<Self, R, Eg, Eu, Ed, Sg, Su, Sd, Sgate>,
         batch: &Batch,
@@ -347,7 +306,7 @@ pub trait Backend: Sized + Send {
     /// every row): `[batch.logit_rows(), vocab]`.
     fn logits<P: Prec>(
         &self,
-        d: &ModelDims,
+        d: &Dims,
         norm: &Self::Vector,
         lm_head: &Self::Linear<P>,
         batch: &Batch,

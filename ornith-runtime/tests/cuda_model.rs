@@ -8,6 +8,8 @@
 //! * `cuda_ops_vs_cpu` — shallow: every layer op, prefill and one-token decode, from the same CPU
 //!   input on both backends, each within a stated bound (row 0 of prefill bit-exact).
 //! * `cuda_decode_graph_matches_eager` — the captured decode graph against eager launches.
+//! * `decode_graph_ablation` — the bench's in-graph ablation: each edited clone of the decode
+//!   graph lacks exactly one kernel's launches; the captured graph is left as it was.
 //! * `batch_invariance` — shallow: sequences decoded together (1, 2, 3, 8, 13 at once, and next
 //!   to a prefill chunk) give each sequence the bits it gets alone; graphs equal eager launches
 //!   at every batch size.
@@ -258,6 +260,56 @@ fn cuda_decode_graph_matches_eager() {
     eprintln!(
         "decode graph: prefill + 48 steps bit-identical across eager/graph x PDL on/off (also after reset and in a second state); us/step with a logits download per step: eager {:.1} (PDL {:.1}), graph {:.1} (PDL {:.1})",
         tp * 1e6, te * 1e6, tn * 1e6, tg * 1e6
+    );
+}
+
+/// The bench's in-graph ablation edits a clone of the captured decode graph: for every kernel
+/// of the step, the edited graph has lost exactly that kernel's launches of an eagerly profiled
+/// step (counted by the event profile) and replays; afterwards the captured graph itself is
+/// untouched: a fresh run replays it to the logits of eager launches, bit for bit.
+#[test]
+#[ignore]
+fn decode_graph_ablation() {
+    use ornith_runtime::cuda::profile::summarize;
+    let ck = Checkpoint::open(&model_dir(), compiled::FINGERPRINT).expect("checkpoint");
+    let d = compiled::DIMS;
+    let ctx = 512;
+    let gpu = cuda_backend(&ck, ctx);
+    let m = compiled::Model::load(&gpu, &ck).expect("CUDA load");
+    let ids = prompt(40, d.vocab_size);
+    let mut st = compiled::Model::new_state(&gpu, ctx).unwrap();
+    // Prefill + 8 greedy steps' logits (graph or eager).
+    let run = |st: &mut compiled::State<CudaBackend>, graph: bool| -> Vec<Vec<f32>> {
+        gpu.set_decode_graph(graph);
+        st.reset(&gpu).unwrap();
+        let mut l = gpu.logits_to_host(&m.prefill(&gpu, st, &ids, false, &mut |_, _| {}).unwrap()).unwrap();
+        let mut out = vec![l.clone()];
+        for _ in 0..8 {
+            l = gpu.logits_to_host(&m.decode_step(&gpu, st, argmax(&l) as u32).unwrap()).unwrap();
+            out.push(l.clone());
+        }
+        out
+    };
+    let eager = run(&mut st, false);
+    let graph = run(&mut st, true);
+    assert!(graph == eager, "the decode graph differs from eager launches");
+    gpu.profile_begin();
+    m.decode_step(&gpu, &mut st, 0).unwrap();
+    let kernels = summarize(&gpu.profile_end().unwrap());
+    assert!(kernels.len() > 5, "the profiled step launched {} kernels", kernels.len());
+    for k in &kernels {
+        gpu.set_ablated_kernel(Some(k.kernel));
+        m.decode_step(&gpu, &mut st, 0).unwrap();
+        gpu.context().synchronize().unwrap();
+        assert_eq!(gpu.ablated_nodes(), Some(k.launches), "ablating {}: nodes removed vs launches", k.kernel);
+    }
+    gpu.set_ablated_kernel(None);
+    assert_eq!(gpu.ablated_nodes(), None);
+    let after = run(&mut st, true);
+    assert!(after == eager, "the captured graph replays differently after the ablations");
+    eprintln!(
+        "decode graph ablation: {} kernels, each edited graph lost exactly its launches; the captured graph unchanged",
+        kernels.len()
     );
 }
 

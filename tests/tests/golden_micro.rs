@@ -128,15 +128,15 @@ macro_rules! golden_run {
 
         // Prefill: logits of all 70 rows (two GDN chunks), and each layer's output for every row.
         let mut st = $m::Model::new_state(&b, 256).unwrap();
-        let mut taps: Vec<Vec<f32>> = vec![Vec::new(); $m::DIMS.num_layers];
+        let mut taps: Vec<Vec<f32>> = vec![Vec::new(); $m::DIMS.num_hidden_layers];
         let logits =
             model.prefill(&b, &mut st, &prompt, true, &mut |i, h| taps[i] = b.act_to_host(h).unwrap()).unwrap();
         let logits = b.logits_to_host(&logits).unwrap();
         let want_hidden: Vec<Vec<f32>> =
-            (0..$m::DIMS.num_layers).map(|i| g.f32(&format!("hidden_after_layer_{i}"))).collect();
+            (0..$m::DIMS.num_hidden_layers).map(|i| g.f32(&format!("hidden_after_layer_{i}"))).collect();
         let hidden_gaps =
-            (0..$m::DIMS.num_layers).map(|i| diff(&taps[i][..hidden], &want_hidden[i][..hidden])).collect();
-        let hidden_all = (0..$m::DIMS.num_layers).map(|i| diff(&taps[i], &want_hidden[i])).collect();
+            (0..$m::DIMS.num_hidden_layers).map(|i| diff(&taps[i][..hidden], &want_hidden[i][..hidden])).collect();
+        let hidden_all = (0..$m::DIMS.num_hidden_layers).map(|i| diff(&taps[i], &want_hidden[i])).collect();
         let prefill = diff(&logits, &g.f32("prefill_logits"));
 
         // Decode with the cache, teacher-forced on the oracle's greedy tokens; at each step record

@@ -63,6 +63,8 @@ fn tiny_round_trip_classifies_every_linear_as_the_vendor_does() {
     assert_eq!(spec.dims.vocab_size, 248_320);
     assert_eq!(spec.dims.hidden_size, 64);
     assert_eq!(spec.dims.rotary_dim, 8);
+    // The preset's dims are one type with the checkpoint's: what it writes is what validates.
+    assert_eq!(spec.dims, Preset::Tiny.text().dims);
     assert_eq!(spec.eos_token_ids, vec![248046, 248044]);
     assert_eq!(spec.mtp_config_layers, 1);
     assert_eq!(spec.mtp_tensors, 0);

@@ -129,7 +129,7 @@ pub struct CpuLogits {
     pub data: Vec<f32>,
 }
 
-fn gdn_dims(d: &ModelDims) -> gdn::GdnDims {
+fn gdn_dims(d: &Dims) -> gdn::GdnDims {
     gdn::GdnDims {
         hk: d.linear_num_key_heads,
         hv: d.linear_num_value_heads,
@@ -138,7 +138,7 @@ fn gdn_dims(d: &ModelDims) -> gdn::GdnDims {
     }
 }
 
-fn eps(d: &ModelDims) -> f32 {
+fn eps(d: &Dims) -> f32 {
     d.rms_norm_eps as f32
 }
 
@@ -148,7 +148,7 @@ impl CpuBackend {
     /// chunked form for more), then the gated norm and `out_proj` over every row.
     fn gdn_layer<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
         &self,
-        d: &ModelDims,
+        d: &Dims,
         norm_w: &[bf16],
         w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
         pool: &mut CpuGdnPool,
@@ -171,7 +171,7 @@ impl CpuBackend {
             let n = s.len;
             let (conv_st, ssm) = pool.slot(s.slot);
             let mut y = vec![bf16::ZERO; n * c];
-            conv::conv_silu(&qkv[r0 * c..][..n * c], n, c, &w.conv1d, d.conv_kernel, conv_st, &mut y);
+            conv::conv_silu(&qkv[r0 * c..][..n * c], n, c, &w.conv1d, d.linear_conv_kernel_dim, conv_st, &mut y);
             gdn::gated_delta_rule(
                 &y,
                 &b[r0 * hv..][..n * hv],
@@ -196,7 +196,7 @@ impl CpuBackend {
     /// its positions gathered in order; output gate and `o_proj` over every row.
     fn attention_layer<Q: Prec, K: Prec, V: Prec, O: Prec>(
         &self,
-        d: &ModelDims,
+        d: &Dims,
         norm_w: &[bf16],
         w: &GatedAttention<Self, Q, K, V, O>,
         pool: &mut CpuKvPool,
@@ -291,12 +291,12 @@ impl Backend for CpuBackend {
         self.embedding(ck, name, vocab, hidden)
     }
 
-    fn new_gdn_pool(&self, d: &ModelDims, slots: usize) -> Result<CpuGdnPool> {
+    fn new_gdn_pool(&self, d: &Dims, slots: usize) -> Result<CpuGdnPool> {
         let (conv, ssm) = d.gdn_state_elems();
         Ok(CpuGdnPool { conv: vec![bf16::ZERO; slots * conv], ssm: vec![0.0; slots * ssm], slots })
     }
 
-    fn new_kv_pool(&self, d: &ModelDims, blocks: usize) -> Result<CpuKvPool> {
+    fn new_kv_pool(&self, d: &Dims, blocks: usize) -> Result<CpuKvPool> {
         let n = blocks * KV_BLOCK * d.num_key_value_heads * d.head_dim;
         Ok(CpuKvPool { k: vec![bf16::ZERO; n], v: vec![bf16::ZERO; n], blocks })
     }
@@ -331,7 +331,7 @@ impl Backend for CpuBackend {
         run()
     }
 
-    fn embed(&self, d: &ModelDims, table: &Vec<bf16>, batch: &Batch) -> Result<CpuAct> {
+    fn embed(&self, d: &Dims, table: &Vec<bf16>, batch: &Batch) -> Result<CpuAct> {
         let ids = &batch.ids;
         let mut data = vec![bf16::ZERO; ids.len() * d.hidden_size];
         cpu::embed::embed(ids, table, d.hidden_size, &mut data)?;
@@ -340,7 +340,7 @@ impl Backend for CpuBackend {
 
     fn gated_deltanet<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
         &self,
-        d: &ModelDims,
+        d: &Dims,
         norm: &Vec<bf16>,
         w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
         pool: &mut CpuGdnPool,
@@ -352,7 +352,7 @@ impl Backend for CpuBackend {
 
     fn attention<Q: Prec, K: Prec, V: Prec, O: Prec>(
         &self,
-        d: &ModelDims,
+        d: &Dims,
         norm: &Vec<bf16>,
         w: &GatedAttention<Self, Q, K, V, O>,
         pool: &mut CpuKvPool,
@@ -369,7 +369,7 @@ impl Backend for CpuBackend {
 
     fn sparse_moe<R: Prec, Eg: Prec, Eu: Prec, Ed: Prec, Sg: Prec, Su: Prec, Sd: Prec, Sgate: Prec>(
         &self,
-        d: &ModelDims,
+        d: &Dims,
         norm_w: &Vec<bf16>,
         w: &SparseMoe<Self, R, Eg, Eu, Ed, Sg, Su, Sd, Sgate>,
         _batch: &Batch,
@@ -394,9 +394,9 @@ impl Backend for CpuBackend {
                 up: w.shared_up_proj.weight(self.fp8),
                 down: w.shared_down_proj.weight(self.fp8),
             },
-            shared_inter: d.shared_intermediate_size,
+            shared_inter: d.shared_expert_intermediate_size,
             shared_gate: w.shared_expert_gate.bf16_weight("mlp.shared_expert_gate")?,
-            top_k: d.top_k,
+            top_k: d.num_experts_per_tok,
         };
         let mut out = vec![bf16::ZERO; t * hs];
         moe::moe(&x, t, hs, &wts, &mut out);
@@ -406,7 +406,7 @@ impl Backend for CpuBackend {
 
     fn logits<P: Prec>(
         &self,
-        d: &ModelDims,
+        d: &Dims,
         norm_w: &Vec<bf16>,
         lm_head: &CpuLinear<P>,
         batch: &Batch,

@@ -3,7 +3,7 @@
 //! them (`[E, 2I, H]` gate|up rows and `[E, H, I]` down, FP8, with f32 scales), a progress line on
 //! stderr.
 use super::{CudaBackend, CudaExperts, CudaLinear, CudaVector, DevLinear};
-use crate::graph::{ModelDims, Prec};
+use crate::graph::{Dims, Prec};
 use crate::weights::{to_f32, Checkpoint};
 use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::CudaSlice;
@@ -259,7 +259,7 @@ impl CudaBackend {
 /// index of `module` among them (0 loads the matrix, the others then hold no memory), or None.
 pub(super) fn fused_group(
     spec: &ModelSpec,
-    d: &ModelDims,
+    d: &Dims,
     module: &str,
     kind: Precision,
 ) -> Option<(Vec<(String, usize)>, usize)> {
@@ -302,11 +302,11 @@ mod tests {
 
     /// The micro dims (tests/fixtures: hidden 64, GDN 2 k / 4 v heads of 32, attention 4 q / 2 kv
     /// heads of 32); only the projection widths matter here.
-    fn micro_dims() -> ModelDims {
-        ModelDims {
+    fn micro_dims() -> Dims {
+        Dims {
             vocab_size: 0,
             hidden_size: 64,
-            num_layers: 4,
+            num_hidden_layers: 4,
             num_attention_heads: 4,
             num_key_value_heads: 2,
             head_dim: 32,
@@ -316,11 +316,11 @@ mod tests {
             linear_num_value_heads: 4,
             linear_key_head_dim: 32,
             linear_value_head_dim: 32,
-            conv_kernel: 4,
+            linear_conv_kernel_dim: 4,
             num_experts: 8,
-            top_k: 2,
+            num_experts_per_tok: 2,
             moe_intermediate_size: 32,
-            shared_intermediate_size: 32,
+            shared_expert_intermediate_size: 32,
             rms_norm_eps: 1e-6,
             max_position_embeddings: 1024,
         }

@@ -21,8 +21,8 @@
 //!   sequence's logits do not depend on the other rows of the step (batch invariance).
 //! * Each prefill sequence runs as one sequence: its rows in chunks of [`plan::CHUNK`] (=
 //!   `engine::PREFILL_CHUNK`); a chunk of more than 8 rows runs the prefill kernels
-//!   ([`prefill_ops`]: tensor-core GEMMs, chunked gated delta rule, causal flash attention over
-//!   its blocks, MoE grouped by expert), a shorter one the decode kernels with its position
+//!   (tensor-core GEMMs, chunked gated delta rule, causal flash attention over its blocks, MoE
+//!   grouped by expert), a shorter one the decode kernels with its position
 //!   `pos0 + t`, one block table and its slot's state.
 //! * A decode step ([`Batch::is_decode`]) is captured as a CUDA graph once per number of
 //!   sequences and replayed ([`Backend::step`]): the kernels read ids, positions, slots and block
@@ -35,9 +35,6 @@ pub mod decode_bytes;
 mod load;
 mod ops;
 pub mod plan;
-mod prefill_ops;
-pub mod profile;
-pub mod spark;
 
 use crate::cuda::CudaContext;
 use crate::engine::{Capacity, PoolRequest};
@@ -47,10 +44,9 @@ use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use model_spec::ExpertLayout;
-use ops::{at, Ptr, XIn};
+use ops::{at, use_prefill, Ptr, XIn};
 use ornith_kernels::bindings::*;
 use plan::{MemoryPlan, ScratchSizes, ATTN_ROWS, CHUNK, GROUPED_MOE_ROWS};
-use prefill_ops::use_prefill;
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -137,14 +133,14 @@ pub struct CudaStepGraphs {
 }
 
 /// One captured decode step, with what it was captured with: the embedding load id (a graph
-/// bakes in every weight address, and an address could be reused by a later load), whether the
-/// launches carry the programmatic-dependent-launch attribute, the kernel left out
-/// (`CudaBackend::set_skip_kernel`).
+/// bakes in every weight address, and an address could be reused by a later load) and whether
+/// the launches carry the programmatic-dependent-launch attribute; and, while the bench ablates
+/// a kernel ([`CudaBackend::set_ablated_kernel`]), the graph edited without that kernel's nodes.
 struct StepGraph {
     graph: SendGraph,
     key: u64,
     pdl: bool,
-    skip: Option<&'static str>,
+    ablated: Option<(&'static str, crate::cuda::graph_edit::EditedGraph)>,
 }
 
 /// The embedding table `[vocab, hidden]` BF16, and a number unique to this load (the key of
@@ -275,13 +271,12 @@ struct Scratch {
 /// The CUDA backend on device 0.
 pub struct CudaBackend {
     cx: CudaContext,
-    dims: ModelDims,
+    dims: Dims,
     sz: ScratchSizes,
     s: Scratch,
     plan: MemoryPlan,
     cap: Capacity,
     progress: Mutex<load::Progress>,
-    prof: Mutex<Option<Vec<profile::Launch>>>,
     /// An error from a method that cannot return one, reported by the next call.
     deferred: Mutex<Option<anyhow::Error>>,
     dec: StepBufs,
@@ -290,8 +285,9 @@ pub struct CudaBackend {
     described: Cell<Option<usize>>,
     /// Capture and replay decode steps (default); false runs them eagerly.
     graphs: AtomicBool,
-    /// A kernel whose launches are not issued (`ornith-bench`'s in-graph ablation; None normally).
-    skip: Mutex<Option<&'static str>>,
+    /// `ornith-bench`'s in-graph ablation: decode replays run the captured graph without this
+    /// kernel's nodes, and how many nodes were removed (None normally).
+    ablation: Mutex<Option<(&'static str, Option<usize>)>>,
     /// The device sampler's buffers (one row per slot).
     sampler: Mutex<crate::cuda::sample::SampleScratch>,
 }
@@ -338,7 +334,7 @@ impl CudaBackend {
     pub fn new(
         cx: CudaContext,
         ck: &Checkpoint,
-        dims: &ModelDims,
+        dims: &Dims,
         req: &PoolRequest,
         quiet: bool,
     ) -> Result<(Self, Capacity)> {
@@ -369,12 +365,11 @@ impl CudaBackend {
             plan,
             cap,
             progress: Mutex::new(load::Progress::new(plan.weights, quiet)),
-            prof: Mutex::new(None),
             deferred: Mutex::new(None),
             dec,
             described: Cell::new(None),
             graphs: AtomicBool::new(true),
-            skip: Mutex::new(None),
+            ablation: Mutex::new(None),
             sampler,
         };
         Ok((b, cap))
@@ -386,12 +381,22 @@ impl CudaBackend {
         self.graphs.store(on, Relaxed);
     }
 
-    /// Measurement only (`ornith-bench`'s in-graph ablation): launches of kernel `name` are not
-    /// issued, so a decode graph captured now shows what that kernel costs inside the graph.
-    /// Results are garbage while it is set (every buffer stays valid: static scratch, clamped expert
-    /// indices, device-held positions). A captured graph keeps the setting it was captured with.
-    pub fn set_skip_kernel(&self, name: Option<&'static str>) {
-        *self.skip.lock().unwrap_or_else(|e| e.into_inner()) = name;
+    /// Measurement only (`ornith-bench`'s in-graph ablation): while set, a decode step replays
+    /// its captured graph edited without the nodes that launch kernel `name` (cloned once per
+    /// kernel, [`CudaContext::graph_without`](crate::cuda::CudaContext)), so the step's time
+    /// shows what that kernel costs inside the graph. Nothing is left out of the capture: the
+    /// launches, and the graph's key, are the same as without it. Results are garbage while it
+    /// is set (every buffer stays valid: static scratch, clamped expert indices, device-held
+    /// positions); eager steps ignore it.
+    pub fn set_ablated_kernel(&self, name: Option<&'static str>) {
+        *self.ablation.lock().unwrap_or_else(|e| e.into_inner()) = name.map(|n| (n, None));
+    }
+
+    /// The nodes removed from the last decode graph replayed under [`Self::set_ablated_kernel`]
+    /// (the ablated kernel's launches in one step).
+    pub fn ablated_nodes(&self) -> Option<usize> {
+        let a = *self.ablation.lock().unwrap_or_else(|e| e.into_inner());
+        a.and_then(|a| a.1)
     }
 
     /// Replays the graph of `n`-sequence decode steps in `g`, capturing `run` into it first when
@@ -405,8 +410,7 @@ impl CudaBackend {
         run: &mut dyn FnMut() -> Result<CudaLogits>,
     ) -> Result<CudaLogits> {
         let (key, pdl) = (table.id, self.cx.pdl());
-        let skip = *self.skip.lock().unwrap_or_else(|e| e.into_inner());
-        let fresh = g.graphs.get(&n).is_some_and(|c| c.key == key && c.pdl == pdl && c.skip == skip);
+        let fresh = g.graphs.get(&n).is_some_and(|c| c.key == key && c.pdl == pdl);
         if !fresh {
             g.graphs.remove(&n);
             let st = self.cx.stream();
@@ -427,9 +431,22 @@ impl CudaBackend {
                 .context("instantiating the decode graph")?
                 .ok_or_else(|| anyhow::anyhow!("the captured decode step is empty"))?;
             graph.upload()?;
-            g.graphs.insert(n, StepGraph { graph: SendGraph(graph), key, pdl, skip });
+            g.graphs.insert(n, StepGraph { graph: SendGraph(graph), key, pdl, ablated: None });
         }
-        g.graphs[&n].graph.0.launch()?;
+        let sg = g.graphs.get_mut(&n).expect("captured above");
+        let mut ablation = self.ablation.lock().unwrap_or_else(|e| e.into_inner());
+        match ablation.as_mut() {
+            None => sg.graph.0.launch()?,
+            Some((kernel, removed)) => {
+                if sg.ablated.as_ref().map(|a| a.0) != Some(*kernel) {
+                    sg.ablated = None;
+                    sg.ablated = Some((*kernel, self.cx.graph_without(&sg.graph.0, kernel)?));
+                }
+                let edited = &sg.ablated.as_ref().expect("edited above").1;
+                *removed = Some(edited.removed);
+                self.cx.launch_graph(edited)?;
+            }
+        }
         Ok(CudaLogits { rows: n, vocab: self.dims.vocab_size, buf: self.dec.logits.clone() })
     }
 
@@ -444,16 +461,15 @@ impl CudaBackend {
         self.cap
     }
 
-    /// Starts timing every launch (until [`Self::profile_end`]).
+    /// Starts timing every launch (until [`Self::profile_end`]; [`CudaContext::profile_begin`]).
+    /// Decode steps run eagerly meanwhile (events cannot bracket launches inside a graph).
     pub fn profile_begin(&self) {
-        *self.prof.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
+        self.cx.profile_begin();
     }
 
     /// The launches since [`Self::profile_begin`], with their event-measured times.
-    pub fn profile_end(&self) -> Result<Vec<profile::KernelTime>> {
-        let l = self.prof.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default();
-        self.cx.synchronize()?;
-        profile::collect(l)
+    pub fn profile_end(&self) -> Result<Vec<crate::cuda::profile::KernelTime>> {
+        self.cx.profile_end()
     }
 
     /// Hidden states from host values (bf16-exact f32, `[t, hidden]`): tests feed both backends
@@ -536,11 +552,11 @@ impl CudaBackend {
         let hs = self.dims.hidden_size;
         let add = (h.pending.get() > r0).then(|| at(self, &h.delta, r0 * hs));
         let (xq, xs) = (at(self, &self.s.xq, 0), at(self, &self.s.xs, 0));
-        self.k_rmsnorm(
+        self.cx.k_rmsnorm(
             at(self, &h.h, r0 * hs),
             add,
             at(self, &w.bf, 0),
-            at(self, &self.s.xb, 0),
+            Some(at(self, &self.s.xb, 0)),
             Some((xq, xs)),
             n,
             hs,
@@ -618,9 +634,9 @@ impl CudaBackend {
         };
         let (cw, co) = (at(self, &w.conv1d.bf, 0), at(self, &s.conv, 0));
         if prefill {
-            self.k_conv_chunk(proj, cw, conv_st, co, n, cd, pw)?; // bit-identical to conv1d_silu
+            self.cx.k_conv_chunk(proj, cw, conv_st, co, n, cd, pw)?; // bit-identical to conv1d_silu
         } else {
-            self.k_conv(proj, cw, conv_st, co, n, cd, pw, slot.map(|p| (p, conv_stride)))?;
+            self.cx.k_conv(proj, cw, conv_st, co, n, cd, pw, slot.map(|p| (p, conv_stride)))?;
         }
         let gp = OrnithGdnParams {
             qkv: co as _,
@@ -642,11 +658,12 @@ impl CudaBackend {
         // The chunked form (chunks of 64 inside the kernel) and the recurrent form compute the
         // same delta rule in fp32; they differ in summation order only.
         if prefill {
-            self.k_gdn_chunked(gp)?;
+            ensure!(n <= CHUNK, "gdn two-phase: {n} tokens > the workspace's {CHUNK}");
+            self.cx.k_gdn_chunked(gp)?;
         } else {
-            self.k_gdn(gp)?;
+            self.cx.k_gdn(gp)?;
         }
-        self.k_gated_norm(
+        self.cx.k_gated_norm(
             at(self, &s.o, 0),
             z_at,
             at(self, &w.norm.bf, 0),
@@ -711,7 +728,7 @@ impl CudaBackend {
             (kp, vp)
         };
         let pos_ptr = |a0: usize| if pos_dev == 0 { std::ptr::null() } else { (pos_dev + 4 * a0 as u64) as *const i32 };
-        self.k_qk_rope(OrnithQkRopeParams {
+        self.cx.k_qk_rope(OrnithQkRopeParams {
             qg: qg as _,
             k: kp as _,
             v: vp as _,
@@ -733,7 +750,7 @@ impl CudaBackend {
             table_stride: tw as i32,
         })?;
         if prefill {
-            self.k_flash_attn(OrnithFlashAttnParams {
+            self.cx.k_flash_attn(OrnithFlashAttnParams {
                 q: at(self, &s.q, 0) as _,
                 k_cache: at(self, &pool.k, 0) as _,
                 v_cache: at(self, &pool.v, 0) as _,
@@ -748,7 +765,7 @@ impl CudaBackend {
             })?;
         } else {
             // ATTN_ROWS rows per launch (the split partials are sized for that many).
-            const _: () = assert!(ATTN_ROWS <= crate::cuda::launch::ATT_MAX_ROWS);
+            const _: () = assert!(ATTN_ROWS <= crate::cuda::attention::ATT_MAX_ROWS);
             for a0 in (0..n).step_by(ATTN_ROWS) {
                 let m = ATTN_ROWS.min(n - a0);
                 // Device-position form: MAX_SPLITS splits at most (the partials' stride), the
@@ -762,7 +779,7 @@ impl CudaBackend {
                         (l, s, table)
                     }
                 };
-                self.k_attention(
+                self.cx.k_attention(
                     OrnithAttnParams {
                         q: at(self, &s.q, a0 * nh * hd) as _,
                         k_cache: at(self, &pool.k, 0) as _,
@@ -808,7 +825,7 @@ impl CudaBackend {
         out: ops::Ptr,
     ) -> Result<()> {
         let d = &self.dims;
-        let (hs, e, k, inter) = (d.hidden_size, ex.experts, d.top_k, d.moe_intermediate_size);
+        let (hs, e, k, inter) = (d.hidden_size, ex.experts, d.num_experts_per_tok, d.moe_intermediate_size);
         let s = &self.s;
         let nk = n * k;
         let (go, to, rt, ro) = (
@@ -818,7 +835,7 @@ impl CudaBackend {
             at(self, &s.row_of, 0),
         );
         let (gu, aq, asc, ys) = (at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), at(self, &s.ys, 0));
-        self.k_moe_sort(OrnithMoeSortParams {
+        self.cx.k_moe_sort(OrnithMoeSortParams {
             idx: at(self, &s.idx, 0) as _,
             group_offsets: go as _,
             tile_offsets: to as _,
@@ -831,7 +848,7 @@ impl CudaBackend {
             top_k: k as i32,
             experts: e as i32,
         })?;
-        self.k_gemm_grouped(OrnithGemmParams {
+        self.cx.k_gemm_grouped(OrnithGemmParams {
             a: x.0 as _,
             a_scale: x.1 as _,
             a_rows: rt as _,
@@ -847,8 +864,8 @@ impl CudaBackend {
             y_stride: (2 * inter) as i32,
             groups: e as i32,
         })?;
-        self.k_swiglu_ct(gu, aq, asc, nk, inter)?;
-        self.k_gemm_grouped(OrnithGemmParams {
+        self.cx.k_swiglu_ct(gu, aq, asc, nk, inter)?;
+        self.cx.k_gemm_grouped(OrnithGemmParams {
             a: aq as _,
             a_scale: asc as _,
             a_rows: std::ptr::null(),
@@ -871,11 +888,11 @@ impl CudaBackend {
             asc + (4 * nk) as u64,
             ys + (2 * nk * hs) as u64,
         );
-        self.k_gemm_fp8(x.0, x.1, sh.gu, sh.gus, sgu, n, hs, 2 * inter, hs, 2 * inter)?;
-        self.k_swiglu_ct(sgu, saq, sas, n, inter)?;
-        self.k_gemm_fp8(saq, sas, sh.dn, sh.dns, sy, n, inter, hs, inter, hs)?;
+        self.cx.k_gemm_fp8(x.0, x.1, sh.gu, sh.gus, sgu, n, hs, 2 * inter, hs, 2 * inter)?;
+        self.cx.k_swiglu_ct(sgu, saq, sas, n, inter)?;
+        self.cx.k_gemm_fp8(saq, sas, sh.dn, sh.dns, sy, n, inter, hs, inter, hs)?;
         let rw = self.sz.rlog_w;
-        self.k_combine_prefill(OrnithMoeCombinePrefillParams {
+        self.cx.k_combine_prefill(OrnithMoeCombinePrefillParams {
             ys: ys as _,
             row_of: ro as _,
             weight: at(self, &s.wt, 0) as _,
@@ -901,7 +918,7 @@ struct SharedExpert {
 
 impl Scratch {
     /// Scratch of one chunk, and the greedy sampler's `rows` results.
-    fn new(cx: &CudaContext, d: &ModelDims, z: &ScratchSizes, rows: usize) -> Result<Self> {
+    fn new(cx: &CudaContext, d: &Dims, z: &ScratchSizes, rows: usize) -> Result<Self> {
         let c = CHUNK;
         Ok(Scratch {
             xb: cx.alloc(z.xb)?,
@@ -918,8 +935,8 @@ impl Scratch {
             part_o: cx.alloc(z.part_o)?,
             part_ml: cx.alloc(z.part_ml)?,
             rlog: cx.alloc(c * z.rlog_w)?,
-            idx: cx.alloc(c * d.top_k)?,
-            wt: cx.alloc(c * d.top_k)?,
+            idx: cx.alloc(c * d.num_experts_per_tok)?,
+            wt: cx.alloc(c * d.num_experts_per_tok)?,
             gu: cx.alloc(c * z.slots * 2 * d.moe_intermediate_size)?,
             aq: cx.alloc(z.aq)?,
             asc: cx.alloc(z.asc)?,
@@ -928,9 +945,9 @@ impl Scratch {
             amax_rows: cx.alloc(rows)?,
             group_offsets: cx.alloc(d.num_experts + 1)?,
             tile_offsets: cx.alloc(d.num_experts + 1)?,
-            row_token: cx.alloc(c * d.top_k)?,
-            row_of: cx.alloc(c * d.top_k)?,
-            row_assign: cx.alloc(c * d.top_k)?,
+            row_token: cx.alloc(c * d.num_experts_per_tok)?,
+            row_of: cx.alloc(c * d.num_experts_per_tok)?,
+            row_assign: cx.alloc(c * d.num_experts_per_tok)?,
             active_list: cx.alloc(d.num_experts)?,
             active_count: cx.alloc(1)?,
             gdn_work: cx.alloc(z.gdn_work)?,
@@ -981,7 +998,7 @@ impl Backend for CudaBackend {
     }
 
     /// Pools of at most the planned slots (the step buffers are sized for them).
-    fn new_gdn_pool(&self, d: &ModelDims, slots: usize) -> Result<CudaGdnPool> {
+    fn new_gdn_pool(&self, d: &Dims, slots: usize) -> Result<CudaGdnPool> {
         ensure!(
             (1..=self.cap.slots + self.cap.snapshots).contains(&slots),
             "a recurrent pool of {slots} rows: the memory plan was made for 1..={} (--max-seqs, --prefix-cache-bytes)",
@@ -992,7 +1009,7 @@ impl Backend for CudaBackend {
         Ok(CudaGdnPool { conv: st.alloc_zeros(slots * c)?, ssm: st.alloc_zeros(slots * s)?, slots })
     }
 
-    fn new_kv_pool(&self, d: &ModelDims, blocks: usize) -> Result<CudaKvPool> {
+    fn new_kv_pool(&self, d: &Dims, blocks: usize) -> Result<CudaKvPool> {
         ensure!(
             blocks >= 1 && blocks <= self.cap.blocks,
             "a K/V pool of {blocks} blocks: the memory plan was made for 1..={} (--kv-budget)",
@@ -1038,15 +1055,14 @@ impl Backend for CudaBackend {
         self.check_deferred()?;
         self.upload_desc(batch)?;
         let mut scope = StepScope::enter(self, batch);
-        let profiling = self.prof.lock().unwrap_or_else(|e| e.into_inner()).is_some();
-        if batch.is_decode() && !profiling && self.graphs.load(Relaxed) {
+        if batch.is_decode() && !self.cx.profiling() && self.graphs.load(Relaxed) {
             self.replay(&mut scope, g, table, batch.seqs.len(), run)
         } else {
             run()
         }
     }
 
-    fn embed(&self, d: &ModelDims, table: &CudaEmbedding, batch: &Batch) -> Result<CudaAct> {
+    fn embed(&self, d: &Dims, table: &CudaEmbedding, batch: &Batch) -> Result<CudaAct> {
         let table = &table.table;
         self.check_deferred()?;
         let t = batch.rows();
@@ -1059,21 +1075,21 @@ impl Backend for CudaBackend {
             // static buffers (no allocation, so the step can be captured).
             self.describe(batch)?;
             let (h, delta) = (self.dec.h.clone(), self.dec.delta.clone());
-            self.k_embed(self.desc_at(0), at(self, table, 0), at(self, &h, 0), t, d.hidden_size, d.vocab_size)?;
+            self.cx.k_embed(self.desc_at(0), at(self, table, 0), at(self, &h, 0), t, d.hidden_size, d.vocab_size)?;
             return Ok(CudaAct::new(t, h, delta));
         }
         let ids32: Vec<i32> = batch.ids.iter().map(|&i| i as i32).collect();
         let dev_ids = self.cx.upload(&ids32)?;
         let h = Arc::new(self.cx.alloc::<u16>(t * d.hidden_size)?);
         let delta = Arc::new(self.cx.alloc::<u16>(t * d.hidden_size)?);
-        self.k_embed(at(self, &dev_ids, 0), at(self, table, 0), at(self, &h, 0), t, d.hidden_size, d.vocab_size)?;
+        self.cx.k_embed(at(self, &dev_ids, 0), at(self, table, 0), at(self, &h, 0), t, d.hidden_size, d.vocab_size)?;
         // `dev_ids` is freed stream-ordered after the gather that reads it.
         Ok(CudaAct::new(t, h, delta))
     }
 
     fn gated_deltanet<Qkv: Prec, Z: Prec, Bt: Prec, A: Prec, O: Prec>(
         &self,
-        _d: &ModelDims,
+        _d: &Dims,
         norm: &CudaVector,
         w: &GatedDeltaNet<Self, Qkv, Z, Bt, A, O>,
         pool: &mut CudaGdnPool,
@@ -1100,7 +1116,7 @@ impl Backend for CudaBackend {
 
     fn attention<Q: Prec, K: Prec, V: Prec, O: Prec>(
         &self,
-        _d: &ModelDims,
+        _d: &Dims,
         norm: &CudaVector,
         w: &GatedAttention<Self, Q, K, V, O>,
         pool: &mut CudaKvPool,
@@ -1140,7 +1156,7 @@ impl Backend for CudaBackend {
 
     fn sparse_moe<R: Prec, Eg: Prec, Eu: Prec, Ed: Prec, Sg: Prec, Su: Prec, Sd: Prec, Sgate: Prec>(
         &self,
-        d: &ModelDims,
+        d: &Dims,
         norm: &CudaVector,
         w: &SparseMoe<Self, R, Eg, Eu, Ed, Sg, Su, Sd, Sgate>,
         batch: &Batch,
@@ -1148,7 +1164,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         self.layer_start(h, batch)?;
         ensure!(w.shared_up_proj.dev.is_none(), "shared_expert.up_proj must be fused into gate_proj");
-        let (hs, e, k, inter) = (d.hidden_size, w.experts.experts, d.top_k, d.moe_intermediate_size);
+        let (hs, e, k, inter) = (d.hidden_size, w.experts.experts, d.num_experts_per_tok, d.moe_intermediate_size);
         let (sgu, sdn) = (w.shared_gate_proj.dev("shared gate_up")?, w.shared_down_proj.dev("shared down")?);
         let (sgu_s, sdn_s) = match (&sgu.scale, &sdn.scale) {
             (Some(a), Some(b)) => (a, b),
@@ -1169,7 +1185,7 @@ impl Backend for CudaBackend {
             let (xq, xs) = x.q8.expect("norm_rows quantises");
             // Router logits in columns 0..E, the shared-expert gate logit in column E (one Linear).
             self.lin(&w.gate, "mlp.gate", x, rl, rw, n, prefill)?;
-            self.k_router(rl, at(self, &s.idx, 0), at(self, &s.wt, 0), n, e, k, rw)?;
+            self.cx.k_router(rl, at(self, &s.idx, 0), at(self, &s.wt, 0), n, e, k, rw)?;
             if prefill {
                 let sh = SharedExpert {
                     gu: at(self, &sgu.w, 0),
@@ -1191,7 +1207,7 @@ impl Backend for CudaBackend {
                     at(self, &s.active_list, 0),
                     at(self, &s.active_count, 0),
                 );
-                self.k_moe_sort(OrnithMoeSortParams {
+                self.cx.k_moe_sort(OrnithMoeSortParams {
                     idx: at(self, &s.idx, 0) as _,
                     group_offsets: go as _,
                     tile_offsets: at(self, &s.tile_offsets, 0) as _,
@@ -1231,9 +1247,9 @@ impl Backend for CudaBackend {
                 group_offsets: groups.2,
                 row_assign: groups.3,
             };
-            self.k_moe_gemv(gu_params, grouped)?;
-            self.k_swiglu(at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), n * slots, inter)?;
-            self.k_moe_gemv(
+            self.cx.k_moe_gemv(gu_params, grouped)?;
+            self.cx.k_swiglu(at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), n * slots, inter)?;
+            self.cx.k_moe_gemv(
                 OrnithMoeGemvParams {
                     xq: at(self, &s.aq, 0) as _,
                     xs: at(self, &s.asc, 0) as _,
@@ -1252,7 +1268,7 @@ impl Backend for CudaBackend {
                 },
                 grouped,
             )?;
-            self.k_combine(
+            self.cx.k_combine(
                 at(self, &s.ys, 0),
                 at(self, &s.wt, 0),
                 rl + 2 * e as u64,
@@ -1269,7 +1285,7 @@ impl Backend for CudaBackend {
 
     fn logits<P: Prec>(
         &self,
-        d: &ModelDims,
+        d: &Dims,
         norm: &CudaVector,
         lm_head: &CudaLinear<P>,
         batch: &Batch,
@@ -1329,7 +1345,7 @@ impl Backend for CudaBackend {
             // SAFETY: at most `cap.slots` rows (checked above), the scratch's length; a copy from
             // pageable host memory returns once the bytes are staged.
             unsafe { cudarc::driver::result::memcpy_htod_async(lrows, &lr, self.cx.stream().cu_stream()) }?;
-            self.k_argmax(at(self, &logits.buf, 0), idx, lr.len(), n, v, Some(lrows))?;
+            self.cx.k_argmax(at(self, &logits.buf, 0), idx, lr.len(), n, v, Some(lrows))?;
             let mut ids = vec![0i32; lr.len()];
             self.cx.stream().memcpy_dtoh(&self.s.amax.slice(0..lr.len()), &mut ids)?;
             for (&i, &id) in greedy.iter().zip(&ids) {

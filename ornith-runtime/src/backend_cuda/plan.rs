@@ -2,7 +2,7 @@
 //! against the device's free memory (`cuMemGetInfo`): on a unified-memory machine (DGX Spark) an
 //! overcommit wedges the whole system instead of failing an allocation.
 use crate::engine::{snapshots_for, Capacity, PoolRequest};
-use crate::graph::{ModelDims, KV_BLOCK};
+use crate::graph::{Dims, KV_BLOCK};
 use crate::weights::Checkpoint;
 use anyhow::{ensure, Result};
 use model_spec::{report, DType, LayerKind, ModelSpec, TensorInfo};
@@ -23,7 +23,7 @@ pub const DEFAULT_MAX_SEQS: usize = 64;
 
 /// Element counts of one slot of a Gated DeltaNet pool: conv `[3, conv_dim]` (bf16) and
 /// recurrent `[Hv, dk, dv]` (f32).
-pub fn gdn_slot_elems(d: &ModelDims) -> (usize, usize) {
+pub fn gdn_slot_elems(d: &Dims) -> (usize, usize) {
     d.gdn_state_elems() // conv_kernel is 4 (check_dims): conv [3, conv_dim]
 }
 
@@ -53,7 +53,7 @@ pub fn split_for(total: usize) -> (usize, usize) {
 }
 
 /// Refuses models whose shapes the decode kernels were not written for (before any allocation).
-pub fn check_dims(d: &ModelDims) -> Result<()> {
+pub fn check_dims(d: &Dims) -> Result<()> {
     let fix = "the CUDA kernels are written for the Ornith 35B shapes (shallow/full presets); use --backend cpu for this checkpoint";
     ensure!(
         d.linear_key_head_dim == 128 && d.linear_value_head_dim == 128,
@@ -67,7 +67,7 @@ pub fn check_dims(d: &ModelDims) -> Result<()> {
         d.linear_num_value_heads,
         d.linear_num_key_heads
     );
-    ensure!(d.conv_kernel == 4, "conv kernel {} (kernel: 4): {fix}", d.conv_kernel);
+    ensure!(d.linear_conv_kernel_dim == 4, "conv kernel {} (kernel: 4): {fix}", d.linear_conv_kernel_dim);
     ensure!(d.head_dim == 256, "attention head_dim {} (kernel: 256): {fix}", d.head_dim);
     ensure!(
         d.num_key_value_heads > 0
@@ -84,10 +84,13 @@ pub fn check_dims(d: &ModelDims) -> Result<()> {
         d.hidden_size
     );
     ensure!(
-        d.num_experts <= 256 && d.top_k >= 1 && d.top_k <= 32 && d.top_k <= d.num_experts,
+        d.num_experts <= 256
+            && d.num_experts_per_tok >= 1
+            && d.num_experts_per_tok <= 32
+            && d.num_experts_per_tok <= d.num_experts,
         "experts {} / top-k {} (at most 32): {fix}",
         d.num_experts,
-        d.top_k
+        d.num_experts_per_tok
     );
     ensure!(
         d.moe_intermediate_size <= 1024 && d.moe_intermediate_size.is_multiple_of(16),
@@ -95,9 +98,9 @@ pub fn check_dims(d: &ModelDims) -> Result<()> {
         d.moe_intermediate_size
     );
     ensure!(
-        d.shared_intermediate_size == d.moe_intermediate_size,
+        d.shared_expert_intermediate_size == d.moe_intermediate_size,
         "shared expert width {} != routed {} (one MoE launch serves both): {fix}",
-        d.shared_intermediate_size,
+        d.shared_expert_intermediate_size,
         d.moe_intermediate_size
     );
     Ok(())
@@ -127,9 +130,9 @@ pub struct ScratchSizes {
 }
 
 impl ScratchSizes {
-    pub fn new(d: &ModelDims) -> Self {
+    pub fn new(d: &Dims) -> Self {
         let vdim = d.value_dim().max(d.num_attention_heads * d.head_dim);
-        let slots = d.top_k + 1;
+        let slots = d.num_experts_per_tok + 1;
         ScratchSizes {
             xb: CHUNK * d.hidden_size,
             xq: CHUNK * d.hidden_size.max(vdim),
@@ -145,12 +148,12 @@ impl ScratchSizes {
             part_ml: ATTN_ROWS * d.num_attention_heads * MAX_SPLITS * 2,
             rlog_w: d.num_experts + 1,
             slots,
-            gdn_work: crate::cuda::prefill::gdn_work_len(CHUNK, d.linear_num_value_heads),
+            gdn_work: crate::cuda::gdn::gdn_work_len(CHUNK, d.linear_num_value_heads),
         }
     }
 
     /// Bytes of all scratch buffers (see `Scratch::new` for the list).
-    pub fn bytes(&self, d: &ModelDims) -> u64 {
+    pub fn bytes(&self, d: &Dims) -> u64 {
         let c = CHUNK;
         let bf = 2
             * (self.xb
@@ -171,9 +174,9 @@ impl ScratchSizes {
                 + self.asc
                 + self.part_o
                 + self.part_ml
-                + c * d.top_k * 2
+                + c * d.num_experts_per_tok * 2
                 + 2 * (d.num_experts + 1)
-                + 3 * c * d.top_k
+                + 3 * c * d.num_experts_per_tok
                 + d.num_experts
                 + 1);
         (bf + self.xq + self.aq + f4 + 4 * self.gdn_work) as u64
@@ -183,7 +186,7 @@ impl ScratchSizes {
 /// Device bytes of the step buffers per slot (the decode group has at most one row per slot):
 /// the description row (`desc_len`), the residual and delta rows, a logits row, the sampler's
 /// row and the greedy sampler's two ints.
-pub fn step_bytes_per_slot(d: &ModelDims, table_width: usize) -> u64 {
+pub fn step_bytes_per_slot(d: &Dims, table_width: usize) -> u64 {
     (4 * desc_len(1, table_width) + 2 * 2 * d.hidden_size + 2 * d.vocab_size + 8) as u64
         + crate::cuda::sample::SampleScratch::bytes(1, d.vocab_size)
 }
@@ -323,7 +326,7 @@ pub struct MemoryPlan {
 impl MemoryPlan {
     /// Sizes the pools for `req` within `free` bytes ([`size_pools`]; `source` names where
     /// `free` came from) and returns the plan and the pools' capacity.
-    pub fn new(ck: &Checkpoint, d: &ModelDims, req: &PoolRequest, free: u64, source: &str) -> Result<(Self, Capacity)> {
+    pub fn new(ck: &Checkpoint, d: &Dims, req: &PoolRequest, free: u64, source: &str) -> Result<(Self, Capacity)> {
         let spec = &ck.spec;
         let weights = device_weight_bytes(spec);
         let attention_layers = spec.layers.iter().filter(|l| l.kind == LayerKind::FullAttention).count();

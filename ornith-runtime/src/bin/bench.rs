@@ -12,9 +12,9 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use cudarc::driver::sys::CUevent_flags;
 use ornith_runtime::backend_cuda::decode_bytes::{decode_step_bytes, total, ByteGroup};
-use ornith_runtime::backend_cuda::profile::{summarize, KernelSummary};
-use ornith_runtime::backend_cuda::spark::{spark_kernels, spark_step, SparkKernel, SparkStep};
 use ornith_runtime::backend_cuda::CudaBackend;
+use ornith_runtime::cuda::profile::{summarize, KernelSummary};
+use ornith_runtime::cuda::spark::{spark_kernels, spark_step, SparkKernel, SparkStep};
 use ornith_runtime::cuda::CudaContext;
 use ornith_runtime::engine::{PoolRequest, SamplingParams, PREFILL_CHUNK};
 use ornith_runtime::graph::{Backend, Batch, RowSample, SeqRows, KV_BLOCK};
@@ -48,7 +48,7 @@ struct Args {
     /// Prompt length of each sequence of a batched run.
     #[arg(long, default_value_t = 2048)]
     batch_prompt: usize,
-    /// DGX Spark (GB10) bandwidth, GB/s, of the labelled Spark estimate (backend_cuda::spark):
+    /// DGX Spark (GB10) bandwidth, GB/s, of the labelled Spark estimate (cuda::spark):
     /// 273 is the specification, 231-240 what it streams in practice.
     #[arg(long, default_value_t = 240.0)]
     spark_gb_s: f64,
@@ -243,7 +243,7 @@ fn batch_run(
 /// The labelled DGX Spark estimate of the batch-1 runs (and per kernel at the last prompt), on stderr.
 fn print_spark(runs: &[Run], spark_gb_s: f64) {
     eprintln!(
-        "\nDGX Spark ESTIMATE at {spark_gb_s} GB/s, batch 1 (not a measurement; backend_cuda::spark):\n{:>8} {:>13} {:>14} {:>10} {:>11}",
+        "\nDGX Spark ESTIMATE at {spark_gb_s} GB/s, batch 1 (not a measurement; cuda::spark):\n{:>8} {:>13} {:>14} {:>10} {:>11}",
         "prompt", "ceiling t/s", "estimate t/s", "fixed us", "stream us"
     );
     for r in runs {
@@ -327,21 +327,23 @@ const ABLATION_STEPS: usize = 24;
 const ABLATION_ROOM: usize = 25 * (ABLATION_STEPS + 1);
 
 /// In-graph cost of each kernel of the decode step. Event brackets (the per-kernel table) stop the
-/// GPU between launches and inflate small kernels; here the step is captured as the engine runs
-/// it, once whole and once per kernel without that kernel's launches
-/// (`CudaBackend::set_skip_kernel`), and each graph is replayed `ABLATION_STEPS` times with one
-/// synchronisation at the end. A kernel's in-graph cost is the difference. The skipped kernels
-/// leave garbage behind (the state is reset by the caller afterwards); a fixed token is fed, so no
-/// garbage logits reach the host.
+/// GPU between launches and inflate small kernels; here the step is captured once as the engine
+/// runs it, and replayed `ABLATION_STEPS` times whole and, for each kernel, as the same graph
+/// edited without that kernel's nodes (`CudaBackend::set_ablated_kernel`), with one
+/// synchronisation at the end of each. A kernel's in-graph cost is the difference. The edited
+/// graphs leave garbage behind (the state is reset by the caller afterwards); a fixed token is
+/// fed, so no garbage logits reach the host. Each edited graph must have lost exactly the
+/// kernel's launches of the profiled step, or the ablation fails; a kernel the graph does not
+/// launch (the greedy argmax after the step) has no in-graph cost and is left out.
 fn ablate(
     b: &CudaBackend,
     model: &compiled::Model<CudaBackend>,
     st: &mut compiled::State<CudaBackend>,
     kernels: &[KernelSummary],
 ) -> Result<(f64, Vec<Ablation>)> {
-    let mut time = |skip: Option<&'static str>| -> Result<f64> {
-        b.set_skip_kernel(skip);
-        model.decode_step(b, st, 0)?; // captures this graph
+    let mut time = |ablated: Option<&'static str>| -> Result<f64> {
+        b.set_ablated_kernel(ablated);
+        model.decode_step(b, st, 0)?; // captures the graph (once), edits it (once per kernel)
         b.context().synchronize()?;
         let t = Instant::now();
         for _ in 0..ABLATION_STEPS {
@@ -353,10 +355,20 @@ fn ablate(
     let whole = time(None)?;
     let mut out = Vec::new();
     for k in kernels.iter().take(24) {
-        let without = time(Some(k.kernel))?; // on an error the caller clears the skip
+        let without = time(Some(k.kernel))?; // on an error the caller clears the ablation
+        let removed = b.ablated_nodes();
+        if removed == Some(0) {
+            continue; // runs outside the graph
+        }
+        anyhow::ensure!(
+            removed == Some(k.launches),
+            "ablating {}: {removed:?} graph nodes removed, the profiled step launched it {} times",
+            k.kernel,
+            k.launches
+        );
         out.push(Ablation { kernel: k.kernel, launches: k.launches, in_graph_us: whole - without });
     }
-    b.set_skip_kernel(None);
+    b.set_ablated_kernel(None);
     Ok((whole, out))
 }
 
@@ -491,7 +503,7 @@ fn run() -> Result<()> {
         let kernel_us: f64 = times.iter().map(|t| t.us).sum();
         // A measurement aid: a failure here is reported, and the run's other figures are kept.
         let (graph_us, ablation) = ablate(&b, &model, &mut st, &kernels).unwrap_or_else(|e| {
-            b.set_skip_kernel(None);
+            b.set_ablated_kernel(None);
             eprintln!("ornith-bench: in-graph ablation at prompt {p} failed: {e:#}");
             (0.0, Vec::new())
         });
@@ -647,7 +659,7 @@ fn run() -> Result<()> {
             );
         }
         eprintln!(
-            "\nDGX Spark ESTIMATE of the batched steps at {} GB/s (not a measurement; backend_cuda::spark; bytes as the profile counts them):\n{:>6} {:>10} {:>13} {:>14} {:>10}",
+            "\nDGX Spark ESTIMATE of the batched steps at {} GB/s (not a measurement; cuda::spark; bytes as the profile counts them):\n{:>6} {:>10} {:>13} {:>14} {:>10}",
             args.spark_gb_s, "batch", "MB/step", "ceiling t/s", "estimate t/s", "fixed us"
         );
         for r in &batch_runs {

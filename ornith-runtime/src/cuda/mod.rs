@@ -3,6 +3,18 @@
 //! The PTX is precompiled (`ornith-kernels`); the driver is loaded at run time, so building needs
 //! neither the CUDA toolkit nor a GPU. The device's compute capability picks the PTX: 9.0 → sm_90,
 //! 12.x → sm_121; anything else is refused with the device's name.
+//!
+//! **One launcher per kernel**, in one file per op family (the kernels' `.cu` files): [`norm`],
+//! [`gemv`], [`moe`], [`gdn`], [`attention`], [`gemm`], [`sample`], [`nvfp4`]. Each kernel has
+//! exactly one function that builds its parameter struct, checks what the kernel assumes
+//! (alignment, divisibility, limits; an error, never a launch on a bad shape), computes its grid,
+//! block and shared memory and the bytes it must move, and launches it through
+//! [`CudaContext::launch`]. They take device addresses ([`Ptr`]) and shapes, or, where the kernel
+//! has many inputs, its bindgen parameter struct, so the CUDA backend (`backend_cuda`) calls them
+//! at column offsets inside its wide scratch rows. The kernel tests call them through thin
+//! slice-based wrappers in the same files, which only check the buffers' lengths against the
+//! shapes (and, for tables and slots held on the device, read them back) and convert the slices
+//! to addresses. The kernels' math is stated in `kernels/include/ornith_kernels.h`.
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{
     CudaContext as DriverContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
@@ -10,16 +22,66 @@ use cudarc::driver::{
 use ornith_kernels::{Arch, Module};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-pub mod launch;
+/// A device address in bytes.
+pub type Ptr = u64;
+
+/// Checks that buffer `s` holds at least the `n` elements a launch reads or writes (the
+/// slice-based wrappers' check).
+pub(crate) fn need<T>(what: &str, s: &CudaSlice<T>, n: usize) -> Result<()> {
+    anyhow::ensure!(s.len() >= n, "{what}: buffer has {} elements, the launch needs {n}", s.len());
+    Ok(())
+}
+
+/// Whether address `a` is a multiple of `n` bytes (a kernel's vector loads).
+pub(crate) fn aligned(a: Ptr, n: u64) -> bool {
+    a.is_multiple_of(n)
+}
+
+/// `v` as the kernel's int32 parameter, or an error naming it.
+pub(crate) fn i32of(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| anyhow!("{what} = {v} does not fit the kernel's int32"))
+}
+
+/// One kernel launch as a launcher computes it: the kernel, its grid, block (threads, 1-D) and
+/// dynamic shared memory, and the bytes it must move at least (weights and activations read and
+/// written; the profile's GB/s).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Launch {
+    pub name: &'static str,
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub smem: u32,
+    pub bytes: u64,
+}
+
+impl Launch {
+    /// A launch of `name` without dynamic shared memory.
+    pub fn new(name: &'static str, grid: (u32, u32, u32), block: u32, bytes: u64) -> Self {
+        Launch { name, grid, block, smem: 0, bytes }
+    }
+    /// The same launch with `smem` bytes of dynamic shared memory.
+    pub fn smem(self, smem: u32) -> Self {
+        Launch { smem, ..self }
+    }
+}
+
+pub mod attention;
+pub mod gdn;
+pub mod gemm;
+pub mod gemv;
+pub mod graph_edit;
+pub mod moe;
+pub mod norm;
 pub mod nvfp4;
 #[cfg(test)]
 mod nvfp4_tests;
-pub mod prefill;
 #[cfg(test)]
 mod prefill_tests;
+pub mod profile;
 pub mod sample;
+pub mod spark;
 #[cfg(test)]
 mod test_util;
 #[cfg(test)]
@@ -109,9 +171,13 @@ pub struct CudaContext {
     funcs: HashMap<&'static str, CudaFunction>,
     /// Launch with programmatic dependent launch (see [`CudaContext::set_pdl`]).
     pdl: AtomicBool,
-    /// Blocks of the decode attention's split kernel ([`launch::ATT_BLOCKS_PER_SM`] per SM, or
+    /// Blocks of the decode attention's split kernel ([`attention::ATT_BLOCKS_PER_SM`] per SM, or
     /// as many as its shared memory lets reside).
     pub(crate) attn_blocks: u32,
+    /// Whether [`Self::profile`] holds a recording (see [`Self::profile_begin`]).
+    observing: AtomicBool,
+    /// The launches recorded since [`Self::profile_begin`], each bracketed by two events.
+    profile: Mutex<Vec<profile::Launch>>,
 }
 
 /// A kernel's by-value parameter struct: a bindgen `#[repr(C)]` struct of the shared header
@@ -186,7 +252,7 @@ impl CudaContext {
             modules.push(module);
         }
         let split = &funcs["attn_decode_split"];
-        let smem = launch::ATT_SPLIT_SMEM;
+        let smem = attention::ATT_SPLIT_SMEM;
         split.set_attribute(
             cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
@@ -194,8 +260,19 @@ impl CudaContext {
         let per_sm = split.occupancy_max_active_blocks_per_multiprocessor(64, smem as usize, None)?;
         anyhow::ensure!(per_sm > 0, "'{name}' cannot hold one attn_decode_split block ({smem} bytes of shared memory)");
         let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-        let attn_blocks = sms.max(1) as u32 * per_sm.min(launch::ATT_BLOCKS_PER_SM);
-        Ok(Self { ctx, stream, arch, name, _modules: modules, funcs, pdl: AtomicBool::new(false), attn_blocks })
+        let attn_blocks = sms.max(1) as u32 * per_sm.min(attention::ATT_BLOCKS_PER_SM);
+        Ok(Self {
+            ctx,
+            stream,
+            arch,
+            name,
+            _modules: modules,
+            funcs,
+            pdl: AtomicBool::new(false),
+            attn_blocks,
+            observing: AtomicBool::new(false),
+            profile: Mutex::new(Vec::new()),
+        })
     }
 
     /// Programmatic dependent launch (off by default: on the H200 a decode graph captured with it
@@ -212,19 +289,60 @@ impl CudaContext {
         self.pdl.load(Relaxed)
     }
 
-    /// Launches kernel `name` with one by-value parameter struct `p` on the stream (`smem` bytes
-    /// of dynamic shared memory), with the programmatic-serialization attribute when
-    /// [`Self::pdl`] is on. `cuLaunchKernelEx` directly: cudarc's builder has no attributes.
-    pub(crate) fn launch_with<P: KernelParams>(
-        &self,
-        name: &str,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        p: P,
-    ) -> Result<()> {
+    /// Starts recording every launch with a pair of CUDA events around it (`ornith-bench`'s
+    /// per-kernel table), until [`Self::profile_end`]. Events cannot bracket launches inside a
+    /// captured graph, so the CUDA backend runs its decode steps eagerly while this is on.
+    pub fn profile_begin(&self) {
+        self.profile.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.observing.store(true, Relaxed);
+    }
+
+    /// Whether launches are being recorded ([`Self::profile_begin`]).
+    pub fn profiling(&self) -> bool {
+        self.observing.load(Relaxed)
+    }
+
+    /// Stops recording; waits for the stream and returns the recorded launches' event times.
+    pub fn profile_end(&self) -> Result<Vec<profile::KernelTime>> {
+        self.observing.store(false, Relaxed);
+        let l = std::mem::take(&mut *self.profile.lock().unwrap_or_else(|e| e.into_inner()));
+        self.synchronize()?;
+        profile::collect(l)
+    }
+
+    /// Launches `l` with its parameter struct `p`: the one launch function every launcher ends
+    /// in. The observer check costs one relaxed atomic load per launch while no profile is
+    /// recorded; while one is ([`Self::profile_begin`]), each launch also creates and records
+    /// two events (a few µs of host work, and the GPU idles between the brackets, so small
+    /// kernels read slower than inside a graph: `ornith-bench`'s in-graph ablation measures that).
+    pub(crate) fn launch<P: KernelParams>(&self, l: Launch, p: P) -> Result<()> {
+        if !self.observing.load(Relaxed) {
+            return self.launch_with(l, p);
+        }
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let (start, end) = (self.ctx.new_event(Some(CU_EVENT_DEFAULT))?, self.ctx.new_event(Some(CU_EVENT_DEFAULT))?);
+        start.record(&self.stream)?;
+        self.launch_with(l, p)?;
+        end.record(&self.stream)?;
+        let rec = profile::Launch { name: l.name, bytes: l.bytes, start, end };
+        self.profile.lock().unwrap_or_else(|e| e.into_inner()).push(rec);
+        Ok(())
+    }
+
+    /// Launches kernel `l.name` with one by-value parameter struct `p` on the stream, with the
+    /// programmatic-serialization attribute when [`Self::pdl`] is on (more than 48 KiB of
+    /// dynamic shared memory is opted into first). `cuLaunchKernelEx` directly: cudarc's builder
+    /// has no attributes.
+    fn launch_with<P: KernelParams>(&self, l: Launch, p: P) -> Result<()> {
         use cudarc::driver::sys;
+        let Launch { name, grid, block, smem, .. } = l;
         let f = self.func(name);
+        if smem > 48 * 1024 {
+            f.set_attribute(
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )?;
+        }
         let mut param = Param(p);
         let mut args = [&mut param as *mut Param<P> as *mut std::ffi::c_void];
         // SAFETY: a zeroed attribute is a valid plain-data value (id 0 = ignored, value union of
@@ -269,6 +387,10 @@ impl CudaContext {
     pub(crate) fn func(&self, name: &str) -> &CudaFunction {
         &self.funcs[name]
     }
+    /// The loaded kernel whose driver handle is `f`, if any (to name a captured graph's nodes).
+    pub(crate) fn kernel_of(&self, f: cudarc::driver::sys::CUfunction) -> Option<&'static str> {
+        self.funcs.iter().find(|(_, g)| g.cu_function() == f).map(|(n, _)| *n)
+    }
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
     }
@@ -283,7 +405,7 @@ impl CudaContext {
         Ok(unsafe { self.stream.alloc::<T>(n) }?)
     }
     /// Raw device address of a buffer (event tracking is off, so no guard is needed).
-    pub(crate) fn addr<T>(&self, s: &CudaSlice<T>) -> u64 {
+    pub(crate) fn addr<T>(&self, s: &CudaSlice<T>) -> Ptr {
         s.device_ptr(&self.stream).0
     }
 }

@@ -2,9 +2,11 @@
 //! step: bf16 weights for the BF16 GEMM) and the decode GEMV that dequantises in registers. The
 //! weight is compressed-tensors' `weight_packed` U8 `[out, in/2]`, `weight_scale` E4M3
 //! `[out, in/16]` and the global scale (`model_spec::nvfp4` states the math). Not yet used by the
-//! CUDA backend, whose loader refuses NVFP4 checkpoints.
-use super::launch::MoeGroups;
-use super::CudaContext;
+//! CUDA backend, whose loader refuses NVFP4 checkpoints, so each kernel's one launcher takes
+//! buffers (the kernel tests' form); wiring them in splits each into an address launcher and a
+//! slice wrapper as in [`super::gemv`].
+use super::moe::MoeGroups;
+use super::{CudaContext, Launch};
 use anyhow::{ensure, Result};
 use cudarc::driver::CudaSlice;
 use ornith_kernels::bindings::*;
@@ -75,7 +77,8 @@ impl CudaContext {
         };
         let blocks = (out * in_ / 2).div_ceil(256);
         ensure!(blocks <= u32::MAX as usize, "nvfp4_dequant: {blocks} blocks");
-        self.launch("nvfp4_dequant", (blocks as u32, 1, 1), 256, p)
+        let bytes = out * in_ / 2 + out * in_ / 16 + out * in_ * 2;
+        self.launch(Launch::new("nvfp4_dequant", (blocks as u32, 1, 1), 256, bytes as u64), p)
     }
 
     /// `y[t, o] = bf16(Σ_i x[t, i] · wd[o, i])` for 1..=8 tokens (rows of `x` and `y` at the given
@@ -117,7 +120,9 @@ impl CudaContext {
             x_stride: x_stride as i32,
             y_stride: y_stride as i32,
         };
-        self.launch("gemv_nvfp4", (out.div_ceil(NVFP4_WARPS) as u32, 1, 1), (NVFP4_WARPS * 32) as u32, p)
+        let bytes = out * in_ / 2 + out * in_ / 16 + tokens * (in_ + out) * 2;
+        let grid = (out.div_ceil(NVFP4_WARPS) as u32, 1, 1);
+        self.launch(Launch::new("gemv_nvfp4", grid, (NVFP4_WARPS * 32) as u32, bytes as u64), p)
     }
 
     /// The MoE expert GEMV over NVFP4 experts grouped by expert (`g` from
@@ -177,6 +182,7 @@ impl CudaContext {
         };
         let active = e.min(a.tokens * a.top_k) as u32;
         let grid = (out.div_ceil(NVFP4_WARPS) as u32, active + 1, 1);
-        self.launch("moe_gemv_nvfp4_grouped", grid, (NVFP4_WARPS * 32) as u32, p)
+        let bytes = (active as usize + 1) * (out * in_ / 2 + out * in_ / 16) + a.tokens * slots * (in_ + out) * 2;
+        self.launch(Launch::new("moe_gemv_nvfp4_grouped", grid, (NVFP4_WARPS * 32) as u32, bytes as u64), p)
     }
 }

@@ -1,8 +1,9 @@
 //! Prefill kernels against the CPU reference ops (`crate::cpu`), `#[ignore]`d (CI has no GPU):
 //! `cargo test -p ornith-runtime prefill -- --ignored --test-threads=1`. Each test also prints a
 //! `PERF` line at the real 2K-token shapes (median of 20 event-timed launches after 3 warm-ups).
-use super::launch::GdnArgs;
-use super::prefill::*;
+use super::attention::*;
+use super::gdn::*;
+use super::moe::*;
 use super::test_util::{ctx, page, reversed_table, rng, time_it, KVB, POISON, R};
 use crate::cpu::attention::{attention, output_gate};
 use crate::cpu::conv::conv_silu;
@@ -358,7 +359,7 @@ fn gdn_chunked_matches_reference() {
         let s2 = time_it(&c, || c.gdn_chunked(&args, &mut dst, &mut o, &mut work).unwrap());
         let mut p = c.gdn_params(&args, &mut dst, &mut o).unwrap();
         p.work = c.addr(&work) as _;
-        let prep = time_it(&c, || c.gdn_chunk_prep_raw(p).unwrap());
+        let prep = time_it(&c, || c.k_gdn_chunk_prep(p).unwrap());
         eprintln!(
             "PERF gdn_chunked {t} tokens, 32 v-heads x 128 x 128: {:.3} ms (prep {:.3} ms, scan ~{:.3} ms)",
             s2 * 1e3,

@@ -1,18 +1,20 @@
-//! Sampling on the device (`kernels/cuda/sample.cu`): temperature, min-p, top-k, top-p and the
-//! seeded draw, bit-identical to [`crate::sampling::sample`]. Only the sampled ids come back to
-//! the host.
+//! Sampling on the device (`kernels/cuda/sample.cu`): the greedy argmax, and temperature, min-p,
+//! top-k, top-p and the seeded draw, bit-identical to [`crate::sampling::sample`]. Only the
+//! sampled ids come back to the host.
 //!
 //! Four launches per call, in stream order (the kernels' math is in the shared header,
 //! `OrnithSampleParams`): `sample_prep` (zero each row's 65,536-bin key histogram, per-block
 //! maxima), `sample_hist` (histogram of the keys that keep a nonzero weight), `sample_select`
 //! (top-k and top-p thresholds from the histogram, one block per row), `sample_draw` (per-block
 //! kept mass; the last block to finish walks the slice that holds the target).
-use super::CudaContext;
+use super::{i32of, need, CudaContext, Launch, Ptr};
 use crate::engine::SamplingParams;
 use crate::sampling::{draw_bits, Prepared};
 use anyhow::{ensure, Result};
 use cudarc::driver::CudaSlice;
 use ornith_kernels::bindings::*;
+
+type Bf = CudaSlice<u16>;
 
 const SLICE: usize = ORNITH_SAMPLE_SLICE as usize;
 const BINS: usize = ORNITH_SAMPLE_BINS as usize;
@@ -116,10 +118,11 @@ impl CudaContext {
             logit_row: self.addr(&s.logit_row) as _,
         };
         let grid = (blocks as u32, r as u32, 1);
-        self.launch("sample_prep", grid, 256, p)?;
-        self.launch("sample_hist", grid, 256, p)?;
-        self.launch("sample_select", (r as u32, 1, 1), 1024, p)?;
-        self.launch("sample_draw", grid, 256, p)
+        let (logit_bytes, hist_bytes) = ((r * n * 2) as u64, (r * BINS * 4) as u64);
+        self.launch(Launch::new("sample_prep", grid, 256, logit_bytes + hist_bytes), p)?;
+        self.launch(Launch::new("sample_hist", grid, 256, logit_bytes + hist_bytes), p)?;
+        self.launch(Launch::new("sample_select", (r as u32, 1, 1), 1024, hist_bytes), p)?;
+        self.launch(Launch::new("sample_draw", grid, 256, logit_bytes), p)
     }
 
     /// The ids of the last [`Self::sample_rows`] call's `rows` rows (waits for the stream).
@@ -135,6 +138,40 @@ impl CudaContext {
                 i => Ok(i as u32),
             })
             .collect()
+    }
+}
+
+/// Greedy sampling (`argmax_bf16`).
+impl CudaContext {
+    /// Greedy sampling: the argmax of the first `n` columns of `rows` logits rows (row stride
+    /// `stride`): row i of `logit_row` (device int32) when given, else row i.
+    pub(crate) fn k_argmax(
+        &self,
+        logits: Ptr,
+        idx: Ptr,
+        rows: usize,
+        n: usize,
+        stride: usize,
+        logit_row: Option<Ptr>,
+    ) -> Result<()> {
+        ensure!(rows > 0 && n > 0 && stride >= n, "argmax: n {n}, stride {stride}");
+        let p = OrnithArgmaxParams {
+            logits: logits as _,
+            idx: idx as _,
+            tokens: i32of("rows", rows)?,
+            n: i32of("n", n)?,
+            stride: i32of("stride", stride)?,
+            logit_row: logit_row.map_or(std::ptr::null(), |r| r as _),
+        };
+        self.launch(Launch::new("argmax_bf16", (rows as u32, 1, 1), 1024, (rows * n * 2) as u64), p)
+    }
+
+    /// [`Self::k_argmax`] on buffers (row i of the logits for row i).
+    pub fn argmax(&self, logits: &Bf, idx: &mut CudaSlice<i32>, tokens: usize, n: usize, stride: usize) -> Result<()> {
+        ensure!(tokens > 0, "argmax: no rows");
+        need("argmax logits", logits, (tokens - 1) * stride + n)?;
+        need("argmax idx", idx, tokens)?;
+        self.k_argmax(self.addr(logits), self.addr(idx), tokens, n, stride, None)
     }
 }
 

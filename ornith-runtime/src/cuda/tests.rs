@@ -5,7 +5,9 @@
 //! `cpu::linear::linear_fp8` quantises bf16 activations itself; the SwiGLU and the MoE combine
 //! are inline steps of `cpu::moe`), the reference stays an f64 loop with the same bf16 cast
 //! points, and the test says so. Tolerance rationale at `close`.
-use super::launch::*;
+use super::attention::*;
+use super::gdn::*;
+use super::gemv::*;
 use super::test_util::{ctx, page, reversed_table, rng, time_cold, time_it, unpage, KVB, POISON, R};
 use crate::cpu::attention::{apply_rope, attention, split_q_gate};
 use crate::cpu::conv::conv_silu;
@@ -1026,9 +1028,7 @@ fn attention_decode_group_matches_reference() {
         assert_eq!(c.download(&o1).unwrap(), mine, "{name}: alone (host form) differs from the group");
         if len == 100_003 {
             let (p, keys) = c.attention_params(&alone, &mut po, &mut pml, &mut o1).unwrap();
-            let plain =
-                &mut |k: &'static str, g: (u32, u32, u32), b: u32, sm: u32, _: u64, p| c.launch_smem(k, g, b, sm, p);
-            let s = time_it(&c, || c.launch_attention(p, keys, plain).unwrap());
+            let s = time_it(&c, || c.k_attention(p, keys).unwrap());
             let bytes = (len * row * 2 * 2) as f64;
             eprintln!(
                 "PERF attention_decode len {len} (split + combine): {:.1} us, {:.0} GB/s of K/V",

@@ -102,8 +102,8 @@ pub fn config_json_quant(preset: Preset, quant: Quant) -> Value {
     let rope = json!({
         "mrope_interleaved": true,
         "mrope_section": t.mrope_section,
-        "partial_rotary_factor": 0.25,
-        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": t.partial_rotary_factor(),
+        "rope_theta": t.rope_theta,
         "rope_type": "default"
     });
     let text = json!({
@@ -125,7 +125,7 @@ pub fn config_json_quant(preset: Preset, quant: Quant) -> Value {
         "linear_num_value_heads": t.linear_num_value_heads,
         "linear_value_head_dim": t.linear_value_head_dim,
         "mamba_ssm_dtype": "float32",
-        "max_position_embeddings": 262_144,
+        "max_position_embeddings": t.max_position_embeddings,
         "model_type": "qwen3_5_moe_text",
         "moe_intermediate_size": t.moe_intermediate_size,
         "mtp_num_hidden_layers": 1,
@@ -137,8 +137,8 @@ pub fn config_json_quant(preset: Preset, quant: Quant) -> Value {
         "num_key_value_heads": t.num_key_value_heads,
         "output_router_logits": false,
         "pad_token_id": null,
-        "partial_rotary_factor": 0.25,
-        "rms_norm_eps": 1e-6,
+        "partial_rotary_factor": t.partial_rotary_factor(),
+        "rms_norm_eps": t.rms_norm_eps,
         "rope_parameters": rope,
         "router_aux_loss_coef": 0.001,
         "shared_expert_intermediate_size": t.shared_expert_intermediate_size,

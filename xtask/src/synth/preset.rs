@@ -1,5 +1,6 @@
 //! The three synthetic checkpoint presets (docs/DESIGN.md, "Model sizes").
 
+use model_spec::Dims;
 use std::fmt;
 
 /// Which synthetic checkpoint to build.
@@ -34,48 +35,60 @@ impl Preset {
     pub fn text(self) -> TextDims {
         match self {
             Preset::Tiny => TextDims {
-                vocab_size: 248_320,
-                hidden_size: 64,
-                num_hidden_layers: 4,
+                dims: Dims {
+                    vocab_size: 248_320,
+                    hidden_size: 64,
+                    num_hidden_layers: 4,
+                    num_attention_heads: 4,
+                    num_key_value_heads: 2,
+                    head_dim: 32,
+                    rotary_dim: 8,
+                    linear_num_key_heads: 2,
+                    linear_num_value_heads: 4,
+                    linear_key_head_dim: 32,
+                    linear_value_head_dim: 32,
+                    num_experts: 16,
+                    num_experts_per_tok: 4,
+                    moe_intermediate_size: 32,
+                    shared_expert_intermediate_size: 32,
+                    ..Self::real_text().dims
+                },
                 full_attention_interval: 4,
-                num_attention_heads: 4,
-                num_key_value_heads: 2,
-                head_dim: 32,
-                linear_num_key_heads: 2,
-                linear_num_value_heads: 4,
-                linear_key_head_dim: 32,
-                linear_value_head_dim: 32,
-                linear_conv_kernel_dim: 4,
-                num_experts: 16,
-                num_experts_per_tok: 4,
-                moe_intermediate_size: 32,
-                shared_expert_intermediate_size: 32,
                 // rotary dim 8 = 2 · (2 + 1 + 1): mrope sections sum to half the rotary dim.
                 mrope_section: [2, 1, 1],
             },
-            Preset::Shallow => TextDims { num_hidden_layers: 4, ..Self::real_text() },
+            Preset::Shallow => {
+                let r = Self::real_text();
+                TextDims { dims: Dims { num_hidden_layers: 4, ..r.dims }, ..r }
+            }
             Preset::Full => Self::real_text(),
         }
     }
 
     fn real_text() -> TextDims {
         TextDims {
-            vocab_size: 248_320,
-            hidden_size: 2048,
-            num_hidden_layers: 40,
+            dims: Dims {
+                vocab_size: 248_320,
+                hidden_size: 2048,
+                num_hidden_layers: 40,
+                num_attention_heads: 16,
+                num_key_value_heads: 2,
+                head_dim: 256,
+                rotary_dim: 64,
+                rope_theta: 10_000_000.0,
+                linear_num_key_heads: 16,
+                linear_num_value_heads: 32,
+                linear_key_head_dim: 128,
+                linear_value_head_dim: 128,
+                linear_conv_kernel_dim: 4,
+                num_experts: 256,
+                num_experts_per_tok: 8,
+                moe_intermediate_size: 512,
+                shared_expert_intermediate_size: 512,
+                rms_norm_eps: 1e-6,
+                max_position_embeddings: 262_144,
+            },
             full_attention_interval: 4,
-            num_attention_heads: 16,
-            num_key_value_heads: 2,
-            head_dim: 256,
-            linear_num_key_heads: 16,
-            linear_num_value_heads: 32,
-            linear_key_head_dim: 128,
-            linear_value_head_dim: 128,
-            linear_conv_kernel_dim: 4,
-            num_experts: 256,
-            num_experts_per_tok: 8,
-            moe_intermediate_size: 512,
-            shared_expert_intermediate_size: 512,
             mrope_section: [11, 11, 10],
         }
     }
@@ -116,41 +129,31 @@ impl fmt::Display for Preset {
     }
 }
 
-/// The `text_config` dimensions a preset fixes; everything else is the real model's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The `text_config` a preset writes: the dims its checkpoint validates to (`model_spec::Dims`,
+/// config.json's names; `config.json` is written from them) and the two layout fields the
+/// validated dims do not keep. Everything else is the real model's.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TextDims {
-    pub vocab_size: usize,
-    pub hidden_size: usize,
-    pub num_hidden_layers: usize,
+    pub dims: Dims,
     /// Layer i is full attention iff (i + 1) % interval == 0.
     pub full_attention_interval: usize,
-    pub num_attention_heads: usize,
-    pub num_key_value_heads: usize,
-    pub head_dim: usize,
-    pub linear_num_key_heads: usize,
-    pub linear_num_value_heads: usize,
-    pub linear_key_head_dim: usize,
-    pub linear_value_head_dim: usize,
-    pub linear_conv_kernel_dim: usize,
-    pub num_experts: usize,
-    pub num_experts_per_tok: usize,
-    pub moe_intermediate_size: usize,
-    pub shared_expert_intermediate_size: usize,
     pub mrope_section: [usize; 3],
+}
+
+impl std::ops::Deref for TextDims {
+    type Target = Dims;
+    fn deref(&self) -> &Dims {
+        &self.dims
+    }
 }
 
 impl TextDims {
     pub fn is_full_attention(&self, layer: usize) -> bool {
         (layer + 1).is_multiple_of(self.full_attention_interval)
     }
-    pub fn key_dim(&self) -> usize {
-        self.linear_num_key_heads * self.linear_key_head_dim
-    }
-    pub fn value_dim(&self) -> usize {
-        self.linear_num_value_heads * self.linear_value_head_dim
-    }
-    pub fn conv_dim(&self) -> usize {
-        2 * self.key_dim() + self.value_dim()
+    /// `partial_rotary_factor`: the rotated share of each head.
+    pub fn partial_rotary_factor(&self) -> f64 {
+        self.rotary_dim as f64 / self.head_dim as f64
     }
 }
 

@@ -1,10 +1,11 @@
-//! Per-launch timing with CUDA events (each launch bracketed by two events on the stream). Used
+//! Per-launch timing with CUDA events (each launch bracketed by two events on the stream,
+//! [`super::CudaContext::profile_begin`]). Used
 //! by `ornith-bench` on one eager decode step; the brackets serialise nothing that the stream did
 //! not already serialise, but each adds a few µs of host overhead, so only kernel times are read.
 use anyhow::Result;
 use cudarc::driver::CudaEvent;
 
-pub(super) struct Launch {
+pub(crate) struct Launch {
     pub name: &'static str,
     pub bytes: u64,
     pub start: CudaEvent,
@@ -29,7 +30,7 @@ pub struct KernelSummary {
     pub gb_per_s: f64,
 }
 
-pub(super) fn collect(launches: Vec<Launch>) -> Result<Vec<KernelTime>> {
+pub(crate) fn collect(launches: Vec<Launch>) -> Result<Vec<KernelTime>> {
     let mut out = Vec::with_capacity(launches.len());
     for l in launches {
         let ms = l.start.elapsed_ms(&l.end)?;

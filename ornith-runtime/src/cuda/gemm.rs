@@ -1,0 +1,247 @@
+//! Launchers of gemm.cu: the prefill tensor-core GEMMs (FP8 W8A8 and BF16, plain or grouped by
+//! MoE expert) and compressed-tensors activation quantisation.
+//!
+//! One launcher per kernel (see [`super`]): device addresses and shapes (or the kernel's parameter
+//! struct) in, the kernel's assumptions checked, grid, block, shared memory and bytes computed,
+//! launched through [`CudaContext::launch`]; the CUDA backend calls these. After them, the
+//! slice-based wrappers the kernel tests call, which check buffer lengths (and device-held
+//! tables and slots) and convert slices to addresses. The math is in
+//! `kernels/include/ornith_kernels.h`; bf16 tensors are `CudaSlice<u16>` (bit patterns), FP8
+//! E4M3 codes `CudaSlice<u8>`.
+use super::{i32of, need, CudaContext, Launch, Ptr};
+use anyhow::{ensure, Result};
+use cudarc::driver::CudaSlice;
+use ornith_kernels::bindings::*;
+
+type Bf = CudaSlice<u16>;
+
+/// GEMM tile (rows x outputs) of the plain GEMMs (`gemm.cu`: BM = GB_N = 128).
+pub const GEMM_TILE: usize = 128;
+
+/// Rows per tile of the grouped MoE GEMM `gemm_fp8_grouped` (`GB_GROUPED_M`, `MS_TILE`).
+pub const GEMM_GROUPED_ROWS: usize = 64;
+
+/// Dynamic shared memory of the kernels (bytes); all within the 99 KiB per block of sm_121.
+/// GEMMs: 3 stages of (BM + 128) rows x 128 bytes.
+pub(crate) const GEMM_SMEM: u32 = 3 * 2 * 128 * 128;
+
+pub(crate) const GEMM_GROUPED_SMEM: u32 = 3 * (64 + 128) * 128;
+
+/// Element type of a prefill GEMM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GemmKind {
+    Fp8,
+    Bf16,
+}
+
+/// Whether the GEMM's cp.async loads (16 bytes from `a + r · pitch`) are aligned and `in` covers
+/// whole 16-byte chunks (`in_bytes % 16 == 0`): what [`CudaContext::k_gemm_fp8`] and
+/// [`CudaContext::k_gemm_bf16`] require (the CUDA backend keeps the GEMV otherwise).
+pub fn gemm_aligned(a: Ptr, pitch_bytes: usize, in_bytes: usize) -> bool {
+    a.is_multiple_of(16) && pitch_bytes.is_multiple_of(16) && in_bytes.is_multiple_of(16)
+}
+
+impl CudaContext {
+    /// What the plain GEMMs assume: a non-empty shape, `in` a multiple of 16 bytes, A rows
+    /// covering `in` and 16-byte aligned (address and stride), the weight 16-byte aligned,
+    /// offsets inside int32.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_checks(
+        kind: GemmKind,
+        a: Ptr,
+        w: Ptr,
+        rows: usize,
+        in_: usize,
+        out: usize,
+        a_stride: usize,
+        y_stride: usize,
+    ) -> Result<()> {
+        let (align, es) = match kind {
+            GemmKind::Fp8 => (16, 1),
+            GemmKind::Bf16 => (8, 2),
+        };
+        ensure!(rows > 0 && out > 0 && in_ > 0, "gemm: empty shape (rows {rows}, in {in_}, out {out})");
+        ensure!(in_.is_multiple_of(align), "gemm: in {in_} must be a multiple of {align}");
+        ensure!(
+            a_stride >= in_ && gemm_aligned(a, a_stride * es, in_ * es),
+            "gemm: A row stride {a_stride} must be >= in {in_} and keep rows 16-byte aligned"
+        );
+        ensure!(w.is_multiple_of(16), "gemm: the weight must be 16-byte aligned");
+        ensure!(y_stride >= out, "gemm: y stride {y_stride} < out {out}");
+        i32of("rows", rows)?;
+        i32of("out * in", out * in_)?;
+        i32of("a_stride", a_stride)?;
+        i32of("y_stride", y_stride)?;
+        Ok(())
+    }
+
+    /// Plain FP8 W8A8 GEMM: `y[r, o] = bf16((Σ_i e4m3(a[r,i])·e4m3(w[o,i])) · a_scale[r] · w_scale[o])`
+    /// for `rows` activation rows (E4M3 codes, row stride `a_stride`, per-row scales) and weight
+    /// `w [out, in]` with per-channel scales; `y` row stride `y_stride`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn k_gemm_fp8(
+        &self,
+        a: Ptr,
+        a_scale: Ptr,
+        w: Ptr,
+        ws: Ptr,
+        y: Ptr,
+        rows: usize,
+        in_: usize,
+        out: usize,
+        a_stride: usize,
+        y_stride: usize,
+    ) -> Result<()> {
+        Self::gemm_checks(GemmKind::Fp8, a, w, rows, in_, out, a_stride, y_stride)?;
+        let p = OrnithGemmParams {
+            a: a as _,
+            a_scale: a_scale as _,
+            w: w as _,
+            w_scale: ws as _,
+            y: y as _,
+            rows: rows as i32,
+            in_: in_ as i32,
+            out: out as i32,
+            a_stride: a_stride as i32,
+            y_stride: y_stride as i32,
+            groups: 1,
+            ..Default::default()
+        };
+        let bytes = out * in_ + out * 4 + rows * (in_ + 4 + out * 2);
+        let grid = (out.div_ceil(GEMM_TILE) as u32, rows.div_ceil(GEMM_TILE) as u32, 1);
+        self.launch(Launch::new("gemm_fp8", grid, 256, bytes as u64).smem(GEMM_SMEM), p)
+    }
+
+    /// Plain BF16 GEMM: `y[r, o] = bf16(Σ_i a[r,i]·w[o,i])`, fp32 accumulation.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn k_gemm_bf16(
+        &self,
+        a: Ptr,
+        w: Ptr,
+        y: Ptr,
+        rows: usize,
+        in_: usize,
+        out: usize,
+        a_stride: usize,
+        y_stride: usize,
+    ) -> Result<()> {
+        Self::gemm_checks(GemmKind::Bf16, a, w, rows, in_, out, a_stride, y_stride)?;
+        let p = OrnithGemmParams {
+            a: a as _,
+            w: w as _,
+            y: y as _,
+            rows: rows as i32,
+            in_: in_ as i32,
+            out: out as i32,
+            a_stride: a_stride as i32,
+            y_stride: y_stride as i32,
+            groups: 1,
+            ..Default::default()
+        };
+        let bytes = out * in_ * 2 + rows * (in_ + out) * 2;
+        let grid = (out.div_ceil(GEMM_TILE) as u32, rows.div_ceil(GEMM_TILE) as u32, 1);
+        self.launch(Launch::new("gemm_bf16", grid, 256, bytes as u64).smem(GEMM_SMEM), p)
+    }
+
+    /// Grouped FP8 GEMM over the expert-sorted rows of `p` (`p.groups` experts, `moe_sort`'s
+    /// `group_offsets` / `tile_offsets`): at most `ceil(rows / 64) + min(groups, rows)` row tiles
+    /// of 64 rows (each expert's last tile is partial). Bytes count every expert's weights once
+    /// (all are read when the chunk is long).
+    pub(crate) fn k_gemm_grouped(&self, p: OrnithGemmParams) -> Result<()> {
+        ensure!(
+            p.rows > 0 && p.out > 0 && p.in_ > 0 && p.in_ % 16 == 0 && p.groups > 0,
+            "gemm_grouped: rows {}, in {} (a multiple of 16), out {}, groups {}",
+            p.rows,
+            p.in_,
+            p.out,
+            p.groups
+        );
+        ensure!(
+            p.a_stride >= p.in_ && p.a_stride % 16 == 0 && (p.a as Ptr).is_multiple_of(16),
+            "gemm_grouped: A rows must be 16-byte aligned"
+        );
+        ensure!(!p.group_offsets.is_null() && !p.tile_offsets.is_null(), "gemm_grouped needs moe_sort's groups");
+        let (rows, in_, out, g) = (p.rows as usize, p.in_ as usize, p.out as usize, p.groups as usize);
+        let tiles = rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows);
+        let bytes = g * (out * in_ + out * 4) + rows * (in_ + 4 + out * 2);
+        let grid = (out.div_ceil(GEMM_TILE) as u32, tiles as u32, 1);
+        self.launch(Launch::new("gemm_fp8_grouped", grid, 256, bytes as u64).smem(GEMM_GROUPED_SMEM), p)
+    }
+
+    /// Per-row FP8 quantisation with compressed-tensors semantics (`cpu::fp8::quantize_act_row`)
+    /// of `rows` contiguous rows of `cols`: scale = bf16(amax/448) (2^-7 if 0), q8 = e4m3(bf16(x / scale)).
+    pub(crate) fn k_quant_ct(&self, x: Ptr, q8: Ptr, scale: Ptr, rows: usize, cols: usize) -> Result<()> {
+        ensure!(rows > 0 && cols > 0, "quantize_fp8_ct: empty");
+        let p = OrnithQuantParams {
+            x: x as _,
+            q8: q8 as _,
+            scale: scale as _,
+            tokens: i32of("rows", rows)?,
+            cols: i32of("cols", cols)?,
+        };
+        self.launch(Launch::new("quantize_fp8_ct", (rows as u32, 1, 1), 256, (rows * cols * 3 + rows * 4) as u64), p)
+    }
+}
+
+// The slice-based wrappers (the kernel tests' entry points).
+impl CudaContext {
+    /// [`Self::k_gemm_fp8`] on buffers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_fp8(
+        &self,
+        a: &CudaSlice<u8>,
+        a_scale: &CudaSlice<f32>,
+        w: &CudaSlice<u8>,
+        w_scale: &CudaSlice<f32>,
+        y: &mut Bf,
+        rows: usize,
+        in_: usize,
+        out: usize,
+        a_stride: usize,
+        y_stride: usize,
+    ) -> Result<()> {
+        ensure!(rows > 0, "gemm_fp8: no rows");
+        need("gemm_fp8 a", a, (rows - 1) * a_stride + in_)?;
+        need("gemm_fp8 a_scale", a_scale, rows)?;
+        need("gemm_fp8 w", w, out * in_)?;
+        need("gemm_fp8 w_scale", w_scale, out)?;
+        need("gemm_fp8 y", y, (rows - 1) * y_stride + out)?;
+        let (pa, ps, pw, pws, py) = (self.addr(a), self.addr(a_scale), self.addr(w), self.addr(w_scale), self.addr(y));
+        self.k_gemm_fp8(pa, ps, pw, pws, py, rows, in_, out, a_stride, y_stride)
+    }
+
+    /// [`Self::k_gemm_bf16`] on buffers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_bf16(
+        &self,
+        a: &Bf,
+        w: &Bf,
+        y: &mut Bf,
+        rows: usize,
+        in_: usize,
+        out: usize,
+        a_stride: usize,
+        y_stride: usize,
+    ) -> Result<()> {
+        ensure!(rows > 0, "gemm_bf16: no rows");
+        need("gemm_bf16 a", a, (rows - 1) * a_stride + in_)?;
+        need("gemm_bf16 w", w, out * in_)?;
+        need("gemm_bf16 y", y, (rows - 1) * y_stride + out)?;
+        self.k_gemm_bf16(self.addr(a), self.addr(w), self.addr(y), rows, in_, out, a_stride, y_stride)
+    }
+
+    /// [`Self::k_quant_ct`] on buffers.
+    pub fn quantize_fp8_ct(
+        &self,
+        x: &Bf,
+        q8: &mut CudaSlice<u8>,
+        scale: &mut CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        need("quantize_fp8_ct x", x, rows * cols)?;
+        need("quantize_fp8_ct q8", q8, rows * cols)?;
+        need("quantize_fp8_ct scale", scale, rows)?;
+        self.k_quant_ct(self.addr(x), self.addr(q8), self.addr(scale), rows, cols)
+    }
+}

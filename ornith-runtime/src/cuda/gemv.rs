@@ -1,0 +1,266 @@
+//! Launchers of gemv.cu: the tensor-core decode products (BF16 and FP8 W8A8, any number of rows)
+//! and the MoE expert products (per (token, slot) pair or grouped by expert).
+//!
+//! One launcher per kernel (see [`super`]): device addresses and shapes (or the kernel's parameter
+//! struct) in, the kernel's assumptions checked, grid, block, shared memory and bytes computed,
+//! launched through [`CudaContext::launch`]; the CUDA backend calls these. After them, the
+//! slice-based wrappers the kernel tests call, which check buffer lengths (and device-held
+//! tables and slots) and convert slices to addresses. The math is in
+//! `kernels/include/ornith_kernels.h`; bf16 tensors are `CudaSlice<u16>` (bit patterns), FP8
+//! E4M3 codes `CudaSlice<u8>`.
+use super::moe::MoeGroups;
+use super::{aligned, i32of, need, CudaContext, Launch, Ptr};
+use anyhow::{ensure, Result};
+use cudarc::driver::CudaSlice;
+use ornith_kernels::bindings::*;
+
+type Bf = CudaSlice<u16>;
+
+/// Inputs of [`CudaContext::moe_gemv`].
+pub struct MoeGemvArgs<'a> {
+    pub xq: &'a CudaSlice<u8>,
+    pub xs: &'a CudaSlice<f32>,
+    pub idx: &'a CudaSlice<i32>,
+    pub w: &'a CudaSlice<u8>,
+    pub ws: &'a CudaSlice<f32>,
+    pub shared_w: &'a CudaSlice<u8>,
+    pub shared_ws: &'a CudaSlice<f32>,
+    pub tokens: usize,
+    pub top_k: usize,
+    pub experts: usize,
+    pub in_: usize,
+    pub out: usize,
+    pub x_tok_stride: usize,
+    pub x_slot_stride: usize,
+    pub xs_tok_stride: usize,
+    pub xs_slot_stride: usize,
+}
+
+impl CudaContext {
+    /// What both tensor-core decode products assume: `in % 16 == 0`, strides covering the rows and
+    /// keeping them 16-byte aligned (`align` elements), offsets inside int32.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_checks(
+        x: Ptr,
+        w: Ptr,
+        tokens: usize,
+        in_: usize,
+        out: usize,
+        xs: usize,
+        ys: usize,
+        align: usize,
+    ) -> Result<()> {
+        // The kernel forms activation offsets as i32 (token * x_stride * element bytes).
+        ensure!(tokens >= 1 && tokens * xs * (16 / align) <= i32::MAX as usize, "gemv: {tokens} tokens of stride {xs}");
+        ensure!(in_ > 0 && in_.is_multiple_of(16), "gemv: in {in_} must be a positive multiple of 16");
+        ensure!(out > 0 && xs >= in_ && ys >= out, "gemv: strides x {xs} >= in {in_}, y {ys} >= out {out}");
+        ensure!(xs.is_multiple_of(align), "gemv: x stride {xs} must keep rows 16-byte aligned");
+        ensure!(aligned(x, 16) && aligned(w, 16), "gemv: x and w must be 16-byte aligned");
+        i32of("gemv out", out)?;
+        i32of("gemv y_stride", ys)?;
+        Ok(())
+    }
+
+    /// `y[t, o] = bf16(Σ_i x[t, i] w[o, i])` for any number of rows (`w` BF16 `[out, in]`; rows of
+    /// `x` and `y` at strides `xs`, `ys` elements): the tensor-core decode product, whose K
+    /// split depends on the weight's shape only (`gemv_tc_ksplit`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn k_gemv_bf16(
+        &self,
+        x: Ptr,
+        w: Ptr,
+        y: Ptr,
+        t: usize,
+        in_: usize,
+        out: usize,
+        xs: usize,
+        ys: usize,
+    ) -> Result<()> {
+        Self::gemv_checks(x, w, t, in_, out, xs, ys, 8)?;
+        let p = OrnithGemvBf16Params {
+            x: x as _,
+            w: w as _,
+            y: y as _,
+            tokens: t as i32,
+            in_: in_ as i32,
+            out: out as i32,
+            x_stride: xs as i32,
+            y_stride: ys as i32,
+        };
+        let bytes = (out * in_ * 2 + t * (in_ + out) * 2) as u64;
+        let name = super::gemv_tc_kernel(false, t);
+        self.launch(Launch::new(name, (super::gemv_tc_blocks(in_ * 2, out), 1, 1), 256, bytes), p)
+    }
+
+    /// FP8 W8A8 decode product for any number of rows:
+    /// `y[t, o] = bf16((Σ_i xq[t, i] w[o, i]) · xsc[t] · ws[o])`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn k_gemv_fp8(
+        &self,
+        xq: Ptr,
+        xsc: Ptr,
+        w: Ptr,
+        ws: Ptr,
+        y: Ptr,
+        t: usize,
+        in_: usize,
+        out: usize,
+        xs: usize,
+        ys: usize,
+    ) -> Result<()> {
+        Self::gemv_checks(xq, w, t, in_, out, xs, ys, 16)?;
+        let p = OrnithGemvFp8Params {
+            xq: xq as _,
+            xs: xsc as _,
+            w: w as _,
+            ws: ws as _,
+            y: y as _,
+            tokens: t as i32,
+            in_: in_ as i32,
+            out: out as i32,
+            x_stride: xs as i32,
+            y_stride: ys as i32,
+        };
+        let bytes = (out * in_ + out * 4 + t * (in_ + 4 + out * 2)) as u64;
+        let name = super::gemv_tc_kernel(true, t);
+        self.launch(Launch::new(name, (super::gemv_tc_blocks(in_, out), 1, 1), 256, bytes), p)
+    }
+
+    /// The expert GEMVs of a decode group (see `OrnithMoeGemvParams`): per (token, slot)
+    /// (`moe_gemv_fp8`: grid (tiles, top_k + 1, tokens)), or `grouped` by expert over
+    /// `moe_sort`'s groups (`moe_gemv_grouped`, the same bits; one block row per possible active
+    /// expert, `min(experts, tokens · top_k)`, plus the shared expert). Bytes count each
+    /// (token, slot)'s weight rows once per pair, or each touched expert's once when grouped.
+    pub(crate) fn k_moe_gemv(&self, p: OrnithMoeGemvParams, grouped: bool) -> Result<()> {
+        ensure!(p.tokens > 0 && p.top_k >= 1 && p.experts >= 1, "moe_gemv: {} tokens, top_k {}", p.tokens, p.top_k);
+        let (t, in_, out, k) = (p.tokens as usize, p.in_ as usize, p.out as usize, p.top_k as usize);
+        let slots = k + 1;
+        ensure!(in_ > 0 && in_.is_multiple_of(16) && out > 0, "moe_gemv: in {in_} % 16, out {out}");
+        let (xt, xsl) = (p.x_tok_stride as usize, p.x_slot_stride as usize);
+        ensure!(
+            p.x_tok_stride >= 0 && p.x_slot_stride >= 0 && xt.is_multiple_of(16) && xsl.is_multiple_of(16),
+            "moe_gemv: activation strides must keep 16-byte alignment"
+        );
+        // The kernel forms activation offsets as i32 (token * x_tok_stride + slot * x_slot_stride).
+        ensure!(t * xt + k * xsl <= i32::MAX as usize, "moe_gemv: {t} tokens of stride {xt}");
+        let tiles = super::moe_tc_blocks(in_, out);
+        if grouped {
+            ensure!(
+                !p.active_list.is_null()
+                    && !p.active_count.is_null()
+                    && !p.group_offsets.is_null()
+                    && !p.row_assign.is_null(),
+                "moe_gemv_grouped needs moe_sort's groups"
+            );
+            let active = (p.experts as usize).min(t * k);
+            let bytes = (active + 1) * (out * in_ + out * 4) + t * slots * (in_ + 4 + out * 2);
+            return self.launch(Launch::new("moe_gemv_grouped", (tiles, active as u32 + 1, 1), 256, bytes as u64), p);
+        }
+        let bytes = t * slots * (out * in_ + out * 4 + in_ + 4 + out * 2);
+        self.launch(Launch::new("moe_gemv_fp8", (tiles, slots as u32, t as u32), 256, bytes as u64), p)
+    }
+}
+
+// The slice-based wrappers (the kernel tests' entry points).
+impl CudaContext {
+    /// [`Self::k_gemv_bf16`] on buffers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_bf16(
+        &self,
+        x: &Bf,
+        w: &Bf,
+        y: &mut Bf,
+        tokens: usize,
+        in_: usize,
+        out: usize,
+        x_stride: usize,
+        y_stride: usize,
+    ) -> Result<()> {
+        ensure!(tokens >= 1, "gemv: no tokens");
+        need("gemv x", x, (tokens - 1) * x_stride + in_)?;
+        need("gemv w", w, out * in_)?;
+        need("gemv y", y, (tokens - 1) * y_stride + out)?;
+        self.k_gemv_bf16(self.addr(x), self.addr(w), self.addr(y), tokens, in_, out, x_stride, y_stride)
+    }
+
+    /// [`Self::k_gemv_fp8`] on buffers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_fp8(
+        &self,
+        xq: &CudaSlice<u8>,
+        xs: &CudaSlice<f32>,
+        w: &CudaSlice<u8>,
+        ws: &CudaSlice<f32>,
+        y: &mut Bf,
+        tokens: usize,
+        in_: usize,
+        out: usize,
+        x_stride: usize,
+        y_stride: usize,
+    ) -> Result<()> {
+        ensure!(tokens >= 1, "gemv_fp8: no tokens");
+        need("gemv_fp8 x", xq, (tokens - 1) * x_stride + in_)?;
+        need("gemv_fp8 xs", xs, tokens)?;
+        need("gemv_fp8 w", w, out * in_)?;
+        need("gemv_fp8 ws", ws, out)?;
+        need("gemv_fp8 y", y, (tokens - 1) * y_stride + out)?;
+        let (a, b, c, d, e) = (self.addr(xq), self.addr(xs), self.addr(w), self.addr(ws), self.addr(y));
+        self.k_gemv_fp8(a, b, c, d, e, tokens, in_, out, x_stride, y_stride)
+    }
+
+    /// Expert GEMV for top_k routed slots + the shared slot ([`Self::k_moe_gemv`] per pair).
+    pub fn moe_gemv(&self, a: &MoeGemvArgs, y: &mut Bf) -> Result<()> {
+        let p = self.moe_gemv_params(a, y)?;
+        self.k_moe_gemv(p, false)
+    }
+
+    fn moe_gemv_params(&self, a: &MoeGemvArgs, y: &Bf) -> Result<OrnithMoeGemvParams> {
+        let slots = a.top_k + 1;
+        ensure!(a.tokens > 0, "moe_gemv: no tokens");
+        need("moe_gemv idx", a.idx, a.tokens * a.top_k)?;
+        need("moe_gemv w", a.w, a.experts * a.out * a.in_)?;
+        need("moe_gemv ws", a.ws, a.experts * a.out)?;
+        need("moe_gemv shared w", a.shared_w, a.out * a.in_)?;
+        need("moe_gemv shared ws", a.shared_ws, a.out)?;
+        need("moe_gemv x", a.xq, (a.tokens - 1) * a.x_tok_stride + a.top_k * a.x_slot_stride + a.in_)?;
+        need("moe_gemv xs", a.xs, (a.tokens - 1) * a.xs_tok_stride + a.top_k * a.xs_slot_stride + 1)?;
+        need("moe_gemv y", y, a.tokens * slots * a.out)?;
+        Ok(OrnithMoeGemvParams {
+            xq: self.addr(a.xq) as _,
+            xs: self.addr(a.xs) as _,
+            idx: self.addr(a.idx) as _,
+            w: self.addr(a.w) as _,
+            ws: self.addr(a.ws) as _,
+            shared_w: self.addr(a.shared_w) as _,
+            shared_ws: self.addr(a.shared_ws) as _,
+            y: self.addr(y) as _,
+            tokens: i32of("tokens", a.tokens)?,
+            top_k: a.top_k as i32,
+            experts: i32of("experts", a.experts)?,
+            in_: i32of("in", a.in_)?,
+            out: i32of("out", a.out)?,
+            x_tok_stride: i32of("x_tok_stride", a.x_tok_stride)?,
+            x_slot_stride: i32of("x_slot_stride", a.x_slot_stride)?,
+            xs_tok_stride: i32of("xs_tok_stride", a.xs_tok_stride)?,
+            xs_slot_stride: i32of("xs_slot_stride", a.xs_slot_stride)?,
+            active_list: std::ptr::null(),
+            active_count: std::ptr::null(),
+            group_offsets: std::ptr::null(),
+            row_assign: std::ptr::null(),
+        })
+    }
+
+    /// [`CudaContext::moe_gemv`] grouped by expert over `g` (see `moe_gemv_grouped`): the same
+    /// outputs, bit for bit.
+    pub fn moe_gemv_grouped(&self, a: &MoeGemvArgs, g: &MoeGroups, y: &mut Bf) -> Result<()> {
+        let mut p = self.moe_gemv_params(a, y)?;
+        need("moe_gemv_grouped active_list", &g.active_list, a.experts)?;
+        need("moe_gemv_grouped group_offsets", &g.group_offsets, a.experts + 1)?;
+        need("moe_gemv_grouped row_assign", &g.row_assign, a.tokens * a.top_k)?;
+        p.active_list = self.addr(&g.active_list) as _;
+        p.active_count = self.addr(&g.active_count) as _;
+        p.group_offsets = self.addr(&g.group_offsets) as _;
+        p.row_assign = self.addr(&g.row_assign) as _;
+        self.k_moe_gemv(p, true)
+    }
+}

@@ -1,0 +1,419 @@
+//! Launchers of moe.cu and moe_prefill.cu: router top-k, the counting sort by expert, SwiGLU +
+//! requantisation (decode and compressed-tensors forms) and the two combines; and the whole
+//! prefill MoE block on buffers ([`CudaContext::moe_prefill`], the kernel tests' composition of
+//! the launchers the CUDA backend's prefill MoE calls).
+//!
+//! One launcher per kernel (see [`super`]): device addresses and shapes (or the kernel's parameter
+//! struct) in, the kernel's assumptions checked, grid, block, shared memory and bytes computed,
+//! launched through [`CudaContext::launch`]; the CUDA backend calls these. After them, the
+//! slice-based wrappers the kernel tests call, which check buffer lengths (and device-held
+//! tables and slots) and convert slices to addresses. The math is in
+//! `kernels/include/ornith_kernels.h`; bf16 tensors are `CudaSlice<u16>` (bit patterns), FP8
+//! E4M3 codes `CudaSlice<u8>`.
+use super::{i32of, need, CudaContext, Launch, Ptr};
+use anyhow::{ensure, Result};
+use cudarc::driver::CudaSlice;
+use ornith_kernels::bindings::*;
+
+type Bf = CudaSlice<u16>;
+
+/// `moe_sort`'s outputs for [`CudaContext::moe_gemv_grouped`].
+pub struct MoeGroups {
+    pub group_offsets: CudaSlice<i32>,
+    pub tile_offsets: CudaSlice<i32>,
+    pub row_token: CudaSlice<i32>,
+    pub row_of: CudaSlice<i32>,
+    pub row_assign: CudaSlice<i32>,
+    pub active_list: CudaSlice<i32>,
+    pub active_count: CudaSlice<i32>,
+}
+
+/// Weights and dims of [`CudaContext::moe_prefill`]. FP8 weights are `[.., out, in]` E4M3 codes with
+/// per-output-channel f32 scales; an expert's gate_up is its gate rows then its up rows.
+pub struct MoePrefillArgs<'a> {
+    /// `[tokens, hidden]` bf16 (post-attention norm output).
+    pub x: &'a Bf,
+    /// `[experts + 1, hidden]` bf16: the router rows, then `shared_expert_gate`.
+    pub router: &'a Bf,
+    pub w_gate_up: &'a CudaSlice<u8>,
+    pub ws_gate_up: &'a CudaSlice<f32>,
+    pub w_down: &'a CudaSlice<u8>,
+    pub ws_down: &'a CudaSlice<f32>,
+    pub shared_gate_up: &'a CudaSlice<u8>,
+    pub shared_gate_up_scale: &'a CudaSlice<f32>,
+    pub shared_down: &'a CudaSlice<u8>,
+    pub shared_down_scale: &'a CudaSlice<f32>,
+    pub tokens: usize,
+    pub hidden: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub inter: usize,
+    pub shared_inter: usize,
+}
+
+/// Device scratch of [`CudaContext::moe_prefill`] for up to `tokens` rows.
+pub struct MoePrefillScratch {
+    tokens: usize,
+    hidden: usize,
+    experts: usize,
+    top_k: usize,
+    inter: usize,
+    shared_inter: usize,
+    pub logits: Bf,
+    pub idx: CudaSlice<i32>,
+    pub weight: CudaSlice<f32>,
+    xq: CudaSlice<u8>,
+    xs: CudaSlice<f32>,
+    group_offsets: CudaSlice<i32>,
+    tile_offsets: CudaSlice<i32>,
+    row_token: CudaSlice<i32>,
+    row_of: CudaSlice<i32>,
+    gate_up: Bf,
+    aq: CudaSlice<u8>,
+    as_: CudaSlice<f32>,
+    down: Bf,
+    shared_gu: Bf,
+    saq: CudaSlice<u8>,
+    sas: CudaSlice<f32>,
+    shared_y: Bf,
+}
+
+impl MoePrefillScratch {
+    pub fn new(
+        c: &CudaContext,
+        tokens: usize,
+        hidden: usize,
+        experts: usize,
+        top_k: usize,
+        inter: usize,
+        shared_inter: usize,
+    ) -> Result<Self> {
+        let n = tokens * top_k;
+        Ok(Self {
+            tokens,
+            hidden,
+            experts,
+            top_k,
+            inter,
+            shared_inter,
+            logits: c.alloc(tokens * (experts + 1))?,
+            idx: c.alloc(n)?,
+            weight: c.alloc(n)?,
+            xq: c.alloc(tokens * hidden)?,
+            xs: c.alloc(tokens)?,
+            group_offsets: c.alloc(experts + 1)?,
+            tile_offsets: c.alloc(experts + 1)?,
+            row_token: c.alloc(n)?,
+            row_of: c.alloc(n)?,
+            gate_up: c.alloc(n * 2 * inter)?,
+            aq: c.alloc(n * inter)?,
+            as_: c.alloc(n)?,
+            down: c.alloc(n * hidden)?,
+            shared_gu: c.alloc(tokens * 2 * shared_inter)?,
+            saq: c.alloc(tokens * shared_inter)?,
+            sas: c.alloc(tokens)?,
+            shared_y: c.alloc(tokens * hidden)?,
+        })
+    }
+}
+
+impl CudaContext {
+    /// Router: softmax over `experts` logits (row stride `stride`), top-k, renormalised weights.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn k_router(
+        &self,
+        logits: Ptr,
+        idx: Ptr,
+        weight: Ptr,
+        t: usize,
+        experts: usize,
+        top_k: usize,
+        stride: usize,
+    ) -> Result<()> {
+        ensure!(
+            t > 0 && experts <= 256 && (1..=32).contains(&top_k) && top_k <= experts && stride >= experts,
+            "router: experts {experts} <= 256, 1 <= top_k {top_k} <= min(32, experts), stride {stride}"
+        );
+        let p = OrnithRouterParams {
+            logits: logits as _,
+            idx: idx as _,
+            weight: weight as _,
+            tokens: i32of("tokens", t)?,
+            experts: experts as i32,
+            top_k: top_k as i32,
+            logit_stride: i32of("router stride", stride)?,
+        };
+        self.launch(Launch::new("moe_router_topk", (t as u32, 1, 1), 32, (t * (experts * 2 + top_k * 8)) as u64), p)
+    }
+
+    /// `moe_sort` (one block): counting sort of the `tokens · top_k` assignments of `p.idx` by
+    /// expert (see `OrnithMoeSortParams`).
+    pub(crate) fn k_moe_sort(&self, p: OrnithMoeSortParams) -> Result<()> {
+        ensure!(
+            p.tokens > 0 && p.top_k > 0 && (1..=1024).contains(&p.experts),
+            "moe_sort: {} tokens, top_k {}, {} experts",
+            p.tokens,
+            p.top_k,
+            p.experts
+        );
+        let n = (p.tokens * p.top_k) as usize;
+        self.launch(Launch::new("moe_sort", (1, 1, 1), 1024, (n * 12 + (p.experts as usize + 1) * 8) as u64), p)
+    }
+
+    /// `a = bf16(bf16(silu(g)) · u)` per row of `gate_up [rows, 2·inter]`, then FP8 per row
+    /// (`inter <= 1024`).
+    pub(crate) fn k_swiglu(&self, gu: Ptr, q8: Ptr, scale: Ptr, rows: usize, inter: usize) -> Result<()> {
+        ensure!(rows > 0 && inter > 0 && inter <= 1024, "swiglu: 0 < inter {inter} <= 1024");
+        let p = OrnithSwigluQuantParams {
+            gate_up: gu as _,
+            q8: q8 as _,
+            scale: scale as _,
+            rows: i32of("rows", rows)?,
+            inter: inter as i32,
+        };
+        self.launch(Launch::new("swiglu_quant", (rows as u32, 1, 1), 256, (rows * (inter * 5 + 4)) as u64), p)
+    }
+
+    /// `out = bf16(routed + sigmoid-gated shared)`, see `OrnithMoeCombineParams`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn k_combine(
+        &self,
+        ys: Ptr,
+        weight: Ptr,
+        gate: Ptr,
+        out: Ptr,
+        t: usize,
+        top_k: usize,
+        hidden: usize,
+        gate_stride: usize,
+    ) -> Result<()> {
+        ensure!(t > 0 && hidden > 0 && top_k > 0, "moe_combine: empty");
+        let p = OrnithMoeCombineParams {
+            ys: ys as _,
+            weight: weight as _,
+            gate_logit: gate as _,
+            out: out as _,
+            tokens: i32of("tokens", t)?,
+            top_k: top_k as i32,
+            hidden: i32of("hidden", hidden)?,
+            gate_stride: i32of("gate stride", gate_stride)?,
+        };
+        let bytes = t * ((top_k + 2) * hidden * 2 + top_k * 4 + 2);
+        self.launch(Launch::new("moe_combine", (hidden.div_ceil(256) as u32, t as u32, 1), 256, bytes as u64), p)
+    }
+
+    /// SwiGLU + compressed-tensors FP8 requantisation of `rows` gate|up rows (`inter <= 2048`).
+    pub(crate) fn k_swiglu_ct(&self, gu: Ptr, q8: Ptr, scale: Ptr, rows: usize, inter: usize) -> Result<()> {
+        ensure!(rows > 0 && inter > 0 && inter <= 2048, "swiglu_quant_ct: 0 < inter {inter} <= 2048");
+        let p = OrnithSwigluQuantParams {
+            gate_up: gu as _,
+            q8: q8 as _,
+            scale: scale as _,
+            rows: i32of("rows", rows)?,
+            inter: inter as i32,
+        };
+        self.launch(Launch::new("swiglu_quant_ct", (rows as u32, 1, 1), 256, (rows * (inter * 5 + 4)) as u64), p)
+    }
+
+    /// The MoE combine of a prefill chunk over the expert-sorted rows (see
+    /// `OrnithMoeCombinePrefillParams`).
+    pub(crate) fn k_combine_prefill(&self, p: OrnithMoeCombinePrefillParams) -> Result<()> {
+        ensure!(p.tokens > 0 && p.top_k > 0 && p.hidden > 0, "moe_combine_prefill: empty");
+        let (t, k, h) = (p.tokens as usize, p.top_k as usize, p.hidden as usize);
+        let bytes = t * ((k + 2) * h * 2 + k * 8 + 2);
+        self.launch(Launch::new("moe_combine_prefill", (h.div_ceil(256) as u32, t as u32, 1), 256, bytes as u64), p)
+    }
+}
+
+// The slice-based wrappers (the kernel tests' entry points).
+impl CudaContext {
+    /// [`Self::k_router`] on buffers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_router(
+        &self,
+        logits: &Bf,
+        idx: &mut CudaSlice<i32>,
+        weight: &mut CudaSlice<f32>,
+        tokens: usize,
+        experts: usize,
+        top_k: usize,
+        stride: usize,
+    ) -> Result<()> {
+        ensure!(tokens > 0, "router: no tokens");
+        need("router logits", logits, (tokens - 1) * stride + experts)?;
+        need("router idx", idx, tokens * top_k)?;
+        need("router weight", weight, tokens * top_k)?;
+        self.k_router(self.addr(logits), self.addr(idx), self.addr(weight), tokens, experts, top_k, stride)
+    }
+
+    /// `moe_sort` ([`Self::k_moe_sort`]) of a decode group's router output `idx [tokens, top_k]`
+    /// for [`CudaContext::moe_gemv_grouped`], into new buffers: each expert's range of sorted
+    /// rows, the assignment (`token · top_k + slot`) of each sorted row, the experts with
+    /// assignments and their count.
+    pub fn moe_groups(&self, idx: &CudaSlice<i32>, tokens: usize, top_k: usize, experts: usize) -> Result<MoeGroups> {
+        need("moe_groups idx", idx, tokens * top_k)?;
+        ensure!((1..=1024).contains(&experts), "moe_groups: {experts} experts");
+        let n = tokens * top_k;
+        let g = MoeGroups {
+            group_offsets: self.alloc(experts + 1)?,
+            tile_offsets: self.alloc(experts + 1)?,
+            row_token: self.alloc(n)?,
+            row_of: self.alloc(n)?,
+            row_assign: self.alloc(n)?,
+            active_list: self.alloc(experts)?,
+            active_count: self.alloc(1)?,
+        };
+        self.k_moe_sort(OrnithMoeSortParams {
+            idx: self.addr(idx) as _,
+            group_offsets: self.addr(&g.group_offsets) as _,
+            tile_offsets: self.addr(&g.tile_offsets) as _,
+            row_token: self.addr(&g.row_token) as _,
+            row_of: self.addr(&g.row_of) as _,
+            row_assign: self.addr(&g.row_assign) as _,
+            active_list: self.addr(&g.active_list) as _,
+            active_count: self.addr(&g.active_count) as _,
+            tokens: i32of("tokens", tokens)?,
+            top_k: top_k as i32,
+            experts: experts as i32,
+        })?;
+        Ok(g)
+    }
+
+    /// [`Self::k_swiglu`] on buffers.
+    pub fn swiglu_quant(
+        &self,
+        gate_up: &Bf,
+        q8: &mut CudaSlice<u8>,
+        scale: &mut CudaSlice<f32>,
+        rows: usize,
+        inter: usize,
+    ) -> Result<()> {
+        need("swiglu gate_up", gate_up, rows * 2 * inter)?;
+        need("swiglu q8", q8, rows * inter)?;
+        need("swiglu scale", scale, rows)?;
+        self.k_swiglu(self.addr(gate_up), self.addr(q8), self.addr(scale), rows, inter)
+    }
+
+    /// [`Self::k_combine`] on buffers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine(
+        &self,
+        ys: &Bf,
+        weight: &CudaSlice<f32>,
+        gate_logit: &Bf,
+        out: &mut Bf,
+        tokens: usize,
+        top_k: usize,
+        hidden: usize,
+        gate_stride: usize,
+    ) -> Result<()> {
+        ensure!(tokens > 0, "moe_combine: empty");
+        need("combine ys", ys, tokens * (top_k + 1) * hidden)?;
+        need("combine weight", weight, tokens * top_k)?;
+        need("combine gate", gate_logit, (tokens - 1) * gate_stride + 1)?;
+        need("combine out", out, tokens * hidden)?;
+        let (a, b, c, d) = (self.addr(ys), self.addr(weight), self.addr(gate_logit), self.addr(out));
+        self.k_combine(a, b, c, d, tokens, top_k, hidden, gate_stride)
+    }
+
+    /// The MoE block for `tokens` rows of `x` (see `cpu::moe::moe`) on buffers, through the
+    /// launchers the CUDA backend's prefill MoE calls: router (BF16 GEMM over the
+    /// `[experts + 1, hidden]` router | shared-gate weight) and top-k, per-token FP8 quantisation,
+    /// counting sort by expert, grouped FP8 gate_up GEMM, SwiGLU + requantisation, grouped down
+    /// GEMM, the shared expert, and the weighted combine into `out [tokens, hidden]`.
+    pub fn moe_prefill(&self, a: &MoePrefillArgs, s: &mut MoePrefillScratch, out: &mut Bf) -> Result<()> {
+        let (t, d, e, k, i, si) = (a.tokens, a.hidden, a.experts, a.top_k, a.inter, a.shared_inter);
+        ensure!(t > 0 && t <= s.tokens, "moe_prefill: tokens {t} must be in 1..={} (scratch size)", s.tokens);
+        ensure!(
+            (d, e, k, i, si) == (s.hidden, s.experts, s.top_k, s.inter, s.shared_inter),
+            "moe_prefill: scratch was made for other dims"
+        );
+        need("moe router", a.router, (e + 1) * d)?;
+        need("moe w_gate_up", a.w_gate_up, e * 2 * i * d)?;
+        need("moe ws_gate_up", a.ws_gate_up, e * 2 * i)?;
+        need("moe w_down", a.w_down, e * d * i)?;
+        need("moe ws_down", a.ws_down, e * d)?;
+        need("moe shared gate_up", a.shared_gate_up, 2 * si * d)?;
+        need("moe shared gate_up scale", a.shared_gate_up_scale, 2 * si)?;
+        need("moe shared down", a.shared_down, d * si)?;
+        need("moe shared down scale", a.shared_down_scale, d)?;
+        need("moe x", a.x, t * d)?;
+        need("moe out", out, t * d)?;
+        let n = t * k;
+        let at = |b: &CudaSlice<_>| -> Ptr { self.addr(b) };
+        // Router logits (router | shared gate) and top-k.
+        let logits = self.addr(&s.logits);
+        self.k_gemm_bf16(self.addr(a.x), self.addr(a.router), logits, t, d, e + 1, d, e + 1)?;
+        self.k_router(logits, self.addr(&s.idx), self.addr(&s.weight), t, e, k, e + 1)?;
+        let (xq, xs) = (self.addr(&s.xq), self.addr(&s.xs));
+        self.k_quant_ct(self.addr(a.x), xq, xs, t, d)?;
+        let (go, to, rt, ro) = (at(&s.group_offsets), at(&s.tile_offsets), at(&s.row_token), at(&s.row_of));
+        self.k_moe_sort(OrnithMoeSortParams {
+            idx: self.addr(&s.idx) as _,
+            group_offsets: go as _,
+            tile_offsets: to as _,
+            row_token: rt as _,
+            row_of: ro as _,
+            row_assign: std::ptr::null_mut(),
+            active_list: std::ptr::null_mut(),
+            active_count: std::ptr::null_mut(),
+            tokens: i32of("tokens", t)?,
+            top_k: k as i32,
+            experts: e as i32,
+        })?;
+        // Grouped gate_up: row r (expert-sorted) reads token row_token[r] of xq.
+        self.k_gemm_grouped(OrnithGemmParams {
+            a: xq as _,
+            a_scale: xs as _,
+            a_rows: rt as _,
+            w: self.addr(a.w_gate_up) as _,
+            w_scale: self.addr(a.ws_gate_up) as _,
+            y: self.addr(&s.gate_up) as _,
+            group_offsets: go as _,
+            tile_offsets: to as _,
+            rows: i32of("rows", n)?,
+            in_: d as i32,
+            out: i32of("2 * inter", 2 * i)?,
+            a_stride: d as i32,
+            y_stride: (2 * i) as i32,
+            groups: e as i32,
+        })?;
+        self.k_swiglu_ct(self.addr(&s.gate_up), self.addr(&s.aq), self.addr(&s.as_), n, i)?;
+        self.k_gemm_grouped(OrnithGemmParams {
+            a: self.addr(&s.aq) as _,
+            a_scale: self.addr(&s.as_) as _,
+            a_rows: std::ptr::null(),
+            w: self.addr(a.w_down) as _,
+            w_scale: self.addr(a.ws_down) as _,
+            y: self.addr(&s.down) as _,
+            group_offsets: go as _,
+            tile_offsets: to as _,
+            rows: n as i32,
+            in_: i as i32,
+            out: d as i32,
+            a_stride: i as i32,
+            y_stride: d as i32,
+            groups: e as i32,
+        })?;
+        // Shared expert on every token.
+        let (sgu, saq, sas, sy) =
+            (self.addr(&s.shared_gu), self.addr(&s.saq), self.addr(&s.sas), self.addr(&s.shared_y));
+        let (w1, s1) = (self.addr(a.shared_gate_up), self.addr(a.shared_gate_up_scale));
+        self.k_gemm_fp8(xq, xs, w1, s1, sgu, t, d, 2 * si, d, 2 * si)?;
+        self.k_swiglu_ct(sgu, saq, sas, t, si)?;
+        let (w2, s2) = (self.addr(a.shared_down), self.addr(a.shared_down_scale));
+        self.k_gemm_fp8(saq, sas, w2, s2, sy, t, si, d, si, d)?;
+        self.k_combine_prefill(OrnithMoeCombinePrefillParams {
+            ys: self.addr(&s.down) as _,
+            row_of: ro as _,
+            weight: self.addr(&s.weight) as _,
+            shared_y: sy as _,
+            gate_logit: (logits + 2 * e as u64) as _,
+            out: self.addr(out) as _,
+            tokens: t as i32,
+            top_k: k as i32,
+            hidden: d as i32,
+            gate_stride: (e + 1) as i32,
+        })
+    }
+}
