@@ -67,10 +67,14 @@ async fn a_full_queue_answers_429_with_retry_after_then_drains() {
         }
     }
     assert_eq!((open.len(), refused), (3, 7), "slots + --max-queue requests get in");
-    // One runs, two wait in the engine for its slot.
+    // One runs, two wait in the engine for its slot. `running` counts a request once it has
+    // sampled a token, so the first may still be in its prefill when the queue reads 2: wait for
+    // both, then read them together.
     wait_for(&s, "ornith_queue_depth", 2.0).await;
+    wait_for(&s, "ornith_requests_running", 1.0).await;
     let m = metrics(&s).await;
     assert_eq!(metric(&m, "ornith_requests_in_flight"), 3.0);
+    assert_eq!(metric(&m, "ornith_queue_depth"), 2.0);
     assert_eq!(metric(&m, "ornith_requests_running"), 1.0);
     // Every generation endpoint refuses in its own API's shape, with Retry-After.
     let chat = json!({"messages": user("SAY:ok"), "max_tokens": 2});
