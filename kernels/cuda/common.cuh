@@ -16,8 +16,9 @@
 //    predecessor's completion.
 //  * pdl_launch_dependents() lets the next kernel be scheduled once every block of this grid has
 //    issued it (or exited). It changes when the next kernel starts, never what it sees.
-//  * Before the wait a kernel may only prefetch read-only data (weights) toward L2 (prefetch_l2):
-//    L2 is the point of coherence, so a prefetch cannot change what a later load returns.
+//  * Before the wait a kernel may only prefetch read-only data (weights) toward L2: L2 is the
+//    point of coherence, so a prefetch cannot change what a later load returns. None does now (a
+//    decode product's whole-tile prefetch overflowed L2: gemv.cu).
 // Launched without the attribute (or by a driver that ignores it) both instructions are no-ops.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
@@ -26,7 +27,6 @@ __device__ __forceinline__ void pdl_entry() {
     pdl_launch_dependents();
     pdl_wait();
 }
-__device__ __forceinline__ void prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // bf16 bits <-> float. bf16 -> float is exact; float -> bf16 rounds to nearest even (NaN kept).
 __device__ __forceinline__ float bf2f(uint16_t b) { return __uint_as_float(((uint32_t)b) << 16); }

@@ -45,7 +45,7 @@
 #define MOE_TARGET_WARPS 256
 // 64-byte K steps per pass of the MoE kernels (2 * MOE_U weight loads in flight per lane).
 #define MOE_U 2
-// 64-byte K steps per pass: 2 * U weight loads in flight per lane; 4 for up to 16 tokens (memory
+// 64-byte K steps per pass of the dense kernels: 2 * U weight loads in flight per lane; 4 for up to 16 tokens (memory
 // bound), 2 beyond (each load feeds 2 * NT mma, and the accumulators need the registers).
 __host__ __device__ constexpr int tc_u(int nt) { return nt <= 2 ? 4 : 2; }
 // N tiles per pass over the weights. Two builds of each dense kernel: the narrow one (1 tile =

@@ -664,7 +664,7 @@ fn run() -> Result<()> {
         );
         for r in &batch_runs {
             let e = &r.spark_estimate;
-            let mb = r.kernels.iter().map(|k| k.bytes).sum::<u64>() as f64 / 1e6;
+            let mb = e.bytes as f64 / 1e6;
             eprintln!(
                 "{:>6} {:>10.0} {:>13.1} {:>14.1} {:>10.0}",
                 r.batch, mb, e.ceiling_tok_s, e.estimate_tok_s, e.fixed_us

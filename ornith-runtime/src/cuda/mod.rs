@@ -104,6 +104,8 @@ const KERNELS: [(Module, &[&str]); 11] = [
 
 /// Warps per block of the decode products (`TC_WARPS` in gemv.cu).
 pub(crate) const GEMV_WARPS: usize = 8;
+/// Threads per block of the decode products.
+pub(crate) const GEMV_BLOCK: u32 = (GEMV_WARPS * 32) as u32;
 
 /// Warps the K split of a dense decode product aims at (`TC_TARGET_WARPS` in gemv.cu).
 pub(crate) const GEMV_TARGET_WARPS: usize = 2048;
@@ -142,12 +144,17 @@ pub(crate) fn gemv_tc_kernel(fp8: bool, tokens: usize) -> &'static str {
 /// Blocks of a dense decode product over `out` rows of `row_bytes`: `GEMV_WARPS / ks` row groups
 /// of 16 per block.
 pub(crate) fn gemv_tc_blocks(row_bytes: usize, out: usize) -> u32 {
-    out.div_ceil(16).div_ceil(GEMV_WARPS / gemv_tc_ksplit(row_bytes, out, GEMV_TARGET_WARPS)) as u32
+    tc_blocks(row_bytes, out, GEMV_TARGET_WARPS)
 }
 
 /// Blocks per expert (or slot) of the MoE decode products over one expert's `[out, in]` (FP8).
 pub(crate) fn moe_tc_blocks(in_: usize, out: usize) -> u32 {
-    out.div_ceil(16).div_ceil(GEMV_WARPS / gemv_tc_ksplit(in_, out, MOE_TARGET_WARPS)) as u32
+    tc_blocks(in_, out, MOE_TARGET_WARPS)
+}
+
+/// `GEMV_WARPS / ks` row groups of 16 per block, `ks` the K split aiming at `target` warps.
+fn tc_blocks(row_bytes: usize, out: usize, target: usize) -> u32 {
+    out.div_ceil(16).div_ceil(GEMV_WARPS / gemv_tc_ksplit(row_bytes, out, target)) as u32
 }
 
 /// The PTX arch shipped for a compute capability.
@@ -277,8 +284,8 @@ impl CudaContext {
 
     /// Programmatic dependent launch (off by default: on the H200 a decode graph captured with it
     /// ran 1-2% slower, eager decode 11% faster; docs/PERF.md): every kernel is launched with the
-    /// programmatic-stream-serialization attribute, so its blocks may be scheduled, and prefetch
-    /// weights toward L2, while the previous kernel finishes; each kernel waits
+    /// programmatic-stream-serialization attribute, so its blocks may be scheduled while the
+    /// previous kernel finishes; each kernel waits
     /// (`griddepcontrol.wait`) before it reads an input or writes anything, so results are the
     /// same bit for bit with it off. Off: plain stream order (the comparison in tests and bench).
     /// A captured decode graph keeps the setting it was captured with (it is part of its key).

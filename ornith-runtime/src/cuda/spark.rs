@@ -26,6 +26,8 @@ use super::profile::KernelSummary;
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct SparkStep {
     pub bandwidth_gb_s: f64,
+    /// The bytes the step reads.
+    pub bytes: u64,
     /// `bytes / bw_spark`: the step at the Spark's bandwidth, nothing else.
     pub ceiling_us: f64,
     /// The part of the measured step that its bytes do not explain here.
@@ -47,6 +49,7 @@ pub fn spark_step(bytes: u64, step_us: f64, tokens: usize, here_gb_s: f64, spark
     let per_s = |us: f64| if us > 0.0 { tokens as f64 * 1e6 / us } else { 0.0 };
     SparkStep {
         bandwidth_gb_s: spark_gb_s,
+        bytes,
         ceiling_us,
         fixed_us,
         estimate_us,
@@ -99,6 +102,7 @@ mod tests {
         assert!((s.ceiling_us - 19_433.43).abs() < 0.01, "{s:?}");
         assert!((s.fixed_us - (3450.0 - 1094.84)).abs() < 0.01, "{s:?}");
         assert!((s.estimate_us - (s.ceiling_us + s.fixed_us)).abs() < 1e-9);
+        assert_eq!(s.bytes, 4_664_024_192);
         assert!((s.ceiling_tok_s - 51.458).abs() < 0.001, "{s:?}");
         assert!((s.estimate_tok_s - 45.896).abs() < 0.001, "{s:?}");
         // A step faster than its bytes here (impossible, but the inputs are measured) has no
