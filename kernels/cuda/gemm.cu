@@ -11,10 +11,16 @@
 // Shared memory rows are 128 bytes = 8 chunks of 16 bytes; chunk c of row r is stored at chunk
 // c ^ (r & 7), so the 8 rows an ldmatrix reads hit 8 distinct bank groups.
 //
+// NVFP4A16 (FP4): A is bf16 and the weight tile is dequantised into shared memory in the BF16 layout
+// (fp4.cuh, bit-identical to the CPU's dequantisation), then the BF16 mma as above. Each thread
+// fetches its 4 chunks of 8 weights (4 code bytes and a scale byte each) for stage kt + 2 before
+// the mma of stage kt and dequantises and stores them after it, so the loads land under the mma.
+//
 // FP8 accumulation: each stage's 128-byte K slice is accumulated in a fresh fp32 fragment, then
 // added to the running fp32 sum (promotion every 128 codes), so the result does not depend on the
 // tensor core's internal accumulator width over long K.
 #include "common.cuh"
+#include "fp4.cuh"
 #include "mma.cuh"
 
 #define GB_N 128
@@ -29,8 +35,9 @@ template <bool FP8> __device__ __forceinline__ void mma32(float *c, const uint32
 
 __device__ __forceinline__ uint32_t swz(int row, int chunk) { return (uint32_t)(row * GB_K + ((chunk ^ (row & 7)) << 4)); }
 
-// Element size in bytes: 1 (E4M3) or 2 (bf16).
-template <bool FP8, int BM> __device__ __forceinline__ void gemm_body(const OrnithGemmParams &p) {
+// Element size in bytes: 1 (E4M3) or 2 (bf16; FP4 weights are dequantised to bf16).
+template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void gemm_body(const OrnithGemmParams &p) {
+    static_assert(!(FP8 && FP4), "NVFP4A16 runs bf16 activations");
     constexpr int ES = FP8 ? 1 : 2;
     constexpr int MI = BM / 32;  // mma row tiles per warp, and A chunks per thread per stage
     constexpr int STAGE_BYTES = (BM + GB_N) * GB_K;
@@ -82,7 +89,46 @@ template <bool FP8, int BM> __device__ __forceinline__ void gemm_body(const Orni
         w_ok[i] = gn < p.out;
         w_src[i] = W + (size_t)(w_ok[i] ? gn : 0) * w_pitch + ((id & 7) << 4);
     }
+    // FP4: this thread's weight chunks (row r = id / 8, weights 8c .. 8c + 7 of a stage's 64, c =
+    // id % 8): their codes (one u32), scale bytes and scale tables, and the chunks of the stage in flight.
+    const uint32_t *fc_src[4];
+    const uint8_t *fs_src[4];
+    const float *ft[4];
+    uint32_t fcode[4];
+    uint32_t fscale[4];
+    if (FP4) {
+        const uint8_t *codes = (const uint8_t *)p.w + (size_t)g * p.out * (p.in / 2);
+        const uint8_t *scales = p.w_group_scale + (size_t)g * p.out * (p.in / 16);
+        const float *tab = p.w_tab + (size_t)g * (p.out / p.tab_rows) * 256;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int id = tid + GB_THREADS * i, gn = w_ok[i] ? n0 + (id >> 3) : 0, c = id & 7;
+            fc_src[i] = reinterpret_cast<const uint32_t *>(codes + (size_t)gn * (p.in / 2)) + c;
+            fs_src[i] = scales + (size_t)gn * (p.in / 16) + (c >> 1);
+            ft[i] = tab + (size_t)(gn / p.tab_rows) * 256;
+        }
+    }
+    // Codes and scale bytes of stage kt (zeros past the row or the matrix: weight 0, tab[0] = 0).
+    auto fp4_fetch = [&](int kt) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int c = (tid + GB_THREADS * i) & 7;
+            const bool ok = w_ok[i] && kt * 64 + 8 * c < p.in;
+            fcode[i] = ok ? __ldg(fc_src[i] + kt * 8) : 0u;
+            fscale[i] = ok ? __ldg(fs_src[i] + kt * 4) : 0u;
+        }
+    };
     const uint32_t sbase = smem_u32(smem);
+    auto fp4_store = [&](int stage) {
+        uint8_t *sb = smem + stage * STAGE_BYTES + BM * GB_K;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int id = tid + GB_THREADS * i;
+            uint32_t q[4];
+            fp4_word(fcode[i], fp4_lut(__ldg(ft[i] + fscale[i])), q);
+            *reinterpret_cast<uint4 *>(sb + swz(id >> 3, id & 7)) = make_uint4(q[0], q[1], q[2], q[3]);
+        }
+    };
     auto load_stage = [&](int stage, int kt) {
         const uint32_t sa = sbase + stage * STAGE_BYTES, sb = sa + BM * GB_K;
         const int kb = kt * GB_K;
@@ -92,12 +138,13 @@ template <bool FP8, int BM> __device__ __forceinline__ void gemm_body(const Orni
             bool kin = kb + (c << 4) < kbytes;  // in % 16 == 0 elements: chunks are all-in or all-out
             cp_async16(sa + swz(r, c), a_ok[i] && kin ? a_src[i] + kb : A, a_ok[i] && kin ? 16 : 0);
         }
+        if (!FP4)  // FP4's weight chunks: fp4_fetch, fp4_store
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int id = tid + GB_THREADS * i, r = id >> 3, c = id & 7;
-            bool kin = kb + (c << 4) < kbytes;
-            cp_async16(sb + swz(r, c), w_ok[i] && kin ? w_src[i] + kb : W, w_ok[i] && kin ? 16 : 0);
-        }
+            for (int i = 0; i < 4; i++) {
+                int id = tid + GB_THREADS * i, r = id >> 3, c = id & 7;
+                bool kin = kb + (c << 4) < kbytes;
+                cp_async16(sb + swz(r, c), w_ok[i] && kin ? w_src[i] + kb : W, w_ok[i] && kin ? 16 : 0);
+            }
     };
 
     float acc[MI][4][4];
@@ -110,17 +157,24 @@ template <bool FP8, int BM> __device__ __forceinline__ void gemm_body(const Orni
 
 #pragma unroll
     for (int s = 0; s < GB_STAGES - 1; s++) {
-        if (s < ktiles) load_stage(s, s);
+        if (s < ktiles) {
+            load_stage(s, s);
+            if (FP4) {
+                fp4_fetch(s);
+                fp4_store(s);
+            }
+        }
         cp_commit();
     }
     for (int kt = 0; kt < ktiles; kt++) {
         cp_wait<GB_STAGES - 2>();
         __syncthreads();
-        {
-            int nk = kt + GB_STAGES - 1;
-            if (nk < ktiles) load_stage(nk % GB_STAGES, nk);
-            cp_commit();
+        const int nk = kt + GB_STAGES - 1;
+        if (nk < ktiles) {
+            load_stage(nk % GB_STAGES, nk);
+            if (FP4) fp4_fetch(nk);
         }
+        cp_commit();
         const uint32_t sa = sbase + (kt % GB_STAGES) * STAGE_BYTES, sb = sa + BM * GB_K;
         float part[MI][4][4];
 #pragma unroll
@@ -155,6 +209,8 @@ template <bool FP8, int BM> __device__ __forceinline__ void gemm_body(const Orni
             for (int j = 0; j < 4; j++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) acc[i][j][e] += part[i][j][e];
+        // Stage nk's buffer was last read in iteration kt - 1, before this iteration's barrier.
+        if (FP4 && nk < ktiles) fp4_store(nk % GB_STAGES);
     }
     cp_wait<0>();
 
@@ -190,6 +246,9 @@ extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_fp8(const OrnithGe
 extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, 128>(p); }
 // The grouped MoE GEMM (p.group_offsets set; tiles of GB_GROUPED_M rows, see moe_sort).
 extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_fp8_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, GB_GROUPED_M>(p); }
+// NVFP4A16 weights, bf16 activations: plain and grouped (the same tiles as gemm_bf16 / gemm_fp8_grouped).
+extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_nvfp4(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, 128, true>(p); }
+extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_nvfp4_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_GROUPED_M, true>(p); }
 
 // Per-row FP8 activation quantisation with compressed-tensors semantics (the CPU reference
 // `cpu::fp8::quantize_act_row`), the input of gemm_fp8 in prefill:

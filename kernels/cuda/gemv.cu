@@ -29,6 +29,7 @@
 // evicted before use and read twice (H200, lm_head 2048 -> 248,320: 399 us with the prefetch,
 // 302 us without; docs/PERF.md, fifth session).
 #include "common.cuh"
+#include "fp4.cuh"
 #include "mma.cuh"
 
 #define TC_WARPS 8
@@ -174,6 +175,30 @@ __device__ __forceinline__ void gemv_tc_pass(const uint8_t *w, const float *ws, 
         }
 }
 
+template <int N> struct Nt {
+    static constexpr int v = N;
+};
+// Runs pass(t0, Nt<NT>{}) for each pass of up to 8 * NTMAX tokens over a group of `tokens`, NT the
+// pass's N tiles rounded up to a built size (a column's arithmetic does not depend on NT).
+template <int NTMAX, class Pass> __device__ __forceinline__ void tc_passes(int tokens, Pass pass) {
+    for (int t0 = 0; t0 < tokens; t0 += 8 * NTMAX) {
+        const int nt = (min(tokens - t0, 8 * NTMAX) + 7) / 8;
+        if (NTMAX == 1) {
+            pass(t0, Nt<1>{});
+            continue;
+        }
+        switch (nt) {
+            case 1:
+            case 2: pass(t0, Nt<2>{}); break;
+            case 3: pass(t0, Nt<3>{}); break;
+            case 4: pass(t0, Nt<4>{}); break;
+            case 5:
+            case 6: pass(t0, Nt<6>{}); break;
+            default: pass(t0, Nt<NTMAX>{}); break;
+        }
+    }
+}
+
 template <bool FP8, int NTMAX>
 __device__ __forceinline__ void gemv_tc(const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
                                         int tokens, int in, int out, int x_stride, int y_stride) {
@@ -181,6 +206,8 @@ __device__ __forceinline__ void gemv_tc(const uint8_t *w, const float *ws, const
     constexpr int ES = FP8 ? 1 : 2;
     const TcPlace pl = tc_place(in * ES, out);
     pdl_wait();
+    // The pass loop of tc_passes, written out: through a lambda nvcc allocates this form's
+    // registers differently (gemv_bf16: 20 bytes of spills instead of 4, ptxas sm_90).
     for (int t0 = 0; t0 < tokens; t0 += 8 * NTMAX) {
         const int nt = (min(tokens - t0, 8 * NTMAX) + 7) / 8;
         if (NTMAX == 1) {
@@ -219,6 +246,129 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) ge
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv_fp8_wide(const OrnithGemvFp8Params p) {
     pdl_launch_dependents();
     gemv_tc<true, TC_WIDE>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride);
+}
+
+// =============================================================================================
+// NVFP4A16 decode products (fp4.cuh): the same tile, summation order and K split with the weight
+// rows dequantised to bf16 in registers and the bf16 mma. K steps are 64 bytes of codes (128
+// weights per row): lane (g, c) loads the 16 code bytes at offset k + 16c of rows g and g + 8
+// (weights 32c .. 32c + 31 of the step, two groups of 16) and their two scale bytes; word q of
+// those codes (weights 32c + 8q .. + 7) dequantises to 4 bf16x2 registers, the A fragments of 2
+// mma.m16n8k16, and the token's 8 activations at the same weights (16 bytes) are their B
+// fragments. Again a fixed permutation of K applied to both operands, so each product is the dot
+// product of a dequantised row with a token, exactly. The K split is the dense rule on the code
+// bytes per row (in / 2), so a token's result is the same bits in a group of 1 or of 64.
+// Cast points as the CPU reference (cpu::linear::linear_nvfp4): bf16 weights, fp32 sum, bf16(sum).
+// =============================================================================================
+
+// acc[j] += dequantised rows (codes w, scale bytes ws: 16 rows, the first nrows real; tab the
+// rows' scale table) · tokens of N tile j over code bytes [k0, k1) of each row.
+template <int NT, int TC_U>
+__device__ __forceinline__ void tc_tile_fp4(const uint8_t *w, const uint8_t *ws, const float *tab, size_t row_bytes, int nrows,
+                                            const uint8_t *x, const uint32_t (&xoff)[NT], int k0, int k1, float (&acc)[NT][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int rg = min(g, nrows - 1), rg8 = min(g + 8, nrows - 1);
+    const uint32_t og = (uint32_t)(rg * row_bytes) + 16 * c, og8 = (uint32_t)(rg8 * row_bytes) + 16 * c;
+    // Scale bytes: one per 8 code bytes; this lane's two at (k + 16c) / 8 of its rows.
+    const uint16_t *sg = reinterpret_cast<const uint16_t *>(ws + rg * (row_bytes / 8)) + c;
+    const uint16_t *sg8 = reinterpret_cast<const uint16_t *>(ws + rg8 * (row_bytes / 8)) + c;
+    x += 64 * c;  // code byte 16c of a step <-> weight 32c <-> activation byte 64c
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    for (int kb = k0; kb < k1; kb += 64 * TC_U) {
+        uint4 wa[TC_U], wb[TC_U];
+        uint32_t sa[TC_U], sb[TC_U];
+#pragma unroll
+        for (int u = 0; u < TC_U; u++) {
+            const int off = kb + u * 64;
+            const bool ok = off + 16 * c < k1;
+            wa[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(w + og + off)) : z;
+            wb[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(w + og8 + off)) : z;
+            sa[u] = ok ? __ldg(sg + off / 16) : 0u;
+            sb[u] = ok ? __ldg(sg8 + off / 16) : 0u;
+        }
+#pragma unroll
+        for (int u = 0; u < TC_U; u++) {
+            if (kb + u * 64 >= k1) break;  // warp-uniform
+            const int off = kb + u * 64;
+            const bool ok = off + 16 * c < k1;
+            const uint32_t ca[4] = {wa[u].x, wa[u].y, wa[u].z, wa[u].w}, cb[4] = {wb[u].x, wb[u].y, wb[u].z, wb[u].w};
+#pragma unroll
+            for (int h = 0; h < 2; h++) {  // the lane's two groups of this step
+                const Fp4Lut la = fp4_lut(__ldg(tab + ((sa[u] >> (8 * h)) & 0xffu)));
+                const Fp4Lut lb = fp4_lut(__ldg(tab + ((sb[u] >> (8 * h)) & 0xffu)));
+#pragma unroll
+                for (int q = 2 * h; q < 2 * h + 2; q++) {
+                    uint32_t ra[4], rb[4];
+                    fp4_word(ca[q], la, ra);
+                    fp4_word(cb[q], lb, rb);
+#pragma unroll
+                    for (int j = 0; j < NT; j++) {
+                        const uint4 xv = ok ? __ldg(reinterpret_cast<const uint4 *>(x + xoff[j] + 4 * off + 16 * q)) : z;
+                        const uint32_t a0[4] = {ra[0], rb[0], ra[1], rb[1]}, a1[4] = {ra[2], rb[2], ra[3], rb[3]};
+                        const uint32_t b0[2] = {xv.x, xv.y}, b1[2] = {xv.z, xv.w};
+                        mma_bf16(acc[j], a0, b0);
+                        mma_bf16(acc[j], a1, b1);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// 64-byte code steps per pass of the NVFP4 tile (each dequantises to 256 bytes of bf16 per row,
+// 2 x 16 bytes in flight per lane): 1 for every form. With 2 the dequantisation's registers spill
+// in the narrow build (ptxas, sm_90 and sm_121); 32 warps per SM x 32 bytes per lane already keep
+// ~32 KB of codes in flight per SM.
+#define FP4_U 1
+
+// The table of the 16 rows from row0 (tab_rows % 16 == 0: a row group never straddles two).
+__device__ __forceinline__ const float *fp4_tab(const float *tab, int row0, int tab_rows) {
+    return tab + (size_t)(row0 / tab_rows) * 256;
+}
+
+template <int NT>
+__device__ __forceinline__ void gemv_fp4_pass(const OrnithGemvNvfp4Params &p, int t0, const TcPlace &pl, float *red) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const size_t row_bytes = (size_t)p.in / 2;
+    uint32_t xoff[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) xoff[j] = (uint32_t)(min(t0 + 8 * j + g, p.tokens - 1) * p.x_stride * 2);
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
+    const int nrows = max(1, min(16, p.out - pl.row0));
+    if (pl.row0 < p.out)
+        tc_tile_fp4<NT, FP4_U>(p.w + (size_t)pl.row0 * row_bytes, p.ws + (size_t)pl.row0 * (row_bytes / 8),
+                                  fp4_tab(p.tab, pl.row0, p.tab_rows), row_bytes, nrows,
+                                  reinterpret_cast<const uint8_t *>(p.x), xoff, pl.k0, pl.k1, acc);
+    tc_reduce<NT>(acc, pl.ks, red);
+    if (!pl.lead || pl.row0 >= p.out) return;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int row = pl.row0 + g + (i >> 1) * 8, t = t0 + 8 * j + 2 * c + (i & 1);
+            if (row < p.out && t < p.tokens) p.y[(size_t)t * p.y_stride + row] = f2bf(acc[j][i]);
+        }
+}
+
+template <int NTMAX> __device__ __forceinline__ void gemv_fp4(const OrnithGemvNvfp4Params &p) {
+    __shared__ float red[TC_WARPS * 4 * 32];
+    const TcPlace pl = tc_place(p.in / 2, p.out);
+    pdl_wait();
+    tc_passes<NTMAX>(p.tokens, [&](int t0, auto nt) { gemv_fp4_pass<decltype(nt)::v>(p, t0, pl, red); });
+}
+
+// y[t, o] = bf16(Σ_i x[t, i] · wd[o, i]) for any number of tokens (NVFP4A16 weights).
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) gemv_nvfp4(const OrnithGemvNvfp4Params p) {
+    pdl_launch_dependents();
+    gemv_fp4<TC_NARROW>(p);
+}
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv_nvfp4_wide(const OrnithGemvNvfp4Params p) {
+    pdl_launch_dependents();
+    gemv_fp4<TC_WIDE>(p);
 }
 
 // =============================================================================================
@@ -329,4 +479,96 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
     const float *ws;
     moe_expert(p, e, wb, ws);
     moe_tc(p, wb, ws, MoeCols{p.row_assign + a0, p.top_k, a1 - a0, 0, 0}, pl);
+}
+
+
+// =============================================================================================
+// MoE expert products (NVFP4A16): moe_gemv_fp8's two grids over NVFP4 experts and bf16
+// activations, the NVFP4 tile above, the same K split (moe_tc_blocks on code bytes per row):
+//   moe_gemv_nvfp4          grid (tiles, top_k + 1, tokens), one (token, slot) per block;
+//   moe_gemv_nvfp4_grouped  grid (tiles, active + 1, 1), each expert's weights read once per step.
+// Both give the same bits for a (token, slot, row).
+// =============================================================================================
+
+template <int NT>
+__device__ __forceinline__ void moe_fp4_pass(const OrnithMoeGemvNvfp4Params &p, const uint8_t *wb, const uint8_t *sb,
+                                             const float *tb, const MoeCols &cols, int n0, const TcPlace &pl, float *red) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, slots = p.top_k + 1;
+    const size_t row_bytes = (size_t)p.in / 2;
+    uint32_t xoff[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        int t, slot;
+        cols.pair(min(n0 + 8 * j + g, cols.n - 1), t, slot);
+        xoff[j] = (uint32_t)((t * p.x_tok_stride + slot * p.x_slot_stride) * 2);
+    }
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
+    const int nrows = max(1, min(16, p.out - pl.row0));
+    if (pl.row0 < p.out)
+        tc_tile_fp4<NT, FP4_U>(wb + (size_t)pl.row0 * row_bytes, sb + (size_t)pl.row0 * (row_bytes / 8),
+                               fp4_tab(tb, pl.row0, p.tab_rows), row_bytes, nrows, reinterpret_cast<const uint8_t *>(p.x),
+                               xoff, pl.k0, pl.k1, acc);
+    tc_reduce<NT>(acc, pl.ks, red);
+    if (!pl.lead || pl.row0 >= p.out) return;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int n = n0 + 8 * j + 2 * c + h;
+            if (n >= cols.n) continue;
+            int t, slot;
+            cols.pair(n, t, slot);
+#pragma unroll
+            for (int v = 0; v < 2; v++) {
+                const int row = pl.row0 + g + 8 * v;
+                if (row < p.out) p.y[((size_t)t * slots + slot) * p.out + row] = f2bf(acc[j][2 * v + h]);
+            }
+        }
+}
+
+__device__ __forceinline__ void moe_fp4(const OrnithMoeGemvNvfp4Params &p, const uint8_t *wb, const uint8_t *sb, const float *tb,
+                                        const MoeCols &cols, const TcPlace &pl) {
+    __shared__ float red[TC_WARPS * 4 * 32];
+    for (int n0 = 0; n0 < cols.n; n0 += 8 * TC_NARROW) moe_fp4_pass<TC_NARROW>(p, wb, sb, tb, cols, n0, pl, red);
+}
+
+// The routed expert e's codes, scales and tables (an index the router never writes is clamped).
+__device__ __forceinline__ void moe_fp4_expert(const OrnithMoeGemvNvfp4Params &p, int e, const uint8_t *&wb, const uint8_t *&sb,
+                                               const float *&tb) {
+    if (e < 0 || e >= p.experts) e = 0;
+    wb = p.w + (size_t)e * p.out * (p.in / 2);
+    sb = p.ws + (size_t)e * p.out * (p.in / 16);
+    tb = p.tab + (size_t)e * (p.out / p.tab_rows) * 256;
+}
+
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_nvfp4(const OrnithMoeGemvNvfp4Params p) {
+    pdl_launch_dependents();
+    const TcPlace pl = tc_place(p.in / 2, p.out, MOE_TARGET_WARPS);
+    const int slot = blockIdx.y, t = blockIdx.z;
+    pdl_wait();
+    const uint8_t *wb = p.shared_w, *sb = p.shared_ws;
+    const float *tb = p.shared_tab;
+    if (slot != p.top_k) moe_fp4_expert(p, p.idx[t * p.top_k + slot], wb, sb, tb);
+    moe_fp4(p, wb, sb, tb, MoeCols{nullptr, p.top_k, 1, t, slot}, pl);
+}
+
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_nvfp4_grouped(const OrnithMoeGemvNvfp4Params p) {
+    pdl_launch_dependents();
+    const TcPlace pl = tc_place(p.in / 2, p.out, MOE_TARGET_WARPS);
+    const bool shared = blockIdx.y == gridDim.y - 1;
+    pdl_wait();
+    if (shared) {
+        moe_fp4(p, p.shared_w, p.shared_ws, p.shared_tab, MoeCols{nullptr, p.top_k, p.tokens, 0, p.top_k}, pl);
+        return;
+    }
+    if ((int)blockIdx.y >= *p.active_count) return;
+    const int e = p.active_list[blockIdx.y], a0 = p.group_offsets[e], a1 = p.group_offsets[e + 1];
+    const uint8_t *wb, *sb;
+    const float *tb;
+    moe_fp4_expert(p, e, wb, sb, tb);
+    moe_fp4(p, wb, sb, tb, MoeCols{p.row_assign + a0, p.top_k, a1 - a0, 0, 0}, pl);
 }

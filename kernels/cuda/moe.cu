@@ -87,6 +87,16 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_quant(const OrnithSwigl
     }
 }
 
+// SwiGLU into bf16 rows (NVFP4A16 experts take bf16 activations): grid (ceil(inter / 256), rows),
+// out[r, i] = bf16(bf16(silu(g)) * u) — swiglu_quant's value before its quantisation.
+extern "C" __global__ void __launch_bounds__(256) swiglu_bf16(const OrnithSwigluParams p) {
+    pdl_entry();
+    const int r = blockIdx.y, i = blockIdx.x * 256 + threadIdx.x;
+    if (i >= p.inter) return;
+    const uint16_t *gu = p.gate_up + (size_t)r * 2 * p.inter;
+    p.out[(size_t)r * p.inter + i] = f2bf(rbf(silu_f(bf2f(gu[i]))) * bf2f(gu[p.inter + i]));
+}
+
 // grid (ceil(hidden / 256), tokens): routed + gated shared expert.
 extern "C" __global__ void __launch_bounds__(256) moe_combine(const OrnithMoeCombineParams p) {
     pdl_entry();

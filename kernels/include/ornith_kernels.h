@@ -338,9 +338,12 @@ typedef struct OrnithSampleParams {
 /* ---- Prefill (many tokens) ---- */
 
 /* Prefill GEMM on tensor cores (mma.sync), tiles of 128 rows x 128 outputs (gemm_fp8, gemm_bf16)
- * or, for the grouped MoE GEMM (gemm_fp8_grouped), 64 rows x 128 outputs.
+ * or, for the grouped MoE GEMMs (gemm_fp8_grouped, gemm_nvfp4_grouped), 64 rows x 128 outputs.
  *   FP8  (gemm_fp8):  y[r, o] = bf16( (sum_i e4m3(A[r, i]) * e4m3(w[o, i])) * a_scale[A row of r] * w_scale[o] )
  *   BF16 (gemm_bf16): y[r, o] = bf16( sum_i A[r, i] * w[o, i] )          (a_scale, w_scale unused)
+ *   NVFP4A16 (gemm_nvfp4, gemm_nvfp4_grouped): y[r, o] = bf16( sum_i A[r, i] * wd[o, i] ), bf16 A and
+ *        wd the dequantised weight (OrnithGemvNvfp4Params; w_group_scale, w_tab, tab_rows), dequantised
+ *        into the shared-memory tile; in % 16 == 0.
  * fp32 accumulation. A row of output row r: a_rows[r] if a_rows != NULL (gather), else r; A rows
  * are `a_stride` elements apart (16-byte aligned), y rows `y_stride`. `in` % 16 == 0 (FP8) or
  * % 8 == 0 (BF16). w [groups, out, in], w_scale [groups, out].
@@ -363,6 +366,12 @@ typedef struct OrnithGemmParams {
     int32_t a_stride;
     int32_t y_stride;
     int32_t groups;
+    /* gemm_nvfp4 / gemm_nvfp4_grouped only: `w` holds E2M1 codes [out, in/2] per group, these the
+     * E4M3 group scales [out, in/16] per group and the scale tables (OrnithGemvNvfp4Params), group g's
+     * at w_tab + g * (out / tab_rows) * 256. */
+    const uint8_t *w_group_scale;
+    const float *w_tab;
+    int32_t tab_rows;
 } OrnithGemmParams;
 
 /* MoE prefill: counting sort of the (token, slot) assignments by expert, one block.
@@ -425,39 +434,50 @@ typedef struct OrnithFlashAttnParams {
 } OrnithFlashAttnParams;
 
 
-/* NVFP4A16 weights (compressed-tensors nvfp4-pack-quantized): `w` U8 [out, in/2], two E2M1 codes
- * per byte (column 2j in the low nibble), `ws` E4M3 [out, in/16] group scales, `gs` the global scale.
- * A weight is  wd[o, i] = bf16( e2m1(code[o, i]) * f32( f32(e4m3(ws[o, i/16])) / gs ) ).
- * Dequantise:  y[o, i] = wd[o, i]  (bf16 [out, in]; `x`, `tokens`, strides unused).
- * GEMV:        y[t, o] = bf16( sum_i x[t, i] * wd[o, i] ), fp32 accumulation; `in` % 32 == 0,
- *              tokens <= ORNITH_GEMV_MAX_TOKENS; `x_stride`/`y_stride` row strides in elements. */
-typedef struct OrnithNvfp4Params {
+/* NVFP4A16 weights (compressed-tensors nvfp4-pack-quantized), BF16 activations. A Linear [out, in]:
+ * `w` U8 [out, in/2], two E2M1 codes per byte (column 2j in the low nibble), `ws` E4M3 [out, in/16]
+ * group scales, and `tab` the f32 group-scale table of each global scale gs_k of the matrix:
+ *   tab[k * 256 + b] = f32(e4m3(b)) / gs_k      (model_spec::nvfp4::scale_table, one f32 division)
+ * table k serving rows k * tab_rows .. (k + 1) * tab_rows - 1 (one Linear: tab_rows = out; a fused
+ * gate|up: tab_rows = inter, table 0 the gate's, 1 the up's). One weight is
+ *   wd[o, i] = bf16( e2m1(code[o, i]) * tab[(o / tab_rows) * 256 + ws[o, i / 16]] )   (f32 product, RNE)
+ * bit-identical to compressed-tensors' decompressor (model_spec::nvfp4).
+ * Dequantise (nvfp4_dequant):  y[o, i] = wd[o, i]  (bf16 [out, in]; x, tokens, strides unused).
+ * Decode product (gemv_nvfp4, gemv_nvfp4_wide): y[t, o] = bf16( sum_i x[t, i] * wd[o, i] ), fp32
+ *   accumulation on tensor cores, any number of tokens; in % 32 == 0, tab_rows % 16 == 0;
+ *   x_stride / y_stride row strides in elements (x rows 16-byte aligned). */
+typedef struct OrnithGemvNvfp4Params {
     const uint16_t *x;
     const uint8_t *w;
     const uint8_t *ws;
+    const float *tab;
     uint16_t *y;
-    float gs;
     int32_t tokens;
     int32_t in;
     int32_t out;
     int32_t x_stride;
     int32_t y_stride;
-} OrnithNvfp4Params;
+    int32_t tab_rows;
+} OrnithGemvNvfp4Params;
 
-/* MoE expert GEMV over NVFP4A16 experts, grouped by expert (moe_gemv_grouped's layout, BF16
- * activations): slot j < top_k of token t uses expert idx[t, j] (weights w + e * out * in/2,
- * scales ws + e * out * in/16, global scale gs[e]); slot top_k the shared expert (shared_w,
- * shared_ws, shared_gs). Activation of (t, j): x + t * x_tok_stride + j * x_slot_stride (bf16
- * elements; x_slot_stride 0: one input per token). y[(t * slots + j) * out + o] bf16.
- * active_list / active_count / group_offsets / row_assign as moe_sort writes them. in % 32 == 0. */
+/* MoE expert products over NVFP4A16 experts (moe_gemv_nvfp4: one (token, slot) per block;
+ * moe_gemv_nvfp4_grouped: grouped by expert, moe_sort's lists), BF16 activations. Slot j < top_k
+ * of token t uses expert e = idx[t * top_k + j]: codes w + e * out * in/2, scales ws + e * out * in/16,
+ * tables tab + e * (out / tab_rows) * 256; slot top_k the shared expert (shared_w, shared_ws,
+ * shared_tab, the same tab_rows). Activation of (t, j): x + t * x_tok_stride + j * x_slot_stride
+ * (bf16 elements; x_slot_stride 0: one input per token).
+ *   y[(t * (top_k + 1) + j) * out + o] = bf16( sum_i x(t, j)[i] * wd_e[o, i] )
+ * in % 32 == 0; the lists as moe_sort writes them (grouped form only). */
 typedef struct OrnithMoeGemvNvfp4Params {
     const uint16_t *x;
+    const int32_t *idx;
     const uint8_t *w;
     const uint8_t *ws;
-    const float *gs;
+    const float *tab;
     const uint8_t *shared_w;
     const uint8_t *shared_ws;
-    float shared_gs;
+    const float *shared_tab;
+    uint16_t *y;
     int32_t tokens;
     int32_t top_k;
     int32_t experts;
@@ -465,11 +485,20 @@ typedef struct OrnithMoeGemvNvfp4Params {
     int32_t out;
     int32_t x_tok_stride;
     int32_t x_slot_stride;
-    uint16_t *y;
+    int32_t tab_rows;
     const int32_t *active_list;
     const int32_t *active_count;
     const int32_t *group_offsets;
     const int32_t *row_assign;
 } OrnithMoeGemvNvfp4Params;
+
+/* SwiGLU of gate|up rows into bf16 (the NVFP4A16 experts' BF16 activations):
+ *   out[r, i] = bf16( bf16(silu(gu[r, i])) * gu[r, inter + i] ),  gu rows of 2 * inter, out rows of inter. */
+typedef struct OrnithSwigluParams {
+    const uint16_t *gate_up;
+    uint16_t *out;
+    int32_t rows;
+    int32_t inter;
+} OrnithSwigluParams;
 
 #endif

@@ -693,10 +693,13 @@ pub struct OrnithGemmParams {
     pub a_stride: i32,
     pub y_stride: i32,
     pub groups: i32,
+    pub w_group_scale: *const u8,
+    pub w_tab: *const f32,
+    pub tab_rows: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithGemmParams"][::std::mem::size_of::<OrnithGemmParams>() - 88usize];
+    ["Size of OrnithGemmParams"][::std::mem::size_of::<OrnithGemmParams>() - 112usize];
     ["Alignment of OrnithGemmParams"][::std::mem::align_of::<OrnithGemmParams>() - 8usize];
     ["Offset of field: OrnithGemmParams::a"][::std::mem::offset_of!(OrnithGemmParams, a) - 0usize];
     ["Offset of field: OrnithGemmParams::a_scale"][::std::mem::offset_of!(OrnithGemmParams, a_scale) - 8usize];
@@ -714,6 +717,10 @@ const _: () = {
     ["Offset of field: OrnithGemmParams::a_stride"][::std::mem::offset_of!(OrnithGemmParams, a_stride) - 76usize];
     ["Offset of field: OrnithGemmParams::y_stride"][::std::mem::offset_of!(OrnithGemmParams, y_stride) - 80usize];
     ["Offset of field: OrnithGemmParams::groups"][::std::mem::offset_of!(OrnithGemmParams, groups) - 84usize];
+    ["Offset of field: OrnithGemmParams::w_group_scale"]
+        [::std::mem::offset_of!(OrnithGemmParams, w_group_scale) - 88usize];
+    ["Offset of field: OrnithGemmParams::w_tab"][::std::mem::offset_of!(OrnithGemmParams, w_tab) - 96usize];
+    ["Offset of field: OrnithGemmParams::tab_rows"][::std::mem::offset_of!(OrnithGemmParams, tab_rows) - 104usize];
 };
 impl Default for OrnithGemmParams {
     fn default() -> Self {
@@ -864,34 +871,39 @@ impl Default for OrnithFlashAttnParams {
 }
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
-pub struct OrnithNvfp4Params {
+pub struct OrnithGemvNvfp4Params {
     pub x: *const u16,
     pub w: *const u8,
     pub ws: *const u8,
+    pub tab: *const f32,
     pub y: *mut u16,
-    pub gs: f32,
     pub tokens: i32,
     pub in_: i32,
     pub out: i32,
     pub x_stride: i32,
     pub y_stride: i32,
+    pub tab_rows: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithNvfp4Params"][::std::mem::size_of::<OrnithNvfp4Params>() - 56usize];
-    ["Alignment of OrnithNvfp4Params"][::std::mem::align_of::<OrnithNvfp4Params>() - 8usize];
-    ["Offset of field: OrnithNvfp4Params::x"][::std::mem::offset_of!(OrnithNvfp4Params, x) - 0usize];
-    ["Offset of field: OrnithNvfp4Params::w"][::std::mem::offset_of!(OrnithNvfp4Params, w) - 8usize];
-    ["Offset of field: OrnithNvfp4Params::ws"][::std::mem::offset_of!(OrnithNvfp4Params, ws) - 16usize];
-    ["Offset of field: OrnithNvfp4Params::y"][::std::mem::offset_of!(OrnithNvfp4Params, y) - 24usize];
-    ["Offset of field: OrnithNvfp4Params::gs"][::std::mem::offset_of!(OrnithNvfp4Params, gs) - 32usize];
-    ["Offset of field: OrnithNvfp4Params::tokens"][::std::mem::offset_of!(OrnithNvfp4Params, tokens) - 36usize];
-    ["Offset of field: OrnithNvfp4Params::in_"][::std::mem::offset_of!(OrnithNvfp4Params, in_) - 40usize];
-    ["Offset of field: OrnithNvfp4Params::out"][::std::mem::offset_of!(OrnithNvfp4Params, out) - 44usize];
-    ["Offset of field: OrnithNvfp4Params::x_stride"][::std::mem::offset_of!(OrnithNvfp4Params, x_stride) - 48usize];
-    ["Offset of field: OrnithNvfp4Params::y_stride"][::std::mem::offset_of!(OrnithNvfp4Params, y_stride) - 52usize];
+    ["Size of OrnithGemvNvfp4Params"][::std::mem::size_of::<OrnithGemvNvfp4Params>() - 64usize];
+    ["Alignment of OrnithGemvNvfp4Params"][::std::mem::align_of::<OrnithGemvNvfp4Params>() - 8usize];
+    ["Offset of field: OrnithGemvNvfp4Params::x"][::std::mem::offset_of!(OrnithGemvNvfp4Params, x) - 0usize];
+    ["Offset of field: OrnithGemvNvfp4Params::w"][::std::mem::offset_of!(OrnithGemvNvfp4Params, w) - 8usize];
+    ["Offset of field: OrnithGemvNvfp4Params::ws"][::std::mem::offset_of!(OrnithGemvNvfp4Params, ws) - 16usize];
+    ["Offset of field: OrnithGemvNvfp4Params::tab"][::std::mem::offset_of!(OrnithGemvNvfp4Params, tab) - 24usize];
+    ["Offset of field: OrnithGemvNvfp4Params::y"][::std::mem::offset_of!(OrnithGemvNvfp4Params, y) - 32usize];
+    ["Offset of field: OrnithGemvNvfp4Params::tokens"][::std::mem::offset_of!(OrnithGemvNvfp4Params, tokens) - 40usize];
+    ["Offset of field: OrnithGemvNvfp4Params::in_"][::std::mem::offset_of!(OrnithGemvNvfp4Params, in_) - 44usize];
+    ["Offset of field: OrnithGemvNvfp4Params::out"][::std::mem::offset_of!(OrnithGemvNvfp4Params, out) - 48usize];
+    ["Offset of field: OrnithGemvNvfp4Params::x_stride"]
+        [::std::mem::offset_of!(OrnithGemvNvfp4Params, x_stride) - 52usize];
+    ["Offset of field: OrnithGemvNvfp4Params::y_stride"]
+        [::std::mem::offset_of!(OrnithGemvNvfp4Params, y_stride) - 56usize];
+    ["Offset of field: OrnithGemvNvfp4Params::tab_rows"]
+        [::std::mem::offset_of!(OrnithGemvNvfp4Params, tab_rows) - 60usize];
 };
-impl Default for OrnithNvfp4Params {
+impl Default for OrnithGemvNvfp4Params {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
         unsafe {
@@ -904,12 +916,14 @@ impl Default for OrnithNvfp4Params {
 #[derive(Debug, Copy, Clone)]
 pub struct OrnithMoeGemvNvfp4Params {
     pub x: *const u16,
+    pub idx: *const i32,
     pub w: *const u8,
     pub ws: *const u8,
-    pub gs: *const f32,
+    pub tab: *const f32,
     pub shared_w: *const u8,
     pub shared_ws: *const u8,
-    pub shared_gs: f32,
+    pub shared_tab: *const f32,
+    pub y: *mut u16,
     pub tokens: i32,
     pub top_k: i32,
     pub experts: i32,
@@ -917,7 +931,7 @@ pub struct OrnithMoeGemvNvfp4Params {
     pub out: i32,
     pub x_tok_stride: i32,
     pub x_slot_stride: i32,
-    pub y: *mut u16,
+    pub tab_rows: i32,
     pub active_list: *const i32,
     pub active_count: *const i32,
     pub group_offsets: *const i32,
@@ -925,41 +939,70 @@ pub struct OrnithMoeGemvNvfp4Params {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithMoeGemvNvfp4Params"][::std::mem::size_of::<OrnithMoeGemvNvfp4Params>() - 120usize];
+    ["Size of OrnithMoeGemvNvfp4Params"][::std::mem::size_of::<OrnithMoeGemvNvfp4Params>() - 136usize];
     ["Alignment of OrnithMoeGemvNvfp4Params"][::std::mem::align_of::<OrnithMoeGemvNvfp4Params>() - 8usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::x"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, x) - 0usize];
-    ["Offset of field: OrnithMoeGemvNvfp4Params::w"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, w) - 8usize];
-    ["Offset of field: OrnithMoeGemvNvfp4Params::ws"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, ws) - 16usize];
-    ["Offset of field: OrnithMoeGemvNvfp4Params::gs"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, gs) - 24usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::idx"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, idx) - 8usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::w"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, w) - 16usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::ws"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, ws) - 24usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::tab"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, tab) - 32usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::shared_w"]
-        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, shared_w) - 32usize];
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, shared_w) - 40usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::shared_ws"]
-        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, shared_ws) - 40usize];
-    ["Offset of field: OrnithMoeGemvNvfp4Params::shared_gs"]
-        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, shared_gs) - 48usize];
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, shared_ws) - 48usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::shared_tab"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, shared_tab) - 56usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::y"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, y) - 64usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::tokens"]
-        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, tokens) - 52usize];
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, tokens) - 72usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::top_k"]
-        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, top_k) - 56usize];
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, top_k) - 76usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::experts"]
-        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, experts) - 60usize];
-    ["Offset of field: OrnithMoeGemvNvfp4Params::in_"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, in_) - 64usize];
-    ["Offset of field: OrnithMoeGemvNvfp4Params::out"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, out) - 68usize];
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, experts) - 80usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::in_"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, in_) - 84usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::out"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, out) - 88usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::x_tok_stride"]
-        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, x_tok_stride) - 72usize];
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, x_tok_stride) - 92usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::x_slot_stride"]
-        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, x_slot_stride) - 76usize];
-    ["Offset of field: OrnithMoeGemvNvfp4Params::y"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, y) - 80usize];
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, x_slot_stride) - 96usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::tab_rows"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, tab_rows) - 100usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::active_list"]
-        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, active_list) - 88usize];
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, active_list) - 104usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::active_count"]
-        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, active_count) - 96usize];
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, active_count) - 112usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::group_offsets"]
-        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, group_offsets) - 104usize];
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, group_offsets) - 120usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::row_assign"]
-        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, row_assign) - 112usize];
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, row_assign) - 128usize];
 };
 impl Default for OrnithMoeGemvNvfp4Params {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct OrnithSwigluParams {
+    pub gate_up: *const u16,
+    pub out: *mut u16,
+    pub rows: i32,
+    pub inter: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of OrnithSwigluParams"][::std::mem::size_of::<OrnithSwigluParams>() - 24usize];
+    ["Alignment of OrnithSwigluParams"][::std::mem::align_of::<OrnithSwigluParams>() - 8usize];
+    ["Offset of field: OrnithSwigluParams::gate_up"][::std::mem::offset_of!(OrnithSwigluParams, gate_up) - 0usize];
+    ["Offset of field: OrnithSwigluParams::out"][::std::mem::offset_of!(OrnithSwigluParams, out) - 8usize];
+    ["Offset of field: OrnithSwigluParams::rows"][::std::mem::offset_of!(OrnithSwigluParams, rows) - 16usize];
+    ["Offset of field: OrnithSwigluParams::inter"][::std::mem::offset_of!(OrnithSwigluParams, inter) - 20usize];
+};
+impl Default for OrnithSwigluParams {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
         unsafe {

@@ -30,6 +30,13 @@ pub fn group_scale(scale: u8, global_scale: f32) -> f32 {
     e4m3_to_f32(scale) / global_scale
 }
 
+/// The group scale of every E4M3 scale byte under one global scale: `table[b] =
+/// group_scale(b, global_scale)`. The CUDA kernels look a group's scale up here (one f32 division
+/// per byte, done once at load) instead of dividing per group.
+pub fn scale_table(global_scale: f32) -> [f32; 256] {
+    std::array::from_fn(|b| group_scale(b as u8, global_scale))
+}
+
 /// Code of column `i` of a packed row.
 #[inline]
 pub fn code(packed_row: &[u8], i: usize) -> u8 {
@@ -129,6 +136,17 @@ mod tests {
     fn first_column_is_the_low_nibble() {
         assert_eq!(E2M1_TABLE[code(&[0xF1], 0) as usize], 0.5);
         assert_eq!(E2M1_TABLE[code(&[0xF1], 1) as usize], -6.0);
+    }
+
+    #[test]
+    fn scale_table_is_group_scale_of_every_byte() {
+        for gs in [1.0f32, 2688.0, 0.37, 1e-3] {
+            let t = scale_table(gs);
+            for b in 0..=255u8 {
+                let (got, want) = (t[b as usize], group_scale(b, gs));
+                assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "byte {b} gs {gs}");
+            }
+        }
     }
 
     #[test]

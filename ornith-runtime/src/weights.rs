@@ -55,8 +55,8 @@ impl Checkpoint {
     }
 
     /// Borrows tensor `name`, checking dtype ∈ `dtypes` and the element count / shape.
-    pub fn tensor<'a>(&'a self, name: &'a str, dtypes: &[DType], shape: &[usize]) -> Result<TensorView<'a>> {
-        let info = self.spec.tensors.get(name).with_context(|| {
+    pub fn tensor<'a>(&'a self, name: &str, dtypes: &[DType], shape: &[usize]) -> Result<TensorView<'a>> {
+        let (name, info) = self.spec.tensors.get_key_value(name).with_context(|| {
             format!("{}: missing tensor {name} (expected {:?} {shape:?}). Fix: this checkpoint does not match the compiled model; run `cargo xtask gen --model {}`", self.spec.model_dir.display(), dtypes, self.spec.model_dir.display())
         })?;
         if !dtypes.contains(&info.dtype) {

@@ -8,6 +8,7 @@
 #   bench_full    ornith-bench for the full preset
 #   ornith_full   the ornith binary for the full preset (the sampled-request soak)
 #   xtask         to synthesise the real-data checkpoints on the device
+#   with NVFP4=1 also test_shallow_nvfp4 and bench_full_nvfp4 (the NVFP4A16 export of those presets)
 # Usage: tests/gpu/build.sh NAME        then, on the device: bash tests/gpu/run_h200.sh NAME
 # The specs come from headers-only checkpoints (sparse files, seconds); their fingerprints equal
 # those of the real-data checkpoints synthesised on the device with the same preset.
@@ -21,6 +22,11 @@ for preset in shallow full; do
     if [ ! -f "$specs/$preset.spec.json" ]; then
         cargo xtask synth --preset $preset --headers-only --out "$specs/$preset" >&2
         ORNITH_SPEC="$specs/$preset.spec.json" cargo xtask gen --model "$specs/$preset" >&2
+    fi
+    # NVFP4=1: the NVFP4A16 export of the same presets as well (test_shallow_nvfp4, bench_full_nvfp4).
+    if [ "${NVFP4:-0}" = 1 ] && [ ! -f "$specs/$preset-nvfp4.spec.json" ]; then
+        cargo xtask synth --preset $preset --quant nvfp4a16 --headers-only --out "$specs/$preset-nvfp4" >&2
+        ORNITH_SPEC="$specs/$preset-nvfp4.spec.json" cargo xtask gen --model "$specs/$preset-nvfp4" >&2
     fi
 done
 # The test executable of a cargo test build (the path does not change with the spec: copy at once).
@@ -36,6 +42,11 @@ cp "$(test_exe -p ornith-runtime --lib)" "$out/kernels"
 if [ "${MODEL_TESTS:-1}" = 1 ]; then  # MODEL_TESTS=0: no test_shallow / test_full (PHASE=prefill needs neither)
 cp "$(ORNITH_SPEC=$specs/shallow.spec.json test_exe -p ornith-runtime --test cuda_model)" "$out/test_shallow"
 cp "$(ORNITH_SPEC=$specs/full.spec.json test_exe -p ornith-runtime --test cuda_model)" "$out/test_full"
+fi
+if [ "${NVFP4:-0}" = 1 ]; then
+cp "$(ORNITH_SPEC=$specs/shallow-nvfp4.spec.json test_exe -p ornith-runtime --test cuda_model)" "$out/test_shallow_nvfp4"
+ORNITH_SPEC=$specs/full-nvfp4.spec.json cargo build -q --release -p ornith-runtime --bin ornith-bench
+cp "${CARGO_TARGET_DIR:-target}/release/ornith-bench" "$out/bench_full_nvfp4"
 fi
 ORNITH_SPEC=$specs/full.spec.json cargo build -q --release -p ornith-runtime --bin ornith-bench
 cp "${CARGO_TARGET_DIR:-target}/release/ornith-bench" "$out/bench_full"

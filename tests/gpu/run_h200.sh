@@ -17,6 +17,8 @@
 # PHASE=prefill (about 6 minutes): the flash attention kernel test, the bench's prefill at 2K / 32K / 128K and one
 # 261,000-token JSONL request through the binary (tests/gpu/long_prompt.py).
 # PHASE=check+file: 1–2, then the 256-request JSONL batch file through the binary (5. above).
+# PHASE=nvfp4: 1–2, then 2. on the shallow preset's NVFP4A16 export (build.sh with NVFP4=1).
+# PHASE=nvfp4-bench: the full preset's FP8 and NVFP4A16 exports benched one after the other (PROMPTS, BATCH).
 # PHASE=prefix: 1–2, then the full preset's prefix-cache identity test and tests/gpu/prefix_cache.py
 # (a growing agent conversation and a shared-system-prompt batch file, with and without the cache).
 # Logs and JSON go to $OUT; a short table to stdout.
@@ -62,6 +64,32 @@ ORNITH_TEST_MODEL=$C/shallow timeout 210 "$G/test_shallow" --ignored --nocapture
 echo "test_shallow rc=$? $((SECONDS - t0))s"
 grep -E "^OP|CPU chunked|prefill:|decode|batch invariance|prefix cache|panicked|test result" "$OUT/test_shallow.log" | cut -c1-330
 rm -rf "$C/shallow"
+if [ "$phase" = nvfp4 ]; then
+    # The same model-level checks on the shallow preset's NVFP4A16 export (build.sh with NVFP4=1).
+    t0=$SECONDS
+    "$G/xtask" synth --preset shallow --quant nvfp4a16 --out "$C/shallow-nvfp4" > "$OUT/synth_shallow_nvfp4.log" 2>&1; echo "synth shallow nvfp4 rc=$? $((SECONDS - t0))s"
+    ORNITH_TEST_MODEL=$C/shallow-nvfp4 timeout 240 "$G/test_shallow_nvfp4" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu cuda_ops_vs_cpu batch_invariance > "$OUT/test_shallow_nvfp4.log" 2>&1
+    echo "test_shallow_nvfp4 rc=$? $((SECONDS - t0))s"
+    grep -E "^OP|CPU chunked|prefill:|decode|batch invariance|panicked|test result" "$OUT/test_shallow_nvfp4.log" | cut -c1-330
+    rm -rf "$C/shallow-nvfp4"
+    exit 0
+fi
+fi
+if [ "$phase" = nvfp4-bench ]; then
+    # The full preset's FP8 export and its NVFP4A16 export benched in one call (PROMPTS, BATCH),
+    # one checkpoint on disk at a time.
+    for q in fp8 nvfp4; do
+        t0=$SECONDS
+        dir=$C/full-$q; bin=$G/bench_full; [ $q = nvfp4 ] && bin=$G/bench_full_nvfp4
+        rm -rf "$C"/full*
+        "$G/xtask" synth --preset full --quant $( [ $q = nvfp4 ] && echo nvfp4a16 || echo fp8 ) --out "$dir" > "$OUT/synth_full_$q.log" 2>&1; echo "synth full $q rc=$? $((SECONDS - t0))s"
+        t0=$SECONDS
+        timeout 240 "$bin" --model "$dir" --prompts "$prompts" --gen 64 --budget-s 100 --batch "$batch" > "$OUT/bench_$q.json" 2> "$OUT/bench_$q.err"
+        echo "bench $q rc=$? $((SECONDS - t0))s"
+        grep -E "^ +[0-9]+ +[0-9.]+ +[0-9]+ |prefill of|GB per|skipping|error|Spark" "$OUT/bench_$q.err" | head -30
+    done
+    rm -rf "$C"/full*
+    exit 0
 fi
 [ "$phase" = check ] && exit 0
 t0=$SECONDS

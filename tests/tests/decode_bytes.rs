@@ -50,3 +50,52 @@ fn full_preset_decode_bytes_by_group() {
     // + 2 per f32 vector element (4,800: A_log and the gated norm, kept as bf16 and f32).
     assert_eq!(device_weight_bytes(&spec), 36_773_902_976 + 2 * 31_692_800 + 4 * 1_155_008 + 2 * 4_800);
 }
+
+/// The same count for the NVFP4A16 export of the full preset (issue: ≤ 4.25 GB per decoded token
+/// at 2K). Its quantised Linears (attention q/k/v/o, shared and routed experts) read half a byte
+/// per weight of codes, one E4M3 scale byte per 16 weights and, per global scale, the 1 KiB f32
+/// table the kernels look the group scales up in; everything else as in the FP8 export.
+#[test]
+fn full_preset_nvfp4_decode_bytes_by_group() {
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = SynthOptions {
+        contents: Contents::HeadersOnly,
+        quant: synth::Quant::Nvfp4a16,
+        ..SynthOptions::new(Preset::Full, 0)
+    };
+    synth::synth(tmp.path(), opts).unwrap();
+    let spec = load_checkpoint(tmp.path()).unwrap();
+    // An NVFP4 Linear of `n` weights: n / 2 code bytes + n / 16 scale bytes + a 1,024-byte table.
+    let fp4 = |n: u64| n / 2 + n / 16 + 1024;
+    let expert = fp4(512 * 2048) * 2 + fp4(2048 * 512);
+    let got: Vec<(&str, u64)> = decode_step_bytes(&spec, 2080).iter().map(|g| (g.group, g.bytes)).collect();
+    let want: [(&str, u64); 10] = [
+        ("embeddings", 2048 * 2),
+        // 10 x (q 8192x2048, k, v 512x2048, o 2048x4096 NVFP4; q/k norm 2 x 256 bf16)
+        ("attention", 10 * (fp4(8192 * 2048) + 2 * fp4(512 * 2048) + fp4(2048 * 4096) + 512 * 2)),
+        (
+            "linear_attn",
+            30 * ((8192 + 4096 + 64) * 2048 * 2 + 2048 * 4096 * 2 + 8192 * 4 * 2 + 32 * 4 + 32 * 2 + 128 * 2),
+        ),
+        ("norms", 81 * 2048 * 2),
+        ("router", 40 * 257 * 2048 * 2),
+        ("shared expert", 40 * expert),
+        ("routed experts", 40 * 8 * expert),
+        ("lm_head", 248_320 * 2048 * 2),
+        (STATE_GROUP, 30 * 2 * (3 * 8192 * 2 + 32 * 128 * 128 * 4)),
+        (KV_GROUP, 10 * 2 * 256 * 2 * 2 * 2080),
+    ];
+    assert_eq!(got, want);
+    let sum: u64 = got.iter().map(|g| g.1).sum();
+    assert_eq!(sum, 4_045_569_152, "4.05 GB per decoded token at 2K");
+    assert!(sum <= 4_250_000_000);
+    // Device memory: the stored text-model bytes, each of the 30,880 f32 global scales (10 x 4
+    // attention, 40 x 3 shared, 40 x 256 x 3 routed) held as its 1,024-byte table, vectors as in FP8.
+    let stored: u64 = spec
+        .tensors
+        .iter()
+        .filter(|(n, _)| !model_spec::report::is_visual(n) && !n.starts_with("mtp."))
+        .map(|(_, t)| t.nbytes())
+        .sum();
+    assert_eq!(device_weight_bytes(&spec), stored + 30_880 * (1024 - 4) + 4 * 1_155_008 + 2 * 4_800);
+}

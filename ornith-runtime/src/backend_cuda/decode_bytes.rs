@@ -1,7 +1,8 @@
 //! The bytes one decode step of one sequence must read, by group — the denominator of
 //! `ornith-bench`'s achieved GB/s and "% of ceiling" — from the spec alone (no weights):
-//! every weight once as the backend holds it ([`plan::device_form`]: FP8 codes and BF16 matrices
-//! as stored, FP8 scales as f32, vectors in the one form the kernels read: bf16, `A_log` f32),
+//! every weight once as the backend holds it ([`plan::device_form`]: FP8 codes, NVFP4 codes and
+//! group scales and BF16 matrices as stored, FP8 scales as f32, an NVFP4 global scale as its
+//! 1 KiB table, vectors in the one form the kernels read: bf16, `A_log` f32),
 //! except the embedding table (one row) and the routed experts (top-k of E per layer); the
 //! Gated DeltaNet states read and written once (conv bf16, recurrent f32); BF16 K and V of every
 //! full-attention layer at `position` cached positions.
@@ -27,6 +28,8 @@ fn read_bytes(name: &str, t: &TensorInfo) -> u64 {
     match device_form(name, t) {
         DeviceForm::AsStored => t.nbytes(),
         DeviceForm::ScaleF32 => 4 * t.numel() as u64,
+        // an NVFP4 weight's scale table (the kernels look every group's scale up in it)
+        DeviceForm::ScaleTable => crate::cuda::nvfp4::TAB_BYTES as u64 * t.numel() as u64,
         // the gated delta rule reads `A_log` as f32, every other vector as bf16
         DeviceForm::Vector if name.ends_with(".A_log") => 4 * t.numel() as u64,
         DeviceForm::Vector => 2 * t.numel() as u64,

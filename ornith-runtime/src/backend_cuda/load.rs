@@ -2,19 +2,15 @@
 //! the model), routed experts packed into one contiguous buffer per layer as the MoE kernel wants
 //! them (`[E, 2I, H]` gate|up rows and `[E, H, I]` down, FP8, with f32 scales), a progress line on
 //! stderr.
-use super::{CudaBackend, CudaExperts, CudaLinear, CudaVector, DevLinear};
+use super::{CudaBackend, CudaExperts, CudaLinear, CudaVector, DevLinear, Fp4Dev};
 use crate::graph::{Dims, Prec};
 use crate::weights::{to_f32, Checkpoint};
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use model_spec::{DType, ExpertLayout, ModelSpec, Precision};
 use std::io::Write;
 use std::marker::PhantomData;
-
-/// The refusal for an NVFP4A16 checkpoint: the CUDA kernels read FP8 and BF16 weights only.
-const NVFP4_ON_CUDA: &str =
-    "NVFP4 weights are not implemented on the CUDA backend (only on the CPU reference). Fix: run with --backend cpu, or serve the FP8 export";
 
 const VEC: &[DType] = &[DType::BF16, DType::F32];
 
@@ -82,7 +78,7 @@ impl CudaBackend {
         match kind {
             Precision::Bf16 => {
                 let v = ck.tensor(&wname, &[DType::BF16], &[out_f, in_f])?;
-                Ok(DevLinear { out_features: out_f, in_features: in_f, w: self.put(v.bytes)?, scale: None })
+                Ok(DevLinear { out_features: out_f, in_features: in_f, w: self.put(v.bytes)?, scale: None, fp4: None })
             }
             Precision::Fp8 => {
                 let v = ck.tensor(&wname, &[DType::F8_E4M3], &[out_f, in_f])?;
@@ -92,9 +88,19 @@ impl CudaBackend {
                     in_features: in_f,
                     w: self.put(v.bytes)?,
                     scale: Some(self.put_f32(&s)?),
+                    fp4: None,
                 })
             }
-            Precision::Nvfp4 => bail!("{module}: {NVFP4_ON_CUDA}"),
+            Precision::Nvfp4 => {
+                let p = fp4_parts(ck, module, out_f, in_f)?;
+                Ok(DevLinear {
+                    out_features: out_f,
+                    in_features: in_f,
+                    w: self.put(p.codes)?,
+                    scale: None,
+                    fp4: Some(Fp4Dev { ws: self.put(p.scales)?, tab: self.put_f32(&p.table)?, tab_rows: out_f }),
+                })
+            }
         }
     }
 
@@ -111,7 +117,6 @@ impl CudaBackend {
         out_f: usize,
         in_f: usize,
     ) -> Result<CudaLinear<P>> {
-        ensure!(P::KIND != Precision::Nvfp4, "{module}: {NVFP4_ON_CUDA}");
         if let Some((parts, idx)) = fused_group(&ck.spec, &self.dims, module, P::KIND) {
             if idx > 0 {
                 return Ok(CudaLinear { dev: None, _p: PhantomData });
@@ -128,7 +133,7 @@ impl CudaBackend {
             self.cx.stream().memcpy_htod(g.bytes, &mut w.slice_mut(0..n))?;
             self.cx.stream().memcpy_htod(sg.bytes, &mut w.slice_mut(n..n + sg.bytes.len()))?;
             self.progress.lock().unwrap_or_else(|e| e.into_inner()).add((n + sg.bytes.len()) as u64);
-            let d = DevLinear { out_features: out_f + 1, in_features: in_f, w, scale: None };
+            let d = DevLinear { out_features: out_f + 1, in_features: in_f, w, scale: None, fp4: None };
             return Ok(CudaLinear { dev: Some(d), _p: PhantomData });
         }
         if module.ends_with(".mlp.shared_expert_gate") {
@@ -141,11 +146,16 @@ impl CudaBackend {
         }
         if let Some(base) = module.strip_suffix("shared_expert.gate_proj") {
             ensure!(
-                P::KIND == Precision::Fp8,
-                "{module}: the CUDA MoE kernel needs an FP8 shared expert (found {})",
+                P::KIND != Precision::Bf16,
+                "{module}: the CUDA MoE kernel needs an FP8 or NVFP4 shared expert (found {})",
                 P::NAME
             );
             let up = format!("{base}shared_expert.up_proj");
+            if P::KIND == Precision::Nvfp4 {
+                let d =
+                    self.fp4_stacked(&[fp4_parts(ck, module, out_f, in_f)?, fp4_parts(ck, &up, out_f, in_f)?], out_f)?;
+                return Ok(CudaLinear { dev: Some(d), _p: PhantomData });
+            }
             let (gn, un) = (format!("{module}.weight"), format!("{up}.weight"));
             let g = ck.tensor(&gn, &[DType::F8_E4M3], &[out_f, in_f])?;
             let u = ck.tensor(&un, &[DType::F8_E4M3], &[out_f, in_f])?;
@@ -156,13 +166,14 @@ impl CudaBackend {
             self.cx.stream().memcpy_htod(g.bytes, &mut w.slice_mut(0..n))?;
             self.cx.stream().memcpy_htod(u.bytes, &mut w.slice_mut(n..2 * n))?;
             self.progress.lock().unwrap_or_else(|e| e.into_inner()).add(2 * n as u64);
-            let d = DevLinear { out_features: 2 * out_f, in_features: in_f, w, scale: Some(self.put_f32(&s)?) };
+            let d =
+                DevLinear { out_features: 2 * out_f, in_features: in_f, w, scale: Some(self.put_f32(&s)?), fp4: None };
             return Ok(CudaLinear { dev: Some(d), _p: PhantomData });
         }
         if module.ends_with("shared_expert.up_proj") {
             ensure!(
-                P::KIND == Precision::Fp8,
-                "{module}: the CUDA MoE kernel needs an FP8 shared expert (found {})",
+                P::KIND != Precision::Bf16,
+                "{module}: the CUDA MoE kernel needs an FP8 or NVFP4 shared expert (found {})",
                 P::NAME
             );
             return Ok(CudaLinear { dev: None, _p: PhantomData });
@@ -191,7 +202,22 @@ impl CudaBackend {
             r0 += n;
         }
         let scale = if kind == Precision::Fp8 { Some(self.put_f32(&scales)?) } else { None };
-        Ok(DevLinear { out_features: rows, in_features: in_f, w, scale })
+        Ok(DevLinear { out_features: rows, in_features: in_f, w, scale, fp4: None })
+    }
+
+    /// NVFP4 matrices of `rows` rows each stored one after the other as one `[Σ rows, in]`
+    /// (codes, scale bytes, one table per part): the shared expert's gate|up.
+    fn fp4_stacked(&self, parts: &[Fp4Parts], rows: usize) -> Result<DevLinear> {
+        let codes: Vec<u8> = parts.iter().flat_map(|p| p.codes.iter().copied()).collect();
+        let scales: Vec<u8> = parts.iter().flat_map(|p| p.scales.iter().copied()).collect();
+        let table: Vec<f32> = parts.iter().flat_map(|p| p.table).collect();
+        Ok(DevLinear {
+            out_features: rows * parts.len(),
+            in_features: parts[0].in_f,
+            w: self.put(&codes)?,
+            scale: None,
+            fp4: Some(Fp4Dev { ws: self.put(&scales)?, tab: self.put_f32(&table)?, tab_rows: rows }),
+        })
     }
 
     pub(super) fn experts<G: Prec, U: Prec, D: Prec>(
@@ -203,11 +229,15 @@ impl CudaBackend {
         inter: usize,
         hidden: usize,
     ) -> Result<CudaExperts<G, U, D>> {
+        let kinds = [G::KIND, U::KIND, D::KIND];
         ensure!(
-            layout == ExpertLayout::PerExpert && [G::KIND, U::KIND, D::KIND].iter().all(|k| *k == Precision::Fp8),
-            "{module}: the CUDA MoE kernel needs per-expert FP8 experts (this checkpoint has {layout:?} {}/{}/{}); use --backend cpu",
+            layout == ExpertLayout::PerExpert && (kinds.iter().all(|k| *k == Precision::Fp8) || kinds.iter().all(|k| *k == Precision::Nvfp4)),
+            "{module}: the CUDA MoE kernel needs per-expert FP8 or NVFP4 experts (this checkpoint has {layout:?} {}/{}/{}); use --backend cpu",
             G::NAME, U::NAME, D::NAME
         );
+        if G::KIND == Precision::Nvfp4 {
+            return self.experts_nvfp4(ck, module, e, inter, hidden);
+        }
         let (ih, hi) = (inter * hidden, hidden * inter);
         let mut gu = self.cx.alloc::<u8>(e * 2 * ih)?;
         let mut dn = self.cx.alloc::<u8>(e * hi)?;
@@ -233,7 +263,59 @@ impl CudaBackend {
             dns.extend(to_f32(&ck.tensor(&format!("{}.weight_scale", m("down_proj")), VEC, &[hidden, 1])?));
             self.progress.lock().unwrap_or_else(|e| e.into_inner()).add(3 * ih as u64);
         }
-        Ok(CudaExperts { gu, gus: self.put_f32(&gus)?, dn, dns: self.put_f32(&dns)?, experts: e, _p: PhantomData })
+        Ok(CudaExperts {
+            gu,
+            gus: self.put_f32(&gus)?,
+            dn,
+            dns: self.put_f32(&dns)?,
+            fp4: None,
+            experts: e,
+            _p: PhantomData,
+        })
+    }
+
+    /// NVFP4A16 experts packed as `CudaExperts` documents (codes, scale bytes, gate and up tables).
+    fn experts_nvfp4<G: Prec, U: Prec, D: Prec>(
+        &self,
+        ck: &Checkpoint,
+        module: &str,
+        e: usize,
+        inter: usize,
+        hidden: usize,
+    ) -> Result<CudaExperts<G, U, D>> {
+        let (ih, hi) = (inter * hidden, hidden * inter);
+        let mut gu = self.cx.alloc::<u8>(e * ih)?; // 2 matrices of ih / 2 code bytes
+        let mut gus = self.cx.alloc::<u8>(e * ih / 8)?;
+        let mut dn = self.cx.alloc::<u8>(e * hi / 2)?;
+        let mut dns = self.cx.alloc::<u8>(e * hi / 16)?;
+        let (mut gt, mut dt) = (Vec::with_capacity(e * 512), Vec::with_capacity(e * 256));
+        let stream = self.cx.stream().clone();
+        for x in 0..e {
+            let m = |p: &str| format!("{module}.{x}.{p}");
+            let g = fp4_parts(ck, &m("gate_proj"), inter, hidden)?;
+            let u = fp4_parts(ck, &m("up_proj"), inter, hidden)?;
+            let d = fp4_parts(ck, &m("down_proj"), hidden, inter)?;
+            let (c, sc) = (ih / 2, ih / 16);
+            stream.memcpy_htod(g.codes, &mut gu.slice_mut(2 * x * c..(2 * x + 1) * c))?;
+            stream.memcpy_htod(u.codes, &mut gu.slice_mut((2 * x + 1) * c..(2 * x + 2) * c))?;
+            stream.memcpy_htod(g.scales, &mut gus.slice_mut(2 * x * sc..(2 * x + 1) * sc))?;
+            stream.memcpy_htod(u.scales, &mut gus.slice_mut((2 * x + 1) * sc..(2 * x + 2) * sc))?;
+            stream.memcpy_htod(d.codes, &mut dn.slice_mut(x * hi / 2..(x + 1) * hi / 2))?;
+            stream.memcpy_htod(d.scales, &mut dns.slice_mut(x * hi / 16..(x + 1) * hi / 16))?;
+            gt.extend(g.table);
+            gt.extend(u.table);
+            dt.extend(d.table);
+            self.progress.lock().unwrap_or_else(|e| e.into_inner()).add((3 * ih * 9 / 16) as u64);
+        }
+        Ok(CudaExperts {
+            gu,
+            gus: self.put_f32(&gt)?,
+            dn,
+            dns: self.put_f32(&dt)?,
+            fp4: Some((gus, dns)),
+            experts: e,
+            _p: PhantomData,
+        })
     }
 
     /// A vector rounded to bf16 as transformers does when it loads the model in bf16 (A_log and
@@ -250,6 +332,34 @@ impl CudaBackend {
     pub(super) fn embedding(&self, ck: &Checkpoint, name: &str, vocab: usize, hidden: usize) -> Result<CudaSlice<u8>> {
         self.put(ck.tensor(name, &[DType::BF16], &[vocab, hidden])?.bytes)
     }
+}
+
+/// One NVFP4A16 Linear `[out, in]` as stored (borrowed from the shard mmap): codes, E4M3 group
+/// scales, and the scale table of its global scale.
+pub(super) struct Fp4Parts<'a> {
+    codes: &'a [u8],
+    scales: &'a [u8],
+    table: [f32; 256],
+    in_f: usize,
+}
+
+/// Reads and checks `module`'s `weight_packed`, `weight_scale` and `weight_global_scale`: the
+/// shapes compressed-tensors writes, `in` a multiple of 32 (the CUDA kernels' code chunks), and a
+/// positive finite global scale (the table divides by it).
+pub(super) fn fp4_parts<'a>(ck: &'a Checkpoint, module: &str, out_f: usize, in_f: usize) -> Result<Fp4Parts<'a>> {
+    ensure!(
+        in_f.is_multiple_of(32),
+        "{module}: NVFP4 in_features {in_f} is not a multiple of 32, which the CUDA kernels need. Fix: run with --backend cpu"
+    );
+    let codes = ck.tensor(&format!("{module}.weight_packed"), &[DType::U8], &[out_f, in_f / 2])?.bytes;
+    let scales = ck.tensor(&format!("{module}.weight_scale"), &[DType::F8_E4M3], &[out_f, in_f / 16])?.bytes;
+    let gname = format!("{module}.weight_global_scale");
+    let gs = to_f32(&ck.tensor(&gname, &[DType::F32], &[1])?)[0];
+    ensure!(
+        gs.is_finite() && gs > 0.0,
+        "{gname} is {gs}: NVFP4 dequantisation divides by it, so it must be positive and finite. Fix: re-export the checkpoint"
+    );
+    Ok(Fp4Parts { codes, scales, table: model_spec::nvfp4::scale_table(gs), in_f })
 }
 
 /// Linears that read the same input and load as one matrix: the Gated DeltaNet's four input

@@ -36,6 +36,7 @@ mod load;
 mod ops;
 pub mod plan;
 
+use crate::cuda::nvfp4::Fp4W;
 use crate::cuda::CudaContext;
 use crate::engine::{Capacity, PoolRequest};
 use crate::graph::*;
@@ -43,7 +44,7 @@ use crate::weights::Checkpoint;
 use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use model_spec::ExpertLayout;
+use model_spec::{ExpertLayout, Precision};
 use ops::{at, use_prefill, Ptr, XIn};
 use ornith_kernels::bindings::*;
 use plan::{MemoryPlan, ScratchSizes, ATTN_ROWS, CHUNK, GROUPED_MOE_ROWS};
@@ -55,12 +56,23 @@ use std::sync::{Arc, Mutex};
 
 const _: () = assert!(KV_BLOCK == ORNITH_KV_BLOCK as usize, "graph::KV_BLOCK must match the kernels' ORNITH_KV_BLOCK");
 
-/// A Linear on the device: BF16 weights (`scale` None) or E4M3 codes with f32 per-row scales.
+/// A Linear on the device: BF16 weights (`scale` and `fp4` None), E4M3 codes with f32 per-row
+/// scales (`scale`), or NVFP4A16 codes `[out, in/2]` with their scale bytes and tables (`fp4`).
 pub struct DevLinear {
     pub out_features: usize,
     pub in_features: usize,
     w: CudaSlice<u8>,
     scale: Option<CudaSlice<f32>>,
+    fp4: Option<Fp4Dev>,
+}
+
+/// The group scales of an NVFP4A16 matrix: E4M3 bytes `[out, in/16]` and the f32 table
+/// (`model_spec::nvfp4::scale_table`) of each global scale, table `k` serving rows
+/// `k · tab_rows ..` (a fused gate|up has two).
+pub struct Fp4Dev {
+    ws: CudaSlice<u8>,
+    tab: CudaSlice<f32>,
+    tab_rows: usize,
 }
 
 /// A Linear of precision `P`. `dev` is None only for the shared expert's `up_proj`, whose rows
@@ -80,12 +92,15 @@ impl<P: Prec> CudaLinear<P> {
 }
 
 /// The routed experts of one layer, packed: `gu [E, 2I, H]` (gate rows then up rows per
-/// expert), `dn [E, H, I]`, E4M3, with f32 scales `gus [E, 2I]`, `dns [E, H]`.
+/// expert), `dn [E, H, I]`. FP8: E4M3 codes with f32 scales `gus [E, 2I]`, `dns [E, H]`.
+/// NVFP4A16: codes `gu [E, 2I, H/2]`, `dn [E, H, I/2]`, scale bytes in `fp4` (`[E, 2I, H/16]`,
+/// `[E, H, I/16]`), and `gus` / `dns` the scale tables (`[E, 2, 256]`: gate, up; `[E, 1, 256]`).
 pub struct CudaExperts<G: Prec, U: Prec, D: Prec> {
     gu: CudaSlice<u8>,
     gus: CudaSlice<f32>,
     dn: CudaSlice<u8>,
     dns: CudaSlice<f32>,
+    fp4: Option<(CudaSlice<u8>, CudaSlice<u8>)>,
     experts: usize,
     _p: PhantomData<(G, U, D)>,
 }
@@ -863,6 +878,7 @@ impl CudaBackend {
             a_stride: hs as i32,
             y_stride: (2 * inter) as i32,
             groups: e as i32,
+            ..Default::default()
         })?;
         self.cx.k_swiglu_ct(gu, aq, asc, nk, inter)?;
         self.cx.k_gemm_grouped(OrnithGemmParams {
@@ -880,6 +896,7 @@ impl CudaBackend {
             a_stride: inter as i32,
             y_stride: hs as i32,
             groups: e as i32,
+            ..Default::default()
         })?;
         // Shared expert: rows nk .. nk + n of the slot scratch (sized for n·(k + 1) rows).
         let (sgu, saq, sas, sy) = (
@@ -891,6 +908,207 @@ impl CudaBackend {
         self.cx.k_gemm_fp8(x.0, x.1, sh.gu, sh.gus, sgu, n, hs, 2 * inter, hs, 2 * inter)?;
         self.cx.k_swiglu_ct(sgu, saq, sas, n, inter)?;
         self.cx.k_gemm_fp8(saq, sas, sh.dn, sh.dns, sy, n, inter, hs, inter, hs)?;
+        let rw = self.sz.rlog_w;
+        self.cx.k_combine_prefill(OrnithMoeCombinePrefillParams {
+            ys: ys as _,
+            row_of: ro as _,
+            weight: at(self, &s.wt, 0) as _,
+            shared_y: sy as _,
+            gate_logit: (at(self, &s.rlog, 0) + 2 * e as u64) as _,
+            out: out as _,
+            tokens: n as i32,
+            top_k: k as i32,
+            hidden: hs as i32,
+            gate_stride: rw as i32,
+        })
+    }
+}
+
+impl CudaBackend {
+    /// The decode group's expert groups (`moe_sort` of the router's `idx`) when `grouped`, else
+    /// null lists (the per-(token, slot) grid): active list, active count, group offsets, row assignments.
+    fn decode_groups(&self, grouped: bool, n: usize, k: usize, e: usize) -> Result<[*const i32; 4]> {
+        if !grouped {
+            return Ok([std::ptr::null(); 4]);
+        }
+        let s = &self.s;
+        let (go, ra, al, ac) = (
+            at(self, &s.group_offsets, 0),
+            at(self, &s.row_assign, 0),
+            at(self, &s.active_list, 0),
+            at(self, &s.active_count, 0),
+        );
+        self.cx.k_moe_sort(OrnithMoeSortParams {
+            idx: at(self, &s.idx, 0) as _,
+            group_offsets: go as _,
+            tile_offsets: at(self, &s.tile_offsets, 0) as _,
+            row_token: at(self, &s.row_token, 0) as _,
+            row_of: at(self, &s.row_of, 0) as _,
+            row_assign: ra as _,
+            active_list: al as _,
+            active_count: ac as _,
+            tokens: n as i32,
+            top_k: k as i32,
+            experts: e as i32,
+        })?;
+        Ok([al as _, ac as _, go as _, ra as _])
+    }
+
+    /// The MoE block over NVFP4A16 experts and shared expert (BF16 activations; the router BF16):
+    /// the decode group through the NVFP4 expert products (per (token, slot), or grouped by expert
+    /// from GROUPED_MOE_ROWS rows), each prefill chunk through the NVFP4 grouped GEMMs; SwiGLU into
+    /// bf16 between them; the combine as the FP8 path's (`cpu::moe::moe`'s cast points).
+    fn sparse_moe_nvfp4<R: Prec, Eg: Prec, Eu: Prec, Ed: Prec, Sg: Prec, Su: Prec, Sd: Prec, Sgate: Prec>(
+        &self,
+        d: &Dims,
+        norm: &CudaVector,
+        w: &SparseMoe<Self, R, Eg, Eu, Ed, Sg, Su, Sd, Sgate>,
+        batch: &Batch,
+        h: &mut CudaAct,
+    ) -> Result<()> {
+        ensure!(w.shared_up_proj.dev.is_none(), "shared_expert.up_proj must be fused into gate_proj");
+        let (hs, e, k, inter) = (d.hidden_size, w.experts.experts, d.num_experts_per_tok, d.moe_intermediate_size);
+        let (sgu, sdn) =
+            (w.shared_gate_proj.dev("shared gate_up")?.all(self), w.shared_down_proj.dev("shared down")?.all(self));
+        let (Some(sgu), Some(sdn)) = (sgu.fp4, sdn.fp4) else {
+            bail!("the CUDA MoE needs an NVFP4 shared expert beside NVFP4 routed experts")
+        };
+        let Some((gu_ws, dn_ws)) = &w.experts.fp4 else { bail!("NVFP4 experts loaded without their scales") };
+        ensure!(
+            w.shared_expert_gate.dev.is_none() && w.gate.dev("mlp.gate")?.out_features == e + 1,
+            "mlp.gate must hold the router and shared_expert_gate rows as one [E + 1, H] matrix"
+        );
+        let ex = &w.experts;
+        let gu = Fp4W { w: at(self, &ex.gu, 0), ws: at(self, gu_ws, 0), tab: at(self, &ex.gus, 0), tab_rows: inter };
+        let dn = Fp4W { w: at(self, &ex.dn, 0), ws: at(self, dn_ws, 0), tab: at(self, &ex.dns, 0), tab_rows: hs };
+        let slots = k + 1;
+        let rw = self.sz.rlog_w;
+        let s = &self.s;
+        let rl = at(self, &s.rlog, 0);
+        let (sgu_y, sa, sy) = (at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.ys, 0));
+        for (r0, n, prefill) in segments(batch) {
+            let x = self.norm_rows(h, norm, r0, n)?;
+            self.lin(&w.gate, "mlp.gate", x, rl, rw, n, prefill)?;
+            self.cx.k_router(rl, at(self, &s.idx, 0), at(self, &s.wt, 0), n, e, k, rw)?;
+            let out = at(self, &h.delta, r0 * hs);
+            if prefill {
+                self.moe_grouped_nvfp4(e, (gu, dn), (sgu, sdn), x.bf, n, out)?;
+                continue;
+            }
+            let grouped = n >= GROUPED_MOE_ROWS;
+            let [al, ac, go, ra] = self.decode_groups(grouped, n, k, e)?;
+            let gu_params = OrnithMoeGemvNvfp4Params {
+                x: x.bf as _,
+                idx: at(self, &s.idx, 0) as _,
+                w: gu.w as _,
+                ws: gu.ws as _,
+                tab: gu.tab as _,
+                shared_w: sgu.w as _,
+                shared_ws: sgu.ws as _,
+                shared_tab: sgu.tab as _,
+                y: sgu_y as _,
+                tokens: n as i32,
+                top_k: k as i32,
+                experts: e as i32,
+                in_: hs as i32,
+                out: (2 * inter) as i32,
+                x_tok_stride: x.stride as i32,
+                x_slot_stride: 0,
+                tab_rows: inter as i32,
+                active_list: al,
+                active_count: ac,
+                group_offsets: go,
+                row_assign: ra,
+            };
+            self.cx.k_moe_gemv_nvfp4(gu_params, grouped)?;
+            self.cx.k_swiglu_bf16(sgu_y, sa, n * slots, inter)?;
+            self.cx.k_moe_gemv_nvfp4(
+                OrnithMoeGemvNvfp4Params {
+                    x: sa as _,
+                    w: dn.w as _,
+                    ws: dn.ws as _,
+                    tab: dn.tab as _,
+                    shared_w: sdn.w as _,
+                    shared_ws: sdn.ws as _,
+                    shared_tab: sdn.tab as _,
+                    y: sy as _,
+                    in_: inter as i32,
+                    out: hs as i32,
+                    x_tok_stride: (slots * inter) as i32,
+                    x_slot_stride: inter as i32,
+                    tab_rows: hs as i32,
+                    ..gu_params
+                },
+                grouped,
+            )?;
+            self.cx.k_combine(sy, at(self, &s.wt, 0), rl + 2 * e as u64, out, n, k, hs, rw)?;
+        }
+        h.pending.set(h.t);
+        Ok(())
+    }
+
+    /// [`Self::moe_grouped`] for NVFP4A16 experts: bf16 rows `x` (stride hidden), the grouped
+    /// NVFP4 GEMMs with SwiGLU into bf16 between them, the shared expert as plain NVFP4 GEMMs,
+    /// the same combine.
+    fn moe_grouped_nvfp4(
+        &self,
+        e: usize,
+        (gu, dn): (Fp4W, Fp4W),
+        (sgu, sdn): (Fp4W, Fp4W),
+        x: Ptr,
+        n: usize,
+        out: Ptr,
+    ) -> Result<()> {
+        let d = &self.dims;
+        let (hs, k, inter) = (d.hidden_size, d.num_experts_per_tok, d.moe_intermediate_size);
+        let s = &self.s;
+        let nk = n * k;
+        let (go, to, rt, ro) = (
+            at(self, &s.group_offsets, 0),
+            at(self, &s.tile_offsets, 0),
+            at(self, &s.row_token, 0),
+            at(self, &s.row_of, 0),
+        );
+        let (g, a, ys) = (at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.ys, 0));
+        self.cx.k_moe_sort(OrnithMoeSortParams {
+            idx: at(self, &s.idx, 0) as _,
+            group_offsets: go as _,
+            tile_offsets: to as _,
+            row_token: rt as _,
+            row_of: ro as _,
+            row_assign: std::ptr::null_mut(),
+            active_list: std::ptr::null_mut(),
+            active_count: std::ptr::null_mut(),
+            tokens: n as i32,
+            top_k: k as i32,
+            experts: e as i32,
+        })?;
+        let grouped = |a: Ptr, a_rows: Ptr, w: Fp4W, y: Ptr, in_: usize, out: usize| OrnithGemmParams {
+            a: a as _,
+            a_rows: a_rows as _,
+            w: w.w as _,
+            y: y as _,
+            group_offsets: go as _,
+            tile_offsets: to as _,
+            rows: nk as i32,
+            in_: in_ as i32,
+            out: out as i32,
+            a_stride: in_ as i32,
+            y_stride: out as i32,
+            groups: e as i32,
+            w_group_scale: w.ws as _,
+            w_tab: w.tab as _,
+            tab_rows: w.tab_rows as i32,
+            ..Default::default()
+        };
+        self.cx.k_gemm_nvfp4_grouped(grouped(x, rt, gu, g, hs, 2 * inter))?;
+        self.cx.k_swiglu_bf16(g, a, nk, inter)?;
+        self.cx.k_gemm_nvfp4_grouped(grouped(a, 0, dn, ys, inter, hs))?;
+        // Shared expert: rows nk .. nk + n of the slot scratch (sized for n·(k + 1) rows; bf16).
+        let (sg, sa, sy) = (g + (2 * nk * 2 * inter) as u64, a + (2 * nk * inter) as u64, ys + (2 * nk * hs) as u64);
+        self.cx.k_gemm_nvfp4(x, sgu, sg, n, hs, 2 * inter, hs, 2 * inter)?;
+        self.cx.k_swiglu_bf16(sg, sa, n, inter)?;
+        self.cx.k_gemm_nvfp4(sa, sdn, sy, n, inter, hs, inter, hs)?;
         let rw = self.sz.rlog_w;
         self.cx.k_combine_prefill(OrnithMoeCombinePrefillParams {
             ys: ys as _,
@@ -1163,6 +1381,9 @@ impl Backend for CudaBackend {
         h: &mut CudaAct,
     ) -> Result<()> {
         self.layer_start(h, batch)?;
+        if Eg::KIND == Precision::Nvfp4 {
+            return self.sparse_moe_nvfp4(d, norm, w, batch, h);
+        }
         ensure!(w.shared_up_proj.dev.is_none(), "shared_expert.up_proj must be fused into gate_proj");
         let (hs, e, k, inter) = (d.hidden_size, w.experts.experts, d.num_experts_per_tok, d.moe_intermediate_size);
         let (sgu, sdn) = (w.shared_gate_proj.dev("shared gate_up")?, w.shared_down_proj.dev("shared down")?);
@@ -1199,31 +1420,7 @@ impl Backend for CudaBackend {
             // Decode group: expert GEMVs per (token, slot); from GROUPED_MOE_ROWS rows on grouped by
             // expert (each expert's weights read once per step), with the same bits per row.
             let grouped = n >= GROUPED_MOE_ROWS;
-            let no_groups = (std::ptr::null(), std::ptr::null(), std::ptr::null(), std::ptr::null());
-            let groups = if grouped {
-                let (go, ra, al, ac) = (
-                    at(self, &s.group_offsets, 0),
-                    at(self, &s.row_assign, 0),
-                    at(self, &s.active_list, 0),
-                    at(self, &s.active_count, 0),
-                );
-                self.cx.k_moe_sort(OrnithMoeSortParams {
-                    idx: at(self, &s.idx, 0) as _,
-                    group_offsets: go as _,
-                    tile_offsets: at(self, &s.tile_offsets, 0) as _,
-                    row_token: at(self, &s.row_token, 0) as _,
-                    row_of: at(self, &s.row_of, 0) as _,
-                    row_assign: ra as _,
-                    active_list: al as _,
-                    active_count: ac as _,
-                    tokens: n as i32,
-                    top_k: k as i32,
-                    experts: e as i32,
-                })?;
-                (al as *const i32, ac as *const i32, go as *const i32, ra as *const i32)
-            } else {
-                no_groups
-            };
+            let groups = self.decode_groups(grouped, n, k, e)?;
             let gu_params = OrnithMoeGemvParams {
                 xq: xq as _,
                 xs: xs as _,
@@ -1242,10 +1439,10 @@ impl Backend for CudaBackend {
                 x_slot_stride: 0,
                 xs_tok_stride: 1,
                 xs_slot_stride: 0,
-                active_list: groups.0,
-                active_count: groups.1,
-                group_offsets: groups.2,
-                row_assign: groups.3,
+                active_list: groups[0],
+                active_count: groups[1],
+                group_offsets: groups[2],
+                row_assign: groups[3],
             };
             self.cx.k_moe_gemv(gu_params, grouped)?;
             self.cx.k_swiglu(at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), n * slots, inter)?;

@@ -6,6 +6,7 @@
 //! the scratch sizes fixed in [`super::plan`], both checked once when the backend is built.
 use super::CudaBackend;
 use crate::cuda::gemm::gemm_aligned;
+use crate::cuda::nvfp4::{Fp4W, TAB_BYTES};
 pub use crate::cuda::Ptr;
 use anyhow::{ensure, Result};
 use cudarc::driver::CudaSlice;
@@ -36,11 +37,13 @@ pub struct XIn {
 }
 
 /// Rows `r0 .. r0 + out_features` of a device Linear: weight address (BF16 or E4M3 rows of
-/// `in_features`) and, for FP8, the address of the f32 scales of those rows.
+/// `in_features`) and, for FP8, the address of the f32 scales of those rows; for NVFP4A16 the
+/// codes, scale bytes and scale tables of those rows (`fp4`; `w` is then the codes too).
 #[derive(Clone, Copy)]
 pub struct WRows {
     pub w: Ptr,
     pub scale: Option<Ptr>,
+    pub fp4: Option<Fp4W>,
     pub in_features: usize,
     pub out_features: usize,
 }
@@ -50,14 +53,27 @@ impl super::DevLinear {
     pub fn all(&self, b: &CudaBackend) -> WRows {
         self.rows(b, 0, self.out_features)
     }
-    /// Rows `r0 .. r0 + n` (a part of a fused matrix).
+    /// Rows `r0 .. r0 + n` (a part of a fused matrix; for NVFP4 starting at one of its tables).
     pub fn rows(&self, b: &CudaBackend, r0: usize, n: usize) -> WRows {
         debug_assert!(r0 + n <= self.out_features);
+        let k = self.in_features;
+        if let Some(f) = &self.fp4 {
+            debug_assert!(r0.is_multiple_of(f.tab_rows));
+            let w = at(b, &self.w, r0 * k / 2);
+            let fw = Fp4W {
+                w,
+                ws: at(b, &f.ws, r0 * k / 16),
+                tab: at(b, &f.tab, 0) + ((r0 / f.tab_rows) * TAB_BYTES) as u64,
+                tab_rows: f.tab_rows,
+            };
+            return WRows { w, scale: None, fp4: Some(fw), in_features: k, out_features: n };
+        }
         let elem = if self.scale.is_some() { 1 } else { 2 };
         WRows {
-            w: at(b, &self.w, r0 * self.in_features * elem),
+            w: at(b, &self.w, r0 * k * elem),
             scale: self.scale.as_ref().map(|s| at(b, s, r0)),
-            in_features: self.in_features,
+            fp4: None,
+            in_features: k,
             out_features: n,
         }
     }
@@ -84,6 +100,13 @@ impl CudaBackend {
         ensure!(t >= 1, "linear on zero rows");
         let prefill = prefill && use_prefill(t);
         let (in_, out) = (w.in_features, w.out_features);
+        if let Some(f) = w.fp4 {
+            // NVFP4A16: bf16 activations, dequantised in the GEMM's tile or the product's registers.
+            if prefill && gemm_aligned(x.bf, x.stride * 2, in_ * 2) {
+                return self.cx.k_gemm_nvfp4(x.bf, f, y, t, in_, out, x.stride, y_stride);
+            }
+            return self.cx.k_gemv_nvfp4(x.bf, f, y, t, in_, out, x.stride, y_stride);
+        }
         match w.scale {
             None => {
                 if prefill && gemm_aligned(x.bf, x.stride * 2, in_ * 2) {

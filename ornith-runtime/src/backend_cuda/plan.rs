@@ -137,7 +137,8 @@ impl ScratchSizes {
             xb: CHUNK * d.hidden_size,
             xq: CHUNK * d.hidden_size.max(vdim),
             xs: CHUNK,
-            aq: CHUNK * slots * d.moe_intermediate_size,
+            // Bytes: the experts' FP8 inputs, or their bf16 inputs for NVFP4A16 experts (2 per element).
+            aq: 2 * CHUNK * slots * d.moe_intermediate_size,
             asc: CHUNK * slots,
             proj_w: d.conv_dim() + d.value_dim() + 2 * d.linear_num_value_heads,
             conv: CHUNK * d.conv_dim(),
@@ -267,6 +268,9 @@ pub enum DeviceForm {
     AsStored,
     /// An FP8 weight's per-channel `*_scale`: f32 only (4 bytes per element).
     ScaleF32,
+    /// An NVFP4 weight's `weight_global_scale`: the 256-entry f32 table of group scales it
+    /// defines (`model_spec::nvfp4::scale_table`, 1 KiB per element).
+    ScaleTable,
     /// A vector (1-D, or a `[C, 1, k]` conv kernel): bf16 and f32 both (6 bytes per element).
     Vector,
 }
@@ -275,6 +279,8 @@ pub enum DeviceForm {
 pub fn device_form(name: &str, t: &TensorInfo) -> DeviceForm {
     if !matches!(t.dtype, DType::BF16 | DType::F32) {
         DeviceForm::AsStored
+    } else if name.ends_with("_global_scale") {
+        DeviceForm::ScaleTable
     } else if name.ends_with("_scale") {
         DeviceForm::ScaleF32
     } else if t.shape.len() == 1 || (t.shape.len() == 3 && t.shape[1] == 1) {
@@ -289,6 +295,7 @@ pub fn device_bytes(name: &str, t: &TensorInfo) -> u64 {
     match device_form(name, t) {
         DeviceForm::AsStored => t.nbytes(),
         DeviceForm::ScaleF32 => 4 * t.numel() as u64,
+        DeviceForm::ScaleTable => crate::cuda::nvfp4::TAB_BYTES as u64 * t.numel() as u64,
         DeviceForm::Vector => 6 * t.numel() as u64,
     }
 }

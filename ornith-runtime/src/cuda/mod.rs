@@ -90,16 +90,33 @@ mod tests;
 /// Kernels per PTX module (names of the `extern "C"` entry points).
 const KERNELS: [(Module, &[&str]); 11] = [
     (Module::Norm, &["embed_gather", "rmsnorm_residual", "quantize_fp8_rows"]),
-    (Module::Gemv, &["gemv_bf16", "gemv_bf16_wide", "gemv_fp8", "gemv_fp8_wide", "moe_gemv_fp8", "moe_gemv_grouped"]),
-    (Module::Moe, &["moe_router_topk", "swiglu_quant", "moe_combine"]),
+    (
+        Module::Gemv,
+        &[
+            "gemv_bf16",
+            "gemv_bf16_wide",
+            "gemv_fp8",
+            "gemv_fp8_wide",
+            "moe_gemv_fp8",
+            "moe_gemv_grouped",
+            "gemv_nvfp4",
+            "gemv_nvfp4_wide",
+            "moe_gemv_nvfp4",
+            "moe_gemv_nvfp4_grouped",
+        ],
+    ),
+    (Module::Moe, &["moe_router_topk", "swiglu_quant", "swiglu_bf16", "moe_combine"]),
     (Module::Gdn, &["conv1d_silu", "conv1d_silu_chunk", "gdn_recurrent", "gated_rmsnorm"]),
     (Module::Attention, &["qk_norm_rope", "attn_decode_split", "attn_decode_combine"]),
     (Module::Sample, &["argmax_bf16", "sample_prep", "sample_hist", "sample_select", "sample_draw"]),
-    (Module::Gemm, &["gemm_fp8", "gemm_bf16", "gemm_fp8_grouped", "quantize_fp8_ct"]),
+    (
+        Module::Gemm,
+        &["gemm_fp8", "gemm_bf16", "gemm_fp8_grouped", "gemm_nvfp4", "gemm_nvfp4_grouped", "quantize_fp8_ct"],
+    ),
     (Module::GdnChunk, &["gdn_chunk_prep", "gdn_chunk_scan"]),
     (Module::FlashAttn, &["flash_attn_prefill"]),
     (Module::MoePrefill, &["moe_sort", "swiglu_quant_ct", "moe_combine_prefill"]),
-    (Module::Nvfp4, &["nvfp4_dequant", "gemv_nvfp4", "moe_gemv_nvfp4_grouped"]),
+    (Module::Nvfp4, &["nvfp4_dequant"]),
 ];
 
 /// Warps per block of the decode products (`TC_WARPS` in gemv.cu).
@@ -206,8 +223,9 @@ kernel_params!(
     OrnithQuantParams,
     OrnithGemvBf16Params,
     OrnithGemvFp8Params,
-    OrnithNvfp4Params,
+    OrnithGemvNvfp4Params,
     OrnithMoeGemvNvfp4Params,
+    OrnithSwigluParams,
     OrnithRouterParams,
     OrnithMoeGemvParams,
     OrnithSwigluQuantParams,

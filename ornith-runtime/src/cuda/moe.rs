@@ -174,6 +174,17 @@ impl CudaContext {
         self.launch(Launch::new("swiglu_quant", (rows as u32, 1, 1), 256, (rows * (inter * 5 + 4)) as u64), p)
     }
 
+    /// SwiGLU of `rows` gate|up rows into bf16 rows of `inter` (`OrnithSwigluParams`; the
+    /// NVFP4A16 experts' input, decode and prefill alike).
+    pub(crate) fn k_swiglu_bf16(&self, gu: Ptr, out: Ptr, rows: usize, inter: usize) -> Result<()> {
+        ensure!(rows > 0 && inter > 0, "swiglu_bf16: {rows} rows of {inter}");
+        ensure!(rows <= 65535, "swiglu_bf16: {rows} rows exceed grid.y");
+        let p =
+            OrnithSwigluParams { gate_up: gu as _, out: out as _, rows: rows as i32, inter: i32of("inter", inter)? };
+        let grid = (inter.div_ceil(256) as u32, rows as u32, 1);
+        self.launch(Launch::new("swiglu_bf16", grid, 256, (rows * inter * 6) as u64), p)
+    }
+
     /// `out = bf16(routed + sigmoid-gated shared)`, see `OrnithMoeCombineParams`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn k_combine(
@@ -294,6 +305,13 @@ impl CudaContext {
         self.k_swiglu(self.addr(gate_up), self.addr(q8), self.addr(scale), rows, inter)
     }
 
+    /// [`Self::k_swiglu_bf16`] on buffers.
+    pub fn swiglu_bf16(&self, gate_up: &Bf, out: &mut Bf, rows: usize, inter: usize) -> Result<()> {
+        need("swiglu_bf16 gate_up", gate_up, rows * 2 * inter)?;
+        need("swiglu_bf16 out", out, rows * inter)?;
+        self.k_swiglu_bf16(self.addr(gate_up), self.addr(out), rows, inter)
+    }
+
     /// [`Self::k_combine`] on buffers.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_combine(
@@ -377,6 +395,7 @@ impl CudaContext {
             a_stride: d as i32,
             y_stride: (2 * i) as i32,
             groups: e as i32,
+            ..Default::default()
         })?;
         self.k_swiglu_ct(self.addr(&s.gate_up), self.addr(&s.aq), self.addr(&s.as_), n, i)?;
         self.k_gemm_grouped(OrnithGemmParams {
@@ -394,6 +413,7 @@ impl CudaContext {
             a_stride: i as i32,
             y_stride: d as i32,
             groups: e as i32,
+            ..Default::default()
         })?;
         // Shared expert on every token.
         let (sgu, saq, sas, sy) =

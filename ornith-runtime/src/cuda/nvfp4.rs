@@ -1,32 +1,257 @@
-//! Launchers of the NVFP4A16 kernels (`kernels/cuda/nvfp4.cu`): the dequantiser (prefill's first
-//! step: bf16 weights for the BF16 GEMM) and the decode GEMV that dequantises in registers. The
-//! weight is compressed-tensors' `weight_packed` U8 `[out, in/2]`, `weight_scale` E4M3
-//! `[out, in/16]` and the global scale (`model_spec::nvfp4` states the math). Not yet used by the
-//! CUDA backend, whose loader refuses NVFP4 checkpoints, so each kernel's one launcher takes
-//! buffers (the kernel tests' form); wiring them in splits each into an address launcher and a
-//! slice wrapper as in [`super::gemv`].
+//! Launchers of the NVFP4A16 kernels: the decode products (gemv.cu: `gemv_nvfp4`,
+//! `gemv_nvfp4_wide`, `moe_gemv_nvfp4`, `moe_gemv_nvfp4_grouped`), the prefill GEMMs (gemm.cu:
+//! `gemm_nvfp4`, `gemm_nvfp4_grouped`) and the dequantiser (nvfp4.cu, which tests the register
+//! dequantisation all of them share bit for bit). A weight is compressed-tensors' `weight_packed`
+//! U8 `[out, in/2]`, `weight_scale` E4M3 `[out, in/16]` and, per global scale, the f32 table
+//! [`model_spec::nvfp4::scale_table`] (`ornith_kernels.h` states the math).
+//!
+//! One launcher per kernel (see [`super`]), then the slice-based wrappers the kernel tests call.
+use super::gemm::{GEMM_GROUPED_ROWS, GEMM_GROUPED_SMEM, GEMM_SMEM, GEMM_TILE};
 use super::moe::MoeGroups;
-use super::{CudaContext, Launch};
+use super::{aligned, i32of, need, CudaContext, Launch, Ptr};
 use anyhow::{ensure, Result};
 use cudarc::driver::CudaSlice;
 use ornith_kernels::bindings::*;
 
 type Bf = CudaSlice<u16>;
 
-/// Warps per block of `gemv_nvfp4` (`NVFP4_WARPS` in nvfp4.cu).
-const NVFP4_WARPS: usize = 8;
+/// Bytes of one scale table (256 f32).
+pub const TAB_BYTES: usize = 256 * 4;
 
-/// Inputs of [`CudaContext::moe_gemv_nvfp4_grouped`]: `experts` NVFP4 experts `[out, in]` stored
-/// one after the other (`w` codes, `ws` scales, `gs` one global scale each) and the shared expert;
-/// the bf16 activation of (token t, slot j) at `x + t · x_tok_stride + j · x_slot_stride`.
+/// Device addresses of an NVFP4 matrix `[out, in]` (or of `groups` of them one after the other):
+/// codes, scale bytes, and its scale tables, table `k` serving rows `k · tab_rows ..`.
+#[derive(Clone, Copy, Debug)]
+pub struct Fp4W {
+    pub w: Ptr,
+    pub ws: Ptr,
+    pub tab: Ptr,
+    pub tab_rows: usize,
+}
+
+/// The weight checks every NVFP4 kernel shares: `in` a positive multiple of 32 (a lane's 16
+/// code bytes; every real shape is), a row group of 16 never straddling two tables, the code
+/// rows 16-byte and the scale rows 2-byte aligned, offsets inside int32.
+fn fp4_checks(w: &Fp4W, in_: usize, out: usize) -> Result<()> {
+    ensure!(
+        in_ > 0 && in_.is_multiple_of(32) && out > 0,
+        "nvfp4: in {in_} must be a positive multiple of 32, out {out} > 0"
+    );
+    ensure!(
+        w.tab_rows > 0
+            && out.is_multiple_of(w.tab_rows.min(out))
+            && (w.tab_rows >= out || w.tab_rows.is_multiple_of(16)),
+        "nvfp4: {} rows per scale table for {out} rows (a multiple of 16 dividing out, or all rows)",
+        w.tab_rows
+    );
+    ensure!(aligned(w.w, 16) && aligned(w.ws, 2) && aligned(w.tab, 4), "nvfp4: codes, scales and tables misaligned");
+    i32of("nvfp4 out", out)?;
+    i32of("nvfp4 in", in_)?;
+    Ok(())
+}
+
+/// Scale tables of a matrix of `out` rows.
+fn tables(w: &Fp4W, out: usize) -> usize {
+    out.div_ceil(w.tab_rows)
+}
+
+/// Bytes of an NVFP4 matrix as the kernels read it: codes, scale bytes, tables.
+pub fn fp4_bytes(in_: usize, out: usize, tabs: usize) -> usize {
+    out * in_ / 2 + out * in_ / 16 + tabs * TAB_BYTES
+}
+
+impl CudaContext {
+    /// `y[t, o] = bf16(Σ_i x[t, i] · wd[o, i])` for any number of rows (bf16 rows of `x` and `y`
+    /// at strides `xs`, `ys` elements): the tensor-core decode product with the dense K split on
+    /// the code bytes per row (`gemv_tc_ksplit`), so a row's bits never depend on the row count.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn k_gemv_nvfp4(
+        &self,
+        x: Ptr,
+        w: Fp4W,
+        y: Ptr,
+        t: usize,
+        in_: usize,
+        out: usize,
+        xs: usize,
+        ys: usize,
+    ) -> Result<()> {
+        fp4_checks(&w, in_, out)?;
+        ensure!(t >= 1 && t * xs * 2 <= i32::MAX as usize, "gemv_nvfp4: {t} tokens of stride {xs}");
+        ensure!(
+            xs >= in_ && ys >= out && xs.is_multiple_of(8),
+            "gemv_nvfp4: strides x {xs} (>= in {in_}, 16-byte rows), y {ys}"
+        );
+        ensure!(aligned(x, 16), "gemv_nvfp4: x must be 16-byte aligned");
+        let p = OrnithGemvNvfp4Params {
+            x: x as _,
+            w: w.w as _,
+            ws: w.ws as _,
+            tab: w.tab as _,
+            y: y as _,
+            tokens: t as i32,
+            in_: in_ as i32,
+            out: out as i32,
+            x_stride: xs as i32,
+            y_stride: i32of("gemv_nvfp4 y_stride", ys)?,
+            tab_rows: i32of("tab_rows", w.tab_rows.min(out))?,
+        };
+        let bytes = (fp4_bytes(in_, out, tables(&w, out)) + t * (in_ + out) * 2) as u64;
+        let name = if t > 8 { "gemv_nvfp4_wide" } else { "gemv_nvfp4" };
+        self.launch(Launch::new(name, (super::gemv_tc_blocks(in_ / 2, out), 1, 1), super::GEMV_BLOCK, bytes), p)
+    }
+
+    /// The NVFP4 expert products of a decode group (see `OrnithMoeGemvNvfp4Params`): per
+    /// (token, slot) (`moe_gemv_nvfp4`: grid (tiles, top_k + 1, tokens)), or `grouped` by expert
+    /// over `moe_sort`'s groups (`moe_gemv_nvfp4_grouped`, the same bits). Bytes as `k_moe_gemv`.
+    pub(crate) fn k_moe_gemv_nvfp4(&self, p: OrnithMoeGemvNvfp4Params, grouped: bool) -> Result<()> {
+        ensure!(
+            p.tokens > 0 && p.top_k >= 1 && p.experts >= 1,
+            "moe_gemv_nvfp4: {} tokens, top_k {}",
+            p.tokens,
+            p.top_k
+        );
+        let (t, in_, out, k) = (p.tokens as usize, p.in_ as usize, p.out as usize, p.top_k as usize);
+        let slots = k + 1;
+        let w = Fp4W { w: p.w as Ptr, ws: p.ws as Ptr, tab: p.tab as Ptr, tab_rows: p.tab_rows.max(0) as usize };
+        fp4_checks(&w, in_, out)?;
+        let sw = Fp4W { w: p.shared_w as Ptr, ws: p.shared_ws as Ptr, tab: p.shared_tab as Ptr, ..w };
+        fp4_checks(&sw, in_, out)?;
+        ensure!(out.is_multiple_of(w.tab_rows), "moe_gemv_nvfp4: {} rows per table for {out} rows", w.tab_rows);
+        let (xt, xsl) = (p.x_tok_stride as usize, p.x_slot_stride as usize);
+        ensure!(
+            p.x_tok_stride >= 0 && p.x_slot_stride >= 0 && xt.is_multiple_of(8) && xsl.is_multiple_of(8),
+            "moe_gemv_nvfp4: activation strides must keep 16-byte alignment"
+        );
+        ensure!(aligned(p.x as Ptr, 16), "moe_gemv_nvfp4: x must be 16-byte aligned");
+        // The kernel forms activation byte offsets as 32-bit (2 · (token · x_tok_stride + slot · x_slot_stride)).
+        ensure!(2 * (t * xt + k * xsl) <= i32::MAX as usize, "moe_gemv_nvfp4: {t} tokens of stride {xt}");
+        let tiles = super::moe_tc_blocks(in_ / 2, out);
+        let per = fp4_bytes(in_, out, out / w.tab_rows);
+        if grouped {
+            ensure!(
+                !p.active_list.is_null()
+                    && !p.active_count.is_null()
+                    && !p.group_offsets.is_null()
+                    && !p.row_assign.is_null(),
+                "moe_gemv_nvfp4_grouped needs moe_sort's groups"
+            );
+            let active = (p.experts as usize).min(t * k);
+            let bytes = (active + 1) * per + t * slots * (in_ + out) * 2;
+            return self.launch(
+                Launch::new("moe_gemv_nvfp4_grouped", (tiles, active as u32 + 1, 1), super::GEMV_BLOCK, bytes as u64),
+                p,
+            );
+        }
+        let bytes = t * slots * (per + (in_ + out) * 2);
+        self.launch(Launch::new("moe_gemv_nvfp4", (tiles, slots as u32, t as u32), super::GEMV_BLOCK, bytes as u64), p)
+    }
+
+    /// The GEMM checks shared by both NVFP4 GEMMs (A bf16 rows 16-byte aligned).
+    fn gemm_nvfp4_checks(p: &OrnithGemmParams) -> Result<Fp4W> {
+        ensure!(p.rows > 0 && p.groups > 0, "gemm_nvfp4: rows {}, groups {}", p.rows, p.groups);
+        let w = Fp4W {
+            w: p.w as Ptr,
+            ws: p.w_group_scale as Ptr,
+            tab: p.w_tab as Ptr,
+            tab_rows: p.tab_rows.max(0) as usize,
+        };
+        fp4_checks(&w, p.in_.max(0) as usize, p.out.max(0) as usize)?;
+        ensure!(
+            p.a_stride >= p.in_ && p.a_stride % 8 == 0 && aligned(p.a as Ptr, 16) && p.y_stride >= p.out,
+            "gemm_nvfp4: A rows of stride {} (>= in {}, 16-byte aligned), y stride {}",
+            p.a_stride,
+            p.in_,
+            p.y_stride
+        );
+        i32of("gemm_nvfp4 out * in", p.out as usize * p.in_ as usize)?;
+        Ok(w)
+    }
+
+    /// Plain NVFP4A16 GEMM: `y[r, o] = bf16(Σ_i a[r, i] · wd[o, i])` for `rows` bf16 rows (row
+    /// stride `a_stride`); the weight tile is dequantised into shared memory (gemm.cu).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn k_gemm_nvfp4(
+        &self,
+        a: Ptr,
+        w: Fp4W,
+        y: Ptr,
+        rows: usize,
+        in_: usize,
+        out: usize,
+        a_stride: usize,
+        y_stride: usize,
+    ) -> Result<()> {
+        let p = OrnithGemmParams {
+            a: a as _,
+            w: w.w as _,
+            y: y as _,
+            rows: i32of("rows", rows)?,
+            in_: i32of("in", in_)?,
+            out: i32of("out", out)?,
+            a_stride: i32of("a_stride", a_stride)?,
+            y_stride: i32of("y_stride", y_stride)?,
+            groups: 1,
+            w_group_scale: w.ws as _,
+            w_tab: w.tab as _,
+            tab_rows: i32of("tab_rows", w.tab_rows.min(out))?,
+            ..Default::default()
+        };
+        Self::gemm_nvfp4_checks(&p)?;
+        let bytes = fp4_bytes(in_, out, tables(&w, out)) + rows * (in_ + out) * 2;
+        let grid = (out.div_ceil(GEMM_TILE) as u32, rows.div_ceil(GEMM_TILE) as u32, 1);
+        self.launch(Launch::new("gemm_nvfp4", grid, 256, bytes as u64).smem(GEMM_SMEM), p)
+    }
+
+    /// Grouped NVFP4A16 GEMM over the expert-sorted rows of `p` (`moe_sort`'s groups; tiles as
+    /// `k_gemm_grouped`). Bytes count every expert's weights once.
+    pub(crate) fn k_gemm_nvfp4_grouped(&self, p: OrnithGemmParams) -> Result<()> {
+        let w = Self::gemm_nvfp4_checks(&p)?;
+        ensure!(!p.group_offsets.is_null() && !p.tile_offsets.is_null(), "gemm_nvfp4_grouped needs moe_sort's groups");
+        let (rows, in_, out, g) = (p.rows as usize, p.in_ as usize, p.out as usize, p.groups as usize);
+        ensure!(out.is_multiple_of(w.tab_rows), "gemm_nvfp4_grouped: {} rows per table for {out} rows", w.tab_rows);
+        let tiles = rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows);
+        let bytes = g * fp4_bytes(in_, out, out / w.tab_rows) + rows * (in_ + out) * 2;
+        let grid = (out.div_ceil(GEMM_TILE) as u32, tiles as u32, 1);
+        self.launch(Launch::new("gemm_nvfp4_grouped", grid, 256, bytes as u64).smem(GEMM_GROUPED_SMEM), p)
+    }
+
+    /// `y` (bf16 `[out, in]`) = the dequantised weight (nvfp4.cu).
+    pub(crate) fn k_nvfp4_dequant(&self, w: Fp4W, y: Ptr, in_: usize, out: usize) -> Result<()> {
+        fp4_checks(&w, in_, out)?;
+        ensure!(aligned(y, 16), "nvfp4_dequant: y must be 16-byte aligned");
+        let p = OrnithGemvNvfp4Params {
+            w: w.w as _,
+            ws: w.ws as _,
+            tab: w.tab as _,
+            y: y as _,
+            in_: in_ as i32,
+            out: out as i32,
+            tab_rows: i32of("tab_rows", w.tab_rows.min(out))?,
+            ..Default::default()
+        };
+        let blocks = (out * in_ / 8).div_ceil(256);
+        ensure!(blocks <= u32::MAX as usize, "nvfp4_dequant: {blocks} blocks");
+        let bytes = fp4_bytes(in_, out, tables(&w, out)) + out * in_ * 2;
+        self.launch(Launch::new("nvfp4_dequant", (blocks as u32, 1, 1), 256, bytes as u64), p)
+    }
+}
+
+/// An NVFP4 matrix (or `groups` of them, stacked) in device buffers, as the kernel tests hold it.
+pub struct Fp4Buf {
+    pub w: CudaSlice<u8>,
+    pub ws: CudaSlice<u8>,
+    pub tab: CudaSlice<f32>,
+    pub tab_rows: usize,
+}
+
+/// Inputs of [`CudaContext::moe_gemv_nvfp4`]: `experts` stacked NVFP4 experts `[out, in]` and the
+/// shared expert (the same `tab_rows`); the bf16 activation of (token t, slot j) at
+/// `x + t · x_tok_stride + j · x_slot_stride`.
 pub struct MoeNvfp4Args<'a> {
     pub x: &'a Bf,
-    pub w: &'a CudaSlice<u8>,
-    pub ws: &'a CudaSlice<u8>,
-    pub gs: &'a CudaSlice<f32>,
-    pub shared_w: &'a CudaSlice<u8>,
-    pub shared_ws: &'a CudaSlice<u8>,
-    pub shared_gs: f32,
+    pub idx: &'a CudaSlice<i32>,
+    pub w: &'a Fp4Buf,
+    pub shared: &'a Fp4Buf,
     pub tokens: usize,
     pub top_k: usize,
     pub experts: usize,
@@ -36,60 +261,29 @@ pub struct MoeNvfp4Args<'a> {
     pub x_slot_stride: usize,
 }
 
+// The slice-based wrappers (the kernel tests' entry points).
 impl CudaContext {
-    /// Shape checks shared by both kernels: `w` `[out, in/2]`, `ws` `[out, in/16]`, a positive
-    /// finite global scale.
-    fn nvfp4_weight(&self, w: &CudaSlice<u8>, ws: &CudaSlice<u8>, gs: f32, in_: usize, out: usize) -> Result<()> {
-        ensure!(
-            out > 0 && in_ > 0 && in_.is_multiple_of(16),
-            "nvfp4: in {in_} must be a positive multiple of 16, out {out} > 0"
-        );
-        ensure!(i32::try_from(in_).is_ok() && i32::try_from(out).is_ok(), "nvfp4: in {in_} / out {out} exceed int32");
-        ensure!(w.len() >= out * in_ / 2, "nvfp4 w: {} bytes, the weight needs {}", w.len(), out * in_ / 2);
-        ensure!(ws.len() >= out * in_ / 16, "nvfp4 ws: {} scales, the weight needs {}", ws.len(), out * in_ / 16);
-        ensure!(gs.is_finite() && gs > 0.0, "nvfp4: global scale {gs} must be positive and finite");
-        Ok(())
+    /// `b`'s addresses after checking it holds `groups` matrices `[out, in]`.
+    fn fp4_buf(&self, what: &str, b: &Fp4Buf, groups: usize, in_: usize, out: usize) -> Result<Fp4W> {
+        need(&format!("{what} codes"), &b.w, groups * out * in_ / 2)?;
+        need(&format!("{what} scales"), &b.ws, groups * out * in_ / 16)?;
+        need(&format!("{what} tables"), &b.tab, groups * out.div_ceil(b.tab_rows.max(1)) * 256)?;
+        Ok(Fp4W { w: self.addr(&b.w), ws: self.addr(&b.ws), tab: self.addr(&b.tab), tab_rows: b.tab_rows })
     }
 
-    /// `y` (bf16 `[out, in]`) = the dequantised weight, bit-identical to `model_spec::nvfp4::dequantize`.
-    pub fn nvfp4_dequant(
-        &self,
-        w: &CudaSlice<u8>,
-        ws: &CudaSlice<u8>,
-        gs: f32,
-        y: &mut Bf,
-        in_: usize,
-        out: usize,
-    ) -> Result<()> {
-        self.nvfp4_weight(w, ws, gs, in_, out)?;
-        ensure!(y.len() >= out * in_, "nvfp4_dequant y: {} elements, needs {}", y.len(), out * in_);
-        let p = OrnithNvfp4Params {
-            x: std::ptr::null(),
-            w: self.addr(w) as _,
-            ws: self.addr(ws) as _,
-            y: self.addr(y) as _,
-            gs,
-            tokens: 0,
-            in_: in_ as i32,
-            out: out as i32,
-            x_stride: 0,
-            y_stride: 0,
-        };
-        let blocks = (out * in_ / 2).div_ceil(256);
-        ensure!(blocks <= u32::MAX as usize, "nvfp4_dequant: {blocks} blocks");
-        let bytes = out * in_ / 2 + out * in_ / 16 + out * in_ * 2;
-        self.launch(Launch::new("nvfp4_dequant", (blocks as u32, 1, 1), 256, bytes as u64), p)
+    /// [`Self::k_nvfp4_dequant`] on buffers.
+    pub fn nvfp4_dequant(&self, w: &Fp4Buf, y: &mut Bf, in_: usize, out: usize) -> Result<()> {
+        let fw = self.fp4_buf("nvfp4_dequant", w, 1, in_, out)?;
+        need("nvfp4_dequant y", y, out * in_)?;
+        self.k_nvfp4_dequant(fw, self.addr(y), in_, out)
     }
 
-    /// `y[t, o] = bf16(Σ_i x[t, i] · wd[o, i])` for 1..=8 tokens (rows of `x` and `y` at the given
-    /// strides, in elements); `in` must be a multiple of 32 (one lane's 16-byte chunk of codes).
+    /// [`Self::k_gemv_nvfp4`] on buffers.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_nvfp4(
         &self,
         x: &Bf,
-        w: &CudaSlice<u8>,
-        ws: &CudaSlice<u8>,
-        gs: f32,
+        w: &Fp4Buf,
         y: &mut Bf,
         tokens: usize,
         in_: usize,
@@ -97,92 +291,79 @@ impl CudaContext {
         x_stride: usize,
         y_stride: usize,
     ) -> Result<()> {
-        self.nvfp4_weight(w, ws, gs, in_, out)?;
-        ensure!((1..=ORNITH_GEMV_MAX_TOKENS as usize).contains(&tokens), "gemv_nvfp4: tokens {tokens} must be 1..=8");
-        ensure!(in_.is_multiple_of(32), "gemv_nvfp4: in {in_} must be a multiple of 32");
-        ensure!(
-            x_stride >= in_ && y_stride >= out,
-            "gemv_nvfp4: strides x {x_stride} >= in {in_}, y {y_stride} >= out {out}"
-        );
-        ensure!(x_stride.is_multiple_of(8), "gemv_nvfp4: x stride {x_stride} must keep rows 16-byte aligned");
-        ensure!(x.len() >= (tokens - 1) * x_stride + in_, "gemv_nvfp4 x: {} elements", x.len());
-        ensure!(y.len() >= (tokens - 1) * y_stride + out, "gemv_nvfp4 y: {} elements", y.len());
-        ensure!(i32::try_from(x_stride.max(y_stride)).is_ok(), "gemv_nvfp4: strides exceed int32");
-        let p = OrnithNvfp4Params {
-            x: self.addr(x) as _,
-            w: self.addr(w) as _,
-            ws: self.addr(ws) as _,
-            y: self.addr(y) as _,
-            gs,
-            tokens: tokens as i32,
-            in_: in_ as i32,
-            out: out as i32,
-            x_stride: x_stride as i32,
-            y_stride: y_stride as i32,
-        };
-        let bytes = out * in_ / 2 + out * in_ / 16 + tokens * (in_ + out) * 2;
-        let grid = (out.div_ceil(NVFP4_WARPS) as u32, 1, 1);
-        self.launch(Launch::new("gemv_nvfp4", grid, (NVFP4_WARPS * 32) as u32, bytes as u64), p)
+        ensure!(tokens >= 1, "gemv_nvfp4: no tokens");
+        let fw = self.fp4_buf("gemv_nvfp4", w, 1, in_, out)?;
+        need("gemv_nvfp4 x", x, (tokens - 1) * x_stride + in_)?;
+        need("gemv_nvfp4 y", y, (tokens - 1) * y_stride + out)?;
+        self.k_gemv_nvfp4(self.addr(x), fw, self.addr(y), tokens, in_, out, x_stride, y_stride)
     }
 
-    /// The MoE expert GEMV over NVFP4 experts grouped by expert (`g` from
-    /// [`CudaContext::moe_groups`] of the router's `idx`): `y[(t · (top_k + 1) + j) · out + o]` for
-    /// every token's top_k routed slots and the shared slot, each bit-identical to
-    /// [`CudaContext::gemv_nvfp4`] of that expert on that activation row.
-    pub fn moe_gemv_nvfp4_grouped(&self, a: &MoeNvfp4Args, g: &MoeGroups, y: &mut Bf) -> Result<()> {
-        let (e, in_, out) = (a.experts, a.in_, a.out);
-        ensure!(
-            e > 0 && a.tokens > 0 && (1..=e).contains(&a.top_k),
-            "moe_gemv_nvfp4: tokens {} top_k {} experts {e}",
-            a.tokens,
-            a.top_k
-        );
-        self.nvfp4_weight(a.w, a.ws, 1.0, in_, out * e)?;
-        self.nvfp4_weight(a.shared_w, a.shared_ws, a.shared_gs, in_, out)?;
-        ensure!(in_.is_multiple_of(32), "moe_gemv_nvfp4: in {in_} must be a multiple of 32");
-        ensure!(a.gs.len() >= e, "moe_gemv_nvfp4 gs: {} global scales for {e} experts", a.gs.len());
-        ensure!(
-            a.x_tok_stride.is_multiple_of(8) && a.x_slot_stride.is_multiple_of(8),
-            "moe_gemv_nvfp4: strides {} / {} must keep rows 16-byte aligned",
-            a.x_tok_stride,
-            a.x_slot_stride
-        );
-        let x_need = (a.tokens - 1) * a.x_tok_stride + a.top_k * a.x_slot_stride + in_;
-        ensure!(a.x.len() >= x_need, "moe_gemv_nvfp4 x: {} elements, needs {x_need}", a.x.len());
-        let slots = a.top_k + 1;
-        ensure!(y.len() >= a.tokens * slots * out, "moe_gemv_nvfp4 y: {} elements", y.len());
-        ensure!(
-            g.group_offsets.len() > e && g.active_list.len() >= e,
-            "moe_gemv_nvfp4: groups for fewer than {e} experts"
-        );
-        ensure!(g.row_assign.len() >= a.tokens * a.top_k, "moe_gemv_nvfp4: groups for fewer than {} tokens", a.tokens);
-        let i32of = |what: &str, v: usize| {
-            i32::try_from(v).map_err(|_| anyhow::anyhow!("moe_gemv_nvfp4: {what} {v} exceeds int32"))
-        };
-        let p = OrnithMoeGemvNvfp4Params {
+    /// [`Self::k_gemm_nvfp4`] on buffers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_nvfp4(
+        &self,
+        a: &Bf,
+        w: &Fp4Buf,
+        y: &mut Bf,
+        rows: usize,
+        in_: usize,
+        out: usize,
+        a_stride: usize,
+        y_stride: usize,
+    ) -> Result<()> {
+        ensure!(rows >= 1, "gemm_nvfp4: no rows");
+        let fw = self.fp4_buf("gemm_nvfp4", w, 1, in_, out)?;
+        need("gemm_nvfp4 a", a, (rows - 1) * a_stride + in_)?;
+        need("gemm_nvfp4 y", y, (rows - 1) * y_stride + out)?;
+        self.k_gemm_nvfp4(self.addr(a), fw, self.addr(y), rows, in_, out, a_stride, y_stride)
+    }
+
+    fn moe_nvfp4_params(&self, a: &MoeNvfp4Args, y: &Bf) -> Result<OrnithMoeGemvNvfp4Params> {
+        ensure!(a.tokens > 0, "moe_gemv_nvfp4: no tokens");
+        let w = self.fp4_buf("moe_gemv_nvfp4 experts", a.w, a.experts, a.in_, a.out)?;
+        let s = self.fp4_buf("moe_gemv_nvfp4 shared", a.shared, 1, a.in_, a.out)?;
+        ensure!(a.w.tab_rows == a.shared.tab_rows, "moe_gemv_nvfp4: experts and shared expert differ in tab_rows");
+        need("moe_gemv_nvfp4 idx", a.idx, a.tokens * a.top_k)?;
+        need("moe_gemv_nvfp4 x", a.x, (a.tokens - 1) * a.x_tok_stride + a.top_k * a.x_slot_stride + a.in_)?;
+        need("moe_gemv_nvfp4 y", y, a.tokens * (a.top_k + 1) * a.out)?;
+        Ok(OrnithMoeGemvNvfp4Params {
             x: self.addr(a.x) as _,
-            w: self.addr(a.w) as _,
-            ws: self.addr(a.ws) as _,
-            gs: self.addr(a.gs) as _,
-            shared_w: self.addr(a.shared_w) as _,
-            shared_ws: self.addr(a.shared_ws) as _,
-            shared_gs: a.shared_gs,
+            idx: self.addr(a.idx) as _,
+            w: w.w as _,
+            ws: w.ws as _,
+            tab: w.tab as _,
+            shared_w: s.w as _,
+            shared_ws: s.ws as _,
+            shared_tab: s.tab as _,
+            y: self.addr(y) as _,
             tokens: i32of("tokens", a.tokens)?,
-            top_k: a.top_k as i32,
-            experts: i32of("experts", e)?,
-            in_: in_ as i32,
-            out: out as i32,
+            top_k: i32of("top_k", a.top_k)?,
+            experts: i32of("experts", a.experts)?,
+            in_: i32of("in", a.in_)?,
+            out: i32of("out", a.out)?,
             x_tok_stride: i32of("x_tok_stride", a.x_tok_stride)?,
             x_slot_stride: i32of("x_slot_stride", a.x_slot_stride)?,
-            y: self.addr(y) as _,
-            active_list: self.addr(&g.active_list) as _,
-            active_count: self.addr(&g.active_count) as _,
-            group_offsets: self.addr(&g.group_offsets) as _,
-            row_assign: self.addr(&g.row_assign) as _,
-        };
-        let active = e.min(a.tokens * a.top_k) as u32;
-        let grid = (out.div_ceil(NVFP4_WARPS) as u32, active + 1, 1);
-        let bytes = (active as usize + 1) * (out * in_ / 2 + out * in_ / 16) + a.tokens * slots * (in_ + out) * 2;
-        self.launch(Launch::new("moe_gemv_nvfp4_grouped", grid, (NVFP4_WARPS * 32) as u32, bytes as u64), p)
+            tab_rows: i32of("tab_rows", a.w.tab_rows)?,
+            ..Default::default()
+        })
+    }
+
+    /// [`Self::k_moe_gemv_nvfp4`] per (token, slot) on buffers.
+    pub fn moe_gemv_nvfp4(&self, a: &MoeNvfp4Args, y: &mut Bf) -> Result<()> {
+        let p = self.moe_nvfp4_params(a, y)?;
+        self.k_moe_gemv_nvfp4(p, false)
+    }
+
+    /// [`Self::k_moe_gemv_nvfp4`] grouped by expert over `g`: the same outputs, bit for bit.
+    pub fn moe_gemv_nvfp4_grouped(&self, a: &MoeNvfp4Args, g: &MoeGroups, y: &mut Bf) -> Result<()> {
+        let mut p = self.moe_nvfp4_params(a, y)?;
+        need("moe_gemv_nvfp4_grouped active_list", &g.active_list, a.experts)?;
+        need("moe_gemv_nvfp4_grouped group_offsets", &g.group_offsets, a.experts + 1)?;
+        need("moe_gemv_nvfp4_grouped row_assign", &g.row_assign, a.tokens * a.top_k)?;
+        p.active_list = self.addr(&g.active_list) as _;
+        p.active_count = self.addr(&g.active_count) as _;
+        p.group_offsets = self.addr(&g.group_offsets) as _;
+        p.row_assign = self.addr(&g.row_assign) as _;
+        self.k_moe_gemv_nvfp4(p, true)
     }
 }
