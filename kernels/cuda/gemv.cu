@@ -134,9 +134,11 @@ struct TcPlace {
     int row0, k0, k1, ks;
     bool lead;
 };
-__device__ __forceinline__ TcPlace tc_place(int row_bytes, int out, int target = TC_TARGET_WARPS) {
+// `row_bytes` is what the split rule sees; a row holds row_bytes >> shift bytes (the NVFP4 forms
+// split by weights, 1 byte each as FP8, over rows of half a byte per weight: shift 1).
+__device__ __forceinline__ TcPlace tc_place(int row_bytes, int out, int target = TC_TARGET_WARPS, int shift = 0) {
     const int ks = gemv_tc_ksplit(row_bytes, out, target), warp = threadIdx.x >> 5, s = warp % ks;
-    const int slice = ks == 1 ? row_bytes : row_bytes / ks;
+    const int slice = (ks == 1 ? row_bytes : row_bytes / ks) >> shift;
     TcPlace t;
     t.ks = ks;
     t.row0 = (blockIdx.x * (TC_WARPS / ks) + warp / ks) * 16;
@@ -256,8 +258,9 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv
 // those codes (weights 32c + 8q .. + 7) dequantises to 4 bf16x2 registers, the A fragments of 2
 // mma.m16n8k16, and the token's 8 activations at the same weights (16 bytes) are their B
 // fragments. Again a fixed permutation of K applied to both operands, so each product is the dot
-// product of a dequantised row with a token, exactly. The K split is the dense rule on the code
-// bytes per row (in / 2), so a token's result is the same bits in a group of 1 or of 64.
+// product of a dequantised row with a token, exactly. The K split is the dense rule applied to
+// the weights per row (in, as if a byte each: the slices hold in / 2 / ks code bytes), so a
+// token's result is the same bits in a group of 1 or of 64.
 // Cast points as the CPU reference (cpu::linear::linear_nvfp4): bf16 weights, fp32 sum, bf16(sum).
 // =============================================================================================
 
@@ -315,11 +318,15 @@ __device__ __forceinline__ void tc_tile_fp4(const uint8_t *w, const uint8_t *ws,
     }
 }
 
-// 64-byte code steps per pass of the NVFP4 tile (each dequantises to 256 bytes of bf16 per row,
-// 2 x 16 bytes in flight per lane): 1 for every form. With 2 the dequantisation's registers spill
-// in the narrow build (ptxas, sm_90 and sm_121); 32 warps per SM x 32 bytes per lane already keep
-// ~32 KB of codes in flight per SM.
-#define FP4_U 1
+// 64-byte code steps per pass of the NVFP4 tile (each dequantises to 256 bytes of bf16 per row):
+// 4 in the narrow and MoE builds — at the decode shapes a warp's whole slice (the split is by
+// weights, so slices are 256 code bytes) in one round of loads; the dependent chain codes ->
+// scale -> table entry -> mma is latency, and one step at a time left these kernels at 60-700
+// GB/s (H200, first run) — and 1 in the wide build (its accumulators take the registers).
+// The narrow and MoE builds run FP4_BLOCKS blocks per SM (<= 128 registers; no spills with U 4,
+// ptxas sm_90 and sm_121): at decode shapes their grids are far below one wave anyway.
+__host__ __device__ constexpr int fp4_u(int nt) { return nt == 1 ? 4 : 1; }
+#define FP4_BLOCKS 2
 
 // The table of the 16 rows from row0 (tab_rows % 16 == 0: a row group never straddles two).
 __device__ __forceinline__ const float *fp4_tab(const float *tab, int row0, int tab_rows) {
@@ -340,7 +347,7 @@ __device__ __forceinline__ void gemv_fp4_pass(const OrnithGemvNvfp4Params &p, in
         for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
     const int nrows = max(1, min(16, p.out - pl.row0));
     if (pl.row0 < p.out)
-        tc_tile_fp4<NT, FP4_U>(p.w + (size_t)pl.row0 * row_bytes, p.ws + (size_t)pl.row0 * (row_bytes / 8),
+        tc_tile_fp4<NT, fp4_u(NT)>(p.w + (size_t)pl.row0 * row_bytes, p.ws + (size_t)pl.row0 * (row_bytes / 8),
                                   fp4_tab(p.tab, pl.row0, p.tab_rows), row_bytes, nrows,
                                   reinterpret_cast<const uint8_t *>(p.x), xoff, pl.k0, pl.k1, acc);
     tc_reduce<NT>(acc, pl.ks, red);
@@ -356,13 +363,13 @@ __device__ __forceinline__ void gemv_fp4_pass(const OrnithGemvNvfp4Params &p, in
 
 template <int NTMAX> __device__ __forceinline__ void gemv_fp4(const OrnithGemvNvfp4Params &p) {
     __shared__ float red[TC_WARPS * 4 * 32];
-    const TcPlace pl = tc_place(p.in / 2, p.out);
+    const TcPlace pl = tc_place(p.in, p.out, TC_TARGET_WARPS, 1);
     pdl_wait();
     tc_passes<NTMAX>(p.tokens, [&](int t0, auto nt) { gemv_fp4_pass<decltype(nt)::v>(p, t0, pl, red); });
 }
 
 // y[t, o] = bf16(Σ_i x[t, i] · wd[o, i]) for any number of tokens (NVFP4A16 weights).
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) gemv_nvfp4(const OrnithGemvNvfp4Params p) {
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) gemv_nvfp4(const OrnithGemvNvfp4Params p) {
     pdl_launch_dependents();
     gemv_fp4<TC_NARROW>(p);
 }
@@ -484,7 +491,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
 
 // =============================================================================================
 // MoE expert products (NVFP4A16): moe_gemv_fp8's two grids over NVFP4 experts and bf16
-// activations, the NVFP4 tile above, the same K split (moe_tc_blocks on code bytes per row):
+// activations, the NVFP4 tile above, the same K split (moe_tc_blocks on the weights per row):
 //   moe_gemv_nvfp4          grid (tiles, top_k + 1, tokens), one (token, slot) per block;
 //   moe_gemv_nvfp4_grouped  grid (tiles, active + 1, 1), each expert's weights read once per step.
 // Both give the same bits for a (token, slot, row).
@@ -509,7 +516,7 @@ __device__ __forceinline__ void moe_fp4_pass(const OrnithMoeGemvNvfp4Params &p, 
         for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
     const int nrows = max(1, min(16, p.out - pl.row0));
     if (pl.row0 < p.out)
-        tc_tile_fp4<NT, FP4_U>(wb + (size_t)pl.row0 * row_bytes, sb + (size_t)pl.row0 * (row_bytes / 8),
+        tc_tile_fp4<NT, fp4_u(NT)>(wb + (size_t)pl.row0 * row_bytes, sb + (size_t)pl.row0 * (row_bytes / 8),
                                fp4_tab(tb, pl.row0, p.tab_rows), row_bytes, nrows, reinterpret_cast<const uint8_t *>(p.x),
                                xoff, pl.k0, pl.k1, acc);
     tc_reduce<NT>(acc, pl.ks, red);
@@ -545,9 +552,9 @@ __device__ __forceinline__ void moe_fp4_expert(const OrnithMoeGemvNvfp4Params &p
     tb = p.tab + (size_t)e * (p.out / p.tab_rows) * 256;
 }
 
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_nvfp4(const OrnithMoeGemvNvfp4Params p) {
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv_nvfp4(const OrnithMoeGemvNvfp4Params p) {
     pdl_launch_dependents();
-    const TcPlace pl = tc_place(p.in / 2, p.out, MOE_TARGET_WARPS);
+    const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
     const int slot = blockIdx.y, t = blockIdx.z;
     pdl_wait();
     const uint8_t *wb = p.shared_w, *sb = p.shared_ws;
@@ -556,9 +563,9 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
     moe_fp4(p, wb, sb, tb, MoeCols{nullptr, p.top_k, 1, t, slot}, pl);
 }
 
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_nvfp4_grouped(const OrnithMoeGemvNvfp4Params p) {
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv_nvfp4_grouped(const OrnithMoeGemvNvfp4Params p) {
     pdl_launch_dependents();
-    const TcPlace pl = tc_place(p.in / 2, p.out, MOE_TARGET_WARPS);
+    const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
     const bool shared = blockIdx.y == gridDim.y - 1;
     pdl_wait();
     if (shared) {

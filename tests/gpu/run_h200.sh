@@ -87,6 +87,10 @@ if [ "$phase" = nvfp4-bench ]; then
         timeout 240 "$bin" --model "$dir" --prompts "$prompts" --gen 64 --budget-s 100 --batch "$batch" > "$OUT/bench_$q.json" 2> "$OUT/bench_$q.err"
         echo "bench $q rc=$? $((SECONDS - t0))s"
         grep -E "^ +[0-9]+ +[0-9.]+ +[0-9]+ |prefill of|GB per|skipping|error|Spark" "$OUT/bench_$q.err" | head -30
+        if [ $q = fp8 ] && [ -n "${FILE_N:-}" ]; then  # FILE_N=256: the JSONL batch file on the FP8 export
+            t0=$SECONDS
+            timeout 200 python3 tests/gpu/batch_file.py "$G/ornith_full" "$dir" "$OUT/batch_file.jsonl" "$FILE_N"; echo "batch file rc=$? $((SECONDS - t0))s"
+        fi
     done
     rm -rf "$C"/full*
     exit 0

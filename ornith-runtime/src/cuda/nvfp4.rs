@@ -62,7 +62,8 @@ pub fn fp4_bytes(in_: usize, out: usize, tabs: usize) -> usize {
 impl CudaContext {
     /// `y[t, o] = bf16(Σ_i x[t, i] · wd[o, i])` for any number of rows (bf16 rows of `x` and `y`
     /// at strides `xs`, `ys` elements): the tensor-core decode product with the dense K split on
-    /// the code bytes per row (`gemv_tc_ksplit`), so a row's bits never depend on the row count.
+    /// the weights per row (`gemv_tc_ksplit(in, ..)`, the FP8 rule), so a row's bits never depend
+    /// on the row count.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn k_gemv_nvfp4(
         &self,
@@ -97,7 +98,7 @@ impl CudaContext {
         };
         let bytes = (fp4_bytes(in_, out, tables(&w, out)) + t * (in_ + out) * 2) as u64;
         let name = if t > 8 { "gemv_nvfp4_wide" } else { "gemv_nvfp4" };
-        self.launch(Launch::new(name, (super::gemv_tc_blocks(in_ / 2, out), 1, 1), super::GEMV_BLOCK, bytes), p)
+        self.launch(Launch::new(name, (super::gemv_tc_blocks(in_, out), 1, 1), super::GEMV_BLOCK, bytes), p)
     }
 
     /// The NVFP4 expert products of a decode group (see `OrnithMoeGemvNvfp4Params`): per
@@ -125,7 +126,8 @@ impl CudaContext {
         ensure!(aligned(p.x as Ptr, 16), "moe_gemv_nvfp4: x must be 16-byte aligned");
         // The kernel forms activation byte offsets as 32-bit (2 · (token · x_tok_stride + slot · x_slot_stride)).
         ensure!(2 * (t * xt + k * xsl) <= i32::MAX as usize, "moe_gemv_nvfp4: {t} tokens of stride {xt}");
-        let tiles = super::moe_tc_blocks(in_ / 2, out);
+        // The split is by weights (`in`, as FP8 rows of a byte each; gemv.cu tc_place).
+        let tiles = super::moe_tc_blocks(in_, out);
         let per = fp4_bytes(in_, out, out / w.tab_rows);
         if grouped {
             ensure!(
