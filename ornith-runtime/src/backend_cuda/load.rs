@@ -152,8 +152,7 @@ impl CudaBackend {
             );
             let up = format!("{base}shared_expert.up_proj");
             if P::KIND == Precision::Nvfp4 {
-                let d =
-                    self.fp4_stacked(&[fp4_parts(ck, module, out_f, in_f)?, fp4_parts(ck, &up, out_f, in_f)?], out_f)?;
+                let d = self.fp4_stacked(&[fp4_parts(ck, module, out_f, in_f)?, fp4_parts(ck, &up, out_f, in_f)?])?;
                 return Ok(CudaLinear { dev: Some(d), _p: PhantomData });
             }
             let (gn, un) = (format!("{module}.weight"), format!("{up}.weight"));
@@ -185,6 +184,10 @@ impl CudaBackend {
     /// of precision `kind` (FP8 scales concatenated likewise): one GEMV/GEMM writes all their
     /// outputs as one row. `parts` = (module, rows).
     fn fused(&self, ck: &Checkpoint, parts: &[(String, usize)], kind: Precision, in_f: usize) -> Result<DevLinear> {
+        if kind == Precision::Nvfp4 {
+            let ps: Vec<Fp4Parts> = parts.iter().map(|(m, n)| fp4_parts(ck, m, *n, in_f)).collect::<Result<_>>()?;
+            return self.fp4_stacked(&ps);
+        }
         let rows: usize = parts.iter().map(|p| p.1).sum();
         let elem = if kind == Precision::Fp8 { 1 } else { 2 };
         let mut w = self.cx.alloc::<u8>(rows * in_f * elem)?;
@@ -205,18 +208,25 @@ impl CudaBackend {
         Ok(DevLinear { out_features: rows, in_features: in_f, w, scale, fp4: None })
     }
 
-    /// NVFP4 matrices of `rows` rows each stored one after the other as one `[Σ rows, in]`
-    /// (codes, scale bytes, one table per part): the shared expert's gate|up.
-    fn fp4_stacked(&self, parts: &[Fp4Parts], rows: usize) -> Result<DevLinear> {
+    /// NVFP4 matrices stored one after the other as one `[Σ rows, in]` (codes, scale bytes): the
+    /// shared expert's gate|up and attention's q|k|v. The kernels take one table per `tab_rows`
+    /// rows, so `tab_rows` is the gcd of the parts' rows (a multiple of 16, `fused_group`) and a
+    /// part of n rows stores its table n / tab_rows times (q|k|v at the 35B shapes: 16 copies of
+    /// q's, 15 KiB a layer beyond the one table per global scale the memory plan counts, inside
+    /// its margin).
+    fn fp4_stacked(&self, parts: &[Fp4Parts]) -> Result<DevLinear> {
+        let tab_rows = parts.iter().fold(0, |g, p| gcd(g, p.rows));
+        ensure!(tab_rows.is_multiple_of(16), "NVFP4 parts of {tab_rows}-row multiples cannot share one matrix");
         let codes: Vec<u8> = parts.iter().flat_map(|p| p.codes.iter().copied()).collect();
         let scales: Vec<u8> = parts.iter().flat_map(|p| p.scales.iter().copied()).collect();
-        let table: Vec<f32> = parts.iter().flat_map(|p| p.table).collect();
+        let table: Vec<f32> =
+            parts.iter().flat_map(|p| std::iter::repeat_n(p.table, p.rows / tab_rows).flatten()).collect();
         Ok(DevLinear {
-            out_features: rows * parts.len(),
+            out_features: parts.iter().map(|p| p.rows).sum(),
             in_features: parts[0].in_f,
             w: self.put(&codes)?,
             scale: None,
-            fp4: Some(Fp4Dev { ws: self.put(&scales)?, tab: self.put_f32(&table)?, tab_rows: rows }),
+            fp4: Some(Fp4Dev { ws: self.put(&scales)?, tab: self.put_f32(&table)?, tab_rows }),
         })
     }
 
@@ -340,7 +350,16 @@ pub(super) struct Fp4Parts<'a> {
     codes: &'a [u8],
     scales: &'a [u8],
     table: [f32; 256],
+    rows: usize,
     in_f: usize,
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
 }
 
 /// Reads and checks `module`'s `weight_packed`, `weight_scale` and `weight_global_scale`: the
@@ -359,7 +378,7 @@ pub(super) fn fp4_parts<'a>(ck: &'a Checkpoint, module: &str, out_f: usize, in_f
         gs.is_finite() && gs > 0.0,
         "{gname} is {gs}: NVFP4 dequantisation divides by it, so it must be positive and finite. Fix: re-export the checkpoint"
     );
-    Ok(Fp4Parts { codes, scales, table: model_spec::nvfp4::scale_table(gs), in_f })
+    Ok(Fp4Parts { codes, scales, table: model_spec::nvfp4::scale_table(gs), rows: out_f, in_f })
 }
 
 /// Linears that read the same input and load as one matrix: the Gated DeltaNet's four input
@@ -392,7 +411,12 @@ pub(super) fn fused_group(
             ],
         ),
     ];
-    let dt = if kind == Precision::Fp8 { DType::F8_E4M3 } else { DType::BF16 };
+    // The tensor that carries a member's stored precision.
+    let (suffix, dt) = match kind {
+        Precision::Fp8 => ("weight", DType::F8_E4M3),
+        Precision::Bf16 => ("weight", DType::BF16),
+        Precision::Nvfp4 => ("weight_packed", DType::U8),
+    };
     groups.iter().find_map(|(parent, members)| {
         let (base, idx) = members
             .iter()
@@ -401,8 +425,10 @@ pub(super) fn fused_group(
         let parts: Vec<(String, usize)> = members.iter().map(|(m, n)| (format!("{base}{parent}.{m}"), *n)).collect();
         // The spec cross-checked stored dtypes against the compiled precisions, so the stored
         // dtype decides the same way for every member.
-        let same = parts.iter().all(|(m, _)| spec.tensors.get(&format!("{m}.weight")).is_some_and(|t| t.dtype == dt));
-        same.then_some((parts, idx))
+        let same = parts.iter().all(|(m, _)| spec.tensors.get(&format!("{m}.{suffix}")).is_some_and(|t| t.dtype == dt));
+        // NVFP4 parts share one matrix with a scale table per gcd-of-rows rows (`fp4_stacked`).
+        let tables_fit = kind != Precision::Nvfp4 || parts.iter().fold(0, |g, p| gcd(g, p.1)).is_multiple_of(16);
+        (same && tables_fit).then_some((parts, idx))
     })
 }
 
@@ -474,6 +500,13 @@ mod tests {
                 "{m}"
             );
         }
+        // The NVFP4A16 export fuses attention's q|k|v in NVFP4 (linear_attn.* stays BF16, fused).
+        let fp4 = fixture("micro-nvfp4");
+        let (parts, idx) =
+            fused_group(&fp4, &d, &format!("{l3}.k_proj"), Precision::Nvfp4).expect("NVFP4 attention group");
+        assert_eq!((parts.iter().map(|p| p.1).collect::<Vec<_>>(), idx), (vec![256, 64, 64], 1));
+        assert!(fused_group(&fp4, &d, &format!("{l3}.q_proj"), Precision::Fp8).is_none());
+        assert!(fused_group(&fp4, &d, &format!("{l0}.in_proj_qkv"), Precision::Bf16).is_some());
         // The BF16 export fuses both groups in BF16.
         let bf16 = fixture("micro-bf16");
         assert!(fused_group(&bf16, &d, &format!("{l3}.q_proj"), Precision::Bf16).is_some());

@@ -182,8 +182,10 @@ fn gemv_nvfp4_matches_reference() {
 }
 
 /// The MoE expert products over NVFP4 experts: every (token, slot) row equals `linear_nvfp4` of
-/// its expert (`close`), and the per-slot grid, the grouped grid and `gemv_nvfp4` of that expert
-/// on that row alone give the same bits — so no row depends on which tokens share the step.
+/// its expert (`close`), and the grouped grid gives the bits of the per-slot grid, which computes
+/// each (token, slot) alone in its own blocks — so no row depends on which tokens share the step.
+/// (Not compared with `gemv_nvfp4`: the MoE forms split K for MOE_TARGET_WARPS per expert, the
+/// dense one for TC_TARGET_WARPS, so their summation orders differ by design.)
 /// Groups from the real `moe_sort`; the gate|up form (one input per token, two tables per
 /// expert) and the down form (one input per slot); 1, 5 and 13 tokens, and 64 at the real shapes.
 #[test]
@@ -250,12 +252,6 @@ fn moe_gemv_nvfp4_matches_reference() {
                     let row = &got[(t * slots + j) * out..][..out];
                     let rn = format!("{name} t{t} slot {j} expert {e}");
                     close(&rn, row, &wf(&hs[e].apply(&bv(xrow), 1, 0, out)));
-                    if t == 0 || t == tokens - 1 {
-                        let (dx1, de) = (c.upload(xrow).unwrap(), hs[e].upload(&c));
-                        let mut y1 = c.upload(&vec![POISON; out]).unwrap();
-                        c.gemv_nvfp4(&dx1, &de, &mut y1, 1, inp, out, inp, out).unwrap();
-                        assert_eq!(c.download(&y1).unwrap(), row, "{rn}: differs from gemv_nvfp4 alone");
-                    }
                 }
             }
             if inp >= 512 && matches!(tokens, 1 | 64) {
