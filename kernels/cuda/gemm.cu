@@ -13,7 +13,7 @@
 //
 // NVFP4A16 (FP4): A is bf16 and the weight tile is dequantised into shared memory in the BF16 layout
 // (fp4.cuh, bit-identical to the CPU's dequantisation), then the BF16 mma as above. Each thread
-// fetches its 4 chunks of 8 weights (4 code bytes and a scale byte each) for stage kt + 2 before
+// fetches its 2 groups of 16 weights (8 code bytes and a scale byte each) for stage kt + 2 before
 // the mma of stage kt and dequantises and stores them after it, so the loads land under the mma.
 //
 // FP8 accumulation: each stage's 128-byte K slice is accumulated in a fresh fp32 fragment, then
@@ -89,44 +89,50 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
         w_ok[i] = gn < p.out;
         w_src[i] = W + (size_t)(w_ok[i] ? gn : 0) * w_pitch + ((id & 7) << 4);
     }
-    // FP4: this thread's weight chunks (row r = id / 8, weights 8c .. 8c + 7 of a stage's 64, c =
-    // id % 8): their codes (one u32), scale bytes and scale tables, and the chunks of the stage in flight.
-    const uint32_t *fc_src[4];
-    const uint8_t *fs_src[4];
-    const float *ft[4];
-    uint32_t fcode[4];
-    uint32_t fscale[4];
+    // FP4: this thread's weights per stage: one group of 16 (chunks 2q, 2q + 1 of a stage's 8,
+    // q = tid % 4: 8 code bytes and one scale byte) in each of rows tid / 4 and tid / 4 + 64, so a
+    // group's table lookup serves both its chunks; their codes and scales of the stage in flight.
+    const uint2 *fc_src[2];
+    const uint8_t *fs_src[2];
+    const float *ft[2];
+    bool f_ok[2];
+    uint2 fcode[2];
+    uint32_t fscale[2];
     if (FP4) {
         const uint8_t *codes = (const uint8_t *)p.w + (size_t)g * p.out * (p.in / 2);
         const uint8_t *scales = p.w_group_scale + (size_t)g * p.out * (p.in / 16);
         const float *tab = p.w_tab + (size_t)g * (p.out / p.tab_rows) * 256;
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int id = tid + GB_THREADS * i, gn = w_ok[i] ? n0 + (id >> 3) : 0, c = id & 7;
-            fc_src[i] = reinterpret_cast<const uint32_t *>(codes + (size_t)gn * (p.in / 2)) + c;
-            fs_src[i] = scales + (size_t)gn * (p.in / 16) + (c >> 1);
-            ft[i] = tab + (size_t)(gn / p.tab_rows) * 256;
+        for (int h = 0; h < 2; h++) {
+            const int gn = n0 + (tid >> 2) + 64 * h;
+            f_ok[h] = gn < p.out;
+            const int row = f_ok[h] ? gn : 0;
+            fc_src[h] = reinterpret_cast<const uint2 *>(codes + (size_t)row * (p.in / 2)) + (tid & 3);
+            fs_src[h] = scales + (size_t)row * (p.in / 16) + (tid & 3);
+            ft[h] = tab + (size_t)(row / p.tab_rows) * 256;
         }
     }
     // Codes and scale bytes of stage kt (zeros past the row or the matrix: weight 0, tab[0] = 0).
     auto fp4_fetch = [&](int kt) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int c = (tid + GB_THREADS * i) & 7;
-            const bool ok = w_ok[i] && kt * 64 + 8 * c < p.in;
-            fcode[i] = ok ? __ldg(fc_src[i] + kt * 8) : 0u;
-            fscale[i] = ok ? __ldg(fs_src[i] + kt * 4) : 0u;
+        for (int h = 0; h < 2; h++) {
+            const bool ok = f_ok[h] && kt * 64 + 16 * (tid & 3) < p.in;
+            fcode[h] = ok ? __ldg(fc_src[h] + kt * 4) : make_uint2(0u, 0u);
+            fscale[h] = ok ? __ldg(fs_src[h] + kt * 4) : 0u;
         }
     };
     const uint32_t sbase = smem_u32(smem);
     auto fp4_store = [&](int stage) {
         uint8_t *sb = smem + stage * STAGE_BYTES + BM * GB_K;
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int id = tid + GB_THREADS * i;
+        for (int h = 0; h < 2; h++) {
+            const Fp4Lut l = fp4_lut(__ldg(ft[h] + fscale[h]));
+            const int r = (tid >> 2) + 64 * h, c = 2 * (tid & 3);
             uint32_t q[4];
-            fp4_word(fcode[i], fp4_lut(__ldg(ft[i] + fscale[i])), q);
-            *reinterpret_cast<uint4 *>(sb + swz(id >> 3, id & 7)) = make_uint4(q[0], q[1], q[2], q[3]);
+            fp4_word(fcode[h].x, l, q);
+            *reinterpret_cast<uint4 *>(sb + swz(r, c)) = make_uint4(q[0], q[1], q[2], q[3]);
+            fp4_word(fcode[h].y, l, q);
+            *reinterpret_cast<uint4 *>(sb + swz(r, c + 1)) = make_uint4(q[0], q[1], q[2], q[3]);
         }
     };
     auto load_stage = [&](int stage, int kt) {

@@ -201,12 +201,15 @@ template <int NTMAX, class Pass> __device__ __forceinline__ void tc_passes(int t
     }
 }
 
+// The rows a launch's K split is chosen for (OrnithGemv*Params.split_out).
+__device__ __forceinline__ int split_rows(int split_out, int out) { return split_out > 0 ? split_out : out; }
+
 template <bool FP8, int NTMAX>
 __device__ __forceinline__ void gemv_tc(const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
-                                        int tokens, int in, int out, int x_stride, int y_stride) {
+                                        int tokens, int in, int out, int x_stride, int y_stride, int split_out) {
     __shared__ float red[TC_WARPS * 4 * 32];
     constexpr int ES = FP8 ? 1 : 2;
-    const TcPlace pl = tc_place(in * ES, out);
+    const TcPlace pl = tc_place(in * ES, split_rows(split_out, out));
     pdl_wait();
     // The pass loop of tc_passes, written out: through a lambda nvcc allocates this form's
     // registers differently (gemv_bf16: 20 bytes of spills instead of 4, ptxas sm_90).
@@ -232,22 +235,22 @@ __device__ __forceinline__ void gemv_tc(const uint8_t *w, const float *ws, const
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) gemv_bf16(const OrnithGemvBf16Params p) {
     pdl_launch_dependents();
     gemv_tc<false, TC_NARROW>(reinterpret_cast<const uint8_t *>(p.w), nullptr, reinterpret_cast<const uint8_t *>(p.x), nullptr,
-                              p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride);
+                              p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out);
 }
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv_bf16_wide(const OrnithGemvBf16Params p) {
     pdl_launch_dependents();
     gemv_tc<false, TC_WIDE>(reinterpret_cast<const uint8_t *>(p.w), nullptr, reinterpret_cast<const uint8_t *>(p.x), nullptr,
-                            p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride);
+                            p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out);
 }
 
 // y[t, o] = bf16((Σ_i e4m3(xq[t, i]) · e4m3(w[o, i])) · xs[t] · ws[o]) for any number of tokens.
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) gemv_fp8(const OrnithGemvFp8Params p) {
     pdl_launch_dependents();
-    gemv_tc<true, TC_NARROW>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride);
+    gemv_tc<true, TC_NARROW>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out);
 }
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv_fp8_wide(const OrnithGemvFp8Params p) {
     pdl_launch_dependents();
-    gemv_tc<true, TC_WIDE>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride);
+    gemv_tc<true, TC_WIDE>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out);
 }
 
 // =============================================================================================
@@ -363,7 +366,7 @@ __device__ __forceinline__ void gemv_fp4_pass(const OrnithGemvNvfp4Params &p, in
 
 template <int NTMAX> __device__ __forceinline__ void gemv_fp4(const OrnithGemvNvfp4Params &p) {
     __shared__ float red[TC_WARPS * 4 * 32];
-    const TcPlace pl = tc_place(p.in, p.out, TC_TARGET_WARPS, 1);
+    const TcPlace pl = tc_place(p.in, split_rows(p.split_out, p.out), TC_TARGET_WARPS, 1);
     pdl_wait();
     tc_passes<NTMAX>(p.tokens, [&](int t0, auto nt) { gemv_fp4_pass<decltype(nt)::v>(p, t0, pl, red); });
 }

@@ -69,6 +69,10 @@ typedef struct OrnithGemvBf16Params {
     int32_t out;
     int32_t x_stride;
     int32_t y_stride;
+    /* Rows the K split is chosen for (gemv_tc_ksplit): the whole stored matrix when this launch
+     * covers some of its rows (attention's q, k, v parts of the fused [q; k; v]), so each part's
+     * bits are those of the one launch over the whole matrix; 0 means `out`. */
+    int32_t split_out;
 } OrnithGemvBf16Params;
 
 typedef struct OrnithGemvFp8Params {
@@ -82,6 +86,10 @@ typedef struct OrnithGemvFp8Params {
     int32_t out;
     int32_t x_stride;
     int32_t y_stride;
+    /* Rows the K split is chosen for (gemv_tc_ksplit): the whole stored matrix when this launch
+     * covers some of its rows (attention's q, k, v parts of the fused [q; k; v]), so each part's
+     * bits are those of the one launch over the whole matrix; 0 means `out`. */
+    int32_t split_out;
 } OrnithGemvFp8Params;
 
 /* MoE router: logits [tokens, logit_stride] bf16 (first `experts` columns are the router).
@@ -458,6 +466,10 @@ typedef struct OrnithGemvNvfp4Params {
     int32_t x_stride;
     int32_t y_stride;
     int32_t tab_rows;
+    /* Rows the K split is chosen for (gemv_tc_ksplit): the whole stored matrix when this launch
+     * covers some of its rows (attention's q, k, v parts of the fused [q; k; v]), so each part's
+     * bits are those of the one launch over the whole matrix; 0 means `out`. */
+    int32_t split_out;
 } OrnithGemvNvfp4Params;
 
 /* MoE expert products over NVFP4A16 experts (moe_gemv_nvfp4: one (token, slot) per block;

@@ -112,6 +112,7 @@ pub struct OrnithGemvBf16Params {
     pub out: i32,
     pub x_stride: i32,
     pub y_stride: i32,
+    pub split_out: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
@@ -127,6 +128,8 @@ const _: () = {
         [::std::mem::offset_of!(OrnithGemvBf16Params, x_stride) - 36usize];
     ["Offset of field: OrnithGemvBf16Params::y_stride"]
         [::std::mem::offset_of!(OrnithGemvBf16Params, y_stride) - 40usize];
+    ["Offset of field: OrnithGemvBf16Params::split_out"]
+        [::std::mem::offset_of!(OrnithGemvBf16Params, split_out) - 44usize];
 };
 impl Default for OrnithGemvBf16Params {
     fn default() -> Self {
@@ -150,6 +153,7 @@ pub struct OrnithGemvFp8Params {
     pub out: i32,
     pub x_stride: i32,
     pub y_stride: i32,
+    pub split_out: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
@@ -165,6 +169,8 @@ const _: () = {
     ["Offset of field: OrnithGemvFp8Params::out"][::std::mem::offset_of!(OrnithGemvFp8Params, out) - 48usize];
     ["Offset of field: OrnithGemvFp8Params::x_stride"][::std::mem::offset_of!(OrnithGemvFp8Params, x_stride) - 52usize];
     ["Offset of field: OrnithGemvFp8Params::y_stride"][::std::mem::offset_of!(OrnithGemvFp8Params, y_stride) - 56usize];
+    ["Offset of field: OrnithGemvFp8Params::split_out"]
+        [::std::mem::offset_of!(OrnithGemvFp8Params, split_out) - 60usize];
 };
 impl Default for OrnithGemvFp8Params {
     fn default() -> Self {
@@ -883,10 +889,11 @@ pub struct OrnithGemvNvfp4Params {
     pub x_stride: i32,
     pub y_stride: i32,
     pub tab_rows: i32,
+    pub split_out: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithGemvNvfp4Params"][::std::mem::size_of::<OrnithGemvNvfp4Params>() - 64usize];
+    ["Size of OrnithGemvNvfp4Params"][::std::mem::size_of::<OrnithGemvNvfp4Params>() - 72usize];
     ["Alignment of OrnithGemvNvfp4Params"][::std::mem::align_of::<OrnithGemvNvfp4Params>() - 8usize];
     ["Offset of field: OrnithGemvNvfp4Params::x"][::std::mem::offset_of!(OrnithGemvNvfp4Params, x) - 0usize];
     ["Offset of field: OrnithGemvNvfp4Params::w"][::std::mem::offset_of!(OrnithGemvNvfp4Params, w) - 8usize];
@@ -902,6 +909,8 @@ const _: () = {
         [::std::mem::offset_of!(OrnithGemvNvfp4Params, y_stride) - 56usize];
     ["Offset of field: OrnithGemvNvfp4Params::tab_rows"]
         [::std::mem::offset_of!(OrnithGemvNvfp4Params, tab_rows) - 60usize];
+    ["Offset of field: OrnithGemvNvfp4Params::split_out"]
+        [::std::mem::offset_of!(OrnithGemvNvfp4Params, split_out) - 64usize];
 };
 impl Default for OrnithGemvNvfp4Params {
     fn default() -> Self {

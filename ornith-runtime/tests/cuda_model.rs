@@ -113,6 +113,19 @@ const REL_L2_CAP: f64 = 0.16;
 /// Cap 0.35, 12% above the recorded threshold.
 const TIE_CAP: f64 = 0.35;
 
+/// The same cap for the NVFP4A16 export of the checkpoint (other weights: E2M1 codes under E4M3
+/// group scales, BF16 activations), whose CPU figure is its own: cpu_top 0.2031, threshold 0.4062
+/// (2026-12-02, H200, the shallow preset's NVFP4A16 synth). Cap 0.45, 11% above.
+const TIE_CAP_NVFP4: f64 = 0.45;
+
+/// The tie cap of the checkpoint under test (by its quantisation format).
+fn tie_cap(ck: &Checkpoint) -> f64 {
+    match ck.spec.quant.as_ref().map(|q| q.format.as_str()) {
+        Some("nvfp4-pack-quantized") => TIE_CAP_NVFP4,
+        _ => TIE_CAP,
+    }
+}
+
 /// Most decode steps (of 64) whose greedy token may differ as a tie. Recorded: 7 (e44ea40) and 6
 /// (fb31681, a1bd676, d5bc3c4); twice the worst is allowed, more means CUDA's logits moved
 /// towards the CPU's runners-up far more often than the model's noise explains.
@@ -181,9 +194,10 @@ fn cuda_matches_cpu() {
     // different tokens; a CUDA token whose CPU logit is more than 2·cpu_top below the CPU's
     // maximum fails.
     let tie = 2.0 * cpu_top;
+    let cap = tie_cap(&ck);
     assert!(
-        tie <= TIE_CAP,
-        "the tie threshold computed from the CPU's own orderings, {tie:.4}, exceeds its cap {TIE_CAP} (recorded 0.3125)"
+        tie <= cap,
+        "the tie threshold computed from the CPU's own orderings, {tie:.4}, exceeds its cap {cap} (recorded 0.3125 FP8, 0.4062 NVFP4A16)"
     );
     let last = |v: &[f32]| v[v.len() - d.vocab_size..].to_vec();
     let (mut g_last, mut c_last) = (last(&gl), last(&cl));

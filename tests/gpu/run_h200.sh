@@ -18,7 +18,8 @@
 # 261,000-token JSONL request through the binary (tests/gpu/long_prompt.py).
 # PHASE=check+file: 1–2, then the 256-request JSONL batch file through the binary (5. above).
 # PHASE=nvfp4: 1–2, then 2. on the shallow preset's NVFP4A16 export (build.sh with NVFP4=1).
-# PHASE=nvfp4-bench: the full preset's FP8 and NVFP4A16 exports benched one after the other (PROMPTS, BATCH).
+# PHASE=nvfp4-bench: the full preset's FP8 and NVFP4A16 exports benched one after the other (PROMPTS, BATCH;
+# QUANTS="fp8" or "nvfp4" for one of them; FILE_N=256 adds the JSONL batch file on the FP8 export).
 # PHASE=prefix: 1–2, then the full preset's prefix-cache identity test and tests/gpu/prefix_cache.py
 # (a growing agent conversation and a shared-system-prompt batch file, with and without the cache).
 # Logs and JSON go to $OUT; a short table to stdout.
@@ -68,7 +69,9 @@ if [ "$phase" = nvfp4 ]; then
     # The same model-level checks on the shallow preset's NVFP4A16 export (build.sh with NVFP4=1).
     t0=$SECONDS
     "$G/xtask" synth --preset shallow --quant nvfp4a16 --out "$C/shallow-nvfp4" > "$OUT/synth_shallow_nvfp4.log" 2>&1; echo "synth shallow nvfp4 rc=$? $((SECONDS - t0))s"
-    ORNITH_TEST_MODEL=$C/shallow-nvfp4 timeout 240 "$G/test_shallow_nvfp4" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu cuda_ops_vs_cpu batch_invariance > "$OUT/test_shallow_nvfp4.log" 2>&1
+    # Not cuda_ops_vs_cpu: its per-op bounds and row-0 bit-exactness are the FP8 export's (E4M3 x E4M3
+    # sums are mostly exact in fp32; NVFP4A16's bf16 x bf16 sums are not), see docs/TESTING.md.
+    ORNITH_TEST_MODEL=$C/shallow-nvfp4 timeout 240 "$G/test_shallow_nvfp4" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu batch_invariance > "$OUT/test_shallow_nvfp4.log" 2>&1
     echo "test_shallow_nvfp4 rc=$? $((SECONDS - t0))s"
     grep -E "^OP|CPU chunked|prefill:|decode|batch invariance|panicked|test result" "$OUT/test_shallow_nvfp4.log" | cut -c1-330
     rm -rf "$C/shallow-nvfp4"
@@ -78,7 +81,7 @@ fi
 if [ "$phase" = nvfp4-bench ]; then
     # The full preset's FP8 export and its NVFP4A16 export benched in one call (PROMPTS, BATCH),
     # one checkpoint on disk at a time.
-    for q in fp8 nvfp4; do
+    for q in ${QUANTS:-fp8 nvfp4}; do
         t0=$SECONDS
         dir=$C/full-$q; bin=$G/bench_full; [ $q = nvfp4 ] && bin=$G/bench_full_nvfp4
         rm -rf "$C"/full*

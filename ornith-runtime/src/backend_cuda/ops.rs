@@ -46,6 +46,10 @@ pub struct WRows {
     pub fp4: Option<Fp4W>,
     pub in_features: usize,
     pub out_features: usize,
+    /// Rows of the whole stored matrix: the decode products choose their K split for it, so a
+    /// part's rows get the bits the one launch over all rows gives them (batch invariance when a
+    /// group of one runs the fused launch and a larger group the parts).
+    pub split_rows: usize,
 }
 
 impl super::DevLinear {
@@ -66,7 +70,14 @@ impl super::DevLinear {
                 tab: at(b, &f.tab, 0) + ((r0 / f.tab_rows) * TAB_BYTES) as u64,
                 tab_rows: f.tab_rows,
             };
-            return WRows { w, scale: None, fp4: Some(fw), in_features: k, out_features: n };
+            return WRows {
+                w,
+                scale: None,
+                fp4: Some(fw),
+                in_features: k,
+                out_features: n,
+                split_rows: self.out_features,
+            };
         }
         let elem = if self.scale.is_some() { 1 } else { 2 };
         WRows {
@@ -75,6 +86,7 @@ impl super::DevLinear {
             fp4: None,
             in_features: k,
             out_features: n,
+            split_rows: self.out_features,
         }
     }
 }
@@ -105,14 +117,14 @@ impl CudaBackend {
             if prefill && gemm_aligned(x.bf, x.stride * 2, in_ * 2) {
                 return self.cx.k_gemm_nvfp4(x.bf, f, y, t, in_, out, x.stride, y_stride);
             }
-            return self.cx.k_gemv_nvfp4(x.bf, f, y, t, in_, out, x.stride, y_stride);
+            return self.cx.k_gemv_nvfp4(x.bf, f, y, t, in_, out, x.stride, y_stride, w.split_rows);
         }
         match w.scale {
             None => {
                 if prefill && gemm_aligned(x.bf, x.stride * 2, in_ * 2) {
                     return self.cx.k_gemm_bf16(x.bf, w.w, y, t, in_, out, x.stride, y_stride);
                 }
-                self.cx.k_gemv_bf16(x.bf, w.w, y, t, in_, out, x.stride, y_stride)?;
+                self.cx.k_gemv_bf16(x.bf, w.w, y, t, in_, out, x.stride, y_stride, w.split_rows)?;
             }
             Some(ws) => {
                 let (xq, xsc, xstride) = match x.q8 {
@@ -125,7 +137,7 @@ impl CudaBackend {
                 if prefill && gemm_aligned(xq, xstride, in_) {
                     return self.cx.k_gemm_fp8(xq, xsc, w.w, ws, y, t, in_, out, xstride, y_stride);
                 }
-                self.cx.k_gemv_fp8(xq, xsc, w.w, ws, y, t, in_, out, xstride, y_stride)?;
+                self.cx.k_gemv_fp8(xq, xsc, w.w, ws, y, t, in_, out, xstride, y_stride, w.split_rows)?;
             }
         }
         Ok(())

@@ -63,7 +63,8 @@ impl CudaContext {
 
     /// `y[t, o] = bf16(Σ_i x[t, i] w[o, i])` for any number of rows (`w` BF16 `[out, in]`; rows of
     /// `x` and `y` at strides `xs`, `ys` elements): the tensor-core decode product, whose K
-    /// split depends on the weight's shape only (`gemv_tc_ksplit`).
+    /// split depends on the stored weight's shape only (`gemv_tc_ksplit` of `in` and `split`, the
+    /// rows of the whole matrix when these `out` rows are a part of it).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn k_gemv_bf16(
         &self,
@@ -75,8 +76,10 @@ impl CudaContext {
         out: usize,
         xs: usize,
         ys: usize,
+        split: usize,
     ) -> Result<()> {
         Self::gemv_checks(x, w, t, in_, out, xs, ys, 8)?;
+        ensure!(split >= out, "gemv: split rows {split} < out {out}");
         let p = OrnithGemvBf16Params {
             x: x as _,
             w: w as _,
@@ -86,10 +89,11 @@ impl CudaContext {
             out: out as i32,
             x_stride: xs as i32,
             y_stride: ys as i32,
+            split_out: i32of("gemv split rows", split)?,
         };
         let bytes = (out * in_ * 2 + t * (in_ + out) * 2) as u64;
         let name = super::gemv_tc_kernel(false, t);
-        self.launch(Launch::new(name, (super::gemv_tc_blocks(in_ * 2, out), 1, 1), super::GEMV_BLOCK, bytes), p)
+        self.launch(Launch::new(name, (super::gemv_tc_blocks(in_ * 2, out, split), 1, 1), super::GEMV_BLOCK, bytes), p)
     }
 
     /// FP8 W8A8 decode product for any number of rows:
@@ -107,8 +111,10 @@ impl CudaContext {
         out: usize,
         xs: usize,
         ys: usize,
+        split: usize,
     ) -> Result<()> {
         Self::gemv_checks(xq, w, t, in_, out, xs, ys, 16)?;
+        ensure!(split >= out, "gemv_fp8: split rows {split} < out {out}");
         let p = OrnithGemvFp8Params {
             xq: xq as _,
             xs: xsc as _,
@@ -120,10 +126,11 @@ impl CudaContext {
             out: out as i32,
             x_stride: xs as i32,
             y_stride: ys as i32,
+            split_out: i32of("gemv_fp8 split rows", split)?,
         };
         let bytes = (out * in_ + out * 4 + t * (in_ + 4 + out * 2)) as u64;
         let name = super::gemv_tc_kernel(true, t);
-        self.launch(Launch::new(name, (super::gemv_tc_blocks(in_, out), 1, 1), super::GEMV_BLOCK, bytes), p)
+        self.launch(Launch::new(name, (super::gemv_tc_blocks(in_, out, split), 1, 1), super::GEMV_BLOCK, bytes), p)
     }
 
     /// The expert GEMVs of a decode group (see `OrnithMoeGemvParams`): per (token, slot)
@@ -183,7 +190,7 @@ impl CudaContext {
         need("gemv x", x, (tokens - 1) * x_stride + in_)?;
         need("gemv w", w, out * in_)?;
         need("gemv y", y, (tokens - 1) * y_stride + out)?;
-        self.k_gemv_bf16(self.addr(x), self.addr(w), self.addr(y), tokens, in_, out, x_stride, y_stride)
+        self.k_gemv_bf16(self.addr(x), self.addr(w), self.addr(y), tokens, in_, out, x_stride, y_stride, out)
     }
 
     /// [`Self::k_gemv_fp8`] on buffers.
@@ -208,7 +215,7 @@ impl CudaContext {
         need("gemv_fp8 ws", ws, out)?;
         need("gemv_fp8 y", y, (tokens - 1) * y_stride + out)?;
         let (a, b, c, d, e) = (self.addr(xq), self.addr(xs), self.addr(w), self.addr(ws), self.addr(y));
-        self.k_gemv_fp8(a, b, c, d, e, tokens, in_, out, x_stride, y_stride)
+        self.k_gemv_fp8(a, b, c, d, e, tokens, in_, out, x_stride, y_stride, out)
     }
 
     /// Expert GEMV for top_k routed slots + the shared slot ([`Self::k_moe_gemv`] per pair).

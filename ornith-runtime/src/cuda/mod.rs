@@ -158,10 +158,11 @@ pub(crate) fn gemv_tc_kernel(fp8: bool, tokens: usize) -> &'static str {
     }
 }
 
-/// Blocks of a dense decode product over `out` rows of `row_bytes`: `GEMV_WARPS / ks` row groups
-/// of 16 per block.
-pub(crate) fn gemv_tc_blocks(row_bytes: usize, out: usize) -> u32 {
-    tc_blocks(row_bytes, out, GEMV_TARGET_WARPS)
+/// Blocks of a dense decode product over `out` rows of `row_bytes` whose K split is chosen for
+/// `split` rows (the stored matrix's, of which the launch covers `out`): `GEMV_WARPS / ks` row
+/// groups of 16 per block.
+pub(crate) fn gemv_tc_blocks(row_bytes: usize, out: usize, split: usize) -> u32 {
+    out.div_ceil(16).div_ceil(GEMV_WARPS / gemv_tc_ksplit(row_bytes, split, GEMV_TARGET_WARPS)) as u32
 }
 
 /// Blocks per expert (or slot) of the MoE decode products over one expert's `[out, in]` (FP8).
@@ -464,7 +465,7 @@ mod gemv_tc_tests {
             (32, 64, 1, 1),           // tiny preset: half a 64-byte step
         ] {
             assert_eq!(gemv_tc_ksplit(row_bytes, out, GEMV_TARGET_WARPS), ks, "{row_bytes} x {out}");
-            assert_eq!(gemv_tc_blocks(row_bytes, out), blocks, "{row_bytes} x {out}");
+            assert_eq!(gemv_tc_blocks(row_bytes, out, out), blocks, "{row_bytes} x {out}");
         }
         // One expert's [out, in] of the MoE products (FP8).
         for (in_, out, ks, blocks) in [

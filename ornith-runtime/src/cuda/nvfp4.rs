@@ -75,8 +75,10 @@ impl CudaContext {
         out: usize,
         xs: usize,
         ys: usize,
+        split: usize,
     ) -> Result<()> {
         fp4_checks(&w, in_, out)?;
+        ensure!(split >= out, "gemv_nvfp4: split rows {split} < out {out}");
         ensure!(t >= 1 && t * xs * 2 <= i32::MAX as usize, "gemv_nvfp4: {t} tokens of stride {xs}");
         ensure!(
             xs >= in_ && ys >= out && xs.is_multiple_of(8),
@@ -95,10 +97,11 @@ impl CudaContext {
             x_stride: xs as i32,
             y_stride: i32of("gemv_nvfp4 y_stride", ys)?,
             tab_rows: i32of("tab_rows", w.tab_rows.min(out))?,
+            split_out: i32of("gemv_nvfp4 split rows", split)?,
         };
         let bytes = (fp4_bytes(in_, out, tables(&w, out)) + t * (in_ + out) * 2) as u64;
         let name = if t > 8 { "gemv_nvfp4_wide" } else { "gemv_nvfp4" };
-        self.launch(Launch::new(name, (super::gemv_tc_blocks(in_, out), 1, 1), super::GEMV_BLOCK, bytes), p)
+        self.launch(Launch::new(name, (super::gemv_tc_blocks(in_, out, split), 1, 1), super::GEMV_BLOCK, bytes), p)
     }
 
     /// The NVFP4 expert products of a decode group (see `OrnithMoeGemvNvfp4Params`): per
@@ -297,7 +300,7 @@ impl CudaContext {
         let fw = self.fp4_buf("gemv_nvfp4", w, 1, in_, out)?;
         need("gemv_nvfp4 x", x, (tokens - 1) * x_stride + in_)?;
         need("gemv_nvfp4 y", y, (tokens - 1) * y_stride + out)?;
-        self.k_gemv_nvfp4(self.addr(x), fw, self.addr(y), tokens, in_, out, x_stride, y_stride)
+        self.k_gemv_nvfp4(self.addr(x), fw, self.addr(y), tokens, in_, out, x_stride, y_stride, out)
     }
 
     /// [`Self::k_gemm_nvfp4`] on buffers.

@@ -9,7 +9,7 @@
 use super::nvfp4::{Fp4Buf, MoeNvfp4Args};
 use super::test_util::{ctx, rng, POISON, R};
 use super::tests::{close, perf};
-use super::CudaContext;
+use super::{CudaContext, Ptr};
 use crate::cpu::linear::linear_nvfp4;
 use half::bf16;
 use rand::Rng;
@@ -377,5 +377,74 @@ fn swiglu_bf16_matches_reference() {
         let mut out = c.upload(&vec![POISON; rows * inter]).unwrap();
         c.swiglu_bf16(&dgu, &mut out, rows, inter).unwrap();
         close(&format!("swiglu_bf16 {rows}x{inter}"), &c.download(&out).unwrap(), &want);
+    }
+}
+
+/// A launch over some rows of a stored matrix (attention's q, k, v parts of the fused
+/// `[q; k; v]`, which a decode group of more than one row runs) gives those rows the bits the
+/// one launch over the whole matrix gives them (a group of one), for the BF16, FP8 and NVFP4
+/// decode products: the K split is chosen for the whole matrix's rows (`split_out`), not the
+/// part's — at these shapes the k and v parts alone would split K 8 ways, the whole 4 ways.
+#[test]
+#[ignore]
+fn gemv_parts_match_the_whole() {
+    let c = ctx();
+    let mut r = rng(46);
+    let (inp, parts) = (2048usize, [8192usize, 512, 512]);
+    let out: usize = parts.iter().sum();
+    let tokens = 3;
+    let x = bfx(&mut r, tokens * inp);
+    let dx = c.upload(&x).unwrap();
+    let xq: Vec<u8> = (0..tokens * inp).map(|_| r.random_range(0u8..0x7e)).collect();
+    let xs: Vec<f32> = (0..tokens).map(|_| r.random_range(0.01f32..0.1)).collect();
+    let (dxq, dxs) = (c.upload(&xq).unwrap(), c.upload(&xs).unwrap());
+    let wb = bfx(&mut r, out * inp);
+    let w8: Vec<u8> = (0..out * inp).map(|_| r.random_range(0u8..0x7e)).collect();
+    let ws8: Vec<f32> = (0..out).map(|_| r.random_range(0.01f32..0.1)).collect();
+    let h = Fp4Host::random(&mut r, out / 512, 512, inp);
+    let (dwb, dw8, dws8, d4) = (c.upload(&wb).unwrap(), c.upload(&w8).unwrap(), c.upload(&ws8).unwrap(), h.upload(&c));
+    for form in ["bf16", "fp8", "nvfp4"] {
+        let launch = |y: Ptr, r0: usize, n: usize, split: usize| {
+            match form {
+                "bf16" => {
+                    c.k_gemv_bf16(c.addr(&dx), c.addr(&dwb) + (2 * r0 * inp) as u64, y, tokens, inp, n, inp, out, split)
+                }
+                "fp8" => c.k_gemv_fp8(
+                    c.addr(&dxq),
+                    c.addr(&dxs),
+                    c.addr(&dw8) + (r0 * inp) as u64,
+                    c.addr(&dws8) + (4 * r0) as u64,
+                    y,
+                    tokens,
+                    inp,
+                    n,
+                    inp,
+                    out,
+                    split,
+                ),
+                _ => {
+                    let w = super::nvfp4::Fp4W {
+                        w: c.addr(&d4.w) + (r0 * inp / 2) as u64,
+                        ws: c.addr(&d4.ws) + (r0 * inp / 16) as u64,
+                        tab: c.addr(&d4.tab) + ((r0 / 512) * super::nvfp4::TAB_BYTES) as u64,
+                        tab_rows: 512,
+                    };
+                    c.k_gemv_nvfp4(c.addr(&dx), w, y, tokens, inp, n, inp, out, split)
+                }
+            }
+            .unwrap()
+        };
+        let whole = c.upload(&vec![POISON; tokens * out]).unwrap();
+        launch(c.addr(&whole), 0, out, out);
+        let partial = c.upload(&vec![POISON; tokens * out]).unwrap();
+        let mut r0 = 0;
+        for &n in &parts {
+            launch(c.addr(&partial) + (2 * r0) as u64, r0, n, out);
+            r0 += n;
+        }
+        assert!(
+            c.download(&whole).unwrap() == c.download(&partial).unwrap(),
+            "{form}: the parts differ from the whole"
+        );
     }
 }
