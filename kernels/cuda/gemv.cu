@@ -322,14 +322,13 @@ __device__ __forceinline__ void tc_tile_fp4(const uint8_t *w, const uint8_t *ws,
 }
 
 // 64-byte code steps per pass of the NVFP4 tile (each dequantises to 256 bytes of bf16 per row):
-// 4 in the narrow and MoE builds — at the decode shapes a warp's whole slice (the split is by
-// weights, so slices are 256 code bytes) in one round of loads; the dependent chain codes ->
-// scale -> table entry -> mma is latency, and one step at a time left these kernels at 60-700
-// GB/s (H200, first run) — and 1 in the wide build (its accumulators take the registers).
-// The narrow and MoE builds run FP4_BLOCKS blocks per SM (<= 128 registers; no spills with U 4,
-// ptxas sm_90 and sm_121): at decode shapes their grids are far below one wave anyway.
-__host__ __device__ constexpr int fp4_u(int nt) { return nt == 1 ? 4 : 1; }
-#define FP4_BLOCKS 2
+// 2 in the narrow and MoE builds, 1 in the wide build (its accumulators take the registers). The
+// dependent chain codes -> scale -> table entry -> mma is latency: one step at a time left these
+// kernels at 60-700 GB/s (H200, first run). The narrow and MoE builds run FP4_BLOCKS blocks per SM
+// (<= 80 registers, no spills with U 2; ptxas sm_90 and sm_121): with 2 (U 4, 128 registers) a
+// layer's gate|up grid at one token (288 blocks) took two waves on the H200's 132 SMs.
+__host__ __device__ constexpr int fp4_u(int nt) { return nt == 1 ? 2 : 1; }
+#define FP4_BLOCKS 3
 
 // The table of the 16 rows from row0 (tab_rows % 16 == 0: a row group never straddles two).
 __device__ __forceinline__ const float *fp4_tab(const float *tab, int row0, int tab_rows) {

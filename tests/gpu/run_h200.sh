@@ -55,7 +55,7 @@ if [ "$phase" = prefill ]; then
     echo "long prompt rc=$? $((SECONDS - t0))s"
     exit 0
 fi
-if [ "$phase" != full ] && [ "$phase" != bench ]; then
+if [ "$phase" != full ] && [ "$phase" != bench ] && [ "$phase" != nvfp4-bench ]; then
 t0=$SECONDS
 timeout 240 "$G/kernels" --ignored --test-threads=1 --nocapture > "$OUT/kernels.log" 2>&1; echo "kernels rc=$? $((SECONDS - t0))s"
 grep -E "PERF|panicked|test result|identical to the CPU" "$OUT/kernels.log" | cut -c1-220
