@@ -215,12 +215,9 @@ impl CudaBackend {
     /// q's, 15 KiB a layer beyond the one table per global scale the memory plan counts, inside
     /// its margin).
     fn fp4_stacked(&self, parts: &[Fp4Parts]) -> Result<DevLinear> {
-        let tab_rows = parts.iter().fold(0, |g, p| gcd(g, p.rows));
-        ensure!(tab_rows.is_multiple_of(16), "NVFP4 parts of {tab_rows}-row multiples cannot share one matrix");
+        let (tab_rows, table) = stacked_tables(&parts.iter().map(|p| (p.rows, p.table)).collect::<Vec<_>>())?;
         let codes: Vec<u8> = parts.iter().flat_map(|p| p.codes.iter().copied()).collect();
         let scales: Vec<u8> = parts.iter().flat_map(|p| p.scales.iter().copied()).collect();
-        let table: Vec<f32> =
-            parts.iter().flat_map(|p| std::iter::repeat_n(p.table, p.rows / tab_rows).flatten()).collect();
         Ok(DevLinear {
             out_features: parts.iter().map(|p| p.rows).sum(),
             in_features: parts[0].in_f,
@@ -354,6 +351,18 @@ pub(super) struct Fp4Parts<'a> {
     in_f: usize,
 }
 
+/// The scale tables of NVFP4 parts `(rows, table)` stacked into one matrix: rows per table (the
+/// gcd of the parts' rows, a multiple of 16 as the kernels need) and each part's table repeated
+/// once per `tab_rows` of its rows, in row order.
+fn stacked_tables(parts: &[(usize, [f32; 256])]) -> Result<(usize, Vec<f32>)> {
+    let tab_rows = parts.iter().fold(0, |g, p| gcd(g, p.0));
+    ensure!(
+        tab_rows > 0 && tab_rows.is_multiple_of(16),
+        "NVFP4 parts of {tab_rows}-row multiples cannot share one matrix"
+    );
+    Ok((tab_rows, parts.iter().flat_map(|p| std::iter::repeat_n(p.1, p.0 / tab_rows).flatten()).collect()))
+}
+
 fn gcd(a: usize, b: usize) -> usize {
     if b == 0 {
         a
@@ -465,6 +474,22 @@ mod tests {
     fn fixture(name: &str) -> ModelSpec {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name);
         model_spec::load_checkpoint(&dir).expect("fixture checkpoint")
+    }
+
+    #[test]
+    fn stacked_nvfp4_tables_repeat_each_part_over_its_rows() {
+        let t = |v: f32| [v; 256];
+        // Attention's q|k|v at the 35B shapes: 8,192 + 512 + 512 rows, a table per 512 rows.
+        let (rows, tab) = stacked_tables(&[(8192, t(1.0)), (512, t(2.0)), (512, t(3.0))]).unwrap();
+        assert_eq!(rows, 512);
+        assert_eq!(tab.len(), 18 * 256);
+        let table_of_row = |r: usize| tab[(r / rows) * 256];
+        assert_eq!((table_of_row(0), table_of_row(8191), table_of_row(8192), table_of_row(8703)), (1.0, 1.0, 2.0, 2.0));
+        assert_eq!((table_of_row(8704), table_of_row(9215)), (3.0, 3.0));
+        // A fused gate|up: one table each.
+        assert_eq!(stacked_tables(&[(512, t(1.0)), (512, t(2.0))]).unwrap().0, 512);
+        // Row counts whose gcd is not a multiple of 16 cannot share the kernels' tables.
+        assert!(stacked_tables(&[(24, t(1.0)), (40, t(2.0))]).is_err());
     }
 
     #[test]

@@ -467,6 +467,12 @@ mod gemv_tc_tests {
             assert_eq!(gemv_tc_ksplit(row_bytes, out, GEMV_TARGET_WARPS), ks, "{row_bytes} x {out}");
             assert_eq!(gemv_tc_blocks(row_bytes, out, out), blocks, "{row_bytes} x {out}");
         }
+        // A part of a stored matrix takes the whole matrix's split: attention's k part (512 of
+        // the fused 9,216 rows) splits K 4 ways as the whole does, not the 8 of a 512-row matrix.
+        assert_eq!(gemv_tc_ksplit(2048, 512, GEMV_TARGET_WARPS), 8);
+        assert_eq!(gemv_tc_blocks(2048, 512, 512), 32);
+        assert_eq!(gemv_tc_blocks(2048, 512, 9216), 16);
+        assert_eq!(gemv_tc_blocks(2048, 8192, 9216), 256);
         // One expert's [out, in] of the MoE products (FP8).
         for (in_, out, ks, blocks) in [
             (2048, 1024, 4, 32), // (shared) expert gate|up
