@@ -59,6 +59,20 @@ impl CudaBackend {
         Ok(d)
     }
 
+    /// Host byte runs copied one after the other into one new device buffer (no host copy of the
+    /// whole), counted in the progress line.
+    fn put_parts(&self, parts: &[&[u8]]) -> Result<CudaSlice<u8>> {
+        let n: usize = parts.iter().map(|p| p.len()).sum();
+        let mut d = self.cx.alloc::<u8>(n.max(1))?;
+        let mut at = 0;
+        for p in parts {
+            self.cx.stream().memcpy_htod(*p, &mut d.slice_mut(at..at + p.len()))?;
+            at += p.len();
+        }
+        self.progress.lock().unwrap_or_else(|e| e.into_inner()).add(n as u64);
+        Ok(d)
+    }
+
     fn put_f32(&self, v: &[f32]) -> Result<CudaSlice<f32>> {
         let d = self.cx.upload(v)?;
         self.progress.lock().unwrap_or_else(|e| e.into_inner()).add(v.len() as u64 * 2);
@@ -216,14 +230,16 @@ impl CudaBackend {
     /// its margin).
     fn fp4_stacked(&self, parts: &[Fp4Parts]) -> Result<DevLinear> {
         let (tab_rows, table) = stacked_tables(&parts.iter().map(|p| (p.rows, p.table)).collect::<Vec<_>>())?;
-        let codes: Vec<u8> = parts.iter().flat_map(|p| p.codes.iter().copied()).collect();
-        let scales: Vec<u8> = parts.iter().flat_map(|p| p.scales.iter().copied()).collect();
         Ok(DevLinear {
             out_features: parts.iter().map(|p| p.rows).sum(),
             in_features: parts[0].in_f,
-            w: self.put(&codes)?,
+            w: self.put_parts(&parts.iter().map(|p| p.codes).collect::<Vec<_>>())?,
             scale: None,
-            fp4: Some(Fp4Dev { ws: self.put(&scales)?, tab: self.put_f32(&table)?, tab_rows }),
+            fp4: Some(Fp4Dev {
+                ws: self.put_parts(&parts.iter().map(|p| p.scales).collect::<Vec<_>>())?,
+                tab: self.put_f32(&table)?,
+                tab_rows,
+            }),
         })
     }
 
@@ -355,12 +371,20 @@ pub(super) struct Fp4Parts<'a> {
 /// gcd of the parts' rows, a multiple of 16 as the kernels need) and each part's table repeated
 /// once per `tab_rows` of its rows, in row order.
 fn stacked_tables(parts: &[(usize, [f32; 256])]) -> Result<(usize, Vec<f32>)> {
-    let tab_rows = parts.iter().fold(0, |g, p| gcd(g, p.0));
-    ensure!(
-        tab_rows > 0 && tab_rows.is_multiple_of(16),
-        "NVFP4 parts of {tab_rows}-row multiples cannot share one matrix"
-    );
+    let tab_rows = shared_tab_rows(parts.iter().map(|p| p.0)).ok_or_else(|| {
+        anyhow::anyhow!(
+            "NVFP4 parts of {:?} rows cannot share one matrix",
+            parts.iter().map(|p| p.0).collect::<Vec<_>>()
+        )
+    })?;
     Ok((tab_rows, parts.iter().flat_map(|p| std::iter::repeat_n(p.1, p.0 / tab_rows).flatten()).collect()))
+}
+
+/// Rows per scale table when NVFP4 parts of these row counts share one matrix: their gcd, if it is
+/// a (non-zero) multiple of 16 as the kernels need (a 16-row group never straddles two tables).
+fn shared_tab_rows(rows: impl Iterator<Item = usize>) -> Option<usize> {
+    let g = rows.fold(0, gcd);
+    (g > 0 && g.is_multiple_of(16)).then_some(g)
 }
 
 fn gcd(a: usize, b: usize) -> usize {
@@ -436,7 +460,7 @@ pub(super) fn fused_group(
         // dtype decides the same way for every member.
         let same = parts.iter().all(|(m, _)| spec.tensors.get(&format!("{m}.{suffix}")).is_some_and(|t| t.dtype == dt));
         // NVFP4 parts share one matrix with a scale table per gcd-of-rows rows (`fp4_stacked`).
-        let tables_fit = kind != Precision::Nvfp4 || parts.iter().fold(0, |g, p| gcd(g, p.1)).is_multiple_of(16);
+        let tables_fit = kind != Precision::Nvfp4 || shared_tab_rows(parts.iter().map(|p| p.1)).is_some();
         (same && tables_fit).then_some((parts, idx))
     })
 }

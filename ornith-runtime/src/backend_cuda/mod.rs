@@ -843,26 +843,9 @@ impl CudaBackend {
         let (hs, e, k, inter) = (d.hidden_size, ex.experts, d.num_experts_per_tok, d.moe_intermediate_size);
         let s = &self.s;
         let nk = n * k;
-        let (go, to, rt, ro) = (
-            at(self, &s.group_offsets, 0),
-            at(self, &s.tile_offsets, 0),
-            at(self, &s.row_token, 0),
-            at(self, &s.row_of, 0),
-        );
+        let (go, to, rt) = (at(self, &s.group_offsets, 0), at(self, &s.tile_offsets, 0), at(self, &s.row_token, 0));
         let (gu, aq, asc, ys) = (at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), at(self, &s.ys, 0));
-        self.cx.k_moe_sort(OrnithMoeSortParams {
-            idx: at(self, &s.idx, 0) as _,
-            group_offsets: go as _,
-            tile_offsets: to as _,
-            row_token: rt as _,
-            row_of: ro as _,
-            row_assign: std::ptr::null_mut(),
-            active_list: std::ptr::null_mut(),
-            active_count: std::ptr::null_mut(),
-            tokens: n as i32,
-            top_k: k as i32,
-            experts: e as i32,
-        })?;
+        self.sort_by_expert(n, k, e, false)?;
         self.cx.k_gemm_grouped(OrnithGemmParams {
             a: x.0 as _,
             a_scale: x.1 as _,
@@ -908,19 +891,7 @@ impl CudaBackend {
         self.cx.k_gemm_fp8(x.0, x.1, sh.gu, sh.gus, sgu, n, hs, 2 * inter, hs, 2 * inter)?;
         self.cx.k_swiglu_ct(sgu, saq, sas, n, inter)?;
         self.cx.k_gemm_fp8(saq, sas, sh.dn, sh.dns, sy, n, inter, hs, inter, hs)?;
-        let rw = self.sz.rlog_w;
-        self.cx.k_combine_prefill(OrnithMoeCombinePrefillParams {
-            ys: ys as _,
-            row_of: ro as _,
-            weight: at(self, &s.wt, 0) as _,
-            shared_y: sy as _,
-            gate_logit: (at(self, &s.rlog, 0) + 2 * e as u64) as _,
-            out: out as _,
-            tokens: n as i32,
-            top_k: k as i32,
-            hidden: hs as i32,
-            gate_stride: rw as i32,
-        })
+        self.combine_prefill(ys, sy, n, e, out)
     }
 }
 
@@ -931,13 +902,18 @@ impl CudaBackend {
         if !grouped {
             return Ok([std::ptr::null(); 4]);
         }
+        self.sort_by_expert(n, k, e, true)
+    }
+
+    /// `moe_sort` of the router's `idx` for `n` rows into the scratch: group and tile offsets, each
+    /// sorted row's token and each assignment's sorted row (the grouped GEMMs' inputs), and with
+    /// `lists` the active experts, their count and each sorted row's assignment (the grouped decode
+    /// products'). Returns those lists' addresses (null without `lists`) as `decode_groups` does.
+    fn sort_by_expert(&self, n: usize, k: usize, e: usize, lists: bool) -> Result<[*const i32; 4]> {
         let s = &self.s;
-        let (go, ra, al, ac) = (
-            at(self, &s.group_offsets, 0),
-            at(self, &s.row_assign, 0),
-            at(self, &s.active_list, 0),
-            at(self, &s.active_count, 0),
-        );
+        let go = at(self, &s.group_offsets, 0);
+        let list = |b: &CudaSlice<i32>| if lists { at(self, b, 0) } else { 0 };
+        let (ra, al, ac) = (list(&s.row_assign), list(&s.active_list), list(&s.active_count));
         self.cx.k_moe_sort(OrnithMoeSortParams {
             idx: at(self, &s.idx, 0) as _,
             group_offsets: go as _,
@@ -951,7 +927,26 @@ impl CudaBackend {
             top_k: k as i32,
             experts: e as i32,
         })?;
-        Ok([al as _, ac as _, go as _, ra as _])
+        Ok(if lists { [al as _, ac as _, go as _, ra as _] } else { [std::ptr::null(); 4] })
+    }
+
+    /// The prefill MoE's combine of `n` rows (`cpu::moe::moe`'s cast points) from the expert-sorted
+    /// outputs `ys` (`row_of` from `sort_by_expert`), the router's weights and shared-gate logit,
+    /// and the shared expert's rows `sy`, into `out [n, hidden]`.
+    fn combine_prefill(&self, ys: Ptr, sy: Ptr, n: usize, e: usize, out: Ptr) -> Result<()> {
+        let s = &self.s;
+        self.cx.k_combine_prefill(OrnithMoeCombinePrefillParams {
+            ys: ys as _,
+            row_of: at(self, &s.row_of, 0) as _,
+            weight: at(self, &s.wt, 0) as _,
+            shared_y: sy as _,
+            gate_logit: (at(self, &s.rlog, 0) + 2 * e as u64) as _,
+            out: out as _,
+            tokens: n as i32,
+            top_k: self.dims.num_experts_per_tok as i32,
+            hidden: self.dims.hidden_size as i32,
+            gate_stride: self.sz.rlog_w as i32,
+        })
     }
 
     /// The MoE block over NVFP4A16 experts and shared expert (BF16 activations; the router BF16):
@@ -1063,26 +1058,9 @@ impl CudaBackend {
         let (hs, k, inter) = (d.hidden_size, d.num_experts_per_tok, d.moe_intermediate_size);
         let s = &self.s;
         let nk = n * k;
-        let (go, to, rt, ro) = (
-            at(self, &s.group_offsets, 0),
-            at(self, &s.tile_offsets, 0),
-            at(self, &s.row_token, 0),
-            at(self, &s.row_of, 0),
-        );
+        let (go, to, rt) = (at(self, &s.group_offsets, 0), at(self, &s.tile_offsets, 0), at(self, &s.row_token, 0));
         let (g, a, ys) = (at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.ys, 0));
-        self.cx.k_moe_sort(OrnithMoeSortParams {
-            idx: at(self, &s.idx, 0) as _,
-            group_offsets: go as _,
-            tile_offsets: to as _,
-            row_token: rt as _,
-            row_of: ro as _,
-            row_assign: std::ptr::null_mut(),
-            active_list: std::ptr::null_mut(),
-            active_count: std::ptr::null_mut(),
-            tokens: n as i32,
-            top_k: k as i32,
-            experts: e as i32,
-        })?;
+        self.sort_by_expert(n, k, e, false)?;
         let grouped = |a: Ptr, a_rows: Ptr, w: Fp4W, y: Ptr, in_: usize, out: usize| OrnithGemmParams {
             a: a as _,
             a_rows: a_rows as _,
@@ -1109,19 +1087,7 @@ impl CudaBackend {
         self.cx.k_gemm_nvfp4(x, sgu, sg, n, hs, 2 * inter, hs, 2 * inter)?;
         self.cx.k_swiglu_bf16(sg, sa, n, inter)?;
         self.cx.k_gemm_nvfp4(sa, sdn, sy, n, inter, hs, inter, hs)?;
-        let rw = self.sz.rlog_w;
-        self.cx.k_combine_prefill(OrnithMoeCombinePrefillParams {
-            ys: ys as _,
-            row_of: ro as _,
-            weight: at(self, &s.wt, 0) as _,
-            shared_y: sy as _,
-            gate_logit: (at(self, &s.rlog, 0) + 2 * e as u64) as _,
-            out: out as _,
-            tokens: n as i32,
-            top_k: k as i32,
-            hidden: hs as i32,
-            gate_stride: rw as i32,
-        })
+        self.combine_prefill(ys, sy, n, e, out)
     }
 }
 

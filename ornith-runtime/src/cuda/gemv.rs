@@ -264,13 +264,8 @@ impl CudaContext {
     /// outputs, bit for bit.
     pub fn moe_gemv_grouped(&self, a: &MoeGemvArgs, g: &MoeGroups, y: &mut Bf) -> Result<()> {
         let mut p = self.moe_gemv_params(a, y)?;
-        need("moe_gemv_grouped active_list", &g.active_list, a.experts)?;
-        need("moe_gemv_grouped group_offsets", &g.group_offsets, a.experts + 1)?;
-        need("moe_gemv_grouped row_assign", &g.row_assign, a.tokens * a.top_k)?;
-        p.active_list = self.addr(&g.active_list) as _;
-        p.active_count = self.addr(&g.active_count) as _;
-        p.group_offsets = self.addr(&g.group_offsets) as _;
-        p.row_assign = self.addr(&g.row_assign) as _;
+        let [al, ac, go, ra] = g.lists(self, "moe_gemv_grouped", a.experts, a.tokens * a.top_k)?;
+        (p.active_list, p.active_count, p.group_offsets, p.row_assign) = (al as _, ac as _, go as _, ra as _);
         self.k_moe_gemv(p, true)
     }
 }

@@ -150,12 +150,17 @@ pub(crate) fn gemv_tc_ksplit(row_bytes: usize, out: usize, target: usize) -> usi
 /// pass over the weights, 2 blocks per SM) for more than 8 tokens, else the narrow one (8 per pass,
 /// 4 blocks per SM). The two give the same bits (gemv.cu).
 pub(crate) fn gemv_tc_kernel(fp8: bool, tokens: usize) -> &'static str {
-    match (fp8, tokens > 8) {
+    match (fp8, gemv_tc_wide(tokens)) {
         (false, false) => "gemv_bf16",
         (false, true) => "gemv_bf16_wide",
         (true, false) => "gemv_fp8",
         (true, true) => "gemv_fp8_wide",
     }
+}
+
+/// Whether a decode product of `tokens` rows takes the wide build (every format: `gemv_*_wide`).
+pub(crate) fn gemv_tc_wide(tokens: usize) -> bool {
+    tokens > 8
 }
 
 /// Blocks of a dense decode product over `out` rows of `row_bytes` whose K split is chosen for

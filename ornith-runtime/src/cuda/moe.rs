@@ -28,6 +28,23 @@ pub struct MoeGroups {
     pub active_count: CudaSlice<i32>,
 }
 
+impl MoeGroups {
+    /// The lists the grouped decode products read (`moe_gemv_grouped`, `moe_gemv_nvfp4_grouped`),
+    /// checked to cover `experts` experts and `assignments` (token, slot) pairs: active list,
+    /// active count, group offsets, row assignments.
+    pub(crate) fn lists(&self, cx: &CudaContext, what: &str, experts: usize, assignments: usize) -> Result<[Ptr; 4]> {
+        need(&format!("{what} active_list"), &self.active_list, experts)?;
+        need(&format!("{what} group_offsets"), &self.group_offsets, experts + 1)?;
+        need(&format!("{what} row_assign"), &self.row_assign, assignments)?;
+        Ok([
+            cx.addr(&self.active_list),
+            cx.addr(&self.active_count),
+            cx.addr(&self.group_offsets),
+            cx.addr(&self.row_assign),
+        ])
+    }
+}
+
 /// Weights and dims of [`CudaContext::moe_prefill`]. FP8 weights are `[.., out, in]` E4M3 codes with
 /// per-output-channel f32 scales; an expert's gate_up is its gate rows then its up rows.
 pub struct MoePrefillArgs<'a> {

@@ -100,7 +100,7 @@ impl CudaContext {
             split_out: i32of("gemv_nvfp4 split rows", split)?,
         };
         let bytes = (fp4_bytes(in_, out, tables(&w, out)) + t * (in_ + out) * 2) as u64;
-        let name = if t > 8 { "gemv_nvfp4_wide" } else { "gemv_nvfp4" };
+        let name = if super::gemv_tc_wide(t) { "gemv_nvfp4_wide" } else { "gemv_nvfp4" };
         self.launch(Launch::new(name, (super::gemv_tc_blocks(in_, out, split), 1, 1), super::GEMV_BLOCK, bytes), p)
     }
 
@@ -362,13 +362,8 @@ impl CudaContext {
     /// [`Self::k_moe_gemv_nvfp4`] grouped by expert over `g`: the same outputs, bit for bit.
     pub fn moe_gemv_nvfp4_grouped(&self, a: &MoeNvfp4Args, g: &MoeGroups, y: &mut Bf) -> Result<()> {
         let mut p = self.moe_nvfp4_params(a, y)?;
-        need("moe_gemv_nvfp4_grouped active_list", &g.active_list, a.experts)?;
-        need("moe_gemv_nvfp4_grouped group_offsets", &g.group_offsets, a.experts + 1)?;
-        need("moe_gemv_nvfp4_grouped row_assign", &g.row_assign, a.tokens * a.top_k)?;
-        p.active_list = self.addr(&g.active_list) as _;
-        p.active_count = self.addr(&g.active_count) as _;
-        p.group_offsets = self.addr(&g.group_offsets) as _;
-        p.row_assign = self.addr(&g.row_assign) as _;
+        let [al, ac, go, ra] = g.lists(self, "moe_gemv_nvfp4_grouped", a.experts, a.tokens * a.top_k)?;
+        (p.active_list, p.active_count, p.group_offsets, p.row_assign) = (al as _, ac as _, go as _, ra as _);
         self.k_moe_gemv_nvfp4(p, true)
     }
 }
