@@ -5,9 +5,9 @@
 #include <stdint.h>
 #include "../include/ornith_kernels.h"
 
-// Programmatic dependent launch (PTX griddepcontrol: sm_90 and sm_121 alike). The runtime launches
-// every kernel with the programmatic-stream-serialization attribute, so a kernel's blocks may be
-// scheduled while the previous kernel in the stream is still running:
+// Programmatic dependent launch (PTX griddepcontrol: sm_90 and sm_121 alike). The runtime may launch
+// a kernel with the programmatic-stream-serialization attribute (cuda::Pdl says which kernels), so
+// its blocks may be scheduled while the previous kernel in the stream is still running:
 //  * pdl_wait() returns once every prerequisite grid has completed and its writes are visible. A
 //    kernel calls it before its first read of anything an earlier kernel wrote AND before its first
 //    global write (an earlier kernel may still be reading that memory). Every kernel calls it on
@@ -16,9 +16,9 @@
 //    predecessor's completion.
 //  * pdl_launch_dependents() lets the next kernel be scheduled once every block of this grid has
 //    issued it (or exited). It changes when the next kernel starts, never what it sees.
-//  * Before the wait a kernel may only prefetch read-only data (weights) toward L2: L2 is the
-//    point of coherence, so a prefetch cannot change what a later load returns. None does now (a
-//    decode product's whole-tile prefetch overflowed L2: gemv.cu).
+//  * Before the wait a kernel may only read data no kernel of a step ever writes: the weights,
+//    written once at load. The decode products (gemv.cu) issue their first round of weight loads
+//    before the wait ("weights first"); nothing else reads or writes global memory before it.
 // Launched without the attribute (or by a driver that ignores it) both instructions are no-ops.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }

@@ -24,10 +24,17 @@
 // Block = 8 warps = (8 / ks) row groups of 16 × ks slices; grid.x = ceil(ceil(out / 16) / (8 / ks)).
 // The Rust launchers size grids with the same rule (cuda::gemv_tc_blocks, cuda::moe_tc_blocks).
 //
-// No L2 prefetch of the tile before pdl_wait: a warp's tile is up to 16 rows x its whole slice
-// (64 KB for the lm_head), and the resident warps' prefetches together overflow L2, so lines were
-// evicted before use and read twice (H200, lm_head 2048 -> 248,320: 399 us with the prefetch,
-// 302 us without; docs/PERF.md, fifth session).
+// Weights first. A warp issues its first round of weight loads (2 * U 16-byte loads per lane into
+// registers) and only then executes pdl_wait: launched with programmatic dependent launch after a
+// small kernel (cuda::Pdl::Weights), the product's blocks are resident while that kernel runs and
+// their first weights are on the way when it completes. The weights are written once at load and
+// never by a kernel of a step, so reading them before the wait cannot see a stale value; nothing
+// else (activations, expert indices, outputs) is touched before it. A routed expert's index comes
+// from the router, so routed MoE blocks wait first; the shared expert's blocks load first.
+// No L2 prefetch of the whole tile: a warp's tile is up to 16 rows x its whole slice (64 KB for the
+// lm_head), and the resident warps' prefetches together overflow L2, so lines were evicted before
+// use and read twice (H200, lm_head 2048 -> 248,320: 399 us with the prefetch, 302 us without;
+// docs/PERF.md, fifth session).
 #include "common.cuh"
 #include "fp4.cuh"
 #include "mma.cuh"
@@ -94,6 +101,7 @@ __device__ __forceinline__ void tc_tile(const uint8_t *w, size_t row_bytes, int 
             wa[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(w + og + off)) : z;
             wb[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(w + og8 + off)) : z;
         }
+        if (kb == k0) pdl_wait();  // weights first: the first round is in flight before the wait
 #pragma unroll
         for (int u = 0; u < TC_U; u++) {
             if (kb + u * 64 >= k1) break;  // warp-uniform
@@ -166,6 +174,7 @@ __device__ __forceinline__ void gemv_tc_pass(const uint8_t *w, const float *ws, 
         for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
     const int nrows = max(1, min(16, out - pl.row0));
     if (pl.row0 < out) tc_tile<FP8, NT, tc_u(NT)>(w + (size_t)pl.row0 * row_bytes, row_bytes, nrows, x, xoff, pl.k0, pl.k1, acc);
+    pdl_wait();  // (done inside the tile; here for a warp without one, before the write)
     tc_reduce<NT>(acc, pl.ks, red);
     if (!pl.lead || pl.row0 >= out) return;
 #pragma unroll
@@ -210,7 +219,6 @@ __device__ __forceinline__ void gemv_tc(const uint8_t *w, const float *ws, const
     __shared__ float red[TC_WARPS * 4 * 32];
     constexpr int ES = FP8 ? 1 : 2;
     const TcPlace pl = tc_place(in * ES, split_rows(split_out, out));
-    pdl_wait();
     // The pass loop of tc_passes, written out: through a lambda nvcc allocates this form's
     // registers differently (gemv_bf16: 20 bytes of spills instead of 4, ptxas sm_90).
     for (int t0 = 0; t0 < tokens; t0 += 8 * NTMAX) {
@@ -292,6 +300,7 @@ __device__ __forceinline__ void tc_tile_fp4(const uint8_t *w, const uint8_t *ws,
             sa[u] = ok ? __ldg(sg + off / 16) : 0u;
             sb[u] = ok ? __ldg(sg8 + off / 16) : 0u;
         }
+        if (kb == k0) pdl_wait();  // weights first, as tc_tile
 #pragma unroll
         for (int u = 0; u < TC_U; u++) {
             if (kb + u * 64 >= k1) break;  // warp-uniform
@@ -352,6 +361,7 @@ __device__ __forceinline__ void gemv_fp4_pass(const OrnithGemvNvfp4Params &p, in
         tc_tile_fp4<NT, fp4_u(NT)>(p.w + (size_t)pl.row0 * row_bytes, p.ws + (size_t)pl.row0 * (row_bytes / 8),
                                   fp4_tab(p.tab, pl.row0, p.tab_rows), row_bytes, nrows,
                                   reinterpret_cast<const uint8_t *>(p.x), xoff, pl.k0, pl.k1, acc);
+    pdl_wait();
     tc_reduce<NT>(acc, pl.ks, red);
     if (!pl.lead || pl.row0 >= p.out) return;
 #pragma unroll
@@ -366,7 +376,6 @@ __device__ __forceinline__ void gemv_fp4_pass(const OrnithGemvNvfp4Params &p, in
 template <int NTMAX> __device__ __forceinline__ void gemv_fp4(const OrnithGemvNvfp4Params &p) {
     __shared__ float red[TC_WARPS * 4 * 32];
     const TcPlace pl = tc_place(p.in, split_rows(p.split_out, p.out), TC_TARGET_WARPS, 1);
-    pdl_wait();
     tc_passes<NTMAX>(p.tokens, [&](int t0, auto nt) { gemv_fp4_pass<decltype(nt)::v>(p, t0, pl, red); });
 }
 
@@ -429,6 +438,7 @@ __device__ __forceinline__ void moe_tc_pass(const OrnithMoeGemvParams &p, const 
         for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
     const int nrows = max(1, min(16, p.out - pl.row0));
     if (pl.row0 < p.out) tc_tile<true, NT, MOE_U>(wb + (size_t)pl.row0 * p.in, (size_t)p.in, nrows, p.xq, xoff, pl.k0, pl.k1, acc);
+    pdl_wait();
     tc_reduce<NT>(acc, pl.ks, red);
     if (!pl.lead || pl.row0 >= p.out) return;
 #pragma unroll
@@ -465,11 +475,14 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
     const int slot = blockIdx.y, t = blockIdx.z;
-    const bool shared = slot == p.top_k;
-    pdl_wait();
     const uint8_t *wb = p.shared_w;
     const float *ws = p.shared_ws;
-    if (!shared) moe_expert(p, p.idx[t * p.top_k + slot], wb, ws);
+    // A routed expert's index is the router's output: read after the wait. The shared expert's
+    // blocks issue their first weight loads before it (in the tile).
+    if (slot != p.top_k) {
+        pdl_wait();
+        moe_expert(p, p.idx[t * p.top_k + slot], wb, ws);
+    }
     moe_tc(p, wb, ws, MoeCols{nullptr, p.top_k, 1, t, slot}, pl);
 }
 
@@ -477,11 +490,11 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
     const bool shared = blockIdx.y == gridDim.y - 1;
-    pdl_wait();
-    if (shared) {
+    if (shared) {  // weights first (the tile waits after its first loads)
         moe_tc(p, p.shared_w, p.shared_ws, MoeCols{nullptr, p.top_k, p.tokens, 0, p.top_k}, pl);
         return;
     }
+    pdl_wait();  // the expert lists are moe_sort's output
     if ((int)blockIdx.y >= *p.active_count) return;
     const int e = p.active_list[blockIdx.y], a0 = p.group_offsets[e], a1 = p.group_offsets[e + 1];
     const uint8_t *wb;
@@ -521,6 +534,7 @@ __device__ __forceinline__ void moe_fp4_pass(const OrnithMoeGemvNvfp4Params &p, 
         tc_tile_fp4<NT, fp4_u(NT)>(wb + (size_t)pl.row0 * row_bytes, sb + (size_t)pl.row0 * (row_bytes / 8),
                                fp4_tab(tb, pl.row0, p.tab_rows), row_bytes, nrows, reinterpret_cast<const uint8_t *>(p.x),
                                xoff, pl.k0, pl.k1, acc);
+    pdl_wait();
     tc_reduce<NT>(acc, pl.ks, red);
     if (!pl.lead || pl.row0 >= p.out) return;
 #pragma unroll
@@ -558,10 +572,12 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
     const int slot = blockIdx.y, t = blockIdx.z;
-    pdl_wait();
     const uint8_t *wb = p.shared_w, *sb = p.shared_ws;
     const float *tb = p.shared_tab;
-    if (slot != p.top_k) moe_fp4_expert(p, p.idx[t * p.top_k + slot], wb, sb, tb);
+    if (slot != p.top_k) {  // as moe_gemv_fp8: the routed index after the wait, the shared weights before
+        pdl_wait();
+        moe_fp4_expert(p, p.idx[t * p.top_k + slot], wb, sb, tb);
+    }
     moe_fp4(p, wb, sb, tb, MoeCols{nullptr, p.top_k, 1, t, slot}, pl);
 }
 
@@ -569,11 +585,11 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
     const bool shared = blockIdx.y == gridDim.y - 1;
-    pdl_wait();
     if (shared) {
         moe_fp4(p, p.shared_w, p.shared_ws, p.shared_tab, MoeCols{nullptr, p.top_k, p.tokens, 0, p.top_k}, pl);
         return;
     }
+    pdl_wait();
     if ((int)blockIdx.y >= *p.active_count) return;
     const int e = p.active_list[blockIdx.y], a0 = p.group_offsets[e], a1 = p.group_offsets[e + 1];
     const uint8_t *wb, *sb;

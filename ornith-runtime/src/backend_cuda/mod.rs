@@ -148,13 +148,13 @@ pub struct CudaStepGraphs {
 }
 
 /// One captured decode step, with what it was captured with: the embedding load id (a graph
-/// bakes in every weight address, and an address could be reused by a later load) and whether
-/// the launches carry the programmatic-dependent-launch attribute; and, while the bench ablates
+/// bakes in every weight address, and an address could be reused by a later load) and which
+/// launches carry the programmatic-dependent-launch attribute; and, while the bench ablates
 /// a kernel ([`CudaBackend::set_ablated_kernel`]), the graph edited without that kernel's nodes.
 struct StepGraph {
     graph: SendGraph,
     key: u64,
-    pdl: bool,
+    pdl: crate::cuda::Pdl,
     ablated: Option<(&'static str, crate::cuda::graph_edit::EditedGraph)>,
 }
 

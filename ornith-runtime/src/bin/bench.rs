@@ -15,11 +15,12 @@ use ornith_runtime::backend_cuda::decode_bytes::{decode_step_bytes, total, ByteG
 use ornith_runtime::backend_cuda::CudaBackend;
 use ornith_runtime::cuda::profile::{summarize, KernelSummary};
 use ornith_runtime::cuda::spark::{spark_kernels, spark_step, SparkKernel, SparkStep};
-use ornith_runtime::cuda::CudaContext;
+use ornith_runtime::cuda::{CudaContext, Pdl};
 use ornith_runtime::engine::{PoolRequest, SamplingParams, PREFILL_CHUNK};
 use ornith_runtime::graph::{Backend, Batch, RowSample, SeqRows, KV_BLOCK};
 use ornith_runtime::weights::Checkpoint;
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -52,6 +53,10 @@ struct Args {
     /// 273 is the specification, 231-240 what it streams in practice.
     #[arg(long, default_value_t = 240.0)]
     spark_gb_s: f64,
+    /// Programmatic dependent launch mode of the whole run (off, weights, all; default: the
+    /// runtime's). The other modes are timed beside it (greedy, batch 1 and batched).
+    #[arg(long)]
+    pdl: Option<Pdl>,
 }
 
 /// One batched run: B sequences decoded together.
@@ -70,6 +75,8 @@ struct BatchRun {
     decode_default_sampling_tok_s: f64,
     decode_default_sampling_tok_s_per_seq: f64,
     decode_default_sampling_step_ms: f64,
+    /// Greedy aggregate tok/s of the same steps in each other PDL mode (graphs captured in it).
+    decode_tok_s_other_pdl: BTreeMap<&'static str, f64>,
     /// One more greedy step with every launch timed by events (eager), aggregated by kernel.
     kernels: Vec<KernelSummary>,
     /// Sum of those launches' times (us).
@@ -93,8 +100,8 @@ struct Run {
     decode_top_p_tok_s: f64,
     /// The same decode steps with every launch issued eagerly (no CUDA graph), for comparison.
     decode_eager_tok_s: f64,
-    /// The same decode steps as a graph captured with programmatic dependent launch.
-    decode_pdl_tok_s: f64,
+    /// The same greedy decode steps as graphs captured in each other PDL mode (`Report::pdl`).
+    decode_tok_s_other_pdl: BTreeMap<&'static str, f64>,
     decode_ms_per_token: f64,
     bytes_per_decoded_token: u64,
     /// `bytes_per_decoded_token` by group (`backend_cuda::decode_bytes`).
@@ -122,6 +129,8 @@ struct Run {
 #[derive(Serialize)]
 struct Report {
     device: String,
+    /// The PDL mode of every figure but the `*_other_pdl` ones.
+    pdl: &'static str,
     model: String,
     copy_bandwidth_gb_s: f64,
     load_s: f64,
@@ -149,10 +158,14 @@ fn sample1(
     Ok(b.sample(l, n, &[RowSample { row: 0, params: *q, step }])?[0])
 }
 
-/// Blocks one sequence of a batched run needs: the prompt, both timed decode runs and the
-/// first token.
+/// Timed decode runs of `--gen` steps at batch 1: greedy, default sampling, top-p, eager, and
+/// greedy in each other PDL mode.
+const BATCH1_RUNS: usize = 4 + Pdl::ALL.len() - 1;
+
+/// Blocks one sequence of a batched run needs: the prompt, the timed decode runs (greedy,
+/// default sampling, greedy in each other PDL mode) and the first token.
 fn batch_seq_blocks(prompt: usize, gen: usize) -> usize {
-    (prompt + 2 * gen + 2).div_ceil(KV_BLOCK)
+    (prompt + (1 + Pdl::ALL.len()) * gen + 2 + Pdl::ALL.len()).div_ceil(KV_BLOCK)
 }
 
 /// B sequences (slots 0..B, blocks `s·per ..` of `pools`), each prefilled in PREFILL_CHUNK
@@ -205,15 +218,26 @@ fn batch_run(
     };
     // One untimed step captures this batch size's graph (the blocks hold it: see batch_seq_blocks).
     one(&greedy, 1, &mut toks, &mut pos)?;
-    let mut timed = |q: &SamplingParams| -> Result<f64> {
+    let mut timed = |q: &SamplingParams, capture: bool| -> Result<f64> {
+        if capture {
+            one(&greedy, 1, &mut toks, &mut pos)?;
+        }
         let t = Instant::now();
         for i in 0..gen {
             one(q, i as u64 + 2, &mut toks, &mut pos)?;
         }
         Ok(t.elapsed().as_secs_f64())
     };
-    let tg = timed(&greedy)?;
-    let ts = timed(sampling)?;
+    let tg = timed(&greedy, false)?;
+    let ts = timed(sampling, false)?;
+    // Greedy again in each other PDL mode (its graph captured at an untimed first step).
+    let mode = b.context().pdl();
+    let mut other = BTreeMap::new();
+    for m in Pdl::ALL.into_iter().filter(|&m| m != mode) {
+        b.context().set_pdl(m);
+        other.insert(m.name(), bsz as f64 * gen as f64 / timed(&greedy, true)?);
+    }
+    b.context().set_pdl(mode);
     // One more greedy step with every launch timed (after the timed runs; eager while profiled).
     b.profile_begin();
     one(&greedy, gen as u64 + 2, &mut toks, &mut pos)?;
@@ -234,6 +258,7 @@ fn batch_run(
         decode_default_sampling_tok_s: bs * g / ts,
         decode_default_sampling_tok_s_per_seq: g / ts,
         decode_default_sampling_step_ms: ts * 1e3 / g,
+        decode_tok_s_other_pdl: other,
         kernels,
         kernel_us,
         spark_estimate,
@@ -404,10 +429,10 @@ fn run() -> Result<()> {
     let ck = Checkpoint::open(&dir, compiled::FINGERPRINT)?;
     let d = compiled::DIMS;
     let max_prompt = args.prompts.iter().copied().max().unwrap_or(512);
-    // Room for the graph-decoded tokens (greedy, default sampling, top-p), as many with PDL, as
-    // many eager ones, the profiled step and the ablation's steps.
-    let batch_ctx = if args.batch.is_empty() { 0 } else { args.batch_prompt + 2 * args.gen + 2 };
-    let ctx = (max_prompt + 5 * args.gen + 16 + ABLATION_ROOM).max(batch_ctx).min(d.max_position_embeddings);
+    // Room for the graph-decoded tokens (greedy, default sampling, top-p, greedy in each other PDL
+    // mode), as many eager ones, the profiled step and the ablation's steps.
+    let batch_ctx = if args.batch.is_empty() { 0 } else { batch_seq_blocks(args.batch_prompt, args.gen) * KV_BLOCK };
+    let ctx = (max_prompt + BATCH1_RUNS * args.gen + 16 + ABLATION_ROOM).max(batch_ctx).min(d.max_position_embeddings);
     let n_vocab = ornith_runtime::tokenizer::Tokenizer::from_file(&dir.join("tokenizer.json"))?.vocab_size();
     anyhow::ensure!(n_vocab <= d.vocab_size, "the tokenizer has {n_vocab} ids, the lm_head {} rows", d.vocab_size);
     let gd = ornith_runtime::protocol::GenerationDefaults::from_model_dir(&dir)?;
@@ -423,6 +448,11 @@ fn run() -> Result<()> {
         describe(&top_p_only)
     );
     let cx = CudaContext::new(0)?;
+    if let Some(m) = args.pdl {
+        cx.set_pdl(m);
+    }
+    let mode = cx.pdl();
+    eprintln!("ornith-bench: programmatic dependent launch: {} (the other modes timed beside it)", mode.name());
     let device = cx.device_name().to_string();
     let bw = copy_bandwidth(&cx)?;
     eprintln!("ornith-bench: {device}: device copy bandwidth {:.0} GB/s (read + write)", bw / 1e9);
@@ -468,7 +498,7 @@ fn run() -> Result<()> {
     let started = Instant::now();
     let mut runs = Vec::new();
     for &p in &args.prompts {
-        if p + 5 * args.gen + 2 + ABLATION_ROOM > ctx {
+        if p + BATCH1_RUNS * args.gen + 2 + ABLATION_ROOM > ctx {
             eprintln!("ornith-bench: skipping prompt {p}: exceeds the context {ctx}");
             continue;
         }
@@ -490,10 +520,14 @@ fn run() -> Result<()> {
         b.set_decode_graph(false);
         let dec_eager = decode_timed(&b, &model, &mut st, &greedy, n_vocab, args.gen, &mut tok)?;
         b.set_decode_graph(true);
-        // And again as a graph captured with programmatic dependent launch (off by default).
-        b.context().set_pdl(true);
-        let dec_pdl = decode_timed(&b, &model, &mut st, &greedy, n_vocab, args.gen, &mut tok)?;
-        b.context().set_pdl(false);
+        // And again as graphs captured in each other programmatic dependent launch mode.
+        let mut other_pdl = BTreeMap::new();
+        for m in Pdl::ALL.into_iter().filter(|&m| m != mode) {
+            b.context().set_pdl(m);
+            let t = decode_timed(&b, &model, &mut st, &greedy, n_vocab, args.gen, &mut tok)?;
+            other_pdl.insert(m.name(), args.gen as f64 / t);
+        }
+        b.context().set_pdl(mode);
         // One more step with every launch timed by events.
         b.profile_begin();
         let l = model.decode_step(&b, &mut st, tok)?;
@@ -531,7 +565,7 @@ fn run() -> Result<()> {
             decode_default_sampling_tok_s: args.gen as f64 / dec_default,
             decode_top_p_tok_s: args.gen as f64 / dec_top_p,
             decode_eager_tok_s: args.gen as f64 / dec_eager,
-            decode_pdl_tok_s: args.gen as f64 / dec_pdl,
+            decode_tok_s_other_pdl: other_pdl,
             decode_ms_per_token: dec * 1e3 / args.gen as f64,
             bytes_per_decoded_token: bytes,
             decode_bytes_by_group: groups,
@@ -550,15 +584,19 @@ fn run() -> Result<()> {
         });
     }
 
+    // Greedy tok/s in the other PDL modes, one column each ("pdl:MODE").
+    let others: Vec<&'static str> = Pdl::ALL.into_iter().filter(|&m| m != mode).map(Pdl::name).collect();
+    let other_head: String = others.iter().map(|m| format!(" {:>12}", format!("pdl:{m} t/s"))).collect();
     eprintln!(
-        "\n{:>8} {:>9} {:>11} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>11} {:>9} {:>8}",
+        "\n(greedy, default and top-p with PDL {}; eager: no graph)\n{:>8} {:>9} {:>11} {:>10} {:>10} {:>10}{} {:>10} {:>9} {:>11} {:>9} {:>8}",
+        mode.name(),
         "prompt",
         "TTFT s",
         "prefill t/s",
         "greedy t/s",
         "default t/s",
         "top-p t/s",
-        "PDL t/s",
+        other_head,
         "eager t/s",
         "ms/tok",
         "MB/token",
@@ -566,15 +604,16 @@ fn run() -> Result<()> {
         "% ceil"
     );
     for r in &runs {
+        let other: String = others.iter().map(|m| format!(" {:>12.1}", r.decode_tok_s_other_pdl[m])).collect();
         eprintln!(
-            "{:>8} {:>9.3} {:>11.0} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>9.2} {:>11.1} {:>9.0} {:>7.1}%",
+            "{:>8} {:>9.3} {:>11.0} {:>10.1} {:>10.1} {:>10.1}{} {:>10.1} {:>9.2} {:>11.1} {:>9.0} {:>7.1}%",
             r.prompt_tokens,
             r.ttft_s,
             r.prefill_tok_s,
             r.decode_tok_s,
             r.decode_default_sampling_tok_s,
             r.decode_top_p_tok_s,
-            r.decode_pdl_tok_s,
+            other,
             r.decode_eager_tok_s,
             r.decode_ms_per_token,
             r.bytes_per_decoded_token as f64 / 1e6,
@@ -642,12 +681,24 @@ fn run() -> Result<()> {
             batch_runs.push(r);
         }
         eprintln!(
-            "\nbatched decode, {}-token prompts, {} steps per mode:\n{:>6} {:>10} {:>11} {:>11} {:>9} {:>12} {:>12} {:>9}",
-            args.batch_prompt, args.gen, "batch", "prefill s", "greedy t/s", "per seq", "ms/step", "default t/s", "per seq", "ms/step"
+            "\nbatched decode, {}-token prompts, {} steps per mode (PDL {}):\n{:>6} {:>10} {:>11} {:>11} {:>9} {:>12} {:>12} {:>9}{}",
+            args.batch_prompt,
+            args.gen,
+            mode.name(),
+            "batch",
+            "prefill s",
+            "greedy t/s",
+            "per seq",
+            "ms/step",
+            "default t/s",
+            "per seq",
+            "ms/step",
+            other_head
         );
         for r in &batch_runs {
+            let other: String = others.iter().map(|m| format!(" {:>12.1}", r.decode_tok_s_other_pdl[m])).collect();
             eprintln!(
-                "{:>6} {:>10.2} {:>11.1} {:>11.1} {:>9.2} {:>12.1} {:>12.1} {:>9.2}",
+                "{:>6} {:>10.2} {:>11.1} {:>11.1} {:>9.2} {:>12.1} {:>12.1} {:>9.2}{}",
                 r.batch,
                 r.prefill_s,
                 r.decode_tok_s,
@@ -655,7 +706,8 @@ fn run() -> Result<()> {
                 r.decode_step_ms,
                 r.decode_default_sampling_tok_s,
                 r.decode_default_sampling_tok_s_per_seq,
-                r.decode_default_sampling_step_ms
+                r.decode_default_sampling_step_ms,
+                other
             );
         }
         eprintln!(
@@ -693,6 +745,7 @@ fn run() -> Result<()> {
     }
     let report = Report {
         device,
+        pdl: mode.name(),
         model: dir.display().to_string(),
         copy_bandwidth_gb_s: bw / 1e9,
         load_s,

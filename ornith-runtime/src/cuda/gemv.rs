@@ -93,7 +93,11 @@ impl CudaContext {
         };
         let bytes = (out * in_ * 2 + t * (in_ + out) * 2) as u64;
         let name = super::gemv_tc_kernel(false, t);
-        self.launch(Launch::new(name, (super::gemv_tc_blocks(in_ * 2, out, split), 1, 1), super::GEMV_BLOCK, bytes), p)
+        self.launch(
+            Launch::new(name, (super::gemv_tc_blocks(in_ * 2, out, split), 1, 1), super::GEMV_BLOCK, bytes)
+                .weights_first(),
+            p,
+        )
     }
 
     /// FP8 W8A8 decode product for any number of rows:
@@ -130,7 +134,10 @@ impl CudaContext {
         };
         let bytes = (out * in_ + out * 4 + t * (in_ + 4 + out * 2)) as u64;
         let name = super::gemv_tc_kernel(true, t);
-        self.launch(Launch::new(name, (super::gemv_tc_blocks(in_, out, split), 1, 1), super::GEMV_BLOCK, bytes), p)
+        self.launch(
+            Launch::new(name, (super::gemv_tc_blocks(in_, out, split), 1, 1), super::GEMV_BLOCK, bytes).weights_first(),
+            p,
+        )
     }
 
     /// The expert GEMVs of a decode group (see `OrnithMoeGemvParams`): per (token, slot)
@@ -162,12 +169,17 @@ impl CudaContext {
             let active = (p.experts as usize).min(t * k);
             let bytes = (active + 1) * (out * in_ + out * 4) + t * slots * (in_ + 4 + out * 2);
             return self.launch(
-                Launch::new("moe_gemv_grouped", (tiles, active as u32 + 1, 1), super::GEMV_BLOCK, bytes as u64),
+                Launch::new("moe_gemv_grouped", (tiles, active as u32 + 1, 1), super::GEMV_BLOCK, bytes as u64)
+                    .weights_first(),
                 p,
             );
         }
         let bytes = t * slots * (out * in_ + out * 4 + in_ + 4 + out * 2);
-        self.launch(Launch::new("moe_gemv_fp8", (tiles, slots as u32, t as u32), super::GEMV_BLOCK, bytes as u64), p)
+        self.launch(
+            Launch::new("moe_gemv_fp8", (tiles, slots as u32, t as u32), super::GEMV_BLOCK, bytes as u64)
+                .weights_first(),
+            p,
+        )
     }
 }
 

@@ -21,7 +21,7 @@ use cudarc::driver::{
 };
 use ornith_kernels::{Arch, Module};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 /// A device address in bytes.
@@ -54,16 +54,79 @@ pub(crate) struct Launch {
     pub block: u32,
     pub smem: u32,
     pub bytes: u64,
+    /// The kernel issues its first weight loads before `pdl_wait` (the decode products, gemv.cu):
+    /// [`Pdl::Weights`] launches exactly these with programmatic dependent launch.
+    pub weights_first: bool,
 }
 
 impl Launch {
     /// A launch of `name` without dynamic shared memory.
     pub fn new(name: &'static str, grid: (u32, u32, u32), block: u32, bytes: u64) -> Self {
-        Launch { name, grid, block, smem: 0, bytes }
+        Launch { name, grid, block, smem: 0, bytes, weights_first: false }
     }
     /// The same launch with `smem` bytes of dynamic shared memory.
     pub fn smem(self, smem: u32) -> Self {
         Launch { smem, ..self }
+    }
+    /// The same launch of a weights-first kernel (see [`Launch::weights_first`]).
+    pub fn weights_first(self) -> Self {
+        Launch { weights_first: true, ..self }
+    }
+}
+
+/// Which launches carry the programmatic-stream-serialization attribute (programmatic dependent
+/// launch: the kernel's blocks may be scheduled while the previous kernel in the stream still
+/// runs; each kernel waits with `griddepcontrol.wait` before it reads an input or writes
+/// anything, so every mode gives the same bits; `kernels/cuda/common.cuh`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Pdl {
+    /// Plain stream order.
+    Off,
+    /// The weights-first decode products only: their blocks become resident while the small
+    /// kernel before them runs and issue their first weight loads before they wait. The small
+    /// kernels keep plain order (with the attribute a one-block kernel's cost nearly doubles on
+    /// the H200: 2.05 -> 3.98 us).
+    Weights,
+    /// Every launch.
+    All,
+}
+
+/// The mode a context starts in (measured on the H200 by `ornith-bench`'s PDL columns,
+/// docs/PERF.md).
+pub const DEFAULT_PDL: Pdl = Pdl::Weights;
+
+impl Pdl {
+    pub const ALL: [Pdl; 3] = [Pdl::Off, Pdl::Weights, Pdl::All];
+    /// Whether launch `l` carries the attribute in this mode.
+    pub(crate) fn applies(self, l: &Launch) -> bool {
+        match self {
+            Pdl::Off => false,
+            Pdl::Weights => l.weights_first,
+            Pdl::All => true,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Pdl::Off => "off",
+            Pdl::Weights => "weights",
+            Pdl::All => "all",
+        }
+    }
+    fn code(self) -> u8 {
+        self as u8
+    }
+    fn from_code(c: u8) -> Pdl {
+        Pdl::ALL[c as usize]
+    }
+}
+
+impl std::str::FromStr for Pdl {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Pdl::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| anyhow!("unknown PDL mode `{s}` (expected off, weights or all)"))
     }
 }
 
@@ -199,8 +262,8 @@ pub struct CudaContext {
     name: String,
     _modules: Vec<Arc<CudaModule>>,
     funcs: HashMap<&'static str, CudaFunction>,
-    /// Launch with programmatic dependent launch (see [`CudaContext::set_pdl`]).
-    pdl: AtomicBool,
+    /// Which launches use programmatic dependent launch ([`Pdl`] as its code; see [`CudaContext::set_pdl`]).
+    pdl: AtomicU8,
     /// Blocks of the decode attention's split kernel ([`attention::ATT_BLOCKS_PER_SM`] per SM, or
     /// as many as its shared memory lets reside).
     pub(crate) attn_blocks: u32,
@@ -299,25 +362,21 @@ impl CudaContext {
             name,
             _modules: modules,
             funcs,
-            pdl: AtomicBool::new(false),
+            pdl: AtomicU8::new(DEFAULT_PDL.code()),
             attn_blocks,
             observing: AtomicBool::new(false),
             profile: Mutex::new(Vec::new()),
         })
     }
 
-    /// Programmatic dependent launch (off by default: on the H200 a decode graph captured with it
-    /// ran 1-2% slower, eager decode 11% faster; docs/PERF.md): every kernel is launched with the
-    /// programmatic-stream-serialization attribute, so its blocks may be scheduled while the
-    /// previous kernel finishes; each kernel waits
-    /// (`griddepcontrol.wait`) before it reads an input or writes anything, so results are the
-    /// same bit for bit with it off. Off: plain stream order (the comparison in tests and bench).
-    /// A captured decode graph keeps the setting it was captured with (it is part of its key).
-    pub fn set_pdl(&self, on: bool) {
-        self.pdl.store(on, Relaxed);
+    /// Which launches use programmatic dependent launch ([`Pdl`]; [`DEFAULT_PDL`] unless set).
+    /// Every mode gives the same bits (tests compare them); `ornith-bench` times each. A
+    /// captured decode graph keeps the mode it was captured with (it is part of its key).
+    pub fn set_pdl(&self, mode: Pdl) {
+        self.pdl.store(mode.code(), Relaxed);
     }
-    pub fn pdl(&self) -> bool {
-        self.pdl.load(Relaxed)
+    pub fn pdl(&self) -> Pdl {
+        Pdl::from_code(self.pdl.load(Relaxed))
     }
 
     /// Starts recording every launch with a pair of CUDA events around it (`ornith-bench`'s
@@ -361,11 +420,12 @@ impl CudaContext {
     }
 
     /// Launches kernel `l.name` with one by-value parameter struct `p` on the stream, with the
-    /// programmatic-serialization attribute when [`Self::pdl`] is on (more than 48 KiB of
+    /// programmatic-serialization attribute when [`Self::pdl`]'s mode applies to it (more than 48 KiB of
     /// dynamic shared memory is opted into first). `cuLaunchKernelEx` directly: cudarc's builder
     /// has no attributes.
     fn launch_with<P: KernelParams>(&self, l: Launch, p: P) -> Result<()> {
         use cudarc::driver::sys;
+        let pdl = self.pdl().applies(&l);
         let Launch { name, grid, block, smem, .. } = l;
         let f = self.func(name);
         if smem > 48 * 1024 {
@@ -391,7 +451,7 @@ impl CudaContext {
             sharedMemBytes: smem,
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: u32::from(self.pdl()),
+            numAttrs: u32::from(pdl),
         };
         self.ctx.bind_to_thread()?;
         // SAFETY: `args` points at one parameter, the kernel's single by-value `const Params`

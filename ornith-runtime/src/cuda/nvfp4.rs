@@ -101,7 +101,10 @@ impl CudaContext {
         };
         let bytes = (fp4_bytes(in_, out, tables(&w, out)) + t * (in_ + out) * 2) as u64;
         let name = if super::gemv_tc_wide(t) { "gemv_nvfp4_wide" } else { "gemv_nvfp4" };
-        self.launch(Launch::new(name, (super::gemv_tc_blocks(in_, out, split), 1, 1), super::GEMV_BLOCK, bytes), p)
+        self.launch(
+            Launch::new(name, (super::gemv_tc_blocks(in_, out, split), 1, 1), super::GEMV_BLOCK, bytes).weights_first(),
+            p,
+        )
     }
 
     /// The NVFP4 expert products of a decode group (see `OrnithMoeGemvNvfp4Params`): per
@@ -143,12 +146,17 @@ impl CudaContext {
             let active = (p.experts as usize).min(t * k);
             let bytes = (active + 1) * per + t * slots * (in_ + out) * 2;
             return self.launch(
-                Launch::new("moe_gemv_nvfp4_grouped", (tiles, active as u32 + 1, 1), super::GEMV_BLOCK, bytes as u64),
+                Launch::new("moe_gemv_nvfp4_grouped", (tiles, active as u32 + 1, 1), super::GEMV_BLOCK, bytes as u64)
+                    .weights_first(),
                 p,
             );
         }
         let bytes = t * slots * (per + (in_ + out) * 2);
-        self.launch(Launch::new("moe_gemv_nvfp4", (tiles, slots as u32, t as u32), super::GEMV_BLOCK, bytes as u64), p)
+        self.launch(
+            Launch::new("moe_gemv_nvfp4", (tiles, slots as u32, t as u32), super::GEMV_BLOCK, bytes as u64)
+                .weights_first(),
+            p,
+        )
     }
 
     /// The GEMM checks shared by both NVFP4 GEMMs (A bf16 rows 16-byte aligned).
