@@ -80,6 +80,17 @@ __device__ __forceinline__ float block_max(float v, float *sh32) {
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 
+// The steps of the zero-centred RMSNorm with its residual add, in the order rmsnorm_residual
+// (norm.cu) and the decode products' norm prologue (gemv.cu) both take them, so the two give the
+// same bits (the CPU reference is ornith-runtime/src/cpu/norm.rs):
+//   h  = bf16(res + add)                     (the residual stream is bf16)
+//   ss = fma(h, h, ss)                       (per thread, elements i = thread + 256 j, j ascending;
+//                                             then block_sum over 256 threads)
+//   y  = bf16(h * rsqrt(ss / hidden + eps) * (1 + w))
+__device__ __forceinline__ float rms_add(float res, uint16_t add) { return rbf(res + bf2f(add)); }
+__device__ __forceinline__ float rms_inv(float ss, int hidden, float eps) { return rsqrtf(ss / (float)hidden + eps); }
+__device__ __forceinline__ float rms_out(float h, float inv, uint16_t w) { return rbf(h * inv * (1.f + bf2f(w))); }
+
 // Per-token FP8 activation quantisation exactly as compressed-tensors 0.19 does it (the CPU
 // reference is ornith-runtime/src/cpu/fp8.rs):
 //   scale = bf16(amax / 448), or 2^-7 (bf16 eps) when that is 0;

@@ -81,40 +81,144 @@ __device__ __forceinline__ void mma_step(float *acc, uint32_t a0, uint32_t a1, u
     if (FP8) mma_e4m3(acc, a, b); else mma_bf16(acc, a, b);
 }
 
+// One round of a lane's weight loads: the 16 bytes at kb + 64u + 16c (u < TC_U) of its two rows
+// (byte offsets og, og8 of the tile, 16c included); past k1 zeros.
+template <int TC_U>
+__device__ __forceinline__ void tc_load(const uint8_t *w, uint32_t og, uint32_t og8, int kb, int k1, uint4 (&wa)[TC_U],
+                                        uint4 (&wb)[TC_U]) {
+    const int c = threadIdx.x & 3;
+    const uint4 z = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < TC_U; u++) {
+        const int off = kb + u * 64;
+        const bool ok = off + 16 * c < k1;
+        wa[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(w + og + off)) : z;
+        wb[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(w + og8 + off)) : z;
+    }
+}
+
+// The mma of one round: acc[j] += the round's weights · token (8j + g)'s activations at the same
+// bytes (x + xoff[j], 16c included; XSH: x in shared memory, else read-only global loads).
+template <bool FP8, int NT, int TC_U, bool XSH>
+__device__ __forceinline__ void tc_mma(const uint8_t *x, const uint32_t (&xoff)[NT], int kb, int k1, const uint4 (&wa)[TC_U],
+                                       const uint4 (&wb)[TC_U], float (&acc)[NT][4]) {
+    const int c = threadIdx.x & 3;
+    const uint4 z = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < TC_U; u++) {
+        if (kb + u * 64 >= k1) break;  // warp-uniform
+        const int off = kb + u * 64;
+        const bool ok = off + 16 * c < k1;
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const uint4 *xp = reinterpret_cast<const uint4 *>(x + xoff[j] + off);
+            const uint4 xv = ok ? (XSH ? *xp : __ldg(xp)) : z;
+            mma_step<FP8>(acc[j], wa[u].x, wb[u].x, wa[u].y, wb[u].y, xv.x, xv.y);
+            mma_step<FP8>(acc[j], wa[u].z, wb[u].z, wa[u].w, wb[u].w, xv.z, xv.w);
+        }
+    }
+}
+
+// Byte offsets (within the 16-row tile, < 2^31) of this lane's two rows at its first chunk.
+__device__ __forceinline__ void tc_rows(size_t row_bytes, int nrows, uint32_t &og, uint32_t &og8) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    og = (uint32_t)(min(g, nrows - 1) * row_bytes) + 16 * c;
+    og8 = (uint32_t)(min(g + 8, nrows - 1) * row_bytes) + 16 * c;
+}
+
 // acc[j] += rows (w, 16 rows of row_bytes, the first nrows real) · tokens of N tile j over the
 // bytes [k0, k1) of each row; xoff[j] = byte offset of this lane's token (8j + g) in x.
 template <bool FP8, int NT, int TC_U>
 __device__ __forceinline__ void tc_tile(const uint8_t *w, size_t row_bytes, int nrows, const uint8_t *x,
                                         const uint32_t (&xoff)[NT], int k0, int k1, float (&acc)[NT][4]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    // Byte offsets (within the 16-row tile, < 2^31) of this lane's two rows at its first chunk.
-    const uint32_t og = (uint32_t)(min(g, nrows - 1) * row_bytes) + 16 * c;
-    const uint32_t og8 = (uint32_t)(min(g + 8, nrows - 1) * row_bytes) + 16 * c;
-    x += 16 * c;
-    const uint4 z = make_uint4(0, 0, 0, 0);
+    uint32_t og, og8;
+    tc_rows(row_bytes, nrows, og, og8);
+    x += 16 * (threadIdx.x & 3);
     for (int kb = k0; kb < k1; kb += 64 * TC_U) {
         uint4 wa[TC_U], wb[TC_U];
-#pragma unroll
-        for (int u = 0; u < TC_U; u++) {
-            const int off = kb + u * 64;
-            const bool ok = off + 16 * c < k1;
-            wa[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(w + og + off)) : z;
-            wb[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(w + og8 + off)) : z;
-        }
+        tc_load<TC_U>(w, og, og8, kb, k1, wa, wb);
         if (kb == k0) pdl_wait();  // weights first: the first round is in flight before the wait
+        tc_mma<FP8, NT, TC_U, false>(x, xoff, kb, k1, wa, wb, acc);
+    }
+}
+
+// tc_tile for one token whose input row the block computes itself (the norm prologue): the warp
+// issues its first round of weight loads (has: the warp has rows), every thread of the block
+// waits and runs `prologue` (block-wide: it synchronises the block and leaves the row in shared
+// memory at x), then the tile runs on from the loaded round. The same rounds and mma order as
+// tc_tile, so the same sums.
+template <bool FP8, int TC_U, class Prologue>
+__device__ __forceinline__ void tc_tile_prologue(const uint8_t *w, size_t row_bytes, int nrows, bool has, const uint8_t *x,
+                                                 int k0, int k1, float (&acc)[1][4], Prologue prologue) {
+    uint32_t og, og8;
+    tc_rows(row_bytes, nrows, og, og8);
+    uint4 wa[TC_U], wb[TC_U];
+    if (has) tc_load<TC_U>(w, og, og8, k0, k1, wa, wb);
+    pdl_wait();
+    prologue();
+    if (!has) return;
+    const uint32_t xoff[1] = {0};
+    x += 16 * (threadIdx.x & 3);
+    tc_mma<FP8, 1, TC_U, true>(x, xoff, k0, k1, wa, wb, acc);
+    for (int kb = k0 + 64 * TC_U; kb < k1; kb += 64 * TC_U) {
+        tc_load<TC_U>(w, og, og8, kb, k1, wa, wb);
+        tc_mma<FP8, 1, TC_U, true>(x, xoff, kb, k1, wa, wb, acc);
+    }
+}
+
+// The norm prologue (OrnithNormIn): one residual row of `hidden` (<= 256 * NORM_PER_THREAD)
+// normalised as rmsnorm_residual does it (common.cuh's rms_* steps, element i = thread + 256 j,
+// the same block_sum and block_max over the block's 256 threads: the same bits), into shared
+// memory: bf16 values at xb (BF16), or e4m3 codes at xq and the row's scale at *xsc (FP8). All
+// inputs are loaded before the first store (rmsnorm_residual's rule).
+#define NORM_PER_THREAD 8
+template <bool FP8>
+__device__ __forceinline__ void norm_prologue(const OrnithNormIn &n, int hidden, uint8_t *xs_out, float *xsc, float *sh) {
+    uint16_t rv[NORM_PER_THREAD], av[NORM_PER_THREAD], wv[NORM_PER_THREAD];
 #pragma unroll
-        for (int u = 0; u < TC_U; u++) {
-            if (kb + u * 64 >= k1) break;  // warp-uniform
-            const int off = kb + u * 64;
-            const bool ok = off + 16 * c < k1;
+    for (int j = 0; j < NORM_PER_THREAD; j++) {
+        const int i = threadIdx.x + j * 256;
+        const bool in = i < hidden;
+        rv[j] = in ? n.res[i] : (uint16_t)0;
+        av[j] = in && n.add ? n.add[i] : (uint16_t)0;
+        wv[j] = in ? n.weight[i] : (uint16_t)0;
+    }
+    float r[NORM_PER_THREAD];
+    float ss = 0.f;
 #pragma unroll
-            for (int j = 0; j < NT; j++) {
-                const uint4 xv = ok ? __ldg(reinterpret_cast<const uint4 *>(x + xoff[j] + off)) : z;
-                mma_step<FP8>(acc[j], wa[u].x, wb[u].x, wa[u].y, wb[u].y, xv.x, xv.y);
-                mma_step<FP8>(acc[j], wa[u].z, wb[u].z, wa[u].w, wb[u].w, xv.z, xv.w);
-            }
+    for (int j = 0; j < NORM_PER_THREAD; j++) {
+        r[j] = 0.f;
+        if (threadIdx.x + j * 256 < hidden) {
+            float v = bf2f(rv[j]);
+            if (n.add) v = rms_add(v, av[j]);
+            r[j] = v;
+            ss = fmaf(v, v, ss);
         }
     }
+    ss = block_sum(ss, sh);
+    const float inv = rms_inv(ss, hidden, n.eps);
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_PER_THREAD; j++) {
+        const int i = threadIdx.x + j * 256;
+        if (i < hidden) {
+            const float y = rms_out(r[j], inv, wv[j]);
+            r[j] = y;
+            amax = fmaxf(amax, fabsf(y));
+            if (!FP8) reinterpret_cast<uint16_t *>(xs_out)[i] = f2bf(y);
+        }
+    }
+    if (FP8) {
+        amax = block_max(amax, sh);
+        const float scale = act_scale(amax);
+        if (threadIdx.x == 0) *xsc = scale;
+#pragma unroll
+        for (int j = 0; j < NORM_PER_THREAD; j++) {
+            const int i = threadIdx.x + j * 256;
+            if (i < hidden) xs_out[i] = quant_e4m3(r[j], scale);
+        }
+    }
+    __syncthreads();
 }
 
 // Adds the ks slices' partial sums of each row group in slice order into the slice-0 warp's acc,
@@ -156,11 +260,31 @@ __device__ __forceinline__ TcPlace tc_place(int row_bytes, int out, int target =
     return t;
 }
 
+// The lead warp's stores of a dense pass: y[t * y_stride + row] = bf16(sum) (BF16) or
+// bf16(sum · xs[t] · ws[row]) (FP8); with a fold (OrnithGemvBf16Params.fold) the residual at the
+// same place first takes the delta y holds: fold = bf16(fold + y_old) (rmsnorm_residual's add).
+template <bool FP8, int NT>
+__device__ __forceinline__ void tc_store(const float (&acc)[NT][4], int row0, int t0, int tokens, int out, uint16_t *y, int y_stride,
+                                         const float *ws, const float *xs, uint16_t *fold) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int row = row0 + g + (i >> 1) * 8, t = t0 + 8 * j + 2 * c + (i & 1);
+            if (row < out && t < tokens) {
+                const size_t o = (size_t)t * y_stride + row;
+                if (fold) fold[o] = f2bf(rms_add(bf2f(fold[o]), y[o]));
+                y[o] = f2bf(FP8 ? acc[j][i] * xs[t] * ws[row] : acc[j][i]);
+            }
+        }
+}
+
 // Dense form: y[t * y_stride + o] for t < tokens, o < out; x rows of x_stride elements.
 template <bool FP8, int NT>
 __device__ __forceinline__ void gemv_tc_pass(const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
                                              int tokens, int t0, int in, int out, int x_stride, int y_stride, const TcPlace &pl,
-                                             float *red) {
+                                             float *red, uint16_t *fold) {
     constexpr int ES = FP8 ? 1 : 2;
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const size_t row_bytes = (size_t)in * ES;
@@ -177,13 +301,7 @@ __device__ __forceinline__ void gemv_tc_pass(const uint8_t *w, const float *ws, 
     pdl_wait();  // (done inside the tile; here for a warp without one, before the write)
     tc_reduce<NT>(acc, pl.ks, red);
     if (!pl.lead || pl.row0 >= out) return;
-#pragma unroll
-    for (int j = 0; j < NT; j++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int row = pl.row0 + g + (i >> 1) * 8, t = t0 + 8 * j + 2 * c + (i & 1);
-            if (row < out && t < tokens) y[(size_t)t * y_stride + row] = f2bf(FP8 ? acc[j][i] * xs[t] * ws[row] : acc[j][i]);
-        }
+    tc_store<FP8, NT>(acc, pl.row0, t0, tokens, out, y, y_stride, ws, xs, fold);
 }
 
 template <int N> struct Nt {
@@ -213,9 +331,29 @@ template <int NTMAX, class Pass> __device__ __forceinline__ void tc_passes(int t
 // The rows a launch's K split is chosen for (OrnithGemv*Params.split_out).
 __device__ __forceinline__ int split_rows(int split_out, int out) { return split_out > 0 ? split_out : out; }
 
+// The dense form with the norm prologue (one row, OrnithNormIn): the row in dynamic shared memory
+// (in * ES bytes), the FP8 scale in a shared float; then the pass of one token as above.
+template <bool FP8>
+__device__ __forceinline__ void gemv_tc_norm(const uint8_t *w, const float *ws, uint16_t *y, int in, int out, int y_stride,
+                                             int split_out, const OrnithNormIn &norm, uint16_t *fold) {
+    __shared__ float red[TC_WARPS * 4 * 32];
+    extern __shared__ __align__(16) uint8_t xrow[];
+    __shared__ float sh[32], xsc;
+    constexpr int ES = FP8 ? 1 : 2;
+    const TcPlace pl = tc_place(in * ES, split_rows(split_out, out));
+    const size_t row_bytes = (size_t)in * ES;
+    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+    const int nrows = max(1, min(16, out - pl.row0));
+    tc_tile_prologue<FP8, tc_u(1)>(w + (size_t)pl.row0 * row_bytes, row_bytes, nrows, pl.row0 < out, xrow, pl.k0, pl.k1, acc,
+                                   [&] { norm_prologue<FP8>(norm, in, xrow, &xsc, sh); });
+    tc_reduce<1>(acc, pl.ks, red);
+    if (!pl.lead || pl.row0 >= out) return;
+    tc_store<FP8, 1>(acc, pl.row0, 0, 1, out, y, y_stride, ws, &xsc, fold);
+}
+
 template <bool FP8, int NTMAX>
 __device__ __forceinline__ void gemv_tc(const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
-                                        int tokens, int in, int out, int x_stride, int y_stride, int split_out) {
+                                        int tokens, int in, int out, int x_stride, int y_stride, int split_out, uint16_t *fold) {
     __shared__ float red[TC_WARPS * 4 * 32];
     constexpr int ES = FP8 ? 1 : 2;
     const TcPlace pl = tc_place(in * ES, split_rows(split_out, out));
@@ -224,17 +362,17 @@ __device__ __forceinline__ void gemv_tc(const uint8_t *w, const float *ws, const
     for (int t0 = 0; t0 < tokens; t0 += 8 * NTMAX) {
         const int nt = (min(tokens - t0, 8 * NTMAX) + 7) / 8;
         if (NTMAX == 1) {
-            gemv_tc_pass<FP8, 1>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red);
+            gemv_tc_pass<FP8, 1>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, fold);
             continue;
         }
         switch (nt) {
             case 1:
-            case 2: gemv_tc_pass<FP8, 2>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
-            case 3: gemv_tc_pass<FP8, 3>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
-            case 4: gemv_tc_pass<FP8, 4>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
+            case 2: gemv_tc_pass<FP8, 2>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, fold); break;
+            case 3: gemv_tc_pass<FP8, 3>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, fold); break;
+            case 4: gemv_tc_pass<FP8, 4>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, fold); break;
             case 5:
-            case 6: gemv_tc_pass<FP8, 6>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
-            default: gemv_tc_pass<FP8, NTMAX>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red); break;
+            case 6: gemv_tc_pass<FP8, 6>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, fold); break;
+            default: gemv_tc_pass<FP8, NTMAX>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, fold); break;
         }
     }
 }
@@ -243,22 +381,37 @@ __device__ __forceinline__ void gemv_tc(const uint8_t *w, const float *ws, const
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) gemv_bf16(const OrnithGemvBf16Params p) {
     pdl_launch_dependents();
     gemv_tc<false, TC_NARROW>(reinterpret_cast<const uint8_t *>(p.w), nullptr, reinterpret_cast<const uint8_t *>(p.x), nullptr,
-                              p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out);
+                              p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out, p.fold);
 }
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv_bf16_wide(const OrnithGemvBf16Params p) {
     pdl_launch_dependents();
     gemv_tc<false, TC_WIDE>(reinterpret_cast<const uint8_t *>(p.w), nullptr, reinterpret_cast<const uint8_t *>(p.x), nullptr,
-                            p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out);
+                            p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out, p.fold);
 }
 
 // y[t, o] = bf16((Σ_i e4m3(xq[t, i]) · e4m3(w[o, i])) · xs[t] · ws[o]) for any number of tokens.
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) gemv_fp8(const OrnithGemvFp8Params p) {
     pdl_launch_dependents();
-    gemv_tc<true, TC_NARROW>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out);
+    gemv_tc<true, TC_NARROW>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out, p.fold);
 }
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv_fp8_wide(const OrnithGemvFp8Params p) {
     pdl_launch_dependents();
-    gemv_tc<true, TC_WIDE>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out);
+    gemv_tc<true, TC_WIDE>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out, p.fold);
+}
+
+// The same products of one row whose input the block computes first (OrnithNormIn, weight
+// required): x (BF16) or xq / xs (FP8) unused. Kernels of their own, so that the prologue's
+// registers leave the plain builds' allocation alone; 3 blocks per SM (<= 80 registers: the
+// first round of weights stays in registers across the prologue without spills; the GDN input
+// projection's 386 blocks still fit one wave of the H200's 132 SMs).
+#define TC_NORM_BLOCKS 3
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NORM_BLOCKS) gemv_bf16_norm(const OrnithGemvBf16Params p) {
+    pdl_launch_dependents();
+    gemv_tc_norm<false>(reinterpret_cast<const uint8_t *>(p.w), nullptr, p.y, p.in, p.out, p.y_stride, p.split_out, p.norm, p.fold);
+}
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NORM_BLOCKS) gemv_fp8_norm(const OrnithGemvFp8Params p) {
+    pdl_launch_dependents();
+    gemv_tc_norm<true>(p.w, p.ws, p.y, p.in, p.out, p.y_stride, p.split_out, p.norm, p.fold);
 }
 
 // =============================================================================================
@@ -471,6 +624,31 @@ __device__ __forceinline__ void moe_expert(const OrnithMoeGemvParams &p, int e, 
     ws = p.ws + (size_t)e * p.out;
 }
 
+// The per-slot form with the norm prologue (OrnithMoeGemvParams.norm; in = hidden): the block
+// computes token t's quantised row into shared memory after its first weight loads, then the
+// pass of its one (token, slot) column as moe_tc_pass.
+__device__ __forceinline__ void moe_tc_norm(const OrnithMoeGemvParams &p, const uint8_t *wb, const float *ws, int t, int slot,
+                                            const TcPlace &pl) {
+    __shared__ float red[TC_WARPS * 4 * 32];
+    extern __shared__ __align__(16) uint8_t xrow[];
+    __shared__ float sh[32], xsc;
+    OrnithNormIn n = p.norm;
+    n.res += (size_t)t * p.in;
+    if (n.add) n.add += (size_t)t * p.in;
+    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+    const int nrows = max(1, min(16, p.out - pl.row0));
+    tc_tile_prologue<true, MOE_U>(wb + (size_t)pl.row0 * p.in, (size_t)p.in, nrows, pl.row0 < p.out, xrow, pl.k0, pl.k1, acc,
+                                  [&] { norm_prologue<true>(n, p.in, xrow, &xsc, sh); });
+    tc_reduce<1>(acc, pl.ks, red);
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    if (!pl.lead || pl.row0 >= p.out || c != 0) return;  // column 0 = lane (g, 0)'s acc[0][0], acc[0][2]
+#pragma unroll
+    for (int v = 0; v < 2; v++) {
+        const int row = pl.row0 + g + 8 * v;
+        if (row < p.out) p.y[((size_t)t * (p.top_k + 1) + slot) * p.out + row] = f2bf(acc[0][2 * v] * xsc * ws[row]);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_fp8(const OrnithMoeGemvParams p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
@@ -484,6 +662,20 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
         moe_expert(p, p.idx[t * p.top_k + slot], wb, ws);
     }
     moe_tc(p, wb, ws, MoeCols{nullptr, p.top_k, 1, t, slot}, pl);
+}
+
+// moe_gemv_fp8 with the norm prologue (OrnithMoeGemvParams.norm; the gate|up product, in = hidden).
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_fp8_norm(const OrnithMoeGemvParams p) {
+    pdl_launch_dependents();
+    const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
+    const int slot = blockIdx.y, t = blockIdx.z;
+    const uint8_t *wb = p.shared_w;
+    const float *ws = p.shared_ws;
+    if (slot != p.top_k) {
+        pdl_wait();
+        moe_expert(p, p.idx[t * p.top_k + slot], wb, ws);
+    }
+    moe_tc_norm(p, wb, ws, t, slot, pl);
 }
 
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_grouped(const OrnithMoeGemvParams p) {

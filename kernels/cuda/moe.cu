@@ -97,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_bf16(const OrnithSwiglu
     p.out[(size_t)r * p.inter + i] = f2bf(rbf(silu_f(bf2f(gu[i]))) * bf2f(gu[p.inter + i]));
 }
 
-// grid (ceil(hidden / 256), tokens): routed + gated shared expert.
+// grid (ceil(hidden / 256), tokens): routed + gated shared expert (and the residual fold, fold != NULL).
 extern "C" __global__ void __launch_bounds__(256) moe_combine(const OrnithMoeCombineParams p) {
     pdl_entry();
     const int t = blockIdx.y;
@@ -111,5 +111,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const OrnithMoeCom
     routed = rbf(routed);
     float g = rbf(sigmoid_f(bf2f(p.gate_logit[(size_t)t * p.gate_stride])));
     float shared = rbf(g * bf2f(ys[(size_t)p.top_k * p.hidden + i]));
-    p.out[(size_t)t * p.hidden + i] = f2bf(routed + shared);
+    const size_t o = (size_t)t * p.hidden + i;
+    if (p.fold) p.fold[o] = f2bf(rms_add(bf2f(p.fold[o]), p.out[o]));  // the residual takes the old delta
+    p.out[o] = f2bf(routed + shared);
 }

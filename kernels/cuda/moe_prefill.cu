@@ -7,29 +7,65 @@
 #define MS_MAX_EXPERTS 1024
 #define MS_TILE 64  // rows per tile of gemm_fp8_grouped (GB_GROUPED_M in gemm.cu)
 
-// One block: histogram, prefix sums, scatter (see OrnithMoeSortParams).
+// Exclusive prefix sum of v over the block's threads in thread order (MS_THREADS threads = 32
+// warps): a shuffle scan in each warp, then one over the warp totals. Every thread calls it.
+__device__ __forceinline__ int ms_exclusive_scan(int v, int *tot) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) tot[w] = x;
+    __syncthreads();
+    if (w == 0) {
+        int t = tot[lane];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, t, o);
+            if (lane >= o) t += y;
+        }
+        tot[lane] = t;  // inclusive over warps 0..lane
+    }
+    __syncthreads();
+    const int r = (w > 0 ? tot[w - 1] : 0) + x - v;
+    __syncthreads();  // tot is reused by the next scan
+    return r;
+}
+
+// One block: histogram, prefix sums, scatter (see OrnithMoeSortParams). Thread e owns expert e
+// (experts <= MS_THREADS): its group offset, tile offset and place in the active list are
+// exclusive prefix sums over the experts before it (parallel scans; a serial loop over 256
+// experts in one thread took ~5 us, most of the kernel). The order of the assignments inside
+// an expert's group follows the atomics and is not fixed: every consumer's result per
+// assignment is independent of its place in the group.
 extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_sort(const OrnithMoeSortParams p) {
     pdl_entry();
     __shared__ int cnt[MS_MAX_EXPERTS];
     __shared__ int cur[MS_MAX_EXPERTS];
+    __shared__ int tot[MS_THREADS / 32];
     const int n = p.tokens * p.top_k;
     for (int e = threadIdx.x; e < p.experts; e += MS_THREADS) cnt[e] = 0;
     __syncthreads();
     for (int a = threadIdx.x; a < n; a += MS_THREADS) atomicAdd(&cnt[p.idx[a]], 1);
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int off = 0, toff = 0, na = 0;
-        for (int e = 0; e < p.experts; e++) {
-            p.group_offsets[e] = off;
-            p.tile_offsets[e] = toff;
-            cur[e] = off;
-            off += cnt[e];
-            toff += (cnt[e] + MS_TILE - 1) / MS_TILE;
-            if (p.active_list && cnt[e] > 0) p.active_list[na++] = e;
-        }
-        p.group_offsets[p.experts] = off;
-        p.tile_offsets[p.experts] = toff;
-        if (p.active_count) *p.active_count = na;
+    const int e = threadIdx.x;
+    const bool own = e < p.experts;
+    const int c = own ? cnt[e] : 0, tiles = (c + MS_TILE - 1) / MS_TILE, active = c > 0 ? 1 : 0;
+    const int off = ms_exclusive_scan(c, tot);
+    const int toff = ms_exclusive_scan(tiles, tot);
+    const int na = ms_exclusive_scan(active, tot);
+    if (own) {
+        p.group_offsets[e] = off;
+        p.tile_offsets[e] = toff;
+        cur[e] = off;
+        if (p.active_list && active) p.active_list[na] = e;
+    }
+    if (e == p.experts - 1) {
+        p.group_offsets[p.experts] = off + c;
+        p.tile_offsets[p.experts] = toff + tiles;
+        if (p.active_count) *p.active_count = na + active;
     }
     __syncthreads();
     for (int a = threadIdx.x; a < n; a += MS_THREADS) {

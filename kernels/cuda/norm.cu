@@ -47,21 +47,21 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS, 2) rmsnorm_residual(co
         if (i < p.hidden) {
             float v = bf2f(rv[j]);
             if (add) {
-                v = rbf(v + bf2f(av[j]));  // h = bf16(r + x): the residual stream is bf16
+                v = rms_add(v, av[j]);  // h = bf16(r + x): the residual stream is bf16
                 res[i] = f2bf(v);
             }
             r[j] = v;
-            ss += v * v;
+            ss = fmaf(v, v, ss);
         }
     }
     ss = block_sum(ss, sh);
-    float inv = rsqrtf(ss / (float)p.hidden + p.eps);
+    float inv = rms_inv(ss, p.hidden, p.eps);
     float amax = 0.f;
 #pragma unroll
     for (int j = 0; j < RMS_PER_THREAD; j++) {
         int i = threadIdx.x + j * RMS_THREADS;
         if (i < p.hidden) {
-            float y = rbf(r[j] * inv * (1.f + bf2f(wv[j])));
+            float y = rms_out(r[j], inv, wv[j]);
             r[j] = y;
             amax = fmaxf(amax, fabsf(y));
             if (p.out) p.out[(size_t)t * p.hidden + i] = f2bf(y);

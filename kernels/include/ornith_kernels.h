@@ -60,6 +60,19 @@ typedef struct OrnithQuantParams {
  * FP8:   y[t, o] = bf16( (sum_i e4m3(xq[t, i]) * e4m3(w[o, i])) * xs[t] * ws[o] ).
  * `x_stride`/`y_stride` are row strides in elements; `in` must be a multiple of 16. */
 #define ORNITH_GEMV_MAX_TOKENS 8
+/* The norm prologue of a decode product (weight != NULL; one decode row, ORNITH_NORM_ROWS):
+ * instead of reading x (BF16) or xq / xs (FP8), every block computes its input row as
+ * rmsnorm_residual would write it (out, or q8 / scale), from the residual row `res` plus the
+ * pending delta `add` (NULL: none), into shared memory, with rmsnorm_residual's arithmetic
+ * (common.cuh's rms_* steps in the same order: the same bits). Nothing is written to `res`:
+ * the layer's writer of the next delta folds `add` into it (`fold` below, moe_combine's). */
+#define ORNITH_NORM_ROWS 1
+typedef struct OrnithNormIn {
+    const uint16_t *res;
+    const uint16_t *add;
+    const uint16_t *weight;
+    float eps;
+} OrnithNormIn;
 typedef struct OrnithGemvBf16Params {
     const uint16_t *x;
     const uint16_t *w;
@@ -73,6 +86,10 @@ typedef struct OrnithGemvBf16Params {
      * covers some of its rows (attention's q, k, v parts of the fused [q; k; v]), so each part's
      * bits are those of the one launch over the whole matrix; 0 means `out`. */
     int32_t split_out;
+    OrnithNormIn norm;
+    /* Residual fold (non-NULL; y is the pending delta): before writing y[t, o] the kernel sets
+     * fold[t * y_stride + o] = bf16(fold + y_old[t, o]), rmsnorm_residual's add. */
+    uint16_t *fold;
 } OrnithGemvBf16Params;
 
 typedef struct OrnithGemvFp8Params {
@@ -90,6 +107,8 @@ typedef struct OrnithGemvFp8Params {
      * covers some of its rows (attention's q, k, v parts of the fused [q; k; v]), so each part's
      * bits are those of the one launch over the whole matrix; 0 means `out`. */
     int32_t split_out;
+    OrnithNormIn norm; /* as OrnithGemvBf16Params (FP8: the quantised row, per-row scale) */
+    uint16_t *fold;
 } OrnithGemvFp8Params;
 
 /* MoE router: logits [tokens, logit_stride] bf16 (first `experts` columns are the router).
@@ -134,6 +153,9 @@ typedef struct OrnithMoeGemvParams {
     const int32_t *active_count;
     const int32_t *group_offsets;
     const int32_t *row_assign;
+    /* moe_gemv_fp8 only: token t's quantised input computed in the prologue (OrnithNormIn; the
+     * grid's z is the token), instead of read from xq / xs. */
+    OrnithNormIn norm;
 } OrnithMoeGemvParams;
 
 /* SwiGLU of gate_up rows + FP8 quantisation, one row of `inter` per (t, slot):
@@ -161,6 +183,9 @@ typedef struct OrnithMoeCombineParams {
     int32_t top_k;
     int32_t hidden;
     int32_t gate_stride;
+    /* Residual fold (non-NULL): before writing out[t, c], fold[t * hidden + c] =
+     * bf16(fold + out_old[t, c]), as OrnithGemvBf16Params.fold. */
+    uint16_t *fold;
 } OrnithMoeCombineParams;
 
 /* Causal depthwise conv1d (kernel 4) + SiLU with state, tokens processed in order.

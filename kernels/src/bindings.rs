@@ -4,6 +4,7 @@
 pub const ORNITH_FP8_MAX: f64 = 448.0;
 pub const ORNITH_KV_BLOCK: u32 = 256;
 pub const ORNITH_GEMV_MAX_TOKENS: u32 = 8;
+pub const ORNITH_NORM_ROWS: u32 = 1;
 pub const ORNITH_GDN_WORK_PER_CHUNK: u32 = 8832;
 pub const ORNITH_SAMPLE_SLICE: u32 = 2048;
 pub const ORNITH_SAMPLE_BINS: u32 = 65536;
@@ -103,6 +104,32 @@ impl Default for OrnithQuantParams {
 }
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
+pub struct OrnithNormIn {
+    pub res: *const u16,
+    pub add: *const u16,
+    pub weight: *const u16,
+    pub eps: f32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of OrnithNormIn"][::std::mem::size_of::<OrnithNormIn>() - 32usize];
+    ["Alignment of OrnithNormIn"][::std::mem::align_of::<OrnithNormIn>() - 8usize];
+    ["Offset of field: OrnithNormIn::res"][::std::mem::offset_of!(OrnithNormIn, res) - 0usize];
+    ["Offset of field: OrnithNormIn::add"][::std::mem::offset_of!(OrnithNormIn, add) - 8usize];
+    ["Offset of field: OrnithNormIn::weight"][::std::mem::offset_of!(OrnithNormIn, weight) - 16usize];
+    ["Offset of field: OrnithNormIn::eps"][::std::mem::offset_of!(OrnithNormIn, eps) - 24usize];
+};
+impl Default for OrnithNormIn {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
 pub struct OrnithGemvBf16Params {
     pub x: *const u16,
     pub w: *const u16,
@@ -113,10 +140,12 @@ pub struct OrnithGemvBf16Params {
     pub x_stride: i32,
     pub y_stride: i32,
     pub split_out: i32,
+    pub norm: OrnithNormIn,
+    pub fold: *mut u16,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithGemvBf16Params"][::std::mem::size_of::<OrnithGemvBf16Params>() - 48usize];
+    ["Size of OrnithGemvBf16Params"][::std::mem::size_of::<OrnithGemvBf16Params>() - 88usize];
     ["Alignment of OrnithGemvBf16Params"][::std::mem::align_of::<OrnithGemvBf16Params>() - 8usize];
     ["Offset of field: OrnithGemvBf16Params::x"][::std::mem::offset_of!(OrnithGemvBf16Params, x) - 0usize];
     ["Offset of field: OrnithGemvBf16Params::w"][::std::mem::offset_of!(OrnithGemvBf16Params, w) - 8usize];
@@ -130,6 +159,8 @@ const _: () = {
         [::std::mem::offset_of!(OrnithGemvBf16Params, y_stride) - 40usize];
     ["Offset of field: OrnithGemvBf16Params::split_out"]
         [::std::mem::offset_of!(OrnithGemvBf16Params, split_out) - 44usize];
+    ["Offset of field: OrnithGemvBf16Params::norm"][::std::mem::offset_of!(OrnithGemvBf16Params, norm) - 48usize];
+    ["Offset of field: OrnithGemvBf16Params::fold"][::std::mem::offset_of!(OrnithGemvBf16Params, fold) - 80usize];
 };
 impl Default for OrnithGemvBf16Params {
     fn default() -> Self {
@@ -154,10 +185,12 @@ pub struct OrnithGemvFp8Params {
     pub x_stride: i32,
     pub y_stride: i32,
     pub split_out: i32,
+    pub norm: OrnithNormIn,
+    pub fold: *mut u16,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithGemvFp8Params"][::std::mem::size_of::<OrnithGemvFp8Params>() - 64usize];
+    ["Size of OrnithGemvFp8Params"][::std::mem::size_of::<OrnithGemvFp8Params>() - 104usize];
     ["Alignment of OrnithGemvFp8Params"][::std::mem::align_of::<OrnithGemvFp8Params>() - 8usize];
     ["Offset of field: OrnithGemvFp8Params::xq"][::std::mem::offset_of!(OrnithGemvFp8Params, xq) - 0usize];
     ["Offset of field: OrnithGemvFp8Params::xs"][::std::mem::offset_of!(OrnithGemvFp8Params, xs) - 8usize];
@@ -171,6 +204,8 @@ const _: () = {
     ["Offset of field: OrnithGemvFp8Params::y_stride"][::std::mem::offset_of!(OrnithGemvFp8Params, y_stride) - 56usize];
     ["Offset of field: OrnithGemvFp8Params::split_out"]
         [::std::mem::offset_of!(OrnithGemvFp8Params, split_out) - 60usize];
+    ["Offset of field: OrnithGemvFp8Params::norm"][::std::mem::offset_of!(OrnithGemvFp8Params, norm) - 64usize];
+    ["Offset of field: OrnithGemvFp8Params::fold"][::std::mem::offset_of!(OrnithGemvFp8Params, fold) - 96usize];
 };
 impl Default for OrnithGemvFp8Params {
     fn default() -> Self {
@@ -238,10 +273,11 @@ pub struct OrnithMoeGemvParams {
     pub active_count: *const i32,
     pub group_offsets: *const i32,
     pub row_assign: *const i32,
+    pub norm: OrnithNormIn,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithMoeGemvParams"][::std::mem::size_of::<OrnithMoeGemvParams>() - 136usize];
+    ["Size of OrnithMoeGemvParams"][::std::mem::size_of::<OrnithMoeGemvParams>() - 168usize];
     ["Alignment of OrnithMoeGemvParams"][::std::mem::align_of::<OrnithMoeGemvParams>() - 8usize];
     ["Offset of field: OrnithMoeGemvParams::xq"][::std::mem::offset_of!(OrnithMoeGemvParams, xq) - 0usize];
     ["Offset of field: OrnithMoeGemvParams::xs"][::std::mem::offset_of!(OrnithMoeGemvParams, xs) - 8usize];
@@ -273,6 +309,7 @@ const _: () = {
         [::std::mem::offset_of!(OrnithMoeGemvParams, group_offsets) - 120usize];
     ["Offset of field: OrnithMoeGemvParams::row_assign"]
         [::std::mem::offset_of!(OrnithMoeGemvParams, row_assign) - 128usize];
+    ["Offset of field: OrnithMoeGemvParams::norm"][::std::mem::offset_of!(OrnithMoeGemvParams, norm) - 136usize];
 };
 impl Default for OrnithMoeGemvParams {
     fn default() -> Self {
@@ -325,10 +362,11 @@ pub struct OrnithMoeCombineParams {
     pub top_k: i32,
     pub hidden: i32,
     pub gate_stride: i32,
+    pub fold: *mut u16,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithMoeCombineParams"][::std::mem::size_of::<OrnithMoeCombineParams>() - 48usize];
+    ["Size of OrnithMoeCombineParams"][::std::mem::size_of::<OrnithMoeCombineParams>() - 56usize];
     ["Alignment of OrnithMoeCombineParams"][::std::mem::align_of::<OrnithMoeCombineParams>() - 8usize];
     ["Offset of field: OrnithMoeCombineParams::ys"][::std::mem::offset_of!(OrnithMoeCombineParams, ys) - 0usize];
     ["Offset of field: OrnithMoeCombineParams::weight"]
@@ -343,6 +381,7 @@ const _: () = {
         [::std::mem::offset_of!(OrnithMoeCombineParams, hidden) - 40usize];
     ["Offset of field: OrnithMoeCombineParams::gate_stride"]
         [::std::mem::offset_of!(OrnithMoeCombineParams, gate_stride) - 44usize];
+    ["Offset of field: OrnithMoeCombineParams::fold"][::std::mem::offset_of!(OrnithMoeCombineParams, fold) - 48usize];
 };
 impl Default for OrnithMoeCombineParams {
     fn default() -> Self {

@@ -564,8 +564,38 @@ impl CudaBackend {
 
     /// RMSNorm of rows `r0 .. r0 + n` of `h` into the scratch `xb`/`xq` (adding the pending delta).
     fn norm_rows(&self, h: &CudaAct, w: &CudaVector, r0: usize, n: usize) -> Result<XIn> {
+        Ok(self.norm_rows_for(h, w, r0, n, false)?.0)
+    }
+
+    /// The one place that decides whether a layer's input norm runs as its own kernel or in the
+    /// prologue of the layer's first decode products (`fusable`: the caller's consumers and the
+    /// writer of its next delta take the prologue and the fold, i.e. are BF16 or FP8 decode
+    /// products or `moe_combine`). Fused for one row (`ORNITH_NORM_ROWS`) of a hidden size the
+    /// prologue takes: the input is then `XIn::norm` (every consuming product computes the row's
+    /// norm itself, with `rmsnorm_residual`'s arithmetic: the same bits) and nothing is written
+    /// to `h`; the second value is then `Some(rows of h)` when a delta is pending, which the
+    /// layer's writer of the next delta must fold into `h` before it overwrites the delta
+    /// (`rmsnorm_residual` would have). Otherwise the norm kernel runs (and folds) as before.
+    fn norm_rows_for(
+        &self,
+        h: &CudaAct,
+        w: &CudaVector,
+        r0: usize,
+        n: usize,
+        fusable: bool,
+    ) -> Result<(XIn, Option<Ptr>)> {
         let hs = self.dims.hidden_size;
         let add = (h.pending.get() > r0).then(|| at(self, &h.delta, r0 * hs));
+        if fusable && n == ORNITH_NORM_ROWS as usize && hs <= crate::cuda::gemv::NORM_MAX_HIDDEN {
+            let norm = OrnithNormIn {
+                res: at(self, &h.h, r0 * hs) as _,
+                add: add.map_or(std::ptr::null(), |a| a as _),
+                weight: at(self, &w.bf, 0) as _,
+                eps: self.eps(),
+            };
+            let x = XIn { bf: 0, q8: None, stride: hs, norm: Some(norm) };
+            return Ok((x, add.map(|_| at(self, &h.h, r0 * hs))));
+        }
         let (xq, xs) = (at(self, &self.s.xq, 0), at(self, &self.s.xs, 0));
         self.cx.k_rmsnorm(
             at(self, &h.h, r0 * hs),
@@ -577,7 +607,7 @@ impl CudaBackend {
             hs,
             self.eps(),
         )?;
-        Ok(XIn { bf: at(self, &self.s.xb, 0), q8: Some((xq, xs)), stride: hs })
+        Ok((XIn { bf: at(self, &self.s.xb, 0), q8: Some((xq, xs)), stride: hs, norm: None }, None))
     }
 
     fn q8_scratch(&self) -> (Ptr, Ptr) {
@@ -597,7 +627,26 @@ impl CudaBackend {
         n: usize,
         prefill: bool,
     ) -> Result<()> {
-        self.linear_rows(l.dev(what)?.all(self), x, self.q8_scratch(), y, y_stride, n, prefill)
+        self.linear_rows(l.dev(what)?.all(self), x, self.q8_scratch(), y, y_stride, n, prefill, None)
+    }
+
+    /// [`Self::lin`] into the pending delta, folding the previous delta into the residual first
+    /// when the layer's norm ran in a prologue (`fold`, from [`Self::norm_rows_for`]).
+    #[allow(clippy::too_many_arguments)]
+    fn lin_delta<P: Prec>(
+        &self,
+        l: &CudaLinear<P>,
+        what: &str,
+        x: XIn,
+        h: &CudaAct,
+        r0: usize,
+        n: usize,
+        prefill: bool,
+        fold: Option<Ptr>,
+    ) -> Result<()> {
+        let hs = self.dims.hidden_size;
+        let y = at(self, &h.delta, r0 * hs);
+        self.linear_rows(l.dev(what)?.all(self), x, self.q8_scratch(), y, hs, n, prefill, fold)
     }
 
     /// Every layer starts with a fully pending or fully applied residual.
@@ -622,13 +671,13 @@ impl CudaBackend {
         h: &CudaAct,
     ) -> Result<()> {
         let d = &self.dims;
-        let (hs, cd, vd, hv, hk) =
-            (d.hidden_size, d.conv_dim(), d.value_dim(), d.linear_num_value_heads, d.linear_num_key_heads);
+        let (cd, vd, hv, hk) = (d.conv_dim(), d.value_dim(), d.linear_num_value_heads, d.linear_num_key_heads);
         let (conv_stride, ssm_stride) = plan::gdn_slot_elems(d);
         let pw = self.sz.proj_w;
         let s = &self.s;
         let prefill = matches!(rows, Rows::Seq { .. }) && use_prefill(n);
-        let x = self.norm_rows(h, norm, r0, n)?;
+        let fusable = [Qkv::KIND, Z::KIND, Bt::KIND, A::KIND, O::KIND].iter().all(|&k| k != Precision::Nvfp4);
+        let (x, fold) = self.norm_rows_for(h, norm, r0, n, fusable && !prefill)?;
         let proj = at(self, &s.proj, 0);
         let (z_at, b_at) = (proj + 2 * cd as u64, proj + 2 * (cd + vd) as u64);
         if w.in_proj_z.dev.is_none() {
@@ -689,8 +738,8 @@ impl CudaBackend {
             pw,
             self.eps(),
         )?;
-        let on = XIn { bf: at(self, &s.on, 0), q8: None, stride: vd };
-        self.lin(&w.out_proj, "out_proj", on, at(self, &h.delta, r0 * hs), hs, n, prefill)
+        let on = XIn { bf: at(self, &s.on, 0), q8: None, stride: vd, norm: None };
+        self.lin_delta(&w.out_proj, "out_proj", on, h, r0, n, prefill, fold)
     }
 
     /// Rows `r0 .. r0 + n` of an attention layer (`rows`: whose positions and blocks; `pos`:
@@ -708,7 +757,7 @@ impl CudaBackend {
         pos: &[usize],
     ) -> Result<()> {
         let d = &self.dims;
-        let (hs, nh, nkv, hd) = (d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim);
+        let (nh, nkv, hd) = (d.num_attention_heads, d.num_key_value_heads, d.head_dim);
         let tw = self.plan.table_width();
         // The group reads each row's position and block table row from `desc` (the same launches
         // serve every step of a captured graph); one sequence passes its first position by value.
@@ -718,7 +767,8 @@ impl CudaBackend {
         };
         let prefill = matches!(rows, Rows::Seq { .. }) && use_prefill(n);
         let s = &self.s;
-        let x = self.norm_rows(h, norm, r0, n)?;
+        let fusable = [Q::KIND, K::KIND, V::KIND, O::KIND].iter().all(|&k| k != Precision::Nvfp4);
+        let (x, fold) = self.norm_rows_for(h, norm, r0, n, fusable && !prefill)?;
         let (qn, kn) = (nh * 2 * hd, nkv * hd);
         let (qg, kp, vp) = (at(self, &s.qg, 0), at(self, &s.k, 0), at(self, &s.v, 0));
         let (kp, vp) = if w.k_proj.dev.is_none() {
@@ -728,12 +778,12 @@ impl CudaBackend {
             // do not depend on which weight rows the launch covers).
             let f = w.q_proj.dev("q_proj|k_proj|v_proj")?;
             if n == 1 {
-                self.linear_rows(f.all(self), x, self.q8_scratch(), qg, qn + 2 * kn, 1, false)?;
+                self.linear_rows(f.all(self), x, self.q8_scratch(), qg, qn + 2 * kn, 1, false, None)?;
                 (qg + 2 * qn as u64, qg + 2 * (qn + kn) as u64)
             } else {
-                self.linear_rows(f.rows(self, 0, qn), x, self.q8_scratch(), qg, qn, n, prefill)?;
-                self.linear_rows(f.rows(self, qn, kn), x, self.q8_scratch(), kp, kn, n, prefill)?;
-                self.linear_rows(f.rows(self, qn + kn, kn), x, self.q8_scratch(), vp, kn, n, prefill)?;
+                self.linear_rows(f.rows(self, 0, qn), x, self.q8_scratch(), qg, qn, n, prefill, None)?;
+                self.linear_rows(f.rows(self, qn, kn), x, self.q8_scratch(), kp, kn, n, prefill, None)?;
+                self.linear_rows(f.rows(self, qn + kn, kn), x, self.q8_scratch(), vp, kn, n, prefill, None)?;
                 (kp, vp)
             }
         } else {
@@ -820,8 +870,8 @@ impl CudaBackend {
                 )?;
             }
         }
-        let att = XIn { bf: at(self, &s.on, 0), q8: None, stride: nh * hd };
-        self.lin(&w.o_proj, "o_proj", att, at(self, &h.delta, r0 * hs), hs, n, prefill)
+        let att = XIn { bf: at(self, &s.on, 0), q8: None, stride: nh * hd, norm: None };
+        self.lin_delta(&w.o_proj, "o_proj", att, h, r0, n, prefill, fold)
     }
 
     /// The MoE of `n` prefill rows grouped by expert, after the router (`s.rlog`, `s.idx`,
@@ -1036,7 +1086,7 @@ impl CudaBackend {
                 },
                 grouped,
             )?;
-            self.cx.k_combine(sy, at(self, &s.wt, 0), rl + 2 * e as u64, out, n, k, hs, rw)?;
+            self.cx.k_combine(sy, at(self, &s.wt, 0), rl + 2 * e as u64, out, n, k, hs, rw, None)?;
         }
         h.pending.set(h.t);
         Ok(())
@@ -1368,8 +1418,11 @@ impl Backend for CudaBackend {
         // Row by row: the decode group at once (GEMVs, one MoE grid z per row), each prefill
         // sequence in chunks (grouped by expert when longer than 8 rows).
         for (r0, n, prefill) in segments(batch) {
-            let x = self.norm_rows(h, norm, r0, n)?;
-            let (xq, xs) = x.q8.expect("norm_rows quantises");
+            // Fusable: the router is BF16 (the export's ignore list), the expert gate|up of a
+            // group below GROUPED_MOE_ROWS the per-slot product, the combine folds.
+            let fusable = !prefill && n < GROUPED_MOE_ROWS && R::KIND != Precision::Nvfp4;
+            let (x, fold) = self.norm_rows_for(h, norm, r0, n, fusable)?;
+            let (xq, xs) = x.q8.unwrap_or((0, 0));
             // Router logits in columns 0..E, the shared-expert gate logit in column E (one Linear).
             self.lin(&w.gate, "mlp.gate", x, rl, rw, n, prefill)?;
             self.cx.k_router(rl, at(self, &s.idx, 0), at(self, &s.wt, 0), n, e, k, rw)?;
@@ -1409,6 +1462,7 @@ impl Backend for CudaBackend {
                 active_count: groups[1],
                 group_offsets: groups[2],
                 row_assign: groups[3],
+                norm: x.norm.unwrap_or_default(),
             };
             self.cx.k_moe_gemv(gu_params, grouped)?;
             self.cx.k_swiglu(at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), n * slots, inter)?;
@@ -1427,6 +1481,7 @@ impl Backend for CudaBackend {
                     x_slot_stride: inter as i32,
                     xs_tok_stride: slots as i32,
                     xs_slot_stride: 1,
+                    norm: OrnithNormIn::default(),
                     ..gu_params
                 },
                 grouped,
@@ -1440,6 +1495,7 @@ impl Backend for CudaBackend {
                 k,
                 hs,
                 rw,
+                fold,
             )?;
         }
         h.pending.set(h.t);

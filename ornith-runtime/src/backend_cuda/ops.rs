@@ -28,12 +28,16 @@ pub fn use_prefill(rows: usize) -> bool {
 }
 
 /// An activation in both forms a Linear may want: bf16 rows and per-token FP8 rows with their
-/// scales (`None` until quantised). `stride` is the row stride of both, in elements.
+/// scales (`None` until quantised). `stride` is the row stride of both, in elements. Or, with
+/// `norm`, not yet computed: one decode row that is the RMSNorm of a residual row, which the
+/// decode product computes in its prologue (`OrnithNormIn`; `bf` and `q8` are then unset,
+/// see `CudaBackend::norm_rows`).
 #[derive(Clone, Copy)]
 pub struct XIn {
     pub bf: Ptr,
     pub q8: Option<(Ptr, Ptr)>,
     pub stride: usize,
+    pub norm: Option<OrnithNormIn>,
 }
 
 /// Rows `r0 .. r0 + out_features` of a device Linear: weight address (BF16 or E4M3 rows of
@@ -98,6 +102,9 @@ impl CudaBackend {
     /// FP8 Linears quantise `x` first (per
     /// token, compressed-tensors semantics) unless `x.q8` is given. Both kernels compute the same
     /// cast points (fp32 sums, one bf16 rounding of the scaled sum); they differ in summation order.
+    /// With `x.norm` the row's norm is computed in the product's prologue (one decode row, BF16
+    /// or FP8 weights); with `fold` (the residual rows, `y` being the pending delta) the product
+    /// first adds the delta `y` holds into them (`OrnithGemvBf16Params.fold`; decode products).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn linear_rows(
         &self,
@@ -108,10 +115,22 @@ impl CudaBackend {
         y_stride: usize,
         t: usize,
         prefill: bool,
+        fold: Option<Ptr>,
     ) -> Result<()> {
         ensure!(t >= 1, "linear on zero rows");
         let prefill = prefill && use_prefill(t);
         let (in_, out) = (w.in_features, w.out_features);
+        ensure!(fold.is_none() || (!prefill && w.fp4.is_none()), "a residual fold needs a BF16 or FP8 decode product");
+        if let Some(n) = x.norm {
+            ensure!(
+                t == 1 && !prefill && w.fp4.is_none(),
+                "the norm prologue takes one decode row of a BF16 or FP8 Linear"
+            );
+            return match w.scale {
+                None => self.cx.k_gemv_bf16_norm(n, w.w, y, in_, out, y_stride, w.split_rows, fold),
+                Some(ws) => self.cx.k_gemv_fp8_norm(n, w.w, ws, y, in_, out, y_stride, w.split_rows, fold),
+            };
+        }
         if let Some(f) = w.fp4 {
             // NVFP4A16: bf16 activations, dequantised in the GEMM's tile or the product's registers.
             if prefill && gemm_aligned(x.bf, x.stride * 2, in_ * 2) {
@@ -124,7 +143,7 @@ impl CudaBackend {
                 if prefill && gemm_aligned(x.bf, x.stride * 2, in_ * 2) {
                     return self.cx.k_gemm_bf16(x.bf, w.w, y, t, in_, out, x.stride, y_stride);
                 }
-                self.cx.k_gemv_bf16(x.bf, w.w, y, t, in_, out, x.stride, y_stride, w.split_rows)?;
+                self.cx.k_gemv_bf16(x.bf, w.w, y, t, in_, out, x.stride, y_stride, w.split_rows, fold)?;
             }
             Some(ws) => {
                 let (xq, xsc, xstride) = match x.q8 {
@@ -137,7 +156,7 @@ impl CudaBackend {
                 if prefill && gemm_aligned(xq, xstride, in_) {
                     return self.cx.k_gemm_fp8(xq, xsc, w.w, ws, y, t, in_, out, xstride, y_stride);
                 }
-                self.cx.k_gemv_fp8(xq, xsc, w.w, ws, y, t, in_, out, xstride, y_stride, w.split_rows)?;
+                self.cx.k_gemv_fp8(xq, xsc, w.w, ws, y, t, in_, out, xstride, y_stride, w.split_rows, fold)?;
             }
         }
         Ok(())

@@ -16,6 +16,19 @@ use ornith_kernels::bindings::*;
 
 type Bf = CudaSlice<u16>;
 
+/// The largest hidden size the norm prologue takes (`NORM_PER_THREAD` · 256 in gemv.cu).
+pub(crate) const NORM_MAX_HIDDEN: usize = 2048;
+
+/// Bytes a norm prologue reads: the residual row, the pending delta, the weight.
+fn norm_bytes(n: &OrnithNormIn, hidden: usize) -> usize {
+    hidden * 2 * (2 + usize::from(!n.add.is_null()))
+}
+
+/// Bytes a residual fold moves: the residual read and written, the old delta read.
+fn fold_bytes(fold: Option<Ptr>, t: usize, out: usize) -> u64 {
+    fold.map_or(0, |_| (t * out * 6) as u64)
+}
+
 /// Inputs of [`CudaContext::moe_gemv`].
 pub struct MoeGemvArgs<'a> {
     pub xq: &'a CudaSlice<u8>,
@@ -77,10 +90,12 @@ impl CudaContext {
         xs: usize,
         ys: usize,
         split: usize,
+        fold: Option<Ptr>,
     ) -> Result<()> {
         Self::gemv_checks(x, w, t, in_, out, xs, ys, 8)?;
         ensure!(split >= out, "gemv: split rows {split} < out {out}");
         let p = OrnithGemvBf16Params {
+            fold: fold.map_or(std::ptr::null_mut(), |f| f as _),
             x: x as _,
             w: w as _,
             y: y as _,
@@ -90,8 +105,9 @@ impl CudaContext {
             x_stride: xs as i32,
             y_stride: ys as i32,
             split_out: i32of("gemv split rows", split)?,
+            ..Default::default()
         };
-        let bytes = (out * in_ * 2 + t * (in_ + out) * 2) as u64;
+        let bytes = (out * in_ * 2 + t * (in_ + out) * 2) as u64 + fold_bytes(fold, t, out);
         let name = super::gemv_tc_kernel(false, t);
         self.launch(
             Launch::new(name, (super::gemv_tc_blocks(in_ * 2, out, split), 1, 1), super::GEMV_BLOCK, bytes)
@@ -116,10 +132,12 @@ impl CudaContext {
         xs: usize,
         ys: usize,
         split: usize,
+        fold: Option<Ptr>,
     ) -> Result<()> {
         Self::gemv_checks(xq, w, t, in_, out, xs, ys, 16)?;
         ensure!(split >= out, "gemv_fp8: split rows {split} < out {out}");
         let p = OrnithGemvFp8Params {
+            fold: fold.map_or(std::ptr::null_mut(), |f| f as _),
             xq: xq as _,
             xs: xsc as _,
             w: w as _,
@@ -131,13 +149,101 @@ impl CudaContext {
             x_stride: xs as i32,
             y_stride: ys as i32,
             split_out: i32of("gemv_fp8 split rows", split)?,
+            ..Default::default()
         };
-        let bytes = (out * in_ + out * 4 + t * (in_ + 4 + out * 2)) as u64;
+        let bytes = (out * in_ + out * 4 + t * (in_ + 4 + out * 2)) as u64 + fold_bytes(fold, t, out);
         let name = super::gemv_tc_kernel(true, t);
         self.launch(
             Launch::new(name, (super::gemv_tc_blocks(in_, out, split), 1, 1), super::GEMV_BLOCK, bytes).weights_first(),
             p,
         )
+    }
+
+    /// What the norm-prologue products assume (`OrnithNormIn`): one row (`ORNITH_NORM_ROWS`),
+    /// the norm over the product's whole input (`in` = hidden <= 2048, `NORM_PER_THREAD` · 256 in
+    /// gemv.cu), a weight, 16-byte aligned rows; returns the dynamic shared memory (the row).
+    fn norm_checks(n: &OrnithNormIn, in_: usize, elem: usize) -> Result<u32> {
+        ensure!(!n.weight.is_null() && !n.res.is_null(), "norm prologue: no weight or residual");
+        ensure!(
+            in_ > 0 && in_ <= NORM_MAX_HIDDEN && in_.is_multiple_of(16),
+            "norm prologue: hidden {in_} (<= {NORM_MAX_HIDDEN})"
+        );
+        ensure!(n.eps.is_finite() && n.eps >= 0.0, "norm prologue: eps {}", n.eps);
+        Ok((in_ * elem) as u32)
+    }
+
+    /// `gemv_bf16` of one row whose input is the norm of a residual row, computed by every block
+    /// after its first weight loads (`OrnithNormIn`): the bits of `rmsnorm_residual` then
+    /// [`Self::k_gemv_bf16`], without the norm's launch or its stores; `fold` as there.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn k_gemv_bf16_norm(
+        &self,
+        norm: OrnithNormIn,
+        w: Ptr,
+        y: Ptr,
+        in_: usize,
+        out: usize,
+        ys: usize,
+        split: usize,
+        fold: Option<Ptr>,
+    ) -> Result<()> {
+        let smem = Self::norm_checks(&norm, in_, 2)?;
+        Self::gemv_checks(norm.res as Ptr, w, 1, in_, out, in_, ys, 8)?;
+        ensure!(split >= out, "gemv_bf16_norm: split rows {split} < out {out}");
+        let p = OrnithGemvBf16Params {
+            w: w as _,
+            y: y as _,
+            tokens: 1,
+            in_: in_ as i32,
+            out: out as i32,
+            x_stride: in_ as i32,
+            y_stride: ys as i32,
+            split_out: i32of("gemv split rows", split)?,
+            norm,
+            fold: fold.map_or(std::ptr::null_mut(), |f| f as _),
+            ..Default::default()
+        };
+        let bytes = (out * in_ * 2 + norm_bytes(&norm, in_) + out * 2) as u64 + fold_bytes(fold, 1, out);
+        let grid = (super::gemv_tc_blocks(in_ * 2, out, split), 1, 1);
+        self.launch(Launch::new("gemv_bf16_norm", grid, super::GEMV_BLOCK, bytes).smem(smem).weights_first(), p)
+    }
+
+    /// `gemv_fp8` of one row whose input is the quantised norm of a residual row, computed in the
+    /// prologue as [`Self::k_gemv_bf16_norm`]: the bits of `rmsnorm_residual` (FP8 out) then
+    /// [`Self::k_gemv_fp8`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn k_gemv_fp8_norm(
+        &self,
+        norm: OrnithNormIn,
+        w: Ptr,
+        ws: Ptr,
+        y: Ptr,
+        in_: usize,
+        out: usize,
+        ys: usize,
+        split: usize,
+        fold: Option<Ptr>,
+    ) -> Result<()> {
+        let smem = Self::norm_checks(&norm, in_, 1)?;
+        Self::gemv_checks(norm.res as Ptr, w, 1, in_, out, in_, ys, 16)?;
+        ensure!(split >= out, "gemv_fp8_norm: split rows {split} < out {out}");
+        let p = OrnithGemvFp8Params {
+            w: w as _,
+            ws: ws as _,
+            y: y as _,
+            tokens: 1,
+            in_: in_ as i32,
+            out: out as i32,
+            x_stride: in_ as i32,
+            y_stride: ys as i32,
+            split_out: i32of("gemv_fp8 split rows", split)?,
+            norm,
+            fold: fold.map_or(std::ptr::null_mut(), |f| f as _),
+            ..Default::default()
+        };
+        let bytes = (out * in_ + out * 4 + norm_bytes(&norm, in_) + out * 2) as u64 + fold_bytes(fold, 1, out);
+        let grid = (super::gemv_tc_blocks(in_, out, split), 1, 1);
+        self.launch(Launch::new("gemv_fp8_norm", grid, super::GEMV_BLOCK, bytes).smem(smem).weights_first(), p)
     }
 
     /// The expert GEMVs of a decode group (see `OrnithMoeGemvParams`): per (token, slot)
@@ -159,6 +265,7 @@ impl CudaContext {
         ensure!(t * xt + k * xsl <= i32::MAX as usize, "moe_gemv: {t} tokens of stride {xt}");
         let tiles = super::moe_tc_blocks(in_, out);
         if grouped {
+            ensure!(p.norm.weight.is_null(), "moe_gemv_grouped has no norm prologue");
             ensure!(
                 !p.active_list.is_null()
                     && !p.active_count.is_null()
@@ -170,6 +277,18 @@ impl CudaContext {
             let bytes = (active + 1) * (out * in_ + out * 4) + t * slots * (in_ + 4 + out * 2);
             return self.launch(
                 Launch::new("moe_gemv_grouped", (tiles, active as u32 + 1, 1), super::GEMV_BLOCK, bytes as u64)
+                    .weights_first(),
+                p,
+            );
+        }
+        if !p.norm.weight.is_null() {
+            // The per-(token, slot) form with the norm prologue: each block quantises its token's
+            // normalised row itself (in = hidden, rows of the residual at stride in).
+            let smem = Self::norm_checks(&p.norm, in_, 1)?;
+            let bytes = t * slots * (out * in_ + out * 4 + out * 2) + t * norm_bytes(&p.norm, in_);
+            return self.launch(
+                Launch::new("moe_gemv_fp8_norm", (tiles, slots as u32, t as u32), super::GEMV_BLOCK, bytes as u64)
+                    .smem(smem)
                     .weights_first(),
                 p,
             );
@@ -202,7 +321,7 @@ impl CudaContext {
         need("gemv x", x, (tokens - 1) * x_stride + in_)?;
         need("gemv w", w, out * in_)?;
         need("gemv y", y, (tokens - 1) * y_stride + out)?;
-        self.k_gemv_bf16(self.addr(x), self.addr(w), self.addr(y), tokens, in_, out, x_stride, y_stride, out)
+        self.k_gemv_bf16(self.addr(x), self.addr(w), self.addr(y), tokens, in_, out, x_stride, y_stride, out, None)
     }
 
     /// [`Self::k_gemv_fp8`] on buffers.
@@ -227,7 +346,7 @@ impl CudaContext {
         need("gemv_fp8 ws", ws, out)?;
         need("gemv_fp8 y", y, (tokens - 1) * y_stride + out)?;
         let (a, b, c, d, e) = (self.addr(xq), self.addr(xs), self.addr(w), self.addr(ws), self.addr(y));
-        self.k_gemv_fp8(a, b, c, d, e, tokens, in_, out, x_stride, y_stride, out)
+        self.k_gemv_fp8(a, b, c, d, e, tokens, in_, out, x_stride, y_stride, out, None)
     }
 
     /// Expert GEMV for top_k routed slots + the shared slot ([`Self::k_moe_gemv`] per pair).
@@ -269,6 +388,7 @@ impl CudaContext {
             active_count: std::ptr::null(),
             group_offsets: std::ptr::null(),
             row_assign: std::ptr::null(),
+            norm: OrnithNormIn::default(),
         })
     }
 

@@ -214,9 +214,11 @@ impl CudaContext {
         top_k: usize,
         hidden: usize,
         gate_stride: usize,
+        fold: Option<Ptr>,
     ) -> Result<()> {
         ensure!(t > 0 && hidden > 0 && top_k > 0, "moe_combine: empty");
         let p = OrnithMoeCombineParams {
+            fold: fold.map_or(std::ptr::null_mut(), |f| f as _),
             ys: ys as _,
             weight: weight as _,
             gate_logit: gate as _,
@@ -226,7 +228,7 @@ impl CudaContext {
             hidden: i32of("hidden", hidden)?,
             gate_stride: i32of("gate stride", gate_stride)?,
         };
-        let bytes = t * ((top_k + 2) * hidden * 2 + top_k * 4 + 2);
+        let bytes = t * ((top_k + 2) * hidden * 2 + top_k * 4 + 2) + fold.map_or(0, |_| t * hidden * 6);
         self.launch(Launch::new("moe_combine", (hidden.div_ceil(256) as u32, t as u32, 1), 256, bytes as u64), p)
     }
 
@@ -348,7 +350,7 @@ impl CudaContext {
         need("combine gate", gate_logit, (tokens - 1) * gate_stride + 1)?;
         need("combine out", out, tokens * hidden)?;
         let (a, b, c, d) = (self.addr(ys), self.addr(weight), self.addr(gate_logit), self.addr(out));
-        self.k_combine(a, b, c, d, tokens, top_k, hidden, gate_stride)
+        self.k_combine(a, b, c, d, tokens, top_k, hidden, gate_stride, None)
     }
 
     /// The MoE block for `tokens` rows of `x` (see `cpu::moe::moe`) on buffers, through the

@@ -406,9 +406,18 @@ fn gemv_parts_match_the_whole() {
     for form in ["bf16", "fp8", "nvfp4"] {
         let launch = |y: Ptr, r0: usize, n: usize, split: usize| {
             match form {
-                "bf16" => {
-                    c.k_gemv_bf16(c.addr(&dx), c.addr(&dwb) + (2 * r0 * inp) as u64, y, tokens, inp, n, inp, out, split)
-                }
+                "bf16" => c.k_gemv_bf16(
+                    c.addr(&dx),
+                    c.addr(&dwb) + (2 * r0 * inp) as u64,
+                    y,
+                    tokens,
+                    inp,
+                    n,
+                    inp,
+                    out,
+                    split,
+                    None,
+                ),
                 "fp8" => c.k_gemv_fp8(
                     c.addr(&dxq),
                     c.addr(&dxs),
@@ -421,6 +430,7 @@ fn gemv_parts_match_the_whole() {
                     inp,
                     out,
                     split,
+                    None,
                 ),
                 _ => {
                     let w = super::nvfp4::Fp4W {

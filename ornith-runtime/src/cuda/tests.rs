@@ -109,6 +109,207 @@ fn embed_gather_matches_reference() {
 /// `rmsnorm_residual` = `cpu::norm::add_into` (the residual `bf16(r + x)`, bit-exact: one
 /// rounding of an fp32 sum on both) then `cpu::norm::rms_norm` (zero-centred, `close`), and the
 /// FP8 codes of its output bit-exact against `cpu::fp8::quantize_act_row`.
+/// The norm prologue of the decode products (`gemv_bf16_norm`, `gemv_fp8_norm`,
+/// `moe_gemv_fp8_norm`) against what it replaces, bit for bit: `rmsnorm_residual` (itself tested
+/// against the CPU reference above) then the plain product on its output. And the residual fold
+/// (the writer of the next delta adds the old one into the residual: `fold` of the dense products
+/// and of `moe_combine`) against `rmsnorm_residual`'s residual output. Hidden 2048 (the model's)
+/// and 528 (a row that is not a multiple of the block), with and without a pending delta; the
+/// real decode shapes (GDN input projection, router, attention q|k|v, expert gate|up).
+#[test]
+#[ignore]
+fn norm_prologue_and_fold_match_the_norm_kernel() {
+    use ornith_kernels::bindings::OrnithNormIn;
+    let c = ctx();
+    let mut r = rng(41);
+    let eps = 1e-6f32;
+    for (hidden, with_add) in [(2048, true), (2048, false), (528, true)] {
+        let res = bfv(&mut r, hidden, 4.0);
+        let add = bfv(&mut r, hidden, 4.0);
+        let wn = bfv(&mut r, hidden, 0.5);
+        let (dres0, dadd, dwn) = (c.upload(&res).unwrap(), c.upload(&add).unwrap(), c.upload(&wn).unwrap());
+        // The reference: rmsnorm_residual's outputs (on a copy of the residual).
+        let mut dres = c.upload(&res).unwrap();
+        let mut xb = c.upload(&vec![POISON; hidden]).unwrap();
+        let mut xq = c.upload(&vec![0xAAu8; hidden]).unwrap();
+        let mut xs = c.upload(&vec![-1f32; 1]).unwrap();
+        c.rmsnorm_residual(
+            &mut dres,
+            with_add.then_some(&dadd),
+            &dwn,
+            Some(&mut xb),
+            Some((&mut xq, &mut xs)),
+            1,
+            hidden,
+            eps,
+        )
+        .unwrap();
+        let res_after = c.download(&dres).unwrap();
+        let norm = OrnithNormIn {
+            res: c.addr(&dres0) as _,
+            add: if with_add { c.addr(&dadd) as _ } else { std::ptr::null() },
+            weight: c.addr(&dwn) as _,
+            eps,
+        };
+        for out in [12_352, 257, 64] {
+            let w = bfv(&mut r, out * hidden, 0.05);
+            let dw = c.upload(&w).unwrap();
+            let mut want = c.upload(&vec![POISON; out]).unwrap();
+            c.gemv_bf16(&xb, &dw, &mut want, 1, hidden, out, hidden, out).unwrap();
+            let got = c.upload(&vec![POISON; out]).unwrap();
+            c.k_gemv_bf16_norm(norm, c.addr(&dw), c.addr(&got), hidden, out, out, out, None).unwrap();
+            assert!(
+                c.download(&got).unwrap() == c.download(&want).unwrap(),
+                "gemv_bf16_norm {hidden} -> {out} (add {with_add}) differs from rmsnorm_residual + gemv_bf16"
+            );
+        }
+        for out in [9216, 64] {
+            let w8: Vec<u8> =
+                (0..out * hidden).map(|_| r.random_range(0..=0x7Eu8) | (r.random_range(0..2u8) << 7)).collect();
+            let ws: Vec<f32> = (0..out).map(|_| r.random_range(1e-3f32..1e-2)).collect();
+            let (dw, dws) = (c.upload(&w8).unwrap(), c.upload(&ws).unwrap());
+            let mut want = c.upload(&vec![POISON; out]).unwrap();
+            c.gemv_fp8(&xq, &xs, &dw, &dws, &mut want, 1, hidden, out, hidden, out).unwrap();
+            let got = c.upload(&vec![POISON; out]).unwrap();
+            c.k_gemv_fp8_norm(norm, c.addr(&dw), c.addr(&dws), c.addr(&got), hidden, out, out, out, None).unwrap();
+            assert!(
+                c.download(&got).unwrap() == c.download(&want).unwrap(),
+                "gemv_fp8_norm {hidden} -> {out} (add {with_add}) differs from rmsnorm_residual + gemv_fp8"
+            );
+        }
+        // Expert gate|up, per (token, slot), 8 routed slots of 16 experts + the shared one.
+        let (e, k, o) = (16, 8, 256);
+        let wq: Vec<u8> =
+            (0..e * o * hidden).map(|_| r.random_range(0..=0x7Eu8) | (r.random_range(0..2u8) << 7)).collect();
+        let wqs: Vec<f32> = (0..e * o).map(|_| r.random_range(1e-3f32..1e-2)).collect();
+        let sw: Vec<u8> = (0..o * hidden).map(|_| r.random_range(0..=0x7Eu8)).collect();
+        let sws: Vec<f32> = (0..o).map(|_| r.random_range(1e-3f32..1e-2)).collect();
+        let idx: Vec<i32> = (0..k as i32).map(|j| (j * 5 + 3) % e as i32).collect();
+        let (dwq, dwqs, dsw, dsws, didx) = (
+            c.upload(&wq).unwrap(),
+            c.upload(&wqs).unwrap(),
+            c.upload(&sw).unwrap(),
+            c.upload(&sws).unwrap(),
+            c.upload(&idx).unwrap(),
+        );
+        let a = MoeGemvArgs {
+            xq: &xq,
+            xs: &xs,
+            idx: &didx,
+            w: &dwq,
+            ws: &dwqs,
+            shared_w: &dsw,
+            shared_ws: &dsws,
+            tokens: 1,
+            top_k: k,
+            experts: e,
+            in_: hidden,
+            out: o,
+            x_tok_stride: hidden,
+            x_slot_stride: 0,
+            xs_tok_stride: 1,
+            xs_slot_stride: 0,
+        };
+        let mut want = c.upload(&vec![POISON; (k + 1) * o]).unwrap();
+        c.moe_gemv(&a, &mut want).unwrap();
+        let got = c.upload(&vec![POISON; (k + 1) * o]).unwrap();
+        let p = ornith_kernels::bindings::OrnithMoeGemvParams {
+            idx: c.addr(&didx) as _,
+            w: c.addr(&dwq) as _,
+            ws: c.addr(&dwqs) as _,
+            shared_w: c.addr(&dsw) as _,
+            shared_ws: c.addr(&dsws) as _,
+            y: c.addr(&got) as _,
+            tokens: 1,
+            top_k: k as i32,
+            experts: e as i32,
+            in_: hidden as i32,
+            out: o as i32,
+            x_tok_stride: hidden as i32,
+            xs_tok_stride: 1,
+            norm,
+            ..Default::default()
+        };
+        c.k_moe_gemv(p, false).unwrap();
+        assert!(
+            c.download(&got).unwrap() == c.download(&want).unwrap(),
+            "moe_gemv_fp8_norm {hidden} (add {with_add}) differs from rmsnorm_residual + moe_gemv_fp8"
+        );
+        if !with_add {
+            continue;
+        }
+        // The folds: the writer of the next delta adds the old delta (in y / out) into the residual
+        // first; the residual then equals rmsnorm_residual's, the new delta the plain product's.
+        let fold_res = c.upload(&res).unwrap();
+        let inw = 512;
+        let xin = bfv(&mut r, inw, 1.0);
+        let wo = bfv(&mut r, hidden * inw, 0.05);
+        let (dxin, dwo) = (c.upload(&xin).unwrap(), c.upload(&wo).unwrap());
+        let mut want = c.upload(&vec![POISON; hidden]).unwrap();
+        c.gemv_bf16(&dxin, &dwo, &mut want, 1, inw, hidden, inw, hidden).unwrap();
+        let delta = c.upload(&add).unwrap();
+        c.k_gemv_bf16(
+            c.addr(&dxin),
+            c.addr(&dwo),
+            c.addr(&delta),
+            1,
+            inw,
+            hidden,
+            inw,
+            hidden,
+            hidden,
+            Some(c.addr(&fold_res)),
+        )
+        .unwrap();
+        assert_eq!(
+            c.download(&fold_res).unwrap(),
+            res_after,
+            "gemv_bf16 fold {hidden}: the residual is not rmsnorm_residual's"
+        );
+        assert!(c.download(&delta).unwrap() == c.download(&want).unwrap(), "gemv_bf16 with a fold changed its output");
+        // moe_combine's fold (its own output checked against the reference in moe_decode_matches_reference).
+        let fold_res = c.upload(&res).unwrap();
+        let ys = c.upload(&bfv(&mut r, (k + 1) * hidden, 1.0)).unwrap();
+        let wt = c.upload(&(0..k).map(|j| 0.1 * (j + 1) as f32).collect::<Vec<f32>>()).unwrap();
+        let gl = c.upload(&bfv(&mut r, 1, 1.0)).unwrap();
+        let mut want = c.upload(&vec![POISON; hidden]).unwrap();
+        c.moe_combine(&ys, &wt, &gl, &mut want, 1, k, hidden, 1).unwrap();
+        let delta = c.upload(&add).unwrap();
+        c.k_combine(c.addr(&ys), c.addr(&wt), c.addr(&gl), c.addr(&delta), 1, k, hidden, 1, Some(c.addr(&fold_res)))
+            .unwrap();
+        assert_eq!(
+            c.download(&fold_res).unwrap(),
+            res_after,
+            "moe_combine fold {hidden}: the residual is not rmsnorm_residual's"
+        );
+        assert!(
+            c.download(&delta).unwrap() == c.download(&want).unwrap(),
+            "moe_combine with a fold changed its output"
+        );
+    }
+    // PERF: the GDN input projection (2048 -> 12,352 BF16) as norm + product vs the fused product.
+    let hidden = 2048;
+    let (res, wn) = (bfv(&mut r, hidden, 4.0), bfv(&mut r, hidden, 0.5));
+    let (dres, dwn) = (c.upload(&res).unwrap(), c.upload(&wn).unwrap());
+    let dw = c.upload(&bfv(&mut r, 12_352 * hidden, 0.05)).unwrap();
+    let mut y = c.upload(&vec![0u16; 12_352]).unwrap();
+    let mut xb = c.upload(&vec![0u16; hidden]).unwrap();
+    let mut scratch = c.upload(&res).unwrap();
+    let sep = time_cold(&c, || {
+        c.rmsnorm_residual(&mut scratch, None, &dwn, Some(&mut xb), None, 1, hidden, eps).unwrap();
+        c.gemv_bf16(&xb, &dw, &mut y, 1, hidden, 12_352, hidden, 12_352).unwrap();
+    });
+    let norm = OrnithNormIn { res: c.addr(&dres) as _, add: std::ptr::null(), weight: c.addr(&dwn) as _, eps };
+    let fused = time_cold(&c, || {
+        c.k_gemv_bf16_norm(norm, c.addr(&dw), c.addr(&y), hidden, 12_352, 12_352, 12_352, None).unwrap()
+    });
+    eprintln!(
+        "PERF norm + gemv_bf16 2048 -> 12352 (L2 cold): separate {:.2} us, fused prologue {:.2} us",
+        sep * 1e6,
+        fused * 1e6
+    );
+}
+
 #[test]
 #[ignore]
 fn rmsnorm_residual_matches_reference() {
@@ -374,6 +575,84 @@ fn gemv_fp8_matches_reference() {
         c.gemv_fp8(&dxq, &dxs, &dw, &dws, &mut y, tokens, inp, out, inp, out).unwrap();
         check_gemv_rows("gemv_fp8 vs cpu", &c.download(&y).unwrap(), (inp, out, tokens, out), &want);
     }
+}
+
+/// `moe_sort` against a counting sort on the host: each expert's group offset and 64-row tile
+/// offset (prefix sums over the experts), the active list (experts with assignments, ascending)
+/// and its count exactly; the scatter as sets (the order inside a group follows the atomics):
+/// group e holds exactly the assignments routed to e, row_of inverts row_assign, row_token is
+/// the assignment's token. Expert counts below, at and above a warp, including 1,024 (one
+/// thread each) and groups larger than a tile; PERF line for a decode group of 8 tokens.
+#[test]
+#[ignore]
+fn moe_sort_matches_reference() {
+    let c = ctx();
+    let mut r = rng(71);
+    for (tokens, k, e) in
+        [(1, 8, 256), (8, 8, 256), (64, 8, 256), (300, 8, 256), (5, 3, 7), (40, 2, 33), (100, 8, 1024), (2048, 8, 64)]
+    {
+        // Skewed routing: a few hot experts (groups of more than 64 rows), the rest uniform.
+        let idx: Vec<i32> = (0..tokens * k)
+            .map(|_| if r.random_range(0..4) == 0 { r.random_range(0..e.min(3)) } else { r.random_range(0..e) } as i32)
+            .collect();
+        let didx = c.upload(&idx).unwrap();
+        let g = c.moe_groups(&didx, tokens, k, e).unwrap();
+        let dl = |b: &cudarc::driver::CudaSlice<i32>| c.download(b).unwrap();
+        let (go, to, tok, of, asg, al, ac) = (
+            dl(&g.group_offsets),
+            dl(&g.tile_offsets),
+            dl(&g.row_token),
+            dl(&g.row_of),
+            dl(&g.row_assign),
+            dl(&g.active_list),
+            dl(&g.active_count),
+        );
+        let mut cnt = vec![0usize; e];
+        for &x in &idx {
+            cnt[x as usize] += 1;
+        }
+        let (mut off, mut toff, mut active) = (0usize, 0usize, Vec::new());
+        for ex in 0..e {
+            assert_eq!(go[ex] as usize, off, "group offset of expert {ex} ({tokens} x {k}, {e} experts)");
+            assert_eq!(to[ex] as usize, toff, "tile offset of expert {ex} ({tokens} x {k}, {e} experts)");
+            let mut got: Vec<i32> = asg[off..off + cnt[ex]].to_vec();
+            got.sort_unstable();
+            let want: Vec<i32> = (0..idx.len() as i32).filter(|&a| idx[a as usize] == ex as i32).collect();
+            assert_eq!(got, want, "assignments of expert {ex} ({tokens} x {k}, {e} experts)");
+            if cnt[ex] > 0 {
+                active.push(ex as i32);
+            }
+            off += cnt[ex];
+            toff += cnt[ex].div_ceil(64);
+        }
+        assert_eq!((go[e] as usize, to[e] as usize), (off, toff), "totals ({tokens} x {k}, {e} experts)");
+        assert_eq!(ac[0] as usize, active.len(), "active count ({tokens} x {k}, {e} experts)");
+        assert_eq!(&al[..active.len()], &active[..], "active list ({tokens} x {k}, {e} experts)");
+        for (pos, &a) in asg.iter().enumerate() {
+            assert_eq!(of[a as usize] as usize, pos, "row_of of assignment {a}");
+            assert_eq!(tok[pos], a / k as i32, "row_token of row {pos}");
+        }
+    }
+    let idx: Vec<i32> = (0..64).map(|_| r.random_range(0..256)).collect();
+    let didx = c.upload(&idx).unwrap();
+    let g = c.moe_groups(&didx, 8, 8, 256).unwrap();
+    let us = time_it(&c, || {
+        c.k_moe_sort(ornith_kernels::bindings::OrnithMoeSortParams {
+            idx: c.addr(&didx) as _,
+            group_offsets: c.addr(&g.group_offsets) as _,
+            tile_offsets: c.addr(&g.tile_offsets) as _,
+            row_token: c.addr(&g.row_token) as _,
+            row_of: c.addr(&g.row_of) as _,
+            row_assign: c.addr(&g.row_assign) as _,
+            active_list: c.addr(&g.active_list) as _,
+            active_count: c.addr(&g.active_count) as _,
+            tokens: 8,
+            top_k: 8,
+            experts: 256,
+        })
+        .unwrap()
+    });
+    eprintln!("PERF moe_sort 8 tokens x top-8 of 256 experts: {:.2} us", us * 1e6);
 }
 
 /// The whole MoE decode chain on the device (router -> gate_up -> SwiGLU+FP8 -> down -> combine),
