@@ -132,7 +132,7 @@ fn norm_prologue_and_fold_match_the_norm_kernel() {
         let mut dres = c.upload(&res).unwrap();
         let mut xb = c.upload(&vec![POISON; hidden]).unwrap();
         let mut xq = c.upload(&vec![0xAAu8; hidden]).unwrap();
-        let mut xs = c.upload(&vec![-1f32; 1]).unwrap();
+        let mut xs = c.upload(&[-1f32; 1]).unwrap();
         c.rmsnorm_residual(
             &mut dres,
             with_add.then_some(&dadd),
