@@ -17,7 +17,8 @@
 # PHASE=prefill (about 6 minutes): the flash attention kernel test, the bench's prefill at 2K / 32K / 128K and one
 # 261,000-token JSONL request through the binary (tests/gpu/long_prompt.py).
 # PHASE=check+file: 1–2, then the 256-request JSONL batch file through the binary (5. above).
-# PHASE=nvfp4: 1–2, then 2. on the shallow preset's NVFP4A16 export (build.sh with NVFP4=1).
+# PHASE=nvfp4: 1–2, then 2. on the shallow preset's NVFP4A16 export (build.sh with NVFP4=1);
+# PHASE=nvfp4-shallow: that last part alone.
 # PHASE=nvfp4-bench: the full preset's FP8 and NVFP4A16 exports benched one after the other (PROMPTS, BATCH;
 # QUANTS="fp8" or "nvfp4" for one of them; FILE_N=256 adds the JSONL batch file on the FP8 export).
 # PHASE=prefix: 1–2, then the full preset's prefix-cache identity test and tests/gpu/prefix_cache.py
@@ -53,6 +54,16 @@ if [ "$phase" = prefill ]; then
     t0=$SECONDS
     timeout 200 python3 "$(dirname "$0")/long_prompt.py" "$G/ornith_full" "$C/full" "$OUT/long_prompt.json" "${LONG:-261000}"
     echo "long prompt rc=$? $((SECONDS - t0))s"
+    exit 0
+fi
+if [ "$phase" = nvfp4-shallow ]; then
+    # Only the NVFP4A16 shallow checks of PHASE=nvfp4 (build.sh with NVFP4=1; MODEL_TESTS=0 is enough).
+    t0=$SECONDS
+    "$G/xtask" synth --preset shallow --quant nvfp4a16 --out "$C/shallow-nvfp4" > "$OUT/synth_shallow_nvfp4.log" 2>&1; echo "synth shallow nvfp4 rc=$? $((SECONDS - t0))s"
+    ORNITH_TEST_MODEL=$C/shallow-nvfp4 timeout 240 "$G/test_shallow_nvfp4" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu batch_invariance > "$OUT/test_shallow_nvfp4.log" 2>&1
+    echo "test_shallow_nvfp4 rc=$? $((SECONDS - t0))s"
+    grep -E "^OP|CPU chunked|prefill:|decode|batch invariance|panicked|test result" "$OUT/test_shallow_nvfp4.log" | cut -c1-330
+    rm -rf "$C/shallow-nvfp4"
     exit 0
 fi
 if [ "$phase" != full ] && [ "$phase" != bench ] && [ "$phase" != nvfp4-bench ]; then

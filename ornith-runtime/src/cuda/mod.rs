@@ -505,6 +505,26 @@ impl CudaContext {
 }
 
 #[cfg(test)]
+mod pdl_tests {
+    use super::*;
+    /// Which launches carry the attribute in each mode, and the names `ornith-bench --pdl` takes.
+    #[test]
+    fn pdl_modes() {
+        let plain = Launch::new("rmsnorm_residual", (1, 1, 1), 256, 0);
+        let product = Launch::new("gemv_bf16", (386, 1, 1), 256, 0).weights_first();
+        assert!(!Pdl::Off.applies(&plain) && !Pdl::Off.applies(&product));
+        assert!(!Pdl::Weights.applies(&plain) && Pdl::Weights.applies(&product));
+        assert!(Pdl::All.applies(&plain) && Pdl::All.applies(&product));
+        for m in Pdl::ALL {
+            assert_eq!(m.name().parse::<Pdl>().unwrap(), m);
+            assert_eq!(Pdl::from_code(m.code()), m);
+        }
+        assert!("on".parse::<Pdl>().unwrap_err().to_string().contains("off, weights or all"));
+        assert_eq!(DEFAULT_PDL, Pdl::Weights);
+    }
+}
+
+#[cfg(test)]
 mod arch_tests {
     use super::*;
     #[test]
