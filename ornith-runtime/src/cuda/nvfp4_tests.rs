@@ -123,9 +123,10 @@ fn nvfp4_dequant_matches_reference() {
     }
 }
 
-/// The decode product = `linear_nvfp4` on the same rows (`close`), padding untouched, and each
-/// group's first and last tokens alone bit-identical to the group (batch invariance), narrow and
-/// wide builds; the real decode shapes' speed reported.
+/// The decode product = `linear_nvfp4` on the same rows (`close`), padding untouched, and tokens
+/// alone bit-identical to the group (batch invariance): every token of a group of up to 17 (the
+/// second N tile of the wide build included), the first and last of larger ones; narrow and wide
+/// builds; the real decode shapes' speed reported.
 #[test]
 #[ignore]
 fn gemv_nvfp4_matches_reference() {
@@ -148,6 +149,8 @@ fn gemv_nvfp4_matches_reference() {
         (512, 2048, 1, 1, 0),
         (2048, 8192, 1, 8, 0),
         (2048, 1024, 2, 8, 0),
+        (2048, 512, 1, 13, 0),
+        (4096, 2048, 1, 13, 0),
         (4096, 2048, 1, 64, 0),
         (2048, 1024, 2, 64, 0),
     ];
@@ -168,7 +171,8 @@ fn gemv_nvfp4_matches_reference() {
         );
         let got: Vec<u16> = (0..tokens * out).map(|k| yh[(k / out) * yst + k % out]).collect();
         close(&name, &got, &want);
-        for t in [0, tokens - 1] {
+        let alone: Vec<usize> = if tokens <= 17 { (0..tokens).collect() } else { vec![0, tokens - 1] };
+        for t in alone {
             let dx1 = c.upload(&x[t * xst..t * xst + inp]).unwrap();
             let mut y1 = c.upload(&vec![POISON; out]).unwrap();
             c.gemv_nvfp4(&dx1, &dw, &mut y1, 1, inp, out, inp, out).unwrap();
@@ -384,7 +388,9 @@ fn swiglu_bf16_matches_reference() {
 /// `[q; k; v]`, which a decode group of more than one row runs) gives those rows the bits the
 /// one launch over the whole matrix gives them (a group of one), for the BF16, FP8 and NVFP4
 /// decode products: the K split is chosen for the whole matrix's rows (`split_out`), not the
-/// part's — at these shapes the k and v parts alone would split K 8 ways, the whole 4 ways.
+/// part's — at these shapes the k and v parts alone would split K 8 ways, the whole 4 ways. And
+/// what the model runs: each token of a group (3: the narrow build; 13: the wide one) through the
+/// parts gives the bits of that token alone through the whole.
 #[test]
 #[ignore]
 fn gemv_parts_match_the_whole() {
@@ -392,7 +398,7 @@ fn gemv_parts_match_the_whole() {
     let mut r = rng(46);
     let (inp, parts) = (2048usize, [8192usize, 512, 512]);
     let out: usize = parts.iter().sum();
-    let tokens = 3;
+    let tokens = 13;
     let x = bfx(&mut r, tokens * inp);
     let dx = c.upload(&x).unwrap();
     let xq: Vec<u8> = (0..tokens * inp).map(|_| r.random_range(0u8..0x7e)).collect();
@@ -404,23 +410,17 @@ fn gemv_parts_match_the_whole() {
     let h = Fp4Host::random(&mut r, out / 512, 512, inp);
     let (dwb, dw8, dws8, d4) = (c.upload(&wb).unwrap(), c.upload(&w8).unwrap(), c.upload(&ws8).unwrap(), h.upload(&c));
     for form in ["bf16", "fp8", "nvfp4"] {
-        let launch = |y: Ptr, r0: usize, n: usize, split: usize| {
+        // Rows r0 .. r0 + n (of a matrix split for `split` rows) for tokens t0 .. t0 + tokens.
+        let launch = |y: Ptr, r0: usize, n: usize, split: usize, t0: usize, tokens: usize| {
+            let (dx, dxq, dxs) =
+                (c.addr(&dx) + (2 * t0 * inp) as u64, c.addr(&dxq) + (t0 * inp) as u64, c.addr(&dxs) + (4 * t0) as u64);
             match form {
-                "bf16" => c.k_gemv_bf16(
-                    c.addr(&dx),
-                    c.addr(&dwb) + (2 * r0 * inp) as u64,
-                    y,
-                    tokens,
-                    inp,
-                    n,
-                    inp,
-                    out,
-                    split,
-                    None,
-                ),
+                "bf16" => {
+                    c.k_gemv_bf16(dx, c.addr(&dwb) + (2 * r0 * inp) as u64, y, tokens, inp, n, inp, out, split, None)
+                }
                 "fp8" => c.k_gemv_fp8(
-                    c.addr(&dxq),
-                    c.addr(&dxs),
+                    dxq,
+                    dxs,
                     c.addr(&dw8) + (r0 * inp) as u64,
                     c.addr(&dws8) + (4 * r0) as u64,
                     y,
@@ -439,22 +439,30 @@ fn gemv_parts_match_the_whole() {
                         tab: c.addr(&d4.tab) + ((r0 / 512) * super::nvfp4::TAB_BYTES) as u64,
                         tab_rows: 512,
                     };
-                    c.k_gemv_nvfp4(c.addr(&dx), w, y, tokens, inp, n, inp, out, split)
+                    c.k_gemv_nvfp4(dx, w, y, tokens, inp, n, inp, out, split)
                 }
             }
             .unwrap()
         };
-        let whole = c.upload(&vec![POISON; tokens * out]).unwrap();
-        launch(c.addr(&whole), 0, out, out);
-        let partial = c.upload(&vec![POISON; tokens * out]).unwrap();
-        let mut r0 = 0;
-        for &n in &parts {
-            launch(c.addr(&partial) + (2 * r0) as u64, r0, n, out);
-            r0 += n;
+        for group in [3, tokens] {
+            let whole = c.upload(&vec![POISON; group * out]).unwrap();
+            launch(c.addr(&whole), 0, out, out, 0, group);
+            let partial = c.upload(&vec![POISON; group * out]).unwrap();
+            let mut r0 = 0;
+            for &n in &parts {
+                launch(c.addr(&partial) + (2 * r0) as u64, r0, n, out, 0, group);
+                r0 += n;
+            }
+            let got = c.download(&partial).unwrap();
+            assert!(c.download(&whole).unwrap() == got, "{form}: the parts differ from the whole ({group} tokens)");
+            for t in 0..group {
+                let alone = c.upload(&vec![POISON; out]).unwrap();
+                launch(c.addr(&alone), 0, out, out, t, 1);
+                assert!(
+                    c.download(&alone).unwrap() == got[t * out..(t + 1) * out],
+                    "{form}: token {t} of {group} through the parts differs from it alone through the whole"
+                );
+            }
         }
-        assert!(
-            c.download(&whole).unwrap() == c.download(&partial).unwrap(),
-            "{form}: the parts differ from the whole"
-        );
     }
 }
