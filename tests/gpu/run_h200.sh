@@ -56,14 +56,19 @@ if [ "$phase" = prefill ]; then
     echo "long prompt rc=$? $((SECONDS - t0))s"
     exit 0
 fi
-if [ "$phase" = nvfp4-shallow ]; then
-    # Only the NVFP4A16 shallow checks of PHASE=nvfp4 (build.sh with NVFP4=1; MODEL_TESTS=0 is enough).
+# The model-level checks on the shallow preset's NVFP4A16 export (build.sh with NVFP4=1). Not
+# cuda_ops_vs_cpu: its per-op bounds and row-0 bit-exactness are the FP8 export's (E4M3 x E4M3 sums
+# are mostly exact in fp32; NVFP4A16's bf16 x bf16 sums are not), see docs/TESTING.md.
+nvfp4_shallow() {
     t0=$SECONDS
     "$G/xtask" synth --preset shallow --quant nvfp4a16 --out "$C/shallow-nvfp4" > "$OUT/synth_shallow_nvfp4.log" 2>&1; echo "synth shallow nvfp4 rc=$? $((SECONDS - t0))s"
     ORNITH_TEST_MODEL=$C/shallow-nvfp4 timeout 240 "$G/test_shallow_nvfp4" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu batch_invariance > "$OUT/test_shallow_nvfp4.log" 2>&1
     echo "test_shallow_nvfp4 rc=$? $((SECONDS - t0))s"
     grep -E "^OP|CPU chunked|prefill:|decode|batch invariance|panicked|test result" "$OUT/test_shallow_nvfp4.log" | cut -c1-330
     rm -rf "$C/shallow-nvfp4"
+}
+if [ "$phase" = nvfp4-shallow ]; then  # only those (MODEL_TESTS=0 builds are enough)
+    nvfp4_shallow
     exit 0
 fi
 if [ "$phase" != full ] && [ "$phase" != bench ] && [ "$phase" != nvfp4-bench ]; then
@@ -77,15 +82,7 @@ echo "test_shallow rc=$? $((SECONDS - t0))s"
 grep -E "^OP|CPU chunked|prefill:|decode|batch invariance|prefix cache|panicked|test result" "$OUT/test_shallow.log" | cut -c1-330
 rm -rf "$C/shallow"
 if [ "$phase" = nvfp4 ]; then
-    # The same model-level checks on the shallow preset's NVFP4A16 export (build.sh with NVFP4=1).
-    t0=$SECONDS
-    "$G/xtask" synth --preset shallow --quant nvfp4a16 --out "$C/shallow-nvfp4" > "$OUT/synth_shallow_nvfp4.log" 2>&1; echo "synth shallow nvfp4 rc=$? $((SECONDS - t0))s"
-    # Not cuda_ops_vs_cpu: its per-op bounds and row-0 bit-exactness are the FP8 export's (E4M3 x E4M3
-    # sums are mostly exact in fp32; NVFP4A16's bf16 x bf16 sums are not), see docs/TESTING.md.
-    ORNITH_TEST_MODEL=$C/shallow-nvfp4 timeout 240 "$G/test_shallow_nvfp4" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu batch_invariance > "$OUT/test_shallow_nvfp4.log" 2>&1
-    echo "test_shallow_nvfp4 rc=$? $((SECONDS - t0))s"
-    grep -E "^OP|CPU chunked|prefill:|decode|batch invariance|panicked|test result" "$OUT/test_shallow_nvfp4.log" | cut -c1-330
-    rm -rf "$C/shallow-nvfp4"
+    nvfp4_shallow
     exit 0
 fi
 fi
