@@ -166,12 +166,12 @@ __device__ __forceinline__ void tc_tile_prologue(const uint8_t *w, size_t row_by
     }
 }
 
-// The norm prologue (OrnithNormIn): one residual row of `hidden` (<= 256 * NORM_PER_THREAD)
+// The norm prologue (OrnithNormIn): one residual row of `hidden` (<= ORNITH_NORM_MAX_HIDDEN)
 // normalised as rmsnorm_residual does it (common.cuh's rms_* steps, element i = thread + 256 j,
 // the same block_sum and block_max over the block's 256 threads: the same bits), into shared
 // memory: bf16 values at xb (BF16), or e4m3 codes at xq and the row's scale at *xsc (FP8). All
 // inputs are loaded before the first store (rmsnorm_residual's rule).
-#define NORM_PER_THREAD 8
+#define NORM_PER_THREAD (ORNITH_NORM_MAX_HIDDEN / 256)
 template <bool FP8>
 __device__ __forceinline__ void norm_prologue(const OrnithNormIn &n, int hidden, uint8_t *xs_out, float *xsc, float *sh) {
     uint16_t rv[NORM_PER_THREAD], av[NORM_PER_THREAD], wv[NORM_PER_THREAD];
@@ -649,18 +649,26 @@ __device__ __forceinline__ void moe_tc_norm(const OrnithMoeGemvParams &p, const 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_fp8(const OrnithMoeGemvParams p) {
-    pdl_launch_dependents();
-    const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
-    const int slot = blockIdx.y, t = blockIdx.z;
-    const uint8_t *wb = p.shared_w;
-    const float *ws = p.shared_ws;
-    // A routed expert's index is the router's output: read after the wait. The shared expert's
-    // blocks issue their first weight loads before it (in the tile).
+// The weights of (token t, slot) in the per-slot forms: the shared expert's, or the routed
+// expert's, whose index is the router's output and so is read after the wait (the shared
+// expert's blocks issue their first weight loads before it, in the tile).
+__device__ __forceinline__ void moe_slot_weights(const OrnithMoeGemvParams &p, int t, int slot, const uint8_t *&wb,
+                                                 const float *&ws) {
+    wb = p.shared_w;
+    ws = p.shared_ws;
     if (slot != p.top_k) {
         pdl_wait();
         moe_expert(p, p.idx[t * p.top_k + slot], wb, ws);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_fp8(const OrnithMoeGemvParams p) {
+    pdl_launch_dependents();
+    const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
+    const int slot = blockIdx.y, t = blockIdx.z;
+    const uint8_t *wb;
+    const float *ws;
+    moe_slot_weights(p, t, slot, wb, ws);
     moe_tc(p, wb, ws, MoeCols{nullptr, p.top_k, 1, t, slot}, pl);
 }
 
@@ -669,12 +677,9 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
     const int slot = blockIdx.y, t = blockIdx.z;
-    const uint8_t *wb = p.shared_w;
-    const float *ws = p.shared_ws;
-    if (slot != p.top_k) {
-        pdl_wait();
-        moe_expert(p, p.idx[t * p.top_k + slot], wb, ws);
-    }
+    const uint8_t *wb;
+    const float *ws;
+    moe_slot_weights(p, t, slot, wb, ws);
     moe_tc_norm(p, wb, ws, t, slot, pl);
 }
 

@@ -67,6 +67,8 @@ typedef struct OrnithQuantParams {
  * (common.cuh's rms_* steps in the same order: the same bits). Nothing is written to `res`:
  * the layer's writer of the next delta folds `add` into it (`fold` below, moe_combine's). */
 #define ORNITH_NORM_ROWS 1
+/* The largest row the prologue normalises (8 elements per thread of its 256). */
+#define ORNITH_NORM_MAX_HIDDEN 2048
 typedef struct OrnithNormIn {
     const uint16_t *res;
     const uint16_t *add;

@@ -5,6 +5,7 @@ pub const ORNITH_FP8_MAX: f64 = 448.0;
 pub const ORNITH_KV_BLOCK: u32 = 256;
 pub const ORNITH_GEMV_MAX_TOKENS: u32 = 8;
 pub const ORNITH_NORM_ROWS: u32 = 1;
+pub const ORNITH_NORM_MAX_HIDDEN: u32 = 2048;
 pub const ORNITH_GDN_WORK_PER_CHUNK: u32 = 8832;
 pub const ORNITH_SAMPLE_SLICE: u32 = 2048;
 pub const ORNITH_SAMPLE_BINS: u32 = 65536;

@@ -31,7 +31,7 @@ pub fn use_prefill(rows: usize) -> bool {
 /// scales (`None` until quantised). `stride` is the row stride of both, in elements. Or, with
 /// `norm`, not yet computed: one decode row that is the RMSNorm of a residual row, which the
 /// decode product computes in its prologue (`OrnithNormIn`; `bf` and `q8` are then unset,
-/// see `CudaBackend::norm_rows`).
+/// see `CudaBackend::norm_rows_for`).
 #[derive(Clone, Copy)]
 pub struct XIn {
     pub bf: Ptr,

@@ -16,8 +16,8 @@ use ornith_kernels::bindings::*;
 
 type Bf = CudaSlice<u16>;
 
-/// The largest hidden size the norm prologue takes (`NORM_PER_THREAD` · 256 in gemv.cu).
-pub(crate) const NORM_MAX_HIDDEN: usize = 2048;
+/// The largest hidden size the norm prologue takes (the header's).
+pub(crate) const NORM_MAX_HIDDEN: usize = ORNITH_NORM_MAX_HIDDEN as usize;
 
 /// Bytes a norm prologue reads: the residual row, the pending delta, the weight.
 fn norm_bytes(n: &OrnithNormIn, hidden: usize) -> usize {
@@ -160,8 +160,8 @@ impl CudaContext {
     }
 
     /// What the norm-prologue products assume (`OrnithNormIn`): one row (`ORNITH_NORM_ROWS`),
-    /// the norm over the product's whole input (`in` = hidden <= 2048, `NORM_PER_THREAD` · 256 in
-    /// gemv.cu), a weight, 16-byte aligned rows; returns the dynamic shared memory (the row).
+    /// the norm over the product's whole input (`in` = hidden <= `ORNITH_NORM_MAX_HIDDEN`), a
+    /// weight, 16-byte aligned rows; returns the dynamic shared memory (the row).
     fn norm_checks(n: &OrnithNormIn, in_: usize, elem: usize) -> Result<u32> {
         ensure!(!n.weight.is_null() && !n.res.is_null(), "norm prologue: no weight or residual");
         ensure!(
