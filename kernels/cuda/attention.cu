@@ -292,45 +292,48 @@ extern "C" __global__ void __launch_bounds__(64) attn_decode_split(const OrnithA
     cp_wait<0>();
 }
 
-// grid (q_heads, tokens), block ATT_D threads: merge the splits of row t, head h, normalise, gate.
+// grid (q_heads, tokens, ORNITH_ATT_COMBINE_CHUNKS), block ATT_D threads: merge the splits of row t,
+// head h, normalise, gate, for head dims [ATT_COMBINE_DIMS z, + ATT_COMBINE_DIMS):
 //   M = max_s m_s,  f_s = e^{m_s - M},  L = sum_s l_s f_s,  o_i = (sum_s f_s o_{s,i}) / L,
 //   out = bf16( bf16(o) * bf16(sigmoid(gate)) ).
 // Only the row's `used` = ceil(len / split_len) splits are read (each holds at least one key), so
 // the grid's split count (the partials' stride) never enters the sums: the host form (exact split
-// count) and the fixed-grid device form of the same split length give the same bits. The split
-// statistics are read in parallel (thread j takes splits j, j + 256, ...) and the weights f_s kept
-// in shared memory; split s sums into accumulator s % 4.
+// count) and the fixed-grid device form of the same split length give the same bits. Every block
+// computes M and L over all 256 threads (thread j takes splits j, j + 256, ...; the weights f_s
+// kept in shared memory), so each chunk sees the same M, L; then dim i of the chunk sums split s
+// into accumulator s % 4, accumulator a in warps 2a, 2a + 1 (coalesced rows of partials), and
+// o_i = ((a0 + a1) + (a2 + a3)) / L (the 4 accumulators are the 4 warp pairs of the block, so
+// ATT_COMBINE_DIMS = 64 dims per chunk). Four chunks put 4x the blocks on the partials (16 blocks of
+// 256 threads per row left a long-context step's combine latency-bound).
+#define ATT_COMBINE_DIMS (ATT_D / ORNITH_ATT_COMBINE_CHUNKS)
+static_assert(ORNITH_ATT_COMBINE_CHUNKS == 4, "the 4 split accumulators are the block's 4 warp pairs");
 extern "C" __global__ void __launch_bounds__(ATT_D) attn_decode_combine(const OrnithAttnParams p) {
     pdl_entry();
     __shared__ float f[ATT_MAX_SPLITS];
     __shared__ float sh[32];
-    const int h = blockIdx.x, t = blockIdx.y, i = threadIdx.x;
+    __shared__ float part[4][ATT_COMBINE_DIMS];
+    const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
     const int len = att_len(p, t), sl = att_split_len(p, len);
     const int used = (len + sl - 1) / sl;
     const size_t base = ((size_t)t * p.q_heads + h) * p.splits;
     float mx = -INFINITY;
-    for (int s = i; s < used; s += ATT_D) mx = fmaxf(mx, p.part_ml[(base + s) * 2]);
+    for (int s = tid; s < used; s += ATT_D) mx = fmaxf(mx, p.part_ml[(base + s) * 2]);
     const float M = block_max(mx, sh);
     float lsum = 0.f;
-    for (int s = i; s < used; s += ATT_D) {
+    for (int s = tid; s < used; s += ATT_D) {
         const float w = expf(p.part_ml[(base + s) * 2] - M);
         f[s] = w;
         lsum = fmaf(p.part_ml[(base + s) * 2 + 1], w, lsum);
     }
     const float L = block_sum(lsum, sh);  // block_sum ends with a barrier: f[] is complete
-    float acc0 = 0.f, acc1 = 0.f, acc2 = 0.f, acc3 = 0.f;
+    const int a = tid / ATT_COMBINE_DIMS, di = tid % ATT_COMBINE_DIMS, i = blockIdx.z * ATT_COMBINE_DIMS + di;
     const float *po = p.part_o + base * ATT_D + i;
-    int s = 0;
-    for (; s + 4 <= used; s += 4) {
-        acc0 = fmaf(po[(size_t)(s + 0) * ATT_D], f[s + 0], acc0);
-        acc1 = fmaf(po[(size_t)(s + 1) * ATT_D], f[s + 1], acc1);
-        acc2 = fmaf(po[(size_t)(s + 2) * ATT_D], f[s + 2], acc2);
-        acc3 = fmaf(po[(size_t)(s + 3) * ATT_D], f[s + 3], acc3);
-    }
-    if (s + 0 < used) acc0 = fmaf(po[(size_t)(s + 0) * ATT_D], f[s + 0], acc0);
-    if (s + 1 < used) acc1 = fmaf(po[(size_t)(s + 1) * ATT_D], f[s + 1], acc1);
-    if (s + 2 < used) acc2 = fmaf(po[(size_t)(s + 2) * ATT_D], f[s + 2], acc2);
-    const float o = rbf(((acc0 + acc1) + (acc2 + acc3)) / L);
+    float acc = 0.f;
+    for (int s = a; s < used; s += 4) acc = fmaf(po[(size_t)s * ATT_D], f[s], acc);
+    part[a][di] = acc;
+    __syncthreads();
+    if (a != 0) return;
+    const float o = rbf(((part[0][di] + part[1][di]) + (part[2][di] + part[3][di])) / L);
     const float gate = bf2f(p.qg[((size_t)t * p.q_heads + h) * 2 * ATT_D + ATT_D + i]);
     p.out[((size_t)t * p.q_heads + h) * ATT_D + i] = f2bf(o * rbf(sigmoid_f(gate)));
 }

@@ -19,6 +19,13 @@
 //  * Before the wait a kernel may only read data no kernel of a step ever writes: the weights,
 //    written once at load. The decode products (gemv.cu) issue their first round of weight loads
 //    before the wait ("weights first"); nothing else reads or writes global memory before it.
+//  * Data an earlier kernel wrote is read with ordinary (coherent) loads, never __ldg /
+//    ld.global.nc: a non-coherent load promises memory that is read-only for the kernel's whole
+//    lifetime, which under PDL it is not (the kernel starts before its producer finishes), so the
+//    compiler may issue it before the wait and the non-coherent cache may serve a stale line. It
+//    did: with __ldg activation loads the wide NVFP4 product gave tokens 8.. of a 9-to-13-row
+//    decode group different bits under PDL (H200; cuda_model's batch_invariance, the NVFP4A16
+//    shallow preset). __ldg stays on the weights.
 // Launched without the attribute (or by a driver that ignores it) both instructions are no-ops.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
@@ -102,4 +109,38 @@ __device__ __forceinline__ float act_scale(float amax) {
 __device__ __forceinline__ uint8_t quant_e4m3(float v, float scale) {
     float q = __fadd_rn(rbf(__fdiv_rn(v, scale)), 0.f);
     return f2e4m3(fminf(fmaxf(q, -ORNITH_FP8_MAX), ORNITH_FP8_MAX));
+}
+
+// SwiGLU of one expert gate|up row with its per-row FP8 quantisation, as swiglu_quant (moe.cu) and
+// the expert down product's prologue (gemv.cu: moe_gemv_fp8_swiglu) both compute it (the same
+// bits; the CPU reference is cpu::moe):
+//   a[i] = swiglu_val(g[i], u[i]) = bf16(bf16(silu(g[i])) * u[i])   g = gu[0:inter], u = gu[inter:2 inter]
+//   (swiglu_bf16 and the NVFP4 down product's prologue stop here, at a)
+//   scale = act_scale(max |a|)  (block_max over the block's 256 threads)
+//   q[i] = quant_e4m3(a[i], scale)
+// Element i = thread + 256 j (inter <= ORNITH_SWIGLU_MAX_INTER, the header's). q and *scale
+// (thread 0) may be global or shared memory; a caller reading q from shared memory synchronises
+// the block first.
+__device__ __forceinline__ float swiglu_val(uint16_t g, uint16_t u) { return rbf(rbf(silu_f(bf2f(g))) * bf2f(u)); }
+__device__ __forceinline__ void swiglu_q8_row(const uint16_t *gu, int inter, uint8_t *q, float *scale, float *sh) {
+    constexpr int PER = ORNITH_SWIGLU_MAX_INTER / 256;
+    float a[PER];
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int i = threadIdx.x + 256 * j;
+        a[j] = 0.f;
+        if (i < inter) {
+            a[j] = swiglu_val(gu[i], gu[inter + i]);
+            amax = fmaxf(amax, fabsf(a[j]));
+        }
+    }
+    amax = block_max(amax, sh);
+    const float sc = act_scale(amax);
+    if (threadIdx.x == 0) *scale = sc;
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int i = threadIdx.x + 256 * j;
+        if (i < inter) q[i] = quant_e4m3(a[j], sc);
+    }
 }

@@ -53,9 +53,13 @@
 #define MOE_TARGET_WARPS 256
 // 64-byte K steps per pass of the MoE kernels (2 * MOE_U weight loads in flight per lane).
 #define MOE_U 2
-// 64-byte K steps per pass of the dense kernels: 2 * U weight loads in flight per lane; 4 for up to 16 tokens (memory
-// bound), 2 beyond (each load feeds 2 * NT mma, and the accumulators need the registers).
-__host__ __device__ constexpr int tc_u(int nt) { return nt <= 2 ? 4 : 2; }
+// 64-byte K steps per round of the dense kernels (2 * U weight loads per lane): one-tile passes
+// (the narrow build) 2, streamed with the next round in flight (tc_stream); wide passes 4 for up
+// to 16 tokens, 2 beyond (each load feeds 2 * NT mma, and the accumulators need the registers),
+// each round loaded after the previous one's mma. Streaming the wide passes too was slower on the
+// H200 (2048 -> 12,352 BF16 at 64 tokens: 54 -> 123 us; its extra registers spill), streaming the
+// narrow one faster (the lm_head at 1 / 8 tokens: 300 -> 282 / 365 -> 330 us).
+__host__ __device__ constexpr int tc_u(int nt) { return nt == 1 ? 2 : nt <= 2 ? 4 : 2; }
 // N tiles per pass over the weights. Two builds of each dense kernel: the narrow one (1 tile =
 // 8 tokens per pass, <= 64 registers, TC_NARROW_BLOCKS per SM: the memory-bound batch-1 and MoE shapes
 // need the loads in flight) and the wide one (up to 8 tiles = 64 tokens per pass, <= 128
@@ -98,7 +102,8 @@ __device__ __forceinline__ void tc_load(const uint8_t *w, uint32_t og, uint32_t 
 }
 
 // The mma of one round: acc[j] += the round's weights · token (8j + g)'s activations at the same
-// bytes (x + xoff[j], 16c included; XSH: x in shared memory, else read-only global loads).
+// bytes (x + xoff[j], 16c included; XSH: x in shared memory, else global memory, read with
+// coherent loads — never __ldg: see common.cuh on PDL).
 template <bool FP8, int NT, int TC_U, bool XSH>
 __device__ __forceinline__ void tc_mma(const uint8_t *x, const uint32_t (&xoff)[NT], int kb, int k1, const uint4 (&wa)[TC_U],
                                        const uint4 (&wb)[TC_U], float (&acc)[NT][4]) {
@@ -112,7 +117,7 @@ __device__ __forceinline__ void tc_mma(const uint8_t *x, const uint32_t (&xoff)[
 #pragma unroll
         for (int j = 0; j < NT; j++) {
             const uint4 *xp = reinterpret_cast<const uint4 *>(x + xoff[j] + off);
-            const uint4 xv = ok ? (XSH ? *xp : __ldg(xp)) : z;
+            const uint4 xv = ok ? *xp : z;  // activations: coherent loads (common.cuh, PDL)
             mma_step<FP8>(acc[j], wa[u].x, wb[u].x, wa[u].y, wb[u].y, xv.x, xv.y);
             mma_step<FP8>(acc[j], wa[u].z, wb[u].z, wa[u].w, wb[u].w, xv.z, xv.w);
         }
@@ -126,44 +131,77 @@ __device__ __forceinline__ void tc_rows(size_t row_bytes, int nrows, uint32_t &o
     og8 = (uint32_t)(min(g + 8, nrows - 1) * row_bytes) + 16 * c;
 }
 
+// The rounds of a tile over [k0, k1), two rounds of weights in flight: round r's successor's
+// successor is loaded as soon as round r's registers are free, so while a round waits on its
+// activation loads and mma the next one is on the way (two sets of weight registers, used
+// alternately: no copies). The caller loads the first two rounds (tc_first2) — before its
+// pdl_wait, so that both are in flight when the kernel before it completes. Loading a round only
+// after the previous one's mma left too few bytes in flight (H200: gemv_bf16_wide at 32 tokens
+// 1.2 TB/s; a one-row product's 4 rounds per warp were 4 exposed memory latencies).
+template <int TC_U>
+__device__ __forceinline__ void tc_first2(const uint8_t *w, uint32_t og, uint32_t og8, int k0, int k1, uint4 (&wa)[TC_U],
+                                          uint4 (&wb)[TC_U], uint4 (&na)[TC_U], uint4 (&nb)[TC_U]) {
+    tc_load<TC_U>(w, og, og8, k0, k1, wa, wb);
+    if (k0 + 64 * TC_U < k1) tc_load<TC_U>(w, og, og8, k0 + 64 * TC_U, k1, na, nb);
+}
+template <bool FP8, int NT, int TC_U, bool XSH>
+__device__ __forceinline__ void tc_stream(const uint8_t *w, uint32_t og, uint32_t og8, const uint8_t *x, const uint32_t (&xoff)[NT],
+                                          int k0, int k1, uint4 (&wa)[TC_U], uint4 (&wb)[TC_U], uint4 (&na)[TC_U], uint4 (&nb)[TC_U],
+                                          float (&acc)[NT][4]) {
+    constexpr int R = 64 * TC_U;  // bytes of a row per round
+    for (int kb = k0; kb < k1; kb += 2 * R) {
+        tc_mma<FP8, NT, TC_U, XSH>(x, xoff, kb, k1, wa, wb, acc);
+        if (kb + 2 * R < k1) tc_load<TC_U>(w, og, og8, kb + 2 * R, k1, wa, wb);
+        if (kb + R >= k1) break;
+        tc_mma<FP8, NT, TC_U, XSH>(x, xoff, kb + R, k1, na, nb, acc);
+        if (kb + 3 * R < k1) tc_load<TC_U>(w, og, og8, kb + 3 * R, k1, na, nb);
+    }
+}
+
 // acc[j] += rows (w, 16 rows of row_bytes, the first nrows real) · tokens of N tile j over the
-// bytes [k0, k1) of each row; xoff[j] = byte offset of this lane's token (8j + g) in x.
-template <bool FP8, int NT, int TC_U>
+// bytes [k0, k1) of each row; xoff[j] = byte offset of this lane's token (8j + g) in x. PIPE: the
+// rounds as tc_stream (the dense one-tile passes); else each round loaded after the previous
+// one's mma (the wide passes, tc_u; the MoE products: 4 blocks per SM within 64 registers). The
+// same rounds and mma order either way, so the same sums.
+template <bool FP8, int NT, int TC_U, bool PIPE>
 __device__ __forceinline__ void tc_tile(const uint8_t *w, size_t row_bytes, int nrows, const uint8_t *x,
                                         const uint32_t (&xoff)[NT], int k0, int k1, float (&acc)[NT][4]) {
     uint32_t og, og8;
     tc_rows(row_bytes, nrows, og, og8);
     x += 16 * (threadIdx.x & 3);
-    for (int kb = k0; kb < k1; kb += 64 * TC_U) {
-        uint4 wa[TC_U], wb[TC_U];
-        tc_load<TC_U>(w, og, og8, kb, k1, wa, wb);
-        if (kb == k0) pdl_wait();  // weights first: the first round is in flight before the wait
-        tc_mma<FP8, NT, TC_U, false>(x, xoff, kb, k1, wa, wb, acc);
+    if constexpr (PIPE) {
+        if (k0 >= k1) return;
+        uint4 wa[TC_U], wb[TC_U], na[TC_U], nb[TC_U];
+        tc_first2<TC_U>(w, og, og8, k0, k1, wa, wb, na, nb);
+        pdl_wait();  // weights first: the first two rounds are in flight before the wait
+        tc_stream<FP8, NT, TC_U, false>(w, og, og8, x, xoff, k0, k1, wa, wb, na, nb, acc);
+    } else {
+        for (int kb = k0; kb < k1; kb += 64 * TC_U) {
+            uint4 wa[TC_U], wb[TC_U];
+            tc_load<TC_U>(w, og, og8, kb, k1, wa, wb);
+            if (kb == k0) pdl_wait();  // weights first, as above
+            tc_mma<FP8, NT, TC_U, false>(x, xoff, kb, k1, wa, wb, acc);
+        }
     }
 }
 
 // tc_tile for one token whose input row the block computes itself (the norm prologue): the warp
-// issues its first round of weight loads (has: the warp has rows), every thread of the block
-// waits and runs `prologue` (block-wide: it synchronises the block and leaves the row in shared
-// memory at x), then the tile runs on from the loaded round. The same rounds and mma order as
-// tc_tile, so the same sums.
+// issues its first two rounds of weight loads (has: the warp has rows), every thread of the
+// block waits and runs `prologue` (block-wide: it synchronises the block and leaves the row in
+// shared memory at x), then the tile streams on from the loaded rounds. The same rounds and mma
+// order as tc_tile, so the same sums.
 template <bool FP8, int TC_U, class Prologue>
 __device__ __forceinline__ void tc_tile_prologue(const uint8_t *w, size_t row_bytes, int nrows, bool has, const uint8_t *x,
                                                  int k0, int k1, float (&acc)[1][4], Prologue prologue) {
     uint32_t og, og8;
     tc_rows(row_bytes, nrows, og, og8);
-    uint4 wa[TC_U], wb[TC_U];
-    if (has) tc_load<TC_U>(w, og, og8, k0, k1, wa, wb);
+    uint4 wa[TC_U], wb[TC_U], na[TC_U], nb[TC_U];
+    if (has) tc_first2<TC_U>(w, og, og8, k0, k1, wa, wb, na, nb);
     pdl_wait();
     prologue();
     if (!has) return;
     const uint32_t xoff[1] = {0};
-    x += 16 * (threadIdx.x & 3);
-    tc_mma<FP8, 1, TC_U, true>(x, xoff, k0, k1, wa, wb, acc);
-    for (int kb = k0 + 64 * TC_U; kb < k1; kb += 64 * TC_U) {
-        tc_load<TC_U>(w, og, og8, kb, k1, wa, wb);
-        tc_mma<FP8, 1, TC_U, true>(x, xoff, kb, k1, wa, wb, acc);
-    }
+    tc_stream<FP8, 1, TC_U, true>(w, og, og8, x + 16 * (threadIdx.x & 3), xoff, k0, k1, wa, wb, na, nb, acc);
 }
 
 // The norm prologue (OrnithNormIn): one residual row of `hidden` (<= ORNITH_NORM_MAX_HIDDEN)
@@ -286,7 +324,7 @@ __device__ __forceinline__ void gemv_tc_pass(const uint8_t *w, const float *ws, 
                                              int tokens, int t0, int in, int out, int x_stride, int y_stride, const TcPlace &pl,
                                              float *red, uint16_t *fold) {
     constexpr int ES = FP8 ? 1 : 2;
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int g = (threadIdx.x & 31) >> 2;
     const size_t row_bytes = (size_t)in * ES;
     uint32_t xoff[NT];
 #pragma unroll
@@ -297,7 +335,7 @@ __device__ __forceinline__ void gemv_tc_pass(const uint8_t *w, const float *ws, 
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
     const int nrows = max(1, min(16, out - pl.row0));
-    if (pl.row0 < out) tc_tile<FP8, NT, tc_u(NT)>(w + (size_t)pl.row0 * row_bytes, row_bytes, nrows, x, xoff, pl.k0, pl.k1, acc);
+    if (pl.row0 < out) tc_tile<FP8, NT, tc_u(NT), NT == 1>(w + (size_t)pl.row0 * row_bytes, row_bytes, nrows, x, xoff, pl.k0, pl.k1, acc);
     pdl_wait();  // (done inside the tile; here for a warp without one, before the write)
     tc_reduce<NT>(acc, pl.ks, red);
     if (!pl.lead || pl.row0 >= out) return;
@@ -428,67 +466,122 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NORM_BLOCKS) gemv
 // Cast points as the CPU reference (cpu::linear::linear_nvfp4): bf16 weights, fp32 sum, bf16(sum).
 // =============================================================================================
 
-// acc[j] += dequantised rows (codes w, scale bytes ws: 16 rows, the first nrows real; tab the
-// rows' scale table) · tokens of N tile j over code bytes [k0, k1) of each row.
-template <int NT, int TC_U>
-__device__ __forceinline__ void tc_tile_fp4(const uint8_t *w, const uint8_t *ws, const float *tab, size_t row_bytes, int nrows,
-                                            const uint8_t *x, const uint32_t (&xoff)[NT], int k0, int k1, float (&acc)[NT][4]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int rg = min(g, nrows - 1), rg8 = min(g + 8, nrows - 1);
-    const uint32_t og = (uint32_t)(rg * row_bytes) + 16 * c, og8 = (uint32_t)(rg8 * row_bytes) + 16 * c;
-    // Scale bytes: one per 8 code bytes; this lane's two at (k + 16c) / 8 of its rows.
-    const uint16_t *sg = reinterpret_cast<const uint16_t *>(ws + rg * (row_bytes / 8)) + c;
-    const uint16_t *sg8 = reinterpret_cast<const uint16_t *>(ws + rg8 * (row_bytes / 8)) + c;
-    x += 64 * c;  // code byte 16c of a step <-> weight 32c <-> activation byte 64c
+// One round of a lane's NVFP4 loads: the 16 code bytes at kb + 64u + 16c (u < TC_U) of its two
+// rows (og, og8) and their two scale bytes (sg, sg8 as uint16); past k1 zeros.
+template <int TC_U>
+__device__ __forceinline__ void fp4_load(const uint8_t *w, uint32_t og, uint32_t og8, const uint16_t *sg, const uint16_t *sg8,
+                                         int kb, int k1, uint4 (&wa)[TC_U], uint4 (&wb)[TC_U], uint32_t (&sa)[TC_U],
+                                         uint32_t (&sb)[TC_U]) {
+    const int c = threadIdx.x & 3;
     const uint4 z = make_uint4(0, 0, 0, 0);
-    for (int kb = k0; kb < k1; kb += 64 * TC_U) {
-        uint4 wa[TC_U], wb[TC_U];
-        uint32_t sa[TC_U], sb[TC_U];
 #pragma unroll
-        for (int u = 0; u < TC_U; u++) {
-            const int off = kb + u * 64;
-            const bool ok = off + 16 * c < k1;
-            wa[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(w + og + off)) : z;
-            wb[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(w + og8 + off)) : z;
-            sa[u] = ok ? __ldg(sg + off / 16) : 0u;
-            sb[u] = ok ? __ldg(sg8 + off / 16) : 0u;
-        }
-        if (kb == k0) pdl_wait();  // weights first, as tc_tile
+    for (int u = 0; u < TC_U; u++) {
+        const int off = kb + u * 64;
+        const bool ok = off + 16 * c < k1;
+        wa[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(w + og + off)) : z;
+        wb[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(w + og8 + off)) : z;
+        sa[u] = ok ? __ldg(sg + off / 16) : 0u;
+        sb[u] = ok ? __ldg(sg8 + off / 16) : 0u;
+    }
+}
+
+// The dequantisation and mma of one NVFP4 round (x already at the lane's 64c).
+template <int NT, int TC_U>
+__device__ __forceinline__ void fp4_mma(const float *tab, const uint8_t *x, const uint32_t (&xoff)[NT], int kb, int k1,
+                                        const uint4 (&wa)[TC_U], const uint4 (&wb)[TC_U], const uint32_t (&sa)[TC_U],
+                                        const uint32_t (&sb)[TC_U], float (&acc)[NT][4]) {
+    const int c = threadIdx.x & 3;
+    const uint4 z = make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int u = 0; u < TC_U; u++) {
-            if (kb + u * 64 >= k1) break;  // warp-uniform
-            const int off = kb + u * 64;
-            const bool ok = off + 16 * c < k1;
-            const uint32_t ca[4] = {wa[u].x, wa[u].y, wa[u].z, wa[u].w}, cb[4] = {wb[u].x, wb[u].y, wb[u].z, wb[u].w};
+    for (int u = 0; u < TC_U; u++) {
+        if (kb + u * 64 >= k1) break;  // warp-uniform
+        const int off = kb + u * 64;
+        const bool ok = off + 16 * c < k1;
+        const uint32_t ca[4] = {wa[u].x, wa[u].y, wa[u].z, wa[u].w}, cb[4] = {wb[u].x, wb[u].y, wb[u].z, wb[u].w};
 #pragma unroll
-            for (int h = 0; h < 2; h++) {  // the lane's two groups of this step
-                const Fp4Lut la = fp4_lut(__ldg(tab + ((sa[u] >> (8 * h)) & 0xffu)));
-                const Fp4Lut lb = fp4_lut(__ldg(tab + ((sb[u] >> (8 * h)) & 0xffu)));
+        for (int h = 0; h < 2; h++) {  // the lane's two groups of this step
+            const Fp4Lut la = fp4_lut(__ldg(tab + ((sa[u] >> (8 * h)) & 0xffu)));
+            const Fp4Lut lb = fp4_lut(__ldg(tab + ((sb[u] >> (8 * h)) & 0xffu)));
 #pragma unroll
-                for (int q = 2 * h; q < 2 * h + 2; q++) {
-                    uint32_t ra[4], rb[4];
-                    fp4_word(ca[q], la, ra);
-                    fp4_word(cb[q], lb, rb);
+            for (int q = 2 * h; q < 2 * h + 2; q++) {
+                uint32_t ra[4], rb[4];
+                fp4_word(ca[q], la, ra);
+                fp4_word(cb[q], lb, rb);
 #pragma unroll
-                    for (int j = 0; j < NT; j++) {
-                        const uint4 xv = ok ? __ldg(reinterpret_cast<const uint4 *>(x + xoff[j] + 4 * off + 16 * q)) : z;
-                        const uint32_t a0[4] = {ra[0], rb[0], ra[1], rb[1]}, a1[4] = {ra[2], rb[2], ra[3], rb[3]};
-                        const uint32_t b0[2] = {xv.x, xv.y}, b1[2] = {xv.z, xv.w};
-                        mma_bf16(acc[j], a0, b0);
-                        mma_bf16(acc[j], a1, b1);
-                    }
+                for (int j = 0; j < NT; j++) {
+                    const uint4 xv = ok ? *reinterpret_cast<const uint4 *>(x + xoff[j] + 4 * off + 16 * q) : z;
+                    const uint32_t a0[4] = {ra[0], rb[0], ra[1], rb[1]}, a1[4] = {ra[2], rb[2], ra[3], rb[3]};
+                    const uint32_t b0[2] = {xv.x, xv.y}, b1[2] = {xv.z, xv.w};
+                    mma_bf16(acc[j], a0, b0);
+                    mma_bf16(acc[j], a1, b1);
                 }
             }
         }
     }
 }
 
-// 64-byte code steps per pass of the NVFP4 tile (each dequantises to 256 bytes of bf16 per row):
+// This lane's code byte offsets (og, og8: rows g and g + 8 of the tile, 16c included) and scale
+// pointers (one scale byte per 8 code bytes; the lane's two at (k + 16c) / 8 of its rows).
+__device__ __forceinline__ void fp4_rows(const uint8_t *ws, size_t row_bytes, int nrows, uint32_t &og, uint32_t &og8,
+                                         const uint16_t *&sg, const uint16_t *&sg8) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int rg = min(g, nrows - 1), rg8 = min(g + 8, nrows - 1);
+    og = (uint32_t)(rg * row_bytes) + 16 * c;
+    og8 = (uint32_t)(rg8 * row_bytes) + 16 * c;
+    sg = reinterpret_cast<const uint16_t *>(ws + rg * (row_bytes / 8)) + c;
+    sg8 = reinterpret_cast<const uint16_t *>(ws + rg8 * (row_bytes / 8)) + c;
+}
+
+// acc[j] += dequantised rows (codes w, scale bytes ws: 16 rows, the first nrows real; tab the
+// rows' scale table) · tokens of N tile j over code bytes [k0, k1) of each row.
+template <int NT, int TC_U>
+__device__ __forceinline__ void tc_tile_fp4(const uint8_t *w, const uint8_t *ws, const float *tab, size_t row_bytes, int nrows,
+                                            const uint8_t *x, const uint32_t (&xoff)[NT], int k0, int k1, float (&acc)[NT][4]) {
+    uint32_t og, og8;
+    const uint16_t *sg, *sg8;
+    fp4_rows(ws, row_bytes, nrows, og, og8, sg, sg8);
+    x += 64 * (threadIdx.x & 3);  // code byte 16c of a step <-> weight 32c <-> activation byte 64c
+    for (int kb = k0; kb < k1; kb += 64 * TC_U) {
+        uint4 wa[TC_U], wb[TC_U];
+        uint32_t sa[TC_U], sb[TC_U];
+        fp4_load<TC_U>(w, og, og8, sg, sg8, kb, k1, wa, wb, sa, sb);
+        if (kb == k0) pdl_wait();  // weights first, as tc_tile
+        fp4_mma<NT, TC_U>(tab, x, xoff, kb, k1, wa, wb, sa, sb, acc);
+    }
+}
+
+// tc_tile_fp4 for one column whose bf16 input row the block computes itself (as
+// tc_tile_prologue): the warp issues its first round (has: the warp has rows), the block waits and
+// runs `prologue` (block-wide, leaving the row in shared memory at x), then the rounds go on. The
+// same rounds and mma order as tc_tile_fp4, so the same sums.
+template <int TC_U, class Prologue>
+__device__ __forceinline__ void tc_tile_fp4_prologue(const uint8_t *w, const uint8_t *ws, const float *tab, size_t row_bytes,
+                                                     int nrows, bool has, const uint8_t *x, int k0, int k1, float (&acc)[1][4],
+                                                     Prologue prologue) {
+    uint32_t og, og8;
+    const uint16_t *sg, *sg8;
+    fp4_rows(ws, row_bytes, nrows, og, og8, sg, sg8);
+    uint4 wa[TC_U], wb[TC_U];
+    uint32_t sa[TC_U], sb[TC_U];
+    if (has) fp4_load<TC_U>(w, og, og8, sg, sg8, k0, k1, wa, wb, sa, sb);
+    pdl_wait();
+    prologue();
+    if (!has) return;
+    const uint32_t xoff[1] = {0};
+    x += 64 * (threadIdx.x & 3);
+    for (int kb = k0; kb < k1; kb += 64 * TC_U) {
+        if (kb != k0) fp4_load<TC_U>(w, og, og8, sg, sg8, kb, k1, wa, wb, sa, sb);
+        fp4_mma<1, TC_U>(tab, x, xoff, kb, k1, wa, wb, sa, sb, acc);
+    }
+}
+
+// 64-byte code steps per round of the NVFP4 tile (each dequantises to 256 bytes of bf16 per row):
 // 2 in the narrow and MoE builds, 1 in the wide build (its accumulators take the registers). The
 // dependent chain codes -> scale -> table entry -> mma is latency: one step at a time left these
 // kernels at 60-700 GB/s (H200, first run). The narrow and MoE builds run FP4_BLOCKS blocks per SM
 // (<= 80 registers, no spills with U 2; ptxas sm_90 and sm_121): with 2 (U 4, 128 registers) a
-// layer's gate|up grid at one token (288 blocks) took two waves on the H200's 132 SMs.
+// layer's gate|up grid at one token (288 blocks) took two waves on the H200's 132 SMs. Streaming
+// the rounds as tc_stream (U 1, the next round in flight) was 5-8% slower at one token (H200).
 __host__ __device__ constexpr int fp4_u(int nt) { return nt == 1 ? 2 : 1; }
 #define FP4_BLOCKS 3
 
@@ -590,7 +683,7 @@ __device__ __forceinline__ void moe_tc_pass(const OrnithMoeGemvParams &p, const 
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
     const int nrows = max(1, min(16, p.out - pl.row0));
-    if (pl.row0 < p.out) tc_tile<true, NT, MOE_U>(wb + (size_t)pl.row0 * p.in, (size_t)p.in, nrows, p.xq, xoff, pl.k0, pl.k1, acc);
+    if (pl.row0 < p.out) tc_tile<true, NT, MOE_U, false>(wb + (size_t)pl.row0 * p.in, (size_t)p.in, nrows, p.xq, xoff, pl.k0, pl.k1, acc);
     pdl_wait();
     tc_reduce<NT>(acc, pl.ks, red);
     if (!pl.lead || pl.row0 >= p.out) return;
@@ -624,21 +717,21 @@ __device__ __forceinline__ void moe_expert(const OrnithMoeGemvParams &p, int e, 
     ws = p.ws + (size_t)e * p.out;
 }
 
-// The per-slot form with the norm prologue (OrnithMoeGemvParams.norm; in = hidden): the block
-// computes token t's quantised row into shared memory after its first weight loads, then the
-// pass of its one (token, slot) column as moe_tc_pass.
-__device__ __forceinline__ void moe_tc_norm(const OrnithMoeGemvParams &p, const uint8_t *wb, const float *ws, int t, int slot,
-                                            const TcPlace &pl) {
+// The per-slot form whose input row the block computes itself: after its first weight loads,
+// `prologue(xrow, &xsc, sh)` (block-wide, synchronising the block at its end) leaves the
+// (token t, slot) column's e4m3 codes in shared memory and their scale in xsc; then the pass of
+// that one column as moe_tc_pass.
+template <class Prologue>
+__device__ __forceinline__ void moe_tc_prologue(const OrnithMoeGemvParams &p, const uint8_t *wb, const float *ws, int t, int slot,
+                                                const TcPlace &pl, Prologue prologue) {
     __shared__ float red[TC_WARPS * 4 * 32];
     extern __shared__ __align__(16) uint8_t xrow[];
     __shared__ float sh[32], xsc;
-    OrnithNormIn n = p.norm;
-    n.res += (size_t)t * p.in;
-    if (n.add) n.add += (size_t)t * p.in;
     float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
     const int nrows = max(1, min(16, p.out - pl.row0));
-    tc_tile_prologue<true, MOE_U>(wb + (size_t)pl.row0 * p.in, (size_t)p.in, nrows, pl.row0 < p.out, xrow, pl.k0, pl.k1, acc,
-                                  [&] { norm_prologue<true>(n, p.in, xrow, &xsc, sh); });
+    // One 64-byte step per round: the two rounds held across the prologue fit 64 registers.
+    tc_tile_prologue<true, 1>(wb + (size_t)pl.row0 * p.in, (size_t)p.in, nrows, pl.row0 < p.out, xrow, pl.k0, pl.k1, acc,
+                              [&] { prologue(xrow, &xsc, sh); });
     tc_reduce<1>(acc, pl.ks, red);
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     if (!pl.lead || pl.row0 >= p.out || c != 0) return;  // column 0 = lane (g, 0)'s acc[0][0], acc[0][2]
@@ -680,7 +773,26 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
     const uint8_t *wb;
     const float *ws;
     moe_slot_weights(p, t, slot, wb, ws);
-    moe_tc_norm(p, wb, ws, t, slot, pl);
+    OrnithNormIn n = p.norm;
+    n.res += (size_t)t * p.in;
+    if (n.add) n.add += (size_t)t * p.in;
+    moe_tc_prologue(p, wb, ws, t, slot, pl, [&](uint8_t *xrow, float *xsc, float *sh) { norm_prologue<true>(n, p.in, xrow, xsc, sh); });
+}
+
+// moe_gemv_fp8 with the SwiGLU prologue (OrnithMoeGemvParams.gate_up; the down product, in =
+// inter): the block quantises its (token, slot) row of SwiGLU(gate|up) itself, as swiglu_quant.
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_fp8_swiglu(const OrnithMoeGemvParams p) {
+    pdl_launch_dependents();
+    const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
+    const int slot = blockIdx.y, t = blockIdx.z;
+    const uint8_t *wb;
+    const float *ws;
+    moe_slot_weights(p, t, slot, wb, ws);
+    const uint16_t *gu = p.gate_up + ((size_t)t * (p.top_k + 1) + slot) * 2 * p.in;
+    moe_tc_prologue(p, wb, ws, t, slot, pl, [&](uint8_t *xrow, float *xsc, float *sh) {
+        swiglu_q8_row(gu, p.in, xrow, xsc, sh);
+        __syncthreads();
+    });
 }
 
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_grouped(const OrnithMoeGemvParams p) {
@@ -765,17 +877,83 @@ __device__ __forceinline__ void moe_fp4_expert(const OrnithMoeGemvNvfp4Params &p
     tb = p.tab + (size_t)e * (p.out / p.tab_rows) * 256;
 }
 
+// The weights of (token t, slot) in the per-slot forms, as moe_slot_weights: the routed index
+// after the wait, the shared expert's weights before it.
+__device__ __forceinline__ void moe_fp4_slot_weights(const OrnithMoeGemvNvfp4Params &p, int t, int slot, const uint8_t *&wb,
+                                                     const uint8_t *&sb, const float *&tb) {
+    wb = p.shared_w;
+    sb = p.shared_ws;
+    tb = p.shared_tab;
+    if (slot != p.top_k) {
+        pdl_wait();
+        moe_fp4_expert(p, p.idx[t * p.top_k + slot], wb, sb, tb);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv_nvfp4(const OrnithMoeGemvNvfp4Params p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
     const int slot = blockIdx.y, t = blockIdx.z;
-    const uint8_t *wb = p.shared_w, *sb = p.shared_ws;
-    const float *tb = p.shared_tab;
-    if (slot != p.top_k) {  // as moe_gemv_fp8: the routed index after the wait, the shared weights before
-        pdl_wait();
-        moe_fp4_expert(p, p.idx[t * p.top_k + slot], wb, sb, tb);
-    }
+    const uint8_t *wb, *sb;
+    const float *tb;
+    moe_fp4_slot_weights(p, t, slot, wb, sb, tb);
     moe_fp4(p, wb, sb, tb, MoeCols{nullptr, p.top_k, 1, t, slot}, pl);
+}
+
+// The per-slot NVFP4 form whose bf16 input row the block computes itself: after its first
+// weight loads, `prologue(xrow, sh)` (block-wide, synchronising the block at its end) leaves the
+// (token t, slot) column's row in shared memory; then that one column's pass as moe_fp4_pass.
+template <class Prologue>
+__device__ __forceinline__ void moe_fp4_prologue(const OrnithMoeGemvNvfp4Params &p, const uint8_t *wb, const uint8_t *sb,
+                                                 const float *tb, int t, int slot, const TcPlace &pl, Prologue prologue) {
+    __shared__ float red[TC_WARPS * 4 * 32];
+    extern __shared__ __align__(16) uint8_t xrow[];
+    __shared__ float sh[32];
+    const size_t row_bytes = (size_t)p.in / 2;
+    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+    const int nrows = max(1, min(16, p.out - pl.row0));
+    tc_tile_fp4_prologue<fp4_u(1)>(wb + (size_t)pl.row0 * row_bytes, sb + (size_t)pl.row0 * (row_bytes / 8),
+                                   fp4_tab(tb, pl.row0, p.tab_rows), row_bytes, nrows, pl.row0 < p.out, xrow, pl.k0, pl.k1, acc,
+                                   [&] { prologue(xrow, sh); });
+    tc_reduce<1>(acc, pl.ks, red);
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    if (!pl.lead || pl.row0 >= p.out || c != 0) return;  // column 0 = lane (g, 0)'s acc[0][0], acc[0][2]
+#pragma unroll
+    for (int v = 0; v < 2; v++) {
+        const int row = pl.row0 + g + 8 * v;
+        if (row < p.out) p.y[((size_t)t * (p.top_k + 1) + slot) * p.out + row] = f2bf(acc[0][2 * v]);
+    }
+}
+
+// moe_gemv_nvfp4 with the norm prologue (OrnithMoeGemvNvfp4Params.norm; the gate|up product, in =
+// hidden): token t's normalised bf16 row as rmsnorm_residual writes it.
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv_nvfp4_norm(const OrnithMoeGemvNvfp4Params p) {
+    pdl_launch_dependents();
+    const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
+    const int slot = blockIdx.y, t = blockIdx.z;
+    const uint8_t *wb, *sb;
+    const float *tb;
+    moe_fp4_slot_weights(p, t, slot, wb, sb, tb);
+    OrnithNormIn n = p.norm;
+    n.res += (size_t)t * p.in;
+    if (n.add) n.add += (size_t)t * p.in;
+    moe_fp4_prologue(p, wb, sb, tb, t, slot, pl, [&](uint8_t *xrow, float *sh) { norm_prologue<false>(n, p.in, xrow, nullptr, sh); });
+}
+
+// moe_gemv_nvfp4 with the SwiGLU prologue (OrnithMoeGemvNvfp4Params.gate_up; the down product, in =
+// inter): the (token, slot) row of SwiGLU(gate|up) in bf16 as swiglu_bf16 writes it.
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv_nvfp4_swiglu(const OrnithMoeGemvNvfp4Params p) {
+    pdl_launch_dependents();
+    const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
+    const int slot = blockIdx.y, t = blockIdx.z;
+    const uint8_t *wb, *sb;
+    const float *tb;
+    moe_fp4_slot_weights(p, t, slot, wb, sb, tb);
+    const uint16_t *gu = p.gate_up + ((size_t)t * (p.top_k + 1) + slot) * 2 * p.in;
+    moe_fp4_prologue(p, wb, sb, tb, t, slot, pl, [&](uint8_t *xrow, float *) {
+        for (int i = threadIdx.x; i < p.in; i += blockDim.x) reinterpret_cast<uint16_t *>(xrow)[i] = f2bf(swiglu_val(gu[i], gu[p.in + i]));
+        __syncthreads();
+    });
 }
 
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv_nvfp4_grouped(const OrnithMoeGemvNvfp4Params p) {

@@ -65,26 +65,7 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_quant(const OrnithSwigl
     pdl_entry();
     __shared__ float sh[32];
     const int r = blockIdx.x;
-    const uint16_t *gu = p.gate_up + (size_t)r * 2 * p.inter;
-    float a[4];  // inter <= 1024
-    float amax = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        int i = threadIdx.x + 256 * j;
-        a[j] = 0.f;
-        if (i < p.inter) {
-            a[j] = rbf(rbf(silu_f(bf2f(gu[i]))) * bf2f(gu[p.inter + i]));
-            amax = fmaxf(amax, fabsf(a[j]));
-        }
-    }
-    amax = block_max(amax, sh);
-    float scale = act_scale(amax);
-    if (threadIdx.x == 0) p.scale[r] = scale;
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        int i = threadIdx.x + 256 * j;
-        if (i < p.inter) p.q8[(size_t)r * p.inter + i] = quant_e4m3(a[j], scale);
-    }
+    swiglu_q8_row(p.gate_up + (size_t)r * 2 * p.inter, p.inter, p.q8 + (size_t)r * p.inter, p.scale + r, sh);
 }
 
 // SwiGLU into bf16 rows (NVFP4A16 experts take bf16 activations): grid (ceil(inter / 256), rows),
@@ -94,7 +75,7 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_bf16(const OrnithSwiglu
     const int r = blockIdx.y, i = blockIdx.x * 256 + threadIdx.x;
     if (i >= p.inter) return;
     const uint16_t *gu = p.gate_up + (size_t)r * 2 * p.inter;
-    p.out[(size_t)r * p.inter + i] = f2bf(rbf(silu_f(bf2f(gu[i]))) * bf2f(gu[p.inter + i]));
+    p.out[(size_t)r * p.inter + i] = f2bf(swiglu_val(gu[i], gu[p.inter + i]));
 }
 
 // grid (ceil(hidden / 256), tokens): routed + gated shared expert (and the residual fold, fold != NULL).

@@ -158,11 +158,17 @@ typedef struct OrnithMoeGemvParams {
     /* moe_gemv_fp8 only: token t's quantised input computed in the prologue (OrnithNormIn; the
      * grid's z is the token), instead of read from xq / xs. */
     OrnithNormIn norm;
+    /* The down product's per-slot form only (moe_gemv_fp8_swiglu): (token t, slot)'s input
+     * computed in the prologue from its gate|up row gate_up[(t * (top_k + 1) + slot) * 2 * in ..]
+     * (SwiGLU + per-row FP8 exactly as swiglu_quant), instead of read from xq / xs. */
+    const uint16_t *gate_up;
 } OrnithMoeGemvParams;
 
 /* SwiGLU of gate_up rows + FP8 quantisation, one row of `inter` per (t, slot):
  *   g = gu[r, 0:inter], u = gu[r, inter:2*inter]
  *   a = bf16( bf16(silu(g)) * u );  scale[r] = amax|a| / 448;  q8[r] = e4m3(a / scale[r]) */
+/* The largest expert row swiglu_quant and the SwiGLU prologue take (4 elements per thread of 256). */
+#define ORNITH_SWIGLU_MAX_INTER 1024
 typedef struct OrnithSwigluQuantParams {
     const uint16_t *gate_up;
     uint8_t *q8;
@@ -296,7 +302,10 @@ typedef struct OrnithQkRopeParams {
  * split_len = max(ceil((pos_dev[t] + 1) / splits), min_split) is computed on the device from that
  * row's own position only (the host's `split_for` formula). The split kernel's grid is any size
  * (block b takes items b, b + gridDim.x, ...), so neither the grid nor the other rows change a
- * row's bits. */
+ * row's bits.
+ * The combine's grid is (q_heads, tokens, ORNITH_ATT_COMBINE_CHUNKS): each block merges one chunk of
+ * head_dim / ORNITH_ATT_COMBINE_CHUNKS dimensions of one (row, head). */
+#define ORNITH_ATT_COMBINE_CHUNKS 4
 typedef struct OrnithAttnParams {
     const uint16_t *q;
     const uint16_t *k_cache;
@@ -529,6 +538,12 @@ typedef struct OrnithMoeGemvNvfp4Params {
     const int32_t *active_count;
     const int32_t *group_offsets;
     const int32_t *row_assign;
+    /* The per-slot forms only (the grid's z is the token), the input row computed in the block's
+     * prologue instead of read from x: moe_gemv_nvfp4_norm (norm: token t's normalised row, in =
+     * hidden, as rmsnorm_residual's bf16 output) or moe_gemv_nvfp4_swiglu (gate_up: (t, slot)'s
+     * row gate_up[(t * (top_k + 1) + slot) * 2 * in ..] through SwiGLU, as swiglu_bf16). */
+    OrnithNormIn norm;
+    const uint16_t *gate_up;
 } OrnithMoeGemvNvfp4Params;
 
 /* SwiGLU of gate|up rows into bf16 (the NVFP4A16 experts' BF16 activations):

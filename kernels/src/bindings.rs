@@ -6,7 +6,9 @@ pub const ORNITH_KV_BLOCK: u32 = 256;
 pub const ORNITH_GEMV_MAX_TOKENS: u32 = 8;
 pub const ORNITH_NORM_ROWS: u32 = 1;
 pub const ORNITH_NORM_MAX_HIDDEN: u32 = 2048;
+pub const ORNITH_SWIGLU_MAX_INTER: u32 = 1024;
 pub const ORNITH_GDN_WORK_PER_CHUNK: u32 = 8832;
+pub const ORNITH_ATT_COMBINE_CHUNKS: u32 = 4;
 pub const ORNITH_SAMPLE_SLICE: u32 = 2048;
 pub const ORNITH_SAMPLE_BINS: u32 = 65536;
 #[repr(C)]
@@ -275,10 +277,11 @@ pub struct OrnithMoeGemvParams {
     pub group_offsets: *const i32,
     pub row_assign: *const i32,
     pub norm: OrnithNormIn,
+    pub gate_up: *const u16,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithMoeGemvParams"][::std::mem::size_of::<OrnithMoeGemvParams>() - 168usize];
+    ["Size of OrnithMoeGemvParams"][::std::mem::size_of::<OrnithMoeGemvParams>() - 176usize];
     ["Alignment of OrnithMoeGemvParams"][::std::mem::align_of::<OrnithMoeGemvParams>() - 8usize];
     ["Offset of field: OrnithMoeGemvParams::xq"][::std::mem::offset_of!(OrnithMoeGemvParams, xq) - 0usize];
     ["Offset of field: OrnithMoeGemvParams::xs"][::std::mem::offset_of!(OrnithMoeGemvParams, xs) - 8usize];
@@ -311,6 +314,7 @@ const _: () = {
     ["Offset of field: OrnithMoeGemvParams::row_assign"]
         [::std::mem::offset_of!(OrnithMoeGemvParams, row_assign) - 128usize];
     ["Offset of field: OrnithMoeGemvParams::norm"][::std::mem::offset_of!(OrnithMoeGemvParams, norm) - 136usize];
+    ["Offset of field: OrnithMoeGemvParams::gate_up"][::std::mem::offset_of!(OrnithMoeGemvParams, gate_up) - 168usize];
 };
 impl Default for OrnithMoeGemvParams {
     fn default() -> Self {
@@ -985,10 +989,12 @@ pub struct OrnithMoeGemvNvfp4Params {
     pub active_count: *const i32,
     pub group_offsets: *const i32,
     pub row_assign: *const i32,
+    pub norm: OrnithNormIn,
+    pub gate_up: *const u16,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithMoeGemvNvfp4Params"][::std::mem::size_of::<OrnithMoeGemvNvfp4Params>() - 136usize];
+    ["Size of OrnithMoeGemvNvfp4Params"][::std::mem::size_of::<OrnithMoeGemvNvfp4Params>() - 176usize];
     ["Alignment of OrnithMoeGemvNvfp4Params"][::std::mem::align_of::<OrnithMoeGemvNvfp4Params>() - 8usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::x"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, x) - 0usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::idx"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, idx) - 8usize];
@@ -1024,6 +1030,10 @@ const _: () = {
         [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, group_offsets) - 120usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::row_assign"]
         [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, row_assign) - 128usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::norm"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, norm) - 136usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::gate_up"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, gate_up) - 168usize];
 };
 impl Default for OrnithMoeGemvNvfp4Params {
     fn default() -> Self {

@@ -18,7 +18,7 @@
 
 use ornith_runtime::backend_cpu::CpuBackend;
 use ornith_runtime::backend_cuda::CudaBackend;
-use ornith_runtime::cuda::CudaContext;
+use ornith_runtime::cuda::{CudaContext, Pdl};
 use ornith_runtime::engine::PoolRequest;
 use ornith_runtime::graph::{Backend, Batch, SeqRows, KV_BLOCK};
 use ornith_runtime::weights::Checkpoint;
@@ -344,11 +344,13 @@ const INV_STEPS: usize = 6;
 /// its own position; state slot 13 - i, so slots are not the row order; blocks interleaved
 /// across the pool in reverse, so block tables are neither contiguous nor ordered) is first run
 /// alone: prefill, then `INV_STEPS` greedy decode steps, recording its logits and tokens. Then
-/// N = 1, 2, 3, 8, 13 sequences are run together — each prefilled alone (the engine's chunks do
-/// not depend on the batch), then the same decode steps as one batch of N rows fed the recorded
-/// tokens — once through CUDA graphs and once eagerly: every row's logits must equal the
-/// sequence's alone logits bit for bit. Last, a mixed step: three decode rows and the whole
-/// prompt of sequence 13 as one prefill chunk in the same batch, then a decode step of all four.
+/// N = 1, 2, 3, 8, 9, 13 sequences are run together — each prefilled alone (the engine's chunks
+/// do not depend on the batch), then the same decode steps as one batch of N rows fed the
+/// recorded tokens — through CUDA graphs and eagerly, in every programmatic-dependent-launch mode
+/// (`Pdl`: the default, off, every launch; 9 is the first group of the wide products and of two
+/// shared-expert passes): every row's logits must equal the sequence's alone logits (default
+/// mode) bit for bit. Last, a mixed step: three decode rows and the whole prompt of sequence 13
+/// as one prefill chunk in the same batch, then a decode step of all four.
 #[test]
 #[ignore]
 fn batch_invariance() {
@@ -401,7 +403,10 @@ fn batch_invariance() {
         alone.push(l);
         fed.push(t);
     }
-    for n in [1usize, 2, 3, 8, INV_SEQS] {
+    for (n, pdl) in
+        [1usize, 2, 3, 8, 9, INV_SEQS].into_iter().flat_map(|n| [Pdl::Weights, Pdl::Off, Pdl::All].map(|pdl| (n, pdl)))
+    {
+        gpu.context().set_pdl(pdl);
         for graph in [true, false] {
             gpu.set_decode_graph(graph);
             let idx: Vec<usize> = (0..n).collect();
@@ -415,13 +420,18 @@ fn batch_invariance() {
                 for (&i, row) in idx.iter().zip(&rows) {
                     assert!(
                         *row == alone[i][k + 1],
-                        "N {n} (graph {graph}): sequence {i} step {k} differs from the sequence alone"
+                        "N {n} (graph {graph}, PDL {}): sequence {i} step {k} differs from the sequence alone",
+                        pdl.name()
                     );
                 }
             }
         }
-        eprintln!("batch invariance: {n} sequences x {INV_STEPS} steps bit-identical to each alone (graph and eager)");
+        eprintln!(
+            "batch invariance: {n} sequences x {INV_STEPS} steps bit-identical to each alone (graph and eager, PDL {})",
+            pdl.name()
+        );
     }
+    gpu.context().set_pdl(ornith_runtime::cuda::DEFAULT_PDL);
     // Mixed: decode rows of sequences 0..3 (their first step) and sequence 13's whole prompt as
     // one prefill chunk; then one decode step of all four.
     gpu.set_decode_graph(true);

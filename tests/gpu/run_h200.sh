@@ -17,6 +17,7 @@
 # PHASE=prefill (about 6 minutes): the flash attention kernel test, the bench's prefill at 2K / 32K / 128K and one
 # 261,000-token JSONL request through the binary (tests/gpu/long_prompt.py).
 # PHASE=check+file: 1–2, then the 256-request JSONL batch file through the binary (5. above).
+# PHASE=nvfp4+bench: PHASE=nvfp4's checks, then 3. (the FP8 full preset's bench).
 # PHASE=nvfp4: 1–2, then 2. on the shallow preset's NVFP4A16 export (build.sh with NVFP4=1);
 # PHASE=nvfp4-shallow: that last part alone.
 # PHASE=nvfp4-bench: the full preset's FP8 and NVFP4A16 exports benched one after the other (PROMPTS, BATCH;
@@ -81,9 +82,9 @@ ORNITH_TEST_MODEL=$C/shallow timeout 210 "$G/test_shallow" --ignored --nocapture
 echo "test_shallow rc=$? $((SECONDS - t0))s"
 grep -E "^OP|CPU chunked|prefill:|decode|batch invariance|prefix cache|panicked|test result" "$OUT/test_shallow.log" | cut -c1-330
 rm -rf "$C/shallow"
-if [ "$phase" = nvfp4 ]; then
+if [ "$phase" = nvfp4 ] || [ "$phase" = nvfp4+bench ]; then
     nvfp4_shallow
-    exit 0
+    [ "$phase" = nvfp4 ] && exit 0
 fi
 fi
 if [ "$phase" = nvfp4-bench ]; then
@@ -137,7 +138,7 @@ fi
 t0=$SECONDS
 timeout 330 "$G/bench_full" --model "$C/full" --prompts "$prompts" --gen 64 --budget-s 120 --batch "$batch" > "$OUT/bench_full.json" 2> "$OUT/bench_full.err"
 echo "bench rc=$? $((SECONDS - t0))s"
-if [ "$phase" = bench ] || [ "$phase" = check+bench ]; then
+if [ "$phase" = bench ] || [ "$phase" = check+bench ] || [ "$phase" = nvfp4+bench ]; then
     grep -E "^ +[0-9]+ +[0-9.]+ +[0-9]+ |attn_decode|skipping|error" "$OUT/bench_full.err" | head -40
     exit 0
 fi

@@ -1032,7 +1032,9 @@ impl CudaBackend {
         let rl = at(self, &s.rlog, 0);
         let (sgu_y, sa, sy) = (at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.ys, 0));
         for (r0, n, prefill) in segments(batch) {
-            let x = self.norm_rows(h, norm, r0, n)?;
+            // Fusable as the FP8 MoE's: the BF16 router, the per-slot expert gate|up, the combine folds.
+            let fusable = !prefill && n < GROUPED_MOE_ROWS;
+            let (x, fold) = self.norm_rows_for(h, norm, r0, n, fusable)?;
             self.lin(&w.gate, "mlp.gate", x, rl, rw, n, prefill)?;
             self.cx.k_router(rl, at(self, &s.idx, 0), at(self, &s.wt, 0), n, e, k, rw)?;
             let out = at(self, &h.delta, r0 * hs);
@@ -1064,9 +1066,15 @@ impl CudaBackend {
                 active_count: ac,
                 group_offsets: go,
                 row_assign: ra,
+                norm: x.norm.unwrap_or_default(),
+                gate_up: std::ptr::null(),
             };
             self.cx.k_moe_gemv_nvfp4(gu_params, grouped)?;
-            self.cx.k_swiglu_bf16(sgu_y, sa, n * slots, inter)?;
+            // The per-slot down product takes SwiGLU in its prologue (as the FP8 MoE's).
+            let swiglu_in_prologue = !grouped;
+            if !swiglu_in_prologue {
+                self.cx.k_swiglu_bf16(sgu_y, sa, n * slots, inter)?;
+            }
             self.cx.k_moe_gemv_nvfp4(
                 OrnithMoeGemvNvfp4Params {
                     x: sa as _,
@@ -1082,11 +1090,13 @@ impl CudaBackend {
                     x_tok_stride: (slots * inter) as i32,
                     x_slot_stride: inter as i32,
                     tab_rows: hs as i32,
+                    norm: OrnithNormIn::default(),
+                    gate_up: if swiglu_in_prologue { sgu_y as _ } else { std::ptr::null() },
                     ..gu_params
                 },
                 grouped,
             )?;
-            self.cx.k_combine(sy, at(self, &s.wt, 0), rl + 2 * e as u64, out, n, k, hs, rw, None)?;
+            self.cx.k_combine(sy, at(self, &s.wt, 0), rl + 2 * e as u64, out, n, k, hs, rw, fold)?;
         }
         h.pending.set(h.t);
         Ok(())
@@ -1463,9 +1473,15 @@ impl Backend for CudaBackend {
                 group_offsets: groups[2],
                 row_assign: groups[3],
                 norm: x.norm.unwrap_or_default(),
+                gate_up: std::ptr::null(),
             };
             self.cx.k_moe_gemv(gu_params, grouped)?;
-            self.cx.k_swiglu(at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), n * slots, inter)?;
+            // The per-slot down product takes SwiGLU + quantisation in its prologue (each block its
+            // own (token, slot) row); the grouped one reads swiglu_quant's rows.
+            let swiglu_in_prologue = !grouped;
+            if !swiglu_in_prologue {
+                self.cx.k_swiglu(at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), n * slots, inter)?;
+            }
             self.cx.k_moe_gemv(
                 OrnithMoeGemvParams {
                     xq: at(self, &s.aq, 0) as _,
@@ -1482,6 +1498,7 @@ impl Backend for CudaBackend {
                     xs_tok_stride: slots as i32,
                     xs_slot_stride: 1,
                     norm: OrnithNormIn::default(),
+                    gate_up: if swiglu_in_prologue { at(self, &s.gu, 0) as _ } else { std::ptr::null() },
                     ..gu_params
                 },
                 grouped,

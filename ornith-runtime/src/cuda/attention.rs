@@ -159,7 +159,8 @@ impl CudaContext {
         let kv_bytes = keys * kvh * 256 * 2 * 2;
         self.launch(Launch::new("attn_decode_split", (blocks, 1, 1), 64, kv_bytes as u64).smem(ATT_SPLIT_SMEM), p)?;
         let part = t * qh * splits * (256 + 2) * 4 + t * qh * 256 * 4; // at most
-        self.launch(Launch::new("attn_decode_combine", (qh as u32, t as u32, 1), 256, part as u64), p)
+        let grid = (qh as u32, t as u32, ORNITH_ATT_COMBINE_CHUNKS);
+        self.launch(Launch::new("attn_decode_combine", grid, 256, part as u64), p)
     }
 
     /// Causal flash attention (head_dim 256) of `p.tokens` queries at positions `pos0..` over the

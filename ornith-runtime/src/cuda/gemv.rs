@@ -20,7 +20,7 @@ type Bf = CudaSlice<u16>;
 pub(crate) const NORM_MAX_HIDDEN: usize = ORNITH_NORM_MAX_HIDDEN as usize;
 
 /// Bytes a norm prologue reads: the residual row, the pending delta, the weight.
-fn norm_bytes(n: &OrnithNormIn, hidden: usize) -> usize {
+pub(super) fn norm_bytes(n: &OrnithNormIn, hidden: usize) -> usize {
     hidden * 2 * (2 + usize::from(!n.add.is_null()))
 }
 
@@ -162,7 +162,7 @@ impl CudaContext {
     /// What the norm-prologue products assume (`OrnithNormIn`): one row (`ORNITH_NORM_ROWS`),
     /// the norm over the product's whole input (`in` = hidden <= `ORNITH_NORM_MAX_HIDDEN`), a
     /// weight, 16-byte aligned rows; returns the dynamic shared memory (the row).
-    fn norm_checks(n: &OrnithNormIn, in_: usize, elem: usize) -> Result<u32> {
+    pub(super) fn norm_checks(n: &OrnithNormIn, in_: usize, elem: usize) -> Result<u32> {
         ensure!(!n.weight.is_null() && !n.res.is_null(), "norm prologue: no weight or residual");
         ensure!(
             in_ > 0 && in_ <= NORM_MAX_HIDDEN && in_.is_multiple_of(16),
@@ -265,7 +265,7 @@ impl CudaContext {
         ensure!(t * xt + k * xsl <= i32::MAX as usize, "moe_gemv: {t} tokens of stride {xt}");
         let tiles = super::moe_tc_blocks(in_, out);
         if grouped {
-            ensure!(p.norm.weight.is_null(), "moe_gemv_grouped has no norm prologue");
+            ensure!(p.norm.weight.is_null() && p.gate_up.is_null(), "moe_gemv_grouped has no prologue");
             ensure!(
                 !p.active_list.is_null()
                     && !p.active_count.is_null()
@@ -277,6 +277,26 @@ impl CudaContext {
             let bytes = (active + 1) * (out * in_ + out * 4) + t * slots * (in_ + 4 + out * 2);
             return self.launch(
                 Launch::new("moe_gemv_grouped", (tiles, active as u32 + 1, 1), super::GEMV_BLOCK, bytes as u64)
+                    .weights_first(),
+                p,
+            );
+        }
+        ensure!(
+            p.norm.weight.is_null() || p.gate_up.is_null(),
+            "moe_gemv: a norm prologue or a SwiGLU prologue, not both"
+        );
+        if !p.gate_up.is_null() {
+            // The per-(token, slot) down product with the SwiGLU prologue: each block quantises
+            // its (token, slot) row of SwiGLU(gate|up) itself (in = inter; gate|up rows of 2 in).
+            ensure!(
+                in_ <= super::moe::SWIGLU_MAX_INTER && p.x_slot_stride as usize == in_ && xt == slots * in_,
+                "moe_gemv_fp8_swiglu: inter {in_} (<= {}), x strides {xt} / {xsl} (the swiglu rows')",
+                super::moe::SWIGLU_MAX_INTER
+            );
+            let bytes = t * slots * (out * in_ + out * 4 + 2 * in_ * 2 + out * 2);
+            return self.launch(
+                Launch::new("moe_gemv_fp8_swiglu", (tiles, slots as u32, t as u32), super::GEMV_BLOCK, bytes as u64)
+                    .smem(in_ as u32)
                     .weights_first(),
                 p,
             );
@@ -389,6 +409,7 @@ impl CudaContext {
             group_offsets: std::ptr::null(),
             row_assign: std::ptr::null(),
             norm: OrnithNormIn::default(),
+            gate_up: std::ptr::null(),
         })
     }
 

@@ -164,10 +164,13 @@ const KERNELS: [(Module, &[&str]); 11] = [
             "gemv_fp8_norm",
             "moe_gemv_fp8",
             "moe_gemv_fp8_norm",
+            "moe_gemv_fp8_swiglu",
             "moe_gemv_grouped",
             "gemv_nvfp4",
             "gemv_nvfp4_wide",
             "moe_gemv_nvfp4",
+            "moe_gemv_nvfp4_norm",
+            "moe_gemv_nvfp4_swiglu",
             "moe_gemv_nvfp4_grouped",
         ],
     ),
@@ -479,7 +482,7 @@ impl CudaContext {
         &self.ctx
     }
     pub(crate) fn func(&self, name: &str) -> &CudaFunction {
-        &self.funcs[name]
+        self.funcs.get(name).unwrap_or_else(|| panic!("kernel {name} is not in cuda::KERNELS"))
     }
     /// The loaded kernel whose driver handle is `f`, if any (to name a captured graph's nodes).
     pub(crate) fn kernel_of(&self, f: cudarc::driver::sys::CUfunction) -> Option<&'static str> {
@@ -501,6 +504,30 @@ impl CudaContext {
     /// Raw device address of a buffer (event tracking is off, so no guard is needed).
     pub(crate) fn addr<T>(&self, s: &CudaSlice<T>) -> Ptr {
         s.device_ptr(&self.stream).0
+    }
+}
+
+#[cfg(test)]
+mod kernel_table_tests {
+    use super::*;
+    use std::collections::BTreeSet;
+    /// `KERNELS` names exactly the entry points of each module's PTX, for both architectures (a
+    /// kernel missing from the table cannot be loaded, one listed but absent fails at start-up).
+    #[test]
+    fn kernel_table_lists_every_entry_point() {
+        for (m, names) in KERNELS {
+            let listed: BTreeSet<&str> = names.iter().copied().collect();
+            assert_eq!(listed.len(), names.len(), "{m:?}: a kernel listed twice");
+            for a in ornith_kernels::Arch::ALL {
+                let ptx = ornith_kernels::ptx(a, m);
+                let entries: BTreeSet<&str> = ptx
+                    .split(".entry ")
+                    .skip(1)
+                    .map(|b| &b[..b.find(|c: char| !(c.is_alphanumeric() || c == '_')).unwrap_or(b.len())])
+                    .collect();
+                assert_eq!(entries, listed, "{a:?} {m:?}: PTX entry points (left) against cuda::KERNELS (right)");
+            }
+        }
     }
 }
 

@@ -15,6 +15,10 @@ use anyhow::{ensure, Result};
 use cudarc::driver::CudaSlice;
 use ornith_kernels::bindings::*;
 
+/// The largest expert row (`moe_intermediate_size`) `swiglu_quant` and the down product's SwiGLU
+/// prologue take (the header's `ORNITH_SWIGLU_MAX_INTER`).
+pub(crate) const SWIGLU_MAX_INTER: usize = ORNITH_SWIGLU_MAX_INTER as usize;
+
 type Bf = CudaSlice<u16>;
 
 /// `moe_sort`'s outputs for [`CudaContext::moe_gemv_grouped`].
@@ -180,7 +184,7 @@ impl CudaContext {
     /// `a = bf16(bf16(silu(g)) · u)` per row of `gate_up [rows, 2·inter]`, then FP8 per row
     /// (`inter <= 1024`).
     pub(crate) fn k_swiglu(&self, gu: Ptr, q8: Ptr, scale: Ptr, rows: usize, inter: usize) -> Result<()> {
-        ensure!(rows > 0 && inter > 0 && inter <= 1024, "swiglu: 0 < inter {inter} <= 1024");
+        ensure!(rows > 0 && inter > 0 && inter <= SWIGLU_MAX_INTER, "swiglu: 0 < inter {inter} <= {SWIGLU_MAX_INTER}");
         let p = OrnithSwigluQuantParams {
             gate_up: gu as _,
             q8: q8 as _,

@@ -119,6 +119,11 @@ impl CudaContext {
         );
         let (t, in_, out, k) = (p.tokens as usize, p.in_ as usize, p.out as usize, p.top_k as usize);
         let slots = k + 1;
+        ensure!(
+            p.norm.weight.is_null() || p.gate_up.is_null(),
+            "moe_gemv_nvfp4: a norm prologue or a SwiGLU prologue, not both"
+        );
+        ensure!(!grouped || (p.norm.weight.is_null() && p.gate_up.is_null()), "moe_gemv_nvfp4_grouped has no prologue");
         let w = Fp4W { w: p.w as Ptr, ws: p.ws as Ptr, tab: p.tab as Ptr, tab_rows: p.tab_rows.max(0) as usize };
         fp4_checks(&w, in_, out)?;
         let sw = Fp4W { w: p.shared_w as Ptr, ws: p.shared_ws as Ptr, tab: p.shared_tab as Ptr, ..w };
@@ -151,12 +156,24 @@ impl CudaContext {
                 p,
             );
         }
+        let grid = (tiles, slots as u32, t as u32);
+        if !p.norm.weight.is_null() {
+            // The per-(token, slot) gate|up with the norm prologue: each block normalises its
+            // token's residual row itself (in = hidden; bf16 in shared memory).
+            let smem = Self::norm_checks(&p.norm, in_, 2)?;
+            let bytes = t * slots * (per + out * 2) + t * super::gemv::norm_bytes(&p.norm, in_);
+            let l = Launch::new("moe_gemv_nvfp4_norm", grid, super::GEMV_BLOCK, bytes as u64);
+            return self.launch(l.smem(smem).weights_first(), p);
+        }
+        if !p.gate_up.is_null() {
+            // The per-(token, slot) down product with the SwiGLU prologue: each block computes its
+            // (token, slot) row of SwiGLU(gate|up) itself (in = inter; bf16 in shared memory).
+            let bytes = t * slots * (per + (2 * in_ + out) * 2);
+            let l = Launch::new("moe_gemv_nvfp4_swiglu", grid, super::GEMV_BLOCK, bytes as u64);
+            return self.launch(l.smem((in_ * 2) as u32).weights_first(), p);
+        }
         let bytes = t * slots * (per + (in_ + out) * 2);
-        self.launch(
-            Launch::new("moe_gemv_nvfp4", (tiles, slots as u32, t as u32), super::GEMV_BLOCK, bytes as u64)
-                .weights_first(),
-            p,
-        )
+        self.launch(Launch::new("moe_gemv_nvfp4", grid, super::GEMV_BLOCK, bytes as u64).weights_first(), p)
     }
 
     /// The GEMM checks shared by both NVFP4 GEMMs (A bf16 rows 16-byte aligned).
@@ -331,7 +348,7 @@ impl CudaContext {
         self.k_gemm_nvfp4(self.addr(a), fw, self.addr(y), rows, in_, out, a_stride, y_stride)
     }
 
-    fn moe_nvfp4_params(&self, a: &MoeNvfp4Args, y: &Bf) -> Result<OrnithMoeGemvNvfp4Params> {
+    pub(super) fn moe_nvfp4_params(&self, a: &MoeNvfp4Args, y: &Bf) -> Result<OrnithMoeGemvNvfp4Params> {
         ensure!(a.tokens > 0, "moe_gemv_nvfp4: no tokens");
         let w = self.fp4_buf("moe_gemv_nvfp4 experts", a.w, a.experts, a.in_, a.out)?;
         let s = self.fp4_buf("moe_gemv_nvfp4 shared", a.shared, 1, a.in_, a.out)?;

@@ -11,6 +11,7 @@ use super::test_util::{ctx, rng, POISON, R};
 use super::tests::{close, perf};
 use super::{CudaContext, Ptr};
 use crate::cpu::linear::linear_nvfp4;
+use cudarc::driver::CudaSlice;
 use half::bf16;
 use rand::Rng;
 
@@ -464,5 +465,120 @@ fn gemv_parts_match_the_whole() {
                 );
             }
         }
+    }
+}
+
+/// The per-slot NVFP4 expert products with a prologue give the bits of the kernel they replace
+/// followed by the plain per-slot product (`moe_gemv_nvfp4`), at the model's shapes (hidden 2048,
+/// inter 512, 8 routed slots of 16 experts + the shared one): `moe_gemv_nvfp4_norm` (gate|up, two
+/// tables per expert) against `rmsnorm_residual`'s bf16 row, with and without a pending delta, for
+/// 1 and 2 tokens; `moe_gemv_nvfp4_swiglu` (down) against `swiglu_bf16`, for 1 and 3 tokens.
+#[test]
+#[ignore]
+fn moe_nvfp4_prologues_match_the_kernels() {
+    use ornith_kernels::bindings::OrnithNormIn;
+    let c = ctx();
+    let mut r = rng(47);
+    let (experts, top_k, hidden, inter) = (16usize, 8usize, 2048usize, 512usize);
+    let slots = top_k + 1;
+    let stacked = |r: &mut R, mats: usize, out: usize, inp: usize| {
+        let hs: Vec<Fp4Host> = (0..=experts).map(|_| Fp4Host::random(r, mats, out / mats, inp)).collect();
+        let all = Fp4Host {
+            w: hs[..experts].iter().flat_map(|h| h.w.clone()).collect(),
+            ws: hs[..experts].iter().flat_map(|h| h.ws.clone()).collect(),
+            gs: hs[..experts].iter().flat_map(|h| h.gs.clone()).collect(),
+            tab_rows: out / mats,
+            inp,
+        };
+        (all.upload(&c), hs[experts].upload(&c))
+    };
+    let (gu_w, gu_shared) = stacked(&mut r, 2, 2 * inter, hidden);
+    let (dn_w, dn_shared) = stacked(&mut r, 1, hidden, inter);
+    let params = |a: &MoeNvfp4Args, y: &CudaSlice<u16>| c.moe_nvfp4_params(a, y).unwrap();
+    for tokens in [1usize, 2, 3] {
+        let idx: Vec<i32> = (0..(tokens * top_k) as i32).map(|j| (j * 7 + 3) % experts as i32).collect();
+        let didx = c.upload(&idx).unwrap();
+        // Gate|up with the norm prologue (1 and 2 tokens).
+        if tokens <= 2 {
+            for with_add in [true, false] {
+                let res = bfx(&mut r, tokens * hidden);
+                let add = bfx(&mut r, tokens * hidden);
+                let wn = bfx(&mut r, hidden);
+                let (dres0, dadd, dwn) = (c.upload(&res).unwrap(), c.upload(&add).unwrap(), c.upload(&wn).unwrap());
+                let mut dres = c.upload(&res).unwrap();
+                let mut xb = c.upload(&vec![POISON; tokens * hidden]).unwrap();
+                let eps = 1e-6f32;
+                c.rmsnorm_residual(
+                    &mut dres,
+                    with_add.then_some(&dadd),
+                    &dwn,
+                    Some(&mut xb),
+                    None,
+                    tokens,
+                    hidden,
+                    eps,
+                )
+                .unwrap();
+                let a = MoeNvfp4Args {
+                    x: &xb,
+                    idx: &didx,
+                    w: &gu_w,
+                    shared: &gu_shared,
+                    tokens,
+                    top_k,
+                    experts,
+                    in_: hidden,
+                    out: 2 * inter,
+                    x_tok_stride: hidden,
+                    x_slot_stride: 0,
+                };
+                let mut want = c.upload(&vec![POISON; tokens * slots * 2 * inter]).unwrap();
+                c.moe_gemv_nvfp4(&a, &mut want).unwrap();
+                let got = c.upload(&vec![POISON; tokens * slots * 2 * inter]).unwrap();
+                let mut p = params(&a, &got);
+                p.x = std::ptr::null();
+                p.norm = OrnithNormIn {
+                    res: c.addr(&dres0) as _,
+                    add: if with_add { c.addr(&dadd) as _ } else { std::ptr::null() },
+                    weight: c.addr(&dwn) as _,
+                    eps,
+                };
+                c.k_moe_gemv_nvfp4(p, false).unwrap();
+                let (g, w) = (c.download(&got).unwrap(), c.download(&want).unwrap());
+                assert!(w.iter().all(|&v| v != POISON), "moe_gemv_nvfp4 left outputs unwritten");
+                assert!(
+                    g == w,
+                    "moe_gemv_nvfp4_norm ({tokens} tokens, add {with_add}) differs from rmsnorm_residual + moe_gemv_nvfp4"
+                );
+            }
+        }
+        // Down with the SwiGLU prologue.
+        let gu = bfx(&mut r, tokens * slots * 2 * inter);
+        let dgu = c.upload(&gu).unwrap();
+        let mut act = c.upload(&vec![POISON; tokens * slots * inter]).unwrap();
+        c.swiglu_bf16(&dgu, &mut act, tokens * slots, inter).unwrap();
+        let a = MoeNvfp4Args {
+            x: &act,
+            idx: &didx,
+            w: &dn_w,
+            shared: &dn_shared,
+            tokens,
+            top_k,
+            experts,
+            in_: inter,
+            out: hidden,
+            x_tok_stride: slots * inter,
+            x_slot_stride: inter,
+        };
+        let mut want = c.upload(&vec![POISON; tokens * slots * hidden]).unwrap();
+        c.moe_gemv_nvfp4(&a, &mut want).unwrap();
+        let got = c.upload(&vec![POISON; tokens * slots * hidden]).unwrap();
+        let mut p = params(&a, &got);
+        p.x = std::ptr::null();
+        p.gate_up = c.addr(&dgu) as _;
+        c.k_moe_gemv_nvfp4(p, false).unwrap();
+        let (g, w) = (c.download(&got).unwrap(), c.download(&want).unwrap());
+        assert!(w.iter().all(|&v| v != POISON), "moe_gemv_nvfp4 left outputs unwritten");
+        assert!(g == w, "moe_gemv_nvfp4_swiglu ({tokens} tokens) differs from swiglu_bf16 + moe_gemv_nvfp4");
     }
 }

@@ -106,6 +106,91 @@ fn embed_gather_matches_reference() {
     }
 }
 
+/// The expert down product with the SwiGLU prologue (`moe_gemv_fp8_swiglu`: each block quantises
+/// its (token, slot) row of SwiGLU(gate|up) itself) gives the bits of `swiglu_quant` followed by
+/// the plain per-slot product (`moe_gemv_fp8`), at the model's shapes (inter 512 -> hidden 2048,
+/// 8 routed slots + the shared one) and at a ragged row (inter 328), for 1 and 3 tokens.
+#[test]
+#[ignore]
+fn swiglu_prologue_matches_swiglu_quant() {
+    let c = ctx();
+    let mut r = rng(43);
+    let (e, k) = (16usize, 8usize);
+    let slots = k + 1;
+    for (inter, hidden, t) in [(512usize, 2048usize, 1usize), (512, 2048, 3), (328, 256, 2)] {
+        let rows = t * slots;
+        let gu = bfv(&mut r, rows * 2 * inter, 3.0);
+        let dgu = c.upload(&gu).unwrap();
+        let mut q8 = c.upload(&vec![0xAAu8; rows * inter]).unwrap();
+        let mut qs = c.upload(&vec![-1f32; rows]).unwrap();
+        c.swiglu_quant(&dgu, &mut q8, &mut qs, rows, inter).unwrap();
+        let wq: Vec<u8> =
+            (0..e * hidden * inter).map(|_| r.random_range(0..=0x7Eu8) | (r.random_range(0..2u8) << 7)).collect();
+        let wqs: Vec<f32> = (0..e * hidden).map(|_| r.random_range(1e-3f32..1e-2)).collect();
+        let sw: Vec<u8> =
+            (0..hidden * inter).map(|_| r.random_range(0..=0x7Eu8) | (r.random_range(0..2u8) << 7)).collect();
+        let sws: Vec<f32> = (0..hidden).map(|_| r.random_range(1e-3f32..1e-2)).collect();
+        let idx: Vec<i32> = (0..(t * k) as i32).map(|j| (j * 7 + 3) % e as i32).collect();
+        let (dwq, dwqs, dsw, dsws, didx) = (
+            c.upload(&wq).unwrap(),
+            c.upload(&wqs).unwrap(),
+            c.upload(&sw).unwrap(),
+            c.upload(&sws).unwrap(),
+            c.upload(&idx).unwrap(),
+        );
+        let a = MoeGemvArgs {
+            xq: &q8,
+            xs: &qs,
+            idx: &didx,
+            w: &dwq,
+            ws: &dwqs,
+            shared_w: &dsw,
+            shared_ws: &dsws,
+            tokens: t,
+            top_k: k,
+            experts: e,
+            in_: inter,
+            out: hidden,
+            x_tok_stride: slots * inter,
+            x_slot_stride: inter,
+            xs_tok_stride: slots,
+            xs_slot_stride: 1,
+        };
+        let mut want = c.upload(&vec![POISON; rows * hidden]).unwrap();
+        c.moe_gemv(&a, &mut want).unwrap();
+        let got = c.upload(&vec![POISON; rows * hidden]).unwrap();
+        let p = ornith_kernels::bindings::OrnithMoeGemvParams {
+            idx: c.addr(&didx) as _,
+            w: c.addr(&dwq) as _,
+            ws: c.addr(&dwqs) as _,
+            shared_w: c.addr(&dsw) as _,
+            shared_ws: c.addr(&dsws) as _,
+            y: c.addr(&got) as _,
+            tokens: t as i32,
+            top_k: k as i32,
+            experts: e as i32,
+            in_: inter as i32,
+            out: hidden as i32,
+            x_tok_stride: (slots * inter) as i32,
+            x_slot_stride: inter as i32,
+            xs_tok_stride: slots as i32,
+            xs_slot_stride: 1,
+            gate_up: c.addr(&dgu) as _,
+            ..Default::default()
+        };
+        c.k_moe_gemv(p, false).unwrap();
+        let (g, w) = (c.download(&got).unwrap(), c.download(&want).unwrap());
+        assert!(
+            w.iter().all(|&v| v != POISON),
+            "moe_gemv_fp8 left outputs unwritten ({inter} -> {hidden}, {t} tokens)"
+        );
+        assert!(
+            g == w,
+            "moe_gemv_fp8_swiglu {inter} -> {hidden} ({t} tokens) differs from swiglu_quant + moe_gemv_fp8"
+        );
+    }
+}
+
 /// `rmsnorm_residual` = `cpu::norm::add_into` (the residual `bf16(r + x)`, bit-exact: one
 /// rounding of an fp32 sum on both) then `cpu::norm::rms_norm` (zero-centred, `close`), and the
 /// FP8 codes of its output bit-exact against `cpu::fp8::quantize_act_row`.
