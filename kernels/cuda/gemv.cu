@@ -58,7 +58,7 @@
 // to 16 tokens, 2 beyond (each load feeds 2 * NT mma, and the accumulators need the registers),
 // each round loaded after the previous one's mma. Streaming the wide passes too was slower on the
 // H200 (2048 -> 12,352 BF16 at 64 tokens: 54 -> 123 us; its extra registers spill), streaming the
-// narrow one faster (the lm_head at 1 / 8 tokens: 300 -> 282 / 365 -> 330 us).
+// narrow one faster (the lm_head at 1 / 8 tokens: 300 -> 268 / 365 -> 302 us).
 __host__ __device__ constexpr int tc_u(int nt) { return nt == 1 ? 2 : nt <= 2 ? 4 : 2; }
 // N tiles per pass over the weights. Two builds of each dense kernel: the narrow one (1 tile =
 // 8 tokens per pass, <= 64 registers, TC_NARROW_BLOCKS per SM: the memory-bound batch-1 and MoE shapes
