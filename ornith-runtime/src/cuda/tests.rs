@@ -474,7 +474,7 @@ pub(super) fn perf(c: &super::CudaContext, what: &str, bytes: f64, mut f: impl F
 /// Whether a decode-product shape is one whose speed is reported: the real decode shapes, alone
 /// and in groups of 8 and 64 (aggregate bytes: the weights once, each token's activations).
 fn decode_shape(inp: usize, tokens: usize) -> bool {
-    inp >= 2048 && matches!(tokens, 1 | 8 | 64)
+    inp >= 2048 && matches!(tokens, 1 | 8 | 32 | 64)
 }
 
 /// Checks a decode-product output `y` (`tokens` rows of stride `yst`, `out` values each) against
@@ -529,7 +529,9 @@ fn gemv_bf16_matches_reference() {
         (1024, 300, 70, 0),
         (2048, 12352, 1, 0),
         (2048, 12352, 8, 0),
+        (2048, 12352, 32, 0),
         (4096, 2048, 1, 0),
+        (4096, 2048, 32, 0),
         (4096, 2048, 64, 0),
         (2048, 257, 1, 0),
         (2048, 248320, 1, 0),
@@ -606,6 +608,7 @@ fn gemv_fp8_matches_reference() {
         (1024, 90, 7, 0),
         (2048, 9216, 1, 0),
         (2048, 9216, 8, 0),
+        (2048, 9216, 32, 0),
         (2048, 9216, 64, 0),
         (4096, 2048, 1, 0),
         (4096, 2048, 64, 0),
