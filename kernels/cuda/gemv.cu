@@ -467,19 +467,17 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NORM_BLOCKS) gemv
 // =============================================================================================
 
 // One round of a lane's NVFP4 loads: the 16 code bytes at kb + 64u + 16c (u < TC_U) of its two
-// rows (og, og8) and their two scale bytes (sg, sg8 as uint16); past k1 zeros.
+// rows (og, og8; tc_load's) and their two scale bytes (sg, sg8 as uint16); past k1 zeros.
 template <int TC_U>
 __device__ __forceinline__ void fp4_load(const uint8_t *w, uint32_t og, uint32_t og8, const uint16_t *sg, const uint16_t *sg8,
                                          int kb, int k1, uint4 (&wa)[TC_U], uint4 (&wb)[TC_U], uint32_t (&sa)[TC_U],
                                          uint32_t (&sb)[TC_U]) {
+    tc_load<TC_U>(w, og, og8, kb, k1, wa, wb);
     const int c = threadIdx.x & 3;
-    const uint4 z = make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int u = 0; u < TC_U; u++) {
         const int off = kb + u * 64;
         const bool ok = off + 16 * c < k1;
-        wa[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(w + og + off)) : z;
-        wb[u] = ok ? __ldg(reinterpret_cast<const uint4 *>(w + og8 + off)) : z;
         sa[u] = ok ? __ldg(sg + off / 16) : 0u;
         sb[u] = ok ? __ldg(sg8 + off / 16) : 0u;
     }

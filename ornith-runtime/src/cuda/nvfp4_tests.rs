@@ -60,6 +60,18 @@ impl Fp4Host {
         y
     }
 
+    /// Experts of the same shape stacked into one `[experts · out, in]` matrix (as the checkpoint
+    /// loader stacks them).
+    fn stack(hs: &[Fp4Host]) -> Self {
+        Fp4Host {
+            w: hs.iter().flat_map(|h| h.w.clone()).collect(),
+            ws: hs.iter().flat_map(|h| h.ws.clone()).collect(),
+            gs: hs.iter().flat_map(|h| h.gs.clone()).collect(),
+            tab_rows: hs[0].tab_rows,
+            inp: hs[0].inp,
+        }
+    }
+
     fn upload(&self, c: &CudaContext) -> Fp4Buf {
         let tab: Vec<f32> = self.gs.iter().flat_map(|&g| model_spec::nvfp4::scale_table(g)).collect();
         Fp4Buf {
@@ -204,14 +216,7 @@ fn moe_gemv_nvfp4_matches_reference() {
         [(2048, 1024, 2, false), (512, 2048, 1, true), (64, 64, 2, false), (32, 64, 1, true)]
     {
         let hs: Vec<Fp4Host> = (0..=experts).map(|_| Fp4Host::random(&mut r, mats, out / mats, inp)).collect();
-        let all = Fp4Host {
-            w: hs[..experts].iter().flat_map(|h| h.w.clone()).collect(),
-            ws: hs[..experts].iter().flat_map(|h| h.ws.clone()).collect(),
-            gs: hs[..experts].iter().flat_map(|h| h.gs.clone()).collect(),
-            tab_rows: out / mats,
-            inp,
-        };
-        let (dw, dshared) = (all.upload(&c), hs[experts].upload(&c));
+        let (dw, dshared) = (Fp4Host::stack(&hs[..experts]).upload(&c), hs[experts].upload(&c));
         let counts: &[usize] = if inp >= 512 { &[1, 5, 13, 64] } else { &[1, 5, 13] };
         for &tokens in counts {
             let mut idx = Vec::new();
@@ -483,14 +488,7 @@ fn moe_nvfp4_prologues_match_the_kernels() {
     let slots = top_k + 1;
     let stacked = |r: &mut R, mats: usize, out: usize, inp: usize| {
         let hs: Vec<Fp4Host> = (0..=experts).map(|_| Fp4Host::random(r, mats, out / mats, inp)).collect();
-        let all = Fp4Host {
-            w: hs[..experts].iter().flat_map(|h| h.w.clone()).collect(),
-            ws: hs[..experts].iter().flat_map(|h| h.ws.clone()).collect(),
-            gs: hs[..experts].iter().flat_map(|h| h.gs.clone()).collect(),
-            tab_rows: out / mats,
-            inp,
-        };
-        (all.upload(&c), hs[experts].upload(&c))
+        (Fp4Host::stack(&hs[..experts]).upload(&c), hs[experts].upload(&c))
     };
     let (gu_w, gu_shared) = stacked(&mut r, 2, 2 * inter, hidden);
     let (dn_w, dn_shared) = stacked(&mut r, 1, hidden, inter);

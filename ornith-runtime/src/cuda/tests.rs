@@ -20,6 +20,14 @@ use rand::Rng;
 fn bfv(r: &mut R, n: usize, scale: f32) -> Vec<u16> {
     (0..n).map(|_| bf16::from_f32(r.random_range(-1.0f32..1.0) * scale).to_bits()).collect()
 }
+/// `n` random finite E4M3 codes of either sign (magnitude codes 0..=0x7E; 0x7F is NaN).
+fn e4m3_codes(r: &mut R, n: usize) -> Vec<u8> {
+    (0..n).map(|_| r.random_range(0..=0x7Eu8) | (r.random_range(0..2u8) << 7)).collect()
+}
+/// `n` per-output-channel FP8 weight scales.
+fn fp8_scales(r: &mut R, n: usize) -> Vec<f32> {
+    (0..n).map(|_| r.random_range(1e-3f32..1e-2)).collect()
+}
 fn f(b: u16) -> f64 {
     bf16::from_bits(b).to_f64()
 }
@@ -125,12 +133,10 @@ fn swiglu_prologue_matches_swiglu_quant() {
         let mut q8 = c.upload(&vec![0xAAu8; rows * inter]).unwrap();
         let mut qs = c.upload(&vec![-1f32; rows]).unwrap();
         c.swiglu_quant(&dgu, &mut q8, &mut qs, rows, inter).unwrap();
-        let wq: Vec<u8> =
-            (0..e * hidden * inter).map(|_| r.random_range(0..=0x7Eu8) | (r.random_range(0..2u8) << 7)).collect();
-        let wqs: Vec<f32> = (0..e * hidden).map(|_| r.random_range(1e-3f32..1e-2)).collect();
-        let sw: Vec<u8> =
-            (0..hidden * inter).map(|_| r.random_range(0..=0x7Eu8) | (r.random_range(0..2u8) << 7)).collect();
-        let sws: Vec<f32> = (0..hidden).map(|_| r.random_range(1e-3f32..1e-2)).collect();
+        let wq = e4m3_codes(&mut r, e * hidden * inter);
+        let wqs = fp8_scales(&mut r, e * hidden);
+        let sw = e4m3_codes(&mut r, hidden * inter);
+        let sws = fp8_scales(&mut r, hidden);
         let idx: Vec<i32> = (0..(t * k) as i32).map(|j| (j * 7 + 3) % e as i32).collect();
         let (dwq, dwqs, dsw, dsws, didx) = (
             c.upload(&wq).unwrap(),
@@ -250,9 +256,8 @@ fn norm_prologue_and_fold_match_the_norm_kernel() {
             );
         }
         for out in [9216, 64] {
-            let w8: Vec<u8> =
-                (0..out * hidden).map(|_| r.random_range(0..=0x7Eu8) | (r.random_range(0..2u8) << 7)).collect();
-            let ws: Vec<f32> = (0..out).map(|_| r.random_range(1e-3f32..1e-2)).collect();
+            let w8 = e4m3_codes(&mut r, out * hidden);
+            let ws = fp8_scales(&mut r, out);
             let (dw, dws) = (c.upload(&w8).unwrap(), c.upload(&ws).unwrap());
             let mut want = c.upload(&vec![POISON; out]).unwrap();
             c.gemv_fp8(&xq, &xs, &dw, &dws, &mut want, 1, hidden, out, hidden, out).unwrap();
@@ -265,11 +270,10 @@ fn norm_prologue_and_fold_match_the_norm_kernel() {
         }
         // Expert gate|up, per (token, slot), 8 routed slots of 16 experts + the shared one.
         let (e, k, o) = (16, 8, 256);
-        let wq: Vec<u8> =
-            (0..e * o * hidden).map(|_| r.random_range(0..=0x7Eu8) | (r.random_range(0..2u8) << 7)).collect();
-        let wqs: Vec<f32> = (0..e * o).map(|_| r.random_range(1e-3f32..1e-2)).collect();
+        let wq = e4m3_codes(&mut r, e * o * hidden);
+        let wqs = fp8_scales(&mut r, e * o);
         let sw: Vec<u8> = (0..o * hidden).map(|_| r.random_range(0..=0x7Eu8)).collect();
-        let sws: Vec<f32> = (0..o).map(|_| r.random_range(1e-3f32..1e-2)).collect();
+        let sws = fp8_scales(&mut r, o);
         let idx: Vec<i32> = (0..k as i32).map(|j| (j * 5 + 3) % e as i32).collect();
         let (dwq, dwqs, dsw, dsws, didx) = (
             c.upload(&wq).unwrap(),
