@@ -8,17 +8,35 @@
 // tiles would run half empty. FP8 uses m16n8k32.e4m3 and BF16 m16n8k16.bf16: both consume 32
 // bytes of K per mma with the same byte layout of fragments, so one kernel body serves both.
 //
+// Persistent blocks: the grid is what the GPU holds at once (CudaContext::gemm_blocks), and block b
+// takes tiles b, b + grid, b + 2 grid, ... through ONE cp.async pipeline over the sequence of
+// (tile, k-tile) pairs, so the next tile's first stages load under the current tile's last mma and
+// its epilogue instead of the pipeline filling and draining once per tile (2 of 18 stage times at
+// K = 2048, 2 of 6 at K = 512). Plain tiles walk rows first (tile t: rows (t % row tiles), outputs
+// (t / row tiles)), so a wave shares a few weight column tiles and all of A in L2; grouped tiles
+// walk outputs first (tile t: outputs (t % column tiles), row tile t / column tiles), so an
+// expert's rows are read from L2 by the blocks of one wave. Each output's sums are the same
+// whatever the grid: a tile's rows and K order do not depend on which block runs it.
+// Measured on the H200 (tests/peer/gemm_variants, 2,048-row chunks): BF16 2048 x 2048 -> 12,352
+// 472 -> 302 us, FP8 2048 x 2048 -> 8192 299 -> 275 us, grouped FP8 down (K = 512) 392 -> 307 us.
+//
 // Shared memory rows are 128 bytes = 8 chunks of 16 bytes; chunk c of row r is stored at chunk
 // c ^ (r & 7), so the 8 rows an ldmatrix reads hit 8 distinct bank groups.
 //
 // NVFP4A16 (FP4): A is bf16 and the weight tile is dequantised into shared memory in the BF16 layout
 // (fp4.cuh, bit-identical to the CPU's dequantisation), then the BF16 mma as above. Each thread
-// fetches its 2 groups of 16 weights (8 code bytes and a scale byte each) for stage kt + 2 before
-// the mma of stage kt and dequantises and stores them after it, so the loads land under the mma.
+// fetches its 2 groups of 16 weights (8 code bytes and a scale byte each) for the stage it issues
+// before the mma of the current stage and dequantises and stores them after it, so the loads land
+// under the mma.
 //
-// FP8 accumulation: each stage's 128-byte K slice is accumulated in a fresh fp32 fragment, then
+// Accumulation. FP8: each stage's 128-byte K slice is accumulated in a fresh fp32 fragment, then
 // added to the running fp32 sum (promotion every 128 codes), so the result does not depend on the
-// tensor core's internal accumulator width over long K.
+// tensor core's internal accumulator width over long K (on sm_90 the e4m3 mma.sync runs as f16
+// HMMA after conversion; accumulated straight into the running sum, outputs land up to 2x further
+// from the fp64 sum in the harness). BF16 / FP4 (bf16 mma): straight into the running fp32 sum,
+// as BLAS libraries do; the harness measures at most ~1.2 fp32 eps of sum |a w| beyond the
+// output's bf16 rounding at K = 4096, and keeping a second fragment set costs 24-60% (its
+// registers halve the blocks per SM).
 #include "common.cuh"
 #include "fp4.cuh"
 #include "mma.cuh"
@@ -38,6 +56,7 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) { return (uint32_t)(
 // Element size in bytes: 1 (E4M3) or 2 (bf16; FP4 weights are dequantised to bf16).
 template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void gemm_body(const OrnithGemmParams &p) {
     static_assert(!(FP8 && FP4), "NVFP4A16 runs bf16 activations");
+    constexpr bool PROMOTE = FP8;
     constexpr int ES = FP8 ? 1 : 2;
     constexpr int MI = BM / 32;  // mma row tiles per warp, and A chunks per thread per stage
     constexpr int STAGE_BYTES = (BM + GB_N) * GB_K;
@@ -45,88 +64,133 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 2, wn = warp & 3;
 
-    // Which rows: plain (one group) or grouped (tile -> expert via tile_offsets).
-    int g = 0, row0, row_end;
-    if (p.group_offsets) {
-        const int tile = blockIdx.y;
-        if (tile >= p.tile_offsets[p.groups]) return;
-        int lo = 0, hi = p.groups - 1;  // largest g with tile_offsets[g] <= tile
-        while (lo < hi) {
-            int mid = (lo + hi + 1) >> 1;
-            if (p.tile_offsets[mid] <= tile) lo = mid; else hi = mid - 1;
-        }
-        g = lo;
-        row0 = p.group_offsets[g] + (tile - p.tile_offsets[g]) * BM;
-        row_end = p.group_offsets[g + 1];
-    } else {
-        row0 = blockIdx.y * BM;
-        row_end = p.rows;
-    }
-    const int n0 = blockIdx.x * GB_N;
+    const bool grouped = p.group_offsets != nullptr;
+    const int col_tiles = (p.out + GB_N - 1) / GB_N;
+    const int row_tiles = grouped ? p.tile_offsets[p.groups] : (p.rows + BM - 1) / BM;
+    const int total = row_tiles * col_tiles;
     const uint8_t *A = (const uint8_t *)p.a;
-    const uint8_t *W = (const uint8_t *)p.w + (size_t)g * p.out * p.in * ES;
     const size_t a_pitch = (size_t)p.a_stride * ES, w_pitch = (size_t)p.in * ES;
     const int kbytes = p.in * ES;
     const int ktiles = (kbytes + GB_K - 1) / GB_K;
 
-    // Each thread copies MI chunks of A and 4 of B per stage: chunk id = tid + 256 * i,
-    // row = id / 8, chunk = id % 8. Source rows are fixed over K, so resolve them once.
+    // Tile t -> group g, output rows [row0, row_end), first output n0 (see the header comment).
+    auto resolve = [&](int t, int &g, int &row0, int &row_end, int &n0) {
+        if (grouped) {
+            const int tile = t / col_tiles;
+            n0 = (t % col_tiles) * GB_N;
+            int lo = 0, hi = p.groups - 1;  // largest g with tile_offsets[g] <= tile
+            while (lo < hi) {
+                int mid = (lo + hi + 1) >> 1;
+                if (p.tile_offsets[mid] <= tile) lo = mid; else hi = mid - 1;
+            }
+            g = lo;
+            row0 = p.group_offsets[g] + (tile - p.tile_offsets[g]) * BM;
+            row_end = p.group_offsets[g + 1];
+        } else {
+            g = 0;
+            row0 = (t % row_tiles) * BM;
+            n0 = (t / row_tiles) * GB_N;
+            row_end = p.rows;
+        }
+    };
+
+    // The load cursor: tile lt, k-tile lk, and this thread's source rows of tile lt. Each thread
+    // copies MI chunks of A and 4 of B per stage: chunk id = tid + 256 * i, row = id / 8,
+    // chunk = id % 8.
+    int lt = blockIdx.x, lk = 0;
+    const uint8_t *W = nullptr;
     const uint8_t *a_src[MI];
     const uint8_t *w_src[4];
     bool a_ok[MI], w_ok[4];
-#pragma unroll
-    for (int i = 0; i < MI; i++) {
-        int id = tid + GB_THREADS * i, r = id >> 3;
-        int gr = row0 + r;
-        a_ok[i] = gr < row_end;
-        int ar = a_ok[i] ? (p.a_rows ? p.a_rows[gr] : gr) : 0;
-        a_src[i] = A + (size_t)ar * a_pitch + ((id & 7) << 4);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        int id = tid + GB_THREADS * i, r = id >> 3;
-        int gn = n0 + r;
-        w_ok[i] = gn < p.out;
-        w_src[i] = W + (size_t)(w_ok[i] ? gn : 0) * w_pitch + ((id & 7) << 4);
-    }
     // FP4: this thread's weights per stage: one group of 16 (chunks 2q, 2q + 1 of a stage's 8,
     // q = tid % 4: 8 code bytes and one scale byte) in each of rows tid / 4 and tid / 4 + 64, so a
-    // group's table lookup serves both its chunks; their codes and scales of the stage in flight.
+    // group's table lookup serves both its chunks; their codes, scales and table of the stage in
+    // flight (the table is kept with them: the cursor may move to the next tile before they are stored).
     const uint2 *fc_src[2];
     const uint8_t *fs_src[2];
-    const float *ft[2];
+    const float *ft[2], *ft_fetched[2];
     bool f_ok[2];
     uint2 fcode[2];
     uint32_t fscale[2];
-    if (FP4) {
-        const uint8_t *codes = (const uint8_t *)p.w + (size_t)g * p.out * (p.in / 2);
-        const uint8_t *scales = p.w_group_scale + (size_t)g * p.out * (p.in / 16);
-        const float *tab = p.w_tab + (size_t)g * (p.out / p.tab_rows) * 256;
+    auto set_load_tile = [&](int t) {
+        int g, row0, row_end, n0;
+        resolve(t, g, row0, row_end, n0);
+        W = (const uint8_t *)p.w + (size_t)g * p.out * p.in * ES;
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int gn = n0 + (tid >> 2) + 64 * h;
-            f_ok[h] = gn < p.out;
-            const int row = f_ok[h] ? gn : 0;
-            fc_src[h] = reinterpret_cast<const uint2 *>(codes + (size_t)row * (p.in / 2)) + (tid & 3);
-            fs_src[h] = scales + (size_t)row * (p.in / 16) + (tid & 3);
-            ft[h] = tab + (size_t)(row / p.tab_rows) * 256;
+        for (int i = 0; i < MI; i++) {
+            int id = tid + GB_THREADS * i, gr = row0 + (id >> 3);
+            a_ok[i] = gr < row_end;
+            int ar = a_ok[i] ? (p.a_rows ? p.a_rows[gr] : gr) : 0;
+            a_src[i] = A + (size_t)ar * a_pitch + ((id & 7) << 4);
         }
-    }
-    // Codes and scale bytes of stage kt (zeros past the row or the matrix: weight 0, tab[0] = 0).
-    auto fp4_fetch = [&](int kt) {
+        if (!FP4)
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const bool ok = f_ok[h] && kt * 64 + 16 * (tid & 3) < p.in;
-            fcode[h] = ok ? __ldg(fc_src[h] + kt * 4) : make_uint2(0u, 0u);
-            fscale[h] = ok ? __ldg(fs_src[h] + kt * 4) : 0u;
+            for (int i = 0; i < 4; i++) {
+                int id = tid + GB_THREADS * i, gn = n0 + (id >> 3);
+                w_ok[i] = gn < p.out;
+                w_src[i] = W + (size_t)(w_ok[i] ? gn : 0) * w_pitch + ((id & 7) << 4);
+            }
+        if (FP4) {
+            const uint8_t *codes = (const uint8_t *)p.w + (size_t)g * p.out * (p.in / 2);
+            const uint8_t *scales = p.w_group_scale + (size_t)g * p.out * (p.in / 16);
+            const float *tab = p.w_tab + (size_t)g * (p.out / p.tab_rows) * 256;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int gn = n0 + (tid >> 2) + 64 * h;
+                f_ok[h] = gn < p.out;
+                const int row = f_ok[h] ? gn : 0;
+                fc_src[h] = reinterpret_cast<const uint2 *>(codes + (size_t)row * (p.in / 2)) + (tid & 3);
+                fs_src[h] = scales + (size_t)row * (p.in / 16) + (tid & 3);
+                ft[h] = tab + (size_t)(row / p.tab_rows) * 256;
+            }
         }
     };
+    if (lt < total) set_load_tile(lt);
     const uint32_t sbase = smem_u32(smem);
+    // Issues the cursor's stage into buffer `stage` (one commit group, empty past the last tile) and
+    // advances the cursor; returns whether FP4 codes were fetched (to be stored by fp4_store).
+    auto issue = [&](int stage) -> bool {
+        bool fetched = false;
+        if (lt < total) {
+            const uint32_t sa = sbase + stage * STAGE_BYTES, sb = sa + BM * GB_K;
+            const int kb = lk * GB_K;
+#pragma unroll
+            for (int i = 0; i < MI; i++) {
+                int id = tid + GB_THREADS * i, r = id >> 3, c = id & 7;
+                bool in = a_ok[i] && kb + (c << 4) < kbytes;  // in % 16 == 0 elements: chunks are all-in or all-out
+                cp_async16(sa + swz(r, c), in ? a_src[i] + kb : A, in ? 16 : 0);
+            }
+            if (!FP4)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    int id = tid + GB_THREADS * i, r = id >> 3, c = id & 7;
+                    bool in = w_ok[i] && kb + (c << 4) < kbytes;
+                    cp_async16(sb + swz(r, c), in ? w_src[i] + kb : W, in ? 16 : 0);
+                }
+            if (FP4) {  // codes and scale bytes of k-tile lk (zeros past the row or the matrix: weight 0, tab[0] = 0)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const bool ok = f_ok[h] && lk * 64 + 16 * (tid & 3) < p.in;
+                    fcode[h] = ok ? __ldg(fc_src[h] + lk * 4) : make_uint2(0u, 0u);
+                    fscale[h] = ok ? __ldg(fs_src[h] + lk * 4) : 0u;
+                    ft_fetched[h] = ft[h];
+                }
+                fetched = true;
+            }
+            if (++lk == ktiles) {
+                lk = 0;
+                lt += gridDim.x;
+                if (lt < total) set_load_tile(lt);
+            }
+        }
+        cp_commit();
+        return fetched;
+    };
     auto fp4_store = [&](int stage) {
         uint8_t *sb = smem + stage * STAGE_BYTES + BM * GB_K;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const Fp4Lut l = fp4_lut(__ldg(ft[h] + fscale[h]));
+            const Fp4Lut l = fp4_lut(__ldg(ft_fetched[h] + fscale[h]));
             const int r = (tid >> 2) + 64 * h, c = 2 * (tid & 3);
             uint32_t q[4];
             fp4_word(fcode[h].x, l, q);
@@ -134,23 +198,6 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
             fp4_word(fcode[h].y, l, q);
             *reinterpret_cast<uint4 *>(sb + swz(r, c + 1)) = make_uint4(q[0], q[1], q[2], q[3]);
         }
-    };
-    auto load_stage = [&](int stage, int kt) {
-        const uint32_t sa = sbase + stage * STAGE_BYTES, sb = sa + BM * GB_K;
-        const int kb = kt * GB_K;
-#pragma unroll
-        for (int i = 0; i < MI; i++) {
-            int id = tid + GB_THREADS * i, r = id >> 3, c = id & 7;
-            bool kin = kb + (c << 4) < kbytes;  // in % 16 == 0 elements: chunks are all-in or all-out
-            cp_async16(sa + swz(r, c), a_ok[i] && kin ? a_src[i] + kb : A, a_ok[i] && kin ? 16 : 0);
-        }
-        if (!FP4)  // FP4's weight chunks: fp4_fetch, fp4_store
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int id = tid + GB_THREADS * i, r = id >> 3, c = id & 7;
-                bool kin = kb + (c << 4) < kbytes;
-                cp_async16(sb + swz(r, c), w_ok[i] && kin ? w_src[i] + kb : W, w_ok[i] && kin ? 16 : 0);
-            }
     };
 
     float acc[MI][4][4];
@@ -162,33 +209,25 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
 
 #pragma unroll
-    for (int s = 0; s < GB_STAGES - 1; s++) {
-        if (s < ktiles) {
-            load_stage(s, s);
-            if (FP4) {
-                fp4_fetch(s);
-                fp4_store(s);
-            }
-        }
-        cp_commit();
-    }
-    for (int kt = 0; kt < ktiles; kt++) {
+    for (int s = 0; s < GB_STAGES - 1; s++)
+        if (issue(s) && FP4) fp4_store(s);
+
+    int ct = blockIdx.x, ck = 0, stage = 0;  // the compute cursor: tile, k-tile, buffer
+    while (ct < total) {
         cp_wait<GB_STAGES - 2>();
         __syncthreads();
-        const int nk = kt + GB_STAGES - 1;
-        if (nk < ktiles) {
-            load_stage(nk % GB_STAGES, nk);
-            if (FP4) fp4_fetch(nk);
-        }
-        cp_commit();
-        const uint32_t sa = sbase + (kt % GB_STAGES) * STAGE_BYTES, sb = sa + BM * GB_K;
-        float part[MI][4][4];
+        // Buffer stage - 1 was last read in the previous iteration, before this barrier.
+        const int next = stage == 0 ? GB_STAGES - 1 : stage - 1;
+        const bool fetched = issue(next);
+        const uint32_t sa = sbase + stage * STAGE_BYTES, sb = sa + BM * GB_K;
+        float part[PROMOTE ? MI : 1][4][4];
+        if (PROMOTE)
 #pragma unroll
-        for (int i = 0; i < MI; i++)
+            for (int i = 0; i < MI; i++)
 #pragma unroll
-            for (int j = 0; j < 4; j++)
+                for (int j = 0; j < 4; j++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) part[i][j][e] = 0.f;
+                    for (int e = 0; e < 4; e++) part[PROMOTE ? i : 0][j][e] = 0.f;
 #pragma unroll
         for (int ks = 0; ks < GB_K / 32; ks++) {
             uint32_t af[MI][4], bfr[4][2];
@@ -207,54 +246,74 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
 #pragma unroll
             for (int mi = 0; mi < MI; mi++)
 #pragma unroll
-                for (int nj = 0; nj < 4; nj++) mma32<FP8>(part[mi][nj], af[mi], bfr[nj]);
+                for (int nj = 0; nj < 4; nj++) mma32<FP8>(PROMOTE ? part[PROMOTE ? mi : 0][nj] : acc[mi][nj], af[mi], bfr[nj]);
+        }
+        if (PROMOTE)
+#pragma unroll
+            for (int i = 0; i < MI; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc[i][j][e] += part[PROMOTE ? i : 0][j][e];
+        if (FP4 && fetched) fp4_store(next);
+        stage = stage + 1 == GB_STAGES ? 0 : stage + 1;
+        if (++ck < ktiles) continue;
+
+        // Epilogue of tile ct: y = bf16(acc * as[a_row] * ws[o]) (FP8) or bf16(acc) (BF16, FP4),
+        // bf16 pairs stored as one word where y allows it.
+        int g, row0, row_end, n0;
+        resolve(ct, g, row0, row_end, n0);
+        const float *ws = FP8 ? p.w_scale + (size_t)g * p.out : nullptr;
+        const int gq = lane >> 2, tq = lane & 3;
+        const bool pairs = (p.y_stride & 1) == 0 && ((uintptr_t)p.y & 3) == 0;
+#pragma unroll
+        for (int mi = 0; mi < MI; mi++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int r = row0 + wm * (BM / 2) + mi * 16 + gq + h * 8;
+                if (r >= row_end) continue;
+                float sx = 1.f;
+                if (FP8) sx = p.a_scale[p.a_rows ? p.a_rows[r] : r];
+                uint16_t *yr = p.y + (size_t)r * p.y_stride;
+#pragma unroll
+                for (int nj = 0; nj < 4; nj++) {
+                    int o = n0 + wn * 32 + nj * 8 + tq * 2;
+                    float v0 = acc[mi][nj][h * 2], v1 = acc[mi][nj][h * 2 + 1];
+                    if (FP8) {
+                        if (o < p.out) v0 = v0 * sx * ws[o];
+                        if (o + 1 < p.out) v1 = v1 * sx * ws[o + 1];
+                    }
+                    if (pairs && o + 1 < p.out) {
+                        *reinterpret_cast<uint32_t *>(yr + o) = (uint32_t)f2bf(v0) | ((uint32_t)f2bf(v1) << 16);
+                    } else {
+                        if (o < p.out) yr[o] = f2bf(v0);
+                        if (o + 1 < p.out) yr[o + 1] = f2bf(v1);
+                    }
+                }
+            }
         }
 #pragma unroll
         for (int i = 0; i < MI; i++)
 #pragma unroll
             for (int j = 0; j < 4; j++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) acc[i][j][e] += part[i][j][e];
-        // Stage nk's buffer was last read in iteration kt - 1, before this iteration's barrier.
-        if (FP4 && nk < ktiles) fp4_store(nk % GB_STAGES);
+                for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+        ck = 0;
+        ct += gridDim.x;
     }
     cp_wait<0>();
-
-    // Epilogue: y = bf16(acc * as[a_row] * ws[o]) (FP8) or bf16(acc) (BF16).
-    const float *ws = FP8 ? p.w_scale + (size_t)g * p.out : nullptr;
-    const int gq = lane >> 2, tq = lane & 3;
-#pragma unroll
-    for (int mi = 0; mi < MI; mi++) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            int r = row0 + wm * (BM / 2) + mi * 16 + gq + h * 8;
-            if (r >= row_end) continue;
-            float sx = 1.f;
-            if (FP8) sx = p.a_scale[p.a_rows ? p.a_rows[r] : r];
-            uint16_t *yr = p.y + (size_t)r * p.y_stride;
-#pragma unroll
-            for (int nj = 0; nj < 4; nj++) {
-                int o = n0 + wn * 32 + nj * 8 + tq * 2;
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    if (o + e < p.out) {
-                        float v = acc[mi][nj][h * 2 + e];
-                        if (FP8) v = v * sx * ws[o + e];
-                        yr[o + e] = f2bf(v);
-                    }
-                }
-            }
-        }
-    }
 }
 
-extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_fp8(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, 128>(p); }
-extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, 128>(p); }
+// Blocks per SM each kernel is built for (the second __launch_bounds__ argument; the launcher sizes
+// the persistent grid from the occupancy the driver reports): two where the registers allow it
+// without spills (BF16 and grouped FP8: the bf16 mma needs no promotion fragments; 64-row tiles).
+extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_fp8(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, 128>(p); }
+extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, 128>(p); }
 // The grouped MoE GEMM (p.group_offsets set; tiles of GB_GROUPED_M rows, see moe_sort).
-extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_fp8_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, GB_GROUPED_M>(p); }
+extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_fp8_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, GB_GROUPED_M>(p); }
 // NVFP4A16 weights, bf16 activations: plain and grouped (the same tiles as gemm_bf16 / gemm_fp8_grouped).
-extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_nvfp4(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, 128, true>(p); }
-extern "C" __global__ void __launch_bounds__(GB_THREADS) gemm_nvfp4_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_GROUPED_M, true>(p); }
+extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_nvfp4(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, 128, true>(p); }
+extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_nvfp4_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_GROUPED_M, true>(p); }
 
 // Per-row FP8 activation quantisation with compressed-tensors semantics (the CPU reference
 // `cpu::fp8::quantize_act_row`), the input of gemm_fp8 in prefill:

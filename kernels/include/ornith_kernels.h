@@ -391,10 +391,11 @@ typedef struct OrnithSampleParams {
  * fp32 accumulation. A row of output row r: a_rows[r] if a_rows != NULL (gather), else r; A rows
  * are `a_stride` elements apart (16-byte aligned), y rows `y_stride`. `in` % 16 == 0 (FP8) or
  * % 8 == 0 (BF16). w [groups, out, in], w_scale [groups, out].
- * Plain: group_offsets == NULL, rows 0..rows, grid (ceil(out/128), ceil(rows/128)).
+ * Persistent blocks (1-D grid, any size): block b computes tiles b, b + gridDim.x, ...
+ * Plain: group_offsets == NULL, rows 0..rows, ceil(rows/128) x ceil(out/128) tiles.
  * Grouped (MoE experts, gemm_fp8_grouped): output rows group_offsets[g]..group_offsets[g+1] use
- * group g's weights; tile_offsets[g] = sum_{g' < g} ceil(count_g' / 64); grid.y >= tile_offsets[groups] (extra
- * blocks exit). Both arrays have groups + 1 entries and live on the device. */
+ * group g's weights; tile_offsets[g] = sum_{g' < g} ceil(count_g' / 64) row tiles, times
+ * ceil(out/128) column tiles. Both arrays have groups + 1 entries and live on the device. */
 typedef struct OrnithGemmParams {
     const void *a;
     const float *a_scale;

@@ -18,6 +18,19 @@ type Bf = CudaSlice<u16>;
 /// GEMM tile (rows x outputs) of the plain GEMMs (`gemm.cu`: BM = GB_N = 128).
 pub const GEMM_TILE: usize = 128;
 
+/// The persistent GEMM kernels of gemm.cu (their grid: [`CudaContext::gemm_grid`]).
+pub(crate) const GEMM_KERNELS: [&str; 5] =
+    ["gemm_fp8", "gemm_bf16", "gemm_fp8_grouped", "gemm_nvfp4", "gemm_nvfp4_grouped"];
+
+/// Dynamic shared memory of GEMM kernel `name`.
+pub(crate) fn gemm_smem(name: &str) -> u32 {
+    if name.ends_with("_grouped") {
+        GEMM_GROUPED_SMEM
+    } else {
+        GEMM_SMEM
+    }
+}
+
 /// Rows per tile of the grouped MoE GEMM `gemm_fp8_grouped` (`GB_GROUPED_M`, `MS_TILE`).
 pub const GEMM_GROUPED_ROWS: usize = 64;
 
@@ -42,6 +55,15 @@ pub fn gemm_aligned(a: Ptr, pitch_bytes: usize, in_bytes: usize) -> bool {
 }
 
 impl CudaContext {
+    /// The grid of persistent GEMM `name` (gemm.cu: each block takes every grid-th tile): as many
+    /// blocks as the GPU holds at once, no more than `tiles` when the host knows the tile count
+    /// (plain GEMMs; a grouped GEMM's tiles are counted on the device by moe_sort).
+    pub(crate) fn gemm_grid(&self, name: &str, tiles: Option<usize>) -> (u32, u32, u32) {
+        let resident = self.gemm_blocks.get(name).copied().unwrap_or(1);
+        let blocks = tiles.map_or(resident, |t| resident.min(t.max(1) as u32));
+        (blocks, 1, 1)
+    }
+
     /// What the plain GEMMs assume: a non-empty shape, `in` a multiple of 16 bytes, A rows
     /// covering `in` and 16-byte aligned (address and stride), the weight 16-byte aligned,
     /// offsets inside int32.
@@ -108,7 +130,7 @@ impl CudaContext {
             ..Default::default()
         };
         let bytes = out * in_ + out * 4 + rows * (in_ + 4 + out * 2);
-        let grid = (out.div_ceil(GEMM_TILE) as u32, rows.div_ceil(GEMM_TILE) as u32, 1);
+        let grid = self.gemm_grid("gemm_fp8", Some(out.div_ceil(GEMM_TILE) * rows.div_ceil(GEMM_TILE)));
         self.launch(Launch::new("gemm_fp8", grid, 256, bytes as u64).smem(GEMM_SMEM), p)
     }
 
@@ -139,14 +161,14 @@ impl CudaContext {
             ..Default::default()
         };
         let bytes = out * in_ * 2 + rows * (in_ + out) * 2;
-        let grid = (out.div_ceil(GEMM_TILE) as u32, rows.div_ceil(GEMM_TILE) as u32, 1);
+        let grid = self.gemm_grid("gemm_bf16", Some(out.div_ceil(GEMM_TILE) * rows.div_ceil(GEMM_TILE)));
         self.launch(Launch::new("gemm_bf16", grid, 256, bytes as u64).smem(GEMM_SMEM), p)
     }
 
     /// Grouped FP8 GEMM over the expert-sorted rows of `p` (`p.groups` experts, `moe_sort`'s
-    /// `group_offsets` / `tile_offsets`): at most `ceil(rows / 64) + min(groups, rows)` row tiles
-    /// of 64 rows (each expert's last tile is partial). Bytes count every expert's weights once
-    /// (all are read when the chunk is long).
+    /// `group_offsets` / `tile_offsets`): row tiles of 64 rows (each expert's last one partial),
+    /// counted on the device, taken by the resident blocks. Bytes count every expert's weights
+    /// once (all are read when the chunk is long).
     pub(crate) fn k_gemm_grouped(&self, p: OrnithGemmParams) -> Result<()> {
         ensure!(
             p.rows > 0 && p.out > 0 && p.in_ > 0 && p.in_ % 16 == 0 && p.groups > 0,
@@ -162,9 +184,10 @@ impl CudaContext {
         );
         ensure!(!p.group_offsets.is_null() && !p.tile_offsets.is_null(), "gemm_grouped needs moe_sort's groups");
         let (rows, in_, out, g) = (p.rows as usize, p.in_ as usize, p.out as usize, p.groups as usize);
-        let tiles = rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows);
+        // Tile indices (row tiles x column tiles) inside int32.
+        i32of("gemm_grouped tiles", (rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows)) * out.div_ceil(GEMM_TILE))?;
         let bytes = g * (out * in_ + out * 4) + rows * (in_ + 4 + out * 2);
-        let grid = (out.div_ceil(GEMM_TILE) as u32, tiles as u32, 1);
+        let grid = self.gemm_grid("gemm_fp8_grouped", None);
         self.launch(Launch::new("gemm_fp8_grouped", grid, 256, bytes as u64).smem(GEMM_GROUPED_SMEM), p)
     }
 

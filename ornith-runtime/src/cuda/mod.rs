@@ -273,6 +273,9 @@ pub struct CudaContext {
     /// Blocks of the decode attention's split kernel ([`attention::ATT_BLOCKS_PER_SM`] per SM, or
     /// as many as its shared memory lets reside).
     pub(crate) attn_blocks: u32,
+    /// Blocks of each persistent prefill GEMM (gemm.cu): SMs x the blocks of that kernel one SM
+    /// holds at its shared memory (see [`gemm::gemm_smem`]).
+    pub(crate) gemm_blocks: HashMap<&'static str, u32>,
     /// Whether [`Self::profile`] holds a recording (see [`Self::profile_begin`]).
     observing: AtomicBool,
     /// The launches recorded since [`Self::profile_begin`], each bracketed by two events.
@@ -361,6 +364,17 @@ impl CudaContext {
         anyhow::ensure!(per_sm > 0, "'{name}' cannot hold one attn_decode_split block ({smem} bytes of shared memory)");
         let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let attn_blocks = sms.max(1) as u32 * per_sm.min(attention::ATT_BLOCKS_PER_SM);
+        let mut gemm_blocks = HashMap::new();
+        for n in gemm::GEMM_KERNELS {
+            let (f, smem) = (&funcs[n], gemm::gemm_smem(n));
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )?;
+            let per_sm = f.occupancy_max_active_blocks_per_multiprocessor(256, smem as usize, None)?;
+            anyhow::ensure!(per_sm > 0, "'{name}' cannot hold one {n} block ({smem} bytes of shared memory)");
+            gemm_blocks.insert(n, sms.max(1) as u32 * per_sm);
+        }
         Ok(Self {
             ctx,
             stream,
@@ -370,6 +384,7 @@ impl CudaContext {
             funcs,
             pdl: AtomicU8::new(DEFAULT_PDL.code()),
             attn_blocks,
+            gemm_blocks,
             observing: AtomicBool::new(false),
             profile: Mutex::new(Vec::new()),
         })

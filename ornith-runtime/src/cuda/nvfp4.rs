@@ -228,7 +228,7 @@ impl CudaContext {
         };
         Self::gemm_nvfp4_checks(&p)?;
         let bytes = fp4_bytes(in_, out, tables(&w, out)) + rows * (in_ + out) * 2;
-        let grid = (out.div_ceil(GEMM_TILE) as u32, rows.div_ceil(GEMM_TILE) as u32, 1);
+        let grid = self.gemm_grid("gemm_nvfp4", Some(out.div_ceil(GEMM_TILE) * rows.div_ceil(GEMM_TILE)));
         self.launch(Launch::new("gemm_nvfp4", grid, 256, bytes as u64).smem(GEMM_SMEM), p)
     }
 
@@ -239,9 +239,9 @@ impl CudaContext {
         ensure!(!p.group_offsets.is_null() && !p.tile_offsets.is_null(), "gemm_nvfp4_grouped needs moe_sort's groups");
         let (rows, in_, out, g) = (p.rows as usize, p.in_ as usize, p.out as usize, p.groups as usize);
         ensure!(out.is_multiple_of(w.tab_rows), "gemm_nvfp4_grouped: {} rows per table for {out} rows", w.tab_rows);
-        let tiles = rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows);
+        i32of("gemm_nvfp4_grouped tiles", (rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows)) * out.div_ceil(GEMM_TILE))?;
         let bytes = g * fp4_bytes(in_, out, out / w.tab_rows) + rows * (in_ + out) * 2;
-        let grid = (out.div_ceil(GEMM_TILE) as u32, tiles as u32, 1);
+        let grid = self.gemm_grid("gemm_nvfp4_grouped", None);
         self.launch(Launch::new("gemm_nvfp4_grouped", grid, 256, bytes as u64).smem(GEMM_GROUPED_SMEM), p)
     }
 

@@ -7,7 +7,7 @@
 //! fp32 summation order (`close`), and the decode forms are batch invariant (a token alone gives
 //! the same bits as in a group; per-slot and grouped MoE give the same bits).
 use super::nvfp4::{Fp4Buf, MoeNvfp4Args};
-use super::test_util::{ctx, rng, POISON, R};
+use super::test_util::{ctx, rng, same_bits_with_few_blocks, POISON, R};
 use super::tests::{close, perf};
 use super::{CudaContext, Ptr};
 use crate::cpu::linear::linear_nvfp4;
@@ -285,7 +285,7 @@ fn moe_gemv_nvfp4_matches_reference() {
 #[test]
 #[ignore]
 fn gemm_nvfp4_matches_reference() {
-    let c = ctx();
+    let mut c = ctx();
     let mut r = rng(44);
     for (rows, inp, out, mats) in [(130, 2048, 1024, 2), (37, 96, 200, 1), (512, 4096, 2048, 1), (2048, 2048, 8192, 1)]
     {
@@ -296,7 +296,12 @@ fn gemm_nvfp4_matches_reference() {
         let mut y = c.upload(&vec![POISON; rows * out]).unwrap();
         c.gemm_nvfp4(&dx, &dw, &mut y, rows, inp, out, inp, out).unwrap();
         let name = format!("gemm_nvfp4 {rows}x{inp}x{out}");
-        close(&name, &c.download(&y).unwrap(), &want);
+        let got = c.download(&y).unwrap();
+        close(&name, &got, &want);
+        same_bits_with_few_blocks(&mut c, &name, &got, |c| {
+            c.gemm_nvfp4(&dx, &dw, &mut y, rows, inp, out, inp, out).unwrap();
+            c.download(&y).unwrap()
+        });
         if rows >= 512 {
             let flops = 2.0 * (rows * inp * out) as f64;
             let bytes = (super::nvfp4::fp4_bytes(inp, out, mats) + rows * (inp + out) * 2) as f64;
@@ -356,6 +361,10 @@ fn gemm_nvfp4_matches_reference() {
             want[a0 * out..a1 * out].copy_from_slice(&wf(&ye));
         }
         close(&name, &got, &want);
+        same_bits_with_few_blocks(&mut c, &name, &got, |c| {
+            c.k_gemm_nvfp4_grouped(p).unwrap();
+            c.download(&y).unwrap()
+        });
         if tokens >= 2048 {
             let bytes = (experts * super::nvfp4::fp4_bytes(inp, out, mats) + n * (inp + out) * 2) as f64;
             perf(&c, &format!("{name} ({:.1} GFLOP)", 2.0 * (n * inp * out) as f64 / 1e9), bytes, || {

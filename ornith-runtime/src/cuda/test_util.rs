@@ -11,6 +11,24 @@ pub(super) fn ctx() -> CudaContext {
     CudaContext::new(0).expect("these tests need a CUDA device")
 }
 
+/// The persistent GEMMs (gemm.cu) take every grid-th tile through one pipeline: `run` again with
+/// grids of 1 and 5 blocks (each block then runs many tiles, the cursor crossing tile and group
+/// boundaries mid-pipeline) must give `got` bit for bit — a tile's sums do not depend on the grid.
+pub(super) fn same_bits_with_few_blocks<T: PartialEq>(
+    c: &mut CudaContext,
+    what: &str,
+    got: &[T],
+    mut run: impl FnMut(&CudaContext) -> Vec<T>,
+) {
+    let saved = c.gemm_blocks.clone();
+    for n in [1u32, 5] {
+        c.gemm_blocks.values_mut().for_each(|b| *b = n);
+        let again = run(c);
+        c.gemm_blocks.clone_from(&saved);
+        assert!(again == got, "{what}: a grid of {n} persistent blocks changed the result");
+    }
+}
+
 pub(super) fn rng(seed: u64) -> R {
     R::seed_from_u64(seed)
 }
