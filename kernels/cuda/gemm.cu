@@ -3,9 +3,10 @@
 //
 // Tile: BM rows x 128 outputs x 128 bytes of K per stage (128 E4M3 codes or 64 bf16), 3 stages of
 // cp.async, 8 warps as 2 (rows) x 4 (outputs), each warp BM/2 x 32 = BM/32 x 4 mma tiles.
-// BM = 128 for the plain GEMMs (3 x 32 KiB = 96 KiB dynamic shared memory); BM = 64 for the grouped
-// MoE GEMM (72 KiB), where a 2,048-token chunk gives each of 256 experts ~64 rows, so 128-row
-// tiles would run half empty. FP8 uses m16n8k32.e4m3 and BF16 m16n8k16.bf16: both consume 32
+// BM = 128 for the plain FP8 and NVFP4 GEMMs (3 x 32 KiB = 96 KiB dynamic shared memory); BM = 64
+// (72 KiB) for the plain BF16 GEMM (two blocks per SM within 128 registers) and the grouped MoE
+// GEMMs, where a 2,048-token chunk gives each of 256 experts ~64 rows, so 128-row tiles would run
+// half empty. FP8 uses m16n8k32.e4m3 and BF16 m16n8k16.bf16: both consume 32
 // bytes of K per mma with the same byte layout of fragments, so one kernel body serves both.
 //
 // Persistent blocks: the grid is what the GPU holds at once (CudaContext::gemm_blocks), and block b
@@ -17,8 +18,8 @@
 // walk outputs first (tile t: outputs (t % column tiles), row tile t / column tiles), so an
 // expert's rows are read from L2 by the blocks of one wave. Each output's sums are the same
 // whatever the grid: a tile's rows and K order do not depend on which block runs it.
-// Measured on the H200 (tests/peer/gemm_variants, 2,048-row chunks): BF16 2048 x 2048 -> 12,352
-// 472 -> 302 us, FP8 2048 x 2048 -> 8192 299 -> 275 us, grouped FP8 down (K = 512) 392 -> 307 us.
+// Measured on the H200 (tests/peer/gemm_variants, 2,048-row chunks): FP8 2048 x 2048 -> 8192
+// 299 -> 275 us, grouped FP8 down (K = 512) 392 -> 307 us.
 //
 // Shared memory rows are 128 bytes = 8 chunks of 16 bytes; chunk c of row r is stored at chunk
 // c ^ (r & 7), so the 8 rows an ldmatrix reads hit 8 distinct bank groups.
@@ -29,14 +30,16 @@
 // before the mma of the current stage and dequantises and stores them after it, so the loads land
 // under the mma.
 //
-// Accumulation. FP8: each stage's 128-byte K slice is accumulated in a fresh fp32 fragment, then
-// added to the running fp32 sum (promotion every 128 codes), so the result does not depend on the
-// tensor core's internal accumulator width over long K (on sm_90 the e4m3 mma.sync runs as f16
-// HMMA after conversion; accumulated straight into the running sum, outputs land up to 2x further
-// from the fp64 sum in the harness). BF16 / FP4 (bf16 mma): straight into the running fp32 sum,
-// as BLAS libraries do; the harness measures at most ~1.2 fp32 eps of sum |a w| beyond the
-// output's bf16 rounding at K = 4096, and keeping a second fragment set costs 24-60% (its
-// registers halve the blocks per SM).
+// Accumulation: each stage's 128-byte K slice (128 E4M3 codes or 64 bf16) is accumulated in a
+// fresh fp32 fragment, then added to the running fp32 sum (IEEE, round to nearest). The tensor
+// core adds into its accumulator with a narrower alignment (on sm_90 the e4m3 mma.sync runs as
+// f16 HMMA after conversion, with the same accumulator), so accumulating straight into the running
+// sum drifts over long K: in the harness (tests/peer/gemm_variants, run 3) 0.1% of BF16 outputs
+// then rounded away from the correctly rounded bf16 of the exact sum (0.01% with the promotion,
+// none beyond the output rounding), enough to break the bit-exact router weights of
+// moe_prefill_matches_reference and row 0 of cuda_ops_vs_cpu (H200, 75521aa); with the
+// promotion every form gives the bits of the one-tile-per-block kernels it replaced. The second
+// fragment set costs registers: BF16 runs 64-row tiles to keep two blocks per SM.
 #include "common.cuh"
 #include "fp4.cuh"
 #include "mma.cuh"
@@ -46,6 +49,7 @@
 #define GB_STAGES 3
 #define GB_THREADS 256
 #define GB_GROUPED_M 64  // rows per tile of the grouped GEMM (MS_TILE in moe_prefill.cu)
+#define GB_BF16_M 64     // rows per tile of gemm_bf16 (cuda::gemm::gemm_rows)
 
 template <bool FP8> __device__ __forceinline__ void mma32(float *c, const uint32_t *a, const uint32_t *b) {
     if (FP8) mma_e4m3(c, a, b); else mma_bf16(c, a, b);
@@ -56,7 +60,6 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) { return (uint32_t)(
 // Element size in bytes: 1 (E4M3) or 2 (bf16; FP4 weights are dequantised to bf16).
 template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void gemm_body(const OrnithGemmParams &p) {
     static_assert(!(FP8 && FP4), "NVFP4A16 runs bf16 activations");
-    constexpr bool PROMOTE = FP8;
     constexpr int ES = FP8 ? 1 : 2;
     constexpr int MI = BM / 32;  // mma row tiles per warp, and A chunks per thread per stage
     constexpr int STAGE_BYTES = (BM + GB_N) * GB_K;
@@ -220,14 +223,13 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
         const int next = stage == 0 ? GB_STAGES - 1 : stage - 1;
         const bool fetched = issue(next);
         const uint32_t sa = sbase + stage * STAGE_BYTES, sb = sa + BM * GB_K;
-        float part[PROMOTE ? MI : 1][4][4];
-        if (PROMOTE)
+        float part[MI][4][4];
 #pragma unroll
-            for (int i = 0; i < MI; i++)
+        for (int i = 0; i < MI; i++)
 #pragma unroll
-                for (int j = 0; j < 4; j++)
+            for (int j = 0; j < 4; j++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) part[PROMOTE ? i : 0][j][e] = 0.f;
+                for (int e = 0; e < 4; e++) part[i][j][e] = 0.f;
 #pragma unroll
         for (int ks = 0; ks < GB_K / 32; ks++) {
             uint32_t af[MI][4], bfr[4][2];
@@ -246,15 +248,14 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
 #pragma unroll
             for (int mi = 0; mi < MI; mi++)
 #pragma unroll
-                for (int nj = 0; nj < 4; nj++) mma32<FP8>(PROMOTE ? part[PROMOTE ? mi : 0][nj] : acc[mi][nj], af[mi], bfr[nj]);
+                for (int nj = 0; nj < 4; nj++) mma32<FP8>(part[mi][nj], af[mi], bfr[nj]);
         }
-        if (PROMOTE)
 #pragma unroll
-            for (int i = 0; i < MI; i++)
+        for (int i = 0; i < MI; i++)
 #pragma unroll
-                for (int j = 0; j < 4; j++)
+            for (int j = 0; j < 4; j++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) acc[i][j][e] += part[PROMOTE ? i : 0][j][e];
+                for (int e = 0; e < 4; e++) acc[i][j][e] += part[i][j][e];
         if (FP4 && fetched) fp4_store(next);
         stage = stage + 1 == GB_STAGES ? 0 : stage + 1;
         if (++ck < ktiles) continue;
@@ -305,10 +306,10 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
 }
 
 // Blocks per SM each kernel is built for (the second __launch_bounds__ argument; the launcher sizes
-// the persistent grid from the occupancy the driver reports): two where the registers allow it
-// without spills (BF16 and grouped FP8: the bf16 mma needs no promotion fragments; 64-row tiles).
+// the persistent grid from the occupancy the driver reports): two where 64-row tiles keep the
+// registers within 128 without spills.
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_fp8(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, 128>(p); }
-extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, 128>(p); }
+extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_BF16_M>(p); }
 // The grouped MoE GEMM (p.group_offsets set; tiles of GB_GROUPED_M rows, see moe_sort).
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_fp8_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, GB_GROUPED_M>(p); }
 // NVFP4A16 weights, bf16 activations: plain and grouped (the same tiles as gemm_bf16 / gemm_fp8_grouped).

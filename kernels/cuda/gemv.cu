@@ -639,11 +639,13 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv
 // expert's rows as M and (token, slot) pairs as N, so the two grids below give the same bits:
 //   moe_gemv_fp8     grid (tiles, top_k + 1, tokens): one pair per block (the routed expert's index
 //                    read after pdl_wait);
-//   moe_gemv_grouped grid (tiles, active + 1, 1), active = min(experts, tokens * top_k): block y <
-//                    *active_count takes the y-th expert with assignments (active_list, from
-//                    moe_sort) over its pairs row_assign[group_offsets[e] ..] (a = token * top_k +
-//                    slot), the last block y the shared expert over every token — each expert's
-//                    weights read once per step.
+//   moe_gemv_grouped grid (tiles, active + ceil(tokens / 8), 1), active = min(experts, tokens *
+//                    top_k): block y < *active_count takes the y-th expert with assignments
+//                    (active_list, from moe_sort) over its pairs row_assign[group_offsets[e] ..]
+//                    (a = token * top_k + slot), the last ceil(tokens / 8) block rows the shared
+//                    expert, 8 tokens each (one pass: with the whole group in one block row the
+//                    shared expert's 8 passes at 64 tokens were the step's critical path) — each
+//                    routed expert's weights read once per step.
 // tiles = moe_tc_blocks(in, out) (the dense rule on one expert's [out, in], MOE_TARGET_WARPS).
 // =============================================================================================
 
@@ -706,6 +708,12 @@ __device__ __forceinline__ void moe_tc(const OrnithMoeGemvParams &p, const uint8
                                        const TcPlace &pl) {
     __shared__ float red[TC_WARPS * 4 * 32];
     for (int n0 = 0; n0 < cols.n; n0 += 8 * TC_NARROW) moe_tc_pass<TC_NARROW>(p, wb, ws, cols, n0, pl, red);
+}
+
+// The grouped grids' last ceil(tokens / 8) block rows run the shared expert, 8 tokens each: this
+// block's index among them, or -1 for a routed expert's block row.
+__device__ __forceinline__ int moe_shared_row(int tokens) {
+    return (int)blockIdx.y - ((int)gridDim.y - (tokens + 7) / 8);
 }
 
 // The routed expert e's weights (an index the router never writes is clamped into range).
@@ -796,9 +804,9 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_grouped(const OrnithMoeGemvParams p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
-    const bool shared = blockIdx.y == gridDim.y - 1;
-    if (shared) {  // weights first (the tile waits after its first loads)
-        moe_tc(p, p.shared_w, p.shared_ws, MoeCols{nullptr, p.top_k, p.tokens, 0, p.top_k}, pl);
+    const int sy = moe_shared_row(p.tokens);
+    if (sy >= 0) {  // the shared expert, tokens 8 sy .. (weights first: the tile waits after its first loads)
+        moe_tc(p, p.shared_w, p.shared_ws, MoeCols{nullptr, p.top_k, min(8, p.tokens - 8 * sy), 8 * sy, p.top_k}, pl);
         return;
     }
     pdl_wait();  // the expert lists are moe_sort's output
@@ -815,7 +823,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
 // MoE expert products (NVFP4A16): moe_gemv_fp8's two grids over NVFP4 experts and bf16
 // activations, the NVFP4 tile above, the same K split (moe_tc_blocks on the weights per row):
 //   moe_gemv_nvfp4          grid (tiles, top_k + 1, tokens), one (token, slot) per block;
-//   moe_gemv_nvfp4_grouped  grid (tiles, active + 1, 1), each expert's weights read once per step.
+//   moe_gemv_nvfp4_grouped  grid (tiles, active + ceil(tokens / 8), 1), each routed expert's weights read once per step.
 // Both give the same bits for a (token, slot, row).
 // =============================================================================================
 
@@ -957,9 +965,9 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv_nvfp4_grouped(const OrnithMoeGemvNvfp4Params p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
-    const bool shared = blockIdx.y == gridDim.y - 1;
-    if (shared) {
-        moe_fp4(p, p.shared_w, p.shared_ws, p.shared_tab, MoeCols{nullptr, p.top_k, p.tokens, 0, p.top_k}, pl);
+    const int sy = moe_shared_row(p.tokens);
+    if (sy >= 0) {  // the shared expert, tokens 8 sy .. (as moe_gemv_grouped)
+        moe_fp4(p, p.shared_w, p.shared_ws, p.shared_tab, MoeCols{nullptr, p.top_k, min(8, p.tokens - 8 * sy), 8 * sy, p.top_k}, pl);
         return;
     }
     pdl_wait();

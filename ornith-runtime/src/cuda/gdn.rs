@@ -48,6 +48,8 @@ pub fn gdn_work_len(tokens: usize, v_heads: usize) -> usize {
 /// Tokens per block of `conv1d_silu_chunk` (`CONV_TT` in `gdn.cu`).
 pub const CONV_TT: usize = 32;
 
+/// Rows (token, head) per block of `gated_rmsnorm`, one warp each (`GN_ROWS` in gdn.cu).
+const GATED_NORM_ROWS: usize = 8;
 impl CudaContext {
     /// Causal depthwise conv (kernel 4) + SiLU of `t` tokens of one sequence in order (state
     /// `[3, channels]` at `state`), or with `slots = Some((slot, stride))` one token of each of
@@ -147,8 +149,11 @@ impl CudaContext {
             z_stride: i32of("z stride", z_stride)?,
             eps,
         };
+        i32of("gated_rmsnorm rows", t * heads)?;
         let bytes = t * heads * dim * 6 + dim * 2;
-        self.launch(Launch::new("gated_rmsnorm", ((t * heads) as u32, 1, 1), 128, bytes as u64), p)
+        // One warp per (t, head) row, GATED_NORM_ROWS rows per block (GN_ROWS in gdn.cu).
+        let blocks = (t * heads).div_ceil(GATED_NORM_ROWS);
+        self.launch(Launch::new("gated_rmsnorm", (blocks as u32, 1, 1), 32 * GATED_NORM_ROWS as u32, bytes as u64), p)
     }
 
     /// Causal depthwise conv (kernel 4) + SiLU of `t` tokens of one sequence, token-parallel:

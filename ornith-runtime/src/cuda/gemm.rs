@@ -22,23 +22,23 @@ pub const GEMM_TILE: usize = 128;
 pub(crate) const GEMM_KERNELS: [&str; 5] =
     ["gemm_fp8", "gemm_bf16", "gemm_fp8_grouped", "gemm_nvfp4", "gemm_nvfp4_grouped"];
 
-/// Dynamic shared memory of GEMM kernel `name`.
-pub(crate) fn gemm_smem(name: &str) -> u32 {
-    if name.ends_with("_grouped") {
-        GEMM_GROUPED_SMEM
+/// Rows per tile of GEMM kernel `name` (gemm.cu: 64 for `gemm_bf16` (`GB_BF16_M`) and the
+/// grouped GEMMs (`GB_GROUPED_M`), 128 for the plain FP8 and NVFP4 ones).
+pub(crate) fn gemm_rows(name: &str) -> usize {
+    if name == "gemm_bf16" || name.ends_with("_grouped") {
+        GEMM_GROUPED_ROWS
     } else {
-        GEMM_SMEM
+        GEMM_TILE
     }
+}
+
+/// Dynamic shared memory of GEMM kernel `name`: 3 stages of (rows + 128) x 128 bytes.
+pub(crate) fn gemm_smem(name: &str) -> u32 {
+    (3 * (gemm_rows(name) + GEMM_TILE) * 128) as u32
 }
 
 /// Rows per tile of the grouped MoE GEMM `gemm_fp8_grouped` (`GB_GROUPED_M`, `MS_TILE`).
 pub const GEMM_GROUPED_ROWS: usize = 64;
-
-/// Dynamic shared memory of the kernels (bytes); all within the 99 KiB per block of sm_121.
-/// GEMMs: 3 stages of (BM + 128) rows x 128 bytes.
-pub(crate) const GEMM_SMEM: u32 = 3 * 2 * 128 * 128;
-
-pub(crate) const GEMM_GROUPED_SMEM: u32 = 3 * (64 + 128) * 128;
 
 /// Element type of a prefill GEMM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -130,8 +130,8 @@ impl CudaContext {
             ..Default::default()
         };
         let bytes = out * in_ + out * 4 + rows * (in_ + 4 + out * 2);
-        let grid = self.gemm_grid("gemm_fp8", Some(out.div_ceil(GEMM_TILE) * rows.div_ceil(GEMM_TILE)));
-        self.launch(Launch::new("gemm_fp8", grid, 256, bytes as u64).smem(GEMM_SMEM), p)
+        let grid = self.gemm_grid("gemm_fp8", Some(out.div_ceil(GEMM_TILE) * rows.div_ceil(gemm_rows("gemm_fp8"))));
+        self.launch(Launch::new("gemm_fp8", grid, 256, bytes as u64).smem(gemm_smem("gemm_fp8")), p)
     }
 
     /// Plain BF16 GEMM: `y[r, o] = bf16(Σ_i a[r,i]·w[o,i])`, fp32 accumulation.
@@ -161,8 +161,8 @@ impl CudaContext {
             ..Default::default()
         };
         let bytes = out * in_ * 2 + rows * (in_ + out) * 2;
-        let grid = self.gemm_grid("gemm_bf16", Some(out.div_ceil(GEMM_TILE) * rows.div_ceil(GEMM_TILE)));
-        self.launch(Launch::new("gemm_bf16", grid, 256, bytes as u64).smem(GEMM_SMEM), p)
+        let grid = self.gemm_grid("gemm_bf16", Some(out.div_ceil(GEMM_TILE) * rows.div_ceil(gemm_rows("gemm_bf16"))));
+        self.launch(Launch::new("gemm_bf16", grid, 256, bytes as u64).smem(gemm_smem("gemm_bf16")), p)
     }
 
     /// Grouped FP8 GEMM over the expert-sorted rows of `p` (`p.groups` experts, `moe_sort`'s
@@ -188,7 +188,7 @@ impl CudaContext {
         i32of("gemm_grouped tiles", (rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows)) * out.div_ceil(GEMM_TILE))?;
         let bytes = g * (out * in_ + out * 4) + rows * (in_ + 4 + out * 2);
         let grid = self.gemm_grid("gemm_fp8_grouped", None);
-        self.launch(Launch::new("gemm_fp8_grouped", grid, 256, bytes as u64).smem(GEMM_GROUPED_SMEM), p)
+        self.launch(Launch::new("gemm_fp8_grouped", grid, 256, bytes as u64).smem(gemm_smem("gemm_fp8_grouped")), p)
     }
 
     /// Per-row FP8 quantisation with compressed-tensors semantics (`cpu::fp8::quantize_act_row`)

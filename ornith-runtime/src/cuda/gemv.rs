@@ -249,7 +249,7 @@ impl CudaContext {
     /// The expert GEMVs of a decode group (see `OrnithMoeGemvParams`): per (token, slot)
     /// (`moe_gemv_fp8`: grid (tiles, top_k + 1, tokens)), or `grouped` by expert over
     /// `moe_sort`'s groups (`moe_gemv_grouped`, the same bits; one block row per possible active
-    /// expert, `min(experts, tokens · top_k)`, plus the shared expert). Bytes count each
+    /// expert, `min(experts, tokens · top_k)`, plus one per 8 tokens for the shared expert). Bytes count each
     /// (token, slot)'s weight rows once per pair, or each touched expert's once when grouped.
     pub(crate) fn k_moe_gemv(&self, p: OrnithMoeGemvParams, grouped: bool) -> Result<()> {
         ensure!(p.tokens > 0 && p.top_k >= 1 && p.experts >= 1, "moe_gemv: {} tokens, top_k {}", p.tokens, p.top_k);
@@ -275,8 +275,11 @@ impl CudaContext {
             );
             let active = (p.experts as usize).min(t * k);
             let bytes = (active + 1) * (out * in_ + out * 4) + t * slots * (in_ + 4 + out * 2);
+            // The shared expert's block rows: 8 tokens each (moe_shared_row in gemv.cu).
+            let rows = active + t.div_ceil(8);
+            ensure!(rows <= 65535, "moe_gemv_grouped: {rows} block rows exceed grid.y");
             return self.launch(
-                Launch::new("moe_gemv_grouped", (tiles, active as u32 + 1, 1), super::GEMV_BLOCK, bytes as u64)
+                Launch::new("moe_gemv_grouped", (tiles, rows as u32, 1), super::GEMV_BLOCK, bytes as u64)
                     .weights_first(),
                 p,
             );

@@ -152,7 +152,7 @@ mod tests;
 
 /// Kernels per PTX module (names of the `extern "C"` entry points).
 const KERNELS: [(Module, &[&str]); 11] = [
-    (Module::Norm, &["embed_gather", "rmsnorm_residual", "quantize_fp8_rows"]),
+    (Module::Norm, &["embed_gather", "rmsnorm_residual", "rmsnorm_residual_2k", "quantize_fp8_rows"]),
     (
         Module::Gemv,
         &[

@@ -10,7 +10,7 @@
 //! tables and slots) and convert slices to addresses. The math is in
 //! `kernels/include/ornith_kernels.h`; bf16 tensors are `CudaSlice<u16>` (bit patterns), FP8
 //! E4M3 codes `CudaSlice<u8>`.
-use super::{i32of, need, CudaContext, Launch, Ptr};
+use super::{aligned, i32of, need, CudaContext, Launch, Ptr};
 use anyhow::{ensure, Result};
 use cudarc::driver::CudaSlice;
 use ornith_kernels::bindings::*;
@@ -138,6 +138,8 @@ impl MoePrefillScratch {
     }
 }
 
+/// Rows per block of `swiglu_quant_ct`, one warp each (`SQ_ROWS` in moe_prefill.cu).
+const SWIGLU_CT_ROWS: usize = 8;
 impl CudaContext {
     /// Router: softmax over `experts` logits (row stride `stride`), top-k, renormalised weights.
     #[allow(clippy::too_many_arguments)]
@@ -236,9 +238,14 @@ impl CudaContext {
         self.launch(Launch::new("moe_combine", (hidden.div_ceil(256) as u32, t as u32, 1), 256, bytes as u64), p)
     }
 
-    /// SwiGLU + compressed-tensors FP8 requantisation of `rows` gate|up rows (`inter <= 2048`).
+    /// SwiGLU + compressed-tensors FP8 requantisation of `rows` gate|up rows (`inter <= 2048`, a
+    /// multiple of 8; gate|up 16-byte and the codes 8-byte aligned), one warp per row.
     pub(crate) fn k_swiglu_ct(&self, gu: Ptr, q8: Ptr, scale: Ptr, rows: usize, inter: usize) -> Result<()> {
-        ensure!(rows > 0 && inter > 0 && inter <= 2048, "swiglu_quant_ct: 0 < inter {inter} <= 2048");
+        ensure!(
+            rows > 0 && inter > 0 && inter <= 2048 && inter.is_multiple_of(8),
+            "swiglu_quant_ct: 0 < inter {inter} <= 2048, a multiple of 8"
+        );
+        ensure!(aligned(gu, 16) && aligned(q8, 8), "swiglu_quant_ct: gate|up rows 16-byte, codes 8-byte aligned");
         let p = OrnithSwigluQuantParams {
             gate_up: gu as _,
             q8: q8 as _,
@@ -246,7 +253,11 @@ impl CudaContext {
             rows: i32of("rows", rows)?,
             inter: inter as i32,
         };
-        self.launch(Launch::new("swiglu_quant_ct", (rows as u32, 1, 1), 256, (rows * (inter * 5 + 4)) as u64), p)
+        let blocks = rows.div_ceil(SWIGLU_CT_ROWS) as u32;
+        self.launch(
+            Launch::new("swiglu_quant_ct", (blocks, 1, 1), 32 * SWIGLU_CT_ROWS as u32, (rows * (inter * 5 + 4)) as u64),
+            p,
+        )
     }
 
     /// The MoE combine of a prefill chunk over the expert-sorted rows (see

@@ -32,7 +32,9 @@ impl CudaContext {
     }
 
     /// `residual += add` (if any), then zero-centred RMSNorm of `t` rows of `hidden`
-    /// (`0 < hidden <= 8192`) into bf16 `out` and/or FP8 `q8 = (codes, per-row scales)`.
+    /// (`0 < hidden <= 8192`) into bf16 `out` and/or FP8 `q8 = (codes, per-row scales)`:
+    /// `rmsnorm_residual_2k` up to 2,048 (8 values per thread: more blocks per SM), else
+    /// `rmsnorm_residual` (32); the same bits either way.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn k_rmsnorm(
         &self,
@@ -45,7 +47,26 @@ impl CudaContext {
         hidden: usize,
         eps: f32,
     ) -> Result<()> {
-        ensure!(t > 0 && hidden > 0 && hidden <= 8192, "rmsnorm: 0 < hidden {hidden} <= 8192");
+        let kernel = if hidden <= 2048 { "rmsnorm_residual_2k" } else { "rmsnorm_residual" };
+        self.k_rmsnorm_on(kernel, residual, add, w, out, q8, t, hidden, eps)
+    }
+
+    /// [`Self::k_rmsnorm`] on instance `kernel` (`rmsnorm_residual_2k` takes `hidden <= 2048`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn k_rmsnorm_on(
+        &self,
+        kernel: &'static str,
+        residual: Ptr,
+        add: Option<Ptr>,
+        w: Ptr,
+        out: Option<Ptr>,
+        q8: Option<(Ptr, Ptr)>,
+        t: usize,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let max = if kernel == "rmsnorm_residual_2k" { 2048 } else { 8192 };
+        ensure!(t > 0 && hidden > 0 && hidden <= max, "{kernel}: 0 < hidden {hidden} <= {max}");
         ensure!(out.is_some() || q8.is_some(), "rmsnorm: no output requested");
         let mut p = OrnithRmsNormParams {
             residual: residual as _,
@@ -68,7 +89,7 @@ impl CudaContext {
             p.scale = s as _;
             bytes += t * (hidden + 4);
         }
-        self.launch(Launch::new("rmsnorm_residual", (t as u32, 1, 1), 256, bytes as u64), p)
+        self.launch(Launch::new(kernel, (t as u32, 1, 1), 256, bytes as u64), p)
     }
 
     /// Per-row FP8 quantisation of `rows` contiguous rows of `cols`, compressed-tensors' form

@@ -6,7 +6,7 @@
 //! [`model_spec::nvfp4::scale_table`] (`ornith_kernels.h` states the math).
 //!
 //! One launcher per kernel (see [`super`]), then the slice-based wrappers the kernel tests call.
-use super::gemm::{GEMM_GROUPED_ROWS, GEMM_GROUPED_SMEM, GEMM_SMEM, GEMM_TILE};
+use super::gemm::{gemm_rows, gemm_smem, GEMM_GROUPED_ROWS, GEMM_TILE};
 use super::moe::MoeGroups;
 use super::{aligned, i32of, need, CudaContext, Launch, Ptr};
 use anyhow::{ensure, Result};
@@ -150,8 +150,11 @@ impl CudaContext {
             );
             let active = (p.experts as usize).min(t * k);
             let bytes = (active + 1) * per + t * slots * (in_ + out) * 2;
+            // The shared expert's block rows: 8 tokens each (moe_shared_row in gemv.cu).
+            let rows = active + t.div_ceil(8);
+            ensure!(rows <= 65535, "moe_gemv_nvfp4_grouped: {rows} block rows exceed grid.y");
             return self.launch(
-                Launch::new("moe_gemv_nvfp4_grouped", (tiles, active as u32 + 1, 1), super::GEMV_BLOCK, bytes as u64)
+                Launch::new("moe_gemv_nvfp4_grouped", (tiles, rows as u32, 1), super::GEMV_BLOCK, bytes as u64)
                     .weights_first(),
                 p,
             );
@@ -228,8 +231,8 @@ impl CudaContext {
         };
         Self::gemm_nvfp4_checks(&p)?;
         let bytes = fp4_bytes(in_, out, tables(&w, out)) + rows * (in_ + out) * 2;
-        let grid = self.gemm_grid("gemm_nvfp4", Some(out.div_ceil(GEMM_TILE) * rows.div_ceil(GEMM_TILE)));
-        self.launch(Launch::new("gemm_nvfp4", grid, 256, bytes as u64).smem(GEMM_SMEM), p)
+        let grid = self.gemm_grid("gemm_nvfp4", Some(out.div_ceil(GEMM_TILE) * rows.div_ceil(gemm_rows("gemm_nvfp4"))));
+        self.launch(Launch::new("gemm_nvfp4", grid, 256, bytes as u64).smem(gemm_smem("gemm_nvfp4")), p)
     }
 
     /// Grouped NVFP4A16 GEMM over the expert-sorted rows of `p` (`moe_sort`'s groups; tiles as
@@ -242,7 +245,7 @@ impl CudaContext {
         i32of("gemm_nvfp4_grouped tiles", (rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows)) * out.div_ceil(GEMM_TILE))?;
         let bytes = g * fp4_bytes(in_, out, out / w.tab_rows) + rows * (in_ + out) * 2;
         let grid = self.gemm_grid("gemm_nvfp4_grouped", None);
-        self.launch(Launch::new("gemm_nvfp4_grouped", grid, 256, bytes as u64).smem(GEMM_GROUPED_SMEM), p)
+        self.launch(Launch::new("gemm_nvfp4_grouped", grid, 256, bytes as u64).smem(gemm_smem("gemm_nvfp4_grouped")), p)
     }
 
     /// `y` (bf16 `[out, in]`) = the dequantised weight (nvfp4.cu).

@@ -438,7 +438,45 @@ fn rmsnorm_residual_matches_reference() {
         rms_norm(&h, &bv(&w), hidden, 1e-6, &mut want);
         close(&format!("rmsnorm h{hidden} t{tokens}"), &gout, &wf(&want));
         check_quant("rmsnorm q8", &gout, &gq, &gs, hidden);
+        // The 8-per-thread instance (hidden <= 2048, what k_rmsnorm launches there) and the
+        // general one give the same bits (the same sums in the same order).
+        if hidden <= 2048 {
+            let dres2 = c.upload(&res).unwrap();
+            let (out2, q82) =
+                (c.upload(&vec![POISON; tokens * hidden]).unwrap(), c.alloc::<u8>(tokens * hidden).unwrap());
+            let sc2 = c.alloc::<f32>(tokens).unwrap();
+            let dw = c.upload(&w).unwrap();
+            c.k_rmsnorm_on(
+                "rmsnorm_residual",
+                c.addr(&dres2),
+                with_add.then(|| c.addr(&dadd)),
+                c.addr(&dw),
+                Some(c.addr(&out2)),
+                Some((c.addr(&q82), c.addr(&sc2))),
+                tokens,
+                hidden,
+                1e-6,
+            )
+            .unwrap();
+            assert_eq!(c.download(&dres2).unwrap(), gres, "rmsnorm_residual vs _2k residual h{hidden}");
+            assert_eq!(c.download(&out2).unwrap(), gout, "rmsnorm_residual vs _2k out h{hidden} t{tokens}");
+            assert_eq!(c.download(&q82).unwrap(), gq, "rmsnorm_residual vs _2k codes h{hidden} t{tokens}");
+            assert_eq!(c.download(&sc2).unwrap(), gs, "rmsnorm_residual vs _2k scales h{hidden} t{tokens}");
+        }
     }
+    // The prefill shape: 2,048 rows of 2,048 with the residual add and both outputs.
+    let (t, h) = (2048, 2048);
+    let (mut dres, dadd, dw) = (
+        c.upload(&bfv(&mut r, t * h, 4.0)).unwrap(),
+        c.upload(&bfv(&mut r, t * h, 4.0)).unwrap(),
+        c.upload(&bfv(&mut r, h, 0.5)).unwrap(),
+    );
+    let (mut out, mut q8, mut sc) =
+        (c.alloc::<u16>(t * h).unwrap(), c.alloc::<u8>(t * h).unwrap(), c.alloc::<f32>(t).unwrap());
+    let bytes = (t * h * (2 + 2 + 2 + 2 + 1) + h * 2 + t * 4) as f64;
+    perf(&c, "rmsnorm_residual_2k 2048 rows x 2048 (add, bf16 + FP8 out)", bytes, || {
+        c.rmsnorm_residual(&mut dres, Some(&dadd), &dw, Some(&mut out), Some((&mut q8, &mut sc)), t, h, 1e-6).unwrap()
+    });
 }
 
 #[test]
@@ -1086,7 +1124,8 @@ fn gdn_recurrent_matches_reference() {
 fn gated_rmsnorm_matches_reference() {
     let c = ctx();
     let mut r = rng(9);
-    for (tokens, heads, dim) in [(1, 32, 128), (3, 4, 32)] {
+    // (15 rows: a partial block of 8 warp-rows; dim 100: a partial last element group.)
+    for (tokens, heads, dim) in [(1, 32, 128), (3, 4, 32), (5, 3, 100)] {
         let o = bfv(&mut r, tokens * heads * dim, 2.0);
         let z = bfv(&mut r, tokens * heads * dim, 3.0);
         let w = bfv(&mut r, dim, 1.5);
@@ -1107,6 +1146,17 @@ fn gated_rmsnorm_matches_reference() {
         gated_rms_norm(&bv(&o), &bv(&z), &bv(&w), dim, 1e-6, &mut want);
         close("gated_rmsnorm", &c.download(&y).unwrap(), &wf(&want));
     }
+    // The prefill shape: 2,048 tokens x 32 heads x 128.
+    let (t, h, d) = (2048, 32, 128);
+    let (o, z, w) = (
+        c.upload(&bfv(&mut r, t * h * d, 2.0)).unwrap(),
+        c.upload(&bfv(&mut r, t * h * d, 3.0)).unwrap(),
+        c.upload(&bfv(&mut r, d, 1.5)).unwrap(),
+    );
+    let mut y = c.alloc::<u16>(t * h * d).unwrap();
+    perf(&c, "gated_rmsnorm 2048 tokens x 32 heads x 128", (t * h * d * 6 + d * 2) as f64, || {
+        c.gated_rmsnorm(&o, &z, &w, &mut y, t, h, d, h * d, 1e-6).unwrap()
+    });
 }
 
 /// Decode attention over a paged cache. `qk_norm_rope` = `cpu::attention::split_q_gate`,
