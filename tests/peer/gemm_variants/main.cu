@@ -3,9 +3,14 @@
 // projections and router, the FP8 attention / shared-expert products, the grouped FP8 expert
 // products with 16,384 routed rows (top-8 of 256, multinomial counts). Prints per variant: regs,
 // spills, blocks/SM, us, TFLOP/s (useful FLOPs), max |d| against the shipped kernel, and for the
-// FP8 shapes the output's distance from an fp64 reference (sampled rows, in bf16 ulps, and the
-// share of outputs whose bf16 differs from the reference's rounding).
-// Build: nvcc -O3 -std=c++17 -arch=sm_90 -o gemm_bench main.cu
+// output's distance from an fp64 reference (sampled rows: the largest in bf16 ulps of the result,
+// the share of outputs whose bf16 differs from the reference's rounding, and the largest error
+// beyond that rounding in fp32 eps of sum |a w|).
+// Runs (H200, outputs in tests/peer/results/h200-2026-12-02-d/gemm_variants_N.txt): 1-3 against
+// the one-tile-per-block kernels (run 1 stopped at an odd-stride store of a variant, fixed);
+// run 4 — the list below, BF16 with the promotion against the shipped 64-row tiles — prepared,
+// not run.
+// Build (on the device): nvcc -O3 -std=c++17 -arch=sm_90 -o gemm_bench main.cu
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
