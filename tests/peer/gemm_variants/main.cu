@@ -7,9 +7,8 @@
 // the share of outputs whose bf16 differs from the reference's rounding, and the largest error
 // beyond that rounding in fp32 eps of sum |a w|).
 // Runs (H200, outputs in tests/peer/results/h200-2026-12-02-d/gemm_variants_N.txt): 1-3 against
-// the one-tile-per-block kernels (run 1 stopped at an odd-stride store of a variant, fixed);
-// run 4 — the list below, BF16 with the promotion against the shipped 64-row tiles — prepared,
-// not run.
+// the one-tile-per-block kernels (run 1 stopped at an odd-stride store of a variant, fixed); run 4,
+// the list below (run 3's), against the persistent kernels of 769488a (BF16 promoted, 64-row tiles).
 // Build (on the device): nvcc -O3 -std=c++17 -arch=sm_90 -o gemm_bench main.cu
 #include <cstdio>
 #include <cstdlib>
