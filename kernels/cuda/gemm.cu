@@ -57,6 +57,16 @@ template <bool FP8> __device__ __forceinline__ void mma32(float *c, const uint32
 
 __device__ __forceinline__ uint32_t swz(int row, int chunk) { return (uint32_t)(row * GB_K + ((chunk ^ (row & 7)) << 4)); }
 
+// A warp's accumulator fragments (MI row tiles x 4 column tiles x 4 floats) set to 0.
+template <int MI> __device__ __forceinline__ void zero_frags(float (&f)[MI][4][4]) {
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) f[i][j][e] = 0.f;
+}
+
 // Element size in bytes: 1 (E4M3) or 2 (bf16; FP4 weights are dequantised to bf16).
 template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void gemm_body(const OrnithGemmParams &p) {
     static_assert(!(FP8 && FP4), "NVFP4A16 runs bf16 activations");
@@ -204,12 +214,7 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
     };
 
     float acc[MI][4][4];
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+    zero_frags(acc);
 
 #pragma unroll
     for (int s = 0; s < GB_STAGES - 1; s++)
@@ -224,12 +229,7 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
         const bool fetched = issue(next);
         const uint32_t sa = sbase + stage * STAGE_BYTES, sb = sa + BM * GB_K;
         float part[MI][4][4];
-#pragma unroll
-        for (int i = 0; i < MI; i++)
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) part[i][j][e] = 0.f;
+        zero_frags(part);
 #pragma unroll
         for (int ks = 0; ks < GB_K / 32; ks++) {
             uint32_t af[MI][4], bfr[4][2];
@@ -293,12 +293,7 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
                 }
             }
         }
-#pragma unroll
-        for (int i = 0; i < MI; i++)
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+        zero_frags(acc);
         ck = 0;
         ct += gridDim.x;
     }

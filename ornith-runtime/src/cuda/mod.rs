@@ -354,26 +354,25 @@ impl CudaContext {
             }
             modules.push(module);
         }
-        let split = &funcs["attn_decode_split"];
-        let smem = attention::ATT_SPLIT_SMEM;
-        split.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )?;
-        let per_sm = split.occupancy_max_active_blocks_per_multiprocessor(64, smem as usize, None)?;
-        anyhow::ensure!(per_sm > 0, "'{name}' cannot hold one attn_decode_split block ({smem} bytes of shared memory)");
         let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-        let attn_blocks = sms.max(1) as u32 * per_sm.min(attention::ATT_BLOCKS_PER_SM);
-        let mut gemm_blocks = HashMap::new();
-        for n in gemm::GEMM_KERNELS {
-            let (f, smem) = (&funcs[n], gemm::gemm_smem(n));
+        let sms = sms.max(1) as u32;
+        // Blocks of kernel `n` (`threads` each, `smem` bytes of dynamic shared memory, opted into
+        // here) one SM holds at once; an error if not even one fits.
+        let per_sm = |n: &'static str, threads: u32, smem: u32| -> Result<u32> {
+            let f = &funcs[n];
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem as i32,
             )?;
-            let per_sm = f.occupancy_max_active_blocks_per_multiprocessor(256, smem as usize, None)?;
-            anyhow::ensure!(per_sm > 0, "'{name}' cannot hold one {n} block ({smem} bytes of shared memory)");
-            gemm_blocks.insert(n, sms.max(1) as u32 * per_sm);
+            let b = f.occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)?;
+            anyhow::ensure!(b > 0, "'{name}' cannot hold one {n} block ({smem} bytes of shared memory)");
+            Ok(b)
+        };
+        let attn_blocks =
+            sms * per_sm("attn_decode_split", 64, attention::ATT_SPLIT_SMEM)?.min(attention::ATT_BLOCKS_PER_SM);
+        let mut gemm_blocks = HashMap::new();
+        for n in gemm::GEMM_KERNELS {
+            gemm_blocks.insert(n, sms * per_sm(n, 256, gemm::gemm_smem(n))?);
         }
         Ok(Self {
             ctx,
