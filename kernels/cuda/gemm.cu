@@ -3,10 +3,11 @@
 //
 // Tile: BM rows x 128 outputs x 128 bytes of K per stage (128 E4M3 codes or 64 bf16), 3 stages of
 // cp.async, 8 warps as 2 (rows) x 4 (outputs), each warp BM/2 x 32 = BM/32 x 4 mma tiles.
-// BM = 128 for the plain FP8 and NVFP4 GEMMs (3 x 32 KiB = 96 KiB dynamic shared memory); BM = 64
-// (72 KiB) for the plain BF16 GEMM (two blocks per SM within 128 registers) and the grouped MoE
-// GEMMs, where a 2,048-token chunk gives each of 256 experts ~64 rows, so 128-row tiles would run
-// half empty. FP8 uses m16n8k32.e4m3 and BF16 m16n8k16.bf16: both consume 32
+// BM = 128 for the plain GEMMs (3 x 32 KiB = 96 KiB dynamic shared memory, one block per SM);
+// BM = 64 (72 KiB, two blocks per SM) for the grouped MoE GEMMs, where a 2,048-token chunk gives
+// each of 256 experts ~64 rows, so 128-row tiles would run half empty. (BF16 ran 64-row tiles at
+// two blocks per SM until the harness's run 4, tests/peer/gemm_variants: 128-row tiles at one
+// block took the GDN input projection from 430 to 373 us, out_proj 140 -> 121, the router 48 -> 37.) FP8 uses m16n8k32.e4m3 and BF16 m16n8k16.bf16: both consume 32
 // bytes of K per mma with the same byte layout of fragments, so one kernel body serves both.
 //
 // Persistent blocks: the grid is what the GPU holds at once (CudaContext::gemm_blocks), and block b
@@ -38,8 +39,7 @@
 // then rounded away from the correctly rounded bf16 of the exact sum (0.01% with the promotion,
 // none beyond the output rounding), enough to break the bit-exact router weights of
 // moe_prefill_matches_reference and row 0 of cuda_ops_vs_cpu (H200, 75521aa); with the
-// promotion every form gives the bits of the one-tile-per-block kernels it replaced. The second
-// fragment set costs registers: BF16 runs 64-row tiles to keep two blocks per SM.
+// promotion every form gives the bits of the one-tile-per-block kernels it replaced.
 #include "common.cuh"
 #include "fp4.cuh"
 #include "mma.cuh"
@@ -49,7 +49,7 @@
 #define GB_STAGES 3
 #define GB_THREADS 256
 #define GB_GROUPED_M 64  // rows per tile of the grouped GEMM (MS_TILE in moe_prefill.cu)
-#define GB_BF16_M 64     // rows per tile of gemm_bf16 (cuda::gemm::gemm_rows)
+#define GB_BF16_M 128    // rows per tile of gemm_bf16 (cuda::gemm::gemm_rows)
 
 template <bool FP8> __device__ __forceinline__ void mma32(float *c, const uint32_t *a, const uint32_t *b) {
     if (FP8) mma_e4m3(c, a, b); else mma_bf16(c, a, b);
@@ -301,10 +301,10 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
 }
 
 // Blocks per SM each kernel is built for (the second __launch_bounds__ argument; the launcher sizes
-// the persistent grid from the occupancy the driver reports): two where 64-row tiles keep the
-// registers within 128 without spills.
+// the persistent grid from the occupancy the driver reports): two for the 64-row tiles (within 128
+// registers, no spills), one for the 128-row tiles.
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_fp8(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, 128>(p); }
-extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_BF16_M>(p); }
+extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_BF16_M>(p); }
 // The grouped MoE GEMM (p.group_offsets set; tiles of GB_GROUPED_M rows, see moe_sort).
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_fp8_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, GB_GROUPED_M>(p); }
 // NVFP4A16 weights, bf16 activations: plain and grouped (the same tiles as gemm_bf16 / gemm_fp8_grouped).

@@ -437,6 +437,206 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv
     gemv_tc<true, TC_WIDE>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out, p.fold);
 }
 
+// =============================================================================================
+// The staged build (gemv_*_staged): the same bits as the narrow and wide builds, for the groups
+// where the wide build's activation traffic dominates (cuda::gemv_staged: more than 32 tokens, or
+// an unsplit row such as the lm_head's, from 9 tokens); up to ORNITH_WIDE_TOKENS tokens per launch
+// (a larger group takes several). In gemv_tc a warp reads its tokens' activations from global
+// memory for every mma step, 4 bytes of activations per weight byte at 64 tokens (16 rows share
+// them), so those groups ran at L2's pace (H200, 64 tokens: the lm_head 1.1 TB/s, the attention
+// q|k|v 0.3 TB/s; tests/peer/gemv_wide). Here a block's warps all work on the same K slice, so the
+// block stages the slice's activations in shared memory once for all its rows:
+//   grid (ceil(groups * WN / 8), ks): block x takes row groups 8x/WN .. (each by WN warps),
+//   block y is the K slice s of every one of them, [s * slice, (s + 1) * slice) as tc_place;
+//   the WN warps of a row group take WN consecutive shares of the token tiles (WN > 1 where the
+//   grid would otherwise leave SMs idle: the weights come from L2/DRAM once per block, from L1 for
+//   the group's other warps; cuda::gemv_wide_grid chooses it).
+// Activations go through shared memory in chunks of WIDE_XC bytes per token (cp.async, double
+// buffered; rows at a stride of WIDE_XC + 64 bytes, so the 8 lanes of a 16-byte load phase hit
+// distinct banks), weights through registers two rounds ahead (tc_stream's scheme). Each warp's
+// sums are its rows' K slice in the narrow kernel's step and mma order (tc_mma, the same K
+// permutation), so a slice's partial is the same fp32 value in every build. With ks > 1 the
+// slices meet in global memory: every block writes its partials (wide_part[s][t][o]), and the
+// last block of a row tile to arrive (wide_ticket, reset by that block) adds them in slice order,
+// ((p0 + p1) + p2) + ..., tc_reduce's order: the same bits. Measured against the wide build
+// (H200, L2 flushed, tests/peer/gemv_wide run 3): lm_head 894 -> 376 us at 64 tokens, 498 -> 307
+// at 32; q|k|v 62.5 -> 38.5 us, o_proj 37.7 -> 25.8, GDN in 61.1 -> 55.9 at 64; at 16-32 tokens the
+// split products were as fast or faster in the wide build.
+#define WIDE_XC 512
+#define WIDE_XSTRIDE (WIDE_XC + 64)
+#define WIDE_SMEM (2 * ORNITH_WIDE_TOKENS * WIDE_XSTRIDE)
+
+// tc_load for a round wholly inside the row (no bounds checks).
+template <int U>
+__device__ __forceinline__ void tc_load_full(const uint8_t *w, uint32_t og, uint32_t og8, int kb, uint4 (&wa)[U], uint4 (&wb)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        wa[u] = __ldg(reinterpret_cast<const uint4 *>(w + og + kb + u * 64));
+        wb[u] = __ldg(reinterpret_cast<const uint4 *>(w + og8 + kb + u * 64));
+    }
+}
+// tc_mma for a round wholly inside the chunk, activations from the shared chunk xc at byte
+// xoff[j] + kb + 64u (kb with the lane's 16c): the same loads and mma in the same order.
+template <bool FP8, int NT, int U>
+__device__ __forceinline__ void wide_mma(const uint8_t *xc, const uint32_t (&xoff)[NT], int kb, const uint4 (&wa)[U],
+                                         const uint4 (&wb)[U], float (&acc)[NT][4]) {
+#pragma unroll
+    for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const uint4 xv = *reinterpret_cast<const uint4 *>(xc + xoff[j] + kb + 64 * u);
+            mma_step<FP8>(acc[j], wa[u].x, wb[u].x, wa[u].y, wb[u].y, xv.x, xv.y);
+            mma_step<FP8>(acc[j], wa[u].z, wb[u].z, wa[u].w, wb[u].w, xv.z, xv.w);
+        }
+}
+
+template <bool FP8, int NT, int WN>
+__device__ __forceinline__ void gemv_wide_body(const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
+                                               int tokens, int in, int out, int x_stride, int y_stride, int split_out,
+                                               uint16_t *fold, float *part, uint32_t *ticket) {
+    extern __shared__ __align__(16) uint8_t xsm[];
+    __shared__ int last;
+    constexpr int ES = FP8 ? 1 : 2, U = 2, R = 64 * U;
+    const int row_bytes = in * ES;
+    const int ks = gemv_tc_ksplit(row_bytes, split_rows(split_out, out));
+    const int slice = ks == 1 ? row_bytes : row_bytes / ks;
+    const int s = blockIdx.y, k0 = s * slice, k1 = k0 + slice;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int row0 = (blockIdx.x * (TC_WARPS / WN) + warp / WN) * 16, tw = (warp % WN) * 8 * NT;
+    const bool has = row0 < out;
+    const int nrows = max(1, min(16, out - row0));
+    const uint8_t *wt = w + (size_t)(has ? row0 : 0) * row_bytes;
+    uint32_t og, og8;
+    tc_rows(row_bytes, nrows, og, og8);
+    uint4 wa[U], wb[U], na[U], nb[U];
+    if (has) tc_first2<U>(wt, og, og8, k0, k1, wa, wb, na, nb);
+    pdl_wait();  // weights first: the first two rounds are in flight before the wait
+    // Stage chunk ci of the slice's activations (token rows r < 8 NT WN, past the group the last
+    // token's, as the narrow kernel's columns; bytes past k1 zeros) into buffer ci & 1.
+    const int rows = 8 * NT * WN, nch = (slice + WIDE_XC - 1) / WIDE_XC;
+    auto stage = [&](int ci) {
+        const uint32_t buf = smem_u32(xsm) + (ci & 1) * (ORNITH_WIDE_TOKENS * WIDE_XSTRIDE);
+        const int kc = k0 + ci * WIDE_XC;
+        for (int q = threadIdx.x; q < rows * (WIDE_XC / 16); q += TC_WARPS * 32) {
+            const int r = q / (WIDE_XC / 16), ch = q % (WIDE_XC / 16), off = kc + 16 * ch;
+            const bool ok = off < k1;
+            const uint8_t *src = x + (size_t)min(r, tokens - 1) * x_stride * ES + (ok ? off : 0);
+            cp_async16(buf + r * WIDE_XSTRIDE + 16 * ch, src, ok ? 16 : 0);
+        }
+        cp_commit();
+    };
+    stage(0);
+    uint32_t xoff[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) xoff[j] = (uint32_t)((tw + 8 * j + g) * WIDE_XSTRIDE);
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
+    for (int ci = 0; ci < nch; ci++) {
+        if (ci + 1 < nch) stage(ci + 1);
+        else cp_commit();  // an empty group keeps the wait count below
+        cp_wait<1>();
+        __syncthreads();  // chunk ci is in shared memory for every warp
+        const int kc = k0 + ci * WIDE_XC, ke = min(kc + WIDE_XC, k1) - kc;
+        const uint8_t *xb = xsm + (ci & 1) * (ORNITH_WIDE_TOKENS * WIDE_XSTRIDE) + 16 * c;
+        // Rounds in pairs as tc_stream (WIDE_XC is a whole number of pairs, so a pair never
+        // straddles two chunks): mma of a round, then the round two ahead into its registers.
+        const uint8_t *xc = xsm + (ci & 1) * (ORNITH_WIDE_TOKENS * WIDE_XSTRIDE);
+        // A round inside the slice takes the unchecked forms (wide_mma, tc_load_full): the checks
+        // of tc_mma / tc_load cost more instructions than the mma (H200 profile: 18 per mma).
+        auto round = [&](int kb, const uint4(&ra)[U], const uint4(&rb)[U]) {
+            if (kb + R <= ke) wide_mma<FP8, NT, U>(xc, xoff, 16 * c + kb, ra, rb, acc);
+            else tc_mma<FP8, NT, U, true>(xb, xoff, kb, ke, ra, rb, acc);
+        };
+        auto load = [&](int kn, uint4(&ra)[U], uint4(&rb)[U]) {
+            if (kn + R <= k1) tc_load_full<U>(wt, og, og8, kn, ra, rb);
+            else if (kn < k1) tc_load<U>(wt, og, og8, kn, k1, ra, rb);
+        };
+        if (has)
+            for (int kb = 0; kb < ke; kb += 2 * R) {
+                round(kb, wa, wb);
+                load(kc + kb + 2 * R, wa, wb);
+                if (kb + R >= ke) break;
+                round(kb + R, na, nb);
+                load(kc + kb + 3 * R, na, nb);
+            }
+        __syncthreads();  // every warp is done with buffer ci & 1 before chunk ci + 2 lands there
+    }
+    if (ks > 1) {
+        float *ps = part + (size_t)s * tokens * out;
+        if (has)
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int row = row0 + g + (i >> 1) * 8, t = tw + 8 * j + 2 * c + (i & 1);
+                    if (row < out && t < tokens) ps[(size_t)t * out + row] = acc[j][i];
+                }
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            last = atomicAdd(ticket + blockIdx.x, 1u) == (uint32_t)(ks - 1);
+            if (last) atomicExch(ticket + blockIdx.x, 0u);
+        }
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        if (!has) return;
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int row = row0 + g + (i >> 1) * 8, t = tw + 8 * j + 2 * c + (i & 1);
+                if (row < out && t < tokens) {
+                    const float *pp = part + (size_t)t * out + row;
+                    float sum = __ldcg(pp);
+                    for (int ss = 1; ss < ks; ss++) sum += __ldcg(pp + (size_t)ss * tokens * out);
+                    acc[j][i] = sum;
+                }
+            }
+    }
+    if (has) tc_store<FP8, NT>(acc, row0, tw, tokens, out, y, y_stride, ws, xs, fold);
+}
+
+// The staged products over up to ORNITH_WIDE_TOKENS tokens: NT, the N tiles of a warp, the fewest built
+// that cover its share (a column's arithmetic does not depend on NT).
+template <bool FP8, int WN>
+__device__ __forceinline__ void gemv_wide_wn(const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y, int tokens,
+                                             int in, int out, int x_stride, int y_stride, int split_out, uint16_t *fold, float *part,
+                                             uint32_t *ticket) {
+    const int nt = ((tokens + 7) / 8 + WN - 1) / WN;
+#define WIDE_CASE(N) gemv_wide_body<FP8, N, WN>(w, ws, x, xs, y, tokens, in, out, x_stride, y_stride, split_out, fold, part, ticket)
+    if (nt <= 1) WIDE_CASE(1);
+    else if (nt == 2) WIDE_CASE(2);
+    else if (nt == 3) WIDE_CASE(3);
+    else if (nt == 4) WIDE_CASE(4);
+    else if (nt <= 6) WIDE_CASE(6);
+    else WIDE_CASE(8);
+#undef WIDE_CASE
+}
+
+// WN (warps per row group) as the launcher chose it (wide_wn: 1, 2 or 4).
+template <bool FP8>
+__device__ __forceinline__ void gemv_wide(int wn, const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
+                                          int tokens, int in, int out, int x_stride, int y_stride, int split_out, uint16_t *fold,
+                                          float *part, uint32_t *ticket) {
+    if (wn == 4) gemv_wide_wn<FP8, 4>(w, ws, x, xs, y, tokens, in, out, x_stride, y_stride, split_out, fold, part, ticket);
+    else if (wn == 2) gemv_wide_wn<FP8, 2>(w, ws, x, xs, y, tokens, in, out, x_stride, y_stride, split_out, fold, part, ticket);
+    else gemv_wide_wn<FP8, 1>(w, ws, x, xs, y, tokens, in, out, x_stride, y_stride, split_out, fold, part, ticket);
+}
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv_bf16_staged(const OrnithGemvBf16Params p) {
+    pdl_launch_dependents();
+    gemv_wide<false>(p.wide_wn, reinterpret_cast<const uint8_t *>(p.w), nullptr, reinterpret_cast<const uint8_t *>(p.x), nullptr, p.y,
+                     p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out, p.fold, p.wide_part, p.wide_ticket);
+}
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv_fp8_staged(const OrnithGemvFp8Params p) {
+    pdl_launch_dependents();
+    gemv_wide<true>(p.wide_wn, p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out, p.fold,
+                    p.wide_part, p.wide_ticket);
+}
+
 // The same products of one row whose input the block computes first (OrnithNormIn, weight
 // required): x (BF16) or xq / xs (FP8) unused. Kernels of their own, so that the prologue's
 // registers leave the plain builds' allocation alone; 3 blocks per SM (<= 80 registers: the

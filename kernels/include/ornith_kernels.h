@@ -60,6 +60,14 @@ typedef struct OrnithQuantParams {
  * FP8:   y[t, o] = bf16( (sum_i e4m3(xq[t, i]) * e4m3(w[o, i])) * xs[t] * ws[o] ).
  * `x_stride`/`y_stride` are row strides in elements; `in` must be a multiple of 16. */
 #define ORNITH_GEMV_MAX_TOKENS 8
+/* The staged build's tokens per launch (a larger group takes several launches) and its workspace:
+ * ks * out <= ORNITH_WIDE_SPLIT_ROWS for every split product (ks > 1; gemv_tc_ksplit stops at
+ * 2 * TC_TARGET_WARPS warps of 16 rows), so the partials of one launch fit
+ * ORNITH_WIDE_SPLIT_ROWS * ORNITH_WIDE_TOKENS floats; at most ORNITH_WIDE_TICKETS row tiles of
+ * 128 rows carry a counter. */
+#define ORNITH_WIDE_TOKENS 64
+#define ORNITH_WIDE_SPLIT_ROWS 65536
+#define ORNITH_WIDE_TICKETS 1024
 /* The norm prologue of a decode product (weight != NULL; one decode row, ORNITH_NORM_ROWS):
  * instead of reading x (BF16) or xq / xs (FP8), every block computes its input row as
  * rmsnorm_residual would write it (out, or q8 / scale), from the residual row `res` plus the
@@ -92,6 +100,14 @@ typedef struct OrnithGemvBf16Params {
     /* Residual fold (non-NULL; y is the pending delta): before writing y[t, o] the kernel sets
      * fold[t * y_stride + o] = bf16(fold + y_old[t, o]), rmsnorm_residual's add. */
     uint16_t *fold;
+    /* The staged build only (gemv_*_staged, up to ORNITH_WIDE_TOKENS tokens, grid (row tiles,
+     * ks)): the K slices' fp32 partial sums [ks][tokens][out] and one arrival counter per row
+     * tile (zero between launches: the last block of a tile resets it). See gemv.cu. */
+    float *wide_part;
+    uint32_t *wide_ticket;
+    /* Warps per 16-row group (1, 2 or 4; grid.x = ceil(ceil(out / 16) * wide_wn / 8)): the
+     * group's token tiles shared among them. */
+    int32_t wide_wn;
 } OrnithGemvBf16Params;
 
 typedef struct OrnithGemvFp8Params {
@@ -111,6 +127,9 @@ typedef struct OrnithGemvFp8Params {
     int32_t split_out;
     OrnithNormIn norm; /* as OrnithGemvBf16Params (FP8: the quantised row, per-row scale) */
     uint16_t *fold;
+    float *wide_part; /* as OrnithGemvBf16Params */
+    uint32_t *wide_ticket;
+    int32_t wide_wn;
 } OrnithGemvFp8Params;
 
 /* MoE router: logits [tokens, logit_stride] bf16 (first `experts` columns are the router).

@@ -4,6 +4,9 @@
 pub const ORNITH_FP8_MAX: f64 = 448.0;
 pub const ORNITH_KV_BLOCK: u32 = 256;
 pub const ORNITH_GEMV_MAX_TOKENS: u32 = 8;
+pub const ORNITH_WIDE_TOKENS: u32 = 64;
+pub const ORNITH_WIDE_SPLIT_ROWS: u32 = 65536;
+pub const ORNITH_WIDE_TICKETS: u32 = 1024;
 pub const ORNITH_NORM_ROWS: u32 = 1;
 pub const ORNITH_NORM_MAX_HIDDEN: u32 = 2048;
 pub const ORNITH_SWIGLU_MAX_INTER: u32 = 1024;
@@ -145,10 +148,13 @@ pub struct OrnithGemvBf16Params {
     pub split_out: i32,
     pub norm: OrnithNormIn,
     pub fold: *mut u16,
+    pub wide_part: *mut f32,
+    pub wide_ticket: *mut u32,
+    pub wide_wn: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithGemvBf16Params"][::std::mem::size_of::<OrnithGemvBf16Params>() - 88usize];
+    ["Size of OrnithGemvBf16Params"][::std::mem::size_of::<OrnithGemvBf16Params>() - 112usize];
     ["Alignment of OrnithGemvBf16Params"][::std::mem::align_of::<OrnithGemvBf16Params>() - 8usize];
     ["Offset of field: OrnithGemvBf16Params::x"][::std::mem::offset_of!(OrnithGemvBf16Params, x) - 0usize];
     ["Offset of field: OrnithGemvBf16Params::w"][::std::mem::offset_of!(OrnithGemvBf16Params, w) - 8usize];
@@ -164,6 +170,12 @@ const _: () = {
         [::std::mem::offset_of!(OrnithGemvBf16Params, split_out) - 44usize];
     ["Offset of field: OrnithGemvBf16Params::norm"][::std::mem::offset_of!(OrnithGemvBf16Params, norm) - 48usize];
     ["Offset of field: OrnithGemvBf16Params::fold"][::std::mem::offset_of!(OrnithGemvBf16Params, fold) - 80usize];
+    ["Offset of field: OrnithGemvBf16Params::wide_part"]
+        [::std::mem::offset_of!(OrnithGemvBf16Params, wide_part) - 88usize];
+    ["Offset of field: OrnithGemvBf16Params::wide_ticket"]
+        [::std::mem::offset_of!(OrnithGemvBf16Params, wide_ticket) - 96usize];
+    ["Offset of field: OrnithGemvBf16Params::wide_wn"]
+        [::std::mem::offset_of!(OrnithGemvBf16Params, wide_wn) - 104usize];
 };
 impl Default for OrnithGemvBf16Params {
     fn default() -> Self {
@@ -190,10 +202,13 @@ pub struct OrnithGemvFp8Params {
     pub split_out: i32,
     pub norm: OrnithNormIn,
     pub fold: *mut u16,
+    pub wide_part: *mut f32,
+    pub wide_ticket: *mut u32,
+    pub wide_wn: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithGemvFp8Params"][::std::mem::size_of::<OrnithGemvFp8Params>() - 104usize];
+    ["Size of OrnithGemvFp8Params"][::std::mem::size_of::<OrnithGemvFp8Params>() - 128usize];
     ["Alignment of OrnithGemvFp8Params"][::std::mem::align_of::<OrnithGemvFp8Params>() - 8usize];
     ["Offset of field: OrnithGemvFp8Params::xq"][::std::mem::offset_of!(OrnithGemvFp8Params, xq) - 0usize];
     ["Offset of field: OrnithGemvFp8Params::xs"][::std::mem::offset_of!(OrnithGemvFp8Params, xs) - 8usize];
@@ -209,6 +224,11 @@ const _: () = {
         [::std::mem::offset_of!(OrnithGemvFp8Params, split_out) - 60usize];
     ["Offset of field: OrnithGemvFp8Params::norm"][::std::mem::offset_of!(OrnithGemvFp8Params, norm) - 64usize];
     ["Offset of field: OrnithGemvFp8Params::fold"][::std::mem::offset_of!(OrnithGemvFp8Params, fold) - 96usize];
+    ["Offset of field: OrnithGemvFp8Params::wide_part"]
+        [::std::mem::offset_of!(OrnithGemvFp8Params, wide_part) - 104usize];
+    ["Offset of field: OrnithGemvFp8Params::wide_ticket"]
+        [::std::mem::offset_of!(OrnithGemvFp8Params, wide_ticket) - 112usize];
+    ["Offset of field: OrnithGemvFp8Params::wide_wn"][::std::mem::offset_of!(OrnithGemvFp8Params, wide_wn) - 120usize];
 };
 impl Default for OrnithGemvFp8Params {
     fn default() -> Self {

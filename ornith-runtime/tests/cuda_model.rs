@@ -335,22 +335,24 @@ fn decode_graph_ablation() {
 }
 
 /// Sequences in the batch-invariance test (one more is the prefill chunk of the mixed batch).
-const INV_SEQS: usize = 13;
+const INV_SEQS: usize = 40;
 /// Decode steps per sequence in the batch-invariance test.
 const INV_STEPS: usize = 6;
 
 /// Batch invariance on the CUDA backend: a sequence's logits do not depend on which other
-/// sequences share its steps. Sequence i (prompt of 20 + 37·i tokens, so every sequence sits at
+/// sequences share its steps. Sequence i (prompt of 20 + 12·i tokens, so every sequence sits at
 /// its own position; state slot 13 - i, so slots are not the row order; blocks interleaved
 /// across the pool in reverse, so block tables are neither contiguous nor ordered) is first run
 /// alone: prefill, then `INV_STEPS` greedy decode steps, recording its logits and tokens. Then
-/// N = 1, 2, 3, 8, 9, 13 sequences are run together — each prefilled alone (the engine's chunks
+/// N = 1, 2, 3, 8, 9, 13, 33, 40 sequences are run together — each prefilled alone (the engine's chunks
 /// do not depend on the batch), then the same decode steps as one batch of N rows fed the
 /// recorded tokens — through CUDA graphs and eagerly, in every programmatic-dependent-launch mode
-/// (`Pdl`: the default, off, every launch; 9 is the first group of the wide products and of two
-/// shared-expert passes): every row's logits must equal the sequence's alone logits (default
-/// mode) bit for bit. Last, a mixed step: three decode rows and the whole prompt of sequence 13
-/// as one prefill chunk in the same batch, then a decode step of all four.
+/// (`Pdl`: the default, off, every launch; 9 is the first group of the wide products, of the
+/// staged lm_head and of two shared-expert passes; 33 and 40 take every dense product through the
+/// staged build, its K slices meeting in global memory): every row's logits must equal the
+/// sequence's alone logits (default mode) bit for bit. Last, a mixed step: three decode rows and
+/// the whole prompt of sequence 40 as one prefill chunk in the same batch, then a decode step of
+/// all four.
 #[test]
 #[ignore]
 fn batch_invariance() {
@@ -366,7 +368,7 @@ fn batch_invariance() {
     let slot = |i: usize| n_seq - 1 - i;
     let blocks = |i: usize| (0..per).map(|j| (total_blocks - 1 - (j * n_seq + i)) as u32).collect::<Vec<u32>>();
     let prompts: Vec<Vec<u32>> = (0..n_seq)
-        .map(|i| prompt(20 + 37 * i + INV_STEPS, d.vocab_size).into_iter().skip(i).take(20 + 37 * i).collect())
+        .map(|i| prompt(20 + 12 * i + INV_STEPS, d.vocab_size).into_iter().skip(i).take(20 + 12 * i).collect())
         .collect();
     let host = |l: &<CudaBackend as Backend>::Logits| gpu.logits_to_host(l).unwrap();
     let vocab = d.vocab_size;
@@ -403,8 +405,9 @@ fn batch_invariance() {
         alone.push(l);
         fed.push(t);
     }
-    for (n, pdl) in
-        [1usize, 2, 3, 8, 9, INV_SEQS].into_iter().flat_map(|n| [Pdl::Weights, Pdl::Off, Pdl::All].map(|pdl| (n, pdl)))
+    for (n, pdl) in [1usize, 2, 3, 8, 9, 13, 33, INV_SEQS]
+        .into_iter()
+        .flat_map(|n| [Pdl::Weights, Pdl::Off, Pdl::All].map(|pdl| (n, pdl)))
     {
         gpu.context().set_pdl(pdl);
         for graph in [true, false] {
@@ -432,7 +435,7 @@ fn batch_invariance() {
         );
     }
     gpu.context().set_pdl(ornith_runtime::cuda::DEFAULT_PDL);
-    // Mixed: decode rows of sequences 0..3 (their first step) and sequence 13's whole prompt as
+    // Mixed: decode rows of sequences 0..3 (their first step) and sequence 40's whole prompt as
     // one prefill chunk; then one decode step of all four.
     gpu.set_decode_graph(true);
     let p = INV_SEQS;

@@ -22,10 +22,10 @@ pub const GEMM_TILE: usize = 128;
 pub(crate) const GEMM_KERNELS: [&str; 5] =
     ["gemm_fp8", "gemm_bf16", "gemm_fp8_grouped", "gemm_nvfp4", "gemm_nvfp4_grouped"];
 
-/// Rows per tile of GEMM kernel `name` (gemm.cu: 64 for `gemm_bf16` (`GB_BF16_M`) and the
-/// grouped GEMMs (`GB_GROUPED_M`), 128 for the plain FP8 and NVFP4 ones).
+/// Rows per tile of GEMM kernel `name` (gemm.cu: 64 for the grouped GEMMs (`GB_GROUPED_M`), 128
+/// for the plain ones, `gemm_bf16`'s `GB_BF16_M` included).
 pub(crate) fn gemm_rows(name: &str) -> usize {
-    if name == "gemm_bf16" || name.ends_with("_grouped") {
+    if name.ends_with("_grouped") {
         GEMM_GROUPED_ROWS
     } else {
         GEMM_TILE

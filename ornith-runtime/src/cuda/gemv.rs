@@ -107,6 +107,22 @@ impl CudaContext {
             split_out: i32of("gemv split rows", split)?,
             ..Default::default()
         };
+        if super::gemv_staged(in_ * 2, split, t) {
+            return self.wide_passes(t, in_ * 2, out, split, |t0, n, wn| {
+                let bytes = (out * in_ * 2 + n * (in_ + out) * 2) as u64 + fold_bytes(fold, n, out);
+                let p = OrnithGemvBf16Params {
+                    x: (x + (t0 * xs * 2) as u64) as _,
+                    y: (y + (t0 * ys * 2) as u64) as _,
+                    fold: fold.map_or(std::ptr::null_mut(), |f| (f + (t0 * ys * 2) as u64) as _),
+                    tokens: n as i32,
+                    wide_wn: wn,
+                    wide_part: self.addr(&self.wide_part) as _,
+                    wide_ticket: self.addr(&self.wide_ticket) as _,
+                    ..p
+                };
+                ("gemv_bf16_staged", bytes, p)
+            });
+        }
         let bytes = (out * in_ * 2 + t * (in_ + out) * 2) as u64 + fold_bytes(fold, t, out);
         let name = super::gemv_tc_kernel(false, t);
         self.launch(
@@ -114,6 +130,37 @@ impl CudaContext {
                 .weights_first(),
             p,
         )
+    }
+
+    /// The staged build's launches for a group of `t` tokens: one per
+    /// [`super::WIDE_TOKENS`] tokens, in order, each with its grid and warps per row group
+    /// ([`super::gemv_wide_grid`]); `make(t0, n, wn)` gives the kernel, bytes and parameters of
+    /// tokens `t0 .. t0 + n`. The launches share the context's partials and counters, which one
+    /// launch leaves as it found them (the counters zero).
+    fn wide_passes<P: super::KernelParams>(
+        &self,
+        t: usize,
+        row_bytes: usize,
+        out: usize,
+        split: usize,
+        make: impl Fn(usize, usize, i32) -> (&'static str, u64, P),
+    ) -> Result<()> {
+        for t0 in (0..t).step_by(super::WIDE_TOKENS) {
+            let n = (t - t0).min(super::WIDE_TOKENS);
+            let (grid, wn) = super::gemv_wide_grid(row_bytes, out, split, n);
+            if grid.1 > 1 {
+                ensure!(
+                    grid.1 as usize * out <= super::WIDE_SPLIT_ROWS && grid.0 <= super::WIDE_TICKETS,
+                    "gemv staged: {} K slices x {out} rows exceed the partials' {} rows or {} tiles",
+                    grid.1,
+                    super::WIDE_SPLIT_ROWS,
+                    super::WIDE_TICKETS
+                );
+            }
+            let (name, bytes, p) = make(t0, n, wn);
+            self.launch(Launch::new(name, grid, super::GEMV_BLOCK, bytes).smem(super::WIDE_SMEM).weights_first(), p)?;
+        }
+        Ok(())
     }
 
     /// FP8 W8A8 decode product for any number of rows:
@@ -151,6 +198,23 @@ impl CudaContext {
             split_out: i32of("gemv_fp8 split rows", split)?,
             ..Default::default()
         };
+        if super::gemv_staged(in_, split, t) {
+            return self.wide_passes(t, in_, out, split, |t0, n, wn| {
+                let bytes = (out * in_ + out * 4 + n * (in_ + 4 + out * 2)) as u64 + fold_bytes(fold, n, out);
+                let p = OrnithGemvFp8Params {
+                    xq: (xq + (t0 * xs) as u64) as _,
+                    xs: (xsc + (t0 * 4) as u64) as _,
+                    y: (y + (t0 * ys * 2) as u64) as _,
+                    fold: fold.map_or(std::ptr::null_mut(), |f| (f + (t0 * ys * 2) as u64) as _),
+                    tokens: n as i32,
+                    wide_wn: wn,
+                    wide_part: self.addr(&self.wide_part) as _,
+                    wide_ticket: self.addr(&self.wide_ticket) as _,
+                    ..p
+                };
+                ("gemv_fp8_staged", bytes, p)
+            });
+        }
         let bytes = (out * in_ + out * 4 + t * (in_ + 4 + out * 2)) as u64 + fold_bytes(fold, t, out);
         let name = super::gemv_tc_kernel(true, t);
         self.launch(

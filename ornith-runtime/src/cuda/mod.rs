@@ -19,6 +19,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{
     CudaContext as DriverContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
 };
+use ornith_kernels::bindings::{ORNITH_WIDE_SPLIT_ROWS, ORNITH_WIDE_TICKETS, ORNITH_WIDE_TOKENS};
 use ornith_kernels::{Arch, Module};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed};
@@ -160,6 +161,8 @@ const KERNELS: [(Module, &[&str]); 11] = [
             "gemv_bf16_wide",
             "gemv_fp8",
             "gemv_fp8_wide",
+            "gemv_bf16_staged",
+            "gemv_fp8_staged",
             "gemv_bf16_norm",
             "gemv_fp8_norm",
             "moe_gemv_fp8",
@@ -232,6 +235,44 @@ pub(crate) fn gemv_tc_wide(tokens: usize) -> bool {
     tokens > 8
 }
 
+/// Whether a dense decode product of `tokens` rows takes the staged build (`gemv_*_staged`,
+/// gemv.cu: the same bits as the narrow and wide builds, activations staged in shared memory per
+/// block): above 8 tokens for an unsplit row (`ks` 1, the lm_head), above 32 otherwise; in between
+/// the split products were as fast or faster in the wide build (H200, tests/peer/gemv_wide run 3).
+pub(crate) fn gemv_staged(row_bytes: usize, split: usize, tokens: usize) -> bool {
+    tokens > 32 || (tokens > 8 && gemv_tc_ksplit(row_bytes, split, GEMV_TARGET_WARPS) == 1)
+}
+
+/// Tokens per launch of the staged products (`ORNITH_WIDE_TOKENS`; a larger group takes several
+/// launches, each its own rows of x and y).
+pub(crate) const WIDE_TOKENS: usize = ORNITH_WIDE_TOKENS as usize;
+/// `ks * out` bound of a split staged product (`ORNITH_WIDE_SPLIT_ROWS`: the partials' rows).
+pub(crate) const WIDE_SPLIT_ROWS: usize = ORNITH_WIDE_SPLIT_ROWS as usize;
+/// Row tiles of a split staged product with a counter (`ORNITH_WIDE_TICKETS`).
+pub(crate) const WIDE_TICKETS: u32 = ORNITH_WIDE_TICKETS;
+/// Dynamic shared memory of the staged products (gemv.cu's `WIDE_SMEM`: two chunks of 512
+/// activation bytes per token at a row stride of 576).
+pub(crate) const WIDE_SMEM: u32 = 2 * ORNITH_WIDE_TOKENS * (512 + 64);
+/// The blocks a staged product aims at (about two waves of 2 blocks on the H200's 132 SMs).
+const WIDE_TARGET_BLOCKS: u32 = 512;
+
+/// Grid and warps per row group (`wide_wn`) of a staged product of `tokens` (at most
+/// [`WIDE_TOKENS`]): blocks `(ceil(groups * wn / 8), ks)`, `wn` the fewest of 1, 2, 4 (and at most
+/// half the token tiles) that give [`WIDE_TARGET_BLOCKS`] blocks. `wn` changes which warp computes
+/// a column, never its arithmetic. Measured (H200, 64 tokens, run 3): the lm_head best at 1, the GDN
+/// input projection and q|k|v at 2, out_proj, o_proj and the router at 4.
+pub(crate) fn gemv_wide_grid(row_bytes: usize, out: usize, split: usize, tokens: usize) -> ((u32, u32, u32), i32) {
+    let ks = gemv_tc_ksplit(row_bytes, split, GEMV_TARGET_WARPS);
+    let groups = out.div_ceil(16);
+    let tiles = tokens.div_ceil(8);
+    let blocks = |wn: usize| (groups * wn).div_ceil(GEMV_WARPS) as u32;
+    let mut wn = 1;
+    while wn < 4 && wn * 2 <= tiles && blocks(wn) * (ks as u32) < WIDE_TARGET_BLOCKS {
+        wn *= 2;
+    }
+    ((blocks(wn), ks as u32, 1), wn as i32)
+}
+
 /// Blocks of a dense decode product over `out` rows of `row_bytes` whose K split is chosen for
 /// `split` rows (the stored matrix's, of which the launch covers `out`): `GEMV_WARPS / ks` row
 /// groups of 16 per block.
@@ -276,6 +317,11 @@ pub struct CudaContext {
     /// Blocks of each persistent prefill GEMM (gemm.cu): SMs x the blocks of that kernel one SM
     /// holds at its shared memory (see [`gemm::gemm_smem`]).
     pub(crate) gemm_blocks: HashMap<&'static str, u32>,
+    /// The wide decode products' K-slice partials and row-tile counters (`wide_part`,
+    /// `wide_ticket` of `OrnithGemvBf16Params`; gemv.cu): one launch's at a time, the counters
+    /// zero between launches. Allocated here, before the memory plan reads free memory.
+    pub(crate) wide_part: CudaSlice<f32>,
+    pub(crate) wide_ticket: CudaSlice<u32>,
     /// Whether [`Self::profile`] holds a recording (see [`Self::profile_begin`]).
     observing: AtomicBool,
     /// The launches recorded since [`Self::profile_begin`], each bracketed by two events.
@@ -374,7 +420,11 @@ impl CudaContext {
         for n in gemm::GEMM_KERNELS {
             gemm_blocks.insert(n, sms * per_sm(n, 256, gemm::gemm_smem(n))?);
         }
+        let wide_part = unsafe { stream.alloc::<f32>(WIDE_SPLIT_ROWS * WIDE_TOKENS) }?;
+        let wide_ticket = stream.alloc_zeros::<u32>(WIDE_TICKETS as usize)?;
         Ok(Self {
+            wide_part,
+            wide_ticket,
             ctx,
             stream,
             arch,
@@ -580,6 +630,34 @@ mod arch_tests {
 #[cfg(test)]
 mod gemv_tc_tests {
     use super::*;
+    /// Which dense decode products take the staged build, its grids and warps per row group at
+    /// the real shapes, and the workspace bound every split product of those shapes keeps.
+    #[test]
+    fn gemv_staged_grids_of_the_decode_shapes() {
+        // (bytes per row, rows, tokens, staged, grid, wn)
+        for (row_bytes, out, t, staged, grid, wn) in [
+            (4096, 248_320, 9, true, (1940, 1, 1), 1),  // lm_head from 9 tokens
+            (4096, 248_320, 64, true, (1940, 1, 1), 1), // lm_head
+            (4096, 12_352, 32, false, (0, 0, 0), 0),    // GDN in: the wide build up to 32
+            (4096, 12_352, 64, true, (193, 4, 1), 2),   // GDN in
+            (8192, 2048, 64, true, (64, 8, 1), 4),      // GDN out_proj
+            (4096, 257, 64, true, (9, 8, 1), 4),        // router + shared gate
+            (4096, 257, 33, true, (9, 8, 1), 4),        // 5 tiles: 4 warps of 2 tiles
+            (2048, 9216, 64, true, (144, 4, 1), 2),     // attention q|k|v, FP8
+            (4096, 2048, 64, true, (64, 8, 1), 4),      // o_proj, FP8
+        ] {
+            assert_eq!(gemv_staged(row_bytes, out, t), staged, "{row_bytes} x {out}, {t} tokens");
+            if staged {
+                let (g, w) = gemv_wide_grid(row_bytes, out, out, t);
+                assert_eq!((g, w), (grid, wn), "{row_bytes} x {out}, {t} tokens");
+                assert!(g.1 == 1 || (g.1 as usize * out <= WIDE_SPLIT_ROWS && g.0 <= WIDE_TICKETS));
+            }
+        }
+        assert!(!gemv_staged(4096, 248_320, 8), "up to 8 tokens the narrow build");
+        // Few tiles cap wn: 9 tokens (2 tiles) of a 17-group product take 2 warps per group.
+        assert_eq!(gemv_wide_grid(4096, 257, 257, 9).1, 2);
+    }
+
     /// The K split of the real decode shapes (bytes per row, rows) and their grids: it fixes each
     /// row's summation order, so a change here changes every decode product's bits.
     #[test]

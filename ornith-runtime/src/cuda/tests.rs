@@ -578,6 +578,13 @@ fn gemv_bf16_matches_reference() {
         (2048, 257, 1, 0),
         (2048, 248320, 1, 0),
         (2048, 248320, 8, 0),
+        // The staged build (gemv_bf16_staged): unsplit rows from 9 tokens (33,000 rows: K in one
+        // slice), with a partial last 64-byte step (in 272) and strided rows; split rows above 32
+        // tokens (the shapes above with 33..70 tokens), 64 and 70 of the router.
+        (1024, 33000, 12, 8),
+        (272, 33000, 9, 0),
+        (2048, 257, 64, 0),
+        (2048, 257, 70, 8),
     ];
     for (inp, out, tokens, pad) in shapes {
         let (xst, yst) = (inp + pad, out + pad);
@@ -655,6 +662,11 @@ fn gemv_fp8_matches_reference() {
         (4096, 2048, 1, 0),
         (4096, 2048, 64, 0),
         (2048, 250000, 1, 0),
+        // The staged build (gemv_fp8_staged): unsplit rows with a partial last step (1040 bytes),
+        // strided, from 9 tokens; split rows at 33, 64 and 100 tokens (two launches).
+        (1040, 33000, 20, 16),
+        (2048, 1024, 33, 0),
+        (4096, 2048, 100, 0),
     ];
     for (inp, out, tokens, pad) in shapes {
         let (xst, yst) = (inp + pad, out + pad);
