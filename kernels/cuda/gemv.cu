@@ -439,9 +439,9 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv
 
 // =============================================================================================
 // The staged build (gemv_*_staged): the same bits as the narrow and wide builds, for the groups
-// where the wide build's activation traffic dominates (cuda::gemv_staged: more than 32 tokens, or
-// an unsplit row such as the lm_head's, from 9 tokens); up to ORNITH_WIDE_TOKENS tokens per launch
-// (a larger group takes several). In gemv_tc a warp reads its tokens' activations from global
+// where the wide build's activation traffic dominates (cuda::gemv_staged: an unsplit row, the
+// lm_head's, from 9 tokens; split rows measured slower staged in the decode graph, see below); up
+// to ORNITH_WIDE_TOKENS tokens per launch (a larger group takes several). In gemv_tc a warp reads its tokens' activations from global
 // memory for every mma step, 4 bytes of activations per weight byte at 64 tokens (16 rows share
 // them), so those groups ran at L2's pace (H200, 64 tokens: the lm_head 1.1 TB/s, the attention
 // q|k|v 0.3 TB/s; tests/peer/gemv_wide). Here a block's warps all work on the same K slice, so the
@@ -461,7 +461,10 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv
 // ((p0 + p1) + p2) + ..., tc_reduce's order: the same bits. Measured against the wide build
 // (H200, L2 flushed, tests/peer/gemv_wide run 3): lm_head 894 -> 376 us at 64 tokens, 498 -> 307
 // at 32; q|k|v 62.5 -> 38.5 us, o_proj 37.7 -> 25.8, GDN in 61.1 -> 55.9 at 64; at 16-32 tokens the
-// split products were as fast or faster in the wide build.
+// split products were as fast or faster in the wide build. In the decode graph (L2 warm, 64
+// sequences) the staged split products were slower than the wide ones (the BF16 products 3.83 ->
+// 4.50 ms per step, FP8 1.11 -> 1.16), so only the lm_head takes this build; the split path stays
+// checked by the kernel tests (cuda::STAGED_ALWAYS).
 #define WIDE_XC 512
 #define WIDE_XSTRIDE (WIDE_XC + 64)
 #define WIDE_SMEM (2 * ORNITH_WIDE_TOKENS * WIDE_XSTRIDE)

@@ -579,8 +579,8 @@ fn gemv_bf16_matches_reference() {
         (2048, 248320, 1, 0),
         (2048, 248320, 8, 0),
         // The staged build (gemv_bf16_staged): unsplit rows from 9 tokens (33,000 rows: K in one
-        // slice), with a partial last 64-byte step (in 272) and strided rows; split rows above 32
-        // tokens (the shapes above with 33..70 tokens), 64 and 70 of the router.
+        // slice), with a partial last 64-byte step (in 272) and strided rows; every shape of more
+        // than 8 tokens again through it (STAGED_ALWAYS, split rows included), the same bits.
         (1024, 33000, 12, 8),
         (272, 33000, 9, 0),
         (2048, 257, 64, 0),
@@ -598,7 +598,19 @@ fn gemv_bf16_matches_reference() {
         let want = wf(&yc);
         let mut y = c.upload(&vec![POISON; tokens * yst]).unwrap();
         c.gemv_bf16(&dx, &dw, &mut y, tokens, inp, out, xst, yst).unwrap();
-        let got = check_gemv_rows("gemv_bf16", &c.download(&y).unwrap(), (inp, out, tokens, yst), &want);
+        let raw = c.download(&y).unwrap();
+        let got = check_gemv_rows("gemv_bf16", &raw, (inp, out, tokens, yst), &want);
+        if tokens > 8 {
+            // The staged build on every shape (split rows included): the same bits.
+            let mut y2 = c.upload(&vec![POISON; tokens * yst]).unwrap();
+            super::STAGED_ALWAYS.with(|f| f.set(true));
+            c.gemv_bf16(&dx, &dw, &mut y2, tokens, inp, out, xst, yst).unwrap();
+            super::STAGED_ALWAYS.with(|f| f.set(false));
+            assert!(
+                c.download(&y2).unwrap() == raw,
+                "gemv_bf16_staged {inp}x{out} t{tokens}: other bits than the wide build"
+            );
+        }
         for t in [0, tokens - 1] {
             let d1 = c.upload(&x[t * xst..t * xst + inp]).unwrap();
             let mut y1 = c.upload(&vec![POISON; out]).unwrap();
@@ -663,7 +675,8 @@ fn gemv_fp8_matches_reference() {
         (4096, 2048, 64, 0),
         (2048, 250000, 1, 0),
         // The staged build (gemv_fp8_staged): unsplit rows with a partial last step (1040 bytes),
-        // strided, from 9 tokens; split rows at 33, 64 and 100 tokens (two launches).
+        // strided, from 9 tokens; split rows at 33, 64 and 100 tokens (two launches) through
+        // STAGED_ALWAYS as every shape of more than 8 tokens.
         (1040, 33000, 20, 16),
         (2048, 1024, 33, 0),
         (4096, 2048, 100, 0),
@@ -686,7 +699,18 @@ fn gemv_fp8_matches_reference() {
             .collect();
         let mut y = c.upload(&vec![POISON; tokens * yst]).unwrap();
         c.gemv_fp8(&dxq, &dxs, &dw, &dws, &mut y, tokens, inp, out, xst, yst).unwrap();
-        let got = check_gemv_rows("gemv_fp8", &c.download(&y).unwrap(), (inp, out, tokens, yst), &want);
+        let raw = c.download(&y).unwrap();
+        let got = check_gemv_rows("gemv_fp8", &raw, (inp, out, tokens, yst), &want);
+        if tokens > 8 {
+            let mut y2 = c.upload(&vec![POISON; tokens * yst]).unwrap();
+            super::STAGED_ALWAYS.with(|f| f.set(true));
+            c.gemv_fp8(&dxq, &dxs, &dw, &dws, &mut y2, tokens, inp, out, xst, yst).unwrap();
+            super::STAGED_ALWAYS.with(|f| f.set(false));
+            assert!(
+                c.download(&y2).unwrap() == raw,
+                "gemv_fp8_staged {inp}x{out} t{tokens}: other bits than the wide build"
+            );
+        }
         for t in [0, tokens - 1] {
             let (d1, s1) = (c.upload(&xq[t * xst..t * xst + inp]).unwrap(), c.upload(&xs[t..t + 1]).unwrap());
             let mut y1 = c.upload(&vec![POISON; out]).unwrap();
