@@ -465,9 +465,8 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv
 // sequences) the staged split products were slower than the wide ones (the BF16 products 3.83 ->
 // 4.50 ms per step, FP8 1.11 -> 1.16), so only the lm_head takes this build; the split path stays
 // checked by the kernel tests (cuda::STAGED_ALWAYS).
-#define WIDE_XC 512
+#define WIDE_XC ORNITH_WIDE_XC
 #define WIDE_XSTRIDE (WIDE_XC + 64)
-#define WIDE_SMEM (2 * ORNITH_WIDE_TOKENS * WIDE_XSTRIDE)
 
 // tc_load for a round wholly inside the row (no bounds checks).
 template <int U>
@@ -543,15 +542,14 @@ __device__ __forceinline__ void gemv_wide_body(const uint8_t *w, const float *ws
         cp_wait<1>();
         __syncthreads();  // chunk ci is in shared memory for every warp
         const int kc = k0 + ci * WIDE_XC, ke = min(kc + WIDE_XC, k1) - kc;
-        const uint8_t *xb = xsm + (ci & 1) * (ORNITH_WIDE_TOKENS * WIDE_XSTRIDE) + 16 * c;
+        const uint8_t *xc = xsm + (ci & 1) * (ORNITH_WIDE_TOKENS * WIDE_XSTRIDE);
         // Rounds in pairs as tc_stream (WIDE_XC is a whole number of pairs, so a pair never
         // straddles two chunks): mma of a round, then the round two ahead into its registers.
-        const uint8_t *xc = xsm + (ci & 1) * (ORNITH_WIDE_TOKENS * WIDE_XSTRIDE);
         // A round inside the slice takes the unchecked forms (wide_mma, tc_load_full): the checks
         // of tc_mma / tc_load cost more instructions than the mma (H200 profile: 18 per mma).
         auto round = [&](int kb, const uint4(&ra)[U], const uint4(&rb)[U]) {
             if (kb + R <= ke) wide_mma<FP8, NT, U>(xc, xoff, 16 * c + kb, ra, rb, acc);
-            else tc_mma<FP8, NT, U, true>(xb, xoff, kb, ke, ra, rb, acc);
+            else tc_mma<FP8, NT, U, true>(xc + 16 * c, xoff, kb, ke, ra, rb, acc);
         };
         auto load = [&](int kn, uint4(&ra)[U], uint4(&rb)[U]) {
             if (kn + R <= k1) tc_load_full<U>(wt, og, og8, kn, ra, rb);

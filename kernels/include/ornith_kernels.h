@@ -66,6 +66,10 @@ typedef struct OrnithQuantParams {
  * ORNITH_WIDE_SPLIT_ROWS * ORNITH_WIDE_TOKENS floats; at most ORNITH_WIDE_TICKETS row tiles of
  * 128 rows carry a counter. */
 #define ORNITH_WIDE_TOKENS 64
+/* Activation bytes per token of one shared-memory chunk of the staged build; two chunks at a row
+ * stride of ORNITH_WIDE_XC + 64 bytes make its dynamic shared memory (ORNITH_WIDE_SMEM). */
+#define ORNITH_WIDE_XC 512
+#define ORNITH_WIDE_SMEM (2 * ORNITH_WIDE_TOKENS * (ORNITH_WIDE_XC + 64))
 #define ORNITH_WIDE_SPLIT_ROWS 65536
 #define ORNITH_WIDE_TICKETS 1024
 /* The norm prologue of a decode product (weight != NULL; one decode row, ORNITH_NORM_ROWS):

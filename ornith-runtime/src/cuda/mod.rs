@@ -19,7 +19,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{
     CudaContext as DriverContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
 };
-use ornith_kernels::bindings::{ORNITH_WIDE_SPLIT_ROWS, ORNITH_WIDE_TICKETS, ORNITH_WIDE_TOKENS};
+use ornith_kernels::bindings::{ORNITH_WIDE_SMEM, ORNITH_WIDE_SPLIT_ROWS, ORNITH_WIDE_TICKETS, ORNITH_WIDE_TOKENS};
 use ornith_kernels::{Arch, Module};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed};
@@ -264,9 +264,8 @@ pub(crate) const WIDE_TOKENS: usize = ORNITH_WIDE_TOKENS as usize;
 pub(crate) const WIDE_SPLIT_ROWS: usize = ORNITH_WIDE_SPLIT_ROWS as usize;
 /// Row tiles of a split staged product with a counter (`ORNITH_WIDE_TICKETS`).
 pub(crate) const WIDE_TICKETS: u32 = ORNITH_WIDE_TICKETS;
-/// Dynamic shared memory of the staged products (gemv.cu's `WIDE_SMEM`: two chunks of 512
-/// activation bytes per token at a row stride of 576).
-pub(crate) const WIDE_SMEM: u32 = 2 * ORNITH_WIDE_TOKENS * (512 + 64);
+/// Dynamic shared memory of the staged products (`ORNITH_WIDE_SMEM`: two activation chunks).
+pub(crate) const WIDE_SMEM: u32 = ORNITH_WIDE_SMEM;
 /// The blocks a staged product aims at (about two waves of 2 blocks on the H200's 132 SMs).
 const WIDE_TARGET_BLOCKS: u32 = 512;
 
@@ -331,7 +330,7 @@ pub struct CudaContext {
     /// Blocks of each persistent prefill GEMM (gemm.cu): SMs x the blocks of that kernel one SM
     /// holds at its shared memory (see [`gemm::gemm_smem`]).
     pub(crate) gemm_blocks: HashMap<&'static str, u32>,
-    /// The wide decode products' K-slice partials and row-tile counters (`wide_part`,
+    /// The staged decode products' K-slice partials and row-tile counters (`wide_part`,
     /// `wide_ticket` of `OrnithGemvBf16Params`; gemv.cu): one launch's at a time, the counters
     /// zero between launches. Allocated here, before the memory plan reads free memory.
     pub(crate) wide_part: CudaSlice<f32>,
