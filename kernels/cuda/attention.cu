@@ -78,7 +78,7 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const OrnithQkRop
 #define ATT_TILE 16                              // keys per pipeline stage
 #define ATT_STAGE (2 * 2 * ATT_TILE * ATT_ROW)   // K then V of 2 kv heads: 32 KiB
 #define ATT_QSLOT (2 * ATT_G * ATT_ROW)          // the Q rows of one item: 8 KiB
-#define ATT_MAX_ROWS 8                           // rows per launch (launcher-checked)
+#define ATT_MAX_ROWS 64                          // rows per launch (launcher-checked; one per thread)
 #define ATT_MAX_SPLITS 1024                      // launcher-checked (the combine's split weights)
 // Dynamic shared memory: 2 stages of K/V, then 2 Q slots (80 KiB; = ATT_SPLIT_SMEM of the launcher).
 #define ATT_SMEM (2 * ATT_STAGE + 2 * ATT_QSLOT)
@@ -102,18 +102,31 @@ extern "C" __global__ void __launch_bounds__(64) attn_decode_split(const OrnithA
     __shared__ int r_len[ATT_MAX_ROWS], r_sl[ATT_MAX_ROWS], r_start[ATT_MAX_ROWS + 1];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int group = p.q_heads / p.kv_heads, pairs = (p.kv_heads + 1) / 2;
-    if (tid == 0) {  // items of row t: [r_start[t], r_start[t + 1]), kv-head pair major
-        int acc = 0;
-        for (int t = 0; t < p.tokens; t++) {
-            const int len = att_len(p, t), sl = att_split_len(p, len);
-            r_len[t] = len;
-            r_sl[t] = sl;
-            r_start[t] = acc;
-            acc += (len + sl - 1) / sl * pairs;
+    // Items of row t: [r_start[t], r_start[t + 1]), kv-head pair major. Thread t takes row t (the
+    // rows' positions are read at once, not one after another) and the starts are an exclusive
+    // scan of the counts over the block's two warps.
+    {
+        int cnt = 0;
+        if (tid < p.tokens) {
+            const int len = att_len(p, tid), sl = att_split_len(p, len);
+            r_len[tid] = len;
+            r_sl[tid] = sl;
+            cnt = (len + sl - 1) / sl * pairs;
         }
-        r_start[p.tokens] = acc;
+        int inc = cnt;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int u = __shfl_up_sync(0xffffffffu, inc, o);
+            if (lane >= o) inc += u;
+        }
+        if (tid == 31) r_start[ATT_MAX_ROWS] = inc;  // warp 0's total, read once below
+        __syncthreads();
+        const int before = warp ? r_start[ATT_MAX_ROWS] : 0;
+        __syncthreads();
+        if (tid < p.tokens) r_start[tid] = before + inc - cnt;
+        if (tid == p.tokens - 1) r_start[p.tokens] = before + inc;
+        __syncthreads();
     }
-    __syncthreads();
     const int total = r_start[p.tokens];
     if ((int)blockIdx.x >= total) return;
     const uint32_t s0 = smem_u32(smem), sq0 = s0 + 2 * ATT_STAGE;
@@ -122,8 +135,13 @@ extern "C" __global__ void __launch_bounds__(64) attn_decode_split(const OrnithA
     };
     auto item = [&](int i) {
         Item it;
-        it.t = 0;
-        while (i >= r_start[it.t + 1]) it.t++;
+        int lo = 0, hi = p.tokens - 1;  // the row whose range holds i (every row has items)
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (r_start[mid] <= i) lo = mid;
+            else hi = mid - 1;
+        }
+        it.t = lo;
         const int j = i - r_start[it.t], used = (r_start[it.t + 1] - r_start[it.t]) / pairs;
         it.pair = j / used;
         it.s = j % used;

@@ -79,10 +79,38 @@ __host__ __device__ constexpr int gemv_tc_ksplit(int row_bytes, int out, int tar
     return ks;
 }
 
+// One mma of a step. FP8 goes through mma_e4m3_split in every decode product (the narrow, wide,
+// staged and MoE forms alike), so each form's bits are those of the same instructions.
 template <bool FP8>
 __device__ __forceinline__ void mma_step(float *acc, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-    const uint32_t a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
-    if (FP8) mma_e4m3(acc, a, b); else mma_bf16(acc, a, b);
+    if (FP8) {
+        mma_e4m3_split(acc, e4m3_a(a0, a1, a2, a3), b0, b1);
+    } else {
+        const uint32_t a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
+        mma_bf16(acc, a, b);
+    }
+}
+// The two mma of a 64-byte step for N tiles j < NT: the weights (wa, wb: rows g and g + 8) against
+// token tile j's activations xv(j), in tile order. FP8: the weights' unpack (E4m3A) once for all
+// tiles, written out (ptxas also hoists it from the per-mma form).
+template <bool FP8, int NT, class Xv>
+__device__ __forceinline__ void mma_step_tiles(float (&acc)[NT][4], const uint4 &wa, const uint4 &wb, Xv xv) {
+    if constexpr (FP8) {
+        const E4m3A a0 = e4m3_a(wa.x, wb.x, wa.y, wb.y), a1 = e4m3_a(wa.z, wb.z, wa.w, wb.w);
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const uint4 x = xv(j);
+            mma_e4m3_split(acc[j], a0, x.x, x.y);
+            mma_e4m3_split(acc[j], a1, x.z, x.w);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            const uint4 x = xv(j);
+            mma_step<false>(acc[j], wa.x, wb.x, wa.y, wb.y, x.x, x.y);
+            mma_step<false>(acc[j], wa.z, wb.z, wa.w, wb.w, x.z, x.w);
+        }
+    }
 }
 
 // One round of a lane's weight loads: the 16 bytes at kb + 64u + 16c (u < TC_U) of its two rows
@@ -114,13 +142,8 @@ __device__ __forceinline__ void tc_mma(const uint8_t *x, const uint32_t (&xoff)[
         if (kb + u * 64 >= k1) break;  // warp-uniform
         const int off = kb + u * 64;
         const bool ok = off + 16 * c < k1;
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            const uint4 *xp = reinterpret_cast<const uint4 *>(x + xoff[j] + off);
-            const uint4 xv = ok ? *xp : z;  // activations: coherent loads (common.cuh, PDL)
-            mma_step<FP8>(acc[j], wa[u].x, wb[u].x, wa[u].y, wb[u].y, xv.x, xv.y);
-            mma_step<FP8>(acc[j], wa[u].z, wb[u].z, wa[u].w, wb[u].w, xv.z, xv.w);
-        }
+        // activations: coherent loads (common.cuh, PDL)
+        mma_step_tiles<FP8, NT>(acc, wa[u], wb[u], [&](int j) { return ok ? *reinterpret_cast<const uint4 *>(x + xoff[j] + off) : z; });
     }
 }
 
@@ -484,12 +507,7 @@ __device__ __forceinline__ void wide_mma(const uint8_t *xc, const uint32_t (&xof
                                          const uint4 (&wb)[U], float (&acc)[NT][4]) {
 #pragma unroll
     for (int u = 0; u < U; u++)
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            const uint4 xv = *reinterpret_cast<const uint4 *>(xc + xoff[j] + kb + 64 * u);
-            mma_step<FP8>(acc[j], wa[u].x, wb[u].x, wa[u].y, wb[u].y, xv.x, xv.y);
-            mma_step<FP8>(acc[j], wa[u].z, wb[u].z, wa[u].w, wb[u].w, xv.z, xv.w);
-        }
+        mma_step_tiles<FP8, NT>(acc, wa[u], wb[u], [&](int j) { return *reinterpret_cast<const uint4 *>(xc + xoff[j] + kb + 64 * u); });
 }
 
 template <bool FP8, int NT, int WN>
@@ -917,6 +935,20 @@ __device__ __forceinline__ int moe_shared_row(int tokens) {
     return (int)blockIdx.y - ((int)gridDim.y - (tokens + 7) / 8);
 }
 
+// A grouped grid's routed block row: its expert e and assignments [a0, a1), false past the active
+// count (moe_sort's outputs). The count, the row's list entry and then the entry's offsets are all
+// read before the count is tested: two dependent round trips before the weight loads instead of
+// three. The list has `experts` entries and blockIdx.y < experts here; an entry past the count is
+// stale or was never written, so it is clamped into range and dropped with the block.
+__device__ __forceinline__ bool moe_active_row(const int32_t *count, const int32_t *list, const int32_t *offsets, int experts,
+                                               int &e, int &a0, int &a1) {
+    const int active = *count;
+    e = min(max(list[blockIdx.y], 0), experts - 1);
+    a0 = offsets[e];
+    a1 = offsets[e + 1];
+    return (int)blockIdx.y < active;
+}
+
 // The routed expert e's weights (an index the router never writes is clamped into range).
 __device__ __forceinline__ void moe_expert(const OrnithMoeGemvParams &p, int e, const uint8_t *&wb, const float *&ws) {
     if (e < 0 || e >= p.experts) e = 0;
@@ -1011,8 +1043,8 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
         return;
     }
     pdl_wait();  // the expert lists are moe_sort's output
-    if ((int)blockIdx.y >= *p.active_count) return;
-    const int e = p.active_list[blockIdx.y], a0 = p.group_offsets[e], a1 = p.group_offsets[e + 1];
+    int e, a0, a1;
+    if (!moe_active_row(p.active_count, p.active_list, p.group_offsets, p.experts, e, a0, a1)) return;
     const uint8_t *wb;
     const float *ws;
     moe_expert(p, e, wb, ws);
@@ -1171,9 +1203,9 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
         moe_fp4(p, p.shared_w, p.shared_ws, p.shared_tab, MoeCols{nullptr, p.top_k, min(8, p.tokens - 8 * sy), 8 * sy, p.top_k}, pl);
         return;
     }
-    pdl_wait();
-    if ((int)blockIdx.y >= *p.active_count) return;
-    const int e = p.active_list[blockIdx.y], a0 = p.group_offsets[e], a1 = p.group_offsets[e + 1];
+    pdl_wait();  // the expert lists are moe_sort's output
+    int e, a0, a1;
+    if (!moe_active_row(p.active_count, p.active_list, p.group_offsets, p.experts, e, a0, a1)) return;
     const uint8_t *wb, *sb;
     const float *tb;
     moe_fp4_expert(p, e, wb, sb, tb);

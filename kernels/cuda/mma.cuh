@@ -30,6 +30,56 @@ __device__ __forceinline__ void mma_e4m3(float *c, const uint32_t *a, const uint
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+// The decode products' E4M3 mma (gemv.cu). sm_90 has no E4M3 tensor-core path: ptxas lowers
+// mma_e4m3 to F2FP.F16.E4M3 unpacks of both operands (the low 16 bits of each register to one
+// f16x2, the high 16 to another), an HMMA.16816.F32 of the low halves from zero, one of the high
+// halves accumulating onto it, and an fadd of that pair's sum into the accumulator (cuobjdump
+// -sass, nvcc 13.0): 12 conversions, 2 HMMA and 4 FADD per mma. mma_e4m3_split does the same
+// unpacks but accumulates both HMMA straight into c (no zero start, no fadd): the same K
+// permutation, one rounding fewer per 32 products, and 4 fewer instructions per mma — at 64 tokens
+// the wide FP8 product is issue-bound (H200: gemv_fp8_wide 1.10 -> 0.84 ms per 64-sequence step).
+// Its bits differ from mma_e4m3's, so every FP8 decode form (narrow, wide, staged, MoE) uses it and
+// they agree with each other; the prefill GEMM keeps mma_e4m3 (no bit relation to decode). On
+// sm_121 (native E4M3 mma) mma_e4m3_split is mma_e4m3. E4m3A holds A (the weights) converted
+// once, for every N tile of a step.
+struct E4m3A {
+    uint32_t raw[4];
+#if __CUDA_ARCH__ == 900
+    uint32_t lo[4], hi[4];
+#endif
+};
+__device__ __forceinline__ void e4m3_split(uint32_t v, uint32_t &lo, uint32_t &hi) {
+    asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}"
+        : "=r"(lo), "=r"(hi)
+        : "r"(v));
+}
+__device__ __forceinline__ E4m3A e4m3_a(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3) {
+    E4m3A a;
+    a.raw[0] = a0, a.raw[1] = a1, a.raw[2] = a2, a.raw[3] = a3;
+#if __CUDA_ARCH__ == 900
+#pragma unroll
+    for (int i = 0; i < 4; i++) e4m3_split(a.raw[i], a.lo[i], a.hi[i]);
+#endif
+    return a;
+}
+__device__ __forceinline__ void mma_f16(float *c, const uint32_t *a, const uint32_t *b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// c += A B as mma_e4m3 (the same bits on either architecture).
+__device__ __forceinline__ void mma_e4m3_split(float *c, const E4m3A &a, uint32_t b0, uint32_t b1) {
+#if __CUDA_ARCH__ == 900
+    uint32_t bl[2], bh[2];
+    e4m3_split(b0, bl[0], bh[0]);
+    e4m3_split(b1, bl[1], bh[1]);
+    mma_f16(c, a.lo, bl);
+    mma_f16(c, a.hi, bh);
+#else
+    const uint32_t b[2] = {b0, b1};
+    mma_e4m3(c, a.raw, b);
+#endif
+}
 __device__ __forceinline__ void mma_bf16(float *c, const uint32_t *a, const uint32_t *b) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])

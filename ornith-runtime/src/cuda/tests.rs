@@ -1379,7 +1379,8 @@ fn attention_decode_matches_reference() {
 /// `close` as in `attention_decode_matches_reference` (fp32 order noise only: the kernel keeps
 /// the scores, softmax and P in fp32 — P·V as two bf16 halves of P). Lengths: 1 and 37 (partial
 /// 16-key tiles), 256 (one K/V block), 300 (two), 1000 (splits of 32 keys), 8191 and
-/// 100,003 (~100K: splits of 391 keys, a multiple of neither the tile nor the block). A wrong
+/// 100,003 (~100K: splits of 391 keys, a multiple of neither the tile nor the block), then 57
+/// rows of 2..3,000 keys (64 rows: a full launch). A wrong
 /// mask, scale, kv head, table or split is O(rms). Then each row alone in the host form (its
 /// split length given, a grid of only its own work items) must give the group's bits: a row's
 /// result depends neither on the other rows nor on the grid (batch invariance). PERF: the ~100K
@@ -1391,8 +1392,11 @@ fn attention_decode_group_matches_reference() {
     let mut r = rng(12);
     let (qh, kvh, d) = (16usize, 2usize, 256usize);
     let row = kvh * d;
-    let lens = [1usize, 37, 256, 300, 1000, 8191, 100_003];
+    // Then 57 short rows of assorted lengths: 64 rows, a whole launch (ATT_MAX_ROWS), so the
+    // per-row setup's scan over both warps and the item search cover every row index.
+    let lens: Vec<usize> = [1usize, 37, 256, 300, 1000, 8191, 100_003].into_iter().chain((0..57).map(|i| 2 + (97 * i) % 3001)).collect();
     let n = lens.len();
+    assert_eq!(n, crate::cuda::attention::ATT_MAX_ROWS);
     let (grid, min_split) = (256usize, 32usize);
     let need: Vec<usize> = lens.iter().map(|l| l.div_ceil(KVB)).collect();
     let blocks = need.iter().sum::<usize>() + 1;
