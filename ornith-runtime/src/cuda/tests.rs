@@ -1394,7 +1394,8 @@ fn attention_decode_group_matches_reference() {
     let row = kvh * d;
     // Then 57 short rows of assorted lengths: 64 rows, a whole launch (ATT_MAX_ROWS), so the
     // per-row setup's scan over both warps and the item search cover every row index.
-    let lens: Vec<usize> = [1usize, 37, 256, 300, 1000, 8191, 100_003].into_iter().chain((0..57).map(|i| 2 + (97 * i) % 3001)).collect();
+    let lens: Vec<usize> =
+        [1usize, 37, 256, 300, 1000, 8191, 100_003].into_iter().chain((0..57).map(|i| 2 + (97 * i) % 3001)).collect();
     let n = lens.len();
     assert_eq!(n, crate::cuda::attention::ATT_MAX_ROWS);
     let (grid, min_split) = (256usize, 32usize);
