@@ -78,7 +78,8 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const OrnithQkRop
 #define ATT_TILE 16                              // keys per pipeline stage
 #define ATT_STAGE (2 * 2 * ATT_TILE * ATT_ROW)   // K then V of 2 kv heads: 32 KiB
 #define ATT_QSLOT (2 * ATT_G * ATT_ROW)          // the Q rows of one item: 8 KiB
-#define ATT_MAX_ROWS 64                          // rows per launch (launcher-checked; one per thread)
+#define ATT_MAX_ROWS ORNITH_ATT_MAX_ROWS          // rows per launch (launcher-checked; one per thread)
+static_assert(ATT_MAX_ROWS <= 64, "the split kernel sets up one row per thread of its 64");
 #define ATT_MAX_SPLITS 1024                      // launcher-checked (the combine's split weights)
 // Dynamic shared memory: 2 stages of K/V, then 2 Q slots (80 KiB; = ATT_SPLIT_SMEM of the launcher).
 #define ATT_SMEM (2 * ATT_STAGE + 2 * ATT_QSLOT)

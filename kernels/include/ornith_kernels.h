@@ -318,7 +318,8 @@ typedef struct OrnithQkRopeParams {
  * kv heads' groups, m, l and unnormalised o[head_dim] (fp32) to part_* (index
  * (t * q_heads + h) * splits + s).
  * Pass 2 (combine): o = sum of rescaled partials / l;  out = bf16( bf16(o) * bf16(sigmoid(gate)) ),
- * gate = qg[t, h, head_dim:2*head_dim]. out [tokens, q_heads * head_dim]. tokens <= 8.
+ * gate = qg[t, h, head_dim:2*head_dim]. out [tokens, q_heads * head_dim]. tokens <= ORNITH_ATT_MAX_ROWS
+ * (one per thread of the split kernel's per-row set-up).
  * Split layout: split s covers keys s*split_len .. (s+1)*split_len; row t has
  * ceil((pos_t + 1) / split_len) of them (`splits` is the partials' stride, at least that many).
  * Device-position form (pos_dev non-null, per-row sequences, for captured decode graphs): row t's
@@ -329,6 +330,7 @@ typedef struct OrnithQkRopeParams {
  * The combine's grid is (q_heads, tokens, ORNITH_ATT_COMBINE_CHUNKS): each block merges one chunk of
  * head_dim / ORNITH_ATT_COMBINE_CHUNKS dimensions of one (row, head). */
 #define ORNITH_ATT_COMBINE_CHUNKS 4
+#define ORNITH_ATT_MAX_ROWS 64
 typedef struct OrnithAttnParams {
     const uint16_t *q;
     const uint16_t *k_cache;

@@ -23,9 +23,9 @@ const KVB: usize = ORNITH_KV_BLOCK as usize;
 /// (2 x 8 KiB).
 pub(crate) const ATT_SPLIT_SMEM: u32 = 2 * 2 * 2 * 16 * 512 + 2 * 16 * 512;
 
-/// Rows (query tokens) of one decode attention launch (`ATT_MAX_ROWS` in attention.cu: one per
-/// thread of the split kernel's per-row set-up).
-pub const ATT_MAX_ROWS: usize = 64;
+/// Rows (query tokens) of one decode attention launch (one per thread of the split kernel's
+/// per-row set-up).
+pub const ATT_MAX_ROWS: usize = ORNITH_ATT_MAX_ROWS as usize;
 
 /// Most splits the combine merges (`ATT_MAX_SPLITS` in attention.cu).
 const ATT_MAX_SPLITS: usize = 1024;
