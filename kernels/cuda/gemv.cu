@@ -79,20 +79,10 @@ __host__ __device__ constexpr int gemv_tc_ksplit(int row_bytes, int out, int tar
     return ks;
 }
 
-// One mma of a step. FP8 goes through mma_e4m3_split in every decode product (the narrow, wide,
-// staged and MoE forms alike), so each form's bits are those of the same instructions.
-template <bool FP8>
-__device__ __forceinline__ void mma_step(float *acc, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-    if (FP8) {
-        mma_e4m3_split(acc, e4m3_a(a0, a1, a2, a3), b0, b1);
-    } else {
-        const uint32_t a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
-        mma_bf16(acc, a, b);
-    }
-}
 // The two mma of a 64-byte step for N tiles j < NT: the weights (wa, wb: rows g and g + 8) against
-// token tile j's activations xv(j), in tile order. FP8: the weights' unpack (E4m3A) once for all
-// tiles, written out (ptxas also hoists it from the per-mma form).
+// token tile j's activations xv(j), in tile order. FP8 goes through mma_e4m3_split in every decode
+// product (narrow, wide, staged and MoE alike: the same instructions, so the same bits), the
+// weights' unpack (E4m3A) once for all tiles.
 template <bool FP8, int NT, class Xv>
 __device__ __forceinline__ void mma_step_tiles(float (&acc)[NT][4], const uint4 &wa, const uint4 &wb, Xv xv) {
     if constexpr (FP8) {
@@ -104,11 +94,13 @@ __device__ __forceinline__ void mma_step_tiles(float (&acc)[NT][4], const uint4 
             mma_e4m3_split(acc[j], a1, x.z, x.w);
         }
     } else {
+        const uint32_t a0[4] = {wa.x, wb.x, wa.y, wb.y}, a1[4] = {wa.z, wb.z, wa.w, wb.w};
 #pragma unroll
         for (int j = 0; j < NT; j++) {
             const uint4 x = xv(j);
-            mma_step<false>(acc[j], wa.x, wb.x, wa.y, wb.y, x.x, x.y);
-            mma_step<false>(acc[j], wa.z, wb.z, wa.w, wb.w, x.z, x.w);
+            const uint32_t b0[2] = {x.x, x.y}, b1[2] = {x.z, x.w};
+            mma_bf16(acc[j], a0, b0);
+            mma_bf16(acc[j], a1, b1);
         }
     }
 }

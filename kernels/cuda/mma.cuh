@@ -67,7 +67,8 @@ __device__ __forceinline__ void mma_f16(float *c, const uint32_t *a, const uint3
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-// c += A B as mma_e4m3 (the same bits on either architecture).
+// c += A B: on sm_90 the unpacks above and two f16 mma straight into c (not mma_e4m3's bits);
+// elsewhere mma_e4m3 itself.
 __device__ __forceinline__ void mma_e4m3_split(float *c, const E4m3A &a, uint32_t b0, uint32_t b1) {
 #if __CUDA_ARCH__ == 900
     uint32_t bl[2], bh[2];

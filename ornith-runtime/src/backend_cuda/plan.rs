@@ -36,10 +36,11 @@ pub fn desc_len(rows: usize, width: usize) -> usize {
 /// (`moe_gemv_grouped`: bit-identical to the per-(token, slot) GEMV, each expert's weights read
 /// once per step instead of once per token routed to it).
 pub const GROUPED_MOE_ROWS: usize = 4;
-/// Query rows of one decode attention launch (the split partials scale with it: 4.2 MiB per row
-/// at the 35B shapes). A decode group of up to 64 sequences is one launch: in launches of 8 the
-/// 64-sequence step spent 2.45 ms in 160 attention launches at 2K (H200, docs/PERF.md).
-pub const ATTN_ROWS: usize = 64;
+/// Query rows of one decode attention launch: the kernel's most (the split partials scale with
+/// it: 4.2 MiB per row at the 35B shapes). A decode group of up to 64 sequences is one launch: in
+/// launches of 8 the 64-sequence step spent 2.4 ms in 160 attention launches at 2K (H200,
+/// docs/PERF.md).
+pub const ATTN_ROWS: usize = crate::cuda::attention::ATT_MAX_ROWS;
 /// Most sequence splits of one attention launch, and the shortest split.
 pub const MAX_SPLITS: usize = 256;
 pub const MIN_SPLIT: usize = 32;
