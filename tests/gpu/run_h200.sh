@@ -29,14 +29,8 @@ set -uo pipefail
 name=${1:?usage: tests/gpu/run_h200.sh NAME [PROMPTS] [BATCH]}
 prompts=${2:-512,2048,8192,32768,131072}
 batch=${3:-1,2,4,8,16,32,64}
-src=.gpu/$name; G=/tmp/ornith-gpu/$name; C=/tmp/ornith-ck; OUT=${OUT:-/tmp/ornith-out}
-mkdir -p "$G" "$C" "$OUT"
-for f in "$src"/*.xz; do
-    b=$(basename "$f" .xz)
-    python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' "$f" "$G/$b"
-    chmod +x "$G/$b"
-done
-echo "commit $(cat "$src/COMMIT" 2>/dev/null)"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+. "$(dirname "$0")/lib.sh"
+unpack_builds "$name"
 phase=${PHASE:-all}
 if [ "$phase" = prefill ]; then
     # Long-context prefill: the flash attention kernel test (CPU reference, PERF lines to 128K
@@ -45,9 +39,7 @@ if [ "$phase" = prefill ]; then
     t0=$SECONDS
     timeout 120 "$G/kernels" --ignored --test-threads=1 --nocapture flash_attention > "$OUT/kernels_flash.log" 2>&1; echo "kernels flash rc=$? $((SECONDS - t0))s"
     grep -E "PERF|flash_attention t|panicked|test result" "$OUT/kernels_flash.log" | cut -c1-220
-    t0=$SECONDS
-    if [ -f "$C/full/config.json" ]; then echo "synth full: reusing $C/full"; else
-    "$G/xtask" synth --preset full --out "$C/full" > "$OUT/synth_full.log" 2>&1; echo "synth full rc=$? $((SECONDS - t0))s"; fi
+    synth_full
     t0=$SECONDS
     timeout 200 "$G/bench_full" --model "$C/full" --prompts "${2:-2048,32768,131072}" --gen 8 --budget-s 150 > "$OUT/bench_prefill.json" 2> "$OUT/bench_prefill.err"
     echo "bench rc=$? $((SECONDS - t0))s"
@@ -108,9 +100,7 @@ if [ "$phase" = nvfp4-bench ]; then
     exit 0
 fi
 [ "$phase" = check ] && exit 0
-t0=$SECONDS
-if [ -f "$C/full/config.json" ]; then echo "synth full: reusing $C/full"; else
-"$G/xtask" synth --preset full --out "$C/full" > "$OUT/synth_full.log" 2>&1; echo "synth full rc=$? $((SECONDS - t0))s"; fi
+synth_full
 if [ "$phase" = check+file ]; then
     t0=$SECONDS
     timeout 300 python3 tests/gpu/batch_file.py "$G/ornith_full" "$C/full" "$OUT/batch_file.jsonl" "${FILE_N:-256}"; echo "batch file rc=$? $((SECONDS - t0))s"
@@ -128,8 +118,7 @@ if [ "$phase" = prefix ]; then
 fi
 if [ -n "${BASE:-}" ]; then
     t0=$SECONDS
-    python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' ".gpu/$BASE/bench_full.xz" "$G/bench_base"
-    chmod +x "$G/bench_base"
+    unxz_to ".gpu/$BASE/bench_full.xz" "$G/bench_base"
     echo "baseline bench: commit $(cat ".gpu/$BASE/COMMIT" 2>/dev/null)"
     timeout 330 "$G/bench_base" --model "$C/full" --prompts "${BASE_PROMPTS:-$prompts}" --gen 64 --budget-s 120 --batch "$batch" > "$OUT/bench_base.json" 2> "$OUT/bench_base.err"
     echo "bench base rc=$? $((SECONDS - t0))s"

@@ -10,17 +10,9 @@ set -uo pipefail
 name=${1:?usage: tests/gpu/variants.sh NAME [PROMPTS] [BATCH]}
 prompts=${2:-2048}
 batch=${3:-1,8,32,64}
-src=.gpu/$name; G=/tmp/ornith-gpu/$name; C=/tmp/ornith-ck; OUT=${OUT:-/tmp/ornith-out}
-mkdir -p "$G" "$C" "$OUT"
-for f in "$src"/*.xz; do
-    b=$(basename "$f" .xz)
-    python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' "$f" "$G/$b"
-    chmod +x "$G/$b"
-done
-echo "commit $(cat "$src/COMMIT" 2>/dev/null)"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-t0=$SECONDS
-if [ -f "$C/full/config.json" ]; then echo "synth full: reusing $C/full"; else
-"$G/xtask" synth --preset full --out "$C/full" > "$OUT/synth_full.log" 2>&1; echo "synth full rc=$? $((SECONDS - t0))s"; fi
+. "$(dirname "$0")/lib.sh"
+unpack_builds "$name"
+synth_full
 for bin in "$G"/bench_*; do
     v=${bin##*/bench_}
     if [ -n "${VARIANTS:-}" ] && [[ " $VARIANTS " != *" $v "* ]]; then rm -f "$bin"; continue; fi
