@@ -301,12 +301,13 @@ struct TcPlace {
 };
 // `row_bytes` is what the split rule sees; a row holds row_bytes >> shift bytes (the NVFP4 forms
 // split by weights, 1 byte each as FP8, over rows of half a byte per weight: shift 1).
-__device__ __forceinline__ TcPlace tc_place(int row_bytes, int out, int target = TC_TARGET_WARPS, int shift = 0) {
+// `tile`: the block's row tile (TC_WARPS / ks row groups of 16), blockIdx.x unless the block walks several.
+__device__ __forceinline__ TcPlace tc_place(int row_bytes, int out, int target = TC_TARGET_WARPS, int shift = 0, int tile = -1) {
     const int ks = gemv_tc_ksplit(row_bytes, out, target), warp = threadIdx.x >> 5, s = warp % ks;
     const int slice = (ks == 1 ? row_bytes : row_bytes / ks) >> shift;
     TcPlace t;
     t.ks = ks;
-    t.row0 = (blockIdx.x * (TC_WARPS / ks) + warp / ks) * 16;
+    t.row0 = ((tile < 0 ? (int)blockIdx.x : tile) * (TC_WARPS / ks) + warp / ks) * 16;
     t.k0 = s * slice;
     t.k1 = t.k0 + slice;
     t.lead = s == 0;
@@ -461,11 +462,12 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv
 // them), so those groups ran at L2's pace (H200, 64 tokens: the lm_head 1.1 TB/s, the attention
 // q|k|v 0.3 TB/s; tests/peer/gemv_wide). Here a block's warps all work on the same K slice, so the
 // block stages the slice's activations in shared memory once for all its rows:
-//   grid (ceil(groups * WN / 8), ks): block x takes row groups 8x/WN .. (each by WN warps),
-//   block y is the K slice s of every one of them, [s * slice, (s + 1) * slice) as tc_place;
-//   the WN warps of a row group take WN consecutive shares of the token tiles (WN > 1 where the
-//   grid would otherwise leave SMs idle: the weights come from L2/DRAM once per block, from L1 for
-//   the group's other warps; cuda::gemv_wide_grid chooses it).
+//   grid (ceil(groups / 8), ks): block x takes row groups 8x .. 8x + 7, one warp each, over
+//   all the launch's token tiles; block y is the K slice s of every one of them,
+//   [s * slice, (s + 1) * slice) as tc_place (cuda::gemv_wide_grid). Builds with several warps
+//   per row group (each a share of the token tiles) were measured too and were no faster where
+//   this build runs (the lm_head's 15,520 groups fill the SMs); they tripled the PTX the driver
+//   compiles at first start.
 // Activations go through shared memory in chunks of WIDE_XC bytes per token (cp.async, double
 // buffered; rows at a stride of WIDE_XC + 64 bytes, so the 8 lanes of a 16-byte load phase hit
 // distinct banks), weights through registers two rounds ahead (tc_stream's scheme). Each warp's
@@ -502,7 +504,7 @@ __device__ __forceinline__ void wide_mma(const uint8_t *xc, const uint32_t (&xof
         mma_step_tiles<FP8, NT>(acc, wa[u], wb[u], [&](int j) { return *reinterpret_cast<const uint4 *>(xc + xoff[j] + kb + 64 * u); });
 }
 
-template <bool FP8, int NT, int WN>
+template <bool FP8, int NT>
 __device__ __forceinline__ void gemv_wide_body(const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
                                                int tokens, int in, int out, int x_stride, int y_stride, int split_out,
                                                uint16_t *fold, float *part, uint32_t *ticket) {
@@ -514,7 +516,7 @@ __device__ __forceinline__ void gemv_wide_body(const uint8_t *w, const float *ws
     const int slice = ks == 1 ? row_bytes : row_bytes / ks;
     const int s = blockIdx.y, k0 = s * slice, k1 = k0 + slice;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int row0 = (blockIdx.x * (TC_WARPS / WN) + warp / WN) * 16, tw = (warp % WN) * 8 * NT;
+    const int row0 = (blockIdx.x * TC_WARPS + warp) * 16, tw = 0;
     const bool has = row0 < out;
     const int nrows = max(1, min(16, out - row0));
     const uint8_t *wt = w + (size_t)(has ? row0 : 0) * row_bytes;
@@ -523,9 +525,9 @@ __device__ __forceinline__ void gemv_wide_body(const uint8_t *w, const float *ws
     uint4 wa[U], wb[U], na[U], nb[U];
     if (has) tc_first2<U>(wt, og, og8, k0, k1, wa, wb, na, nb);
     pdl_wait();  // weights first: the first two rounds are in flight before the wait
-    // Stage chunk ci of the slice's activations (token rows r < 8 NT WN, past the group the last
+    // Stage chunk ci of the slice's activations (token rows r < 8 NT, past the group the last
     // token's, as the narrow kernel's columns; bytes past k1 zeros) into buffer ci & 1.
-    const int rows = 8 * NT * WN, nch = (slice + WIDE_XC - 1) / WIDE_XC;
+    const int rows = 8 * NT, nch = (slice + WIDE_XC - 1) / WIDE_XC;
     auto stage = [&](int ci) {
         const uint32_t buf = smem_u32(xsm) + (ci & 1) * (ORNITH_WIDE_TOKENS * WIDE_XSTRIDE);
         const int kc = k0 + ci * WIDE_XC;
@@ -611,14 +613,14 @@ __device__ __forceinline__ void gemv_wide_body(const uint8_t *w, const float *ws
     if (has) tc_store<FP8, NT>(acc, row0, tw, tokens, out, y, y_stride, ws, xs, fold);
 }
 
-// The staged products over up to ORNITH_WIDE_TOKENS tokens: NT, the N tiles of a warp, the fewest built
-// that cover its share (a column's arithmetic does not depend on NT).
-template <bool FP8, int WN>
-__device__ __forceinline__ void gemv_wide_wn(const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y, int tokens,
-                                             int in, int out, int x_stride, int y_stride, int split_out, uint16_t *fold, float *part,
-                                             uint32_t *ticket) {
-    const int nt = ((tokens + 7) / 8 + WN - 1) / WN;
-#define WIDE_CASE(N) gemv_wide_body<FP8, N, WN>(w, ws, x, xs, y, tokens, in, out, x_stride, y_stride, split_out, fold, part, ticket)
+// The staged products over up to ORNITH_WIDE_TOKENS tokens: NT, the N tiles of the launch's
+// tokens, the fewest built that cover them (a column's arithmetic does not depend on NT).
+template <bool FP8>
+__device__ __forceinline__ void gemv_wide(const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
+                                          int tokens, int in, int out, int x_stride, int y_stride, int split_out, uint16_t *fold,
+                                          float *part, uint32_t *ticket) {
+    const int nt = (tokens + 7) / 8;
+#define WIDE_CASE(N) gemv_wide_body<FP8, N>(w, ws, x, xs, y, tokens, in, out, x_stride, y_stride, split_out, fold, part, ticket)
     if (nt <= 1) WIDE_CASE(1);
     else if (nt == 2) WIDE_CASE(2);
     else if (nt == 3) WIDE_CASE(3);
@@ -627,24 +629,14 @@ __device__ __forceinline__ void gemv_wide_wn(const uint8_t *w, const float *ws, 
     else WIDE_CASE(8);
 #undef WIDE_CASE
 }
-
-// WN (warps per row group) as the launcher chose it (wide_wn: 1, 2 or 4).
-template <bool FP8>
-__device__ __forceinline__ void gemv_wide(int wn, const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
-                                          int tokens, int in, int out, int x_stride, int y_stride, int split_out, uint16_t *fold,
-                                          float *part, uint32_t *ticket) {
-    if (wn == 4) gemv_wide_wn<FP8, 4>(w, ws, x, xs, y, tokens, in, out, x_stride, y_stride, split_out, fold, part, ticket);
-    else if (wn == 2) gemv_wide_wn<FP8, 2>(w, ws, x, xs, y, tokens, in, out, x_stride, y_stride, split_out, fold, part, ticket);
-    else gemv_wide_wn<FP8, 1>(w, ws, x, xs, y, tokens, in, out, x_stride, y_stride, split_out, fold, part, ticket);
-}
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv_bf16_staged(const OrnithGemvBf16Params p) {
     pdl_launch_dependents();
-    gemv_wide<false>(p.wide_wn, reinterpret_cast<const uint8_t *>(p.w), nullptr, reinterpret_cast<const uint8_t *>(p.x), nullptr, p.y,
+    gemv_wide<false>(reinterpret_cast<const uint8_t *>(p.w), nullptr, reinterpret_cast<const uint8_t *>(p.x), nullptr, p.y,
                      p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out, p.fold, p.wide_part, p.wide_ticket);
 }
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv_fp8_staged(const OrnithGemvFp8Params p) {
     pdl_launch_dependents();
-    gemv_wide<true>(p.wide_wn, p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out, p.fold,
+    gemv_wide<true>(p.w, p.ws, p.xq, p.xs, p.y, p.tokens, p.in, p.out, p.x_stride, p.y_stride, p.split_out, p.fold,
                     p.wide_part, p.wide_ticket);
 }
 
@@ -1026,12 +1018,24 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
     });
 }
 
+// The row tiles of block x of a grouped grid: the launcher gives each block row gridDim.x blocks
+// for an expert's `tiles` (moe_tc_blocks), so block x walks tiles [x * per, (x + 1) * per) in
+// order, per = ceil(tiles / gridDim.x). A block's set-up (the wait, the expert list) is paid once
+// for all its tiles; a tile's arithmetic is the same wherever it runs, so the bits do not depend
+// on the grid.
+template <class Tile>
+__device__ __forceinline__ void moe_group_tiles(int in, int out, Tile tile) {
+    const int tiles = (((out + 15) / 16) * gemv_tc_ksplit(in, out, MOE_TARGET_WARPS) + TC_WARPS - 1) / TC_WARPS;
+    const int per = (tiles + (int)gridDim.x - 1) / (int)gridDim.x, t0 = (int)blockIdx.x * per;
+    for (int tl = t0; tl < min(tiles, t0 + per); tl++) tile(tc_place(in, out, MOE_TARGET_WARPS, 0, tl));
+}
+
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_grouped(const OrnithMoeGemvParams p) {
     pdl_launch_dependents();
-    const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
     const int sy = moe_shared_row(p.tokens);
     if (sy >= 0) {  // the shared expert, tokens 8 sy .. (weights first: the tile waits after its first loads)
-        moe_tc(p, p.shared_w, p.shared_ws, MoeCols{nullptr, p.top_k, min(8, p.tokens - 8 * sy), 8 * sy, p.top_k}, pl);
+        const MoeCols cols{nullptr, p.top_k, min(8, p.tokens - 8 * sy), 8 * sy, p.top_k};
+        moe_group_tiles(p.in, p.out, [&](const TcPlace &pl) { moe_tc(p, p.shared_w, p.shared_ws, cols, pl); });
         return;
     }
     pdl_wait();  // the expert lists are moe_sort's output
@@ -1040,7 +1044,8 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
     const uint8_t *wb;
     const float *ws;
     moe_expert(p, e, wb, ws);
-    moe_tc(p, wb, ws, MoeCols{p.row_assign + a0, p.top_k, a1 - a0, 0, 0}, pl);
+    const MoeCols cols{p.row_assign + a0, p.top_k, a1 - a0, 0, 0};
+    moe_group_tiles(p.in, p.out, [&](const TcPlace &pl) { moe_tc(p, wb, ws, cols, pl); });
 }
 
 

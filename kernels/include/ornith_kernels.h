@@ -109,9 +109,6 @@ typedef struct OrnithGemvBf16Params {
      * tile (zero between launches: the last block of a tile resets it). See gemv.cu. */
     float *wide_part;
     uint32_t *wide_ticket;
-    /* Warps per 16-row group (1, 2 or 4; grid.x = ceil(ceil(out / 16) * wide_wn / 8)): the
-     * group's token tiles shared among them. */
-    int32_t wide_wn;
 } OrnithGemvBf16Params;
 
 typedef struct OrnithGemvFp8Params {
@@ -133,7 +130,6 @@ typedef struct OrnithGemvFp8Params {
     uint16_t *fold;
     float *wide_part; /* as OrnithGemvBf16Params */
     uint32_t *wide_ticket;
-    int32_t wide_wn;
 } OrnithGemvFp8Params;
 
 /* MoE router: logits [tokens, logit_stride] bf16 (first `experts` columns are the router).

@@ -153,11 +153,10 @@ pub struct OrnithGemvBf16Params {
     pub fold: *mut u16,
     pub wide_part: *mut f32,
     pub wide_ticket: *mut u32,
-    pub wide_wn: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithGemvBf16Params"][::std::mem::size_of::<OrnithGemvBf16Params>() - 112usize];
+    ["Size of OrnithGemvBf16Params"][::std::mem::size_of::<OrnithGemvBf16Params>() - 104usize];
     ["Alignment of OrnithGemvBf16Params"][::std::mem::align_of::<OrnithGemvBf16Params>() - 8usize];
     ["Offset of field: OrnithGemvBf16Params::x"][::std::mem::offset_of!(OrnithGemvBf16Params, x) - 0usize];
     ["Offset of field: OrnithGemvBf16Params::w"][::std::mem::offset_of!(OrnithGemvBf16Params, w) - 8usize];
@@ -177,8 +176,6 @@ const _: () = {
         [::std::mem::offset_of!(OrnithGemvBf16Params, wide_part) - 88usize];
     ["Offset of field: OrnithGemvBf16Params::wide_ticket"]
         [::std::mem::offset_of!(OrnithGemvBf16Params, wide_ticket) - 96usize];
-    ["Offset of field: OrnithGemvBf16Params::wide_wn"]
-        [::std::mem::offset_of!(OrnithGemvBf16Params, wide_wn) - 104usize];
 };
 impl Default for OrnithGemvBf16Params {
     fn default() -> Self {
@@ -207,11 +204,10 @@ pub struct OrnithGemvFp8Params {
     pub fold: *mut u16,
     pub wide_part: *mut f32,
     pub wide_ticket: *mut u32,
-    pub wide_wn: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithGemvFp8Params"][::std::mem::size_of::<OrnithGemvFp8Params>() - 128usize];
+    ["Size of OrnithGemvFp8Params"][::std::mem::size_of::<OrnithGemvFp8Params>() - 120usize];
     ["Alignment of OrnithGemvFp8Params"][::std::mem::align_of::<OrnithGemvFp8Params>() - 8usize];
     ["Offset of field: OrnithGemvFp8Params::xq"][::std::mem::offset_of!(OrnithGemvFp8Params, xq) - 0usize];
     ["Offset of field: OrnithGemvFp8Params::xs"][::std::mem::offset_of!(OrnithGemvFp8Params, xs) - 8usize];
@@ -231,7 +227,6 @@ const _: () = {
         [::std::mem::offset_of!(OrnithGemvFp8Params, wide_part) - 104usize];
     ["Offset of field: OrnithGemvFp8Params::wide_ticket"]
         [::std::mem::offset_of!(OrnithGemvFp8Params, wide_ticket) - 112usize];
-    ["Offset of field: OrnithGemvFp8Params::wide_wn"][::std::mem::offset_of!(OrnithGemvFp8Params, wide_wn) - 120usize];
 };
 impl Default for OrnithGemvFp8Params {
     fn default() -> Self {

@@ -106,6 +106,17 @@ fn cache_line(cap: &Capacity) -> String {
     }
 }
 
+/// GPU 0's context, its kernel-compilation notes on stderr unless `--quiet`.
+#[cfg(feature = "cuda")]
+fn cuda_open(args: &Args) -> anyhow::Result<ornith_runtime::cuda::CudaContext> {
+    let quiet = args.quiet;
+    ornith_runtime::cuda::CudaContext::with_notes(0, move |m| {
+        if !quiet {
+            eprintln!("ornith: {m}");
+        }
+    })
+}
+
 /// The CUDA context the arguments ask for, or None for the CPU backend.
 #[cfg(feature = "cuda")]
 fn cuda_context(args: &Args) -> anyhow::Result<Option<ornith_runtime::cuda::CudaContext>> {
@@ -117,7 +128,7 @@ fn cuda_context(args: &Args) -> anyhow::Result<Option<ornith_runtime::cuda::Cuda
                 "--backend cuda: no NVIDIA driver found (libcuda.so could not be loaded). \
                  Fix: install the NVIDIA driver (r580 or newer), or use --backend cpu"
             );
-            Some(ornith_runtime::cuda::CudaContext::new(0)?)
+            Some(cuda_open(args)?)
         }
         BackendChoice::Auto if !nvidia_driver_present() => {
             if !args.quiet {
@@ -125,7 +136,7 @@ fn cuda_context(args: &Args) -> anyhow::Result<Option<ornith_runtime::cuda::Cuda
             }
             None
         }
-        BackendChoice::Auto => match ornith_runtime::cuda::CudaContext::new(0) {
+        BackendChoice::Auto => match cuda_open(args) {
             Ok(cx) => Some(cx),
             Err(e) => {
                 if !args.quiet {

@@ -447,7 +447,7 @@ fn run() -> Result<()> {
         describe(&default_sampling),
         describe(&top_p_only)
     );
-    let cx = CudaContext::new(0)?;
+    let cx = CudaContext::with_notes(0, |m| eprintln!("ornith-bench: {m}"))?;
     if let Some(m) = args.pdl {
         cx.set_pdl(m);
     }

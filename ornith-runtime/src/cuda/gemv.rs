@@ -108,14 +108,13 @@ impl CudaContext {
             ..Default::default()
         };
         if super::gemv_staged(in_ * 2, split, t) {
-            return self.wide_passes(t, in_ * 2, out, split, |t0, n, wn| {
+            return self.wide_passes(t, in_ * 2, out, split, |t0, n| {
                 let bytes = (out * in_ * 2 + n * (in_ + out) * 2) as u64 + fold_bytes(fold, n, out);
                 let p = OrnithGemvBf16Params {
                     x: (x + (t0 * xs * 2) as u64) as _,
                     y: (y + (t0 * ys * 2) as u64) as _,
                     fold: fold.map_or(std::ptr::null_mut(), |f| (f + (t0 * ys * 2) as u64) as _),
                     tokens: n as i32,
-                    wide_wn: wn,
                     wide_part: self.addr(&self.wide_part) as _,
                     wide_ticket: self.addr(&self.wide_ticket) as _,
                     ..p
@@ -133,8 +132,8 @@ impl CudaContext {
     }
 
     /// The staged build's launches for a group of `t` tokens: one per
-    /// [`super::WIDE_TOKENS`] tokens, in order, each with its grid and warps per row group
-    /// ([`super::gemv_wide_grid`]); `make(t0, n, wn)` gives the kernel, bytes and parameters of
+    /// [`super::WIDE_TOKENS`] tokens, in order, each with its grid ([`super::gemv_wide_grid`]);
+    /// `make(t0, n)` gives the kernel, bytes and parameters of
     /// tokens `t0 .. t0 + n`. The launches share the context's partials and counters, which one
     /// launch leaves as it found them (the counters zero).
     fn wide_passes<P: super::KernelParams>(
@@ -143,11 +142,11 @@ impl CudaContext {
         row_bytes: usize,
         out: usize,
         split: usize,
-        make: impl Fn(usize, usize, i32) -> (&'static str, u64, P),
+        make: impl Fn(usize, usize) -> (&'static str, u64, P),
     ) -> Result<()> {
         for t0 in (0..t).step_by(super::WIDE_TOKENS) {
             let n = (t - t0).min(super::WIDE_TOKENS);
-            let (grid, wn) = super::gemv_wide_grid(row_bytes, out, split, n);
+            let grid = super::gemv_wide_grid(row_bytes, out, split);
             if grid.1 > 1 {
                 ensure!(
                     grid.1 as usize * out <= super::WIDE_SPLIT_ROWS && grid.0 <= super::WIDE_TICKETS,
@@ -157,7 +156,7 @@ impl CudaContext {
                     super::WIDE_TICKETS
                 );
             }
-            let (name, bytes, p) = make(t0, n, wn);
+            let (name, bytes, p) = make(t0, n);
             self.launch(Launch::new(name, grid, super::GEMV_BLOCK, bytes).smem(super::WIDE_SMEM).weights_first(), p)?;
         }
         Ok(())
@@ -199,7 +198,7 @@ impl CudaContext {
             ..Default::default()
         };
         if super::gemv_staged(in_, split, t) {
-            return self.wide_passes(t, in_, out, split, |t0, n, wn| {
+            return self.wide_passes(t, in_, out, split, |t0, n| {
                 let bytes = (out * in_ + out * 4 + n * (in_ + 4 + out * 2)) as u64 + fold_bytes(fold, n, out);
                 let p = OrnithGemvFp8Params {
                     xq: (xq + (t0 * xs) as u64) as _,
@@ -207,7 +206,6 @@ impl CudaContext {
                     y: (y + (t0 * ys * 2) as u64) as _,
                     fold: fold.map_or(std::ptr::null_mut(), |f| (f + (t0 * ys * 2) as u64) as _),
                     tokens: n as i32,
-                    wide_wn: wn,
                     wide_part: self.addr(&self.wide_part) as _,
                     wide_ticket: self.addr(&self.wide_ticket) as _,
                     ..p
@@ -343,8 +341,13 @@ impl CudaContext {
             let rows = active + t.div_ceil(8);
             ensure!(rows <= 65535, "moe_gemv_grouped: {rows} block rows exceed grid.y");
             return self.launch(
-                Launch::new("moe_gemv_grouped", (tiles, rows as u32, 1), super::GEMV_BLOCK, bytes as u64)
-                    .weights_first(),
+                Launch::new(
+                    "moe_gemv_grouped",
+                    (tiles.div_ceil(super::MOE_GROUP_TILES), rows as u32, 1),
+                    super::GEMV_BLOCK,
+                    bytes as u64,
+                )
+                .weights_first(),
                 p,
             );
         }

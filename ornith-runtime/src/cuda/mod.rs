@@ -200,6 +200,10 @@ pub(crate) const GEMV_BLOCK: u32 = (GEMV_WARPS * 32) as u32;
 pub(crate) const GEMV_TARGET_WARPS: usize = 2048;
 /// The same for one expert (or slot) of the MoE decode products (`MOE_TARGET_WARPS`).
 pub(crate) const MOE_TARGET_WARPS: usize = 256;
+/// Row tiles ([`moe_tc_blocks`]) each block of a grouped MoE decode product walks
+/// (`moe_group_tiles` in gemv.cu reads it from the grid): its wait and expert-list reads are paid
+/// once for all of them. The bits do not depend on it.
+pub(crate) const MOE_GROUP_TILES: u32 = 2;
 
 /// K slices per 16-row group of the tensor-core decode products (`gemv_tc_ksplit` in gemv.cu):
 /// the most (at most 8) that keep `target` warps short of, each slice at least 256 bytes and a
@@ -266,24 +270,14 @@ pub(crate) const WIDE_SPLIT_ROWS: usize = ORNITH_WIDE_SPLIT_ROWS as usize;
 pub(crate) const WIDE_TICKETS: u32 = ORNITH_WIDE_TICKETS;
 /// Dynamic shared memory of the staged products (`ORNITH_WIDE_SMEM`: two activation chunks).
 pub(crate) const WIDE_SMEM: u32 = ORNITH_WIDE_SMEM;
-/// The blocks a staged product aims at (about two waves of 2 blocks on the H200's 132 SMs).
-const WIDE_TARGET_BLOCKS: u32 = 512;
-
-/// Grid and warps per row group (`wide_wn`) of a staged product of `tokens` (at most
-/// [`WIDE_TOKENS`]): blocks `(ceil(groups * wn / 8), ks)`, `wn` the fewest of 1, 2, 4 (and at most
-/// half the token tiles) that give [`WIDE_TARGET_BLOCKS`] blocks. `wn` changes which warp computes
-/// a column, never its arithmetic. Measured (H200, 64 tokens, run 3): the lm_head best at 1, the GDN
-/// input projection and q|k|v at 2, out_proj, o_proj and the router at 4.
-pub(crate) fn gemv_wide_grid(row_bytes: usize, out: usize, split: usize, tokens: usize) -> ((u32, u32, u32), i32) {
+/// Grid of a staged product of `tokens` (at most [`WIDE_TOKENS`]): blocks
+/// `(ceil(groups / 8), ks)`, one warp per row group over all the tokens. Builds with 2 or 4 warps
+/// per row group (a share of the token tiles each) were faster for small products (H200, 64
+/// tokens: the GDN input projection and q|k|v at 2, out_proj, o_proj and the router at 4), which
+/// never take this build; the lm_head, the one that does, was fastest at 1.
+pub(crate) fn gemv_wide_grid(row_bytes: usize, out: usize, split: usize) -> (u32, u32, u32) {
     let ks = gemv_tc_ksplit(row_bytes, split, GEMV_TARGET_WARPS);
-    let groups = out.div_ceil(16);
-    let tiles = tokens.div_ceil(8);
-    let blocks = |wn: usize| (groups * wn).div_ceil(GEMV_WARPS) as u32;
-    let mut wn = 1;
-    while wn < 4 && wn * 2 <= tiles && blocks(wn) * (ks as u32) < WIDE_TARGET_BLOCKS {
-        wn *= 2;
-    }
-    ((blocks(wn), ks as u32, 1), wn as i32)
+    (out.div_ceil(16).div_ceil(GEMV_WARPS) as u32, ks as u32, 1)
 }
 
 /// Blocks of a dense decode product over `out` rows of `row_bytes` whose K split is chosen for
@@ -387,8 +381,16 @@ pub(crate) struct Param<T>(pub T);
 unsafe impl<T: KernelParams> DeviceRepr for Param<T> {}
 
 impl CudaContext {
-    /// Opens GPU `ordinal` and loads every PTX module for its arch.
+    /// Opens GPU `ordinal` and loads every PTX module for its arch, silently.
     pub fn new(ordinal: usize) -> Result<Self> {
+        Self::with_notes(ordinal, |_| {})
+    }
+
+    /// [`Self::new`], telling `note` when loading the modules takes long: the driver compiles the
+    /// PTX for the GPU at the first start after an install or a driver update (about 70 s on the
+    /// H200's host, nearly all of it `gemv`; docs/PERF.md) and serves later starts from its
+    /// compute cache (`~/.nv/ComputeCache`) in well under a second.
+    pub fn with_notes(ordinal: usize, note: impl Fn(&str) + Send + Sync + 'static) -> Result<Self> {
         let ctx = std::panic::catch_unwind(|| DriverContext::new(ordinal))
             .map_err(|_| anyhow!("cannot load the CUDA driver library (libcuda.so): is an NVIDIA driver installed?"))?
             .with_context(|| format!("cannot open CUDA device {ordinal}"))?;
@@ -400,6 +402,21 @@ impl CudaContext {
         // A stream of our own, not the legacy default stream, which cannot be captured into a
         // CUDA graph (the decode step is captured once and replayed).
         let stream = ctx.new_stream().with_context(|| format!("creating a stream on '{name}'"))?;
+        let note = Arc::new(note);
+        let (done, waiting) = std::sync::mpsc::channel::<()>();
+        let watch = {
+            let (note, arch) = (note.clone(), arch.name());
+            let name = name.clone();
+            std::thread::spawn(move || {
+                if waiting.recv_timeout(std::time::Duration::from_secs(3)).is_err() {
+                    note(&format!(
+                        "compiling the CUDA kernels ({arch} PTX) for '{name}': the driver does this once after an \
+                         install or a driver update (about a minute) and caches the result"
+                    ));
+                }
+            })
+        };
+        let t0 = std::time::Instant::now();
         let mut modules = Vec::new();
         let mut funcs = HashMap::new();
         for (m, names) in KERNELS {
@@ -412,6 +429,12 @@ impl CudaContext {
                 funcs.insert(n, f);
             }
             modules.push(module);
+        }
+        let _ = done.send(());
+        let _ = watch.join();
+        let took = t0.elapsed().as_secs_f64();
+        if took >= 3.0 {
+            note(&format!("CUDA kernels ready after {took:.0} s"));
         }
         let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let sms = sms.max(1) as u32;
@@ -647,34 +670,28 @@ mod gemv_tc_tests {
     /// the real shapes, and the workspace bound every split product of those shapes keeps.
     #[test]
     fn gemv_staged_grids_of_the_decode_shapes() {
-        // (bytes per row, rows, tokens, staged, grid, wn)
-        for (row_bytes, out, t, staged, grid, wn) in [
-            (4096, 248_320, 9, true, (1940, 1, 1), 1),  // lm_head from 9 tokens
-            (4096, 248_320, 64, true, (1940, 1, 1), 1), // lm_head
-            (4096, 12_352, 64, false, (0, 0, 0), 0),    // GDN in: split rows keep the wide build
-            (8192, 2048, 64, false, (0, 0, 0), 0),      // GDN out_proj
-            (2048, 9216, 64, false, (0, 0, 0), 0),      // attention q|k|v, FP8
+        // (bytes per row, rows, tokens, staged, grid)
+        for (row_bytes, out, t, staged, grid) in [
+            (4096, 248_320, 9, true, (1940, 1, 1)),  // lm_head from 9 tokens
+            (4096, 248_320, 64, true, (1940, 1, 1)), // lm_head
+            (4096, 12_352, 64, false, (0, 0, 0)),    // GDN in: split rows keep the wide build
+            (8192, 2048, 64, false, (0, 0, 0)),      // GDN out_proj
+            (2048, 9216, 64, false, (0, 0, 0)),      // attention q|k|v, FP8
         ] {
             assert_eq!(gemv_staged(row_bytes, out, t), staged, "{row_bytes} x {out}, {t} tokens");
             if staged {
-                let (g, w) = gemv_wide_grid(row_bytes, out, out, t);
-                assert_eq!((g, w), (grid, wn), "{row_bytes} x {out}, {t} tokens");
+                assert_eq!(gemv_wide_grid(row_bytes, out, out), grid, "{row_bytes} x {out}, {t} tokens");
             }
         }
         // The grid rule for split rows (the kernel serves them: the kernel tests call it so).
-        for (row_bytes, out, t, grid, wn) in [
-            (4096, 12_352, 64, (193, 4, 1), 2),
-            (8192, 2048, 64, (64, 8, 1), 4),
-            (4096, 257, 33, (9, 8, 1), 4),
-            (2048, 9216, 64, (144, 4, 1), 2),
-        ] {
-            let (g, w) = gemv_wide_grid(row_bytes, out, out, t);
-            assert_eq!((g, w), (grid, wn), "{row_bytes} x {out}, {t} tokens");
+        for (row_bytes, out, grid) in
+            [(4096, 12_352, (97, 4, 1)), (8192, 2048, (16, 8, 1)), (4096, 257, (3, 8, 1)), (2048, 9216, (72, 4, 1))]
+        {
+            let g = gemv_wide_grid(row_bytes, out, out);
+            assert_eq!(g, grid, "{row_bytes} x {out}");
             assert!(g.1 as usize * out <= WIDE_SPLIT_ROWS && g.0 <= WIDE_TICKETS);
         }
         assert!(!gemv_staged(4096, 248_320, 8), "up to 8 tokens the narrow build");
-        // Few tiles cap wn: 9 tokens (2 tiles) of a 17-group product take 2 warps per group.
-        assert_eq!(gemv_wide_grid(4096, 257, 257, 9).1, 2);
     }
 
     /// The K split of the real decode shapes (bytes per row, rows) and their grids: it fixes each
