@@ -301,13 +301,12 @@ struct TcPlace {
 };
 // `row_bytes` is what the split rule sees; a row holds row_bytes >> shift bytes (the NVFP4 forms
 // split by weights, 1 byte each as FP8, over rows of half a byte per weight: shift 1).
-// `tile`: the block's row tile (TC_WARPS / ks row groups of 16), blockIdx.x unless the block walks several.
-__device__ __forceinline__ TcPlace tc_place(int row_bytes, int out, int target = TC_TARGET_WARPS, int shift = 0, int tile = -1) {
+__device__ __forceinline__ TcPlace tc_place(int row_bytes, int out, int target = TC_TARGET_WARPS, int shift = 0) {
     const int ks = gemv_tc_ksplit(row_bytes, out, target), warp = threadIdx.x >> 5, s = warp % ks;
     const int slice = (ks == 1 ? row_bytes : row_bytes / ks) >> shift;
     TcPlace t;
     t.ks = ks;
-    t.row0 = ((tile < 0 ? (int)blockIdx.x : tile) * (TC_WARPS / ks) + warp / ks) * 16;
+    t.row0 = (blockIdx.x * (TC_WARPS / ks) + warp / ks) * 16;
     t.k0 = s * slice;
     t.k1 = t.k0 + slice;
     t.lead = s == 0;
@@ -1018,24 +1017,12 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
     });
 }
 
-// The row tiles of block x of a grouped grid: the launcher gives each block row gridDim.x blocks
-// for an expert's `tiles` (moe_tc_blocks), so block x walks tiles [x * per, (x + 1) * per) in
-// order, per = ceil(tiles / gridDim.x). A block's set-up (the wait, the expert list) is paid once
-// for all its tiles; a tile's arithmetic is the same wherever it runs, so the bits do not depend
-// on the grid.
-template <class Tile>
-__device__ __forceinline__ void moe_group_tiles(int in, int out, Tile tile) {
-    const int tiles = (((out + 15) / 16) * gemv_tc_ksplit(in, out, MOE_TARGET_WARPS) + TC_WARPS - 1) / TC_WARPS;
-    const int per = (tiles + (int)gridDim.x - 1) / (int)gridDim.x, t0 = (int)blockIdx.x * per;
-    for (int tl = t0; tl < min(tiles, t0 + per); tl++) tile(tc_place(in, out, MOE_TARGET_WARPS, 0, tl));
-}
-
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_grouped(const OrnithMoeGemvParams p) {
     pdl_launch_dependents();
+    const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
     const int sy = moe_shared_row(p.tokens);
     if (sy >= 0) {  // the shared expert, tokens 8 sy .. (weights first: the tile waits after its first loads)
-        const MoeCols cols{nullptr, p.top_k, min(8, p.tokens - 8 * sy), 8 * sy, p.top_k};
-        moe_group_tiles(p.in, p.out, [&](const TcPlace &pl) { moe_tc(p, p.shared_w, p.shared_ws, cols, pl); });
+        moe_tc(p, p.shared_w, p.shared_ws, MoeCols{nullptr, p.top_k, min(8, p.tokens - 8 * sy), 8 * sy, p.top_k}, pl);
         return;
     }
     pdl_wait();  // the expert lists are moe_sort's output
@@ -1044,8 +1031,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
     const uint8_t *wb;
     const float *ws;
     moe_expert(p, e, wb, ws);
-    const MoeCols cols{p.row_assign + a0, p.top_k, a1 - a0, 0, 0};
-    moe_group_tiles(p.in, p.out, [&](const TcPlace &pl) { moe_tc(p, wb, ws, cols, pl); });
+    moe_tc(p, wb, ws, MoeCols{p.row_assign + a0, p.top_k, a1 - a0, 0, 0}, pl);
 }
 
 

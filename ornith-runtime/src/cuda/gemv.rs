@@ -341,13 +341,8 @@ impl CudaContext {
             let rows = active + t.div_ceil(8);
             ensure!(rows <= 65535, "moe_gemv_grouped: {rows} block rows exceed grid.y");
             return self.launch(
-                Launch::new(
-                    "moe_gemv_grouped",
-                    (tiles.div_ceil(super::MOE_GROUP_TILES), rows as u32, 1),
-                    super::GEMV_BLOCK,
-                    bytes as u64,
-                )
-                .weights_first(),
+                Launch::new("moe_gemv_grouped", (tiles, rows as u32, 1), super::GEMV_BLOCK, bytes as u64)
+                    .weights_first(),
                 p,
             );
         }

@@ -200,10 +200,6 @@ pub(crate) const GEMV_BLOCK: u32 = (GEMV_WARPS * 32) as u32;
 pub(crate) const GEMV_TARGET_WARPS: usize = 2048;
 /// The same for one expert (or slot) of the MoE decode products (`MOE_TARGET_WARPS`).
 pub(crate) const MOE_TARGET_WARPS: usize = 256;
-/// Row tiles ([`moe_tc_blocks`]) each block of a grouped MoE decode product walks
-/// (`moe_group_tiles` in gemv.cu reads it from the grid): its wait and expert-list reads are paid
-/// once for all of them. The bits do not depend on it.
-pub(crate) const MOE_GROUP_TILES: u32 = 2;
 
 /// K slices per 16-row group of the tensor-core decode products (`gemv_tc_ksplit` in gemv.cu):
 /// the most (at most 8) that keep `target` warps short of, each slice at least 256 bytes and a
