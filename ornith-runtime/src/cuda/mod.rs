@@ -266,8 +266,8 @@ pub(crate) const WIDE_SPLIT_ROWS: usize = ORNITH_WIDE_SPLIT_ROWS as usize;
 pub(crate) const WIDE_TICKETS: u32 = ORNITH_WIDE_TICKETS;
 /// Dynamic shared memory of the staged products (`ORNITH_WIDE_SMEM`: two activation chunks).
 pub(crate) const WIDE_SMEM: u32 = ORNITH_WIDE_SMEM;
-/// Grid of a staged product of `tokens` (at most [`WIDE_TOKENS`]): blocks
-/// `(ceil(groups / 8), ks)`, one warp per row group over all the tokens. Builds with 2 or 4 warps
+/// Grid of a staged product (any number of tokens up to [`WIDE_TOKENS`] per launch): blocks
+/// `(ceil(groups / 8), ks)`, one warp per row group over all the launch's tokens. Builds with 2 or 4 warps
 /// per row group (a share of the token tiles each) were faster for small products (H200, 64
 /// tokens: the GDN input projection and q|k|v at 2, out_proj, o_proj and the router at 4), which
 /// never take this build; the lm_head, the one that does, was fastest at 1.
@@ -370,6 +370,55 @@ kernel_params!(
     OrnithFlashAttnParams
 );
 
+/// Where [`SlowNote`] says its lines (stderr in the binaries).
+type Note = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// A note for work that may take long: `first` once the work has outlasted `after`, and then,
+/// when [`Self::done`] is called, the line `ready` makes of its seconds; nothing when the work was
+/// quicker than `after`, or failed (dropped without `done`: the error says what happened).
+struct SlowNote {
+    tx: Option<std::sync::mpsc::Sender<()>>,
+    watch: Option<std::thread::JoinHandle<bool>>,
+    t0: std::time::Instant,
+    note: Note,
+}
+
+impl SlowNote {
+    fn start(after: std::time::Duration, first: String, note: Note) -> Self {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let n = note.clone();
+        let watch = std::thread::spawn(move || {
+            // Only a timeout: a failed load drops the sender (Disconnected) and stays silent.
+            let late = matches!(rx.recv_timeout(after), Err(std::sync::mpsc::RecvTimeoutError::Timeout));
+            if late {
+                n(&first);
+            }
+            late
+        });
+        Self { tx: Some(tx), watch: Some(watch), t0: std::time::Instant::now(), note }
+    }
+
+    fn done(mut self, ready: impl FnOnce(f64) -> String) {
+        let secs = self.t0.elapsed().as_secs_f64();
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(());
+        }
+        let late = self.watch.take().is_some_and(|w| w.join().unwrap_or(false));
+        if late {
+            (self.note)(&ready(secs));
+        }
+    }
+}
+
+impl Drop for SlowNote {
+    fn drop(&mut self) {
+        drop(self.tx.take());
+        if let Some(w) = self.watch.take() {
+            let _ = w.join();
+        }
+    }
+}
+
 /// A kernel parameter struct passed by value.
 #[repr(transparent)]
 pub(crate) struct Param<T>(pub T);
@@ -383,7 +432,7 @@ impl CudaContext {
     }
 
     /// [`Self::new`], telling `note` when loading the modules takes long: the driver compiles the
-    /// PTX for the GPU at the first start after an install or a driver update (about 70 s on the
+    /// PTX for the GPU at the first start after an install or a driver update (about 25 s on the
     /// H200's host, nearly all of it `gemv`; docs/PERF.md) and serves later starts from its
     /// compute cache (`~/.nv/ComputeCache`) in well under a second.
     pub fn with_notes(ordinal: usize, note: impl Fn(&str) + Send + Sync + 'static) -> Result<Self> {
@@ -398,21 +447,15 @@ impl CudaContext {
         // A stream of our own, not the legacy default stream, which cannot be captured into a
         // CUDA graph (the decode step is captured once and replayed).
         let stream = ctx.new_stream().with_context(|| format!("creating a stream on '{name}'"))?;
-        let note = Arc::new(note);
-        let (done, waiting) = std::sync::mpsc::channel::<()>();
-        let watch = {
-            let (note, arch) = (note.clone(), arch.name());
-            let name = name.clone();
-            std::thread::spawn(move || {
-                if waiting.recv_timeout(std::time::Duration::from_secs(3)).is_err() {
-                    note(&format!(
-                        "compiling the CUDA kernels ({arch} PTX) for '{name}': the driver does this once after an \
-                         install or a driver update (about a minute) and caches the result"
-                    ));
-                }
-            })
-        };
-        let t0 = std::time::Instant::now();
+        let compiling = SlowNote::start(
+            std::time::Duration::from_secs(3),
+            format!(
+                "compiling the CUDA kernels ({} PTX) for '{name}': the driver does this once after an install or a \
+                 driver update (under a minute) and caches the result",
+                arch.name()
+            ),
+            Arc::new(note),
+        );
         let mut modules = Vec::new();
         let mut funcs = HashMap::new();
         for (m, names) in KERNELS {
@@ -426,12 +469,7 @@ impl CudaContext {
             }
             modules.push(module);
         }
-        let _ = done.send(());
-        let _ = watch.join();
-        let took = t0.elapsed().as_secs_f64();
-        if took >= 3.0 {
-            note(&format!("CUDA kernels ready after {took:.0} s"));
-        }
+        compiling.done(|s| format!("CUDA kernels ready after {s:.0} s"));
         let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let sms = sms.max(1) as u32;
         // Blocks of kernel `n` (`threads` each, `smem` bytes of dynamic shared memory, opted into
@@ -648,6 +686,39 @@ mod pdl_tests {
 }
 
 #[cfg(test)]
+mod slow_note_tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn notes() -> (Arc<Mutex<Vec<String>>>, Note) {
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let g = got.clone();
+        (got, Arc::new(move |m: &str| g.lock().unwrap().push(m.to_string())))
+    }
+
+    /// The module-compilation note: said once the work outlasts its delay and followed by the
+    /// ready line; nothing for quick work, nor for work that fails (dropped without `done`),
+    /// however long it took.
+    #[test]
+    fn slow_note_speaks_only_for_slow_work_that_finishes() {
+        let (got, note) = notes();
+        let n = SlowNote::start(Duration::from_millis(20), "compiling".into(), note);
+        std::thread::sleep(Duration::from_millis(120));
+        n.done(|s| format!("ready after {}", s >= 0.1));
+        assert_eq!(*got.lock().unwrap(), ["compiling", "ready after true"]);
+
+        let (got, note) = notes();
+        SlowNote::start(Duration::from_secs(30), "compiling".into(), note).done(|_| "ready".into());
+        assert!(got.lock().unwrap().is_empty(), "quick work: {:?}", got.lock().unwrap());
+
+        let (got, note) = notes();
+        drop(SlowNote::start(Duration::from_millis(20), "compiling".into(), note));
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(got.lock().unwrap().is_empty(), "a failed load: {:?}", got.lock().unwrap());
+    }
+}
+
+#[cfg(test)]
 mod arch_tests {
     use super::*;
     #[test]
@@ -662,8 +733,7 @@ mod arch_tests {
 #[cfg(test)]
 mod gemv_tc_tests {
     use super::*;
-    /// Which dense decode products take the staged build, its grids and warps per row group at
-    /// the real shapes, and the workspace bound every split product of those shapes keeps.
+    /// Which dense decode products take the staged build, its grids at the real shapes, and the workspace bound every split product of those shapes keeps.
     #[test]
     fn gemv_staged_grids_of_the_decode_shapes() {
         // (bytes per row, rows, tokens, staged, grid)
