@@ -81,6 +81,10 @@ struct BatchRun {
     kernels: Vec<KernelSummary>,
     /// Sum of those launches' times (us).
     kernel_us: f64,
+    /// GPU time of one replayed greedy step of this batch (graph), and each kernel's share of it
+    /// (`ablate`); 0 and empty if the ablation failed.
+    decode_graph_us_per_step: f64,
+    decode_graph_ablation: Vec<Ablation>,
     /// An estimate for a DGX Spark from the greedy step and the profile's bytes (which count
     /// every possibly active expert: an upper bound), not a measurement.
     spark_estimate: SparkStep,
@@ -244,6 +248,20 @@ fn batch_run(
     let times = b.profile_end()?;
     let kernel_us: f64 = times.iter().map(|t| t.us).sum();
     let kernels = summarize(&times);
+    // In-graph cost per kernel of this batch size's step (as at batch 1; the same tokens and
+    // positions every replay: the state it leaves is garbage, and these slots are cleared before
+    // their next use). A measurement aid: a failure is reported and the other figures kept.
+    let fixed = Batch {
+        ids: toks.clone(),
+        seqs: (0..bsz).map(|s| SeqRows { slot: s, pos, len: 1, blocks: blocks(s) }).collect(),
+        all_rows: false,
+    };
+    let (graph_us, ablation) = ablate(b, || model.forward(b, pools, &fixed, &mut |_, _| {}).map(drop), &kernels)
+        .unwrap_or_else(|e| {
+            b.set_ablated_kernel(None);
+            eprintln!("ornith-bench: in-graph ablation at batch {bsz} failed: {e:#}");
+            (0.0, Vec::new())
+        });
     let (g, bs) = (gen as f64, bsz as f64);
     let step_bytes = kernels.iter().map(|k| k.bytes).sum();
     let spark_estimate = spark_step(step_bytes, tg * 1e6 / g, bsz, here_gb_s, spark_gb_s);
@@ -261,6 +279,8 @@ fn batch_run(
         decode_tok_s_other_pdl: other,
         kernels,
         kernel_us,
+        decode_graph_us_per_step: graph_us,
+        decode_graph_ablation: ablation,
         spark_estimate,
     })
 }
@@ -360,19 +380,20 @@ const ABLATION_ROOM: usize = 25 * (ABLATION_STEPS + 1);
 /// fed, so no garbage logits reach the host. Each edited graph must have lost exactly the
 /// kernel's launches of the profiled step, or the ablation fails; a kernel the graph does not
 /// launch (the greedy argmax after the step) has no in-graph cost and is left out.
+/// `step` runs one decode step (batch 1: `decode_step` of a fixed token; a batch: `forward` of the
+/// same tokens at the same positions each time).
 fn ablate(
     b: &CudaBackend,
-    model: &compiled::Model<CudaBackend>,
-    st: &mut compiled::State<CudaBackend>,
+    mut step: impl FnMut() -> Result<()>,
     kernels: &[KernelSummary],
 ) -> Result<(f64, Vec<Ablation>)> {
     let mut time = |ablated: Option<&'static str>| -> Result<f64> {
         b.set_ablated_kernel(ablated);
-        model.decode_step(b, st, 0)?; // captures the graph (once), edits it (once per kernel)
+        step()?; // captures the graph (once), edits it (once per kernel)
         b.context().synchronize()?;
         let t = Instant::now();
         for _ in 0..ABLATION_STEPS {
-            model.decode_step(b, st, 0)?;
+            step()?;
         }
         b.context().synchronize()?;
         Ok(t.elapsed().as_secs_f64() * 1e6 / ABLATION_STEPS as f64)
@@ -536,11 +557,12 @@ fn run() -> Result<()> {
         let kernels = summarize(&times);
         let kernel_us: f64 = times.iter().map(|t| t.us).sum();
         // A measurement aid: a failure here is reported, and the run's other figures are kept.
-        let (graph_us, ablation) = ablate(&b, &model, &mut st, &kernels).unwrap_or_else(|e| {
-            b.set_ablated_kernel(None);
-            eprintln!("ornith-bench: in-graph ablation at prompt {p} failed: {e:#}");
-            (0.0, Vec::new())
-        });
+        let (graph_us, ablation) =
+            ablate(&b, || model.decode_step(&b, &mut st, 0).map(drop), &kernels).unwrap_or_else(|e| {
+                b.set_ablated_kernel(None);
+                eprintln!("ornith-bench: in-graph ablation at prompt {p} failed: {e:#}");
+                (0.0, Vec::new())
+            });
         // One more prefill with every launch timed (after the timed runs, so it cannot slow them).
         st.reset(&b)?;
         b.profile_begin();
@@ -740,6 +762,23 @@ fn run() -> Result<()> {
                     k.bytes as f64 / 1e6,
                     k.gb_per_s
                 );
+            }
+            if !r.decode_graph_ablation.is_empty() {
+                eprintln!(
+                    "batch {} in-graph cost per kernel (step {:.0} us as replayed; each: step minus a graph captured without it):",
+                    r.batch, r.decode_graph_us_per_step
+                );
+                let mut a: Vec<&Ablation> = r.decode_graph_ablation.iter().collect();
+                a.sort_by(|x, y| y.in_graph_us.total_cmp(&x.in_graph_us));
+                for x in a {
+                    eprintln!(
+                        "{:>22} {:>8} {:>10.1} {:>7.1}%",
+                        x.kernel,
+                        x.launches,
+                        x.in_graph_us,
+                        100.0 * x.in_graph_us / r.decode_graph_us_per_step
+                    );
+                }
             }
         }
     }
