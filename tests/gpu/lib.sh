@@ -2,7 +2,8 @@
 # unpack_builds NAME: sets src (.gpu/NAME), G (the unpacked binaries), C (checkpoints), OUT (logs;
 # $OUT if set), unpacks every .gpu/NAME/*.xz into $G and prints the build's commit and the GPU.
 # unxz_to FILE.xz DEST: one xz-compressed binary, executable. synth_full: the full preset's FP8
-# checkpoint at $C/full, synthesised once per machine (reused while it stays warm).
+# checkpoint at $C/full, synthesised once per machine (reused while it stays warm); non-zero, with
+# a line saying why, when it cannot (no xtask among the build's binaries, or the synthesis failed).
 unxz_to() {
     python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' "$1" "$2"
     chmod +x "$2"
@@ -15,6 +16,10 @@ unpack_builds() {
 }
 synth_full() {
     local t0=$SECONDS
-    if [ -f "$C/full/config.json" ]; then echo "synth full: reusing $C/full"; else
-    "$G/xtask" synth --preset full --out "$C/full" > "$OUT/synth_full.log" 2>&1; echo "synth full rc=$? $((SECONDS - t0))s"; fi
+    if [ -f "$C/full/config.json" ]; then echo "synth full: reusing $C/full"; return 0; fi
+    if [ ! -x "$G/xtask" ]; then echo "synth full: no xtask in $src (carry the build's xtask.xz)"; return 1; fi
+    "$G/xtask" synth --preset full --out "$C/full" > "$OUT/synth_full.log" 2>&1
+    local rc=$?
+    echo "synth full rc=$rc $((SECONDS - t0))s"
+    return $rc
 }

@@ -100,7 +100,7 @@ if [ "$phase" = nvfp4-bench ]; then
     exit 0
 fi
 [ "$phase" = check ] && exit 0
-synth_full
+synth_full || exit 1
 if [ "$phase" = check+file ]; then
     t0=$SECONDS
     timeout 300 python3 tests/gpu/batch_file.py "$G/ornith_full" "$C/full" "$OUT/batch_file.jsonl" "${FILE_N:-256}"; echo "batch file rc=$? $((SECONDS - t0))s"

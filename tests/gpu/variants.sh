@@ -12,7 +12,7 @@ prompts=${2:-2048}
 batch=${3:-1,8,32,64}
 . "$(dirname "$0")/lib.sh"
 unpack_builds "$name"
-synth_full
+synth_full || exit 1
 for bin in "$G"/bench_*; do
     v=${bin##*/bench_}
     if [ -n "${VARIANTS:-}" ] && [[ " $VARIANTS " != *" $v "* ]]; then rm -f "$bin"; continue; fi
