@@ -39,7 +39,7 @@ if [ "$phase" = prefill ]; then
     t0=$SECONDS
     timeout 120 "$G/kernels" --ignored --test-threads=1 --nocapture flash_attention > "$OUT/kernels_flash.log" 2>&1; echo "kernels flash rc=$? $((SECONDS - t0))s"
     grep -E "PERF|flash_attention t|panicked|test result" "$OUT/kernels_flash.log" | cut -c1-220
-    synth_full
+    synth_full || exit 1
     t0=$SECONDS
     timeout 200 "$G/bench_full" --model "$C/full" --prompts "${2:-2048,32768,131072}" --gen 8 --budget-s 150 > "$OUT/bench_prefill.json" 2> "$OUT/bench_prefill.err"
     echo "bench rc=$? $((SECONDS - t0))s"
