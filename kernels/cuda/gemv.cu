@@ -515,7 +515,7 @@ __device__ __forceinline__ void gemv_wide_body(const uint8_t *w, const float *ws
     const int slice = ks == 1 ? row_bytes : row_bytes / ks;
     const int s = blockIdx.y, k0 = s * slice, k1 = k0 + slice;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int row0 = (blockIdx.x * TC_WARPS + warp) * 16, tw = 0;
+    const int row0 = (blockIdx.x * TC_WARPS + warp) * 16;
     const bool has = row0 < out;
     const int nrows = max(1, min(16, out - row0));
     const uint8_t *wt = w + (size_t)(has ? row0 : 0) * row_bytes;
@@ -541,7 +541,7 @@ __device__ __forceinline__ void gemv_wide_body(const uint8_t *w, const float *ws
     stage(0);
     uint32_t xoff[NT];
 #pragma unroll
-    for (int j = 0; j < NT; j++) xoff[j] = (uint32_t)((tw + 8 * j + g) * WIDE_XSTRIDE);
+    for (int j = 0; j < NT; j++) xoff[j] = (uint32_t)((8 * j + g) * WIDE_XSTRIDE);
     float acc[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; j++)
@@ -583,7 +583,7 @@ __device__ __forceinline__ void gemv_wide_body(const uint8_t *w, const float *ws
             for (int j = 0; j < NT; j++)
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    const int row = row0 + g + (i >> 1) * 8, t = tw + 8 * j + 2 * c + (i & 1);
+                    const int row = row0 + g + (i >> 1) * 8, t = 8 * j + 2 * c + (i & 1);
                     if (row < out && t < tokens) ps[(size_t)t * out + row] = acc[j][i];
                 }
         __threadfence();
@@ -600,7 +600,7 @@ __device__ __forceinline__ void gemv_wide_body(const uint8_t *w, const float *ws
         for (int j = 0; j < NT; j++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                const int row = row0 + g + (i >> 1) * 8, t = tw + 8 * j + 2 * c + (i & 1);
+                const int row = row0 + g + (i >> 1) * 8, t = 8 * j + 2 * c + (i & 1);
                 if (row < out && t < tokens) {
                     const float *pp = part + (size_t)t * out + row;
                     float sum = __ldcg(pp);
@@ -609,7 +609,7 @@ __device__ __forceinline__ void gemv_wide_body(const uint8_t *w, const float *ws
                 }
             }
     }
-    if (has) tc_store<FP8, NT>(acc, row0, tw, tokens, out, y, y_stride, ws, xs, fold);
+    if (has) tc_store<FP8, NT>(acc, row0, 0, tokens, out, y, y_stride, ws, xs, fold);
 }
 
 // The staged products over up to ORNITH_WIDE_TOKENS tokens: NT, the N tiles of the launch's

@@ -19,17 +19,19 @@ for i in range(n):
     lines.append(json.dumps(req))
 
 
+cmd = [ornith, "--model", model, "--backend", "cuda", "--quiet", *extra]
+
+
 def empty_run():
     t = time.time()
-    subprocess.run([ornith, "--model", model, "--backend", "cuda", "--quiet", *extra], input="", capture_output=True, text=True)
+    subprocess.run(cmd, input="", capture_output=True, text=True)
     return time.time() - t
 
 
 first = empty_run()
 load = empty_run()
 t0 = time.time()
-p = subprocess.Popen([ornith, "--model", model, "--backend", "cuda", "--quiet", *extra], stdin=subprocess.PIPE,
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 stdout, stderr = p.communicate("\n".join(lines) + "\n")
 wall = time.time() - t0
 open(out, "w").write(stdout)

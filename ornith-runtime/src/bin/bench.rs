@@ -250,18 +250,14 @@ fn batch_run(
     let kernels = summarize(&times);
     // In-graph cost per kernel of this batch size's step (as at batch 1; the same tokens and
     // positions every replay: the state it leaves is garbage, and these slots are cleared before
-    // their next use). A measurement aid: a failure is reported and the other figures kept.
+    // their next use).
     let fixed = Batch {
         ids: toks.clone(),
         seqs: (0..bsz).map(|s| SeqRows { slot: s, pos, len: 1, blocks: blocks(s) }).collect(),
         all_rows: false,
     };
-    let (graph_us, ablation) = ablate(b, || model.forward(b, pools, &fixed, &mut |_, _| {}).map(drop), &kernels)
-        .unwrap_or_else(|e| {
-            b.set_ablated_kernel(None);
-            eprintln!("ornith-bench: in-graph ablation at batch {bsz} failed: {e:#}");
-            (0.0, Vec::new())
-        });
+    let step = || model.forward(b, pools, &fixed, &mut |_, _| {}).map(drop);
+    let (graph_us, ablation) = ablate(b, step, &kernels, &format!("batch {bsz}"));
     let (g, bs) = (gen as f64, bsz as f64);
     let step_bytes = kernels.iter().map(|k| k.bytes).sum();
     let spark_estimate = spark_step(step_bytes, tg * 1e6 / g, bsz, here_gb_s, spark_gb_s);
@@ -381,8 +377,23 @@ const ABLATION_ROOM: usize = 25 * (ABLATION_STEPS + 1);
 /// kernel's launches of the profiled step, or the ablation fails; a kernel the graph does not
 /// launch (the greedy argmax after the step) has no in-graph cost and is left out.
 /// `step` runs one decode step (batch 1: `decode_step` of a fixed token; a batch: `forward` of the
-/// same tokens at the same positions each time).
+/// same tokens at the same positions each time). A measurement aid: a failure is reported (`at`
+/// names the run), the ablation cleared and `(0, [])` returned, so the run's other figures stay.
 fn ablate(
+    b: &CudaBackend,
+    step: impl FnMut() -> Result<()>,
+    kernels: &[KernelSummary],
+    at: &str,
+) -> (f64, Vec<Ablation>) {
+    ablate_or_fail(b, step, kernels).unwrap_or_else(|e| {
+        b.set_ablated_kernel(None);
+        eprintln!("ornith-bench: in-graph ablation at {at} failed: {e:#}");
+        (0.0, Vec::new())
+    })
+}
+
+/// [`ablate`], its failure returned.
+fn ablate_or_fail(
     b: &CudaBackend,
     mut step: impl FnMut() -> Result<()>,
     kernels: &[KernelSummary],
@@ -416,6 +427,20 @@ fn ablate(
     }
     b.set_ablated_kernel(None);
     Ok((whole, out))
+}
+
+/// The in-graph cost table of an ablation, its rows in the order given (stderr).
+fn print_ablation<'a>(rows: impl Iterator<Item = &'a Ablation>, step_us: f64) {
+    eprintln!("{:>22} {:>8} {:>10} {:>8}", "kernel", "launches", "us/step", "share");
+    for a in rows {
+        eprintln!(
+            "{:>22} {:>8} {:>10.1} {:>7.1}%",
+            a.kernel,
+            a.launches,
+            a.in_graph_us,
+            100.0 * a.in_graph_us / step_us
+        );
+    }
 }
 
 /// Wall-clock seconds of `steps` decode steps, each sampled with `q` over ids `0..n_vocab` as the
@@ -556,13 +581,8 @@ fn run() -> Result<()> {
         let times = b.profile_end()?;
         let kernels = summarize(&times);
         let kernel_us: f64 = times.iter().map(|t| t.us).sum();
-        // A measurement aid: a failure here is reported, and the run's other figures are kept.
-        let (graph_us, ablation) =
-            ablate(&b, || model.decode_step(&b, &mut st, 0).map(drop), &kernels).unwrap_or_else(|e| {
-                b.set_ablated_kernel(None);
-                eprintln!("ornith-bench: in-graph ablation at prompt {p} failed: {e:#}");
-                (0.0, Vec::new())
-            });
+        let step = || model.decode_step(&b, &mut st, 0).map(drop);
+        let (graph_us, ablation) = ablate(&b, step, &kernels, &format!("prompt {p}"));
         // One more prefill with every launch timed (after the timed runs, so it cannot slow them).
         st.reset(&b)?;
         b.profile_begin();
@@ -665,16 +685,7 @@ fn run() -> Result<()> {
             "\nin-graph cost per kernel at prompt {} (step {:.0} us as replayed; each: step minus a graph captured without it):",
             r.prompt_tokens, r.decode_graph_us_per_step
         );
-        eprintln!("{:>22} {:>8} {:>10} {:>8}", "kernel", "launches", "us/step", "share");
-        for a in &r.decode_graph_ablation {
-            eprintln!(
-                "{:>22} {:>8} {:>10.1} {:>7.1}%",
-                a.kernel,
-                a.launches,
-                a.in_graph_us,
-                100.0 * a.in_graph_us / r.decode_graph_us_per_step
-            );
-        }
+        print_ablation(r.decode_graph_ablation.iter(), r.decode_graph_us_per_step);
     }
     if let Some(r) = runs.last() {
         eprintln!(
@@ -770,15 +781,7 @@ fn run() -> Result<()> {
                 );
                 let mut a: Vec<&Ablation> = r.decode_graph_ablation.iter().collect();
                 a.sort_by(|x, y| y.in_graph_us.total_cmp(&x.in_graph_us));
-                for x in a {
-                    eprintln!(
-                        "{:>22} {:>8} {:>10.1} {:>7.1}%",
-                        x.kernel,
-                        x.launches,
-                        x.in_graph_us,
-                        100.0 * x.in_graph_us / r.decode_graph_us_per_step
-                    );
-                }
+                print_ablation(a.into_iter(), r.decode_graph_us_per_step);
             }
         }
     }

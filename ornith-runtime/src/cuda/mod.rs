@@ -267,10 +267,10 @@ pub(crate) const WIDE_TICKETS: u32 = ORNITH_WIDE_TICKETS;
 /// Dynamic shared memory of the staged products (`ORNITH_WIDE_SMEM`: two activation chunks).
 pub(crate) const WIDE_SMEM: u32 = ORNITH_WIDE_SMEM;
 /// Grid of a staged product (any number of tokens up to [`WIDE_TOKENS`] per launch): blocks
-/// `(ceil(groups / 8), ks)`, one warp per row group over all the launch's tokens. Builds with 2 or 4 warps
-/// per row group (a share of the token tiles each) were faster for small products (H200, 64
-/// tokens: the GDN input projection and q|k|v at 2, out_proj, o_proj and the router at 4), which
-/// never take this build; the lm_head, the one that does, was fastest at 1.
+/// `(ceil(groups / 8), ks)`, one warp per row group over all the launch's tokens. Builds with 2
+/// or 4 warps per row group (a share of the token tiles each) were faster for small products
+/// (H200, 64 tokens: the GDN input projection and q|k|v at 2, out_proj, o_proj and the router at
+/// 4), which never take this build; the lm_head, the one that does, was fastest at 1.
 pub(crate) fn gemv_wide_grid(row_bytes: usize, out: usize, split: usize) -> (u32, u32, u32) {
     let ks = gemv_tc_ksplit(row_bytes, split, GEMV_TARGET_WARPS);
     (out.div_ceil(16).div_ceil(GEMV_WARPS) as u32, ks as u32, 1)
@@ -733,7 +733,8 @@ mod arch_tests {
 #[cfg(test)]
 mod gemv_tc_tests {
     use super::*;
-    /// Which dense decode products take the staged build, its grids at the real shapes, and the workspace bound every split product of those shapes keeps.
+    /// Which dense decode products take the staged build, its grids at the real shapes, and the
+    /// workspace bound every split product of those shapes keeps.
     #[test]
     fn gemv_staged_grids_of_the_decode_shapes() {
         // (bytes per row, rows, tokens, staged, grid)
