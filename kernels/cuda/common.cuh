@@ -84,6 +84,25 @@ __device__ __forceinline__ float block_max(float v, float *sh32) {
     float r = lane < nw ? sh32[lane] : -INFINITY;  // padding must not win for negative maxima
     return warp_max(r);
 }
+// The row max of |x| for the FP8 activation scale, keeping a NaN (cpu::fp8::quantize_act_row
+// gives a row holding a NaN the NaN scale and every code 0x7F; fmaxf would drop the NaN and
+// quantise the row to finite codes). A max does not depend on the order, NaN or not.
+__device__ __forceinline__ float max_nan(float m, float v) { return (m != m || v != v) ? __int_as_float(0x7fc00000) : fmaxf(m, v); }
+__device__ __forceinline__ float amax_add(float m, float x) { return max_nan(m, fabsf(x)); }
+__device__ __forceinline__ float warp_max_nan(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max_nan(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float block_max_nan(float v, float *sh32) {
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max_nan(v);
+    __syncthreads();
+    if (lane == 0) sh32[wid] = v;
+    __syncthreads();
+    float r = lane < nw ? sh32[lane] : -INFINITY;
+    return warp_max_nan(r);
+}
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 
@@ -106,8 +125,11 @@ __device__ __forceinline__ float act_scale(float amax) {
     float s = rbf(__fdiv_rn(amax, ORNITH_FP8_MAX));
     return s == 0.f ? 0.0078125f : s;
 }
+// A NaN quotient (a NaN scale or x, or inf / inf) is the NaN code 0x7F, as the CPU's clamp keeps
+// the NaN and its encoder maps it to 0x7F (fmaxf / fminf would have clamped it to -448).
 __device__ __forceinline__ uint8_t quant_e4m3(float v, float scale) {
     float q = __fadd_rn(rbf(__fdiv_rn(v, scale)), 0.f);
+    if (q != q) return 0x7F;
     return f2e4m3(fminf(fmaxf(q, -ORNITH_FP8_MAX), ORNITH_FP8_MAX));
 }
 
@@ -116,7 +138,7 @@ __device__ __forceinline__ uint8_t quant_e4m3(float v, float scale) {
 // bits; the CPU reference is cpu::moe):
 //   a[i] = swiglu_val(g[i], u[i]) = bf16(bf16(silu(g[i])) * u[i])   g = gu[0:inter], u = gu[inter:2 inter]
 //   (swiglu_bf16 and the NVFP4 down product's prologue stop here, at a)
-//   scale = act_scale(max |a|)  (block_max over the block's 256 threads)
+//   scale = act_scale(max |a|)  (block_max_nan over the block's 256 threads: a NaN is kept)
 //   q[i] = quant_e4m3(a[i], scale)
 // Element i = thread + 256 j (inter <= ORNITH_SWIGLU_MAX_INTER, the header's). q and *scale
 // (thread 0) may be global or shared memory; a caller reading q from shared memory synchronises
@@ -132,10 +154,10 @@ __device__ __forceinline__ void swiglu_q8_row(const uint16_t *gu, int inter, uin
         a[j] = 0.f;
         if (i < inter) {
             a[j] = swiglu_val(gu[i], gu[inter + i]);
-            amax = fmaxf(amax, fabsf(a[j]));
+            amax = amax_add(amax, a[j]);
         }
     }
-    amax = block_max(amax, sh);
+    amax = block_max_nan(amax, sh);
     const float sc = act_scale(amax);
     if (threadIdx.x == 0) *scale = sc;
 #pragma unroll

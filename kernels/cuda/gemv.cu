@@ -257,12 +257,12 @@ __device__ __forceinline__ void norm_prologue(const OrnithNormIn &n, int hidden,
         if (i < hidden) {
             const float y = rms_out(r[j], inv, wv[j]);
             r[j] = y;
-            amax = fmaxf(amax, fabsf(y));
+            amax = amax_add(amax, y);
             if (!FP8) reinterpret_cast<uint16_t *>(xs_out)[i] = f2bf(y);
         }
     }
     if (FP8) {
-        amax = block_max(amax, sh);
+        amax = block_max_nan(amax, sh);
         const float scale = act_scale(amax);
         if (threadIdx.x == 0) *xsc = scale;
 #pragma unroll

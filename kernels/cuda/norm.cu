@@ -66,12 +66,12 @@ template <int PT> __device__ __forceinline__ void rmsnorm_body(const OrnithRmsNo
         if (i < p.hidden) {
             float y = rms_out(r[j], inv, wv[j]);
             r[j] = y;
-            amax = fmaxf(amax, fabsf(y));
+            amax = amax_add(amax, y);
             if (p.out) p.out[(size_t)t * p.hidden + i] = f2bf(y);
         }
     }
     if (!p.q8) return;
-    amax = block_max(amax, sh);
+    amax = block_max_nan(amax, sh);
     float scale = act_scale(amax);
     if (threadIdx.x == 0) p.scale[t] = scale;
 #pragma unroll
@@ -109,11 +109,11 @@ extern "C" __global__ void __launch_bounds__(256) quantize_fp8_rows(const Ornith
             xv[j] = i < p.cols ? x[i] : (uint16_t)0;  // 0 adds nothing to the max of |x|
         }
 #pragma unroll
-        for (int j = 0; j < QUANT_REGS; j++) amax = fmaxf(amax, fabsf(bf2f(xv[j])));
+        for (int j = 0; j < QUANT_REGS; j++) amax = amax_add(amax, bf2f(xv[j]));
     } else {
-        for (int i = threadIdx.x; i < p.cols; i += blockDim.x) amax = fmaxf(amax, fabsf(bf2f(x[i])));
+        for (int i = threadIdx.x; i < p.cols; i += blockDim.x) amax = amax_add(amax, bf2f(x[i]));
     }
-    amax = block_max(amax, sh);
+    amax = block_max_nan(amax, sh);
     float scale = act_scale(amax);
     if (threadIdx.x == 0) p.scale[t] = scale;
     if (regs) {
