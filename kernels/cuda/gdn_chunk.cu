@@ -51,33 +51,51 @@ static_assert(GW_STRIDE == ORNITH_GDN_WORK_PER_CHUNK, "workspace stride");
 #define GS_QA 8704  // max(64 * 132, 2 * 64 * 68)
 
 // Rows r = warp + 8m of the chunk: q, k l2-normalised in fp32 (q also * dk^-0.5) into qd/kd
-// (pitch `pitch`), zero rows from L on.
+// (pitch `pitch`), zero rows from L on. A warp issues the loads of QK_RB rows before the first
+// row's sums (one memory latency per QK_RB rows: this runs on the scan's sequential path once
+// per chunk); each row's arithmetic is unchanged.
+#define QK_RB 8
 __device__ __forceinline__ void gdn_load_qk(const OrnithGdnParams &p, int t0, int L, int kh, float *qd, float *kd, int pitch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kdim = p.k_heads * GC_D;
     const float qscale = 0.08838834764831845f;  // dk^-0.5 = 128^-0.5, rounded to f32
-    for (int r = warp; r < GC_L; r += 8) {
-        if (r < L) {
-            const uint16_t *row = p.qkv + (size_t)(t0 + r) * p.qkv_stride;
-            float qv[4], kv[4], sq = 0.f, sk = 0.f;
+    static_assert(GC_L % (8 * QK_RB) == 0, "rows per warp a whole number of batches");
+    for (int r0 = warp; r0 < GC_L; r0 += 8 * QK_RB) {
+        uint16_t qb[QK_RB][4], kb[QK_RB][4];
+#pragma unroll
+        for (int b = 0; b < QK_RB; b++) {
+            const int r = r0 + 8 * b;
+            const uint16_t *row = p.qkv + (size_t)(t0 + min(r, L - 1)) * p.qkv_stride;
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                qv[j] = bf2f(row[kh * GC_D + lane + 32 * j]);
-                kv[j] = bf2f(row[kdim + kh * GC_D + lane + 32 * j]);
-                sq += qv[j] * qv[j];
-                sk += kv[j] * kv[j];
+                qb[b][j] = row[kh * GC_D + lane + 32 * j];
+                kb[b][j] = row[kdim + kh * GC_D + lane + 32 * j];
             }
-            sq = warp_sum(sq);
-            sk = warp_sum(sk);
-            const float iq = 1.f / sqrtf(sq + 1e-6f), ik = 1.f / sqrtf(sk + 1e-6f);
+        }
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                qd[r * pitch + lane + 32 * j] = (qv[j] * iq) * qscale;
-                kd[r * pitch + lane + 32 * j] = kv[j] * ik;
+        for (int b = 0; b < QK_RB; b++) {
+            const int r = r0 + 8 * b;
+            if (r < L) {
+                float qv[4], kv[4], sq = 0.f, sk = 0.f;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    qv[j] = bf2f(qb[b][j]);
+                    kv[j] = bf2f(kb[b][j]);
+                    sq += qv[j] * qv[j];
+                    sk += kv[j] * kv[j];
+                }
+                sq = warp_sum(sq);
+                sk = warp_sum(sk);
+                const float iq = 1.f / sqrtf(sq + 1e-6f), ik = 1.f / sqrtf(sk + 1e-6f);
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    qd[r * pitch + lane + 32 * j] = (qv[j] * iq) * qscale;
+                    kd[r * pitch + lane + 32 * j] = kv[j] * ik;
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; j++) qd[r * pitch + lane + 32 * j] = kd[r * pitch + lane + 32 * j] = 0.f;
             }
-        } else {
-#pragma unroll
-            for (int j = 0; j < 4; j++) qd[r * pitch + lane + 32 * j] = kd[r * pitch + lane + 32 * j] = 0.f;
         }
     }
 }
