@@ -200,82 +200,6 @@ __device__ __forceinline__ void tc_tile(const uint8_t *w, size_t row_bytes, int 
     }
 }
 
-// The wide passes' tile (more than 8 tokens): the same rounds, loads and mma as tc_tile, with the
-// weights through a ring of RING_S stages in this warp's own shared memory (cp.async, RING_U
-// rounds per stage) instead of registers: RING_S - 1 stages are in flight while a round's mma run,
-// and bytes in flight cost no registers (the register build loaded each round only after the
-// previous one's mma, one exposed memory latency per round). A lane reads back only the 16-byte
-// chunks it copied itself (stage layout [u][row g | g + 8][lane]), so its own wait_group is the
-// only synchronisation; past k1 the copies zero-fill as tc_load's zeros. Same registers into the
-// same mma in the same order: the same sums as every other build.
-#define RING_U 2
-#define RING_S ORNITH_RING_STAGES
-#define RING_STAGE_BYTES (RING_U * 2 * 32 * 16)
-#define RING_WARP_BYTES (RING_S * RING_STAGE_BYTES)
-static_assert(TC_WARPS * RING_WARP_BYTES == ORNITH_RING_SMEM, "the header's ring size");
-// cp.async and wait_group with a memory clobber: the compiler must not move the ring's shared
-// loads across them (mma.cuh's forms have none; the other kernels synchronise with barriers).
-__device__ __forceinline__ void ring_cp16(uint32_t dst, const void *src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void ring_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void ring_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-// One stage: the round of RING_U * 64 bytes from kb of the lane's two rows into the stage at
-// shared address `slot` (the lane's chunk of it), then commit the group.
-__device__ __forceinline__ void ring_issue(const uint8_t *w, uint32_t og, uint32_t og8, int kb, int k1, uint32_t slot) {
-    const int c = threadIdx.x & 3;
-#pragma unroll
-    for (int u = 0; u < RING_U; u++) {
-        const int off = kb + u * 64;
-        const bool ok = off + 16 * c < k1;
-        ring_cp16(slot + (2 * u) * 512, w + og + (ok ? off : 0), ok ? 16 : 0);
-        ring_cp16(slot + (2 * u + 1) * 512, w + og8 + (ok ? off : 0), ok ? 16 : 0);
-    }
-    ring_commit();
-}
-// Token (8j + g)'s activations at byte xrow(j) = min(t0 + 8j + g, tokens - 1) * xsb of x (the
-// offsets tc_tile takes as xoff, computed where used: eight fewer registers held).
-template <bool FP8, int NT>
-__device__ __forceinline__ void tc_tile_ring(const uint8_t *w, size_t row_bytes, int nrows, const uint8_t *x, int t0, int tokens,
-                                             uint32_t xsb, int k0, int k1, float (&acc)[NT][4], uint8_t *ring) {
-    constexpr int R = 64 * RING_U;
-    uint32_t og, og8;
-    tc_rows(row_bytes, nrows, og, og8);
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    x += 16 * c;
-    const uint4 z = make_uint4(0, 0, 0, 0);
-    const uint32_t base = smem_u32(ring) + 16 * lane;
-    const int n = k0 < k1 ? (k1 - k0 + R - 1) / R : 0;
-#pragma unroll
-    for (int i = 0; i < RING_S - 1; i++) {
-        if (i < n) ring_issue(w, og, og8, k0 + i * R, k1, base + i * RING_STAGE_BYTES);
-        else ring_commit();  // empty groups keep the wait count below
-    }
-    pdl_wait();  // weights first: RING_S - 1 stages are in flight before the wait
-    for (int i = 0; i < n; i++) {
-        ring_wait<RING_S - 2>();  // stage i has landed (this lane's copies)
-        const uint4 *st = reinterpret_cast<const uint4 *>(ring + (i % RING_S) * RING_STAGE_BYTES) + lane;
-        // the stage read in round i - 1 (its values went into that round's mma) takes round i + S - 1
-        const int nx = i + RING_S - 1;
-        if (nx < n) ring_issue(w, og, og8, k0 + nx * R, k1, base + (nx % RING_S) * RING_STAGE_BYTES);
-        else ring_commit();
-        const int kb = k0 + i * R;
-#pragma unroll
-        for (int u = 0; u < RING_U; u++) {
-            if (kb + u * 64 >= k1) break;  // warp-uniform
-            const int off = kb + u * 64;
-            const bool ok = off + 16 * c < k1;
-            const uint4 wa = st[(2 * u) * 32], wb = st[(2 * u + 1) * 32];
-            // activations: coherent loads (common.cuh, PDL)
-            mma_step_tiles<FP8, NT>(acc, wa, wb, [&](int j) {
-                const uint32_t xo = (uint32_t)min(t0 + 8 * j + g, tokens - 1) * xsb;
-                return ok ? *reinterpret_cast<const uint4 *>(x + xo + off) : z;
-            });
-        }
-    }
-    ring_wait<0>();
-}
-
 // tc_tile for one token whose input row the block computes itself (the norm prologue): the warp
 // issues its first two rounds of weight loads (has: the warp has rows), every thread of the
 // block waits and runs `prologue` (block-wide: it synchronises the block and leaves the row in
@@ -352,9 +276,7 @@ __device__ __forceinline__ void norm_prologue(const OrnithNormIn &n, int hidden,
 
 // Adds the ks slices' partial sums of each row group in slice order into the slice-0 warp's acc,
 // one N tile at a time (every warp of the block calls it; `red` holds TC_WARPS x 4 x 32 floats).
-// `wstride`: floats from one warp's 4 x 32 to the next's (the wide build's sit in each warp's own
-// ring, RING_WARP_BYTES apart).
-template <int NT, int WSTRIDE = 4 * 32>
+template <int NT>
 __device__ __forceinline__ void tc_reduce(float (&acc)[NT][4], int ks, float *red) {
     if (ks == 1) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, s = warp % ks;
@@ -362,12 +284,12 @@ __device__ __forceinline__ void tc_reduce(float (&acc)[NT][4], int ks, float *re
     for (int j = 0; j < NT; j++) {
         if (s != 0)
 #pragma unroll
-            for (int i = 0; i < 4; i++) red[warp * WSTRIDE + i * 32 + lane] = acc[j][i];
+            for (int i = 0; i < 4; i++) red[(warp * 4 + i) * 32 + lane] = acc[j][i];
         __syncthreads();
         if (s == 0)
             for (int ss = 1; ss < ks; ss++)
 #pragma unroll
-                for (int i = 0; i < 4; i++) acc[j][i] += red[(warp + ss) * WSTRIDE + i * 32 + lane];
+                for (int i = 0; i < 4; i++) acc[j][i] += red[((warp + ss) * 4 + i) * 32 + lane];
         __syncthreads();
     }
 }
@@ -415,7 +337,7 @@ __device__ __forceinline__ void tc_store(const float (&acc)[NT][4], int row0, in
 template <bool FP8, int NT>
 __device__ __forceinline__ void gemv_tc_pass(const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
                                              int tokens, int t0, int in, int out, int x_stride, int y_stride, const TcPlace &pl,
-                                             float *red, uint8_t *ring, uint16_t *fold) {
+                                             float *red, uint16_t *fold) {
     constexpr int ES = FP8 ? 1 : 2;
     const int g = (threadIdx.x & 31) >> 2;
     const size_t row_bytes = (size_t)in * ES;
@@ -428,16 +350,9 @@ __device__ __forceinline__ void gemv_tc_pass(const uint8_t *w, const float *ws, 
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
     const int nrows = max(1, min(16, out - pl.row0));
-    if (pl.row0 < out) {
-        const uint8_t *wt = w + (size_t)pl.row0 * row_bytes;
-        if constexpr (NT == 1) tc_tile<FP8, 1, tc_u(1), true>(wt, row_bytes, nrows, x, xoff, pl.k0, pl.k1, acc);
-        else
-            tc_tile_ring<FP8, NT>(wt, row_bytes, nrows, x, t0, tokens, (uint32_t)(x_stride * ES), pl.k0, pl.k1, acc,
-                                  ring + (threadIdx.x >> 5) * RING_WARP_BYTES);
-    }
+    if (pl.row0 < out) tc_tile<FP8, NT, tc_u(NT), NT == 1>(w + (size_t)pl.row0 * row_bytes, row_bytes, nrows, x, xoff, pl.k0, pl.k1, acc);
     pdl_wait();  // (done inside the tile; here for a warp without one, before the write)
-    if constexpr (NT == 1) tc_reduce<NT>(acc, pl.ks, red);
-    else tc_reduce<NT, RING_WARP_BYTES / 4>(acc, pl.ks, reinterpret_cast<float *>(ring));
+    tc_reduce<NT>(acc, pl.ks, red);
     if (!pl.lead || pl.row0 >= out) return;
     tc_store<FP8, NT>(acc, pl.row0, t0, tokens, out, y, y_stride, ws, xs, fold);
 }
@@ -492,10 +407,7 @@ __device__ __forceinline__ void gemv_tc_norm(const uint8_t *w, const float *ws, 
 template <bool FP8, int NTMAX>
 __device__ __forceinline__ void gemv_tc(const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
                                         int tokens, int in, int out, int x_stride, int y_stride, int split_out, uint16_t *fold) {
-    // the narrow build reduces through `red`; the wide one's weight rings (ORNITH_RING_SMEM of
-    // dynamic shared memory, the launch's) hold its reduction too
-    __shared__ float red[NTMAX == 1 ? TC_WARPS * 4 * 32 : 1];
-    extern __shared__ __align__(16) uint8_t ring[];
+    __shared__ float red[TC_WARPS * 4 * 32];
     constexpr int ES = FP8 ? 1 : 2;
     const TcPlace pl = tc_place(in * ES, split_rows(split_out, out));
     // The pass loop of tc_passes, written out: through a lambda nvcc allocates this form's
@@ -503,17 +415,17 @@ __device__ __forceinline__ void gemv_tc(const uint8_t *w, const float *ws, const
     for (int t0 = 0; t0 < tokens; t0 += 8 * NTMAX) {
         const int nt = (min(tokens - t0, 8 * NTMAX) + 7) / 8;
         if (NTMAX == 1) {
-            gemv_tc_pass<FP8, 1>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, ring, fold);
+            gemv_tc_pass<FP8, 1>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, fold);
             continue;
         }
         switch (nt) {
             case 1:
-            case 2: gemv_tc_pass<FP8, 2>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, ring, fold); break;
-            case 3: gemv_tc_pass<FP8, 3>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, ring, fold); break;
-            case 4: gemv_tc_pass<FP8, 4>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, ring, fold); break;
+            case 2: gemv_tc_pass<FP8, 2>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, fold); break;
+            case 3: gemv_tc_pass<FP8, 3>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, fold); break;
+            case 4: gemv_tc_pass<FP8, 4>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, fold); break;
             case 5:
-            case 6: gemv_tc_pass<FP8, 6>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, ring, fold); break;
-            default: gemv_tc_pass<FP8, NTMAX>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, ring, fold); break;
+            case 6: gemv_tc_pass<FP8, 6>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, fold); break;
+            default: gemv_tc_pass<FP8, NTMAX>(w, ws, x, xs, y, tokens, t0, in, out, x_stride, y_stride, pl, red, fold); break;
         }
     }
 }

@@ -70,12 +70,6 @@ typedef struct OrnithQuantParams {
  * stride of ORNITH_WIDE_XC + 64 bytes make its dynamic shared memory (ORNITH_WIDE_SMEM). */
 #define ORNITH_WIDE_XC 512
 #define ORNITH_WIDE_SMEM (2 * ORNITH_WIDE_TOKENS * (ORNITH_WIDE_XC + 64))
-/* The wide build (gemv_bf16_wide, gemv_fp8_wide: more than ORNITH_GEMV_MAX_TOKENS tokens) streams
- * its weights through a ring of ORNITH_RING_STAGES stages per warp in dynamic shared memory:
- * ORNITH_RING_SMEM bytes per block of 8 warps (stages of 2 KiB), two blocks per SM fitting the
- * DGX Spark's 100 KiB. */
-#define ORNITH_RING_STAGES 3
-#define ORNITH_RING_SMEM (8 * ORNITH_RING_STAGES * 2048)
 #define ORNITH_WIDE_SPLIT_ROWS 65536
 #define ORNITH_WIDE_TICKETS 1024
 /* The norm prologue of a decode product (weight != NULL; one decode row, ORNITH_NORM_ROWS):

@@ -126,7 +126,6 @@ impl CudaContext {
         let name = super::gemv_tc_kernel(false, t);
         self.launch(
             Launch::new(name, (super::gemv_tc_blocks(in_ * 2, out, split), 1, 1), super::GEMV_BLOCK, bytes)
-                .smem(super::gemv_tc_smem(t))
                 .weights_first(),
             p,
         )
@@ -217,9 +216,7 @@ impl CudaContext {
         let bytes = (out * in_ + out * 4 + t * (in_ + 4 + out * 2)) as u64 + fold_bytes(fold, t, out);
         let name = super::gemv_tc_kernel(true, t);
         self.launch(
-            Launch::new(name, (super::gemv_tc_blocks(in_, out, split), 1, 1), super::GEMV_BLOCK, bytes)
-                .smem(super::gemv_tc_smem(t))
-                .weights_first(),
+            Launch::new(name, (super::gemv_tc_blocks(in_, out, split), 1, 1), super::GEMV_BLOCK, bytes).weights_first(),
             p,
         )
     }

@@ -19,9 +19,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{
     CudaContext as DriverContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
 };
-use ornith_kernels::bindings::{
-    ORNITH_RING_SMEM, ORNITH_WIDE_SMEM, ORNITH_WIDE_SPLIT_ROWS, ORNITH_WIDE_TICKETS, ORNITH_WIDE_TOKENS,
-};
+use ornith_kernels::bindings::{ORNITH_WIDE_SMEM, ORNITH_WIDE_SPLIT_ROWS, ORNITH_WIDE_TICKETS, ORNITH_WIDE_TOKENS};
 use ornith_kernels::{Arch, Module};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering::Relaxed};
@@ -235,16 +233,6 @@ pub(crate) fn gemv_tc_kernel(fp8: bool, tokens: usize) -> &'static str {
 /// Whether a decode product of `tokens` rows takes the wide build (every format: `gemv_*_wide`).
 pub(crate) fn gemv_tc_wide(tokens: usize) -> bool {
     tokens > 8
-}
-
-/// Dynamic shared memory of a dense decode product of `tokens` rows: the wide BF16 and FP8 builds'
-/// weight rings (`ORNITH_RING_SMEM`), none for the narrow build.
-pub(crate) fn gemv_tc_smem(tokens: usize) -> u32 {
-    if gemv_tc_wide(tokens) {
-        ORNITH_RING_SMEM
-    } else {
-        0
-    }
 }
 
 /// Whether a dense decode product of `tokens` rows takes the staged build (`gemv_*_staged`,
