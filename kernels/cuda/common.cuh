@@ -55,54 +55,45 @@ __device__ __forceinline__ float2 e4m3x2_to_f2(uint16_t two) {
     return __half22float2(hh);
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-// Block-wide sum / max (blockDim.x a multiple of 32, at most 1024). Every thread gets the result.
-__device__ __forceinline__ float block_sum(float v, float *sh32) {
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) sh32[wid] = v;
-    __syncthreads();
-    float r = lane < nw ? sh32[lane] : 0.f;
-    return warp_sum(r);
-}
-__device__ __forceinline__ float block_max(float v, float *sh32) {
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) sh32[wid] = v;
-    __syncthreads();
-    float r = lane < nw ? sh32[lane] : -INFINITY;  // padding must not win for negative maxima
-    return warp_max(r);
-}
-// The row max of |x| for the FP8 activation scale, keeping a NaN (cpu::fp8::quantize_act_row
-// gives a row holding a NaN the NaN scale and every code 0x7F; fmaxf would drop the NaN and
-// quantise the row to finite codes). A max does not depend on the order, NaN or not.
+// The row max of |x| for the FP8 activation scale keeps a NaN (cpu::fp8::quantize_act_row gives a
+// row holding a NaN the NaN scale and every code 0x7F; fmaxf would drop the NaN and quantise the
+// row to finite codes). A max does not depend on the order, NaN or not.
 __device__ __forceinline__ float max_nan(float m, float v) { return (m != m || v != v) ? __int_as_float(0x7fc00000) : fmaxf(m, v); }
 __device__ __forceinline__ float amax_add(float m, float x) { return max_nan(m, fabsf(x)); }
-__device__ __forceinline__ float warp_max_nan(float v) {
+struct SumOp {
+    __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+struct MaxOp {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct MaxNanOp {
+    __device__ __forceinline__ float operator()(float a, float b) const { return max_nan(a, b); }
+};
+// Warp-wide reduction (xor butterfly: every lane gets the result).
+template <class Op> __device__ __forceinline__ float warp_reduce(float v, Op op) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = max_nan(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-__device__ __forceinline__ float block_max_nan(float v, float *sh32) {
+// Block-wide reduction (blockDim.x a multiple of 32, at most 1024): each warp's result through
+// sh32, the warps' results reduced by every warp (lanes past the warp count hold `pad`). Every
+// thread gets the result.
+template <class Op> __device__ __forceinline__ float block_reduce(float v, float *sh32, float pad, Op op) {
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_max_nan(v);
+    v = warp_reduce(v, op);
     __syncthreads();
     if (lane == 0) sh32[wid] = v;
     __syncthreads();
-    float r = lane < nw ? sh32[lane] : -INFINITY;
-    return warp_max_nan(r);
+    float r = lane < nw ? sh32[lane] : pad;
+    return warp_reduce(r, op);
 }
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, SumOp{}); }
+__device__ __forceinline__ float warp_max(float v) { return warp_reduce(v, MaxOp{}); }
+__device__ __forceinline__ float block_sum(float v, float *sh32) { return block_reduce(v, sh32, 0.f, SumOp{}); }
+// (padding -inf: it must not win for negative maxima)
+__device__ __forceinline__ float block_max(float v, float *sh32) { return block_reduce(v, sh32, -INFINITY, MaxOp{}); }
+__device__ __forceinline__ float warp_max_nan(float v) { return warp_reduce(v, MaxNanOp{}); }
+__device__ __forceinline__ float block_max_nan(float v, float *sh32) { return block_reduce(v, sh32, -INFINITY, MaxNanOp{}); }
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 
