@@ -37,6 +37,18 @@ fn rb(x: f64) -> f64 {
 fn silu(x: f64) -> f64 {
     x / (1.0 + (-x).exp())
 }
+/// The SwiGLU activations `swiglu_quant` quantises, as bf16 bits: bf16(bf16(silu(g)) · u) for each
+/// of `rows` gate|up rows (`2 * inter` values: gate, then up).
+fn swiglu_act(gu: &[u16], rows: usize, inter: usize) -> Vec<u16> {
+    (0..rows * inter)
+        .map(|k| {
+            let (row, i) = (k / inter, k % inter);
+            let g = f(gu[row * 2 * inter + i]);
+            let u = f(gu[row * 2 * inter + inter + i]);
+            bf16::from_f64(rb(silu(g)) * u).to_bits()
+        })
+        .collect()
+}
 fn sigm(x: f64) -> f64 {
     1.0 / (1.0 + (-x).exp())
 }
@@ -555,14 +567,7 @@ fn fp8_quantisers_keep_nan_and_inf() {
     let mut q8 = c.upload(&vec![0xAAu8; 3 * inter]).unwrap();
     let mut sc = c.upload(&[-1f32; 3]).unwrap();
     c.swiglu_quant(&c.upload(&gu).unwrap(), &mut q8, &mut sc, 3, inter).unwrap();
-    let act: Vec<u16> = (0..3 * inter)
-        .map(|k| {
-            let (row, i) = (k / inter, k % inter);
-            let g = f(gu[row * 2 * inter + i]);
-            let u = f(gu[row * 2 * inter + inter + i]);
-            bf16::from_f64(rb(silu(g)) * u).to_bits()
-        })
-        .collect();
+    let act = swiglu_act(&gu, 3, inter);
     check_quant("swiglu", &act, &c.download(&q8).unwrap(), &c.download(&sc).unwrap(), inter);
 }
 
@@ -1010,15 +1015,7 @@ fn moe_decode_matches_reference() {
         c.swiglu_quant(&gu, &mut aq, &mut asc, rows, inter).unwrap();
         let (gaq, gasc) = (c.download(&aq).unwrap(), c.download(&asc).unwrap());
         // SwiGLU from the GPU's bf16 gate_up, then the bit-exact quantisation check
-        let act: Vec<u16> = (0..rows * inter)
-            .map(|k2| {
-                let (rr, i) = (k2 / inter, k2 % inter);
-                let g = f(ggu[rr * 2 * inter + i]);
-                let u = f(ggu[rr * 2 * inter + inter + i]);
-                bf16::from_f64(rb(silu(g)) * u).to_bits()
-            })
-            .collect();
-        check_quant("swiglu", &act, &gaq, &gasc, inter);
+        check_quant("swiglu", &swiglu_act(&ggu, rows, inter), &gaq, &gasc, inter);
         let (dwd, dwds, dsd, dsds) =
             (c.upload(&wd).unwrap(), c.upload(&wds).unwrap(), c.upload(&sd).unwrap(), c.upload(&sds).unwrap());
         let mut ys = c.upload(&vec![POISON; rows * h]).unwrap();
