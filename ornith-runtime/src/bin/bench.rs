@@ -34,8 +34,9 @@ struct Args {
     /// Checkpoint directory (default: the one the binary was compiled for).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Prompt lengths in tokens, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "512,2048,8192,32768,131072")]
+    /// Prompt lengths in tokens of the batch-1 runs, comma-separated (`--prompts` with no value:
+    /// none, the batched runs only).
+    #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "512,2048,8192,32768,131072")]
     prompts: Vec<usize>,
     /// Tokens generated (timed) after each prefill, per decode mode.
     #[arg(long, default_value_t = 128)]
@@ -407,7 +408,13 @@ fn ablate_or_fail(
             step()?;
         }
         b.context().synchronize()?;
-        Ok(t.elapsed().as_secs_f64() * 1e6 / ABLATION_STEPS as f64)
+        let us = t.elapsed().as_secs_f64() * 1e6 / ABLATION_STEPS as f64;
+        if ablated.is_none() {
+            // One more replay of the whole step as a profiler range: under `ncu
+            // --profile-from-start off` (tests/gpu/profile.sh) one captured step of each run.
+            b.context().profiler_range(&mut step)?;
+        }
+        Ok(us)
     };
     let whole = time(None)?;
     let mut out = Vec::new();
@@ -586,7 +593,8 @@ fn run() -> Result<()> {
         // One more prefill with every launch timed (after the timed runs, so it cannot slow them).
         st.reset(&b)?;
         b.profile_begin();
-        let _ = model.prefill(&b, &mut st, &ids, false, &mut |_, _| {})?;
+        // A profiler range too (tests/gpu/profile.sh): the prefill's launches under ncu.
+        let _ = b.context().profiler_range(|| model.prefill(&b, &mut st, &ids, false, &mut |_, _| {}))?;
         let ptimes = b.profile_end()?;
         let avg_pos = p + args.gen / 2;
         let groups = decode_step_bytes(&ck.spec, avg_pos);

@@ -625,6 +625,19 @@ impl CudaContext {
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
     }
+    /// Runs `f` as the profiled range of an external profiler started with profiling off
+    /// (`ncu --profile-from-start off`, tests/gpu/profile.sh): `cuProfilerStart` before, and after
+    /// a synchronisation `cuProfilerStop`. Without a profiler both calls do nothing.
+    pub fn profiler_range<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.synchronize()?;
+        unsafe { cudarc::driver::sys::cuProfilerStart() }.result().context("cuProfilerStart")?;
+        let out = f();
+        let synced = self.synchronize();
+        unsafe { cudarc::driver::sys::cuProfilerStop() }.result().context("cuProfilerStop")?;
+        let out = out?;
+        synced?;
+        Ok(out)
+    }
     pub fn upload<T: DeviceRepr + Clone>(&self, host: &[T]) -> Result<CudaSlice<T>> {
         Ok(self.stream.clone_htod(host)?)
     }

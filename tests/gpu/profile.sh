@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Nsight Compute on the full preset's decode steps and prefill, from the binaries that
+# tests/gpu/build.sh NAME left in .gpu/NAME (bench_full and xtask are enough). ornith-bench runs
+# under `ncu --profile-from-start off`, which profiles only the bench's profiler ranges
+# (CudaContext::profiler_range): one replayed decode step of each run (batch 1 and batched) and
+# the batch-1 runs' event-timed prefill. Each JOB is BATCH:REGEX:COUNT — BATCH 1: a 2K prompt at
+# batch 1 (its decode step, then its prefill), N > 1: N sequences of 2K prompts (their batched step
+# only); the first COUNT launches of kernels whose name matches REGEX in those ranges are profiled.
+# Usage: tests/gpu/profile.sh NAME JOB [JOB ...]
+#   e.g. tests/gpu/profile.sh s17 '8:^moe_gemv_grouped$:2' '1:gdn_chunk_scan|gemm_fp8_grouped:4'
+# Per job: $OUT/ncu_<i>.ncu-rep (open in the Nsight Compute GUI), $OUT/ncu_<i>.txt (the details
+# page), and a short table on stdout (duration, DRAM and L1 throughput, occupancy, issue rate, the
+# warp-state breakdown's largest stalls).
+set -uo pipefail
+name=${1:?usage: tests/gpu/profile.sh NAME BATCH:REGEX:COUNT ...}
+shift
+. "$(dirname "$0")/lib.sh"
+unpack_builds "$name"
+NCU=${NCU:-/usr/local/cuda/bin/ncu}
+[ -x "$NCU" ] || { echo "profile: no Nsight Compute at $NCU"; exit 1; }
+synth_full || exit 1
+sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables
+ --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis"
+i=0
+for job in "$@"; do
+    i=$((i + 1))
+    IFS=: read -r bsz regex count <<< "$job"
+    if [ "$bsz" = 1 ]; then bench_args=(--prompts 2048 --gen 4); else bench_args=(--prompts --gen 4 --batch "$bsz"); fi
+    t0=$SECONDS
+    # shellcheck disable=SC2086
+    timeout 400 "$NCU" --profile-from-start off --kernel-name "regex:$regex" --launch-count "$count" $sections \
+        --force-overwrite -o "$OUT/ncu_$i" "$G/bench_full" --model "$C/full" "${bench_args[@]}" \
+        > "$OUT/ncu_$i.bench.json" 2> "$OUT/ncu_$i.log"
+    echo "job $i ($job) rc=$? $((SECONDS - t0))s"
+    "$NCU" --import "$OUT/ncu_$i.ncu-rep" --page details --print-units base > "$OUT/ncu_$i.txt" 2>&1
+    "$NCU" --import "$OUT/ncu_$i.ncu-rep" --page raw --csv --print-units base > "$OUT/ncu_$i.csv" 2>/dev/null
+    # One line per profiled launch: name, grid, duration, DRAM and L1 throughput (% of peak),
+    # achieved occupancy, instructions executed per cycle per SM, then the four largest stall
+    # reasons (warps stalled per issued instruction).
+    python3 - "$OUT/ncu_$i.csv" <<'EOF'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+if len(rows) < 3:
+    sys.exit("profile: no profiled launches")
+head = rows[0]
+def col(r, name):
+    return r[head.index(name)] if name in head else "?"
+stall = [h for h in head if "issue_stalled_" in h and h.endswith("_per_issue_active.ratio")]
+for r in rows[2:]:
+    def f(name):
+        v = col(r, name).replace(",", "")
+        try:
+            return float(v)
+        except ValueError:
+            return float("nan")
+    top = sorted(stall, key=lambda h: -f(h))[:4]
+    names = " ".join(f"{h.split('issue_stalled_')[1].split('_per_issue')[0]} {f(h):.2f}" for h in top)
+    print(f"{col(r, 'Kernel Name')[:26]:26} grid {col(r, 'Grid Size'):>14} {f('gpu__time_duration.sum') / 1e3:8.1f} us"
+          f"  DRAM {f('gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed'):5.1f}%"
+          f"  L1 {f('l1tex__throughput.avg.pct_of_peak_sustained_active'):5.1f}%"
+          f"  occ {f('sm__warps_active.avg.pct_of_peak_sustained_active'):5.1f}%"
+          f"  IPC {f('sm__inst_executed.avg.per_cycle_active'):4.2f}  | {names}")
+EOF
+done
