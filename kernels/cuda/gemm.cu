@@ -321,16 +321,10 @@ extern "C" __global__ void __launch_bounds__(256) quantize_fp8_ct(const OrnithQu
     __shared__ float sh[32];
     const int t = blockIdx.x;
     const uint16_t *x = p.x + (size_t)t * p.cols;
-    float amax = 0.f, nan = 0.f;
-    for (int i = threadIdx.x; i < p.cols; i += blockDim.x) {
-        float v = bf2f(x[i]);
-        if (v != v) nan = 1.f;
-        amax = fmaxf(amax, fabsf(v));
-    }
-    amax = block_max(amax, sh);
-    nan = block_max(nan, sh);
-    float scale = act_scale(amax);
-    if (nan > 0.f) scale = __int_as_float(0x7fc00000);
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < p.cols; i += blockDim.x) amax = amax_add(amax, bf2f(x[i]));
+    amax = block_max_nan(amax, sh);  // a NaN in the row: the NaN scale, so every code 0x7F (quant_e4m3)
+    const float scale = act_scale(amax);
     if (threadIdx.x == 0) p.scale[t] = scale;
-    for (int i = threadIdx.x; i < p.cols; i += blockDim.x) p.q8[(size_t)t * p.cols + i] = nan > 0.f ? (uint8_t)0x7F : quant_e4m3(bf2f(x[i]), scale);
+    for (int i = threadIdx.x; i < p.cols; i += blockDim.x) p.q8[(size_t)t * p.cols + i] = quant_e4m3(bf2f(x[i]), scale);
 }

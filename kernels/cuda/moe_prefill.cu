@@ -101,23 +101,15 @@ extern "C" __global__ void __launch_bounds__(32 * SQ_ROWS) swiglu_quant_ct(const
     const int lane = threadIdx.x & 31, r = blockIdx.x * SQ_ROWS + (threadIdx.x >> 5);
     if (r >= p.rows) return;
     const uint16_t *gu = p.gate_up + (size_t)r * 2 * p.inter;
-    float amax = 0.f, nan = 0.f;
+    float amax = 0.f;
     for (int i = 8 * lane; i < p.inter; i += 256) {
         float a[8];
         swiglu8(gu, p.inter, i, a);
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            if (a[j] != a[j]) nan = 1.f;
-            amax = fmaxf(amax, fabsf(a[j]));
-        }
+        for (int j = 0; j < 8; j++) amax = amax_add(amax, a[j]);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        nan = fmaxf(nan, __shfl_xor_sync(0xffffffffu, nan, o));
-    }
-    float scale = act_scale(amax);
-    if (nan > 0.f) scale = __int_as_float(0x7fc00000);
+    amax = warp_max_nan(amax);  // a NaN in the row: the NaN scale, so every code 0x7F (quant_e4m3)
+    const float scale = act_scale(amax);
     if (lane == 0) p.scale[r] = scale;
     uint8_t *q = p.q8 + (size_t)r * p.inter;
     for (int i = 8 * lane; i < p.inter; i += 256) {
@@ -126,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(32 * SQ_ROWS) swiglu_quant_ct(const
         uint32_t w[2] = {0u, 0u};
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-            const uint32_t c = nan > 0.f ? 0x7Fu : (uint32_t)quant_e4m3(a[j], scale);
+            const uint32_t c = quant_e4m3(a[j], scale);
             w[j >> 2] |= c << (8 * (j & 3));
         }
         *reinterpret_cast<uint2 *>(q + i) = make_uint2(w[0], w[1]);

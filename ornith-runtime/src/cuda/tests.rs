@@ -513,7 +513,7 @@ fn quantize_fp8_matches_reference() {
 
 /// NaN and inf in rows to quantise: every FP8 activation quantiser — the decode ones
 /// (`quantize_fp8_rows`, `rmsnorm_residual`'s FP8 output, `swiglu_quant`; the norm and SwiGLU
-/// prologues share their code) and the prefill one (`quantize_fp8_ct`) — gives
+/// prologues share their code) and the prefill ones (`quantize_fp8_ct`, `swiglu_quant_ct`) — gives
 /// `cpu::fp8::quantize_act_row`'s scale and codes: a row holding a NaN the NaN scale and every
 /// code 0x7F, an inf the inf scale (finite values 0, the inf itself inf / inf: 0x7F).
 #[test]
@@ -564,11 +564,17 @@ fn fp8_quantisers_keep_nan_and_inf() {
     let mut gu = bfv(&mut r, 3 * 2 * inter, 3.0);
     gu[3] = bf16::NAN.to_bits();
     gu[2 * inter + inter + 9] = bf16::INFINITY.to_bits();
+    let dgu = c.upload(&gu).unwrap();
+    let act = swiglu_act(&gu, 3, inter);
     let mut q8 = c.upload(&vec![0xAAu8; 3 * inter]).unwrap();
     let mut sc = c.upload(&[-1f32; 3]).unwrap();
-    c.swiglu_quant(&c.upload(&gu).unwrap(), &mut q8, &mut sc, 3, inter).unwrap();
-    let act = swiglu_act(&gu, 3, inter);
+    c.swiglu_quant(&dgu, &mut q8, &mut sc, 3, inter).unwrap();
     check_quant("swiglu", &act, &c.download(&q8).unwrap(), &c.download(&sc).unwrap(), inter);
+    // The prefill form (swiglu_quant_ct, one warp per row): the same codes and scales.
+    let q8 = c.upload(&vec![0xAAu8; 3 * inter]).unwrap();
+    let sc = c.upload(&[-1f32; 3]).unwrap();
+    c.k_swiglu_ct(c.addr(&dgu), c.addr(&q8), c.addr(&sc), 3, inter).unwrap();
+    check_quant("swiglu_quant_ct", &act, &c.download(&q8).unwrap(), &c.download(&sc).unwrap(), inter);
 }
 
 /// PERF line for one GEMV launch: L2-warm (operands resident from the previous run) and L2-cold
