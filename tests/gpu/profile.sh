@@ -8,8 +8,8 @@
 # only); the first COUNT launches of kernels whose name matches REGEX in those ranges are profiled.
 # Usage: tests/gpu/profile.sh NAME JOB [JOB ...]
 #   e.g. tests/gpu/profile.sh s17 '8:^moe_gemv_grouped$:2' '1:gdn_chunk_scan|gemm_fp8_grouped:4'
-# Per job: $OUT/ncu_<i>.ncu-rep (open in the Nsight Compute GUI), $OUT/ncu_<i>.txt (the details
-# page), and a short table on stdout (duration, DRAM and L1 throughput, occupancy, issue rate, the
+# Per job: $OUT/ncu_<i>.txt (the details page), $OUT/ncu_<i>.csv (every metric), with KEEP_REP=1
+# $OUT/ncu_<i>.ncu-rep (for the Nsight Compute GUI), and a short table on stdout (duration, DRAM and L1 throughput, occupancy, issue rate, the
 # warp-state breakdown's largest stalls).
 set -uo pipefail
 name=${1:?usage: tests/gpu/profile.sh NAME BATCH:REGEX:COUNT ...}
@@ -34,6 +34,8 @@ for job in "$@"; do
     echo "job $i ($job) rc=$? $((SECONDS - t0))s"
     "$NCU" --import "$OUT/ncu_$i.ncu-rep" --page details --print-units base > "$OUT/ncu_$i.txt" 2>&1
     "$NCU" --import "$OUT/ncu_$i.ncu-rep" --page raw --csv --print-units base > "$OUT/ncu_$i.csv" 2>/dev/null
+    # The report itself (MBs) only with KEEP_REP=1: the device tool brings back a limited number of files.
+    [ "${KEEP_REP:-0}" = 1 ] || rm -f "$OUT/ncu_$i.ncu-rep" "$OUT/ncu_$i.bench.json"
     # One line per profiled launch: name, grid, duration, DRAM and L1 throughput (% of peak),
     # achieved occupancy, instructions executed per cycle per SM, then the four largest stall
     # reasons (warps stalled per issued instruction).
