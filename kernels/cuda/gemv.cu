@@ -53,13 +53,6 @@
 #define MOE_TARGET_WARPS 256
 // 64-byte K steps per pass of the MoE kernels (2 * MOE_U weight loads in flight per lane).
 #define MOE_U 2
-// The per-slot MoE products with a prologue (moe_gemv_fp8_norm / _swiglu: the decode groups below
-// GROUPED_MOE_ROWS) hold two rounds of MOE_PRO_U 64-byte steps in flight across the prologue. Their
-// grid is small (32 tiles x 9 slots at one token: 288 blocks, 2.2 per SM), so they are built for 3
-// blocks per SM (<= 85 registers) and take 2 steps per round, twice the bytes in flight of the
-// 1-step rounds that 64 registers allowed; the same steps in the same order, so the same bits.
-#define MOE_PRO_U 2
-#define MOE_PRO_BLOCKS 3
 // 64-byte K steps per round of the dense kernels (2 * U weight loads per lane): one-tile passes
 // (the narrow build) 2, streamed with the next round in flight (tc_stream); wide passes 4 for up
 // to 16 tokens, 2 beyond (each load feeds 2 * NT mma, and the accumulators need the registers),
@@ -958,8 +951,8 @@ __device__ __forceinline__ void moe_tc_prologue(const OrnithMoeGemvParams &p, co
     __shared__ float sh[32], xsc;
     float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
     const int nrows = max(1, min(16, p.out - pl.row0));
-    // Two rounds of MOE_PRO_U steps held across the prologue (within MOE_PRO_BLOCKS' registers).
-    tc_tile_prologue<true, MOE_PRO_U>(wb + (size_t)pl.row0 * p.in, (size_t)p.in, nrows, pl.row0 < p.out, xrow, pl.k0, pl.k1, acc,
+    // One 64-byte step per round: the two rounds held across the prologue fit 64 registers.
+    tc_tile_prologue<true, 1>(wb + (size_t)pl.row0 * p.in, (size_t)p.in, nrows, pl.row0 < p.out, xrow, pl.k0, pl.k1, acc,
                               [&] { prologue(xrow, &xsc, sh); });
     tc_reduce<1>(acc, pl.ks, red);
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
@@ -995,7 +988,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
 }
 
 // moe_gemv_fp8 with the norm prologue (OrnithMoeGemvParams.norm; the gate|up product, in = hidden).
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, MOE_PRO_BLOCKS) moe_gemv_fp8_norm(const OrnithMoeGemvParams p) {
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_fp8_norm(const OrnithMoeGemvParams p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
     const int slot = blockIdx.y, t = blockIdx.z;
@@ -1010,7 +1003,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, MOE_PRO_BLOCKS) moe_
 
 // moe_gemv_fp8 with the SwiGLU prologue (OrnithMoeGemvParams.gate_up; the down product, in =
 // inter): the block quantises its (token, slot) row of SwiGLU(gate|up) itself, as swiglu_quant.
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, MOE_PRO_BLOCKS) moe_gemv_fp8_swiglu(const OrnithMoeGemvParams p) {
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_fp8_swiglu(const OrnithMoeGemvParams p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
     const int slot = blockIdx.y, t = blockIdx.z;
