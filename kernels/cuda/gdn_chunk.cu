@@ -234,10 +234,16 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_scan(const Ornith
     const int nchunks = (p.tokens + GC_L - 1) / GC_L;
     float *state = p.state + (size_t)h * GC_D * GC_D;
     const float *wsh = p.work + (size_t)h * nchunks * GW_STRIDE;
-    // Thread tiles. X|Y and S': rg = lane / 4, cq = lane % 4 (columns 4cq..4cq+3).
-    const int rg = lane >> 2, cq = lane & 3;
-    // Vn and O: row tr = tid / 4 (warp w holds rows 8w..8w+7), columns 4cq.
-    const int tr = tid >> 2;
+    // Thread tiles. X|Y and S': row group rg (lane bits 0, 3, 4), column quad cq (lane bits 1, 2:
+    // columns 4cq..4cq+3). The scan is bound by shared memory's return bandwidth (one register
+    // per lane per cycle: an LDS.128 takes 4 cycles), which an LDS halves when lanes n and n ^ 1,
+    // or n and n ^ 2, read the same address. Every operand here is indexed by rg alone or by cq
+    // alone, and this split of the lane's bits makes lanes n, n ^ 1 share cq and n, n ^ 2 share
+    // rg, so each LDS is a pair-uniform one (with rg = lane / 4, cq = lane % 4 the cq-indexed
+    // loads of S, R, Vn and Vc were not). Which lane computes an output changes, not its sums.
+    const int rg = (lane & 1) | ((lane >> 2) & 6), cq = (lane >> 1) & 3;
+    // Vn and O: row tr = 8 warp + rg (warp w holds rows 8w..8w+7), columns 4cq.
+    const int tr = 8 * warp + rg;
 
     for (int e = tid; e < GC_D * GS_C; e += 256) sm.s[e / GS_C][e % GS_C] = state[(e / GS_C) * GC_D + c0 + e % GS_C];
 

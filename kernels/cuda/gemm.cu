@@ -40,6 +40,14 @@
 // none beyond the output rounding), enough to break the bit-exact router weights of
 // moe_prefill_matches_reference and row 0 of cuda_ops_vs_cpu (H200, 75521aa); with the
 // promotion every form gives the bits of the one-tile-per-block kernels it replaced.
+// FP8 on sm_90 (no E4M3 tensor-core path) goes through mma_e4m3_split (mma.cuh): the operands
+// unpacked to f16 and both halves' f16 mma accumulated straight into the stage's fragment, so a
+// stage is 8 chained mma per fragment (as a BF16 stage is 4) promoted once. mma_e4m3 as ptxas
+// lowers it added every 32 products into the fragment with an fadd of its own (4 per mma): a
+// grouped stage's loop body (sm_90 SASS, barrier to branch) was 793 instructions, 160 of them
+// FADD, and is 617 with 32; the kernel is bound by instruction issue (ncu, H200: 2.5 instructions
+// per cycle per SM, stalls "not selected" and "math pipe throttle" first).
+// On sm_121 (native E4M3) mma_e4m3_split is mma_e4m3.
 #include "common.cuh"
 #include "fp4.cuh"
 #include "mma.cuh"
@@ -51,9 +59,6 @@
 #define GB_GROUPED_M 64  // rows per tile of the grouped GEMM (MS_TILE in moe_prefill.cu)
 #define GB_BF16_M 128    // rows per tile of gemm_bf16 (cuda::gemm::gemm_rows)
 
-template <bool FP8> __device__ __forceinline__ void mma32(float *c, const uint32_t *a, const uint32_t *b) {
-    if (FP8) mma_e4m3(c, a, b); else mma_bf16(c, a, b);
-}
 
 __device__ __forceinline__ uint32_t swz(int row, int chunk) { return (uint32_t)(row * GB_K + ((chunk ^ (row & 7)) << 4)); }
 
@@ -245,10 +250,20 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
                 int c = 2 * ks + ((lane >> 3) & 1);
                 ldsm_x4(sb + swz(r, c), bfr[nj][0], bfr[nj][1], bfr[nj + 1][0], bfr[nj + 1][1]);
             }
+            if constexpr (FP8) {  // the stage's sums in the tensor core's accumulator (see Accumulation)
+                E4m3A ea[MI];
 #pragma unroll
-            for (int mi = 0; mi < MI; mi++)
+                for (int mi = 0; mi < MI; mi++) ea[mi] = e4m3_a(af[mi][0], af[mi][1], af[mi][2], af[mi][3]);
 #pragma unroll
-                for (int nj = 0; nj < 4; nj++) mma32<FP8>(part[mi][nj], af[mi], bfr[nj]);
+                for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                    for (int nj = 0; nj < 4; nj++) mma_e4m3_split(part[mi][nj], ea[mi], bfr[nj][0], bfr[nj][1]);
+            } else {
+#pragma unroll
+                for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                    for (int nj = 0; nj < 4; nj++) mma_bf16(part[mi][nj], af[mi], bfr[nj]);
+            }
         }
 #pragma unroll
         for (int i = 0; i < MI; i++)

@@ -39,7 +39,8 @@ __device__ __forceinline__ void mma_e4m3(float *c, const uint32_t *a, const uint
 // permutation, one rounding fewer per 32 products, and 4 fewer instructions per mma — at 64 tokens
 // the wide FP8 product is issue-bound (H200: gemv_fp8_wide 1.10 -> 0.84 ms per 64-sequence step).
 // Its bits differ from mma_e4m3's, so every FP8 decode form (narrow, wide, staged, MoE) uses it and
-// they agree with each other; the prefill GEMM keeps mma_e4m3 (no bit relation to decode). On
+// they agree with each other; the prefill GEMM uses it too, within each 128-byte stage (gemm.cu;
+// no bit relation to decode: its stages are promoted into fp32 sums of their own). On
 // sm_121 (native E4M3 mma) mma_e4m3_split is mma_e4m3. E4m3A holds A (the weights) converted
 // once, for every N tile of a step.
 struct E4m3A {
