@@ -59,7 +59,6 @@
 #define GB_GROUPED_M 64  // rows per tile of the grouped GEMM (MS_TILE in moe_prefill.cu)
 #define GB_BF16_M 128    // rows per tile of gemm_bf16 (cuda::gemm::gemm_rows)
 
-
 __device__ __forceinline__ uint32_t swz(int row, int chunk) { return (uint32_t)(row * GB_K + ((chunk ^ (row & 7)) << 4)); }
 
 // A warp's accumulator fragments (MI row tiles x 4 column tiles x 4 floats) set to 0.

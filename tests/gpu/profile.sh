@@ -9,8 +9,8 @@
 # Usage: tests/gpu/profile.sh NAME JOB [JOB ...]
 #   e.g. tests/gpu/profile.sh s17 '8:^moe_gemv_grouped$:2' '1:gdn_chunk_scan|gemm_fp8_grouped:4'
 # Per job: $OUT/ncu_<i>.txt (the details page), $OUT/ncu_<i>.csv (every metric), with KEEP_REP=1
-# $OUT/ncu_<i>.ncu-rep (for the Nsight Compute GUI), and a short table on stdout (duration, DRAM and L1 throughput, occupancy, issue rate, the
-# warp-state breakdown's largest stalls).
+# $OUT/ncu_<i>.ncu-rep (for the Nsight Compute GUI), and a short table on stdout (duration, DRAM
+# and L1 throughput, achieved occupancy, issue rate, the warp-state breakdown's largest stalls).
 set -uo pipefail
 name=${1:?usage: tests/gpu/profile.sh NAME BATCH:REGEX:COUNT ...}
 shift

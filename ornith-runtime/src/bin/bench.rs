@@ -365,8 +365,9 @@ struct Ablation {
 
 /// Steps timed per ablated graph (after one step that captures it).
 const ABLATION_STEPS: usize = 24;
-/// Positions the ablation may use: the full graph plus up to 24 kernels, each `ABLATION_STEPS + 1`.
-const ABLATION_ROOM: usize = 25 * (ABLATION_STEPS + 1);
+/// Positions the ablation may use: the full graph plus up to 24 kernels, each `ABLATION_STEPS + 1`,
+/// and the whole graph's one replay as a profiler range.
+const ABLATION_ROOM: usize = 25 * (ABLATION_STEPS + 1) + 1;
 
 /// In-graph cost of each kernel of the decode step. Event brackets (the per-kernel table) stop the
 /// GPU between launches and inflate small kernels; here the step is captured once as the engine
