@@ -404,12 +404,25 @@ __device__ __forceinline__ void gemv_tc_norm(const uint8_t *w, const float *ws, 
     tc_store<FP8, 1>(acc, pl.row0, 0, 1, out, y, y_stride, ws, &xsc, fold);
 }
 
+// Token groups (grid.y): block row y takes tokens [y * per, min(tokens, (y + 1) * per)), per =
+// ceil(tokens / gridDim.y) rounded up to whole N tiles, as a group of its own (its passes, the
+// last-token reuse and the stores bounded by the group's end). A column's arithmetic does not
+// depend on which tokens share its pass, so the bits are those of one group (cuda::gemv_tc_launch
+// splits the wide build's groups when its row tiles alone leave the SMs short of blocks).
 template <bool FP8, int NTMAX>
 __device__ __forceinline__ void gemv_tc(const uint8_t *w, const float *ws, const uint8_t *x, const float *xs, uint16_t *y,
                                         int tokens, int in, int out, int x_stride, int y_stride, int split_out, uint16_t *fold) {
     __shared__ float red[TC_WARPS * 4 * 32];
     constexpr int ES = FP8 ? 1 : 2;
     const TcPlace pl = tc_place(in * ES, split_rows(split_out, out));
+    if (NTMAX > 1 && gridDim.y > 1) {  // the group's rows of x, xs, y and fold (the narrow build has one group)
+        const int per = ((tokens + (int)gridDim.y - 1) / (int)gridDim.y + 7) / 8 * 8, tbeg = (int)blockIdx.y * per;
+        x += (size_t)tbeg * x_stride * ES;
+        if (FP8) xs += tbeg;
+        y += (size_t)tbeg * y_stride;
+        if (fold) fold += (size_t)tbeg * y_stride;
+        tokens = min(per, tokens - tbeg);
+    }
     // The pass loop of tc_passes, written out: through a lambda nvcc allocates this form's
     // registers differently (gemv_bf16: 20 bytes of spills instead of 4, ptxas sm_90).
     for (int t0 = 0; t0 < tokens; t0 += 8 * NTMAX) {

@@ -123,12 +123,8 @@ impl CudaContext {
             });
         }
         let bytes = (out * in_ * 2 + t * (in_ + out) * 2) as u64 + fold_bytes(fold, t, out);
-        let name = super::gemv_tc_kernel(false, t);
-        self.launch(
-            Launch::new(name, (super::gemv_tc_blocks(in_ * 2, out, split), 1, 1), super::GEMV_BLOCK, bytes)
-                .weights_first(),
-            p,
-        )
+        let (name, grid) = super::gemv_tc_launch(false, in_ * 2, out, split, t, self.wide_wave);
+        self.launch(Launch::new(name, grid, super::GEMV_BLOCK, bytes).weights_first(), p)
     }
 
     /// The staged build's launches for a group of `t` tokens: one per
@@ -214,11 +210,8 @@ impl CudaContext {
             });
         }
         let bytes = (out * in_ + out * 4 + t * (in_ + 4 + out * 2)) as u64 + fold_bytes(fold, t, out);
-        let name = super::gemv_tc_kernel(true, t);
-        self.launch(
-            Launch::new(name, (super::gemv_tc_blocks(in_, out, split), 1, 1), super::GEMV_BLOCK, bytes).weights_first(),
-            p,
-        )
+        let (name, grid) = super::gemv_tc_launch(true, in_, out, split, t, self.wide_wave);
+        self.launch(Launch::new(name, grid, super::GEMV_BLOCK, bytes).weights_first(), p)
     }
 
     /// What the norm-prologue products assume (`OrnithNormIn`): one row (`ORNITH_NORM_ROWS`),

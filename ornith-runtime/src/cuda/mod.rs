@@ -230,6 +230,36 @@ pub(crate) fn gemv_tc_kernel(fp8: bool, tokens: usize) -> &'static str {
     }
 }
 
+/// The kernel and grid of a dense decode product of `tokens` rows over `out` rows of `row_bytes`
+/// bytes whose K split is chosen for `split` rows (not the staged build, which [`gemv_staged`]
+/// decides first): [`gemv_tc_kernel`] over [`gemv_tc_blocks`] row tiles, and for the wide build
+/// the group's tokens split into the most token groups (grid.y, a power of two, at least 8 tokens
+/// each) that keep the grid within `wave` blocks (one wave of the wide build on the device). The
+/// products with few row tiles — out_proj and o_proj (128), the router (17), attention's k and v
+/// parts (16) — otherwise left most SMs idle at 32–64 tokens (one block of 8 warps on 128 of the
+/// H200's 132 SMs for out_proj); the GDN input projection and attention's q fill the wave alone.
+/// A column's arithmetic does not depend on its group (gemv.cu), so the bits do not change.
+pub(crate) fn gemv_tc_launch(
+    fp8: bool,
+    row_bytes: usize,
+    out: usize,
+    split: usize,
+    tokens: usize,
+    wave: u32,
+) -> (&'static str, (u32, u32, u32)) {
+    let blocks = gemv_tc_blocks(row_bytes, out, split);
+    let mut groups = 1u32;
+    if gemv_tc_wide(tokens) {
+        let tiles = tokens.div_ceil(8) as u32;
+        while groups * 2 <= tiles && blocks * groups * 2 <= wave {
+            groups *= 2;
+        }
+    }
+    // Rows of tokens per group as the kernel computes them: whole N tiles, no empty group.
+    let per = tokens.div_ceil(groups as usize).div_ceil(8) * 8;
+    (gemv_tc_kernel(fp8, tokens), (blocks, tokens.div_ceil(per) as u32, 1))
+}
+
 /// Whether a decode product of `tokens` rows takes the wide build (every format: `gemv_*_wide`).
 pub(crate) fn gemv_tc_wide(tokens: usize) -> bool {
     tokens > 8
@@ -317,6 +347,9 @@ pub struct CudaContext {
     /// Blocks of the decode attention's split kernel ([`attention::ATT_BLOCKS_PER_SM`] per SM, or
     /// as many as its shared memory lets reside).
     pub(crate) attn_blocks: u32,
+    /// One wave of the wide decode products (`gemv_bf16_wide`, `gemv_fp8_wide`: SMs x the blocks
+    /// of either one SM holds), the most blocks [`gemv_tc_launch`] gives a split group.
+    pub(crate) wide_wave: u32,
     /// Blocks of each persistent prefill GEMM (gemm.cu): SMs x the blocks of that kernel one SM
     /// holds at its shared memory (see [`gemm::gemm_smem`]).
     pub(crate) gemm_blocks: HashMap<&'static str, u32>,
@@ -486,6 +519,7 @@ impl CudaContext {
         };
         let attn_blocks =
             sms * per_sm("attn_decode_split", 64, attention::ATT_SPLIT_SMEM)?.min(attention::ATT_BLOCKS_PER_SM);
+        let wide_wave = sms * per_sm("gemv_bf16_wide", GEMV_BLOCK, 0)?.min(per_sm("gemv_fp8_wide", GEMV_BLOCK, 0)?);
         let mut gemm_blocks = HashMap::new();
         for n in gemm::GEMM_KERNELS {
             gemm_blocks.insert(n, sms * per_sm(n, 256, gemm::gemm_smem(n))?);
@@ -503,6 +537,7 @@ impl CudaContext {
             funcs,
             pdl: AtomicU8::new(DEFAULT_PDL.code()),
             attn_blocks,
+            wide_wave,
             gemm_blocks,
             observing: AtomicBool::new(false),
             profile: Mutex::new(Vec::new()),
@@ -796,6 +831,16 @@ mod gemv_tc_tests {
         assert_eq!(gemv_tc_blocks(2048, 512, 512), 32);
         assert_eq!(gemv_tc_blocks(2048, 512, 9216), 16);
         assert_eq!(gemv_tc_blocks(2048, 8192, 9216), 256);
+        // Token groups of the wide build within one wave (the H200's: 132 SMs x 2 blocks).
+        let wave = 264;
+        assert_eq!(gemv_tc_launch(false, 4096, 12_352, 12_352, 64, wave), ("gemv_bf16_wide", (386, 1, 1)));
+        assert_eq!(gemv_tc_launch(false, 8192, 2048, 2048, 64, wave), ("gemv_bf16_wide", (128, 2, 1)));
+        assert_eq!(gemv_tc_launch(false, 8192, 2048, 2048, 8, wave), ("gemv_bf16", (128, 1, 1)));
+        assert_eq!(gemv_tc_launch(false, 4096, 257, 257, 64, wave), ("gemv_bf16_wide", (17, 8, 1)));
+        assert_eq!(gemv_tc_launch(false, 4096, 257, 257, 20, wave), ("gemv_bf16_wide", (17, 2, 1)));
+        assert_eq!(gemv_tc_launch(false, 4096, 257, 257, 17, wave), ("gemv_bf16_wide", (17, 2, 1)));
+        assert_eq!(gemv_tc_launch(true, 2048, 512, 9216, 33, wave), ("gemv_fp8_wide", (16, 3, 1)));
+        assert_eq!(gemv_tc_launch(true, 2048, 8192, 9216, 64, wave), ("gemv_fp8_wide", (256, 1, 1)));
         // One expert's [out, in] of the MoE products (FP8).
         for (in_, out, ks, blocks) in [
             (2048, 1024, 4, 32), // (shared) expert gate|up
