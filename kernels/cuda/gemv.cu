@@ -832,9 +832,16 @@ __device__ __forceinline__ void gemv_fp4_pass(const OrnithGemvNvfp4Params &p, in
         }
 }
 
-template <int NTMAX> __device__ __forceinline__ void gemv_fp4(const OrnithGemvNvfp4Params &p) {
+template <int NTMAX> __device__ __forceinline__ void gemv_fp4(const OrnithGemvNvfp4Params &launch) {
     __shared__ float red[TC_WARPS * 4 * 32];
-    const TcPlace pl = tc_place(p.in, split_rows(p.split_out, p.out), TC_TARGET_WARPS, 1);
+    const TcPlace pl = tc_place(launch.in, split_rows(launch.split_out, launch.out), TC_TARGET_WARPS, 1);
+    OrnithGemvNvfp4Params p = launch;
+    if (NTMAX > 1 && gridDim.y > 1) {  // token groups over grid.y, as gemv_tc
+        const int per = ((p.tokens + (int)gridDim.y - 1) / (int)gridDim.y + 7) / 8 * 8, tbeg = (int)blockIdx.y * per;
+        p.x += (size_t)tbeg * p.x_stride;
+        p.y += (size_t)tbeg * p.y_stride;
+        p.tokens = min(per, p.tokens - tbeg);
+    }
     tc_passes<NTMAX>(p.tokens, [&](int t0, auto nt) { gemv_fp4_pass<decltype(nt)::v>(p, t0, pl, red); });
 }
 

@@ -248,6 +248,13 @@ pub(crate) fn gemv_tc_launch(
     wave: u32,
 ) -> (&'static str, (u32, u32, u32)) {
     let blocks = gemv_tc_blocks(row_bytes, out, split);
+    (gemv_tc_kernel(fp8, tokens), (blocks, token_groups(blocks, tokens, wave), 1))
+}
+
+/// grid.y of a decode product over `blocks` row tiles (see [`gemv_tc_launch`]): 1 up to 8
+/// tokens (the narrow builds), else the most power-of-two groups of at least 8 tokens within
+/// `wave` blocks, counted as the kernels split them (whole N tiles per group, none empty).
+pub(crate) fn token_groups(blocks: u32, tokens: usize, wave: u32) -> u32 {
     let mut groups = 1u32;
     if gemv_tc_wide(tokens) {
         let tiles = tokens.div_ceil(8) as u32;
@@ -255,9 +262,8 @@ pub(crate) fn gemv_tc_launch(
             groups *= 2;
         }
     }
-    // Rows of tokens per group as the kernel computes them: whole N tiles, no empty group.
     let per = tokens.div_ceil(groups as usize).div_ceil(8) * 8;
-    (gemv_tc_kernel(fp8, tokens), (blocks, tokens.div_ceil(per) as u32, 1))
+    tokens.div_ceil(per) as u32
 }
 
 /// Whether a decode product of `tokens` rows takes the wide build (every format: `gemv_*_wide`).
@@ -350,6 +356,8 @@ pub struct CudaContext {
     /// One wave of the wide decode products (`gemv_bf16_wide`, `gemv_fp8_wide`: SMs x the blocks
     /// of either one SM holds), the most blocks [`gemv_tc_launch`] gives a split group.
     pub(crate) wide_wave: u32,
+    /// The same for `gemv_nvfp4_wide` (more blocks per SM).
+    pub(crate) nvfp4_wide_wave: u32,
     /// Blocks of each persistent prefill GEMM (gemm.cu): SMs x the blocks of that kernel one SM
     /// holds at its shared memory (see [`gemm::gemm_smem`]).
     pub(crate) gemm_blocks: HashMap<&'static str, u32>,
@@ -520,6 +528,7 @@ impl CudaContext {
         let attn_blocks =
             sms * per_sm("attn_decode_split", 64, attention::ATT_SPLIT_SMEM)?.min(attention::ATT_BLOCKS_PER_SM);
         let wide_wave = sms * per_sm("gemv_bf16_wide", GEMV_BLOCK, 0)?.min(per_sm("gemv_fp8_wide", GEMV_BLOCK, 0)?);
+        let nvfp4_wide_wave = sms * per_sm("gemv_nvfp4_wide", GEMV_BLOCK, 0)?;
         let mut gemm_blocks = HashMap::new();
         for n in gemm::GEMM_KERNELS {
             gemm_blocks.insert(n, sms * per_sm(n, 256, gemm::gemm_smem(n))?);
@@ -538,6 +547,7 @@ impl CudaContext {
             pdl: AtomicU8::new(DEFAULT_PDL.code()),
             attn_blocks,
             wide_wave,
+            nvfp4_wide_wave,
             gemm_blocks,
             observing: AtomicBool::new(false),
             profile: Mutex::new(Vec::new()),
@@ -841,6 +851,8 @@ mod gemv_tc_tests {
         assert_eq!(gemv_tc_launch(false, 4096, 257, 257, 17, wave), ("gemv_bf16_wide", (17, 2, 1)));
         assert_eq!(gemv_tc_launch(true, 2048, 512, 9216, 33, wave), ("gemv_fp8_wide", (16, 3, 1)));
         assert_eq!(gemv_tc_launch(true, 2048, 8192, 9216, 64, wave), ("gemv_fp8_wide", (256, 1, 1)));
+        // NVFP4A16 o_proj (K split by weights: 4096 per row), 2 blocks of gemv_nvfp4_wide per SM.
+        assert_eq!(token_groups(gemv_tc_blocks(4096, 2048, 2048), 64, 264), 2);
         // One expert's [out, in] of the MoE products (FP8).
         for (in_, out, ks, blocks) in [
             (2048, 1024, 4, 32), // (shared) expert gate|up

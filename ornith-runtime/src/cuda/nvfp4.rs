@@ -101,10 +101,10 @@ impl CudaContext {
         };
         let bytes = (fp4_bytes(in_, out, tables(&w, out)) + t * (in_ + out) * 2) as u64;
         let name = if super::gemv_tc_wide(t) { "gemv_nvfp4_wide" } else { "gemv_nvfp4" };
-        self.launch(
-            Launch::new(name, (super::gemv_tc_blocks(in_, out, split), 1, 1), super::GEMV_BLOCK, bytes).weights_first(),
-            p,
-        )
+        // Token groups over grid.y as the other wide products (super::gemv_tc_launch): same bits.
+        let blocks = super::gemv_tc_blocks(in_, out, split);
+        let grid = (blocks, super::token_groups(blocks, t, self.nvfp4_wide_wave), 1);
+        self.launch(Launch::new(name, grid, super::GEMV_BLOCK, bytes).weights_first(), p)
     }
 
     /// The NVFP4 expert products of a decode group (see `OrnithMoeGemvNvfp4Params`): per
