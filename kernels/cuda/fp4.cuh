@@ -33,17 +33,27 @@ __device__ __forceinline__ Fp4Lut fp4_lut(float s) {
                   __byte_perm(p2, p3, 0x7531)};
 }
 
+// prmt.b32 in its default mode (a selector nibble's bit 3 replicates the sign of the selected byte),
+// spelled out so that the mode never depends on how an intrinsic treats that bit.
+__device__ __forceinline__ uint32_t fp4_prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
 // 8 weights of one group (a u32 of codes: byte j holds columns 2j (low nibble) and 2j + 1) as 4
 // bf16x2 registers, register j = {column 2j (low half), column 2j + 1}.
 __device__ __forceinline__ void fp4_word(uint32_t w, const Fp4Lut &l, uint32_t (&r)[4]) {
     const uint32_t m = w & 0x77777777u;  // magnitude indices (prmt uses 3 bits of each selector nibble)
     const uint32_t lo_a = __byte_perm(l.lo0, l.lo1, m), lo_b = __byte_perm(l.lo0, l.lo1, m >> 16);
     uint32_t hi_a = __byte_perm(l.hi0, l.hi1, m), hi_b = __byte_perm(l.hi0, l.hi1, m >> 16);
-    // Sign of code n (bit 4n + 3 of w) onto bit 7 of high byte n: bytes {w.b0, w.b0, w.b1, w.b1}
-    // carry codes 0, 1 (bits 3 and 15 after the shift / as they are) and 2, 3 (bits 23, 31).
-    const uint32_t ta = __byte_perm(w, 0, 0x1100), tb = __byte_perm(w, 0, 0x3322);
-    hi_a ^= ((ta << 4) & 0x00800080u) | (ta & 0x80008000u);
-    hi_b ^= ((tb << 4) & 0x00800080u) | (tb & 0x80008000u);
+    // Sign of code n (bit 4n + 3 of w) onto bit 7 of high byte n. Code 2j's sign is bit 7 of byte
+    // j of w << 4, code 2j + 1's bit 7 of byte j of w: prmt with a selector nibble's bit 3 set
+    // replicates the selected byte's bit 7 over the result byte, so one prmt gives the 4 codes'
+    // signs as 0x00 / 0xff bytes (bytes w4.b0, w.b0, w4.b1, w.b1 for codes 0..3).
+    const uint32_t w4 = w << 4;
+    hi_a ^= fp4_prmt(w4, w, 0xD9C8u) & 0x80808080u;
+    hi_b ^= fp4_prmt(w4, w, 0xFBEAu) & 0x80808080u;
     r[0] = __byte_perm(lo_a, hi_a, 0x5140);
     r[1] = __byte_perm(lo_a, hi_a, 0x7362);
     r[2] = __byte_perm(lo_b, hi_b, 0x5140);
