@@ -404,6 +404,14 @@ __device__ __forceinline__ void gemv_tc_norm(const uint8_t *w, const float *ws, 
     tc_store<FP8, 1>(acc, pl.row0, 0, 1, out, y, y_stride, ws, &xsc, fold);
 }
 
+// This block row's token group (the rule below, gemv_tc; cuda::token_groups sizes grid.y): returns
+// its first token and leaves its count in `tokens`. gemv_tc and gemv_fp4 both split by it.
+__device__ __forceinline__ int token_group(int &tokens) {
+    const int per = ((tokens + (int)gridDim.y - 1) / (int)gridDim.y + 7) / 8 * 8, tbeg = (int)blockIdx.y * per;
+    tokens = min(per, tokens - tbeg);
+    return tbeg;
+}
+
 // Token groups (grid.y): block row y takes tokens [y * per, min(tokens, (y + 1) * per)), per =
 // ceil(tokens / gridDim.y) rounded up to whole N tiles, as a group of its own (its passes, the
 // last-token reuse and the stores bounded by the group's end). A column's arithmetic does not
@@ -416,12 +424,11 @@ __device__ __forceinline__ void gemv_tc(const uint8_t *w, const float *ws, const
     constexpr int ES = FP8 ? 1 : 2;
     const TcPlace pl = tc_place(in * ES, split_rows(split_out, out));
     if (NTMAX > 1 && gridDim.y > 1) {  // the group's rows of x, xs, y and fold (the narrow build has one group)
-        const int per = ((tokens + (int)gridDim.y - 1) / (int)gridDim.y + 7) / 8 * 8, tbeg = (int)blockIdx.y * per;
+        const int tbeg = token_group(tokens);
         x += (size_t)tbeg * x_stride * ES;
         if (FP8) xs += tbeg;
         y += (size_t)tbeg * y_stride;
         if (fold) fold += (size_t)tbeg * y_stride;
-        tokens = min(per, tokens - tbeg);
     }
     // The pass loop of tc_passes, written out: through a lambda nvcc allocates this form's
     // registers differently (gemv_bf16: 20 bytes of spills instead of 4, ptxas sm_90).
@@ -837,10 +844,9 @@ template <int NTMAX> __device__ __forceinline__ void gemv_fp4(const OrnithGemvNv
     const TcPlace pl = tc_place(launch.in, split_rows(launch.split_out, launch.out), TC_TARGET_WARPS, 1);
     OrnithGemvNvfp4Params p = launch;
     if (NTMAX > 1 && gridDim.y > 1) {  // token groups over grid.y, as gemv_tc
-        const int per = ((p.tokens + (int)gridDim.y - 1) / (int)gridDim.y + 7) / 8 * 8, tbeg = (int)blockIdx.y * per;
+        const int tbeg = token_group(p.tokens);
         p.x += (size_t)tbeg * p.x_stride;
         p.y += (size_t)tbeg * p.y_stride;
-        p.tokens = min(per, p.tokens - tbeg);
     }
     tc_passes<NTMAX>(p.tokens, [&](int t0, auto nt) { gemv_fp4_pass<decltype(nt)::v>(p, t0, pl, red); });
 }
