@@ -247,14 +247,20 @@ pub(crate) fn gemv_tc_launch(
     tokens: usize,
     wave: u32,
 ) -> (&'static str, (u32, u32, u32)) {
+    (gemv_tc_kernel(fp8, tokens), gemv_tc_grid(row_bytes, out, split, tokens, wave))
+}
+
+/// The grid of [`gemv_tc_launch`], for every format's dense decode product (`gemv_nvfp4*` as well,
+/// with its own `wave`): [`gemv_tc_blocks`] row tiles by [`token_groups`] token groups.
+pub(crate) fn gemv_tc_grid(row_bytes: usize, out: usize, split: usize, tokens: usize, wave: u32) -> (u32, u32, u32) {
     let blocks = gemv_tc_blocks(row_bytes, out, split);
-    (gemv_tc_kernel(fp8, tokens), (blocks, token_groups(blocks, tokens, wave), 1))
+    (blocks, token_groups(blocks, tokens, wave), 1)
 }
 
 /// grid.y of a decode product over `blocks` row tiles (see [`gemv_tc_launch`]): 1 up to 8
 /// tokens (the narrow builds), else the most power-of-two groups of at least 8 tokens within
 /// `wave` blocks, counted as the kernels split them (whole N tiles per group, none empty).
-pub(crate) fn token_groups(blocks: u32, tokens: usize, wave: u32) -> u32 {
+fn token_groups(blocks: u32, tokens: usize, wave: u32) -> u32 {
     let mut groups = 1u32;
     if gemv_tc_wide(tokens) {
         let tiles = tokens.div_ceil(8) as u32;
@@ -852,7 +858,7 @@ mod gemv_tc_tests {
         assert_eq!(gemv_tc_launch(true, 2048, 512, 9216, 33, wave), ("gemv_fp8_wide", (16, 3, 1)));
         assert_eq!(gemv_tc_launch(true, 2048, 8192, 9216, 64, wave), ("gemv_fp8_wide", (256, 1, 1)));
         // NVFP4A16 o_proj (K split by weights: 4096 per row), 2 blocks of gemv_nvfp4_wide per SM.
-        assert_eq!(token_groups(gemv_tc_blocks(4096, 2048, 2048), 64, 264), 2);
+        assert_eq!(gemv_tc_grid(4096, 2048, 2048, 64, 264).1, 2);
         // One expert's [out, in] of the MoE products (FP8).
         for (in_, out, ks, blocks) in [
             (2048, 1024, 4, 32), // (shared) expert gate|up

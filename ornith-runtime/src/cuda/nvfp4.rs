@@ -101,9 +101,8 @@ impl CudaContext {
         };
         let bytes = (fp4_bytes(in_, out, tables(&w, out)) + t * (in_ + out) * 2) as u64;
         let name = if super::gemv_tc_wide(t) { "gemv_nvfp4_wide" } else { "gemv_nvfp4" };
-        // Token groups over grid.y as the other wide products (super::gemv_tc_launch): same bits.
-        let blocks = super::gemv_tc_blocks(in_, out, split);
-        let grid = (blocks, super::token_groups(blocks, t, self.nvfp4_wide_wave), 1);
+        // Token groups over grid.y as the other wide products: same bits.
+        let grid = super::gemv_tc_grid(in_, out, split, t, self.nvfp4_wide_wave);
         self.launch(Launch::new(name, grid, super::GEMV_BLOCK, bytes).weights_first(), p)
     }
 
