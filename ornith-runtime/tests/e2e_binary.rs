@@ -430,6 +430,22 @@ fn line_count(path: &std::path::Path) -> usize {
     std::fs::read(path).map(|b| b.iter().filter(|&&c| c == b'\n').count()).unwrap_or(0)
 }
 
+/// Waits until `path` has `at` lines while `child` runs. Fails if the child ends first or if no
+/// line is added for 120 s (a stall, not a slow machine: each new line restarts the clock, so
+/// the test holds on 2 cores or under emulation, where a whole round can take minutes).
+fn wait_for_lines(child: &mut std::process::Child, path: &std::path::Path, at: usize, what: &str) {
+    let (mut seen, mut last) = (line_count(path), std::time::Instant::now());
+    while seen < at {
+        assert!(child.try_wait().unwrap().is_none(), "{what}: ornith batch ended before line {at}");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let n = line_count(path);
+        if n > seen {
+            (seen, last) = (n, std::time::Instant::now());
+        }
+        assert!(last.elapsed().as_secs() < 120, "{what}: no new line for 120 s (stuck at {seen} of {at})");
+    }
+}
+
 const BATCH_N: usize = 500;
 
 /// The uninterrupted run of the 500-line file (computed once, shared by the batch tests).
@@ -486,12 +502,7 @@ fn batch_resumes_after_kill_9_without_duplicating_or_dropping_a_request() {
     for round in 0..2 {
         let at = line_count(&output) + rng.random_range(20..200);
         let mut child = batch_command(input, &output).spawn().unwrap();
-        let t = std::time::Instant::now();
-        while line_count(&output) < at {
-            assert!(child.try_wait().unwrap().is_none(), "round {round}: ornith batch ended before line {at}");
-            assert!(t.elapsed().as_secs() < 120, "round {round}: no progress");
-            std::thread::sleep(std::time::Duration::from_millis(2));
-        }
+        wait_for_lines(&mut child, &output, at, &format!("round {round}"));
         child.kill().unwrap(); // SIGKILL
         let status = child.wait().unwrap();
         assert!(!status.success(), "seed {seed}: killed");
@@ -513,12 +524,7 @@ fn batch_stops_on_sigint_with_cancelled_lines_and_a_rerun_completes_it() {
     let dir = scratch("batch-int");
     let output = dir.join("out.jsonl");
     let mut child = batch_command(input, &output).spawn().unwrap();
-    let t = std::time::Instant::now();
-    while line_count(&output) < 60 {
-        assert!(child.try_wait().unwrap().is_none(), "ornith batch ended early");
-        assert!(t.elapsed().as_secs() < 120, "no progress");
-        std::thread::sleep(std::time::Duration::from_millis(2));
-    }
+    wait_for_lines(&mut child, &output, 60, "SIGINT run");
     let int = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
     assert!(int.success());
     let out = child.wait_with_output().unwrap();
