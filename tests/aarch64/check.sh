@@ -9,6 +9,8 @@
 #   bash tests/aarch64/check.sh            # as root on Debian/Ubuntu (installs what it needs)
 #   bash tests/aarch64/check.sh -- NAME    # only the tests whose names contain NAME
 #
+# The whole suite takes over an hour on 2 cores (emulated tests run 5-21 times slower); the last
+# run's figures are in docs/TESTING.md.
 # Needs: apt (gcc-aarch64-linux-gnu, libc6-dev-arm64-cross, qemu-user), rustup, and binfmt_misc
 # (so that an aarch64 test can start the aarch64 `ornith` binary as a child process).
 set -euo pipefail
