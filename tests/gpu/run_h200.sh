@@ -22,6 +22,7 @@
 # PHASE=nvfp4-shallow: that last part alone.
 # PHASE=nvfp4-bench: the full preset's FP8 and NVFP4A16 exports benched one after the other (PROMPTS, BATCH;
 # QUANTS="fp8" or "nvfp4" for one of them; FILE_N=256 adds the JSONL batch file on the FP8 export).
+# FILE_STEPS="2048 8192": the batch file once per `--max-batch-tokens` value (default: the engine's 2048).
 # PHASE=prefix: 1–2, then the full preset's prefix-cache identity test and tests/gpu/prefix_cache.py
 # (a growing agent conversation and a shared-system-prompt batch file, with and without the cache).
 # Logs and JSON go to $OUT; a short table to stdout.
@@ -32,6 +33,16 @@ batch=${3:-1,2,4,8,16,32,64}
 . "$(dirname "$0")/lib.sh"
 unpack_builds "$name"
 phase=${PHASE:-all}
+# The JSONL batch file (tests/gpu/batch_file.py) on MODEL_DIR with N requests, once per
+# --max-batch-tokens value in FILE_STEPS; results in /tmp, the figures on stdout.
+batch_files() {  # MODEL_DIR N TIMEOUT_S
+    local steps t0
+    for steps in ${FILE_STEPS:-2048}; do
+        t0=$SECONDS
+        timeout "$3" python3 tests/gpu/batch_file.py "$G/ornith_full" "$1" "/tmp/batch_file_$steps.jsonl" "$2" --max-batch-tokens "$steps"
+        echo "batch file (--max-batch-tokens $steps) rc=$? $((SECONDS - t0))s"
+    done
+}
 if [ "$phase" = prefill ]; then
     # Long-context prefill: the flash attention kernel test (CPU reference, PERF lines to 128K
     # cached), the full preset's bench prefill at PROMPTS (default here 2K / 32K / 128K; the per-kernel
@@ -92,8 +103,7 @@ if [ "$phase" = nvfp4-bench ]; then
         echo "bench $q rc=$? $((SECONDS - t0))s"
         grep -E "^ +[0-9]+ +[0-9.]+ +[0-9]+ |prefill of|GB per|skipping|error|Spark" "$OUT/bench_$q.err" | head -30
         if [ $q = fp8 ] && [ -n "${FILE_N:-}" ]; then  # FILE_N=256: the JSONL batch file on the FP8 export
-            t0=$SECONDS
-            timeout 200 python3 tests/gpu/batch_file.py "$G/ornith_full" "$dir" "$OUT/batch_file.jsonl" "$FILE_N"; echo "batch file rc=$? $((SECONDS - t0))s"
+            batch_files "$dir" "$FILE_N" 200
         fi
     done
     rm -rf "$C"/full*
@@ -102,8 +112,7 @@ fi
 [ "$phase" = check ] && exit 0
 synth_full || exit 1
 if [ "$phase" = check+file ]; then
-    t0=$SECONDS
-    timeout 300 python3 tests/gpu/batch_file.py "$G/ornith_full" "$C/full" "$OUT/batch_file.jsonl" "${FILE_N:-256}"; echo "batch file rc=$? $((SECONDS - t0))s"
+    batch_files "$C/full" "${FILE_N:-256}" 300
     exit 0
 fi
 if [ "$phase" = prefix ]; then
@@ -137,8 +146,7 @@ if [ -x "$G/ornith_full" ]; then
     timeout 150 python3 tests/gpu/soak_full.py "$G/ornith_full" "$C/full" "$OUT/soak_full.jsonl"; echo "soak rc=$? $((SECONDS - t0))s"
 fi
 if [ -x "$G/ornith_full" ]; then
-    t0=$SECONDS
-    timeout 240 python3 tests/gpu/batch_file.py "$G/ornith_full" "$C/full" "$OUT/batch_file.jsonl" 256; echo "batch file rc=$? $((SECONDS - t0))s"
+    batch_files "$C/full" 256 240
 fi
 if [ -d .gpu/wheels ]; then
     t0=$SECONDS
