@@ -11,18 +11,20 @@
 #
 # The whole suite takes over an hour on 2 cores (emulated tests run 5-21 times slower); the last
 # run's figures are in docs/TESTING.md.
-# Needs: apt (gcc-aarch64-linux-gnu, libc6-dev-arm64-cross, qemu-user), rustup, and binfmt_misc
+# Needs: apt (gcc-aarch64-linux-gnu, libc6-dev-arm64-cross, qemu-user, qemu-user-binfmt), rustup, and binfmt_misc
 # (so that an aarch64 test can start the aarch64 `ornith` binary as a child process).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 TRIPLE=aarch64-unknown-linux-gnu
 SYSROOT=/usr/aarch64-linux-gnu
+CONF=/usr/lib/binfmt.d/qemu-aarch64.conf  # the aarch64 ELF magic and qemu's wrapper, as Debian ships them
 
-if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64 >/dev/null || [ ! -d "$SYSROOT/lib" ]; then
+if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64 >/dev/null || [ ! -d "$SYSROOT/lib" ] \
+    || [ ! -f "$CONF" ]; then
     echo "aarch64: installing the cross linker, the arm64 glibc and qemu-user" >&2
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user qemu-user-binfmt >/dev/null
 fi
 if ! rustup target list --installed | grep -qx "$TRIPLE"; then
     rustup target add "$TRIPLE"
@@ -35,12 +37,8 @@ if [ ! -e "$BINFMT/register" ]; then
     mount binfmt_misc -t binfmt_misc "$BINFMT"
 fi
 if [ ! -e "$BINFMT/qemu-aarch64" ]; then
-    if [ -f /usr/lib/binfmt.d/qemu-aarch64.conf ]; then  # as qemu-user-binfmt ships it
-        cat /usr/lib/binfmt.d/qemu-aarch64.conf >"$BINFMT/register"
-    else  # the magic and mask of an aarch64 ELF executable (e_machine 0xb7), plain qemu-aarch64
-        printf ':qemu-aarch64:M::\\x7fELF\\x02\\x01\\x01\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x00\\x02\\x00\\xb7\\x00:\\xff\\xff\\xff\\xff\\xff\\xff\\xff\\x00\\xff\\xff\\xff\\xff\\xff\\xff\\xff\\xff\\xfe\\xff\\xff\\xff:%s:F\\n' \
-            "$(command -v qemu-aarch64)" >"$BINFMT/register"
-    fi
+    [ -f "$CONF" ] || { echo "aarch64: $CONF missing: apt-get install qemu-user-binfmt" >&2; exit 1; }
+    cat "$CONF" >"$BINFMT/register"
 fi
 echo "aarch64: binfmt $(head -1 "$BINFMT/qemu-aarch64") ($(sed -n 2p "$BINFMT/qemu-aarch64"))" >&2
 

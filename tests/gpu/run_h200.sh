@@ -144,8 +144,6 @@ grep -v uploading "$OUT/bench_full.err" | head -130
 if [ -x "$G/ornith_full" ]; then
     t0=$SECONDS
     timeout 150 python3 tests/gpu/soak_full.py "$G/ornith_full" "$C/full" "$OUT/soak_full.jsonl"; echo "soak rc=$? $((SECONDS - t0))s"
-fi
-if [ -x "$G/ornith_full" ]; then
     batch_files "$C/full" 256 240
 fi
 if [ -d .gpu/wheels ]; then
