@@ -97,6 +97,40 @@ __device__ __forceinline__ float block_max_nan(float v, float *sh32) { return bl
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 
+// The gated RMSNorm of one (token, head) row of `dim` <= 128 values by one warp (the CPU reference
+// is cpu::norm::gated_rms_norm): element i = lane + 32 j (j < 4) of the row;
+//   ss  = the lane's fp32 fma over its j in order, then warp_sum (xor butterfly)
+//   n   = bf16(o[i] * rsqrt(ss / dim + eps));  n = bf16(w[i] * n)   (a plain weight, not 1 + w)
+//   out = bf16(n * silu(z[i]))
+// Both the gated_rmsnorm kernel (gdn.cu) and the GDN output projection's prologue (gemv.cu:
+// gdn_out_proj) call it, so they give the same bits; store(i, bits) writes element i.
+template <class Store>
+__device__ __forceinline__ void gated_norm_warp(const uint16_t *o, const uint16_t *z, const uint16_t *w, int dim, float eps, Store store) {
+    const int lane = threadIdx.x & 31;
+    // weight and gate are loaded with o, before the reduction (their latency overlaps it)
+    float x[4], wi[4], zv[4], ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int i = lane + 32 * j;
+        const bool in = i < dim;
+        x[j] = in ? bf2f(o[i]) : 0.f;
+        wi[j] = in ? bf2f(w[i]) : 0.f;
+        zv[j] = in ? bf2f(z[i]) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) ss = fmaf(x[j], x[j], ss);
+    ss = warp_sum(ss);
+    const float inv = rsqrtf(ss / (float)dim + eps);
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int i = lane + 32 * j;
+        if (i >= dim) continue;
+        float n = rbf(x[j] * inv);
+        n = rbf(wi[j] * n);
+        store(i, f2bf(n * silu_f(zv[j])));
+    }
+}
+
 // The steps of the zero-centred RMSNorm with its residual add, in the order rmsnorm_residual
 // (norm.cu) and the decode products' norm prologue (gemv.cu) both take them, so the two give the
 // same bits (the CPU reference is ornith-runtime/src/cpu/norm.rs):

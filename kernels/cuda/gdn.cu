@@ -172,38 +172,17 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_recurrent(const Or
     for (int i = 0; i < 32; i++) S[(size_t)(kg * 32 + i) * GDN_D + col] = s[i];
 }
 
-// One warp per (t, head) row, GN_ROWS rows per block of 256 threads; dim <= 128, element
-// i = lane + 32 j (j < 4) of the row. (One 128-thread block per row ran the 65,536 rows of a
-// 2,048-token prefill chunk at ~0.6 TB/s: block launch, not memory, bounded it.) The sum of squares
-// is each lane's fp32 sum over its j in order, then the warp's butterfly (warp_sum).
+// One warp per (t, head) row, GN_ROWS rows per block of 256 threads; dim <= 128: common.cuh's
+// gated_norm_warp. (One 128-thread block per row ran the 65,536 rows of a 2,048-token prefill
+// chunk at ~0.6 TB/s: block launch, not memory, bounded it.) The decode path folds this norm into
+// the output projection's prologue (gemv.cu: gdn_out_proj); the prefill path runs it here.
 #define GN_ROWS 8
 extern "C" __global__ void __launch_bounds__(32 * GN_ROWS) gated_rmsnorm(const OrnithGatedNormParams p) {
     pdl_entry();
-    const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * GN_ROWS + (threadIdx.x >> 5);
     if (row >= p.tokens * p.heads) return;
     const int t = row / p.heads, h = row % p.heads;
     const size_t off = (size_t)row * p.dim;
-    // weight and gate are loaded with o, before the reduction (their latency overlaps it)
-    float x[4], wi[4], z[4], ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const int i = lane + 32 * j;
-        const bool in = i < p.dim;
-        x[j] = in ? bf2f(p.o[off + i]) : 0.f;
-        wi[j] = in ? bf2f(p.weight[i]) : 0.f;
-        z[j] = in ? bf2f(p.z[(size_t)t * p.z_stride + h * p.dim + i]) : 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < 4; j++) ss = fmaf(x[j], x[j], ss);
-    ss = warp_sum(ss);
-    const float inv = rsqrtf(ss / (float)p.dim + p.eps);
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const int i = lane + 32 * j;
-        if (i >= p.dim) continue;
-        float n = rbf(x[j] * inv);
-        n = rbf(wi[j] * n);  // weight is plain (not 1 + w), product in bf16
-        p.y[off + i] = f2bf(n * silu_f(z[j]));
-    }
+    gated_norm_warp(p.o + off, p.z + (size_t)t * p.z_stride + h * p.dim, p.weight, p.dim, p.eps,
+                    [&](int i, uint16_t v) { p.y[off + i] = v; });
 }

@@ -675,6 +675,106 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NORM_BLOCKS) gemv
 }
 
 // =============================================================================================
+// The GDN output projection with its gated RMSNorm (decode groups; OrnithGdnOutParams).
+// out_proj's input is `heads` heads of 128 values, each normalised on its own, so here the K split
+// follows the heads: block (x, h) takes rows 128x .. 128x + 127 (8 warps of 16) over head h's 256
+// bytes of each row — two rounds of U = 2, both loaded before pdl_wait and held in registers for
+// every token of the launch — and computes head h's gated norm for each token itself (warp w takes
+// tokens w, w + 8, ...; common.cuh's gated_norm_warp, the gated_rmsnorm kernel's arithmetic, so
+// the same bits) into shared memory. A head's product is the fp32 sum of its 4 K steps in tc_mma's
+// order and permutation, written to part[h][t][r]; the heads meet in global memory and are added
+// in head order by the last block of the row tile to arrive (ticket) or by gdn_out_reduce (more
+// tokens): the same function (gdn_out_sum), so a token's bits do not depend on its group.
+// Why: the dense form splits 4096 inputs over at most the 8 warps of a block (gemv_tc_ksplit):
+// 128 blocks reading 16 KB per warp in 8 rounds (~1.9 TB/s in the batch-1 graph, H200); here the
+// 512 blocks fit one wave (4 per SM) and have the whole matrix in flight from their first
+// instruction, and the gated_rmsnorm launch is gone.
+#define GO_DIM ORNITH_GDN_OUT_DIM
+#define GO_XS (2 * GO_DIM + 64)  // bytes per token row in shared memory (16-byte phases conflict-free)
+
+// Sum of the heads' partials of output (t, r) in head order: ((p0 + p1) + p2) + ... (loads in
+// groups of 32 — the real model's heads at once — issued before their adds: one L2 round trip).
+__device__ __forceinline__ float gdn_out_sum(const OrnithGdnOutParams &p, int t, int r) {
+    const float *pp = p.part + (size_t)t * p.out + r;
+    const size_t hs = (size_t)p.tokens * p.out;
+    float sum = 0.f;
+    for (int h0 = 0; h0 < p.heads; h0 += 32) {
+        float v[32];
+#pragma unroll
+        for (int i = 0; i < 32; i++) v[i] = h0 + i < p.heads ? __ldcg(pp + (size_t)(h0 + i) * hs) : 0.f;
+#pragma unroll
+        for (int i = 0; i < 32; i++)
+            if (h0 + i < p.heads) sum = h0 + i == 0 ? v[i] : sum + v[i];
+    }
+    return sum;
+}
+// y[t, r] = bf16(sum), the residual fold first (tc_store's).
+__device__ __forceinline__ void gdn_out_store(const OrnithGdnOutParams &p, int t, int r, float sum) {
+    const size_t o = (size_t)t * p.y_stride + r;
+    if (p.fold) p.fold[o] = f2bf(rms_add(bf2f(p.fold[o]), p.y[o]));
+    p.y[o] = f2bf(sum);
+}
+
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) gdn_out_proj(const OrnithGdnOutParams p) {
+    pdl_launch_dependents();
+    __shared__ __align__(16) uint8_t xs[ORNITH_WIDE_TOKENS * GO_XS];
+    __shared__ int last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int h = blockIdx.y, row_bytes = 2 * GO_DIM * p.heads, k0 = h * 2 * GO_DIM, k1 = k0 + 2 * GO_DIM;
+    const int row0 = (blockIdx.x * TC_WARPS + warp) * 16;
+    const bool has = row0 < p.out;
+    const int nrows = max(1, min(16, p.out - row0));
+    const uint8_t *wt = reinterpret_cast<const uint8_t *>(p.w) + (size_t)(has ? row0 : 0) * row_bytes;
+    uint32_t og, og8;
+    tc_rows(row_bytes, nrows, og, og8);
+    uint4 wa[2], wb[2], na[2], nb[2];
+    if (has) tc_first2<2>(wt, og, og8, k0, k1, wa, wb, na, nb);
+    pdl_wait();  // weights first: the head's whole slice is in flight before the wait
+    for (int t = warp; t < p.tokens; t += TC_WARPS) {
+        uint16_t *row = reinterpret_cast<uint16_t *>(xs + t * GO_XS);
+        gated_norm_warp(p.o + (size_t)t * p.o_stride + h * GO_DIM, p.z + (size_t)t * p.z_stride + h * GO_DIM, p.norm_w, GO_DIM,
+                        p.eps, [&](int i, uint16_t v) { row[i] = v; });
+    }
+    __syncthreads();
+    float *part = p.part + (size_t)h * p.tokens * p.out;
+    if (has)
+        for (int t0 = 0; t0 < p.tokens; t0 += 8) {
+            // Tokens past the launch's reuse its last token's row (their columns are dropped).
+            const uint32_t xoff[1] = {(uint32_t)(min(t0 + g, p.tokens - 1) * GO_XS)};
+            float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+            tc_mma<false, 1, 2, true>(xs + 16 * c, xoff, 0, 2 * GO_DIM, wa, wb, acc);
+            tc_mma<false, 1, 2, true>(xs + 16 * c, xoff, 128, 2 * GO_DIM, na, nb, acc);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int row = row0 + g + (i >> 1) * 8, t = t0 + 2 * c + (i & 1);
+                if (row < p.out && t < p.tokens) part[(size_t)t * p.out + row] = acc[0][i];
+            }
+        }
+    if (p.ticket == nullptr) return;  // gdn_out_reduce adds the heads
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(p.ticket + blockIdx.x, 1u) == (uint32_t)(p.heads - 1);
+        if (last) atomicExch(p.ticket + blockIdx.x, 0u);
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int q = threadIdx.x; q < p.tokens * 128; q += TC_WARPS * 32) {
+        const int t = q >> 7, r = blockIdx.x * 128 + (q & 127);
+        if (r < p.out) gdn_out_store(p, t, r, gdn_out_sum(p, t, r));
+    }
+}
+// The heads' sums of a launch of more than ORNITH_GDN_OUT_TICKET_TOKENS tokens, one thread per
+// output (t, r) = (q / out, q % out).
+extern "C" __global__ void __launch_bounds__(256) gdn_out_reduce(const OrnithGdnOutParams p) {
+    pdl_entry();
+    const int q = blockIdx.x * 256 + threadIdx.x;
+    if (q >= p.tokens * p.out) return;
+    gdn_out_store(p, q / p.out, q % p.out, gdn_out_sum(p, q / p.out, q % p.out));
+}
+
+// =============================================================================================
 // NVFP4A16 decode products (fp4.cuh): the same tile, summation order and K split with the weight
 // rows dequantised to bf16 in registers and the bf16 mma. K steps are 64 bytes of codes (128
 // weights per row): lane (g, c) loads the 16 code bytes at offset k + 16c of rows g and g + 8

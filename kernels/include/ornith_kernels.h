@@ -277,6 +277,38 @@ typedef struct OrnithGatedNormParams {
     float eps;
 } OrnithGatedNormParams;
 
+/* The GDN output projection of a decode group with its gated RMSNorm (gemv.cu: gdn_out_proj and
+ * gdn_out_reduce), for heads of ORNITH_GDN_OUT_DIM values (in = heads * ORNITH_GDN_OUT_DIM):
+ *   g[t, h, :] = the gated RMSNorm of o[t, h, :] with z[t, h, :] and norm_w, exactly as
+ *                OrnithGatedNormParams (the same bits);
+ *   part[h][t][r] = sum_i g[t, h, i] * w[r, h * dim + i]   (fp32, one K slice per head);
+ *   y[t, r] = bf16(((part[0] + part[1]) + part[2]) + ...)  (heads in order; `fold` as
+ *             OrnithGemvBf16Params: fold = bf16(fold + y_old) first).
+ * Grid (ceil(out / 128), heads), tokens <= ORNITH_WIDE_TOKENS per launch; part holds
+ * heads * tokens * out floats (the staged build's partials). With `ticket` (one zeroed counter per
+ * 128-row tile; tokens <= ORNITH_GDN_OUT_TICKET_TOKENS) the last block of each tile to arrive adds
+ * the heads and stores; without (NULL), gdn_out_reduce does, one thread per (t, r): the same adds
+ * in the same order either way. */
+#define ORNITH_GDN_OUT_DIM 128
+#define ORNITH_GDN_OUT_TICKET_TOKENS 2
+typedef struct OrnithGdnOutParams {
+    const uint16_t *o;
+    const uint16_t *z;
+    const uint16_t *norm_w;
+    const uint16_t *w;
+    uint16_t *y;
+    uint16_t *fold;
+    float *part;
+    uint32_t *ticket;
+    int32_t tokens;
+    int32_t heads;
+    int32_t out;
+    int32_t o_stride;
+    int32_t z_stride;
+    int32_t y_stride;
+    float eps;
+} OrnithGdnOutParams;
+
 /* q/k RMSNorm (zero-centred, fp32 inside) + partial rotate-half RoPE, and paged KV-cache write.
  * qg [tokens, q_heads, 2*head_dim] (query | gate per head), k, v [tokens, kv_heads * head_dim].
  * Token t sits at position pos = pos0 + t of the sequence whose block table is `table`, or, when

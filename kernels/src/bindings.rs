@@ -13,6 +13,8 @@ pub const ORNITH_NORM_ROWS: u32 = 1;
 pub const ORNITH_NORM_MAX_HIDDEN: u32 = 2048;
 pub const ORNITH_SWIGLU_MAX_INTER: u32 = 1024;
 pub const ORNITH_GDN_WORK_PER_CHUNK: u32 = 8832;
+pub const ORNITH_GDN_OUT_DIM: u32 = 128;
+pub const ORNITH_GDN_OUT_TICKET_TOKENS: u32 = 2;
 pub const ORNITH_ATT_COMBINE_CHUNKS: u32 = 4;
 pub const ORNITH_ATT_MAX_ROWS: u32 = 64;
 pub const ORNITH_SAMPLE_SLICE: u32 = 2048;
@@ -529,6 +531,54 @@ const _: () = {
     ["Offset of field: OrnithGatedNormParams::eps"][::std::mem::offset_of!(OrnithGatedNormParams, eps) - 48usize];
 };
 impl Default for OrnithGatedNormParams {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct OrnithGdnOutParams {
+    pub o: *const u16,
+    pub z: *const u16,
+    pub norm_w: *const u16,
+    pub w: *const u16,
+    pub y: *mut u16,
+    pub fold: *mut u16,
+    pub part: *mut f32,
+    pub ticket: *mut u32,
+    pub tokens: i32,
+    pub heads: i32,
+    pub out: i32,
+    pub o_stride: i32,
+    pub z_stride: i32,
+    pub y_stride: i32,
+    pub eps: f32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of OrnithGdnOutParams"][::std::mem::size_of::<OrnithGdnOutParams>() - 96usize];
+    ["Alignment of OrnithGdnOutParams"][::std::mem::align_of::<OrnithGdnOutParams>() - 8usize];
+    ["Offset of field: OrnithGdnOutParams::o"][::std::mem::offset_of!(OrnithGdnOutParams, o) - 0usize];
+    ["Offset of field: OrnithGdnOutParams::z"][::std::mem::offset_of!(OrnithGdnOutParams, z) - 8usize];
+    ["Offset of field: OrnithGdnOutParams::norm_w"][::std::mem::offset_of!(OrnithGdnOutParams, norm_w) - 16usize];
+    ["Offset of field: OrnithGdnOutParams::w"][::std::mem::offset_of!(OrnithGdnOutParams, w) - 24usize];
+    ["Offset of field: OrnithGdnOutParams::y"][::std::mem::offset_of!(OrnithGdnOutParams, y) - 32usize];
+    ["Offset of field: OrnithGdnOutParams::fold"][::std::mem::offset_of!(OrnithGdnOutParams, fold) - 40usize];
+    ["Offset of field: OrnithGdnOutParams::part"][::std::mem::offset_of!(OrnithGdnOutParams, part) - 48usize];
+    ["Offset of field: OrnithGdnOutParams::ticket"][::std::mem::offset_of!(OrnithGdnOutParams, ticket) - 56usize];
+    ["Offset of field: OrnithGdnOutParams::tokens"][::std::mem::offset_of!(OrnithGdnOutParams, tokens) - 64usize];
+    ["Offset of field: OrnithGdnOutParams::heads"][::std::mem::offset_of!(OrnithGdnOutParams, heads) - 68usize];
+    ["Offset of field: OrnithGdnOutParams::out"][::std::mem::offset_of!(OrnithGdnOutParams, out) - 72usize];
+    ["Offset of field: OrnithGdnOutParams::o_stride"][::std::mem::offset_of!(OrnithGdnOutParams, o_stride) - 76usize];
+    ["Offset of field: OrnithGdnOutParams::z_stride"][::std::mem::offset_of!(OrnithGdnOutParams, z_stride) - 80usize];
+    ["Offset of field: OrnithGdnOutParams::y_stride"][::std::mem::offset_of!(OrnithGdnOutParams, y_stride) - 84usize];
+    ["Offset of field: OrnithGdnOutParams::eps"][::std::mem::offset_of!(OrnithGdnOutParams, eps) - 88usize];
+};
+impl Default for OrnithGdnOutParams {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
         unsafe {

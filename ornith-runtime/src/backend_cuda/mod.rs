@@ -727,6 +727,29 @@ impl CudaBackend {
         } else {
             self.cx.k_gdn(gp)?;
         }
+        // The decode products take the gated norm into the BF16 output projection's prologue (one
+        // launch, K split by head: gemv.cu's gdn_out_proj); the prefill GEMM reads its rows.
+        if !prefill && O::KIND == Precision::Bf16 && d.linear_value_head_dim == ORNITH_GDN_OUT_DIM as usize {
+            let ow = w.out_proj.dev("out_proj")?.all(self);
+            ensure!(
+                ow.in_features == vd && ow.split_rows == ow.out_features,
+                "out_proj: [{}, {vd}] alone",
+                ow.out_features
+            );
+            let hs = d.hidden_size;
+            return self.cx.k_gdn_out(
+                (at(self, &s.o, 0), vd),
+                (z_at, pw),
+                at(self, &w.norm.bf, 0),
+                ow.w,
+                (at(self, &h.delta, r0 * hs), hs),
+                fold,
+                n,
+                hv,
+                ow.out_features,
+                self.eps(),
+            );
+        }
         self.cx.k_gated_norm(
             at(self, &s.o, 0),
             z_at,

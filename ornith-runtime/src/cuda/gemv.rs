@@ -158,6 +158,77 @@ impl CudaContext {
         Ok(())
     }
 
+    /// The GDN output projection of `t` decode rows with its gated RMSNorm (gemv.cu:
+    /// `gdn_out_proj`): `y[t, r] = bf16(Σ_h Σ_i g[t, h, i] w[r, h·dim + i])`, `g` the gated norm of
+    /// `o` (rows of stride `os`) with `z` (stride `zs`) and `norm_w` as `gated_rmsnorm` computes
+    /// it, the heads' fp32 partials added in head order; `fold` as [`Self::k_gemv_bf16`]. One launch
+    /// per [`super::WIDE_TOKENS`] rows; a launch of more than `ORNITH_GDN_OUT_TICKET_TOKENS` rows
+    /// adds its heads in `gdn_out_reduce` (the same adds).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn k_gdn_out(
+        &self,
+        (o, os): (Ptr, usize),
+        (z, zs): (Ptr, usize),
+        norm_w: Ptr,
+        w: Ptr,
+        (y, ys): (Ptr, usize),
+        fold: Option<Ptr>,
+        t: usize,
+        heads: usize,
+        out: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let dim = ORNITH_GDN_OUT_DIM as usize;
+        let in_ = heads * dim;
+        ensure!(t >= 1 && heads >= 1 && out >= 1, "gdn_out_proj: {t} tokens, {heads} heads, {out} rows");
+        ensure!(os >= in_ && zs >= in_ && ys >= out, "gdn_out_proj: strides o {os}, z {zs} >= {in_}; y {ys} >= {out}");
+        ensure!(aligned(w, 16), "gdn_out_proj: w must be 16-byte aligned");
+        ensure!(
+            heads * out <= super::WIDE_SPLIT_ROWS && out.div_ceil(128) <= super::WIDE_TICKETS as usize,
+            "gdn_out_proj: {heads} heads x {out} rows exceed the partials' {} rows",
+            super::WIDE_SPLIT_ROWS
+        );
+        i32of("gdn_out_proj rows", (t.min(super::WIDE_TOKENS) - 1) * os.max(zs) + in_)?;
+        for t0 in (0..t).step_by(super::WIDE_TOKENS) {
+            let n = (t - t0).min(super::WIDE_TOKENS);
+            let ticket = n <= ORNITH_GDN_OUT_TICKET_TOKENS as usize;
+            let p = OrnithGdnOutParams {
+                o: (o + (t0 * os * 2) as u64) as _,
+                z: (z + (t0 * zs * 2) as u64) as _,
+                norm_w: norm_w as _,
+                w: w as _,
+                y: (y + (t0 * ys * 2) as u64) as _,
+                fold: fold.map_or(std::ptr::null_mut(), |f| (f + (t0 * ys * 2) as u64) as _),
+                part: self.addr(&self.wide_part) as _,
+                ticket: if ticket { self.addr(&self.wide_ticket) as _ } else { std::ptr::null_mut() },
+                tokens: n as i32,
+                heads: heads as i32,
+                out: out as i32,
+                o_stride: i32of("gdn_out_proj o stride", os)?,
+                z_stride: i32of("gdn_out_proj z stride", zs)?,
+                y_stride: i32of("gdn_out_proj y stride", ys)?,
+                eps,
+            };
+            // The weights, o and z read, y written (and the fold), the partials written and read.
+            let parts = (heads * n * out * 8) as u64;
+            let bytes = (out * in_ * 2 + n * (2 * in_ + out) * 2 + dim * 2) as u64 + fold_bytes(fold, n, out) + parts;
+            let grid = (out.div_ceil(128) as u32, heads as u32, 1);
+            self.launch(Launch::new("gdn_out_proj", grid, super::GEMV_BLOCK, bytes).weights_first(), p)?;
+            if !ticket {
+                self.k_gdn_out_reduce(p)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `gdn_out_reduce`: the heads' sums of one [`Self::k_gdn_out`] launch without a ticket.
+    fn k_gdn_out_reduce(&self, p: OrnithGdnOutParams) -> Result<()> {
+        let (n, out, heads) = (p.tokens as usize, p.out as usize, p.heads as usize);
+        ensure!(p.ticket.is_null() && n * out <= i32::MAX as usize, "gdn_out_reduce: {n} tokens x {out} rows");
+        let bytes = (heads * n * out * 4 + n * out * 2) as u64 + fold_bytes((!p.fold.is_null()).then_some(0), n, out);
+        self.launch(Launch::new("gdn_out_reduce", ((n * out).div_ceil(256) as u32, 1, 1), 256, bytes), p)
+    }
+
     /// FP8 W8A8 decode product for any number of rows:
     /// `y[t, o] = bf16((Σ_i xq[t, i] w[o, i]) · xsc[t] · ws[o])`.
     #[allow(clippy::too_many_arguments)]
@@ -400,6 +471,41 @@ impl CudaContext {
         need("gemv w", w, out * in_)?;
         need("gemv y", y, (tokens - 1) * y_stride + out)?;
         self.k_gemv_bf16(self.addr(x), self.addr(w), self.addr(y), tokens, in_, out, x_stride, y_stride, out, None)
+    }
+
+    /// [`Self::k_gdn_out`] on buffers: `o [tokens, heads * 128]`, `z` rows of stride `z_stride`,
+    /// `w [out, heads * 128]`, `y [tokens, out]` (and the residual `fold`, when given).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_out_proj(
+        &self,
+        o: &Bf,
+        z: &Bf,
+        norm_w: &Bf,
+        w: &Bf,
+        y: &mut Bf,
+        fold: Option<&mut Bf>,
+        tokens: usize,
+        heads: usize,
+        out: usize,
+        z_stride: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let in_ = heads * ORNITH_GDN_OUT_DIM as usize;
+        ensure!(tokens >= 1, "gdn_out_proj: no tokens");
+        need("gdn_out o", o, tokens * in_)?;
+        need("gdn_out z", z, (tokens - 1) * z_stride + in_)?;
+        need("gdn_out norm", norm_w, ORNITH_GDN_OUT_DIM as usize)?;
+        need("gdn_out w", w, out * in_)?;
+        need("gdn_out y", y, tokens * out)?;
+        let fold = match fold {
+            Some(f) => {
+                need("gdn_out fold", f, tokens * out)?;
+                Some(self.addr(f))
+            }
+            None => None,
+        };
+        let (o, z, n, w, y) = (self.addr(o), self.addr(z), self.addr(norm_w), self.addr(w), self.addr(y));
+        self.k_gdn_out((o, in_), (z, z_stride), n, w, (y, out), fold, tokens, heads, out, eps)
     }
 
     /// [`Self::k_gemv_fp8`] on buffers.

@@ -16,6 +16,7 @@ use crate::cpu::linear::{linear_bf16, linear_fp8};
 use crate::cpu::norm::{add_into, gated_rms_norm, rms_norm};
 use half::bf16;
 use model_spec::fp8::e4m3_to_f32;
+use ornith_kernels::bindings::ORNITH_GDN_OUT_DIM;
 use rand::Rng;
 fn bfv(r: &mut R, n: usize, scale: f32) -> Vec<u16> {
     (0..n).map(|_| bf16::from_f32(r.random_range(-1.0f32..1.0) * scale).to_bits()).collect()
@@ -1263,6 +1264,72 @@ fn gated_rmsnorm_matches_reference() {
     perf(&c, "gated_rmsnorm 2048 tokens x 32 heads x 128", (t * h * d * 6 + d * 2) as f64, || {
         c.gated_rmsnorm(&o, &z, &w, &mut y, t, h, d, h * d, 1e-6).unwrap()
     });
+}
+
+/// `gdn_out_proj` (the GDN output projection with its gated RMSNorm in the prologue) =
+/// `cpu::norm::gated_rms_norm` and then `cpu::linear::linear_bf16` on the normalised bf16 rows
+/// (tolerance at `close`), the residual fold bit for bit (`fold = bf16(fold + y_old)`). Each
+/// group's first and last tokens run alone (the ticket path) give the same bits as in the group
+/// (above 8 tokens the heads are added by `gdn_out_reduce`: the same adds in the same order).
+#[test]
+#[ignore]
+fn gdn_out_proj_matches_reference() {
+    let c = ctx();
+    let mut r = rng(10);
+    let dim = ORNITH_GDN_OUT_DIM as usize;
+    // (tokens, heads, out, z stride padding): one token and the ticket path's largest launch (2);
+    // launches through gdn_out_reduce (3, 8, 9, 33, 64); two launches (70 = 64 + 6); the real
+    // shape 32 heads x 128 -> 2048; row counts that leave a row tile's last rows or warps empty
+    // (77, 130, 200).
+    let shapes = [
+        (1, 32, 2048, 0),
+        (2, 32, 2048, 0),
+        (8, 32, 2048, 0),
+        (3, 4, 200, 64),
+        (9, 2, 77, 0),
+        (33, 32, 2048, 0),
+        (64, 32, 2048, 0),
+        (70, 3, 130, 8),
+    ];
+    for (tokens, heads, out, pad) in shapes {
+        let (inp, zs) = (heads * dim, heads * dim + pad);
+        let o = bfv(&mut r, tokens * inp, 2.0);
+        let z = bfv(&mut r, tokens * zs, 3.0);
+        let nw = bfv(&mut r, dim, 1.5);
+        let w = bfv(&mut r, out * inp, 0.05);
+        let res = bfv(&mut r, tokens * out, 1.0);
+        let old = bfv(&mut r, tokens * out, 1.0);
+        let zr: Vec<bf16> = (0..tokens).flat_map(|t| bv(&z[t * zs..t * zs + inp])).collect();
+        let mut g = vec![bf16::ZERO; tokens * inp];
+        gated_rms_norm(&bv(&o), &zr, &bv(&nw), dim, 1e-6, &mut g);
+        let mut yc = vec![bf16::ZERO; tokens * out];
+        linear_bf16(&g, &bv(&w), tokens, inp, out, &mut yc);
+        let want_fold: Vec<u16> = res
+            .iter()
+            .zip(&old)
+            .map(|(&a, &b)| bf16::from_f32(bf16::from_bits(a).to_f32() + bf16::from_bits(b).to_f32()).to_bits())
+            .collect();
+        let (d_o, d_z, d_n, d_w) =
+            (c.upload(&o).unwrap(), c.upload(&z).unwrap(), c.upload(&nw).unwrap(), c.upload(&w).unwrap());
+        let (mut y, mut fo) = (c.upload(&old).unwrap(), c.upload(&res).unwrap());
+        c.gdn_out_proj(&d_o, &d_z, &d_n, &d_w, &mut y, Some(&mut fo), tokens, heads, out, zs, 1e-6).unwrap();
+        let name = format!("gdn_out_proj {heads}x{dim} -> {out} t{tokens}");
+        let got = c.download(&y).unwrap();
+        close(&name, &got, &wf(&yc));
+        assert!(c.download(&fo).unwrap() == want_fold, "{name}: residual fold");
+        for t in [0, tokens - 1] {
+            let (o1, z1) = (c.upload(&o[t * inp..(t + 1) * inp]).unwrap(), c.upload(&z[t * zs..t * zs + inp]).unwrap());
+            let mut y1 = c.upload(&vec![POISON; out]).unwrap();
+            c.gdn_out_proj(&o1, &z1, &d_n, &d_w, &mut y1, None, 1, heads, out, zs, 1e-6).unwrap();
+            check_alone(&name, &got, &c.download(&y1).unwrap(), t, out);
+        }
+        if heads == 32 && decode_shape(inp, tokens) {
+            let bytes = (out * inp * 2 + tokens * (2 * inp + out) * 2) as f64;
+            perf(&c, &format!("gdn_out_proj 32x128 -> {out} tokens {tokens}"), bytes, || {
+                c.gdn_out_proj(&d_o, &d_z, &d_n, &d_w, &mut y, None, tokens, heads, out, zs, 1e-6).unwrap()
+            });
+        }
+    }
 }
 
 /// Decode attention over a paged cache. `qk_norm_rope` = `cpu::attention::split_q_gate`,
