@@ -174,8 +174,9 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_recurrent(const Or
 
 // One warp per (t, head) row, GN_ROWS rows per block of 256 threads; dim <= 128: common.cuh's
 // gated_norm_warp. (One 128-thread block per row ran the 65,536 rows of a 2,048-token prefill
-// chunk at ~0.6 TB/s: block launch, not memory, bounded it.) The decode path folds this norm into
-// the output projection's prologue (gemv.cu: gdn_out_proj); the prefill path runs it here.
+// chunk at ~0.6 TB/s: block launch, not memory, bounded it.) The decode path of a BF16 out_proj
+// over heads of 128 folds this norm into the projection's prologue (gemv.cu: gdn_out_proj); the
+// prefill path, and a quantised out_proj, run it here.
 #define GN_ROWS 8
 extern "C" __global__ void __launch_bounds__(32 * GN_ROWS) gated_rmsnorm(const OrnithGatedNormParams p) {
     pdl_entry();

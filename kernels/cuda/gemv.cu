@@ -686,7 +686,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NORM_BLOCKS) gemv
 // in head order by the last block of the row tile to arrive (ticket) or by gdn_out_reduce (more
 // tokens): the same function (gdn_out_sum), so a token's bits do not depend on its group.
 // Why: the dense form splits 4096 inputs over at most the 8 warps of a block (gemv_tc_ksplit):
-// 128 blocks reading 16 KB per warp in 8 rounds (~1.9 TB/s in the batch-1 graph, H200); here the
+// 128 blocks reading 16 KB per warp in 8 rounds (~1.75 TB/s in the batch-1 graph, H200); here the
 // 512 blocks fit one wave (4 per SM) and have the whole matrix in flight from their first
 // instruction, and the gated_rmsnorm launch is gone.
 #define GO_DIM ORNITH_GDN_OUT_DIM

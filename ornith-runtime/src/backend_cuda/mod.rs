@@ -732,8 +732,8 @@ impl CudaBackend {
         if !prefill && O::KIND == Precision::Bf16 && d.linear_value_head_dim == ORNITH_GDN_OUT_DIM as usize {
             let ow = w.out_proj.dev("out_proj")?.all(self);
             ensure!(
-                ow.in_features == vd && ow.split_rows == ow.out_features,
-                "out_proj: [{}, {vd}] alone",
+                ow.in_features == vd && ow.split_rows == ow.out_features && ow.scale.is_none() && ow.fp4.is_none(),
+                "out_proj: a BF16 [{}, {vd}] alone",
                 ow.out_features
             );
             let hs = d.hidden_size;

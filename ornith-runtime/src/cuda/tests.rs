@@ -1270,7 +1270,8 @@ fn gated_rmsnorm_matches_reference() {
 /// `cpu::norm::gated_rms_norm` and then `cpu::linear::linear_bf16` on the normalised bf16 rows
 /// (tolerance at `close`), the residual fold bit for bit (`fold = bf16(fold + y_old)`). Each
 /// group's first and last tokens run alone (the ticket path) give the same bits as in the group
-/// (above 8 tokens the heads are added by `gdn_out_reduce`: the same adds in the same order).
+/// (above `ORNITH_GDN_OUT_TICKET_TOKENS` (2) tokens the heads are added by `gdn_out_reduce`: the
+/// same adds in the same order).
 #[test]
 #[ignore]
 fn gdn_out_proj_matches_reference() {
