@@ -1281,9 +1281,11 @@ fn gdn_out_proj_matches_reference() {
     // (tokens, heads, out, z stride padding): one token and the ticket path's largest launch (2);
     // launches through gdn_out_reduce (3, 8, 9, 33, 64); two launches (70 = 64 + 6); the real
     // shape 32 heads x 128 -> 2048; row counts that leave a row tile's last rows or warps empty
-    // (77, 130, 200).
+    // (77, 130, 200); 40 heads, a second group of loads in the heads' sum (alone: the ticket path;
+    // the group of 3: gdn_out_reduce).
     let shapes = [
         (1, 32, 2048, 0),
+        (3, 40, 100, 0),
         (2, 32, 2048, 0),
         (8, 32, 2048, 0),
         (3, 4, 200, 64),
