@@ -313,6 +313,14 @@ __device__ __forceinline__ TcPlace tc_place(int row_bytes, int out, int target =
     return t;
 }
 
+// One output of a decode product into the pending delta: y[o] = bf16(v); with a fold
+// (OrnithGemvBf16Params.fold) the residual at the same place first takes the delta y holds:
+// fold[o] = bf16(fold[o] + y_old[o]) (rmsnorm_residual's add). tc_store and gdn_out_proj's.
+__device__ __forceinline__ void store_delta(uint16_t *y, uint16_t *fold, size_t o, float v) {
+    if (fold) fold[o] = f2bf(rms_add(bf2f(fold[o]), y[o]));
+    y[o] = f2bf(v);
+}
+
 // The lead warp's stores of a dense pass: y[t * y_stride + row] = bf16(sum) (BF16) or
 // bf16(sum · xs[t] · ws[row]) (FP8); with a fold (OrnithGemvBf16Params.fold) the residual at the
 // same place first takes the delta y holds: fold = bf16(fold + y_old) (rmsnorm_residual's add).
@@ -325,11 +333,8 @@ __device__ __forceinline__ void tc_store(const float (&acc)[NT][4], int row0, in
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int row = row0 + g + (i >> 1) * 8, t = t0 + 8 * j + 2 * c + (i & 1);
-            if (row < out && t < tokens) {
-                const size_t o = (size_t)t * y_stride + row;
-                if (fold) fold[o] = f2bf(rms_add(bf2f(fold[o]), y[o]));
-                y[o] = f2bf(FP8 ? acc[j][i] * xs[t] * ws[row] : acc[j][i]);
-            }
+            if (row < out && t < tokens)
+                store_delta(y, fold, (size_t)t * y_stride + row, FP8 ? acc[j][i] * xs[t] * ws[row] : acc[j][i]);
         }
 }
 
@@ -504,6 +509,25 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv
 #define WIDE_XC ORNITH_WIDE_XC
 #define WIDE_XSTRIDE (WIDE_XC + 64)
 
+// Whether this block is the last of `blocks` to reach the row tile's arrival counter `ticket` (the
+// split products' partials meet through it: gemv_wide_body, gdn_out_proj). Every thread's partial
+// stores are fenced before thread 0 counts the block in; the last block resets the counter to
+// zero for the next launch and fences again before it reads the others' partials (through L2:
+// __ldcg). Called by every thread of the block; the answer is the same for all.
+__device__ __forceinline__ bool last_to_arrive(uint32_t *ticket, uint32_t blocks) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(ticket, 1u) == blocks - 1;
+        if (last) atomicExch(ticket, 0u);
+    }
+    __syncthreads();
+    if (!last) return false;
+    __threadfence();
+    return true;
+}
+
 // tc_load for a round wholly inside the row (no bounds checks).
 template <int U>
 __device__ __forceinline__ void tc_load_full(const uint8_t *w, uint32_t og, uint32_t og8, int kb, uint4 (&wa)[U], uint4 (&wb)[U]) {
@@ -528,7 +552,6 @@ __device__ __forceinline__ void gemv_wide_body(const uint8_t *w, const float *ws
                                                int tokens, int in, int out, int x_stride, int y_stride, int split_out,
                                                uint16_t *fold, float *part, uint32_t *ticket) {
     extern __shared__ __align__(16) uint8_t xsm[];
-    __shared__ int last;
     constexpr int ES = FP8 ? 1 : 2, U = 2, R = 64 * U;
     const int row_bytes = in * ES;
     const int ks = gemv_tc_ksplit(row_bytes, split_rows(split_out, out));
@@ -606,15 +629,7 @@ __device__ __forceinline__ void gemv_wide_body(const uint8_t *w, const float *ws
                     const int row = row0 + g + (i >> 1) * 8, t = 8 * j + 2 * c + (i & 1);
                     if (row < out && t < tokens) ps[(size_t)t * out + row] = acc[j][i];
                 }
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            last = atomicAdd(ticket + blockIdx.x, 1u) == (uint32_t)(ks - 1);
-            if (last) atomicExch(ticket + blockIdx.x, 0u);
-        }
-        __syncthreads();
-        if (!last) return;
-        __threadfence();
+        if (!last_to_arrive(ticket + blockIdx.x, (uint32_t)ks)) return;
         if (!has) return;
 #pragma unroll
         for (int j = 0; j < NT; j++)
@@ -708,17 +723,14 @@ __device__ __forceinline__ float gdn_out_sum(const OrnithGdnOutParams &p, int t,
     }
     return sum;
 }
-// y[t, r] = bf16(sum), the residual fold first (tc_store's).
+// y[t, r] = bf16(sum), the residual fold first (store_delta, as tc_store).
 __device__ __forceinline__ void gdn_out_store(const OrnithGdnOutParams &p, int t, int r, float sum) {
-    const size_t o = (size_t)t * p.y_stride + r;
-    if (p.fold) p.fold[o] = f2bf(rms_add(bf2f(p.fold[o]), p.y[o]));
-    p.y[o] = f2bf(sum);
+    store_delta(p.y, p.fold, (size_t)t * p.y_stride + r, sum);
 }
 
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) gdn_out_proj(const OrnithGdnOutParams p) {
     pdl_launch_dependents();
     __shared__ __align__(16) uint8_t xs[ORNITH_WIDE_TOKENS * GO_XS];
-    __shared__ int last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int h = blockIdx.y, row_bytes = 2 * GO_DIM * p.heads, k0 = h * 2 * GO_DIM, k1 = k0 + 2 * GO_DIM;
     const int row0 = (blockIdx.x * TC_WARPS + warp) * 16;
@@ -751,15 +763,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) gd
             }
         }
     if (p.ticket == nullptr) return;  // gdn_out_reduce adds the heads
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(p.ticket + blockIdx.x, 1u) == (uint32_t)(p.heads - 1);
-        if (last) atomicExch(p.ticket + blockIdx.x, 0u);
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!last_to_arrive(p.ticket + blockIdx.x, (uint32_t)p.heads)) return;
     for (int q = threadIdx.x; q < p.tokens * 128; q += TC_WARPS * 32) {
         const int t = q >> 7, r = blockIdx.x * 128 + (q & 127);
         if (r < p.out) gdn_out_store(p, t, r, gdn_out_sum(p, t, r));
