@@ -209,9 +209,11 @@ impl CudaContext {
                 y_stride: i32of("gdn_out_proj y stride", ys)?,
                 eps,
             };
-            // The weights, o and z read, y written (and the fold), the partials written and read.
-            let parts = (heads * n * out * 8) as u64;
-            let bytes = (out * in_ * 2 + n * (2 * in_ + out) * 2 + dim * 2) as u64 + fold_bytes(fold, n, out) + parts;
+            // The weights, o and z read, the partials written; with a ticket also the partials read
+            // and y written (and the fold), which gdn_out_reduce counts otherwise.
+            let parts = (heads * n * out * 4) as u64;
+            let sums = parts + (n * out * 2) as u64 + fold_bytes(fold, n, out);
+            let bytes = (out * in_ * 2 + n * in_ * 4 + dim * 2) as u64 + parts + if ticket { sums } else { 0 };
             let grid = (out.div_ceil(128) as u32, heads as u32, 1);
             self.launch(Launch::new("gdn_out_proj", grid, super::GEMV_BLOCK, bytes).weights_first(), p)?;
             if !ticket {
