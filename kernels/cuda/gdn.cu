@@ -5,9 +5,12 @@
 // One thread per channel; tokens in order, so the same kernel serves decode (1 token) and prefill;
 // with per-row slots (a decode group, grid y = tokens), block row t runs token t of its own sequence.
 extern "C" __global__ void __launch_bounds__(256) conv1d_silu(const OrnithConvParams p) {
-    pdl_entry();
+    pdl_launch_dependents();
     const int c = blockIdx.x * 256 + threadIdx.x;
-    if (c >= p.channels) return;
+    if (c >= p.channels) {
+        pdl_wait();
+        return;
+    }
     const float w0 = bf2f(p.w[c * 4 + 0]), w1 = bf2f(p.w[c * 4 + 1]), w2 = bf2f(p.w[c * 4 + 2]),
                 w3 = bf2f(p.w[c * 4 + 3]);
     // one sequence: every token in order; per-row sequences: token blockIdx.y with its slot's state
@@ -19,6 +22,10 @@ extern "C" __global__ void __launch_bounds__(256) conv1d_silu(const OrnithConvPa
         state += (size_t)p.slot[t0] * p.state_stride;
     }
     float s0 = bf2f(state[c]), s1 = bf2f(state[p.channels + c]), s2 = bf2f(state[2 * p.channels + c]);
+    // The weights, the slot and the state before the wait: in a decode step nothing before this
+    // kernel writes them (the state's writer is this kernel one step back, the slots the host's
+    // copy before the step); x is the previous kernel's output.
+    pdl_wait();
     for (int t = t0; t < t1; t++) {
         float x = bf2f(p.x[(size_t)t * p.x_stride + c]);
         // w[c,3] multiplies the current token, w[c,0] the token 3 steps back (no flip)
@@ -105,7 +112,7 @@ extern "C" __global__ void __launch_bounds__(256) conv1d_silu_chunk(const Ornith
 
 // grid (v_heads, GDN_D / GDN_VC[, tokens with per-row slots]). Thread (warp kg, lane v) keeps state rows kg*32..kg*32+31 of column v.
 extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_recurrent(const OrnithGdnParams p) {
-    pdl_entry();
+    pdl_launch_dependents();
     __shared__ float qs[GDN_D], ks[GDN_D];
     __shared__ float red[4][GDN_VC];
     __shared__ float sh[32];
@@ -126,6 +133,9 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS) gdn_recurrent(const Or
     for (int i = 0; i < 32; i++) s[i] = S[(size_t)(kg * 32 + i) * GDN_D + col];
     const float A = expf(p.a_log[h]);
     const float dtb = bf2f(p.dt_bias[h]);
+    // The state, the slot and the constants before the wait (conv1d_silu's rule): only q, k, v
+    // and b, a are the previous kernels' outputs.
+    pdl_wait();
     const int kdim = p.k_heads * GDN_D;
     for (int t = t0; t < t1; t++) {
         const uint16_t *row = p.qkv + (size_t)t * p.qkv_stride;

@@ -708,17 +708,21 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NORM_BLOCKS) gemv
 #define GO_XS (2 * GO_DIM + 64)  // bytes per token row in shared memory (16-byte phases conflict-free)
 
 // Sum of the heads' partials of output (t, r) in head order: ((p0 + p1) + p2) + ... (loads in
-// groups of 32 — the real model's heads at once — issued before their adds: one L2 round trip).
+// groups of G issued before their adds; the order of the adds does not depend on G, so neither do
+// the bits). gdn_out_proj's last block takes G = 32 (the real model's heads in one L2 round trip),
+// gdn_out_reduce G = 16 (32 held 101 registers and cut its occupancy: 64 sequences 186 -> 139 us
+// per step with 16, H200, docs/PERF.md twentieth session).
+template <int G>
 __device__ __forceinline__ float gdn_out_sum(const OrnithGdnOutParams &p, int t, int r) {
     const float *pp = p.part + (size_t)t * p.out + r;
     const size_t hs = (size_t)p.tokens * p.out;
     float sum = 0.f;
-    for (int h0 = 0; h0 < p.heads; h0 += 32) {
-        float v[32];
+    for (int h0 = 0; h0 < p.heads; h0 += G) {
+        float v[G];
 #pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = h0 + i < p.heads ? __ldcg(pp + (size_t)(h0 + i) * hs) : 0.f;
+        for (int i = 0; i < G; i++) v[i] = h0 + i < p.heads ? __ldcg(pp + (size_t)(h0 + i) * hs) : 0.f;
 #pragma unroll
-        for (int i = 0; i < 32; i++)
+        for (int i = 0; i < G; i++)
             if (h0 + i < p.heads) sum = h0 + i == 0 ? v[i] : sum + v[i];
     }
     return sum;
@@ -766,7 +770,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) gd
     if (!last_to_arrive(p.ticket + blockIdx.x, (uint32_t)p.heads)) return;
     for (int q = threadIdx.x; q < p.tokens * 128; q += TC_WARPS * 32) {
         const int t = q >> 7, r = blockIdx.x * 128 + (q & 127);
-        if (r < p.out) gdn_out_store(p, t, r, gdn_out_sum(p, t, r));
+        if (r < p.out) gdn_out_store(p, t, r, gdn_out_sum<32>(p, t, r));
     }
 }
 // The heads' sums of a launch of more than ORNITH_GDN_OUT_TICKET_TOKENS tokens, one thread per
@@ -775,7 +779,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_out_reduce(const OrnithGdn
     pdl_entry();
     const int q = blockIdx.x * 256 + threadIdx.x;
     if (q >= p.tokens * p.out) return;
-    gdn_out_store(p, q / p.out, q % p.out, gdn_out_sum(p, q / p.out, q % p.out));
+    gdn_out_store(p, q / p.out, q % p.out, gdn_out_sum<16>(p, q / p.out, q % p.out));
 }
 
 // =============================================================================================

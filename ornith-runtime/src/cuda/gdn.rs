@@ -85,7 +85,11 @@ impl CudaContext {
         };
         let rows = if slots.is_some() { t as u32 } else { 1 };
         let bytes = channels * (8 + 12) + t * channels * 4;
-        self.launch(Launch::new("conv1d_silu", (channels.div_ceil(256) as u32, rows, 1), 256, bytes as u64), p)
+        let l = Launch::new("conv1d_silu", (channels.div_ceil(256) as u32, rows, 1), 256, bytes as u64);
+        // A decode group's blocks load their weights and states before the wait (gdn.cu), so they
+        // take the PDL attribute; one sequence's launch does not (H200, docs/PERF.md twentieth
+        // session: 8 sequences 1,435 -> 1,450 tok/s with it, batch 1 386 -> 380).
+        self.launch(if slots.is_some() { l.weights_first() } else { l }, p)
     }
 
     /// The shape checks of both gated delta rule forms (dk = dv = 128): `p.v_heads` a multiple
@@ -117,7 +121,9 @@ impl CudaContext {
         let (t, hv, hk) = (p.tokens as usize, p.v_heads as usize, p.k_heads as usize);
         let states = if p.slot.is_null() { 1 } else { t };
         let bytes = states * hv * 128 * 128 * 4 * 2 + t * ((2 * hk * 128 + hv * 128) * 2 + 4 * hv + hv * 128 * 2);
-        self.launch(Launch::new("gdn_recurrent", (hv as u32, 4, states as u32), 128, bytes as u64), p)
+        // The blocks load their states before the wait (gdn.cu): the PDL attribute (H200, batch 1
+        // 381 -> 386 tok/s; docs/PERF.md twentieth session).
+        self.launch(Launch::new("gdn_recurrent", (hv as u32, 4, states as u32), 128, bytes as u64).weights_first(), p)
     }
 
     /// Gated RMSNorm per (token, head) over `dim <= 128`: `y = rmsnorm(o) · w · silu(z)`.
