@@ -35,6 +35,25 @@ __device__ __forceinline__ void pdl_entry() {
     pdl_wait();
 }
 
+// Whether this block is the last of `blocks` to reach the arrival counter `ticket` (the split
+// products' partials meet through it: gemv.cu's gemv_wide_body and gdn_out_proj; attention.cu's
+// combine quantises a row through it). Every thread's stores are fenced before thread 0
+// counts the block in; the last block resets the counter to zero for the next launch and fences
+// again before it reads the others' stores (through L2: __ldcg). Called by every thread of the block; the answer is the same for all.
+__device__ __forceinline__ bool last_to_arrive(uint32_t *ticket, uint32_t blocks) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(ticket, 1u) == blocks - 1;
+        if (last) atomicExch(ticket, 0u);
+    }
+    __syncthreads();
+    if (!last) return false;
+    __threadfence();
+    return true;
+}
+
 // bf16 bits <-> float. bf16 -> float is exact; float -> bf16 rounds to nearest even (NaN kept).
 __device__ __forceinline__ float bf2f(uint16_t b) { return __uint_as_float(((uint32_t)b) << 16); }
 __device__ __forceinline__ uint16_t f2bf(float f) {

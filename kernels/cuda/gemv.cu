@@ -509,25 +509,6 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv
 #define WIDE_XC ORNITH_WIDE_XC
 #define WIDE_XSTRIDE (WIDE_XC + 64)
 
-// Whether this block is the last of `blocks` to reach the row tile's arrival counter `ticket` (the
-// split products' partials meet through it: gemv_wide_body, gdn_out_proj). Every thread's partial
-// stores are fenced before thread 0 counts the block in; the last block resets the counter to
-// zero for the next launch and fences again before it reads the others' partials (through L2:
-// __ldcg). Called by every thread of the block; the answer is the same for all.
-__device__ __forceinline__ bool last_to_arrive(uint32_t *ticket, uint32_t blocks) {
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(ticket, 1u) == blocks - 1;
-        if (last) atomicExch(ticket, 0u);
-    }
-    __syncthreads();
-    if (!last) return false;
-    __threadfence();
-    return true;
-}
-
 // tc_load for a round wholly inside the row (no bounds checks).
 template <int U>
 __device__ __forceinline__ void tc_load_full(const uint8_t *w, uint32_t og, uint32_t og8, int kb, uint4 (&wa)[U], uint4 (&wb)[U]) {

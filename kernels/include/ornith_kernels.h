@@ -379,6 +379,13 @@ typedef struct OrnithAttnParams {
     int32_t min_split;
     const int32_t *table;
     int32_t table_stride;
+    /* Non-NULL (an FP8 o_proj): the combine also writes each row's per-token FP8 codes
+     * out_q8 [tokens, q_heads * head_dim] and scale out_scale [tokens], as quantize_fp8_rows
+     * would from `out` (the same bits): the last of a row's blocks to arrive at ticket[row]
+     * (zero between launches; the launcher's) quantises it. */
+    uint8_t *out_q8;
+    float *out_scale;
+    uint32_t *ticket;
 } OrnithAttnParams;
 
 /* Greedy sampling: idx[t] = argmax_i float(logits[r, i]) over the first `n` columns of logits row

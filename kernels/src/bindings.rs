@@ -666,10 +666,13 @@ pub struct OrnithAttnParams {
     pub min_split: i32,
     pub table: *const i32,
     pub table_stride: i32,
+    pub out_q8: *mut u8,
+    pub out_scale: *mut f32,
+    pub ticket: *mut u32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithAttnParams"][::std::mem::size_of::<OrnithAttnParams>() - 120usize];
+    ["Size of OrnithAttnParams"][::std::mem::size_of::<OrnithAttnParams>() - 144usize];
     ["Alignment of OrnithAttnParams"][::std::mem::align_of::<OrnithAttnParams>() - 8usize];
     ["Offset of field: OrnithAttnParams::q"][::std::mem::offset_of!(OrnithAttnParams, q) - 0usize];
     ["Offset of field: OrnithAttnParams::k_cache"][::std::mem::offset_of!(OrnithAttnParams, k_cache) - 8usize];
@@ -691,6 +694,9 @@ const _: () = {
     ["Offset of field: OrnithAttnParams::table"][::std::mem::offset_of!(OrnithAttnParams, table) - 104usize];
     ["Offset of field: OrnithAttnParams::table_stride"]
         [::std::mem::offset_of!(OrnithAttnParams, table_stride) - 112usize];
+    ["Offset of field: OrnithAttnParams::out_q8"][::std::mem::offset_of!(OrnithAttnParams, out_q8) - 120usize];
+    ["Offset of field: OrnithAttnParams::out_scale"][::std::mem::offset_of!(OrnithAttnParams, out_scale) - 128usize];
+    ["Offset of field: OrnithAttnParams::ticket"][::std::mem::offset_of!(OrnithAttnParams, ticket) - 136usize];
 };
 impl Default for OrnithAttnParams {
     fn default() -> Self {

@@ -837,6 +837,10 @@ impl CudaBackend {
             table: table as _,
             table_stride: tw as i32,
         })?;
+        // An FP8 o_proj's input codes come from the decode combine itself (its last block per row
+        // quantises the row: quantize_fp8_rows' bits, one launch fewer per layer).
+        let quant_in_combine = !prefill && O::KIND == Precision::Fp8;
+        let (xq, xs) = self.q8_scratch();
         if prefill {
             self.cx.k_flash_attn(OrnithFlashAttnParams {
                 q: at(self, &s.q, 0) as _,
@@ -888,12 +892,16 @@ impl CudaBackend {
                         min_split: plan::MIN_SPLIT as i32,
                         table: tab as _,
                         table_stride: tw as i32,
+                        out_q8: if quant_in_combine { (xq + (a0 * nh * hd) as u64) as _ } else { std::ptr::null_mut() },
+                        out_scale: if quant_in_combine { (xs + (a0 * 4) as u64) as _ } else { std::ptr::null_mut() },
+                        ticket: std::ptr::null_mut(), // the launcher's
                     },
                     pos[a0..a0 + m].iter().map(|&x| x + 1).sum(),
                 )?;
             }
         }
-        let att = XIn { bf: at(self, &s.on, 0), q8: None, stride: nh * hd, norm: None };
+        let q8 = quant_in_combine.then_some((xq, xs));
+        let att = XIn { bf: at(self, &s.on, 0), q8, stride: nh * hd, norm: None };
         self.lin_delta(&w.o_proj, "o_proj", att, h, r0, n, prefill, fold)
     }
 

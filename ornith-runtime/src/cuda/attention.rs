@@ -132,7 +132,7 @@ impl CudaContext {
     /// the GPU ([`CudaContext::attn_blocks`] blocks at most, each taking every grid-th work
     /// item; the grid never changes a result) and launches both. `keys`: the K/V positions the
     /// rows read in all (the bytes of the profile).
-    pub(crate) fn k_attention(&self, p: OrnithAttnParams, keys: usize) -> Result<()> {
+    pub(crate) fn k_attention(&self, mut p: OrnithAttnParams, keys: usize) -> Result<()> {
         let (t, qh, kvh, splits) = (p.tokens as usize, p.q_heads as usize, p.kv_heads as usize, p.splits as usize);
         ensure!(p.head_dim == 256, "attention: head_dim {} (kernel is written for 256)", p.head_dim);
         ensure!(
@@ -159,7 +159,15 @@ impl CudaContext {
         let blocks = self.attn_blocks.min(items as u32);
         let kv_bytes = keys * kvh * 256 * 2 * 2;
         self.launch(Launch::new("attn_decode_split", (blocks, 1, 1), 64, kv_bytes as u64).smem(ATT_SPLIT_SMEM), p)?;
-        let part = t * qh * splits * (256 + 2) * 4 + t * qh * 256 * 4; // at most
+        let mut part = t * qh * splits * (256 + 2) * 4 + t * qh * 256 * 4; // at most
+        ensure!(p.out_q8.is_null() == p.out_scale.is_null(), "attention: FP8 output needs both codes and scales");
+        if !p.out_q8.is_null() {
+            // The rows' arrival counters: the context's (zero between launches, one launch's at
+            // a time: every user counts after its PDL wait; this launch has no attribute).
+            const _: () = assert!(ATT_MAX_ROWS <= super::WIDE_TICKETS as usize);
+            p.ticket = self.addr(&self.wide_ticket) as _;
+            part += t * qh * 256 * (2 + 1) + t * 4; // the row read back, the codes, the scale
+        }
         let grid = (qh as u32, t as u32, ORNITH_ATT_COMBINE_CHUNKS);
         self.launch(Launch::new("attn_decode_combine", grid, 256, part as u64), p)
     }
@@ -263,6 +271,24 @@ impl CudaContext {
         self.k_attention(p, keys)
     }
 
+    /// [`Self::attention_decode`] whose combine also writes the output's per-token FP8 codes and
+    /// scales (`OrnithAttnParams.out_q8`: `quantize_fp8_rows`' bits, without its launch).
+    pub fn attention_decode_q8(
+        &self,
+        a: &AttnArgs,
+        part_o: &mut CudaSlice<f32>,
+        part_ml: &mut CudaSlice<f32>,
+        out: &mut Bf,
+        q8: &mut CudaSlice<u8>,
+        scale: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (mut p, keys) = self.attention_params(a, part_o, part_ml, out)?;
+        need("attn out_q8", q8, a.tokens * a.q_heads * 256)?;
+        need("attn out_scale", scale, a.tokens)?;
+        (p.out_q8, p.out_scale) = (self.addr(q8) as _, self.addr(scale) as _);
+        self.k_attention(p, keys)
+    }
+
     /// The buffer-checked kernel parameters of [`Self::attention_decode`] and the K/V positions
     /// its rows read (to time the launches alone).
     pub(crate) fn attention_params(
@@ -317,6 +343,9 @@ impl CudaContext {
             min_split: a.pos_dev.map_or(Ok(0), |d| i32of("min_split", d.2))?,
             table: self.addr(a.table) as _,
             table_stride: i32of("table stride", a.table_stride)?,
+            out_q8: std::ptr::null_mut(),
+            out_scale: std::ptr::null_mut(),
+            ticket: std::ptr::null_mut(),
         };
         Ok((p, positions.iter().map(|&x| x + 1).sum()))
     }

@@ -1454,6 +1454,31 @@ fn attention_decode_matches_reference() {
             table_stride: 0,
         };
         c.attention_decode(&aa, &mut po, &mut pml, &mut out).unwrap();
+        // With the FP8 o_proj's input from the combine (the row's last block quantises it): the
+        // same output, and the codes and scales of quantize_fp8_rows on it, bit for bit; twice,
+        // so the second launch finds the row counters back at zero.
+        let mut want_q8 = c.upload(&vec![0xAAu8; tokens * qh * d]).unwrap();
+        let mut want_sc = c.upload(&vec![-1f32; tokens]).unwrap();
+        c.k_quant(c.addr(&out), c.addr(&want_q8), c.addr(&want_sc), tokens, qh * d).unwrap();
+        let (want_q8, want_sc) = (c.download(&want_q8).unwrap(), c.download(&want_sc).unwrap());
+        for run in 0..2 {
+            let mut out_q = c.upload(&vec![POISON; tokens * qh * d]).unwrap();
+            let mut q8 = c.upload(&vec![0x55u8; tokens * qh * d]).unwrap();
+            let mut sc = c.upload(&vec![-2f32; tokens]).unwrap();
+            c.attention_decode_q8(&aa, &mut po, &mut pml, &mut out_q, &mut q8, &mut sc).unwrap();
+            assert!(
+                c.download(&out_q).unwrap() == c.download(&out).unwrap(),
+                "attention with FP8 output: out (run {run})"
+            );
+            assert!(
+                c.download(&q8).unwrap() == want_q8,
+                "attention FP8 codes vs quantize_fp8_rows (pos {pos0} t{tokens} run {run})"
+            );
+            assert!(
+                c.download(&sc).unwrap() == want_sc,
+                "attention FP8 scales vs quantize_fp8_rows (pos {pos0} t{tokens} run {run})"
+            );
+        }
         let mut o_cpu = vec![bf16::ZERO; tokens * qh * d];
         attention(&bv(&gq), tokens, pos0, &bv(&gkc), &bv(&vc), qh, kvh, d, &mut o_cpu);
         let sg = |g: &bf16| bf16::from_f32(crate::cpu::sigmoid(g.to_f32())).to_f64();
