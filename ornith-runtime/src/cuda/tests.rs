@@ -1457,8 +1457,8 @@ fn attention_decode_matches_reference() {
         // With the FP8 o_proj's input from the combine (the row's last block quantises it): the
         // same output, and the codes and scales of quantize_fp8_rows on it, bit for bit; twice,
         // so the second launch finds the row counters back at zero.
-        let mut want_q8 = c.upload(&vec![0xAAu8; tokens * qh * d]).unwrap();
-        let mut want_sc = c.upload(&vec![-1f32; tokens]).unwrap();
+        let want_q8 = c.upload(&vec![0xAAu8; tokens * qh * d]).unwrap();
+        let want_sc = c.upload(&vec![-1f32; tokens]).unwrap();
         c.k_quant(c.addr(&out), c.addr(&want_q8), c.addr(&want_sc), tokens, qh * d).unwrap();
         let (want_q8, want_sc) = (c.download(&want_q8).unwrap(), c.download(&want_sc).unwrap());
         for run in 0..2 {
