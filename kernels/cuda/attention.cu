@@ -326,6 +326,7 @@ extern "C" __global__ void __launch_bounds__(64) attn_decode_split(const OrnithA
 // 256 threads per row left a long-context step's combine latency-bound).
 #define ATT_COMBINE_DIMS (ATT_D / ORNITH_ATT_COMBINE_CHUNKS)
 static_assert(ORNITH_ATT_COMBINE_CHUNKS == 4, "the 4 split accumulators are the block's 4 warp pairs");
+static_assert(ATT_D == 256, "the combine's blocks quantise a row as quant_row_256: 256 threads");
 extern "C" __global__ void __launch_bounds__(ATT_D) attn_decode_combine(const OrnithAttnParams p) {
     pdl_entry();
     __shared__ float f[ATT_MAX_SPLITS];
@@ -356,37 +357,9 @@ extern "C" __global__ void __launch_bounds__(ATT_D) attn_decode_combine(const Or
         const float gate = bf2f(p.qg[((size_t)t * p.q_heads + h) * 2 * ATT_D + ATT_D + i]);
         p.out[((size_t)t * p.q_heads + h) * ATT_D + i] = f2bf(o * rbf(sigmoid_f(gate)));
     }
-    // The FP8 o_proj's input: the row's last block quantises it as quantize_fp8_rows does
-    // (scale = act_scale(max |x| over the row), then each code) — the same function of the same
-    // bf16 values, and a max does not depend on the order, so the same bits, without that launch.
+    // The FP8 o_proj's input: the row's last block quantises it with quantize_fp8_rows' code
+    // (common.cuh's quant_row_256), so the same bits, without that launch.
     if (p.out_q8 == nullptr || !last_to_arrive(p.ticket + t, (uint32_t)(p.q_heads * gridDim.z))) return;
     const int cols = p.q_heads * ATT_D;
-    const uint4 *x = reinterpret_cast<const uint4 *>(p.out + (size_t)t * cols);
-    float amax = 0.f;
-    for (int c8 = tid; c8 < cols / 8; c8 += ATT_D) {
-        const uint4 v = __ldcg(x + c8);
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            amax = amax_add(amax, bf2f((uint16_t)(w[j] & 0xffffu)));
-            amax = amax_add(amax, bf2f((uint16_t)(w[j] >> 16)));
-        }
-    }
-    amax = block_max_nan(amax, sh);
-    const float scale = act_scale(amax);
-    if (tid == 0) p.out_scale[t] = scale;
-    uint8_t *q = p.out_q8 + (size_t)t * cols;
-    for (int c8 = tid; c8 < cols / 8; c8 += ATT_D) {
-        const uint4 v = __ldcg(x + c8);
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-        uint32_t lo = 0, hi = 0;
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            lo |= (uint32_t)quant_e4m3(bf2f((uint16_t)(w[j] & 0xffffu)), scale) << (16 * j);
-            lo |= (uint32_t)quant_e4m3(bf2f((uint16_t)(w[j] >> 16)), scale) << (16 * j + 8);
-            hi |= (uint32_t)quant_e4m3(bf2f((uint16_t)(w[j + 2] & 0xffffu)), scale) << (16 * j);
-            hi |= (uint32_t)quant_e4m3(bf2f((uint16_t)(w[j + 2] >> 16)), scale) << (16 * j + 8);
-        }
-        reinterpret_cast<uint2 *>(q)[c8] = make_uint2(lo, hi);
-    }
+    quant_row_256<0>(p.out + (size_t)t * cols, cols, p.out_q8 + (size_t)t * cols, p.out_scale + t, sh);
 }

@@ -177,6 +177,45 @@ __device__ __forceinline__ uint8_t quant_e4m3(float v, float scale) {
     return f2e4m3(fminf(fmaxf(q, -ORNITH_FP8_MAX), ORNITH_FP8_MAX));
 }
 
+// Per-token FP8 of one row of `cols` bf16 values by a block of 256 threads (quantize_fp8_rows;
+// attention.cu's combine for an FP8 o_proj): scale = act_scale(max |x|) (block_max_nan over the
+// block, a NaN kept), *scale_out = scale (thread 0), q[i] = quant_e4m3(x[i], scale). Rows of up to
+// REGS * 256 values are read once into registers (no load after a store: each would wait a memory
+// round trip); longer rows, and every row with REGS = 0, are read twice (the same values: the same
+// bits). quantize_fp8_rows keeps 32 per thread; the combine 0 (the registers would halve the
+// blocks per SM of every combine block for the one that quantises). Loads through L2 (__ldcg): the
+// combine's row was written by other blocks of its own launch.
+template <int REGS>
+__device__ __forceinline__ void quant_row_256(const uint16_t *x, int cols, uint8_t *q, float *scale_out, float *sh) {
+    const bool regs = REGS > 0 && cols <= REGS * 256;
+    constexpr int R = REGS > 0 ? REGS : 1;
+    uint16_t xv[R];
+    float amax = 0.f;
+    if (regs) {
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            const int i = threadIdx.x + 256 * j;
+            xv[j] = i < cols ? __ldcg(x + i) : (uint16_t)0;  // 0 adds nothing to the max of |x|
+        }
+#pragma unroll
+        for (int j = 0; j < R; j++) amax = amax_add(amax, bf2f(xv[j]));
+    } else {
+        for (int i = threadIdx.x; i < cols; i += 256) amax = amax_add(amax, bf2f(__ldcg(x + i)));
+    }
+    amax = block_max_nan(amax, sh);
+    const float scale = act_scale(amax);
+    if (threadIdx.x == 0) *scale_out = scale;
+    if (regs) {
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+            const int i = threadIdx.x + 256 * j;
+            if (i < cols) q[i] = quant_e4m3(bf2f(xv[j]), scale);
+        }
+    } else {
+        for (int i = threadIdx.x; i < cols; i += 256) q[i] = quant_e4m3(bf2f(__ldcg(x + i)), scale);
+    }
+}
+
 // SwiGLU of one expert gate|up row with its per-row FP8 quantisation, as swiglu_quant (moe.cu) and
 // the expert down product's prologue (gemv.cu: moe_gemv_fp8_swiglu) both compute it (the same
 // bits; the CPU reference is cpu::moe):

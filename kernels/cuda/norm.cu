@@ -89,40 +89,10 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS, 4) rmsnorm_residual_2k
     rmsnorm_body<8>(p);
 }
 
-// One block of 256 threads per row: per-token FP8 quantisation (act_scale / quant_e4m3). Rows of up
-// to QUANT_REGS * 256 values are read once into registers (no load after a store: each would wait
-// a memory round trip); longer rows are read twice.
-#define QUANT_REGS 32
+// One block of 256 threads per row: per-token FP8 quantisation (common.cuh's quant_row_256).
 extern "C" __global__ void __launch_bounds__(256) quantize_fp8_rows(const OrnithQuantParams p) {
     pdl_entry();
     __shared__ float sh[32];
-    int t = blockIdx.x;
-    const uint16_t *x = p.x + (size_t)t * p.cols;
-    uint8_t *q = p.q8 + (size_t)t * p.cols;
-    const bool regs = p.cols <= QUANT_REGS * 256;
-    uint16_t xv[QUANT_REGS];
-    float amax = 0.f;
-    if (regs) {
-#pragma unroll
-        for (int j = 0; j < QUANT_REGS; j++) {
-            const int i = threadIdx.x + 256 * j;
-            xv[j] = i < p.cols ? x[i] : (uint16_t)0;  // 0 adds nothing to the max of |x|
-        }
-#pragma unroll
-        for (int j = 0; j < QUANT_REGS; j++) amax = amax_add(amax, bf2f(xv[j]));
-    } else {
-        for (int i = threadIdx.x; i < p.cols; i += blockDim.x) amax = amax_add(amax, bf2f(x[i]));
-    }
-    amax = block_max_nan(amax, sh);
-    float scale = act_scale(amax);
-    if (threadIdx.x == 0) p.scale[t] = scale;
-    if (regs) {
-#pragma unroll
-        for (int j = 0; j < QUANT_REGS; j++) {
-            const int i = threadIdx.x + 256 * j;
-            if (i < p.cols) q[i] = quant_e4m3(bf2f(xv[j]), scale);
-        }
-    } else {
-        for (int i = threadIdx.x; i < p.cols; i += blockDim.x) q[i] = quant_e4m3(bf2f(x[i]), scale);
-    }
+    const int t = blockIdx.x;
+    quant_row_256<32>(p.x + (size_t)t * p.cols, p.cols, p.q8 + (size_t)t * p.cols, p.scale + t, sh);
 }
