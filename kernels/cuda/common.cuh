@@ -161,6 +161,25 @@ __device__ __forceinline__ float rms_add(float res, uint16_t add) { return rbf(r
 __device__ __forceinline__ float rms_inv(float ss, int hidden, float eps) { return rsqrtf(ss / (float)hidden + eps); }
 __device__ __forceinline__ float rms_out(float h, float inv, uint16_t w) { return rbf(h * inv * (1.f + bf2f(w))); }
 
+// The MoE combine of token t's hidden element i (OrnithMoeCombineParams; moe.cu's moe_combine and
+// the per-slot down products' epilogue, gemv.cu, so both give the same bits):
+//   routed = bf16(sum_j bf16(ys[t, j, i] * weight[t, j]))   (j ascending, fp32 sum)
+//   shared = bf16(bf16(sigmoid(gate_logit[t])) * ys[t, top_k, i]);  out[t, i] = bf16(routed + shared)
+// and with a fold the residual first takes the old delta: fold[t, i] = bf16(fold + out_old).
+// The expert outputs are read through L2 (__ldcg): the epilogue reads other blocks' stores.
+__device__ __forceinline__ void moe_combine_elem(const OrnithMoeCombineParams &p, int t, int i) {
+    const int slots = p.top_k + 1;
+    const uint16_t *ys = p.ys + (size_t)t * slots * p.hidden + i;
+    float routed = 0.f;
+    for (int j = 0; j < p.top_k; j++) routed += rbf(bf2f(__ldcg(ys + (size_t)j * p.hidden)) * p.weight[t * p.top_k + j]);
+    routed = rbf(routed);
+    const float g = rbf(sigmoid_f(bf2f(p.gate_logit[(size_t)t * p.gate_stride])));
+    const float shared = rbf(g * bf2f(__ldcg(ys + (size_t)p.top_k * p.hidden)));
+    const size_t o = (size_t)t * p.hidden + i;
+    if (p.fold) p.fold[o] = f2bf(rms_add(bf2f(p.fold[o]), p.out[o]));
+    p.out[o] = f2bf(routed + shared);
+}
+
 // Per-token FP8 activation quantisation exactly as compressed-tensors 0.19 does it (the CPU
 // reference is ornith-runtime/src/cpu/fp8.rs):
 //   scale = bf16(amax / 448), or 2^-7 (bf16 eps) when that is 0;

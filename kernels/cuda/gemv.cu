@@ -1079,6 +1079,17 @@ __device__ __forceinline__ void moe_tc_prologue(const OrnithMoeGemvParams &p, co
     }
 }
 
+// The per-slot down products' combine epilogue (OrnithMoeGemvParams.combine, when its out is
+// set): the last of the grid's top_k + 1 slot blocks of (token t, block column x) to store its
+// outputs combines the column's rows [x R, x R + R) of token t's hidden row as moe_combine does
+// (R = 16 TC_WARPS / ks, the rows the column's blocks cover), reading the others' outputs
+// through L2 after the ticket (common.cuh last_to_arrive, moe_combine_elem).
+__device__ __forceinline__ void moe_combine_epilogue(const OrnithMoeCombineParams &c, uint32_t *ticket, int t, int ks) {
+    if (!c.out || !last_to_arrive(ticket + (size_t)t * gridDim.x + blockIdx.x, gridDim.y)) return;
+    const int rows = 16 * (TC_WARPS / ks), r0 = (int)blockIdx.x * rows, r1 = min(r0 + rows, c.hidden);
+    for (int i = r0 + (int)threadIdx.x; i < r1; i += (int)blockDim.x) moe_combine_elem(c, t, i);
+}
+
 // The weights of (token t, slot) in the per-slot forms: the shared expert's, or the routed
 // expert's, whose index is the router's output and so is read after the wait (the shared
 // expert's blocks issue their first weight loads before it, in the tile).
@@ -1117,7 +1128,8 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
 }
 
 // moe_gemv_fp8 with the SwiGLU prologue (OrnithMoeGemvParams.gate_up; the down product, in =
-// inter): the block quantises its (token, slot) row of SwiGLU(gate|up) itself, as swiglu_quant.
+// inter): the block quantises its (token, slot) row of SwiGLU(gate|up) itself, as swiglu_quant;
+// with OrnithMoeGemvParams.combine the token's last blocks combine the slots (moe_combine_epilogue).
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_fp8_swiglu(const OrnithMoeGemvParams p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
@@ -1130,6 +1142,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
         swiglu_q8_row(gu, p.in, xrow, xsc, sh);
         __syncthreads();
     });
+    moe_combine_epilogue(p.combine, p.ticket, t, pl.ks);
 }
 
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_grouped(const OrnithMoeGemvParams p) {
@@ -1278,7 +1291,8 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
 }
 
 // moe_gemv_nvfp4 with the SwiGLU prologue (OrnithMoeGemvNvfp4Params.gate_up; the down product, in =
-// inter): the (token, slot) row of SwiGLU(gate|up) in bf16 as swiglu_bf16 writes it.
+// inter): the (token, slot) row of SwiGLU(gate|up) in bf16 as swiglu_bf16 writes it; the combine
+// epilogue as moe_gemv_fp8_swiglu's.
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv_nvfp4_swiglu(const OrnithMoeGemvNvfp4Params p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
@@ -1291,6 +1305,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
         for (int i = threadIdx.x; i < p.in; i += blockDim.x) reinterpret_cast<uint16_t *>(xrow)[i] = f2bf(swiglu_val(gu[i], gu[p.in + i]));
         __syncthreads();
     });
+    moe_combine_epilogue(p.combine, p.ticket, t, pl.ks);
 }
 
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv_nvfp4_grouped(const OrnithMoeGemvNvfp4Params p) {

@@ -78,21 +78,10 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_bf16(const OrnithSwiglu
     p.out[(size_t)r * p.inter + i] = f2bf(swiglu_val(gu[i], gu[p.inter + i]));
 }
 
-// grid (ceil(hidden / 256), tokens): routed + gated shared expert (and the residual fold, fold != NULL).
+// grid (ceil(hidden / 256), tokens): routed + gated shared expert (and the residual fold, fold
+// != NULL), common.cuh's moe_combine_elem.
 extern "C" __global__ void __launch_bounds__(256) moe_combine(const OrnithMoeCombineParams p) {
     pdl_entry();
-    const int t = blockIdx.y;
     const int i = blockIdx.x * 256 + threadIdx.x;
-    if (i >= p.hidden) return;
-    const int slots = p.top_k + 1;
-    const uint16_t *ys = p.ys + (size_t)t * slots * p.hidden;
-    float routed = 0.f;
-    for (int j = 0; j < p.top_k; j++)
-        routed += rbf(bf2f(ys[(size_t)j * p.hidden + i]) * p.weight[t * p.top_k + j]);
-    routed = rbf(routed);
-    float g = rbf(sigmoid_f(bf2f(p.gate_logit[(size_t)t * p.gate_stride])));
-    float shared = rbf(g * bf2f(ys[(size_t)p.top_k * p.hidden + i]));
-    const size_t o = (size_t)t * p.hidden + i;
-    if (p.fold) p.fold[o] = f2bf(rms_add(bf2f(p.fold[o]), p.out[o]));  // the residual takes the old delta
-    p.out[o] = f2bf(routed + shared);
+    if (i < p.hidden) moe_combine_elem(p, blockIdx.y, i);
 }

@@ -145,6 +145,25 @@ typedef struct OrnithRouterParams {
     int32_t logit_stride;
 } OrnithRouterParams;
 
+/* MoE combine for each token t (ys = expert outputs [tokens, top_k + 1, hidden] bf16):
+ *   routed = bf16( sum_j float(bf16(ys[t, j] * bf16(w[t, j]))) )       (fp32 sum, one rounding)
+ *   shared = bf16( bf16(sigmoid(gate_logit[t * gate_stride])) * ys[t, top_k] )
+ *   moe    = bf16( routed + shared )
+ *   out[t] = moe  (the residual add is done by the next RMSNorm kernel). */
+typedef struct OrnithMoeCombineParams {
+    const uint16_t *ys;
+    const float *weight;
+    const uint16_t *gate_logit;
+    uint16_t *out;
+    int32_t tokens;
+    int32_t top_k;
+    int32_t hidden;
+    int32_t gate_stride;
+    /* Residual fold (non-NULL): before writing out[t, c], fold[t * hidden + c] =
+     * bf16(fold + out_old[t, c]), as OrnithGemvBf16Params.fold. */
+    uint16_t *fold;
+} OrnithMoeCombineParams;
+
 /* MoE expert GEMV over `slots` = top_k routed slots + 1 shared slot, per token.
  * Slot j < top_k uses expert e = idx[t, j]: weights w + e * out * in, scales ws + e * out;
  * slot top_k uses the shared expert (shared_w, shared_ws).
@@ -181,6 +200,13 @@ typedef struct OrnithMoeGemvParams {
      * computed in the prologue from its gate|up row gate_up[(t * (top_k + 1) + slot) * 2 * in ..]
      * (SwiGLU + per-row FP8 exactly as swiglu_quant), instead of read from xq / xs. */
     const uint16_t *gate_up;
+    /* The per-slot down product with the SwiGLU prologue only: with combine.out non-NULL the
+     * block also runs moe_combine's epilogue (OrnithMoeCombineParams, combine.ys = y): the last
+     * of the top_k + 1 slot blocks of token t and block column x to finish (a counter per pair at
+     * ticket[t * gridDim.x + x], zero between launches; the launcher sets it) combines the
+     * column's rows of token t, the same arithmetic as moe_combine. */
+    OrnithMoeCombineParams combine;
+    uint32_t *ticket;
 } OrnithMoeGemvParams;
 
 /* SwiGLU of gate_up rows + FP8 quantisation, one row of `inter` per (t, slot):
@@ -195,25 +221,6 @@ typedef struct OrnithSwigluQuantParams {
     int32_t rows;
     int32_t inter;
 } OrnithSwigluQuantParams;
-
-/* MoE combine for each token t (ys = expert outputs [tokens, top_k + 1, hidden] bf16):
- *   routed = bf16( sum_j float(bf16(ys[t, j] * bf16(w[t, j]))) )       (fp32 sum, one rounding)
- *   shared = bf16( bf16(sigmoid(gate_logit[t * gate_stride])) * ys[t, top_k] )
- *   moe    = bf16( routed + shared )
- *   out[t] = moe  (the residual add is done by the next RMSNorm kernel). */
-typedef struct OrnithMoeCombineParams {
-    const uint16_t *ys;
-    const float *weight;
-    const uint16_t *gate_logit;
-    uint16_t *out;
-    int32_t tokens;
-    int32_t top_k;
-    int32_t hidden;
-    int32_t gate_stride;
-    /* Residual fold (non-NULL): before writing out[t, c], fold[t * hidden + c] =
-     * bf16(fold + out_old[t, c]), as OrnithGemvBf16Params.fold. */
-    uint16_t *fold;
-} OrnithMoeCombineParams;
 
 /* Causal depthwise conv1d (kernel 4) + SiLU with state, tokens processed in order.
  *   x [tokens, x_stride] bf16 (first `channels` columns), w [channels, 4] bf16,
@@ -605,6 +612,9 @@ typedef struct OrnithMoeGemvNvfp4Params {
      * row gate_up[(t * (top_k + 1) + slot) * 2 * in ..] through SwiGLU, as swiglu_bf16). */
     OrnithNormIn norm;
     const uint16_t *gate_up;
+    /* moe_gemv_nvfp4_swiglu only: the combine epilogue, as OrnithMoeGemvParams.combine. */
+    OrnithMoeCombineParams combine;
+    uint32_t *ticket;
 } OrnithMoeGemvNvfp4Params;
 
 /* SwiGLU of gate|up rows into bf16 (the NVFP4A16 experts' BF16 activations):

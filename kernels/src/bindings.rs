@@ -274,6 +274,47 @@ impl Default for OrnithRouterParams {
 }
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
+pub struct OrnithMoeCombineParams {
+    pub ys: *const u16,
+    pub weight: *const f32,
+    pub gate_logit: *const u16,
+    pub out: *mut u16,
+    pub tokens: i32,
+    pub top_k: i32,
+    pub hidden: i32,
+    pub gate_stride: i32,
+    pub fold: *mut u16,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of OrnithMoeCombineParams"][::std::mem::size_of::<OrnithMoeCombineParams>() - 56usize];
+    ["Alignment of OrnithMoeCombineParams"][::std::mem::align_of::<OrnithMoeCombineParams>() - 8usize];
+    ["Offset of field: OrnithMoeCombineParams::ys"][::std::mem::offset_of!(OrnithMoeCombineParams, ys) - 0usize];
+    ["Offset of field: OrnithMoeCombineParams::weight"]
+        [::std::mem::offset_of!(OrnithMoeCombineParams, weight) - 8usize];
+    ["Offset of field: OrnithMoeCombineParams::gate_logit"]
+        [::std::mem::offset_of!(OrnithMoeCombineParams, gate_logit) - 16usize];
+    ["Offset of field: OrnithMoeCombineParams::out"][::std::mem::offset_of!(OrnithMoeCombineParams, out) - 24usize];
+    ["Offset of field: OrnithMoeCombineParams::tokens"]
+        [::std::mem::offset_of!(OrnithMoeCombineParams, tokens) - 32usize];
+    ["Offset of field: OrnithMoeCombineParams::top_k"][::std::mem::offset_of!(OrnithMoeCombineParams, top_k) - 36usize];
+    ["Offset of field: OrnithMoeCombineParams::hidden"]
+        [::std::mem::offset_of!(OrnithMoeCombineParams, hidden) - 40usize];
+    ["Offset of field: OrnithMoeCombineParams::gate_stride"]
+        [::std::mem::offset_of!(OrnithMoeCombineParams, gate_stride) - 44usize];
+    ["Offset of field: OrnithMoeCombineParams::fold"][::std::mem::offset_of!(OrnithMoeCombineParams, fold) - 48usize];
+};
+impl Default for OrnithMoeCombineParams {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
 pub struct OrnithMoeGemvParams {
     pub xq: *const u8,
     pub xs: *const f32,
@@ -298,10 +339,12 @@ pub struct OrnithMoeGemvParams {
     pub row_assign: *const i32,
     pub norm: OrnithNormIn,
     pub gate_up: *const u16,
+    pub combine: OrnithMoeCombineParams,
+    pub ticket: *mut u32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithMoeGemvParams"][::std::mem::size_of::<OrnithMoeGemvParams>() - 176usize];
+    ["Size of OrnithMoeGemvParams"][::std::mem::size_of::<OrnithMoeGemvParams>() - 240usize];
     ["Alignment of OrnithMoeGemvParams"][::std::mem::align_of::<OrnithMoeGemvParams>() - 8usize];
     ["Offset of field: OrnithMoeGemvParams::xq"][::std::mem::offset_of!(OrnithMoeGemvParams, xq) - 0usize];
     ["Offset of field: OrnithMoeGemvParams::xs"][::std::mem::offset_of!(OrnithMoeGemvParams, xs) - 8usize];
@@ -335,6 +378,8 @@ const _: () = {
         [::std::mem::offset_of!(OrnithMoeGemvParams, row_assign) - 128usize];
     ["Offset of field: OrnithMoeGemvParams::norm"][::std::mem::offset_of!(OrnithMoeGemvParams, norm) - 136usize];
     ["Offset of field: OrnithMoeGemvParams::gate_up"][::std::mem::offset_of!(OrnithMoeGemvParams, gate_up) - 168usize];
+    ["Offset of field: OrnithMoeGemvParams::combine"][::std::mem::offset_of!(OrnithMoeGemvParams, combine) - 176usize];
+    ["Offset of field: OrnithMoeGemvParams::ticket"][::std::mem::offset_of!(OrnithMoeGemvParams, ticket) - 232usize];
 };
 impl Default for OrnithMoeGemvParams {
     fn default() -> Self {
@@ -368,47 +413,6 @@ const _: () = {
         [::std::mem::offset_of!(OrnithSwigluQuantParams, inter) - 28usize];
 };
 impl Default for OrnithSwigluQuantParams {
-    fn default() -> Self {
-        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
-        unsafe {
-            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
-            s.assume_init()
-        }
-    }
-}
-#[repr(C)]
-#[derive(Debug, Copy, Clone)]
-pub struct OrnithMoeCombineParams {
-    pub ys: *const u16,
-    pub weight: *const f32,
-    pub gate_logit: *const u16,
-    pub out: *mut u16,
-    pub tokens: i32,
-    pub top_k: i32,
-    pub hidden: i32,
-    pub gate_stride: i32,
-    pub fold: *mut u16,
-}
-#[allow(clippy::unnecessary_operation, clippy::identity_op)]
-const _: () = {
-    ["Size of OrnithMoeCombineParams"][::std::mem::size_of::<OrnithMoeCombineParams>() - 56usize];
-    ["Alignment of OrnithMoeCombineParams"][::std::mem::align_of::<OrnithMoeCombineParams>() - 8usize];
-    ["Offset of field: OrnithMoeCombineParams::ys"][::std::mem::offset_of!(OrnithMoeCombineParams, ys) - 0usize];
-    ["Offset of field: OrnithMoeCombineParams::weight"]
-        [::std::mem::offset_of!(OrnithMoeCombineParams, weight) - 8usize];
-    ["Offset of field: OrnithMoeCombineParams::gate_logit"]
-        [::std::mem::offset_of!(OrnithMoeCombineParams, gate_logit) - 16usize];
-    ["Offset of field: OrnithMoeCombineParams::out"][::std::mem::offset_of!(OrnithMoeCombineParams, out) - 24usize];
-    ["Offset of field: OrnithMoeCombineParams::tokens"]
-        [::std::mem::offset_of!(OrnithMoeCombineParams, tokens) - 32usize];
-    ["Offset of field: OrnithMoeCombineParams::top_k"][::std::mem::offset_of!(OrnithMoeCombineParams, top_k) - 36usize];
-    ["Offset of field: OrnithMoeCombineParams::hidden"]
-        [::std::mem::offset_of!(OrnithMoeCombineParams, hidden) - 40usize];
-    ["Offset of field: OrnithMoeCombineParams::gate_stride"]
-        [::std::mem::offset_of!(OrnithMoeCombineParams, gate_stride) - 44usize];
-    ["Offset of field: OrnithMoeCombineParams::fold"][::std::mem::offset_of!(OrnithMoeCombineParams, fold) - 48usize];
-};
-impl Default for OrnithMoeCombineParams {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
         unsafe {
@@ -1065,10 +1069,12 @@ pub struct OrnithMoeGemvNvfp4Params {
     pub row_assign: *const i32,
     pub norm: OrnithNormIn,
     pub gate_up: *const u16,
+    pub combine: OrnithMoeCombineParams,
+    pub ticket: *mut u32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithMoeGemvNvfp4Params"][::std::mem::size_of::<OrnithMoeGemvNvfp4Params>() - 176usize];
+    ["Size of OrnithMoeGemvNvfp4Params"][::std::mem::size_of::<OrnithMoeGemvNvfp4Params>() - 240usize];
     ["Alignment of OrnithMoeGemvNvfp4Params"][::std::mem::align_of::<OrnithMoeGemvNvfp4Params>() - 8usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::x"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, x) - 0usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::idx"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, idx) - 8usize];
@@ -1108,6 +1114,10 @@ const _: () = {
         [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, norm) - 136usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::gate_up"]
         [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, gate_up) - 168usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::combine"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, combine) - 176usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::ticket"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, ticket) - 232usize];
 };
 impl Default for OrnithMoeGemvNvfp4Params {
     fn default() -> Self {

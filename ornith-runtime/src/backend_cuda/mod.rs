@@ -36,6 +36,7 @@ mod load;
 mod ops;
 pub mod plan;
 
+use crate::cuda::moe::combine_params;
 use crate::cuda::nvfp4::Fp4W;
 use crate::cuda::CudaContext;
 use crate::engine::{Capacity, PoolRequest};
@@ -1099,13 +1100,17 @@ impl CudaBackend {
                 row_assign: ra,
                 norm: x.norm.unwrap_or_default(),
                 gate_up: std::ptr::null(),
+                combine: OrnithMoeCombineParams::default(),
+                ticket: std::ptr::null_mut(),
             };
             self.cx.k_moe_gemv_nvfp4(gu_params, grouped)?;
-            // The per-slot down product takes SwiGLU in its prologue (as the FP8 MoE's).
-            let swiglu_in_prologue = !grouped;
-            if !swiglu_in_prologue {
+            // The per-slot down product takes SwiGLU in its prologue and the combine in its
+            // epilogue (as the FP8 MoE's).
+            let per_slot = !grouped;
+            if !per_slot {
                 self.cx.k_swiglu_bf16(sgu_y, sa, n * slots, inter)?;
             }
+            let combine = combine_params(sy, at(self, &s.wt, 0), rl + 2 * e as u64, out, n, k, hs, rw, fold)?;
             self.cx.k_moe_gemv_nvfp4(
                 OrnithMoeGemvNvfp4Params {
                     x: sa as _,
@@ -1122,12 +1127,15 @@ impl CudaBackend {
                     x_slot_stride: inter as i32,
                     tab_rows: hs as i32,
                     norm: OrnithNormIn::default(),
-                    gate_up: if swiglu_in_prologue { sgu_y as _ } else { std::ptr::null() },
+                    gate_up: if per_slot { sgu_y as _ } else { std::ptr::null() },
+                    combine: if per_slot { combine } else { OrnithMoeCombineParams::default() },
                     ..gu_params
                 },
                 grouped,
             )?;
-            self.cx.k_combine(sy, at(self, &s.wt, 0), rl + 2 * e as u64, out, n, k, hs, rw, fold)?;
+            if !per_slot {
+                self.cx.k_combine_with(combine)?;
+            }
         }
         h.pending.set(h.t);
         Ok(())
@@ -1505,12 +1513,18 @@ impl Backend for CudaBackend {
                 row_assign: groups[3],
                 norm: x.norm.unwrap_or_default(),
                 gate_up: std::ptr::null(),
+                combine: OrnithMoeCombineParams::default(),
+                ticket: std::ptr::null_mut(),
             };
             self.cx.k_moe_gemv(gu_params, grouped)?;
             // The per-slot down product takes SwiGLU + quantisation in its prologue (each block its
-            // own (token, slot) row); the grouped one reads swiglu_quant's rows.
-            let swiglu_in_prologue = !grouped;
-            if !swiglu_in_prologue {
+            // own (token, slot) row) and the combine in its epilogue (the last block of each
+            // column); the grouped one reads swiglu_quant's rows, and moe_combine follows it.
+            let per_slot = !grouped;
+            let delta = at(self, &h.delta, r0 * hs);
+            let combine =
+                combine_params(at(self, &s.ys, 0), at(self, &s.wt, 0), rl + 2 * e as u64, delta, n, k, hs, rw, fold)?;
+            if !per_slot {
                 self.cx.k_swiglu(at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), n * slots, inter)?;
             }
             self.cx.k_moe_gemv(
@@ -1529,22 +1543,15 @@ impl Backend for CudaBackend {
                     xs_tok_stride: slots as i32,
                     xs_slot_stride: 1,
                     norm: OrnithNormIn::default(),
-                    gate_up: if swiglu_in_prologue { at(self, &s.gu, 0) as _ } else { std::ptr::null() },
+                    gate_up: if per_slot { at(self, &s.gu, 0) as _ } else { std::ptr::null() },
+                    combine: if per_slot { combine } else { OrnithMoeCombineParams::default() },
                     ..gu_params
                 },
                 grouped,
             )?;
-            self.cx.k_combine(
-                at(self, &s.ys, 0),
-                at(self, &s.wt, 0),
-                rl + 2 * e as u64,
-                at(self, &h.delta, r0 * hs),
-                n,
-                k,
-                hs,
-                rw,
-                fold,
-            )?;
+            if !per_slot {
+                self.cx.k_combine_with(combine)?;
+            }
         }
         h.pending.set(h.t);
         Ok(())

@@ -392,6 +392,10 @@ impl CudaContext {
         // The kernel forms activation offsets as i32 (token * x_tok_stride + slot * x_slot_stride).
         ensure!(t * xt + k * xsl <= i32::MAX as usize, "moe_gemv: {t} tokens of stride {xt}");
         let tiles = super::moe_tc_blocks(in_, out);
+        ensure!(
+            p.combine.out.is_null() || (!grouped && !p.gate_up.is_null()),
+            "moe_gemv: the combine epilogue is the per-slot down product's (moe_gemv_fp8_swiglu)"
+        );
         if grouped {
             ensure!(p.norm.weight.is_null() && p.gate_up.is_null(), "moe_gemv_grouped has no prologue");
             ensure!(
@@ -424,7 +428,10 @@ impl CudaContext {
                 "moe_gemv_fp8_swiglu: inter {in_} (<= {}), x strides {xt} / {xsl} (the swiglu rows')",
                 super::moe::SWIGLU_MAX_INTER
             );
-            let bytes = t * slots * (out * in_ + out * 4 + 2 * in_ * 2 + out * 2);
+            // With the combine epilogue (the decode MoE of 1 to 3 tokens): the counters and its bytes.
+            let (ticket, cb) = self.combine_epilogue(&p.combine, p.y as Ptr, p.tokens, p.top_k, p.out, tiles)?;
+            let p = OrnithMoeGemvParams { ticket, ..p };
+            let bytes = t * slots * (out * in_ + out * 4 + 2 * in_ * 2 + out * 2) + cb;
             return self.launch(
                 Launch::new("moe_gemv_fp8_swiglu", (tiles, slots as u32, t as u32), super::GEMV_BLOCK, bytes as u64)
                     .smem(in_ as u32)
@@ -576,6 +583,8 @@ impl CudaContext {
             row_assign: std::ptr::null(),
             norm: OrnithNormIn::default(),
             gate_up: std::ptr::null(),
+            combine: OrnithMoeCombineParams::default(),
+            ticket: std::ptr::null_mut(),
         })
     }
 

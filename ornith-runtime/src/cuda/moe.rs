@@ -21,6 +21,43 @@ pub(crate) const SWIGLU_MAX_INTER: usize = ORNITH_SWIGLU_MAX_INTER as usize;
 
 type Bf = CudaSlice<u16>;
 
+/// `moe_combine`'s parameters (`OrnithMoeCombineParams`): the expert outputs `ys [t, top_k + 1,
+/// hidden]`, the routing weights, the shared-expert gate logits (stride `gate_stride`), the output
+/// rows and the residual fold. Also the per-slot down products' combine epilogue
+/// (`OrnithMoeGemvParams::combine`, `ys` their own output).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn combine_params(
+    ys: Ptr,
+    weight: Ptr,
+    gate: Ptr,
+    out: Ptr,
+    t: usize,
+    top_k: usize,
+    hidden: usize,
+    gate_stride: usize,
+    fold: Option<Ptr>,
+) -> Result<OrnithMoeCombineParams> {
+    ensure!(t > 0 && hidden > 0 && top_k > 0, "moe_combine: empty");
+    Ok(OrnithMoeCombineParams {
+        fold: fold.map_or(std::ptr::null_mut(), |f| f as _),
+        ys: ys as _,
+        weight: weight as _,
+        gate_logit: gate as _,
+        out: out as _,
+        tokens: i32of("tokens", t)?,
+        top_k: top_k as i32,
+        hidden: i32of("hidden", hidden)?,
+        gate_stride: i32of("gate stride", gate_stride)?,
+    })
+}
+
+/// The bytes a combine moves: the expert outputs, weights and gate logits read, the output
+/// written, and with a fold the residual read and written and the old output read.
+pub(crate) fn combine_bytes(p: &OrnithMoeCombineParams) -> usize {
+    let (t, k, h) = (p.tokens.max(0) as usize, p.top_k.max(0) as usize, p.hidden.max(0) as usize);
+    t * ((k + 2) * h * 2 + k * 4 + 2) + if p.fold.is_null() { 0 } else { t * h * 6 }
+}
+
 /// `moe_sort`'s outputs for [`CudaContext::moe_gemv_grouped`].
 pub struct MoeGroups {
     pub group_offsets: CudaSlice<i32>,
@@ -208,7 +245,7 @@ impl CudaContext {
         self.launch(Launch::new("swiglu_bf16", grid, 256, (rows * inter * 6) as u64), p)
     }
 
-    /// `out = bf16(routed + sigmoid-gated shared)`, see `OrnithMoeCombineParams`.
+    /// `out = bf16(routed + sigmoid-gated shared)`, see `OrnithMoeCombineParams` ([`combine_params`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn k_combine(
         &self,
@@ -222,20 +259,43 @@ impl CudaContext {
         gate_stride: usize,
         fold: Option<Ptr>,
     ) -> Result<()> {
-        ensure!(t > 0 && hidden > 0 && top_k > 0, "moe_combine: empty");
-        let p = OrnithMoeCombineParams {
-            fold: fold.map_or(std::ptr::null_mut(), |f| f as _),
-            ys: ys as _,
-            weight: weight as _,
-            gate_logit: gate as _,
-            out: out as _,
-            tokens: i32of("tokens", t)?,
-            top_k: top_k as i32,
-            hidden: i32of("hidden", hidden)?,
-            gate_stride: i32of("gate stride", gate_stride)?,
-        };
-        let bytes = t * ((top_k + 2) * hidden * 2 + top_k * 4 + 2) + fold.map_or(0, |_| t * hidden * 6);
-        self.launch(Launch::new("moe_combine", (hidden.div_ceil(256) as u32, t as u32, 1), 256, bytes as u64), p)
+        self.k_combine_with(combine_params(ys, weight, gate, out, t, top_k, hidden, gate_stride, fold)?)
+    }
+
+    /// [`Self::k_combine`] from its parameters ([`combine_params`]).
+    pub(crate) fn k_combine_with(&self, p: OrnithMoeCombineParams) -> Result<()> {
+        ensure!(p.tokens > 0 && p.hidden > 0 && p.top_k > 0, "moe_combine: empty");
+        let grid = ((p.hidden as u32).div_ceil(256), p.tokens as u32, 1);
+        self.launch(Launch::new("moe_combine", grid, 256, combine_bytes(&p) as u64), p)
+    }
+
+    /// The combine epilogue `c` of a per-slot down product (`moe_gemv_fp8_swiglu`,
+    /// `moe_gemv_nvfp4_swiglu`) writing `y` (`tokens` x `top_k + 1` rows of `out`) over `tiles`
+    /// block columns: checks that the combine reads that output with the product's shapes and
+    /// returns the counters (one per (token, column), `wide_ticket`: one launch's at a time, and
+    /// zero again when it ends) and the combine's bytes; null and 0 without an epilogue.
+    pub(crate) fn combine_epilogue(
+        &self,
+        c: &OrnithMoeCombineParams,
+        y: Ptr,
+        tokens: i32,
+        top_k: i32,
+        out: i32,
+        tiles: u32,
+    ) -> Result<(*mut u32, usize)> {
+        if c.out.is_null() {
+            return Ok((std::ptr::null_mut(), 0));
+        }
+        ensure!(
+            c.ys as Ptr == y && c.tokens == tokens && c.top_k == top_k && c.hidden == out && !c.weight.is_null(),
+            "moe combine epilogue: the combine must read the product's own output ({tokens} tokens, top_k {top_k}, {out} rows)"
+        );
+        ensure!(
+            tokens as usize * tiles as usize <= super::WIDE_TICKETS as usize,
+            "moe combine epilogue: {tokens} tokens x {tiles} columns exceed {} counters",
+            super::WIDE_TICKETS
+        );
+        Ok((self.addr(&self.wide_ticket) as _, combine_bytes(c)))
     }
 
     /// SwiGLU + compressed-tensors FP8 requantisation of `rows` gate|up rows (`inter <= 2048`, a

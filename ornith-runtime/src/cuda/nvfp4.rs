@@ -123,6 +123,10 @@ impl CudaContext {
             "moe_gemv_nvfp4: a norm prologue or a SwiGLU prologue, not both"
         );
         ensure!(!grouped || (p.norm.weight.is_null() && p.gate_up.is_null()), "moe_gemv_nvfp4_grouped has no prologue");
+        ensure!(
+            p.combine.out.is_null() || (!grouped && !p.gate_up.is_null()),
+            "moe_gemv_nvfp4: the combine epilogue is the per-slot down product's (moe_gemv_nvfp4_swiglu)"
+        );
         let w = Fp4W { w: p.w as Ptr, ws: p.ws as Ptr, tab: p.tab as Ptr, tab_rows: p.tab_rows.max(0) as usize };
         fp4_checks(&w, in_, out)?;
         let sw = Fp4W { w: p.shared_w as Ptr, ws: p.shared_ws as Ptr, tab: p.shared_tab as Ptr, ..w };
@@ -170,7 +174,10 @@ impl CudaContext {
         if !p.gate_up.is_null() {
             // The per-(token, slot) down product with the SwiGLU prologue: each block computes its
             // (token, slot) row of SwiGLU(gate|up) itself (in = inter; bf16 in shared memory).
-            let bytes = t * slots * (per + (2 * in_ + out) * 2);
+            // With the combine epilogue (the decode MoE of 1 to 3 tokens): the counters and its bytes.
+            let (ticket, cb) = self.combine_epilogue(&p.combine, p.y as Ptr, p.tokens, p.top_k, p.out, tiles)?;
+            let p = OrnithMoeGemvNvfp4Params { ticket, ..p };
+            let bytes = t * slots * (per + (2 * in_ + out) * 2) + cb;
             let l = Launch::new("moe_gemv_nvfp4_swiglu", grid, super::GEMV_BLOCK, bytes as u64);
             return self.launch(l.smem((in_ * 2) as u32).weights_first(), p);
         }

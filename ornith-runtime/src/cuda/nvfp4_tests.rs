@@ -7,7 +7,7 @@
 //! fp32 summation order (`close`), and the decode forms are batch invariant (a token alone gives
 //! the same bits as in a group; per-slot and grouped MoE give the same bits).
 use super::nvfp4::{Fp4Buf, MoeNvfp4Args};
-use super::test_util::{ctx, rng, same_bits_with_few_blocks, POISON, R};
+use super::test_util::{check_combine_epilogue, ctx, rng, same_bits_with_few_blocks, POISON, R};
 use super::tests::{close, perf};
 use super::{CudaContext, Ptr};
 use crate::cpu::linear::linear_nvfp4;
@@ -486,7 +486,8 @@ fn gemv_parts_match_the_whole() {
 /// followed by the plain per-slot product (`moe_gemv_nvfp4`), at the model's shapes (hidden 2048,
 /// inter 512, 8 routed slots of 16 experts + the shared one): `moe_gemv_nvfp4_norm` (gate|up, two
 /// tables per expert) against `rmsnorm_residual`'s bf16 row, with and without a pending delta, for
-/// 1 and 2 tokens; `moe_gemv_nvfp4_swiglu` (down) against `swiglu_bf16`, for 1 and 3 tokens.
+/// 1 and 2 tokens; `moe_gemv_nvfp4_swiglu` (down) against `swiglu_bf16`, for 1, 2 and 3 tokens, and
+/// with the combine epilogue against `moe_combine` after it (`check_combine_epilogue`).
 #[test]
 #[ignore]
 fn moe_nvfp4_prologues_match_the_kernels() {
@@ -587,5 +588,9 @@ fn moe_nvfp4_prologues_match_the_kernels() {
         let (g, w) = (c.download(&got).unwrap(), c.download(&want).unwrap());
         assert!(w.iter().all(|&v| v != POISON), "moe_gemv_nvfp4 left outputs unwritten");
         assert!(g == w, "moe_gemv_nvfp4_swiglu ({tokens} tokens) differs from swiglu_bf16 + moe_gemv_nvfp4");
+        let name = format!("moe_gemv_nvfp4_swiglu + combine ({tokens} tokens)");
+        check_combine_epilogue(&c, &mut r, &want, &got, (tokens, top_k, hidden), &name, |combine| {
+            c.k_moe_gemv_nvfp4(ornith_kernels::bindings::OrnithMoeGemvNvfp4Params { combine, ..p }, false).unwrap()
+        });
     }
 }

@@ -96,3 +96,50 @@ pub(super) fn unpage(paged: &[u16], row: usize, table: &[i32], len: usize) -> Ve
         })
         .collect()
 }
+
+/// The per-slot down products' combine epilogue (`moe_gemv_fp8_swiglu`, `moe_gemv_nvfp4_swiglu`
+/// with `combine` set) against `moe_combine` after the product: `want_y` is the product's output
+/// without the epilogue, `got_y` the buffer `launch` has the product write (the epilogue's `ys`).
+/// Random routing weights (bf16 values, as the router writes them), gate logits at stride 3, a
+/// pending delta and a residual fold; the combined rows and the folded residual must be the
+/// same bits, on two launches in a row (the counters are zero again after each).
+pub(super) fn check_combine_epilogue(
+    c: &CudaContext,
+    r: &mut R,
+    want_y: &cudarc::driver::CudaSlice<u16>,
+    got_y: &cudarc::driver::CudaSlice<u16>,
+    (tokens, top_k, hidden): (usize, usize, usize),
+    name: &str,
+    launch: impl Fn(ornith_kernels::bindings::OrnithMoeCombineParams),
+) {
+    use rand::Rng;
+    let bf = |r: &mut R, n: usize, s: f32| -> Vec<u16> {
+        (0..n).map(|_| half::bf16::from_f32(r.random_range(-s..s)).to_bits()).collect()
+    };
+    let wt: Vec<f32> = (0..tokens * top_k).map(|_| half::bf16::from_f32(r.random_range(0.0..0.5)).to_f32()).collect();
+    let (gl, delta, fold) = (bf(r, tokens * 3, 4.0), bf(r, tokens * hidden, 1.0), bf(r, tokens * hidden, 8.0));
+    let (dwt, dgl) = (c.upload(&wt).unwrap(), c.upload(&gl).unwrap());
+    let (want_out, want_fold) = (c.upload(&delta).unwrap(), c.upload(&fold).unwrap());
+    let params = |ys: super::Ptr, out: super::Ptr, fold: super::Ptr| {
+        super::moe::combine_params(ys, c.addr(&dwt), c.addr(&dgl), out, tokens, top_k, hidden, 3, Some(fold)).unwrap()
+    };
+    c.k_combine_with(params(c.addr(want_y), c.addr(&want_out), c.addr(&want_fold))).unwrap();
+    let (wo, wf) = (c.download(&want_out).unwrap(), c.download(&want_fold).unwrap());
+    assert!(wo != delta && wf != fold, "{name}: moe_combine left its outputs as they were");
+    for rep in 0..2 {
+        let (got_out, got_fold) = (c.upload(&delta).unwrap(), c.upload(&fold).unwrap());
+        launch(params(c.addr(got_y), c.addr(&got_out), c.addr(&got_fold)));
+        assert!(
+            c.download(got_y).unwrap() == c.download(want_y).unwrap(),
+            "{name}: the product's outputs changed (launch {rep})"
+        );
+        assert!(
+            c.download(&got_out).unwrap() == wo,
+            "{name}: the combined rows differ from moe_combine's (launch {rep})"
+        );
+        assert!(
+            c.download(&got_fold).unwrap() == wf,
+            "{name}: the folded residual differs from moe_combine's (launch {rep})"
+        );
+    }
+}

@@ -8,7 +8,9 @@
 use super::attention::*;
 use super::gdn::*;
 use super::gemv::*;
-use super::test_util::{ctx, page, reversed_table, rng, time_cold, time_it, unpage, KVB, POISON, R};
+use super::test_util::{
+    check_combine_epilogue, ctx, page, reversed_table, rng, time_cold, time_it, unpage, KVB, POISON, R,
+};
 use crate::cpu::attention::{apply_rope, attention, split_q_gate};
 use crate::cpu::conv::conv_silu;
 use crate::cpu::gdn::{gates, recurrent, split_qkv, GdnDims};
@@ -131,7 +133,8 @@ fn embed_gather_matches_reference() {
 /// its (token, slot) row of SwiGLU(gate|up) itself) gives the bits of `swiglu_quant` followed by
 /// the plain per-slot product (`moe_gemv_fp8`), at the model's shapes (inter 512 -> hidden 2048,
 /// 8 routed slots + the shared one; 1 and 3 tokens) and at a ragged row (inter 336: not a multiple
-/// of the block's 256 threads nor of the 64-byte K step; 2 tokens).
+/// of the block's 256 threads nor of the 64-byte K step; 2 tokens); and with the combine epilogue
+/// the bits of `moe_combine` after it (`check_combine_epilogue`).
 #[test]
 #[ignore]
 fn swiglu_prologue_matches_swiglu_quant() {
@@ -208,6 +211,11 @@ fn swiglu_prologue_matches_swiglu_quant() {
             g == w,
             "moe_gemv_fp8_swiglu {inter} -> {hidden} ({t} tokens) differs from swiglu_quant + moe_gemv_fp8"
         );
+        // With the combine epilogue: moe_combine's rows and fold, and the same products.
+        let name = format!("moe_gemv_fp8_swiglu + combine {inter} -> {hidden} ({t} tokens)");
+        check_combine_epilogue(&c, &mut r, &want, &got, (t, k, hidden), &name, |combine| {
+            c.k_moe_gemv(ornith_kernels::bindings::OrnithMoeGemvParams { combine, ..p }, false).unwrap()
+        });
     }
 }
 
