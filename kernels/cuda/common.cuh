@@ -36,22 +36,29 @@ __device__ __forceinline__ void pdl_entry() {
 }
 
 // Whether this block is the last of `blocks` to reach the arrival counter `ticket` (the split
-// products' partials meet through it: gemv.cu's gemv_wide_body and gdn_out_proj; attention.cu's
-// combine quantises a row through it). Every thread's stores are fenced before thread 0
-// counts the block in; the last block resets the counter to zero for the next launch and fences
-// again before it reads the others' stores (through L2: __ldcg). Called by every thread of the block; the answer is the same for all.
+// products' partials meet through it: gemv.cu's gemv_wide_body, gdn_out_proj and the MoE
+// combine epilogue; attention.cu's combine quantises a row through it). Called by every thread
+// of the block; the answer is the same for all. The block's stores are ordered before thread 0's
+// fence by the barrier, and the fence is cumulative (PTX memory model: a fence.sc orders the
+// writes its thread has observed, the barrier's included), so thread 0 alone fences before it
+// counts the block in — as cooperative groups' grid sync does; a fence in every thread cost the
+// critical path of each split product. The last block resets the counter to zero for the next
+// launch, and its thread 0 fences again before the barrier that releases the block to read
+// the others' stores (through L2: __ldcg).
 __device__ __forceinline__ bool last_to_arrive(uint32_t *ticket, uint32_t blocks) {
     __shared__ int last;
-    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        last = atomicAdd(ticket, 1u) == blocks - 1;
-        if (last) atomicExch(ticket, 0u);
+        __threadfence();
+        const bool l = atomicAdd(ticket, 1u) == blocks - 1;
+        if (l) {
+            atomicExch(ticket, 0u);
+            __threadfence();
+        }
+        last = l;
     }
     __syncthreads();
-    if (!last) return false;
-    __threadfence();
-    return true;
+    return last;
 }
 
 // bf16 bits <-> float. bf16 -> float is exact; float -> bf16 rounds to nearest even (NaN kept).

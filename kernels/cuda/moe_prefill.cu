@@ -35,7 +35,7 @@ __device__ __forceinline__ int ms_exclusive_scan(int v, int *tot) {
 }
 
 // One block: histogram, prefix sums, scatter (see OrnithMoeSortParams). Thread e owns expert e
-// (experts <= MS_THREADS): its group offset, tile offset and place in the active list are
+// (experts <= MS_THREADS): its group offset and tile offset are
 // exclusive prefix sums over the experts before it (parallel scans; a serial loop over 256
 // experts in one thread took ~5 us, most of the kernel). The order of the assignments inside
 // an expert's group follows the atomics and is not fixed: every consumer's result per
@@ -52,27 +52,23 @@ extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_sort(const OrnithMo
     __syncthreads();
     const int e = threadIdx.x;
     const bool own = e < p.experts;
-    const int c = own ? cnt[e] : 0, tiles = (c + MS_TILE - 1) / MS_TILE, active = c > 0 ? 1 : 0;
+    const int c = own ? cnt[e] : 0, tiles = (c + MS_TILE - 1) / MS_TILE;
     const int off = ms_exclusive_scan(c, tot);
     const int toff = ms_exclusive_scan(tiles, tot);
-    const int na = ms_exclusive_scan(active, tot);
     if (own) {
         p.group_offsets[e] = off;
         p.tile_offsets[e] = toff;
         cur[e] = off;
-        if (p.active_list && active) p.active_list[na] = e;
     }
     if (e == p.experts - 1) {
         p.group_offsets[p.experts] = off + c;
         p.tile_offsets[p.experts] = toff + tiles;
-        if (p.active_count) *p.active_count = na + active;
     }
     __syncthreads();
     for (int a = threadIdx.x; a < n; a += MS_THREADS) {
         int pos = atomicAdd(&cur[p.idx[a]], 1);
         p.row_token[pos] = a / p.top_k;
         p.row_of[a] = pos;
-        if (p.row_assign) p.row_assign[pos] = a;
     }
 }
 

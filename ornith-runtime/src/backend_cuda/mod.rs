@@ -275,11 +275,6 @@ struct Scratch {
     tile_offsets: CudaSlice<i32>,
     row_token: CudaSlice<i32>,
     row_of: CudaSlice<i32>,
-    /// Grouped decode MoE: the assignment of each expert-sorted row, the experts with
-    /// assignments and their count (`moe_sort`'s optional outputs).
-    row_assign: CudaSlice<i32>,
-    active_list: CudaSlice<i32>,
-    active_count: CudaSlice<i32>,
     /// Two-phase chunked gated delta rule workspace (`ScratchSizes::gdn_work`).
     gdn_work: CudaSlice<f32>,
 }
@@ -927,7 +922,7 @@ impl CudaBackend {
         let nk = n * k;
         let (go, to, rt) = (at(self, &s.group_offsets, 0), at(self, &s.tile_offsets, 0), at(self, &s.row_token, 0));
         let (gu, aq, asc, ys) = (at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), at(self, &s.ys, 0));
-        self.sort_by_expert(n, k, e, false)?;
+        self.sort_by_expert(n, k, e)?;
         self.cx.k_gemm_grouped(OrnithGemmParams {
             a: x.0 as _,
             a_scale: x.1 as _,
@@ -978,38 +973,20 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// The decode group's expert groups (`moe_sort` of the router's `idx`) when `grouped`, else
-    /// null lists (the per-(token, slot) grid): active list, active count, group offsets, row assignments.
-    fn decode_groups(&self, grouped: bool, n: usize, k: usize, e: usize) -> Result<[*const i32; 4]> {
-        if !grouped {
-            return Ok([std::ptr::null(); 4]);
-        }
-        self.sort_by_expert(n, k, e, true)
-    }
-
     /// `moe_sort` of the router's `idx` for `n` rows into the scratch: group and tile offsets, each
-    /// sorted row's token and each assignment's sorted row (the grouped GEMMs' inputs), and with
-    /// `lists` the active experts, their count and each sorted row's assignment (the grouped decode
-    /// products'). Returns those lists' addresses (null without `lists`) as `decode_groups` does.
-    fn sort_by_expert(&self, n: usize, k: usize, e: usize, lists: bool) -> Result<[*const i32; 4]> {
+    /// sorted row's token and each assignment's sorted row (the prefill's grouped GEMMs' inputs).
+    fn sort_by_expert(&self, n: usize, k: usize, e: usize) -> Result<()> {
         let s = &self.s;
-        let go = at(self, &s.group_offsets, 0);
-        let list = |b: &CudaSlice<i32>| if lists { at(self, b, 0) } else { 0 };
-        let (ra, al, ac) = (list(&s.row_assign), list(&s.active_list), list(&s.active_count));
         self.cx.k_moe_sort(OrnithMoeSortParams {
             idx: at(self, &s.idx, 0) as _,
-            group_offsets: go as _,
+            group_offsets: at(self, &s.group_offsets, 0) as _,
             tile_offsets: at(self, &s.tile_offsets, 0) as _,
             row_token: at(self, &s.row_token, 0) as _,
             row_of: at(self, &s.row_of, 0) as _,
-            row_assign: ra as _,
-            active_list: al as _,
-            active_count: ac as _,
             tokens: n as i32,
             top_k: k as i32,
             experts: e as i32,
-        })?;
-        Ok(if lists { [al as _, ac as _, go as _, ra as _] } else { [std::ptr::null(); 4] })
+        })
     }
 
     /// The prefill MoE's combine of `n` rows (`cpu::moe::moe`'s cast points) from the expert-sorted
@@ -1075,7 +1052,6 @@ impl CudaBackend {
                 continue;
             }
             let grouped = n >= GROUPED_MOE_ROWS;
-            let [al, ac, go, ra] = self.decode_groups(grouped, n, k, e)?;
             let gu_params = OrnithMoeGemvNvfp4Params {
                 x: x.bf as _,
                 idx: at(self, &s.idx, 0) as _,
@@ -1094,10 +1070,6 @@ impl CudaBackend {
                 x_tok_stride: x.stride as i32,
                 x_slot_stride: 0,
                 tab_rows: inter as i32,
-                active_list: al,
-                active_count: ac,
-                group_offsets: go,
-                row_assign: ra,
                 norm: x.norm.unwrap_or_default(),
                 gate_up: std::ptr::null(),
                 combine: OrnithMoeCombineParams::default(),
@@ -1159,7 +1131,7 @@ impl CudaBackend {
         let nk = n * k;
         let (go, to, rt) = (at(self, &s.group_offsets, 0), at(self, &s.tile_offsets, 0), at(self, &s.row_token, 0));
         let (g, a, ys) = (at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.ys, 0));
-        self.sort_by_expert(n, k, e, false)?;
+        self.sort_by_expert(n, k, e)?;
         let grouped = |a: Ptr, a_rows: Ptr, w: Fp4W, y: Ptr, in_: usize, out: usize| OrnithGemmParams {
             a: a as _,
             a_rows: a_rows as _,
@@ -1230,9 +1202,6 @@ impl Scratch {
             tile_offsets: cx.alloc(d.num_experts + 1)?,
             row_token: cx.alloc(c * d.num_experts_per_tok)?,
             row_of: cx.alloc(c * d.num_experts_per_tok)?,
-            row_assign: cx.alloc(c * d.num_experts_per_tok)?,
-            active_list: cx.alloc(d.num_experts)?,
-            active_count: cx.alloc(1)?,
             gdn_work: cx.alloc(z.gdn_work)?,
         })
     }
@@ -1488,7 +1457,6 @@ impl Backend for CudaBackend {
             // Decode group: expert GEMVs per (token, slot); from GROUPED_MOE_ROWS rows on grouped by
             // expert (each expert's weights read once per step), with the same bits per row.
             let grouped = n >= GROUPED_MOE_ROWS;
-            let groups = self.decode_groups(grouped, n, k, e)?;
             let gu_params = OrnithMoeGemvParams {
                 xq: xq as _,
                 xs: xs as _,
@@ -1507,10 +1475,6 @@ impl Backend for CudaBackend {
                 x_slot_stride: 0,
                 xs_tok_stride: 1,
                 xs_slot_stride: 0,
-                active_list: groups[0],
-                active_count: groups[1],
-                group_offsets: groups[2],
-                row_assign: groups[3],
                 norm: x.norm.unwrap_or_default(),
                 gate_up: std::ptr::null(),
                 combine: OrnithMoeCombineParams::default(),
