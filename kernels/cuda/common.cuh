@@ -41,10 +41,9 @@ __device__ __forceinline__ void pdl_entry() {
 // of the block; the answer is the same for all. The block's stores are ordered before thread 0's
 // fence by the barrier, and the fence is cumulative (PTX memory model: a fence.sc orders the
 // writes its thread has observed, the barrier's included), so thread 0 alone fences before it
-// counts the block in — as cooperative groups' grid sync does; a fence in every thread cost the
-// critical path of each split product. The last block resets the counter to zero for the next
-// launch, and its thread 0 fences again before the barrier that releases the block to read
-// the others' stores (through L2: __ldcg).
+// counts the block in, as cooperative groups' grid sync does. The last block resets the counter
+// to zero for the next launch, and its thread 0 fences again before the barrier that releases
+// the block to read the others' stores (through L2: __ldcg).
 __device__ __forceinline__ bool last_to_arrive(uint32_t *ticket, uint32_t blocks) {
     __shared__ int last;
     __syncthreads();

@@ -957,9 +957,9 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv
 //   moe_gemv_fp8     grid (tiles, top_k + 1, tokens): one pair per block (the routed expert's index
 //                    read after pdl_wait);
 //   moe_gemv_grouped grid (tiles, active + ceil(tokens / 8), 1), active = min(experts, tokens *
-//                    top_k): block y takes the y-th of the distinct experts the router chose
-//                    (if there are that many) over its pairs (a = token * top_k + slot, found
-//                    in idx by moe_row_group), the last ceil(tokens / 8) block rows the shared
+//                    top_k): block y takes the y-th expert with assignments (moe_sort's
+//                    row_info: the expert, its pairs row_assign[a0 .. a0 + count), a = token *
+//                    top_k + slot; none past their number), the last ceil(tokens / 8) block rows the shared
 //                    expert, 8 tokens each (one pass: with the whole group in one block row the
 //                    shared expert's 8 passes at 64 tokens were the step's critical path) — each
 //                    routed expert's weights read once per step.
@@ -1033,63 +1033,15 @@ __device__ __forceinline__ int moe_shared_row(int tokens) {
     return (int)blockIdx.y - ((int)gridDim.y - (tokens + 7) / 8);
 }
 
-// A grouped grid's routed block row, straight from the router's choices idx[0 .. n) (n = tokens
-// top_k, a = token top_k + slot): the distinct experts chosen, in ascending order, are the block
-// rows' experts (row y the y-th; a row past their number has none and returns 0), and the row's
-// assignments of its expert e go to list in ascending order; returns their number. One pass
-// over idx (each thread's n / 256 entries held in registers): the experts' bits in shared
-// memory, then every thread finds the row's expert in the bits itself, then a ballot per warp
-// and round of 256 entries places the matches. An index the router never writes is clamped into
-// range (a garbage list, never a store out of bounds). This block-local work replaces a separate
-// counting sort launch (moe_sort) and its lists: a routed block starts its weight loads after one
-// round trip to idx instead of two dependent ones to the sort's outputs.
-#define MOE_G_ROUNDS (ORNITH_MOE_GROUPED_ASSIGN / (TC_WARPS * 32))
-__device__ __forceinline__ int moe_row_group(const int32_t *idx, int n, int experts, int32_t *list, int &e) {
-    __shared__ uint32_t hit[ORNITH_MOE_GROUPED_EXPERTS / 32];
-    __shared__ int wtot[TC_WARPS];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (tid < ORNITH_MOE_GROUPED_EXPERTS / 32) hit[tid] = 0u;
-    int v[MOE_G_ROUNDS];
-#pragma unroll
-    for (int j = 0; j < MOE_G_ROUNDS; j++) {
-        const int a = tid + j * TC_WARPS * 32;
-        v[j] = a < n ? min(max(idx[a], 0), experts - 1) : -1;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < MOE_G_ROUNDS; j++)
-        if (v[j] >= 0) atomicOr(&hit[v[j] >> 5], 1u << (v[j] & 31));
-    __syncthreads();
-    e = -1;
-    int y = blockIdx.y;
-    for (int w = 0; w < ORNITH_MOE_GROUPED_EXPERTS / 32; w++) {
-        uint32_t m = hit[w];
-        const int c = __popc(m);
-        if (y < c) {
-            for (int i = 0; i < y; i++) m &= m - 1;  // drop the y lower set bits
-            e = 32 * w + __ffs(m) - 1;
-            break;
-        }
-        y -= c;
-    }
-    if (e < 0) return 0;  // the same answer in every thread
-    int count = 0;
-#pragma unroll
-    for (int j = 0; j < MOE_G_ROUNDS; j++) {
-        if (j * TC_WARPS * 32 >= n) break;  // block-uniform
-        const bool mine = v[j] == e;
-        const uint32_t b = __ballot_sync(0xffffffffu, mine);
-        if (lane == 0) wtot[warp] = __popc(b);
-        __syncthreads();
-        int pos = count + __popc(b & ((1u << lane) - 1u));
-        for (int w = 0; w < TC_WARPS; w++) {
-            if (w < warp) pos += wtot[w];
-            count += wtot[w];
-        }
-        if (mine && pos < ORNITH_MOE_GROUPED_TOKENS) list[pos] = tid + j * TC_WARPS * 32;
-        __syncthreads();
-    }
-    return min(count, ORNITH_MOE_GROUPED_TOKENS);
+// A grouped grid's routed block row: its expert e and the range [a0, a0 + count) of row_assign
+// (moe_sort's row_info, one 16-byte load: the expert and its range together, so the weight loads
+// go out after one round trip; count 0 past the experts with assignments). An expert index out
+// of range (never written) is clamped.
+__device__ __forceinline__ int moe_row(const int32_t *row_info, int experts, int &e, int &a0) {
+    const int4 r = reinterpret_cast<const int4 *>(row_info)[blockIdx.y];
+    e = min(max(r.x, 0), experts - 1);
+    a0 = max(r.y, 0);
+    return r.z;
 }
 
 // The routed expert e's weights (an index the router never writes is clamped into range).
@@ -1198,15 +1150,14 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
         moe_tc(p, p.shared_w, p.shared_ws, MoeCols{nullptr, p.top_k, min(8, p.tokens - 8 * sy), 8 * sy, p.top_k}, pl);
         return;
     }
-    pdl_wait();  // idx is the router's output
-    __shared__ int32_t list[ORNITH_MOE_GROUPED_TOKENS];
-    int e;
-    const int count = moe_row_group(p.idx, p.tokens * p.top_k, p.experts, list, e);
-    if (count == 0) return;
+    pdl_wait();  // row_info and row_assign are moe_sort's output
+    int e, a0;
+    const int count = moe_row(p.row_info, p.experts, e, a0);
+    if (count <= 0) return;
     const uint8_t *wb;
     const float *ws;
     moe_expert(p, e, wb, ws);
-    moe_tc(p, wb, ws, MoeCols{list, p.top_k, count, 0, 0}, pl);
+    moe_tc(p, wb, ws, MoeCols{p.row_assign + a0, p.top_k, count, 0, 0}, pl);
 }
 
 
@@ -1363,13 +1314,12 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
         moe_fp4(p, p.shared_w, p.shared_ws, p.shared_tab, MoeCols{nullptr, p.top_k, min(8, p.tokens - 8 * sy), 8 * sy, p.top_k}, pl);
         return;
     }
-    pdl_wait();  // idx is the router's output
-    __shared__ int32_t list[ORNITH_MOE_GROUPED_TOKENS];
-    int e;
-    const int count = moe_row_group(p.idx, p.tokens * p.top_k, p.experts, list, e);
-    if (count == 0) return;
+    pdl_wait();  // row_info and row_assign are moe_sort's output
+    int e, a0;
+    const int count = moe_row(p.row_info, p.experts, e, a0);
+    if (count <= 0) return;
     const uint8_t *wb, *sb;
     const float *tb;
     moe_fp4_expert(p, e, wb, sb, tb);
-    moe_fp4(p, wb, sb, tb, MoeCols{list, p.top_k, count, 0, 0}, pl);
+    moe_fp4(p, wb, sb, tb, MoeCols{p.row_assign + a0, p.top_k, count, 0, 0}, pl);
 }

@@ -35,7 +35,8 @@ __device__ __forceinline__ int ms_exclusive_scan(int v, int *tot) {
 }
 
 // One block: histogram, prefix sums, scatter (see OrnithMoeSortParams). Thread e owns expert e
-// (experts <= MS_THREADS): its group offset and tile offset are
+// (experts <= MS_THREADS): its group offset, tile offset and place among the experts with
+// assignments (its row_info row) are
 // exclusive prefix sums over the experts before it (parallel scans; a serial loop over 256
 // experts in one thread took ~5 us, most of the kernel). The order of the assignments inside
 // an expert's group follows the atomics and is not fixed: every consumer's result per
@@ -45,6 +46,7 @@ extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_sort(const OrnithMo
     __shared__ int cnt[MS_MAX_EXPERTS];
     __shared__ int cur[MS_MAX_EXPERTS];
     __shared__ int tot[MS_THREADS / 32];
+    __shared__ int nact;
     const int n = p.tokens * p.top_k;
     for (int e = threadIdx.x; e < p.experts; e += MS_THREADS) cnt[e] = 0;
     __syncthreads();
@@ -52,23 +54,30 @@ extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_sort(const OrnithMo
     __syncthreads();
     const int e = threadIdx.x;
     const bool own = e < p.experts;
-    const int c = own ? cnt[e] : 0, tiles = (c + MS_TILE - 1) / MS_TILE;
+    const int c = own ? cnt[e] : 0, tiles = (c + MS_TILE - 1) / MS_TILE, active = c > 0 ? 1 : 0;
     const int off = ms_exclusive_scan(c, tot);
     const int toff = ms_exclusive_scan(tiles, tot);
+    const int na = ms_exclusive_scan(active, tot);
     if (own) {
         p.group_offsets[e] = off;
         p.tile_offsets[e] = toff;
         cur[e] = off;
+        if (p.row_info && active) reinterpret_cast<int4 *>(p.row_info)[na] = make_int4(e, off, c, 0);
     }
     if (e == p.experts - 1) {
         p.group_offsets[p.experts] = off + c;
         p.tile_offsets[p.experts] = toff + tiles;
+        nact = na + active;
     }
     __syncthreads();
+    if (p.row_info)
+        for (int y = nact + threadIdx.x; y < min(p.experts, n); y += MS_THREADS)
+            reinterpret_cast<int4 *>(p.row_info)[y] = make_int4(0, 0, 0, 0);
     for (int a = threadIdx.x; a < n; a += MS_THREADS) {
         int pos = atomicAdd(&cur[p.idx[a]], 1);
         p.row_token[pos] = a / p.top_k;
         p.row_of[a] = pos;
+        if (p.row_assign) p.row_assign[pos] = a;
     }
 }
 

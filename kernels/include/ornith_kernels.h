@@ -164,15 +164,6 @@ typedef struct OrnithMoeCombineParams {
     uint16_t *fold;
 } OrnithMoeCombineParams;
 
-/* The grouped decode products (moe_gemv_grouped, moe_gemv_nvfp4_grouped) find each block row's
- * expert and its assignments in idx themselves: at most ORNITH_MOE_GROUPED_EXPERTS experts
- * (the router's limit too) and ORNITH_MOE_GROUPED_ASSIGN = tokens * top_k assignments per launch
- * (256 sequences of top-8), at most ORNITH_MOE_GROUPED_TOKENS tokens (one assignment per token
- * and expert: a block row's list). */
-#define ORNITH_MOE_GROUPED_EXPERTS 256
-#define ORNITH_MOE_GROUPED_ASSIGN 2048
-#define ORNITH_MOE_GROUPED_TOKENS 256
-
 /* MoE expert GEMV over `slots` = top_k routed slots + 1 shared slot, per token.
  * Slot j < top_k uses expert e = idx[t, j]: weights w + e * out * in, scales ws + e * out;
  * slot top_k uses the shared expert (shared_w, shared_ws).
@@ -196,6 +187,10 @@ typedef struct OrnithMoeGemvParams {
     int32_t x_slot_stride;
     int32_t xs_tok_stride;
     int32_t xs_slot_stride;
+    /* moe_gemv_grouped only (moe_sort's outputs): each block row's expert and range of row_assign
+     * (row_info), and the assignment (token * top_k + slot) of each sorted row. */
+    const int32_t *row_info;
+    const int32_t *row_assign;
     /* moe_gemv_fp8 only: token t's quantised input computed in the prologue (OrnithNormIn; the
      * grid's z is the token), instead of read from xq / xs. */
     OrnithNormIn norm;
@@ -500,6 +495,12 @@ typedef struct OrnithMoeSortParams {
     int32_t *tile_offsets;
     int32_t *row_token;
     int32_t *row_of;
+    /* Optional (null to skip; the grouped decode products'): the assignment of each sorted row,
+     * and row_info [min(experts, tokens * top_k)][4] (16-byte aligned): row y < the number of
+     * experts with assignments holds the y-th of them in ascending order, e, its first sorted row
+     * group_offsets[e] and its count, then 0; every later row 0, 0, 0, 0. */
+    int32_t *row_assign;
+    int32_t *row_info;
     int32_t tokens;
     int32_t top_k;
     int32_t experts;
@@ -575,13 +576,13 @@ typedef struct OrnithGemvNvfp4Params {
 } OrnithGemvNvfp4Params;
 
 /* MoE expert products over NVFP4A16 experts (moe_gemv_nvfp4: one (token, slot) per block;
- * moe_gemv_nvfp4_grouped: grouped by expert, as moe_gemv_grouped), BF16 activations. Slot j < top_k
+ * moe_gemv_nvfp4_grouped: grouped by expert, moe_sort's lists), BF16 activations. Slot j < top_k
  * of token t uses expert e = idx[t * top_k + j]: codes w + e * out * in/2, scales ws + e * out * in/16,
  * tables tab + e * (out / tab_rows) * 256; slot top_k the shared expert (shared_w, shared_ws,
  * shared_tab, the same tab_rows). Activation of (t, j): x + t * x_tok_stride + j * x_slot_stride
  * (bf16 elements; x_slot_stride 0: one input per token).
  *   y[(t * (top_k + 1) + j) * out + o] = bf16( sum_i x(t, j)[i] * wd_e[o, i] )
- * in % 32 == 0; the grouped form's limits as moe_gemv_grouped's (ORNITH_MOE_GROUPED_*). */
+ * in % 32 == 0; the lists as moe_sort writes them (grouped form only). */
 typedef struct OrnithMoeGemvNvfp4Params {
     const uint16_t *x;
     const int32_t *idx;
@@ -600,6 +601,8 @@ typedef struct OrnithMoeGemvNvfp4Params {
     int32_t x_tok_stride;
     int32_t x_slot_stride;
     int32_t tab_rows;
+    const int32_t *row_info;
+    const int32_t *row_assign;
     /* The per-slot forms only (the grid's z is the token), the input row computed in the block's
      * prologue instead of read from x: moe_gemv_nvfp4_norm (norm: token t's normalised row, in =
      * hidden, as rmsnorm_residual's bf16 output) or moe_gemv_nvfp4_swiglu (gate_up: (t, slot)'s

@@ -11,9 +11,6 @@ pub const ORNITH_WIDE_SPLIT_ROWS: u32 = 65536;
 pub const ORNITH_WIDE_TICKETS: u32 = 1024;
 pub const ORNITH_NORM_ROWS: u32 = 1;
 pub const ORNITH_NORM_MAX_HIDDEN: u32 = 2048;
-pub const ORNITH_MOE_GROUPED_EXPERTS: u32 = 256;
-pub const ORNITH_MOE_GROUPED_ASSIGN: u32 = 2048;
-pub const ORNITH_MOE_GROUPED_TOKENS: u32 = 256;
 pub const ORNITH_SWIGLU_MAX_INTER: u32 = 1024;
 pub const ORNITH_GDN_WORK_PER_CHUNK: u32 = 8832;
 pub const ORNITH_GDN_OUT_DIM: u32 = 128;
@@ -336,6 +333,8 @@ pub struct OrnithMoeGemvParams {
     pub x_slot_stride: i32,
     pub xs_tok_stride: i32,
     pub xs_slot_stride: i32,
+    pub row_info: *const i32,
+    pub row_assign: *const i32,
     pub norm: OrnithNormIn,
     pub gate_up: *const u16,
     pub combine: OrnithMoeCombineParams,
@@ -343,7 +342,7 @@ pub struct OrnithMoeGemvParams {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithMoeGemvParams"][::std::mem::size_of::<OrnithMoeGemvParams>() - 208usize];
+    ["Size of OrnithMoeGemvParams"][::std::mem::size_of::<OrnithMoeGemvParams>() - 224usize];
     ["Alignment of OrnithMoeGemvParams"][::std::mem::align_of::<OrnithMoeGemvParams>() - 8usize];
     ["Offset of field: OrnithMoeGemvParams::xq"][::std::mem::offset_of!(OrnithMoeGemvParams, xq) - 0usize];
     ["Offset of field: OrnithMoeGemvParams::xs"][::std::mem::offset_of!(OrnithMoeGemvParams, xs) - 8usize];
@@ -367,10 +366,14 @@ const _: () = {
         [::std::mem::offset_of!(OrnithMoeGemvParams, xs_tok_stride) - 92usize];
     ["Offset of field: OrnithMoeGemvParams::xs_slot_stride"]
         [::std::mem::offset_of!(OrnithMoeGemvParams, xs_slot_stride) - 96usize];
-    ["Offset of field: OrnithMoeGemvParams::norm"][::std::mem::offset_of!(OrnithMoeGemvParams, norm) - 104usize];
-    ["Offset of field: OrnithMoeGemvParams::gate_up"][::std::mem::offset_of!(OrnithMoeGemvParams, gate_up) - 136usize];
-    ["Offset of field: OrnithMoeGemvParams::combine"][::std::mem::offset_of!(OrnithMoeGemvParams, combine) - 144usize];
-    ["Offset of field: OrnithMoeGemvParams::ticket"][::std::mem::offset_of!(OrnithMoeGemvParams, ticket) - 200usize];
+    ["Offset of field: OrnithMoeGemvParams::row_info"]
+        [::std::mem::offset_of!(OrnithMoeGemvParams, row_info) - 104usize];
+    ["Offset of field: OrnithMoeGemvParams::row_assign"]
+        [::std::mem::offset_of!(OrnithMoeGemvParams, row_assign) - 112usize];
+    ["Offset of field: OrnithMoeGemvParams::norm"][::std::mem::offset_of!(OrnithMoeGemvParams, norm) - 120usize];
+    ["Offset of field: OrnithMoeGemvParams::gate_up"][::std::mem::offset_of!(OrnithMoeGemvParams, gate_up) - 152usize];
+    ["Offset of field: OrnithMoeGemvParams::combine"][::std::mem::offset_of!(OrnithMoeGemvParams, combine) - 160usize];
+    ["Offset of field: OrnithMoeGemvParams::ticket"][::std::mem::offset_of!(OrnithMoeGemvParams, ticket) - 216usize];
 };
 impl Default for OrnithMoeGemvParams {
     fn default() -> Self {
@@ -858,13 +861,15 @@ pub struct OrnithMoeSortParams {
     pub tile_offsets: *mut i32,
     pub row_token: *mut i32,
     pub row_of: *mut i32,
+    pub row_assign: *mut i32,
+    pub row_info: *mut i32,
     pub tokens: i32,
     pub top_k: i32,
     pub experts: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithMoeSortParams"][::std::mem::size_of::<OrnithMoeSortParams>() - 56usize];
+    ["Size of OrnithMoeSortParams"][::std::mem::size_of::<OrnithMoeSortParams>() - 72usize];
     ["Alignment of OrnithMoeSortParams"][::std::mem::align_of::<OrnithMoeSortParams>() - 8usize];
     ["Offset of field: OrnithMoeSortParams::idx"][::std::mem::offset_of!(OrnithMoeSortParams, idx) - 0usize];
     ["Offset of field: OrnithMoeSortParams::group_offsets"]
@@ -874,9 +879,12 @@ const _: () = {
     ["Offset of field: OrnithMoeSortParams::row_token"]
         [::std::mem::offset_of!(OrnithMoeSortParams, row_token) - 24usize];
     ["Offset of field: OrnithMoeSortParams::row_of"][::std::mem::offset_of!(OrnithMoeSortParams, row_of) - 32usize];
-    ["Offset of field: OrnithMoeSortParams::tokens"][::std::mem::offset_of!(OrnithMoeSortParams, tokens) - 40usize];
-    ["Offset of field: OrnithMoeSortParams::top_k"][::std::mem::offset_of!(OrnithMoeSortParams, top_k) - 44usize];
-    ["Offset of field: OrnithMoeSortParams::experts"][::std::mem::offset_of!(OrnithMoeSortParams, experts) - 48usize];
+    ["Offset of field: OrnithMoeSortParams::row_assign"]
+        [::std::mem::offset_of!(OrnithMoeSortParams, row_assign) - 40usize];
+    ["Offset of field: OrnithMoeSortParams::row_info"][::std::mem::offset_of!(OrnithMoeSortParams, row_info) - 48usize];
+    ["Offset of field: OrnithMoeSortParams::tokens"][::std::mem::offset_of!(OrnithMoeSortParams, tokens) - 56usize];
+    ["Offset of field: OrnithMoeSortParams::top_k"][::std::mem::offset_of!(OrnithMoeSortParams, top_k) - 60usize];
+    ["Offset of field: OrnithMoeSortParams::experts"][::std::mem::offset_of!(OrnithMoeSortParams, experts) - 64usize];
 };
 impl Default for OrnithMoeSortParams {
     fn default() -> Self {
@@ -1045,6 +1053,8 @@ pub struct OrnithMoeGemvNvfp4Params {
     pub x_tok_stride: i32,
     pub x_slot_stride: i32,
     pub tab_rows: i32,
+    pub row_info: *const i32,
+    pub row_assign: *const i32,
     pub norm: OrnithNormIn,
     pub gate_up: *const u16,
     pub combine: OrnithMoeCombineParams,
@@ -1052,7 +1062,7 @@ pub struct OrnithMoeGemvNvfp4Params {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithMoeGemvNvfp4Params"][::std::mem::size_of::<OrnithMoeGemvNvfp4Params>() - 208usize];
+    ["Size of OrnithMoeGemvNvfp4Params"][::std::mem::size_of::<OrnithMoeGemvNvfp4Params>() - 224usize];
     ["Alignment of OrnithMoeGemvNvfp4Params"][::std::mem::align_of::<OrnithMoeGemvNvfp4Params>() - 8usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::x"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, x) - 0usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::idx"][::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, idx) - 8usize];
@@ -1080,14 +1090,18 @@ const _: () = {
         [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, x_slot_stride) - 96usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::tab_rows"]
         [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, tab_rows) - 100usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::row_info"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, row_info) - 104usize];
+    ["Offset of field: OrnithMoeGemvNvfp4Params::row_assign"]
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, row_assign) - 112usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::norm"]
-        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, norm) - 104usize];
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, norm) - 120usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::gate_up"]
-        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, gate_up) - 136usize];
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, gate_up) - 152usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::combine"]
-        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, combine) - 144usize];
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, combine) - 160usize];
     ["Offset of field: OrnithMoeGemvNvfp4Params::ticket"]
-        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, ticket) - 200usize];
+        [::std::mem::offset_of!(OrnithMoeGemvNvfp4Params, ticket) - 216usize];
 };
 impl Default for OrnithMoeGemvNvfp4Params {
     fn default() -> Self {

@@ -275,6 +275,10 @@ struct Scratch {
     tile_offsets: CudaSlice<i32>,
     row_token: CudaSlice<i32>,
     row_of: CudaSlice<i32>,
+    /// Grouped decode MoE: the assignment of each expert-sorted row and each block row's expert
+    /// and range (`moe_sort`'s optional outputs; row_info 4 i32 per row).
+    row_assign: CudaSlice<i32>,
+    row_info: CudaSlice<i32>,
     /// Two-phase chunked gated delta rule workspace (`ScratchSizes::gdn_work`).
     gdn_work: CudaSlice<f32>,
 }
@@ -922,7 +926,7 @@ impl CudaBackend {
         let nk = n * k;
         let (go, to, rt) = (at(self, &s.group_offsets, 0), at(self, &s.tile_offsets, 0), at(self, &s.row_token, 0));
         let (gu, aq, asc, ys) = (at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), at(self, &s.ys, 0));
-        self.sort_by_expert(n, k, e)?;
+        self.sort_by_expert(n, k, e, false)?;
         self.cx.k_gemm_grouped(OrnithGemmParams {
             a: x.0 as _,
             a_scale: x.1 as _,
@@ -973,20 +977,36 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
+    /// The decode group's expert groups (`moe_sort` of the router's `idx`) when `grouped`, else
+    /// null lists (the per-(token, slot) grid): each block row's expert and range, row assignments.
+    fn decode_groups(&self, grouped: bool, n: usize, k: usize, e: usize) -> Result<[*const i32; 2]> {
+        if !grouped {
+            return Ok([std::ptr::null(); 2]);
+        }
+        self.sort_by_expert(n, k, e, true)
+    }
+
     /// `moe_sort` of the router's `idx` for `n` rows into the scratch: group and tile offsets, each
-    /// sorted row's token and each assignment's sorted row (the prefill's grouped GEMMs' inputs).
-    fn sort_by_expert(&self, n: usize, k: usize, e: usize) -> Result<()> {
+    /// sorted row's token and each assignment's sorted row (the grouped GEMMs' inputs), and with
+    /// `lists` each block row's expert and range and each sorted row's assignment (the grouped
+    /// decode products'). Returns those lists' addresses (null without `lists`) as `decode_groups` does.
+    fn sort_by_expert(&self, n: usize, k: usize, e: usize, lists: bool) -> Result<[*const i32; 2]> {
         let s = &self.s;
+        let list = |b: &CudaSlice<i32>| if lists { at(self, b, 0) } else { 0 };
+        let (ri, ra) = (list(&s.row_info), list(&s.row_assign));
         self.cx.k_moe_sort(OrnithMoeSortParams {
             idx: at(self, &s.idx, 0) as _,
             group_offsets: at(self, &s.group_offsets, 0) as _,
             tile_offsets: at(self, &s.tile_offsets, 0) as _,
             row_token: at(self, &s.row_token, 0) as _,
             row_of: at(self, &s.row_of, 0) as _,
+            row_assign: ra as _,
+            row_info: ri as _,
             tokens: n as i32,
             top_k: k as i32,
             experts: e as i32,
-        })
+        })?;
+        Ok(if lists { [ri as _, ra as _] } else { [std::ptr::null(); 2] })
     }
 
     /// The prefill MoE's combine of `n` rows (`cpu::moe::moe`'s cast points) from the expert-sorted
@@ -1052,6 +1072,7 @@ impl CudaBackend {
                 continue;
             }
             let grouped = n >= GROUPED_MOE_ROWS;
+            let [ri, ra] = self.decode_groups(grouped, n, k, e)?;
             let gu_params = OrnithMoeGemvNvfp4Params {
                 x: x.bf as _,
                 idx: at(self, &s.idx, 0) as _,
@@ -1070,6 +1091,8 @@ impl CudaBackend {
                 x_tok_stride: x.stride as i32,
                 x_slot_stride: 0,
                 tab_rows: inter as i32,
+                row_info: ri,
+                row_assign: ra,
                 norm: x.norm.unwrap_or_default(),
                 gate_up: std::ptr::null(),
                 combine: OrnithMoeCombineParams::default(),
@@ -1131,7 +1154,7 @@ impl CudaBackend {
         let nk = n * k;
         let (go, to, rt) = (at(self, &s.group_offsets, 0), at(self, &s.tile_offsets, 0), at(self, &s.row_token, 0));
         let (g, a, ys) = (at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.ys, 0));
-        self.sort_by_expert(n, k, e)?;
+        self.sort_by_expert(n, k, e, false)?;
         let grouped = |a: Ptr, a_rows: Ptr, w: Fp4W, y: Ptr, in_: usize, out: usize| OrnithGemmParams {
             a: a as _,
             a_rows: a_rows as _,
@@ -1202,6 +1225,8 @@ impl Scratch {
             tile_offsets: cx.alloc(d.num_experts + 1)?,
             row_token: cx.alloc(c * d.num_experts_per_tok)?,
             row_of: cx.alloc(c * d.num_experts_per_tok)?,
+            row_assign: cx.alloc(c * d.num_experts_per_tok)?,
+            row_info: cx.alloc(4 * d.num_experts)?,
             gdn_work: cx.alloc(z.gdn_work)?,
         })
     }
@@ -1457,6 +1482,7 @@ impl Backend for CudaBackend {
             // Decode group: expert GEMVs per (token, slot); from GROUPED_MOE_ROWS rows on grouped by
             // expert (each expert's weights read once per step), with the same bits per row.
             let grouped = n >= GROUPED_MOE_ROWS;
+            let groups = self.decode_groups(grouped, n, k, e)?;
             let gu_params = OrnithMoeGemvParams {
                 xq: xq as _,
                 xs: xs as _,
@@ -1475,6 +1501,8 @@ impl Backend for CudaBackend {
                 x_slot_stride: 0,
                 xs_tok_stride: 1,
                 xs_slot_stride: 0,
+                row_info: groups[0],
+                row_assign: groups[1],
                 norm: x.norm.unwrap_or_default(),
                 gate_up: std::ptr::null(),
                 combine: OrnithMoeCombineParams::default(),

@@ -170,7 +170,8 @@ impl ScratchSizes {
                 + c * self.rlog_w
                 + c * self.slots * 2 * d.moe_intermediate_size
                 + c * self.slots * d.hidden_size);
-        // idx + wt, the MoE prefill's group/tile offsets, row_token and row_of.
+        // idx + wt, the MoE's group/tile offsets, row_token, row_of, row_assign and the grouped
+        // block rows' row_info (4 per expert).
         // (gdn_work: fp32, counted below; the greedy sampler's rows: per slot, `step_bytes_per_slot`.)
         let f4 = 4
             * (self.xs
@@ -179,7 +180,8 @@ impl ScratchSizes {
                 + self.part_ml
                 + c * d.num_experts_per_tok * 2
                 + 2 * (d.num_experts + 1)
-                + 2 * c * d.num_experts_per_tok);
+                + 3 * c * d.num_experts_per_tok
+                + 4 * d.num_experts);
         (bf + self.xq + self.aq + f4 + 4 * self.gdn_work) as u64
     }
 }
@@ -196,7 +198,7 @@ pub fn step_bytes_per_slot(d: &Dims, table_width: usize) -> u64 {
 /// activations, margin), `per_slot` per state slot (recurrent state of every GDN layer + step
 /// buffers), `per_snapshot` per prefix-cache snapshot (the recurrent state alone), `per_block`
 /// per K/V block (every attention layer), and the blocks one sequence of the longest context
-/// needs; `max_seqs` the most sequences one step can hold ([`max_decode_rows`]).
+/// needs.
 #[derive(Debug, Clone, Copy)]
 pub struct PoolCosts {
     pub fixed: u64,
@@ -204,14 +206,6 @@ pub struct PoolCosts {
     pub per_snapshot: u64,
     pub per_block: u64,
     pub seq_blocks: usize,
-    pub max_seqs: usize,
-}
-
-/// The most sequences one decode step takes: [`MAX_DECODE_ROWS`], and no more than the grouped
-/// MoE products' assignments per launch hold at the model's top-k (`ORNITH_MOE_GROUPED_ASSIGN`:
-/// 256 sequences of top-8).
-pub fn max_decode_rows(top_k: usize) -> usize {
-    MAX_DECODE_ROWS.min(ornith_kernels::bindings::ORNITH_MOE_GROUPED_ASSIGN as usize / top_k.max(1))
 }
 
 /// Sizes the pools within `free` bytes: slots = `--max-seqs`, or as many as fit up to
@@ -246,16 +240,15 @@ pub fn size_pools(c: &PoolCosts, req: &PoolRequest, free: u64) -> Result<Capacit
     let slots = match req.max_seqs {
         Some(n) => {
             ensure!(
-                (1..=c.max_seqs).contains(&n),
-                "--max-seqs {n}: the CUDA backend runs 1 to {} sequences of this model at once",
-                c.max_seqs
+                (1..=MAX_DECODE_ROWS).contains(&n),
+                "--max-seqs {n}: the CUDA backend runs 1 to {MAX_DECODE_ROWS} sequences at once"
             );
             n
         }
         None => {
             let kv = req.kv_budget.map_or(sb as u64 * c.per_block, |b| b.max(sb as u64 * c.per_block));
             let room = free.saturating_sub(c.fixed + kv);
-            ((room / c.per_slot.max(1)) as usize).clamp(1, DEFAULT_MAX_SEQS.min(c.max_seqs))
+            ((room / c.per_slot.max(1)) as usize).clamp(1, DEFAULT_MAX_SEQS)
         }
     };
     let most = slots.saturating_mul(sb);
@@ -361,7 +354,6 @@ impl MemoryPlan {
             per_snapshot: state_per_slot,
             per_block,
             seq_blocks: width,
-            max_seqs: max_decode_rows(d.num_experts_per_tok),
         };
         let cap = size_pools(&costs, req, free).map_err(|e| e.context(format!("sizing the state pools ({source})")))?;
         let plan = MemoryPlan {
@@ -517,7 +509,6 @@ mod tests {
             per_snapshot: 60 * mib,
             per_block: 5 * mib,
             seq_blocks: 40,
-            max_seqs: MAX_DECODE_ROWS,
         };
         let req = |s: Option<usize>, kv: Option<u64>| PoolRequest {
             max_seqs: s,
@@ -556,12 +547,6 @@ mod tests {
         assert!(e.contains("--max-context 10240"), "{e}");
         let e = size_pools(&c, &req(Some(MAX_DECODE_ROWS + 1), None), 1 << 50).unwrap_err().to_string();
         assert!(e.contains("--max-seqs"), "{e}");
-        // The grouped MoE's assignments per launch bound a step at a larger top-k.
-        assert_eq!((max_decode_rows(8), max_decode_rows(16), max_decode_rows(32)), (256, 128, 64));
-        let c16 = PoolCosts { max_seqs: max_decode_rows(16), ..c };
-        assert_eq!(size_pools(&c16, &req(Some(128), None), 1 << 50).unwrap().slots, 128);
-        let e = size_pools(&c16, &req(Some(129), None), 1 << 50).unwrap_err().to_string();
-        assert!(e.contains("--max-seqs 129") && e.contains("1 to 128"), "{e}");
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //! tables and slots) and convert slices to addresses. The math is in
 //! `kernels/include/ornith_kernels.h`; bf16 tensors are `CudaSlice<u16>` (bit patterns), FP8
 //! E4M3 codes `CudaSlice<u8>`.
+use super::moe::MoeGroups;
 use super::{aligned, i32of, need, CudaContext, Launch, Ptr};
 use anyhow::{ensure, Result};
 use cudarc::driver::CudaSlice;
@@ -374,10 +375,9 @@ impl CudaContext {
     }
 
     /// The expert GEMVs of a decode group (see `OrnithMoeGemvParams`): per (token, slot)
-    /// (`moe_gemv_fp8`: grid (tiles, top_k + 1, tokens)), or `grouped` by expert
-    /// (`moe_gemv_grouped`, the same bits; one block row per possible distinct expert,
-    /// `min(experts, tokens · top_k)`, each finding its expert and assignments in `idx`, plus one
-    /// per 8 tokens for the shared expert). Bytes count each
+    /// (`moe_gemv_fp8`: grid (tiles, top_k + 1, tokens)), or `grouped` by expert over
+    /// `moe_sort`'s groups (`moe_gemv_grouped`, the same bits; one block row per possible active
+    /// expert, `min(experts, tokens · top_k)`, plus one per 8 tokens for the shared expert). Bytes count each
     /// (token, slot)'s weight rows once per pair, or each touched expert's once when grouped.
     pub(crate) fn k_moe_gemv(&self, p: OrnithMoeGemvParams, grouped: bool) -> Result<()> {
         ensure!(p.tokens > 0 && p.top_k >= 1 && p.experts >= 1, "moe_gemv: {} tokens, top_k {}", p.tokens, p.top_k);
@@ -398,7 +398,10 @@ impl CudaContext {
         );
         if grouped {
             ensure!(p.norm.weight.is_null() && p.gate_up.is_null(), "moe_gemv_grouped has no prologue");
-            super::moe::grouped_checks("moe_gemv_grouped", t, k, p.experts as usize)?;
+            ensure!(
+                !p.row_info.is_null() && (p.row_info as Ptr).is_multiple_of(16) && !p.row_assign.is_null(),
+                "moe_gemv_grouped needs moe_sort's groups (row_info 16-byte aligned)"
+            );
             let active = (p.experts as usize).min(t * k);
             let bytes = (active + 1) * (out * in_ + out * 4) + t * slots * (in_ + 4 + out * 2);
             // The shared expert's block rows: 8 tokens each (moe_shared_row in gemv.cu).
@@ -571,6 +574,8 @@ impl CudaContext {
             x_slot_stride: i32of("x_slot_stride", a.x_slot_stride)?,
             xs_tok_stride: i32of("xs_tok_stride", a.xs_tok_stride)?,
             xs_slot_stride: i32of("xs_slot_stride", a.xs_slot_stride)?,
+            row_info: std::ptr::null(),
+            row_assign: std::ptr::null(),
             norm: OrnithNormIn::default(),
             gate_up: std::ptr::null(),
             combine: OrnithMoeCombineParams::default(),
@@ -578,10 +583,12 @@ impl CudaContext {
         })
     }
 
-    /// [`CudaContext::moe_gemv`] grouped by expert (see `moe_gemv_grouped`): the same outputs,
-    /// bit for bit.
-    pub fn moe_gemv_grouped(&self, a: &MoeGemvArgs, y: &mut Bf) -> Result<()> {
-        let p = self.moe_gemv_params(a, y)?;
+    /// [`CudaContext::moe_gemv`] grouped by expert over `g` (see `moe_gemv_grouped`): the same
+    /// outputs, bit for bit.
+    pub fn moe_gemv_grouped(&self, a: &MoeGemvArgs, g: &MoeGroups, y: &mut Bf) -> Result<()> {
+        let mut p = self.moe_gemv_params(a, y)?;
+        let [ri, ra] = g.lists(self, "moe_gemv_grouped", a.experts, a.tokens * a.top_k)?;
+        (p.row_info, p.row_assign) = (ri as _, ra as _);
         self.k_moe_gemv(p, true)
     }
 }

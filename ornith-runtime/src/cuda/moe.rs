@@ -58,28 +58,25 @@ pub(crate) fn combine_bytes(p: &OrnithMoeCombineParams) -> usize {
     t * ((k + 2) * h * 2 + k * 4 + 2) + if p.fold.is_null() { 0 } else { t * h * 6 }
 }
 
-/// `moe_sort`'s outputs (the prefill's grouped GEMMs: `gemm_fp8_grouped`, `gemm_nvfp4_grouped`).
+/// `moe_sort`'s outputs for [`CudaContext::moe_gemv_grouped`].
 pub struct MoeGroups {
     pub group_offsets: CudaSlice<i32>,
     pub tile_offsets: CudaSlice<i32>,
     pub row_token: CudaSlice<i32>,
     pub row_of: CudaSlice<i32>,
+    pub row_assign: CudaSlice<i32>,
+    pub row_info: CudaSlice<i32>,
 }
 
-/// The grouped decode products' limits (`moe_gemv_grouped`, `moe_gemv_nvfp4_grouped`: each block
-/// row finds its expert and assignments in the router's `idx` itself; the header's
-/// `ORNITH_MOE_GROUPED_*`): experts, `tokens · top_k` and tokens per launch.
-pub(crate) fn grouped_checks(what: &str, tokens: usize, top_k: usize, experts: usize) -> Result<()> {
-    ensure!(
-        experts <= ORNITH_MOE_GROUPED_EXPERTS as usize
-            && tokens * top_k <= ORNITH_MOE_GROUPED_ASSIGN as usize
-            && tokens <= ORNITH_MOE_GROUPED_TOKENS as usize,
-        "{what}: {tokens} tokens x top-{top_k} of {experts} experts exceed the grouped products' {} assignments, {} tokens, {} experts",
-        ORNITH_MOE_GROUPED_ASSIGN,
-        ORNITH_MOE_GROUPED_TOKENS,
-        ORNITH_MOE_GROUPED_EXPERTS
-    );
-    Ok(())
+impl MoeGroups {
+    /// The lists the grouped decode products read (`moe_gemv_grouped`, `moe_gemv_nvfp4_grouped`),
+    /// checked to cover `experts` experts and `assignments` (token, slot) pairs: the block rows'
+    /// `row_info` and the row assignments.
+    pub(crate) fn lists(&self, cx: &CudaContext, what: &str, experts: usize, assignments: usize) -> Result<[Ptr; 2]> {
+        need(&format!("{what} row_info"), &self.row_info, 4 * experts.min(assignments))?;
+        need(&format!("{what} row_assign"), &self.row_assign, assignments)?;
+        Ok([cx.addr(&self.row_info), cx.addr(&self.row_assign)])
+    }
 }
 
 /// Weights and dims of [`CudaContext::moe_prefill`]. FP8 weights are `[.., out, in]` E4M3 codes with
@@ -212,8 +209,13 @@ impl CudaContext {
             p.top_k,
             p.experts
         );
+        ensure!(
+            (p.row_info as Ptr).is_multiple_of(16),
+            "moe_sort: row_info must be 16-byte aligned (one int4 per block row)"
+        );
         let n = (p.tokens * p.top_k) as usize;
-        self.launch(Launch::new("moe_sort", (1, 1, 1), 1024, (n * 12 + (p.experts as usize + 1) * 8) as u64), p)
+        let rows = if p.row_info.is_null() { 0 } else { (p.experts as usize).min(n) * 16 };
+        self.launch(Launch::new("moe_sort", (1, 1, 1), 1024, (n * 12 + (p.experts as usize + 1) * 8 + rows) as u64), p)
     }
 
     /// `a = bf16(bf16(silu(g)) · u)` per row of `gate_up [rows, 2·inter]`, then FP8 per row
@@ -347,9 +349,10 @@ impl CudaContext {
         self.k_router(self.addr(logits), self.addr(idx), self.addr(weight), tokens, experts, top_k, stride)
     }
 
-    /// `moe_sort` ([`Self::k_moe_sort`]) of a router output `idx [tokens, top_k]` into new
-    /// buffers: each expert's range of sorted rows and 64-row tiles, each sorted row's token and
-    /// each assignment's (`token · top_k + slot`) sorted row.
+    /// `moe_sort` ([`Self::k_moe_sort`]) of a decode group's router output `idx [tokens, top_k]`
+    /// for [`CudaContext::moe_gemv_grouped`], into new buffers: each expert's range of sorted
+    /// rows, the assignment (`token · top_k + slot`) of each sorted row, and each grouped block
+    /// row's expert and range (`row_info`).
     pub fn moe_groups(&self, idx: &CudaSlice<i32>, tokens: usize, top_k: usize, experts: usize) -> Result<MoeGroups> {
         need("moe_groups idx", idx, tokens * top_k)?;
         ensure!((1..=1024).contains(&experts), "moe_groups: {experts} experts");
@@ -359,6 +362,8 @@ impl CudaContext {
             tile_offsets: self.alloc(experts + 1)?,
             row_token: self.alloc(n)?,
             row_of: self.alloc(n)?,
+            row_assign: self.alloc(n)?,
+            row_info: self.alloc(4 * experts.min(n))?,
         };
         self.k_moe_sort(OrnithMoeSortParams {
             idx: self.addr(idx) as _,
@@ -366,6 +371,8 @@ impl CudaContext {
             tile_offsets: self.addr(&g.tile_offsets) as _,
             row_token: self.addr(&g.row_token) as _,
             row_of: self.addr(&g.row_of) as _,
+            row_assign: self.addr(&g.row_assign) as _,
+            row_info: self.addr(&g.row_info) as _,
             tokens: i32of("tokens", tokens)?,
             top_k: top_k as i32,
             experts: experts as i32,
@@ -455,6 +462,8 @@ impl CudaContext {
             tile_offsets: to as _,
             row_token: rt as _,
             row_of: ro as _,
+            row_assign: std::ptr::null_mut(),
+            row_info: std::ptr::null_mut(),
             tokens: i32of("tokens", t)?,
             top_k: k as i32,
             experts: e as i32,

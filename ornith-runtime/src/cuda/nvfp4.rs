@@ -7,6 +7,7 @@
 //!
 //! One launcher per kernel (see [`super`]), then the slice-based wrappers the kernel tests call.
 use super::gemm::{gemm_rows, gemm_smem, GEMM_GROUPED_ROWS, GEMM_TILE};
+use super::moe::MoeGroups;
 use super::{aligned, i32of, need, CudaContext, Launch, Ptr};
 use anyhow::{ensure, Result};
 use cudarc::driver::CudaSlice;
@@ -107,8 +108,7 @@ impl CudaContext {
 
     /// The NVFP4 expert products of a decode group (see `OrnithMoeGemvNvfp4Params`): per
     /// (token, slot) (`moe_gemv_nvfp4`: grid (tiles, top_k + 1, tokens)), or `grouped` by expert
-    /// (`moe_gemv_nvfp4_grouped`, the same bits; its block rows find their experts in `idx`). Bytes as
-    /// `k_moe_gemv`.
+    /// over `moe_sort`'s groups (`moe_gemv_nvfp4_grouped`, the same bits). Bytes as `k_moe_gemv`.
     pub(crate) fn k_moe_gemv_nvfp4(&self, p: OrnithMoeGemvNvfp4Params, grouped: bool) -> Result<()> {
         ensure!(
             p.tokens > 0 && p.top_k >= 1 && p.experts >= 1,
@@ -144,7 +144,10 @@ impl CudaContext {
         let tiles = super::moe_tc_blocks(in_, out);
         let per = fp4_bytes(in_, out, out / w.tab_rows);
         if grouped {
-            super::moe::grouped_checks("moe_gemv_nvfp4_grouped", t, k, p.experts as usize)?;
+            ensure!(
+                !p.row_info.is_null() && (p.row_info as Ptr).is_multiple_of(16) && !p.row_assign.is_null(),
+                "moe_gemv_nvfp4_grouped needs moe_sort's groups (row_info 16-byte aligned)"
+            );
             let active = (p.experts as usize).min(t * k);
             let bytes = (active + 1) * per + t * slots * (in_ + out) * 2;
             // The shared expert's block rows: 8 tokens each (moe_shared_row in gemv.cu).
@@ -387,9 +390,11 @@ impl CudaContext {
         self.k_moe_gemv_nvfp4(p, false)
     }
 
-    /// [`Self::k_moe_gemv_nvfp4`] grouped by expert: the same outputs, bit for bit.
-    pub fn moe_gemv_nvfp4_grouped(&self, a: &MoeNvfp4Args, y: &mut Bf) -> Result<()> {
-        let p = self.moe_nvfp4_params(a, y)?;
+    /// [`Self::k_moe_gemv_nvfp4`] grouped by expert over `g`: the same outputs, bit for bit.
+    pub fn moe_gemv_nvfp4_grouped(&self, a: &MoeNvfp4Args, g: &MoeGroups, y: &mut Bf) -> Result<()> {
+        let mut p = self.moe_nvfp4_params(a, y)?;
+        let [ri, ra] = g.lists(self, "moe_gemv_nvfp4_grouped", a.experts, a.tokens * a.top_k)?;
+        (p.row_info, p.row_assign) = (ri as _, ra as _);
         self.k_moe_gemv_nvfp4(p, true)
     }
 }

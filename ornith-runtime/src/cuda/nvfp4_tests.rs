@@ -203,9 +203,8 @@ fn gemv_nvfp4_matches_reference() {
 /// each (token, slot) alone in its own blocks — so no row depends on which tokens share the step.
 /// (Not compared with `gemv_nvfp4`: the MoE forms split K for MOE_TARGET_WARPS per expert, the
 /// dense one for TC_TARGET_WARPS, so their summation orders differ by design.)
-/// The grouped grid's block rows find their experts in `idx` themselves; the gate|up form (one
-/// input per token, two tables per expert) and the down form (one input per slot); 1, 5 and 13
-/// tokens, and 64 at the real shapes.
+/// Groups from the real `moe_sort`; the gate|up form (one input per token, two tables per
+/// expert) and the down form (one input per slot); 1, 5 and 13 tokens, and 64 at the real shapes.
 #[test]
 #[ignore]
 fn moe_gemv_nvfp4_matches_reference() {
@@ -235,6 +234,7 @@ fn moe_gemv_nvfp4_matches_reference() {
             let (tok_stride, slot_stride) = if per_slot { (slots * inp, inp) } else { (inp, 0) };
             let x = bfx(&mut r, tokens * tok_stride);
             let (dx, didx) = (c.upload(&x).unwrap(), c.upload(&idx).unwrap());
+            let g = c.moe_groups(&didx, tokens, top_k, experts).unwrap();
             let a = MoeNvfp4Args {
                 x: &dx,
                 idx: &didx,
@@ -249,7 +249,7 @@ fn moe_gemv_nvfp4_matches_reference() {
                 x_slot_stride: slot_stride,
             };
             let mut y = c.upload(&vec![POISON; tokens * slots * out]).unwrap();
-            c.moe_gemv_nvfp4_grouped(&a, &mut y).unwrap();
+            c.moe_gemv_nvfp4_grouped(&a, &g, &mut y).unwrap();
             let got = c.download(&y).unwrap();
             let mut yp = c.upload(&vec![POISON; tokens * slots * out]).unwrap();
             c.moe_gemv_nvfp4(&a, &mut yp).unwrap();
@@ -271,7 +271,7 @@ fn moe_gemv_nvfp4_matches_reference() {
                     &c,
                     &format!("moe_gemv_nvfp4_grouped {inp}x{out} tokens {tokens} ({touched} experts)"),
                     bytes,
-                    || c.moe_gemv_nvfp4_grouped(&a, &mut y).unwrap(),
+                    || c.moe_gemv_nvfp4_grouped(&a, &g, &mut y).unwrap(),
                 );
             }
         }

@@ -832,10 +832,11 @@ fn gemv_fp8_matches_reference() {
 }
 
 /// `moe_sort` against a counting sort on the host: each expert's group offset and 64-row tile
-/// offset (prefix sums over the experts) exactly; the scatter as sets (the order inside a group
-/// follows the atomics): row_of is a permutation that places every assignment in its expert's
-/// group, so group e holds exactly the assignments routed to e, and row_token is the sorted row's
-/// token. Expert counts below, at and above a warp, including 1,024 (one
+/// offset (prefix sums over the experts) and the grouped block rows' `row_info` (the experts with
+/// assignments, ascending, each with its first sorted row and count; then zero rows up to
+/// min(experts, assignments)) exactly; the scatter as sets (the order inside a group follows the atomics):
+/// group e holds exactly the assignments routed to e, row_of inverts row_assign, row_token is
+/// the assignment's token. Expert counts below, at and above a warp, including 1,024 (one
 /// thread each) and groups larger than a tile; PERF line for a decode group of 8 tokens.
 #[test]
 #[ignore]
@@ -850,21 +851,36 @@ fn moe_sort_matches_reference() {
             .map(|_| if r.random_range(0..4) == 0 { r.random_range(0..e.min(3)) } else { r.random_range(0..e) } as i32)
             .collect();
         let didx = c.upload(&idx).unwrap();
-        let g = c.moe_groups(&didx, tokens, k, e).unwrap();
+        let mut g = c.moe_groups(&didx, tokens, k, e).unwrap();
+        // Again over a poisoned row_info: every row up to min(experts, assignments) is written.
+        g.row_info = c.upload(&vec![-7i32; 4 * e.min(tokens * k)]).unwrap();
+        c.k_moe_sort(ornith_kernels::bindings::OrnithMoeSortParams {
+            idx: c.addr(&didx) as _,
+            group_offsets: c.addr(&g.group_offsets) as _,
+            tile_offsets: c.addr(&g.tile_offsets) as _,
+            row_token: c.addr(&g.row_token) as _,
+            row_of: c.addr(&g.row_of) as _,
+            row_assign: c.addr(&g.row_assign) as _,
+            row_info: c.addr(&g.row_info) as _,
+            tokens: tokens as i32,
+            top_k: k as i32,
+            experts: e as i32,
+        })
+        .unwrap();
         let dl = |b: &cudarc::driver::CudaSlice<i32>| c.download(b).unwrap();
-        let (go, to, tok, of) = (dl(&g.group_offsets), dl(&g.tile_offsets), dl(&g.row_token), dl(&g.row_of));
-        // The assignment of each sorted row (row_of inverted; every row exactly once).
-        let mut asg = vec![-1i32; idx.len()];
-        for (a, &pos) in of.iter().enumerate() {
-            assert!((0..idx.len() as i32).contains(&pos), "row_of of assignment {a}: {pos}");
-            assert_eq!(asg[pos as usize], -1, "sorted row {pos} taken twice");
-            asg[pos as usize] = a as i32;
-        }
+        let (go, to, tok, of, asg, info) = (
+            dl(&g.group_offsets),
+            dl(&g.tile_offsets),
+            dl(&g.row_token),
+            dl(&g.row_of),
+            dl(&g.row_assign),
+            dl(&g.row_info),
+        );
         let mut cnt = vec![0usize; e];
         for &x in &idx {
             cnt[x as usize] += 1;
         }
-        let (mut off, mut toff) = (0usize, 0usize);
+        let (mut off, mut toff, mut rows) = (0usize, 0usize, Vec::new());
         for ex in 0..e {
             assert_eq!(go[ex] as usize, off, "group offset of expert {ex} ({tokens} x {k}, {e} experts)");
             assert_eq!(to[ex] as usize, toff, "tile offset of expert {ex} ({tokens} x {k}, {e} experts)");
@@ -872,11 +888,17 @@ fn moe_sort_matches_reference() {
             got.sort_unstable();
             let want: Vec<i32> = (0..idx.len() as i32).filter(|&a| idx[a as usize] == ex as i32).collect();
             assert_eq!(got, want, "assignments of expert {ex} ({tokens} x {k}, {e} experts)");
+            if cnt[ex] > 0 {
+                rows.extend([ex as i32, off as i32, cnt[ex] as i32, 0]);
+            }
             off += cnt[ex];
             toff += cnt[ex].div_ceil(64);
         }
         assert_eq!((go[e] as usize, to[e] as usize), (off, toff), "totals ({tokens} x {k}, {e} experts)");
+        rows.resize(4 * e.min(tokens * k), 0);
+        assert_eq!(info, rows, "row_info ({tokens} x {k}, {e} experts)");
         for (pos, &a) in asg.iter().enumerate() {
+            assert_eq!(of[a as usize] as usize, pos, "row_of of assignment {a}");
             assert_eq!(tok[pos], a / k as i32, "row_token of row {pos}");
         }
     }
@@ -890,6 +912,8 @@ fn moe_sort_matches_reference() {
             tile_offsets: c.addr(&g.tile_offsets) as _,
             row_token: c.addr(&g.row_token) as _,
             row_of: c.addr(&g.row_of) as _,
+            row_assign: c.addr(&g.row_assign) as _,
+            row_info: c.addr(&g.row_info) as _,
             tokens: 8,
             top_k: 8,
             experts: 256,
@@ -918,9 +942,7 @@ fn moe_decode_matches_reference() {
     // count 96). Every case also checks the grouped form against the per-(token, slot) one, bit
     // for bit: several assignments per expert (13, 64 tokens), several N tiles of one expert
     // (16 experts x 40 tokens: ~10 per expert), more than one pass of 64 columns (4 experts x
-    // 100 tokens, and the shared expert over 100 tokens); and the grouped grid's limits
-    // (ORNITH_MOE_GROUPED_*: 256 tokens x top-8 = 2,048 assignments, 8 rounds of the block's
-    // search in idx; 2 experts x 256 tokens, every token in both experts' lists of 256).
+    // 100 tokens, and the shared expert over 100 tokens).
     for (e, k, h, inter, tokens) in [
         (256, 8, 2048, 512, 1),
         (16, 4, 64, 32, 3),
@@ -931,8 +953,6 @@ fn moe_decode_matches_reference() {
         (256, 8, 2048, 512, 64),
         (16, 4, 64, 32, 40),
         (4, 2, 64, 32, 100),
-        (256, 8, 64, 32, 256),
-        (2, 2, 64, 32, 256),
     ] {
         let slots = k + 1;
         let logits = bfv(&mut r, tokens * (e + 1), 3.0); // router logits + shared-gate logit per token
@@ -996,8 +1016,9 @@ fn moe_decode_matches_reference() {
         };
         c.moe_gemv(&a1, &mut gu).unwrap();
         let ggu = c.download(&gu).unwrap();
+        let groups = c.moe_groups(&idx, tokens, k, e).unwrap();
         let mut gu2 = c.upload(&vec![POISON; tokens * slots * 2 * inter]).unwrap();
-        c.moe_gemv_grouped(&a1, &mut gu2).unwrap();
+        c.moe_gemv_grouped(&a1, &groups, &mut gu2).unwrap();
         assert!(c.download(&gu2).unwrap() == ggu, "grouped gate_up differs from the per-slot GEMV ({tokens} tokens)");
         let dot = |w: &[u8], x: &[u8]| -> f64 {
             w.iter().zip(x).map(|(&a, &b)| e4m3_to_f32(a) as f64 * e4m3_to_f32(b) as f64).sum()
@@ -1048,7 +1069,7 @@ fn moe_decode_matches_reference() {
         c.moe_gemv(&a2, &mut ys).unwrap();
         let gys = c.download(&ys).unwrap();
         let mut ys2 = c.upload(&vec![POISON; rows * h]).unwrap();
-        c.moe_gemv_grouped(&a2, &mut ys2).unwrap();
+        c.moe_gemv_grouped(&a2, &groups, &mut ys2).unwrap();
         assert!(c.download(&ys2).unwrap() == gys, "grouped down differs from the per-slot GEMV ({tokens} tokens)");
         let mut want_ys = Vec::new();
         for t in 0..tokens {
