@@ -69,6 +69,29 @@ pub struct MoeGroups {
 }
 
 impl MoeGroups {
+    /// `moe_sort`'s parameters writing every output into these buffers.
+    pub(crate) fn sort_params(
+        &self,
+        cx: &CudaContext,
+        idx: &CudaSlice<i32>,
+        tokens: usize,
+        top_k: usize,
+        experts: usize,
+    ) -> Result<OrnithMoeSortParams> {
+        Ok(OrnithMoeSortParams {
+            idx: cx.addr(idx) as _,
+            group_offsets: cx.addr(&self.group_offsets) as _,
+            tile_offsets: cx.addr(&self.tile_offsets) as _,
+            row_token: cx.addr(&self.row_token) as _,
+            row_of: cx.addr(&self.row_of) as _,
+            row_assign: cx.addr(&self.row_assign) as _,
+            row_info: cx.addr(&self.row_info) as _,
+            tokens: i32of("tokens", tokens)?,
+            top_k: i32of("top_k", top_k)?,
+            experts: i32of("experts", experts)?,
+        })
+    }
+
     /// The lists the grouped decode products read (`moe_gemv_grouped`, `moe_gemv_nvfp4_grouped`),
     /// checked to cover `experts` experts and `assignments` (token, slot) pairs: the block rows'
     /// `row_info` and the row assignments.
@@ -244,23 +267,6 @@ impl CudaContext {
     }
 
     /// `out = bf16(routed + sigmoid-gated shared)`, see `OrnithMoeCombineParams` ([`combine_params`]).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn k_combine(
-        &self,
-        ys: Ptr,
-        weight: Ptr,
-        gate: Ptr,
-        out: Ptr,
-        t: usize,
-        top_k: usize,
-        hidden: usize,
-        gate_stride: usize,
-        fold: Option<Ptr>,
-    ) -> Result<()> {
-        self.k_combine_with(combine_params(ys, weight, gate, out, t, top_k, hidden, gate_stride, fold)?)
-    }
-
-    /// [`Self::k_combine`] from its parameters ([`combine_params`]).
     pub(crate) fn k_combine_with(&self, p: OrnithMoeCombineParams) -> Result<()> {
         ensure!(p.tokens > 0 && p.hidden > 0 && p.top_k > 0, "moe_combine: empty");
         let grid = ((p.hidden as u32).div_ceil(256), p.tokens as u32, 1);
@@ -365,18 +371,7 @@ impl CudaContext {
             row_assign: self.alloc(n)?,
             row_info: self.alloc(4 * experts.min(n))?,
         };
-        self.k_moe_sort(OrnithMoeSortParams {
-            idx: self.addr(idx) as _,
-            group_offsets: self.addr(&g.group_offsets) as _,
-            tile_offsets: self.addr(&g.tile_offsets) as _,
-            row_token: self.addr(&g.row_token) as _,
-            row_of: self.addr(&g.row_of) as _,
-            row_assign: self.addr(&g.row_assign) as _,
-            row_info: self.addr(&g.row_info) as _,
-            tokens: i32of("tokens", tokens)?,
-            top_k: top_k as i32,
-            experts: experts as i32,
-        })?;
+        self.k_moe_sort(g.sort_params(self, idx, tokens, top_k, experts)?)?;
         Ok(g)
     }
 
@@ -402,7 +397,7 @@ impl CudaContext {
         self.k_swiglu_bf16(self.addr(gate_up), self.addr(out), rows, inter)
     }
 
-    /// [`Self::k_combine`] on buffers.
+    /// [`Self::k_combine_with`] on buffers.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_combine(
         &self,
@@ -421,7 +416,7 @@ impl CudaContext {
         need("combine gate", gate_logit, (tokens - 1) * gate_stride + 1)?;
         need("combine out", out, tokens * hidden)?;
         let (a, b, c, d) = (self.addr(ys), self.addr(weight), self.addr(gate_logit), self.addr(out));
-        self.k_combine(a, b, c, d, tokens, top_k, hidden, gate_stride, None)
+        self.k_combine_with(combine_params(a, b, c, d, tokens, top_k, hidden, gate_stride, None)?)
     }
 
     /// The MoE block for `tokens` rows of `x` (see `cpu::moe::moe`) on buffers, through the

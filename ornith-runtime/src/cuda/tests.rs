@@ -386,8 +386,18 @@ fn norm_prologue_and_fold_match_the_norm_kernel() {
         let mut want = c.upload(&vec![POISON; hidden]).unwrap();
         c.moe_combine(&ys, &wt, &gl, &mut want, 1, k, hidden, 1).unwrap();
         let delta = c.upload(&add).unwrap();
-        c.k_combine(c.addr(&ys), c.addr(&wt), c.addr(&gl), c.addr(&delta), 1, k, hidden, 1, Some(c.addr(&fold_res)))
-            .unwrap();
+        let p = super::moe::combine_params(
+            c.addr(&ys),
+            c.addr(&wt),
+            c.addr(&gl),
+            c.addr(&delta),
+            1,
+            k,
+            hidden,
+            1,
+            Some(c.addr(&fold_res)),
+        );
+        c.k_combine_with(p.unwrap()).unwrap();
         assert_eq!(
             c.download(&fold_res).unwrap(),
             res_after,
@@ -854,19 +864,7 @@ fn moe_sort_matches_reference() {
         let mut g = c.moe_groups(&didx, tokens, k, e).unwrap();
         // Again over a poisoned row_info: every row up to min(experts, assignments) is written.
         g.row_info = c.upload(&vec![-7i32; 4 * e.min(tokens * k)]).unwrap();
-        c.k_moe_sort(ornith_kernels::bindings::OrnithMoeSortParams {
-            idx: c.addr(&didx) as _,
-            group_offsets: c.addr(&g.group_offsets) as _,
-            tile_offsets: c.addr(&g.tile_offsets) as _,
-            row_token: c.addr(&g.row_token) as _,
-            row_of: c.addr(&g.row_of) as _,
-            row_assign: c.addr(&g.row_assign) as _,
-            row_info: c.addr(&g.row_info) as _,
-            tokens: tokens as i32,
-            top_k: k as i32,
-            experts: e as i32,
-        })
-        .unwrap();
+        c.k_moe_sort(g.sort_params(&c, &didx, tokens, k, e).unwrap()).unwrap();
         let dl = |b: &cudarc::driver::CudaSlice<i32>| c.download(b).unwrap();
         let (go, to, tok, of, asg, info) = (
             dl(&g.group_offsets),
@@ -905,21 +903,8 @@ fn moe_sort_matches_reference() {
     let idx: Vec<i32> = (0..64).map(|_| r.random_range(0..256)).collect();
     let didx = c.upload(&idx).unwrap();
     let g = c.moe_groups(&didx, 8, 8, 256).unwrap();
-    let us = time_it(&c, || {
-        c.k_moe_sort(ornith_kernels::bindings::OrnithMoeSortParams {
-            idx: c.addr(&didx) as _,
-            group_offsets: c.addr(&g.group_offsets) as _,
-            tile_offsets: c.addr(&g.tile_offsets) as _,
-            row_token: c.addr(&g.row_token) as _,
-            row_of: c.addr(&g.row_of) as _,
-            row_assign: c.addr(&g.row_assign) as _,
-            row_info: c.addr(&g.row_info) as _,
-            tokens: 8,
-            top_k: 8,
-            experts: 256,
-        })
-        .unwrap()
-    });
+    let p = g.sort_params(&c, &didx, 8, 8, 256).unwrap();
+    let us = time_it(&c, || c.k_moe_sort(p).unwrap());
     eprintln!("PERF moe_sort 8 tokens x top-8 of 256 experts: {:.2} us", us * 1e6);
 }
 
