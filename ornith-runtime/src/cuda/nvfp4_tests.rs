@@ -7,7 +7,7 @@
 //! fp32 summation order (`close`), and the decode forms are batch invariant (a token alone gives
 //! the same bits as in a group; per-slot and grouped MoE give the same bits).
 use super::nvfp4::{Fp4Buf, MoeNvfp4Args};
-use super::test_util::{check_combine_epilogue, ctx, rng, same_bits_with_few_blocks, POISON, R};
+use super::test_util::{bfv, check_combine_epilogue, ctx, rng, same_bits_with_few_blocks, POISON, R};
 use super::tests::{close, perf};
 use super::{CudaContext, Ptr};
 use crate::cpu::linear::linear_nvfp4;
@@ -81,10 +81,6 @@ impl Fp4Host {
             tab_rows: self.tab_rows,
         }
     }
-}
-
-fn bfx(r: &mut R, n: usize) -> Vec<u16> {
-    (0..n).map(|_| bf16::from_f32(r.random_range(-1.0f32..1.0)).to_bits()).collect()
 }
 
 fn bv(b: &[u16]) -> Vec<bf16> {
@@ -170,7 +166,7 @@ fn gemv_nvfp4_matches_reference() {
     for (inp, out, mats, tokens, pad) in shapes {
         let (xst, yst) = (inp + pad, out + pad);
         let h = Fp4Host::random(&mut r, mats, out / mats, inp);
-        let x = bfx(&mut r, tokens * xst);
+        let x = bfv(&mut r, tokens * xst, 1.0);
         let xr: Vec<bf16> = (0..tokens).flat_map(|t| bv(&x[t * xst..t * xst + inp])).collect();
         let want = wf(&h.apply(&xr, tokens, 0, out));
         let (dx, dw) = (c.upload(&x).unwrap(), h.upload(&c));
@@ -232,7 +228,7 @@ fn moe_gemv_nvfp4_matches_reference() {
             }
             let slots = top_k + 1;
             let (tok_stride, slot_stride) = if per_slot { (slots * inp, inp) } else { (inp, 0) };
-            let x = bfx(&mut r, tokens * tok_stride);
+            let x = bfv(&mut r, tokens * tok_stride, 1.0);
             let (dx, didx) = (c.upload(&x).unwrap(), c.upload(&idx).unwrap());
             let g = c.moe_groups(&didx, tokens, top_k, experts).unwrap();
             let a = MoeNvfp4Args {
@@ -290,7 +286,7 @@ fn gemm_nvfp4_matches_reference() {
     for (rows, inp, out, mats) in [(130, 2048, 1024, 2), (37, 96, 200, 1), (512, 4096, 2048, 1), (2048, 2048, 8192, 1)]
     {
         let h = Fp4Host::random(&mut r, mats, out / mats, inp);
-        let x = bfx(&mut r, rows * inp);
+        let x = bfv(&mut r, rows * inp, 1.0);
         let want = wf(&h.apply(&bv(&x), rows, 0, out));
         let (dx, dw) = (c.upload(&x).unwrap(), h.upload(&c));
         let mut y = c.upload(&vec![POISON; rows * out]).unwrap();
@@ -323,7 +319,7 @@ fn gemm_nvfp4_matches_reference() {
             inp,
         };
         let idx: Vec<i32> = (0..tokens * top_k).map(|_| r.random_range(0..experts as i32)).collect();
-        let x = bfx(&mut r, tokens * inp);
+        let x = bfv(&mut r, tokens * inp, 1.0);
         let (dx, didx, dw) = (c.upload(&x).unwrap(), c.upload(&idx).unwrap(), all.upload(&c));
         let g = c.moe_groups(&didx, tokens, top_k, experts).unwrap();
         let n = tokens * top_k;
@@ -382,7 +378,7 @@ fn swiglu_bf16_matches_reference() {
     let c = ctx();
     let mut r = rng(45);
     for (rows, inter) in [(1, 512), (9, 512), (37, 300)] {
-        let gu = bfx(&mut r, rows * 2 * inter);
+        let gu = bfv(&mut r, rows * 2 * inter, 1.0);
         let want: Vec<f64> = (0..rows * inter)
             .map(|k| {
                 let (row, i) = (k / inter, k % inter);
@@ -414,12 +410,12 @@ fn gemv_parts_match_the_whole() {
     let (inp, parts) = (2048usize, [8192usize, 512, 512]);
     let out: usize = parts.iter().sum();
     let tokens = 13;
-    let x = bfx(&mut r, tokens * inp);
+    let x = bfv(&mut r, tokens * inp, 1.0);
     let dx = c.upload(&x).unwrap();
     let xq: Vec<u8> = (0..tokens * inp).map(|_| r.random_range(0u8..0x7e)).collect();
     let xs: Vec<f32> = (0..tokens).map(|_| r.random_range(0.01f32..0.1)).collect();
     let (dxq, dxs) = (c.upload(&xq).unwrap(), c.upload(&xs).unwrap());
-    let wb = bfx(&mut r, out * inp);
+    let wb = bfv(&mut r, out * inp, 1.0);
     let w8: Vec<u8> = (0..out * inp).map(|_| r.random_range(0u8..0x7e)).collect();
     let ws8: Vec<f32> = (0..out).map(|_| r.random_range(0.01f32..0.1)).collect();
     let h = Fp4Host::random(&mut r, out / 512, 512, inp);
@@ -509,9 +505,9 @@ fn moe_nvfp4_prologues_match_the_kernels() {
         // Gate|up with the norm prologue (1 and 2 tokens).
         if tokens <= 2 {
             for with_add in [true, false] {
-                let res = bfx(&mut r, tokens * hidden);
-                let add = bfx(&mut r, tokens * hidden);
-                let wn = bfx(&mut r, hidden);
+                let res = bfv(&mut r, tokens * hidden, 1.0);
+                let add = bfv(&mut r, tokens * hidden, 1.0);
+                let wn = bfv(&mut r, hidden, 1.0);
                 let (dres0, dadd, dwn) = (c.upload(&res).unwrap(), c.upload(&add).unwrap(), c.upload(&wn).unwrap());
                 let mut dres = c.upload(&res).unwrap();
                 let mut xb = c.upload(&vec![POISON; tokens * hidden]).unwrap();
@@ -561,7 +557,7 @@ fn moe_nvfp4_prologues_match_the_kernels() {
             }
         }
         // Down with the SwiGLU prologue.
-        let gu = bfx(&mut r, tokens * slots * 2 * inter);
+        let gu = bfv(&mut r, tokens * slots * 2 * inter, 1.0);
         let dgu = c.upload(&gu).unwrap();
         let mut act = c.upload(&vec![POISON; tokens * slots * inter]).unwrap();
         c.swiglu_bf16(&dgu, &mut act, tokens * slots, inter).unwrap();

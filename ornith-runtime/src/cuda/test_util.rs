@@ -103,6 +103,12 @@ pub(super) fn unpage(paged: &[u16], row: usize, table: &[i32], len: usize) -> Ve
 /// Random routing weights (bf16 values, as the router writes them), gate logits at stride 3, a
 /// pending delta and a residual fold; the combined rows and the folded residual must be the
 /// same bits, on two launches in a row (the counters are zero again after each).
+/// `n` random bf16 bit patterns, uniform in (-scale, scale) before rounding.
+pub(super) fn bfv(r: &mut R, n: usize, scale: f32) -> Vec<u16> {
+    use rand::Rng;
+    (0..n).map(|_| half::bf16::from_f32(r.random_range(-1.0f32..1.0) * scale).to_bits()).collect()
+}
+
 pub(super) fn check_combine_epilogue(
     c: &CudaContext,
     r: &mut R,
@@ -113,11 +119,8 @@ pub(super) fn check_combine_epilogue(
     launch: impl Fn(ornith_kernels::bindings::OrnithMoeCombineParams),
 ) {
     use rand::Rng;
-    let bf = |r: &mut R, n: usize, s: f32| -> Vec<u16> {
-        (0..n).map(|_| half::bf16::from_f32(r.random_range(-s..s)).to_bits()).collect()
-    };
     let wt: Vec<f32> = (0..tokens * top_k).map(|_| half::bf16::from_f32(r.random_range(0.0..0.5)).to_f32()).collect();
-    let (gl, delta, fold) = (bf(r, tokens * 3, 4.0), bf(r, tokens * hidden, 1.0), bf(r, tokens * hidden, 8.0));
+    let (gl, delta, fold) = (bfv(r, tokens * 3, 4.0), bfv(r, tokens * hidden, 1.0), bfv(r, tokens * hidden, 8.0));
     let (dwt, dgl) = (c.upload(&wt).unwrap(), c.upload(&gl).unwrap());
     let (want_out, want_fold) = (c.upload(&delta).unwrap(), c.upload(&fold).unwrap());
     let params = |ys: super::Ptr, out: super::Ptr, fold: super::Ptr| {

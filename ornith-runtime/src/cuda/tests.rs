@@ -9,7 +9,7 @@ use super::attention::*;
 use super::gdn::*;
 use super::gemv::*;
 use super::test_util::{
-    check_combine_epilogue, ctx, page, reversed_table, rng, time_cold, time_it, unpage, KVB, POISON, R,
+    bfv, check_combine_epilogue, ctx, page, reversed_table, rng, time_cold, time_it, unpage, KVB, POISON, R,
 };
 use crate::cpu::attention::{apply_rope, attention, split_q_gate};
 use crate::cpu::conv::conv_silu;
@@ -20,9 +20,6 @@ use half::bf16;
 use model_spec::fp8::e4m3_to_f32;
 use ornith_kernels::bindings::ORNITH_GDN_OUT_DIM;
 use rand::Rng;
-fn bfv(r: &mut R, n: usize, scale: f32) -> Vec<u16> {
-    (0..n).map(|_| bf16::from_f32(r.random_range(-1.0f32..1.0) * scale).to_bits()).collect()
-}
 /// `n` random finite E4M3 codes of either sign (magnitude codes 0..=0x7E; 0x7F is NaN).
 fn e4m3_codes(r: &mut R, n: usize) -> Vec<u8> {
     (0..n).map(|_| r.random_range(0..=0x7Eu8) | (r.random_range(0..2u8) << 7)).collect()
