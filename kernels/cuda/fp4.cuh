@@ -3,57 +3,43 @@
 // multiplication and one round to nearest even. Included by the kernels that read NVFP4 weights
 // (gemv.cu's decode products, gemm.cu's prefill GEMMs), never compiled alone.
 //
-// A group scale has 8 possible magnitudes |e2m1| in {0, 0.5, 1, 1.5, 2, 3, 4, 6}: fp4_lut rounds
-// the 8 products m * s once (7 multiplications, 4 conversions) and keeps their low and high bytes
-// as two 8-byte tables, so that a byte permute (prmt) looks up 4 codes at once. A negative code
-// (bit 3) is the same product with its sign flipped, (-a) * s = -(a * s) in IEEE arithmetic and
-// rounding to nearest even is symmetric, so its sign bit is XORed in after the lookup.
+// A group scale has 256 possible bytes and a code 8 possible magnitudes |e2m1| in {0, 0.5, 1,
+// 1.5, 2, 3, 4, 6}: the loader rounds the 8 products v_m = bf16(m * s) of every scale byte once
+// (cuda::nvfp4::fp4_table, from model_spec::nvfp4) and stores them as one 16-byte entry of the
+// matrix's dequantisation table, the low and the high bytes of v_0..v_7 as two 8-byte planes, so
+// that a group's entry is one 16-byte load and a byte permute (prmt) looks 4 codes up at once. A
+// negative code (bit 3) is the same product with its sign flipped, (-a) * s = -(a * s) in IEEE
+// arithmetic and rounding to nearest even is symmetric, so its sign bit is XORed in after the
+// lookup. (Computing the 8 products per group in the kernel instead — 7 multiplications, 4
+// conversions, 4 permutes per 16 weights — kept the NVFP4 MoE products issue-bound on the ALU
+// pipe: H200, Nsight Compute, 57% of issue slots busy at 32 sequences.)
 #pragma once
 #include <stdint.h>
+#include "../include/ornith_kernels.h"
 
-// Low and high bytes of v_m = bf16(e2m1(m) * s), m = 0..7: lo0 = lo(v0..v3), lo1 = lo(v4..v7), etc.
+// One table entry (OrnithFp4Entry): lo0 = lo(v0..v3), lo1 = lo(v4..v7), hi0 = hi(v0..v3), hi1 = hi(v4..v7).
 struct Fp4Lut {
     uint32_t lo0, lo1, hi0, hi1;
 };
 
-// cvt.rn.bf16x2.f32: {low half bf16(lo), high half bf16(hi)}, round to nearest even (NaN kept).
-__device__ __forceinline__ uint32_t fp4_pack(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
+// Entry b of a dequantisation table (16-byte aligned, read through the read-only cache).
+__device__ __forceinline__ Fp4Lut fp4_entry(const OrnithFp4Entry *tab, uint32_t b) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4 *>(tab) + b);
+    return Fp4Lut{v.x, v.y, v.z, v.w};
 }
 
-__device__ __forceinline__ Fp4Lut fp4_lut(float s) {
-    const uint32_t p0 = fp4_pack(__fmul_rn(0.f, s), __fmul_rn(0.5f, s));
-    const uint32_t p1 = fp4_pack(s, __fmul_rn(1.5f, s));  // 1 * s = s exactly
-    const uint32_t p2 = fp4_pack(__fmul_rn(2.f, s), __fmul_rn(3.f, s));
-    const uint32_t p3 = fp4_pack(__fmul_rn(4.f, s), __fmul_rn(6.f, s));
-    // p_k bytes: lo(v_2k), hi(v_2k), lo(v_2k+1), hi(v_2k+1).
-    return Fp4Lut{__byte_perm(p0, p1, 0x6420), __byte_perm(p2, p3, 0x6420), __byte_perm(p0, p1, 0x7531),
-                  __byte_perm(p2, p3, 0x7531)};
-}
-
-// prmt.b32 in its default mode (a selector nibble's bit 3 replicates the sign of the selected byte),
-// spelled out so that the mode never depends on how an intrinsic treats that bit.
-__device__ __forceinline__ uint32_t fp4_prmt(uint32_t a, uint32_t b, uint32_t sel) {
-    uint32_t r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-    return r;
-}
-
-// 8 weights of one group (a u32 of codes: byte j holds columns 2j (low nibble) and 2j + 1) as 4
-// bf16x2 registers, register j = {column 2j (low half), column 2j + 1}.
+// 8 weights of one group as 4 bf16x2 registers, register j = {column 2j (low half), column 2j + 1}.
+// w is a u32 of codes in the order the loader uploads them (cuda::nvfp4::fp4_device_codes):
+// nibble n holds column n's magnitude in bits 4n .. 4n + 2, column j < 4's sign sits at bit 8j + 7
+// and column 4 + j's at bit 8j + 3. The magnitudes index the entry's byte planes (prmt reads 3 bits
+// of each selector nibble and bit 3 clear selects rather than replicating a sign); the signs land
+// on bit 7 of the high bytes, byte j of hi_a being column j's and of hi_b column 4 + j's, with one
+// mask and XOR each (the checkpoint's order, signs at bit 4n + 3, took two more permutes).
 __device__ __forceinline__ void fp4_word(uint32_t w, const Fp4Lut &l, uint32_t (&r)[4]) {
-    const uint32_t m = w & 0x77777777u;  // magnitude indices (prmt uses 3 bits of each selector nibble)
+    const uint32_t m = w & 0x77777777u;
     const uint32_t lo_a = __byte_perm(l.lo0, l.lo1, m), lo_b = __byte_perm(l.lo0, l.lo1, m >> 16);
-    uint32_t hi_a = __byte_perm(l.hi0, l.hi1, m), hi_b = __byte_perm(l.hi0, l.hi1, m >> 16);
-    // Sign of code n (bit 4n + 3 of w) onto bit 7 of high byte n. Code 2j's sign is bit 7 of byte
-    // j of w << 4, code 2j + 1's bit 7 of byte j of w: prmt with a selector nibble's bit 3 set
-    // replicates the selected byte's bit 7 over the result byte, so one prmt gives the 4 codes'
-    // signs as 0x00 / 0xff bytes (bytes w4.b0, w.b0, w4.b1, w.b1 for codes 0..3).
-    const uint32_t w4 = w << 4;
-    hi_a ^= fp4_prmt(w4, w, 0xD9C8u) & 0x80808080u;
-    hi_b ^= fp4_prmt(w4, w, 0xFBEAu) & 0x80808080u;
+    const uint32_t hi_a = __byte_perm(l.hi0, l.hi1, m) ^ (w & 0x80808080u);
+    const uint32_t hi_b = __byte_perm(l.hi0, l.hi1, m >> 16) ^ ((w << 4) & 0x80808080u);
     r[0] = __byte_perm(lo_a, hi_a, 0x5140);
     r[1] = __byte_perm(lo_a, hi_a, 0x7362);
     r[2] = __byte_perm(lo_b, hi_b, 0x5140);

@@ -125,7 +125,7 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
     // flight (the table is kept with them: the cursor may move to the next tile before they are stored).
     const uint2 *fc_src[2];
     const uint8_t *fs_src[2];
-    const float *ft[2], *ft_fetched[2];
+    const OrnithFp4Entry *ft[2], *ft_fetched[2];
     bool f_ok[2];
     uint2 fcode[2];
     uint32_t fscale[2];
@@ -150,7 +150,7 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
         if (FP4) {
             const uint8_t *codes = (const uint8_t *)p.w + (size_t)g * p.out * (p.in / 2);
             const uint8_t *scales = p.w_group_scale + (size_t)g * p.out * (p.in / 16);
-            const float *tab = p.w_tab + (size_t)g * (p.out / p.tab_rows) * 256;
+            const OrnithFp4Entry *tab = p.w_tab + (size_t)g * (p.out / p.tab_rows) * 256;
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int gn = n0 + (tid >> 2) + 64 * h;
@@ -184,7 +184,7 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
                     bool in = w_ok[i] && kb + (c << 4) < kbytes;
                     cp_async16(sb + swz(r, c), in ? w_src[i] + kb : W, in ? 16 : 0);
                 }
-            if (FP4) {  // codes and scale bytes of k-tile lk (zeros past the row or the matrix: weight 0, tab[0] = 0)
+            if (FP4) {  // codes and scale bytes of k-tile lk (zeros past the row or the matrix: weight 0: entry 0 is all zeros)
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const bool ok = f_ok[h] && lk * 64 + 16 * (tid & 3) < p.in;
@@ -207,7 +207,7 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
         uint8_t *sb = smem + stage * STAGE_BYTES + BM * GB_K;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const Fp4Lut l = fp4_lut(__ldg(ft_fetched[h] + fscale[h]));
+            const Fp4Lut l = fp4_entry(ft_fetched[h], fscale[h]);
             const int r = (tid >> 2) + 64 * h, c = 2 * (tid & 3);
             uint32_t q[4];
             fp4_word(fcode[h].x, l, q);

@@ -777,40 +777,65 @@ extern "C" __global__ void __launch_bounds__(256) gdn_out_reduce(const OrnithGdn
 // Cast points as the CPU reference (cpu::linear::linear_nvfp4): bf16 weights, fp32 sum, bf16(sum).
 // =============================================================================================
 
-// One round of a lane's NVFP4 loads: the 16 code bytes at kb + 64u + 16c (u < TC_U) of its two
-// rows (og, og8; tc_load's) and their two scale bytes (sg, sg8 as uint16); past k1 zeros.
-template <int TC_U>
-__device__ __forceinline__ void fp4_load(const uint8_t *w, uint32_t og, uint32_t og8, const uint16_t *sg, const uint16_t *sg8,
-                                         int kb, int k1, uint4 (&wa)[TC_U], uint4 (&wb)[TC_U], uint32_t (&sa)[TC_U],
-                                         uint32_t (&sb)[TC_U]) {
-    tc_load<TC_U>(w, og, og8, kb, k1, wa, wb);
-    const int c = threadIdx.x & 3;
+// A lane's place in the NVFP4 tile at the round starting at code byte kb of its rows: its 16 code
+// bytes of rows g and g + 8 at w + oa + 64u, w + ob + 64u (16c included) and their scale byte
+// pairs at ws + (oa + 64u) / 8, ws + (ob + 64u) / 8 (one scale byte per 8 code bytes, rows of
+// row_bytes / 8), the activations at x + xk + 256u (+ the token's offset; code byte 16c <->
+// weight 32c <-> activation byte 64c), and rem = k1 - kb - 16c, the code bytes of the lane's rows
+// left in the slice (step u is in while 64u < rem). 32-bit offsets from the tile's three base
+// pointers (a lane keeps 4 registers of place, not 10 of pointers).
+struct Fp4Lane {
+    uint32_t oa, ob, xk;
+    int rem;
+};
+
+__device__ __forceinline__ Fp4Lane fp4_lane(size_t row_bytes, int nrows, int k0, int k1) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const uint32_t rg = min(g, nrows - 1), rg8 = min(g + 8, nrows - 1);
+    return Fp4Lane{(uint32_t)(rg * row_bytes) + 16 * c + k0, (uint32_t)(rg8 * row_bytes) + 16 * c + k0, (uint32_t)(64 * c + 4 * k0),
+                   k1 - k0 - 16 * c};
+}
+
+template <int TC_U> __device__ __forceinline__ void fp4_next(Fp4Lane &l) {
+    l.oa += 64 * TC_U;
+    l.ob += 64 * TC_U;
+    l.xk += 256 * TC_U;
+    l.rem -= 64 * TC_U;
+}
+
+// One round of a lane's NVFP4 loads: codes and scale byte pairs of its steps u < TC_U; zeros for
+// a step past the slice (FULL: the whole round is inside it for every lane, no tests).
+template <int TC_U, bool FULL>
+__device__ __forceinline__ void fp4_load(const uint8_t *w, const uint8_t *ws, const Fp4Lane &l, uint4 (&wa)[TC_U], uint4 (&wb)[TC_U],
+                                         uint32_t (&sa)[TC_U], uint32_t (&sb)[TC_U]) {
+    const uint4 *ca = reinterpret_cast<const uint4 *>(w + l.oa), *cb = reinterpret_cast<const uint4 *>(w + l.ob);
+    const uint16_t *pa = reinterpret_cast<const uint16_t *>(ws + (l.oa >> 3)), *pb = reinterpret_cast<const uint16_t *>(ws + (l.ob >> 3));
 #pragma unroll
     for (int u = 0; u < TC_U; u++) {
-        const int off = kb + u * 64;
-        const bool ok = off + 16 * c < k1;
-        sa[u] = ok ? __ldg(sg + off / 16) : 0u;
-        sb[u] = ok ? __ldg(sg8 + off / 16) : 0u;
+        const bool ok = FULL || 64 * u < l.rem;
+        wa[u] = ok ? __ldg(ca + 4 * u) : make_uint4(0, 0, 0, 0);
+        wb[u] = ok ? __ldg(cb + 4 * u) : make_uint4(0, 0, 0, 0);
+        sa[u] = ok ? __ldg(pa + 4 * u) : 0u;
+        sb[u] = ok ? __ldg(pb + 4 * u) : 0u;
     }
 }
 
-// The dequantisation and mma of one NVFP4 round (x already at the lane's 64c).
-template <int NT, int TC_U>
-__device__ __forceinline__ void fp4_mma(const float *tab, const uint8_t *x, const uint32_t (&xoff)[NT], int kb, int k1,
+// The dequantisation and mma of one NVFP4 round (token j's activations at x + xoff[j] + l.xk; a step
+// past the slice reads zeros: its weights are zero, but the row past it need not be finite).
+template <int NT, int TC_U, bool FULL>
+__device__ __forceinline__ void fp4_mma(const OrnithFp4Entry *tab, const Fp4Lane &l, const uint8_t *x, const uint32_t (&xoff)[NT],
                                         const uint4 (&wa)[TC_U], const uint4 (&wb)[TC_U], const uint32_t (&sa)[TC_U],
                                         const uint32_t (&sb)[TC_U], float (&acc)[NT][4]) {
-    const int c = threadIdx.x & 3;
     const uint4 z = make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int u = 0; u < TC_U; u++) {
-        if (kb + u * 64 >= k1) break;  // warp-uniform
-        const int off = kb + u * 64;
-        const bool ok = off + 16 * c < k1;
+        if (!FULL && 64 * u >= l.rem + 16 * (threadIdx.x & 3)) break;  // warp-uniform: the step is past k1
+        const bool ok = FULL || 64 * u < l.rem;
         const uint32_t ca[4] = {wa[u].x, wa[u].y, wa[u].z, wa[u].w}, cb[4] = {wb[u].x, wb[u].y, wb[u].z, wb[u].w};
 #pragma unroll
         for (int h = 0; h < 2; h++) {  // the lane's two groups of this step
-            const Fp4Lut la = fp4_lut(__ldg(tab + ((sa[u] >> (8 * h)) & 0xffu)));
-            const Fp4Lut lb = fp4_lut(__ldg(tab + ((sb[u] >> (8 * h)) & 0xffu)));
+            const Fp4Lut la = fp4_entry(tab, (sa[u] >> (8 * h)) & 0xffu);
+            const Fp4Lut lb = fp4_entry(tab, (sb[u] >> (8 * h)) & 0xffu);
 #pragma unroll
             for (int q = 2 * h; q < 2 * h + 2; q++) {
                 uint32_t ra[4], rb[4];
@@ -818,7 +843,7 @@ __device__ __forceinline__ void fp4_mma(const float *tab, const uint8_t *x, cons
                 fp4_word(cb[q], lb, rb);
 #pragma unroll
                 for (int j = 0; j < NT; j++) {
-                    const uint4 xv = ok ? *reinterpret_cast<const uint4 *>(x + xoff[j] + 4 * off + 16 * q) : z;
+                    const uint4 xv = ok ? *reinterpret_cast<const uint4 *>(x + (xoff[j] + l.xk) + 256 * u + 16 * q) : z;
                     const uint32_t a0[4] = {ra[0], rb[0], ra[1], rb[1]}, a1[4] = {ra[2], rb[2], ra[3], rb[3]};
                     const uint32_t b0[2] = {xv.x, xv.y}, b1[2] = {xv.z, xv.w};
                     mma_bf16(acc[j], a0, b0);
@@ -829,58 +854,49 @@ __device__ __forceinline__ void fp4_mma(const float *tab, const uint8_t *x, cons
     }
 }
 
-// This lane's code byte offsets (og, og8: rows g and g + 8 of the tile, 16c included) and scale
-// pointers (one scale byte per 8 code bytes; the lane's two at (k + 16c) / 8 of its rows).
-__device__ __forceinline__ void fp4_rows(const uint8_t *ws, size_t row_bytes, int nrows, uint32_t &og, uint32_t &og8,
-                                         const uint16_t *&sg, const uint16_t *&sg8) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int rg = min(g, nrows - 1), rg8 = min(g + 8, nrows - 1);
-    og = (uint32_t)(rg * row_bytes) + 16 * c;
-    og8 = (uint32_t)(rg8 * row_bytes) + 16 * c;
-    sg = reinterpret_cast<const uint16_t *>(ws + rg * (row_bytes / 8)) + c;
-    sg8 = reinterpret_cast<const uint16_t *>(ws + rg8 * (row_bytes / 8)) + c;
+// One round: loads, then (first: after the PDL wait, weights first as tc_tile) the mma.
+template <int NT, int TC_U, bool FULL>
+__device__ __forceinline__ void fp4_round(const uint8_t *w, const uint8_t *ws, const OrnithFp4Entry *tab, const Fp4Lane &l,
+                                          const uint8_t *x, const uint32_t (&xoff)[NT], bool first, float (&acc)[NT][4]) {
+    uint4 wa[TC_U], wb[TC_U];
+    uint32_t sa[TC_U], sb[TC_U];
+    fp4_load<TC_U, FULL>(w, ws, l, wa, wb, sa, sb);
+    if (first) pdl_wait();
+    fp4_mma<NT, TC_U, FULL>(tab, l, x, xoff, wa, wb, sa, sb, acc);
 }
 
 // acc[j] += dequantised rows (codes w, scale bytes ws: 16 rows, the first nrows real; tab the
-// rows' scale table) · tokens of N tile j over code bytes [k0, k1) of each row.
+// rows' dequantisation table) · tokens of N tile j over code bytes [k0, k1) of each row. A round
+// wholly inside the slice (kb + 64 TC_U <= k1) takes the path without bounds tests.
 template <int NT, int TC_U>
-__device__ __forceinline__ void tc_tile_fp4(const uint8_t *w, const uint8_t *ws, const float *tab, size_t row_bytes, int nrows,
+__device__ __forceinline__ void tc_tile_fp4(const uint8_t *w, const uint8_t *ws, const OrnithFp4Entry *tab, size_t row_bytes, int nrows,
                                             const uint8_t *x, const uint32_t (&xoff)[NT], int k0, int k1, float (&acc)[NT][4]) {
-    uint32_t og, og8;
-    const uint16_t *sg, *sg8;
-    fp4_rows(ws, row_bytes, nrows, og, og8, sg, sg8);
-    x += 64 * (threadIdx.x & 3);  // code byte 16c of a step <-> weight 32c <-> activation byte 64c
-    for (int kb = k0; kb < k1; kb += 64 * TC_U) {
-        uint4 wa[TC_U], wb[TC_U];
-        uint32_t sa[TC_U], sb[TC_U];
-        fp4_load<TC_U>(w, og, og8, sg, sg8, kb, k1, wa, wb, sa, sb);
-        if (kb == k0) pdl_wait();  // weights first, as tc_tile
-        fp4_mma<NT, TC_U>(tab, x, xoff, kb, k1, wa, wb, sa, sb, acc);
+    Fp4Lane l = fp4_lane(row_bytes, nrows, k0, k1);
+    for (int kb = k0; kb < k1; kb += 64 * TC_U, fp4_next<TC_U>(l)) {
+        fp4_round<NT, TC_U, false>(w, ws, tab, l, x, xoff, kb == k0, acc);
     }
 }
 
 // tc_tile_fp4 for one column whose bf16 input row the block computes itself (as
-// tc_tile_prologue): the warp issues its first round (has: the warp has rows), the block waits and
-// runs `prologue` (block-wide, leaving the row in shared memory at x), then the rounds go on. The
-// same rounds and mma order as tc_tile_fp4, so the same sums.
+// tc_tile_prologue): the warp issues its first round's loads (has: the warp has rows), the block
+// waits and runs `prologue` (block-wide, leaving the row in shared memory at x), then the rounds
+// go on. The same rounds and mma order as tc_tile_fp4, so the same sums.
 template <int TC_U, class Prologue>
-__device__ __forceinline__ void tc_tile_fp4_prologue(const uint8_t *w, const uint8_t *ws, const float *tab, size_t row_bytes,
+__device__ __forceinline__ void tc_tile_fp4_prologue(const uint8_t *w, const uint8_t *ws, const OrnithFp4Entry *tab, size_t row_bytes,
                                                      int nrows, bool has, const uint8_t *x, int k0, int k1, float (&acc)[1][4],
                                                      Prologue prologue) {
-    uint32_t og, og8;
-    const uint16_t *sg, *sg8;
-    fp4_rows(ws, row_bytes, nrows, og, og8, sg, sg8);
+    Fp4Lane l = fp4_lane(row_bytes, nrows, k0, k1);
     uint4 wa[TC_U], wb[TC_U];
     uint32_t sa[TC_U], sb[TC_U];
-    if (has) fp4_load<TC_U>(w, og, og8, sg, sg8, k0, k1, wa, wb, sa, sb);
+    if (has) fp4_load<TC_U, false>(w, ws, l, wa, wb, sa, sb);
     pdl_wait();
     prologue();
     if (!has) return;
     const uint32_t xoff[1] = {0};
-    x += 64 * (threadIdx.x & 3);
-    for (int kb = k0; kb < k1; kb += 64 * TC_U) {
-        if (kb != k0) fp4_load<TC_U>(w, og, og8, sg, sg8, kb, k1, wa, wb, sa, sb);
-        fp4_mma<1, TC_U>(tab, x, xoff, kb, k1, wa, wb, sa, sb, acc);
+    fp4_mma<1, TC_U, false>(tab, l, x, xoff, wa, wb, sa, sb, acc);
+    fp4_next<TC_U>(l);
+    for (int kb = k0 + 64 * TC_U; kb < k1; kb += 64 * TC_U, fp4_next<TC_U>(l)) {
+        fp4_round<1, TC_U, false>(w, ws, tab, l, x, xoff, false, acc);
     }
 }
 
@@ -895,7 +911,7 @@ __host__ __device__ constexpr int fp4_u(int nt) { return nt == 1 ? 2 : 1; }
 #define FP4_BLOCKS 3
 
 // The table of the 16 rows from row0 (tab_rows % 16 == 0: a row group never straddles two).
-__device__ __forceinline__ const float *fp4_tab(const float *tab, int row0, int tab_rows) {
+__device__ __forceinline__ const OrnithFp4Entry *fp4_tab(const OrnithFp4Entry *tab, int row0, int tab_rows) {
     return tab + (size_t)(row0 / tab_rows) * 256;
 }
 
@@ -1171,7 +1187,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
 
 template <int NT>
 __device__ __forceinline__ void moe_fp4_pass(const OrnithMoeGemvNvfp4Params &p, const uint8_t *wb, const uint8_t *sb,
-                                             const float *tb, const MoeCols &cols, int n0, const TcPlace &pl, float *red) {
+                                             const OrnithFp4Entry *tb, const MoeCols &cols, int n0, const TcPlace &pl, float *red) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, slots = p.top_k + 1;
     const size_t row_bytes = (size_t)p.in / 2;
     uint32_t xoff[NT];
@@ -1210,7 +1226,7 @@ __device__ __forceinline__ void moe_fp4_pass(const OrnithMoeGemvNvfp4Params &p, 
         }
 }
 
-__device__ __forceinline__ void moe_fp4(const OrnithMoeGemvNvfp4Params &p, const uint8_t *wb, const uint8_t *sb, const float *tb,
+__device__ __forceinline__ void moe_fp4(const OrnithMoeGemvNvfp4Params &p, const uint8_t *wb, const uint8_t *sb, const OrnithFp4Entry *tb,
                                         const MoeCols &cols, const TcPlace &pl) {
     __shared__ float red[TC_WARPS * 4 * 32];
     for (int n0 = 0; n0 < cols.n; n0 += 8 * TC_NARROW) moe_fp4_pass<TC_NARROW>(p, wb, sb, tb, cols, n0, pl, red);
@@ -1218,7 +1234,7 @@ __device__ __forceinline__ void moe_fp4(const OrnithMoeGemvNvfp4Params &p, const
 
 // The routed expert e's codes, scales and tables (an index the router never writes is clamped).
 __device__ __forceinline__ void moe_fp4_expert(const OrnithMoeGemvNvfp4Params &p, int e, const uint8_t *&wb, const uint8_t *&sb,
-                                               const float *&tb) {
+                                               const OrnithFp4Entry *&tb) {
     if (e < 0 || e >= p.experts) e = 0;
     wb = p.w + (size_t)e * p.out * (p.in / 2);
     sb = p.ws + (size_t)e * p.out * (p.in / 16);
@@ -1228,7 +1244,7 @@ __device__ __forceinline__ void moe_fp4_expert(const OrnithMoeGemvNvfp4Params &p
 // The weights of (token t, slot) in the per-slot forms, as moe_slot_weights: the routed index
 // after the wait, the shared expert's weights before it.
 __device__ __forceinline__ void moe_fp4_slot_weights(const OrnithMoeGemvNvfp4Params &p, int t, int slot, const uint8_t *&wb,
-                                                     const uint8_t *&sb, const float *&tb) {
+                                                     const uint8_t *&sb, const OrnithFp4Entry *&tb) {
     wb = p.shared_w;
     sb = p.shared_ws;
     tb = p.shared_tab;
@@ -1243,7 +1259,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
     const int slot = blockIdx.y, t = blockIdx.z;
     const uint8_t *wb, *sb;
-    const float *tb;
+    const OrnithFp4Entry *tb;
     moe_fp4_slot_weights(p, t, slot, wb, sb, tb);
     moe_fp4(p, wb, sb, tb, MoeCols{nullptr, p.top_k, 1, t, slot}, pl);
 }
@@ -1253,7 +1269,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
 // (token t, slot) column's row in shared memory; then that one column's pass as moe_fp4_pass.
 template <class Prologue>
 __device__ __forceinline__ void moe_fp4_prologue(const OrnithMoeGemvNvfp4Params &p, const uint8_t *wb, const uint8_t *sb,
-                                                 const float *tb, int t, int slot, const TcPlace &pl, Prologue prologue) {
+                                                 const OrnithFp4Entry *tb, int t, int slot, const TcPlace &pl, Prologue prologue) {
     __shared__ float red[TC_WARPS * 4 * 32];
     extern __shared__ __align__(16) uint8_t xrow[];
     __shared__ float sh[32];
@@ -1280,7 +1296,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
     const int slot = blockIdx.y, t = blockIdx.z;
     const uint8_t *wb, *sb;
-    const float *tb;
+    const OrnithFp4Entry *tb;
     moe_fp4_slot_weights(p, t, slot, wb, sb, tb);
     OrnithNormIn n = p.norm;
     n.res += (size_t)t * p.in;
@@ -1296,7 +1312,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
     const int slot = blockIdx.y, t = blockIdx.z;
     const uint8_t *wb, *sb;
-    const float *tb;
+    const OrnithFp4Entry *tb;
     moe_fp4_slot_weights(p, t, slot, wb, sb, tb);
     const uint16_t *gu = p.gate_up + ((size_t)t * (p.top_k + 1) + slot) * 2 * p.in;
     moe_fp4_prologue(p, wb, sb, tb, t, slot, pl, [&](uint8_t *xrow, float *) {
@@ -1319,7 +1335,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
     const int count = moe_row(p.row_info, p.experts, e, a0);
     if (count <= 0) return;
     const uint8_t *wb, *sb;
-    const float *tb;
+    const OrnithFp4Entry *tb;
     moe_fp4_expert(p, e, wb, sb, tb);
     moe_fp4(p, wb, sb, tb, MoeCols{p.row_assign + a0, p.top_k, count, 0, 0}, pl);
 }

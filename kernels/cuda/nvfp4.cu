@@ -2,7 +2,8 @@
 // (gemv.cu) and the prefill GEMMs (gemm.cu) use on their weight tiles: this kernel exists so that
 // path is tested bit for bit against the CPU reference on every code and scale byte
 // (cuda::nvfp4 tests). The math (ornith_kernels.h, model_spec::nvfp4):
-//   wd[o, i] = bf16( e2m1(code[o, i]) * tab[(o / tab_rows) * 256 + ws[o, i / 16]] )
+//   wd[o, i] = bf16( e2m1(code[o, i]) * s(ws[o, i / 16]) ), its magnitude the entry
+//   tab[(o / tab_rows) * 256 + ws[o, i / 16]] holds (cuda::nvfp4::fp4_table) and its sign code bit 3
 #include "common.cuh"
 #include "fp4.cuh"
 
@@ -15,8 +16,8 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4_dequant(const OrnithGemv
     if (b >= n) return;
     const size_t i = 8 * b;  // first element: 8 | in, so one row and one group
     const size_t o = i / p.in, col = i % p.in;
-    const float s = p.tab[(o / p.tab_rows) * 256 + p.ws[o * (p.in / 16) + col / 16]];
+    const Fp4Lut l = fp4_entry(p.tab + (o / p.tab_rows) * 256, p.ws[o * (p.in / 16) + col / 16]);
     uint32_t r[4];
-    fp4_word(reinterpret_cast<const uint32_t *>(p.w)[b], fp4_lut(s), r);
+    fp4_word(reinterpret_cast<const uint32_t *>(p.w)[b], l, r);
     reinterpret_cast<uint4 *>(p.y)[b] = make_uint4(r[0], r[1], r[2], r[3]);
 }

@@ -446,6 +446,18 @@ typedef struct OrnithSampleParams {
 
 /* ---- Prefill (many tokens) ---- */
 
+/* One entry of an NVFP4 dequantisation table (see OrnithGemvNvfp4Params): for one E4M3 group
+ * scale byte b under the matrix's global scale, the 8 magnitudes v_m = bf16(e2m1(m) * s(b)),
+ * m = 0..7, as byte planes: lo0 bytes j = low byte of v_j, lo1 of v_(4+j), hi0 / hi1 the high
+ * bytes. 16 bytes, the table 16-byte aligned. */
+typedef struct OrnithFp4Entry {
+    uint32_t lo0;
+    uint32_t lo1;
+    uint32_t hi0;
+    uint32_t hi1;
+} OrnithFp4Entry;
+
+
 /* Prefill GEMM on tensor cores (mma.sync), tiles of 128 rows x 128 outputs (gemm_fp8, gemm_bf16)
  * or, for the grouped MoE GEMMs (gemm_fp8_grouped, gemm_nvfp4_grouped), 64 rows x 128 outputs.
  *   FP8  (gemm_fp8):  y[r, o] = bf16( (sum_i e4m3(A[r, i]) * e4m3(w[o, i])) * a_scale[A row of r] * w_scale[o] )
@@ -477,10 +489,10 @@ typedef struct OrnithGemmParams {
     int32_t y_stride;
     int32_t groups;
     /* gemm_nvfp4 / gemm_nvfp4_grouped only: `w` holds E2M1 codes [out, in/2] per group, these the
-     * E4M3 group scales [out, in/16] per group and the scale tables (OrnithGemvNvfp4Params), group g's
-     * at w_tab + g * (out / tab_rows) * 256. */
+     * E4M3 group scales [out, in/16] per group and the dequantisation tables (OrnithGemvNvfp4Params),
+     * group g's at w_tab + g * (out / tab_rows) * 256. */
     const uint8_t *w_group_scale;
-    const float *w_tab;
+    const OrnithFp4Entry *w_tab;
     int32_t tab_rows;
 } OrnithGemmParams;
 
@@ -547,11 +559,13 @@ typedef struct OrnithFlashAttnParams {
 
 /* NVFP4A16 weights (compressed-tensors nvfp4-pack-quantized), BF16 activations. A Linear [out, in]:
  * `w` U8 [out, in/2], two E2M1 codes per byte (column 2j in the low nibble), `ws` E4M3 [out, in/16]
- * group scales, and `tab` the f32 group-scale table of each global scale gs_k of the matrix:
- *   tab[k * 256 + b] = f32(e4m3(b)) / gs_k      (model_spec::nvfp4::scale_table, one f32 division)
+ * group scales, and `tab` the dequantisation table (OrnithFp4Entry[256]) of each global scale gs_k
+ * of the matrix, built from the group scale s_k(b) = f32(e4m3(b)) / gs_k (one f32 division):
+ *   tab[k * 256 + b] = the byte planes of bf16(e2m1(m) * s_k(b)), m = 0..7   (cuda::nvfp4::fp4_table)
  * table k serving rows k * tab_rows .. (k + 1) * tab_rows - 1 (one Linear: tab_rows = out; a fused
  * gate|up: tab_rows = inter, table 0 the gate's, 1 the up's). One weight is
- *   wd[o, i] = bf16( e2m1(code[o, i]) * tab[(o / tab_rows) * 256 + ws[o, i / 16]] )   (f32 product, RNE)
+ *   wd[o, i] = bf16( e2m1(code[o, i]) * s_k(ws[o, i / 16]) ),  k = o / tab_rows   (f32 product, RNE),
+ * its magnitude looked up in tab[k * 256 + ws[o, i / 16]] and its sign (code bit 3) applied,
  * bit-identical to compressed-tensors' decompressor (model_spec::nvfp4).
  * Dequantise (nvfp4_dequant):  y[o, i] = wd[o, i]  (bf16 [out, in]; x, tokens, strides unused).
  * Decode product (gemv_nvfp4, gemv_nvfp4_wide): y[t, o] = bf16( sum_i x[t, i] * wd[o, i] ), fp32
@@ -561,7 +575,7 @@ typedef struct OrnithGemvNvfp4Params {
     const uint16_t *x;
     const uint8_t *w;
     const uint8_t *ws;
-    const float *tab;
+    const OrnithFp4Entry *tab;
     uint16_t *y;
     int32_t tokens;
     int32_t in;
@@ -588,10 +602,10 @@ typedef struct OrnithMoeGemvNvfp4Params {
     const int32_t *idx;
     const uint8_t *w;
     const uint8_t *ws;
-    const float *tab;
+    const OrnithFp4Entry *tab;
     const uint8_t *shared_w;
     const uint8_t *shared_ws;
-    const float *shared_tab;
+    const OrnithFp4Entry *shared_tab;
     uint16_t *y;
     int32_t tokens;
     int32_t top_k;

@@ -799,6 +799,23 @@ impl Default for OrnithSampleParams {
     }
 }
 #[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct OrnithFp4Entry {
+    pub lo0: u32,
+    pub lo1: u32,
+    pub hi0: u32,
+    pub hi1: u32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of OrnithFp4Entry"][::std::mem::size_of::<OrnithFp4Entry>() - 16usize];
+    ["Alignment of OrnithFp4Entry"][::std::mem::align_of::<OrnithFp4Entry>() - 4usize];
+    ["Offset of field: OrnithFp4Entry::lo0"][::std::mem::offset_of!(OrnithFp4Entry, lo0) - 0usize];
+    ["Offset of field: OrnithFp4Entry::lo1"][::std::mem::offset_of!(OrnithFp4Entry, lo1) - 4usize];
+    ["Offset of field: OrnithFp4Entry::hi0"][::std::mem::offset_of!(OrnithFp4Entry, hi0) - 8usize];
+    ["Offset of field: OrnithFp4Entry::hi1"][::std::mem::offset_of!(OrnithFp4Entry, hi1) - 12usize];
+};
+#[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct OrnithGemmParams {
     pub a: *const ::std::os::raw::c_void,
@@ -816,7 +833,7 @@ pub struct OrnithGemmParams {
     pub y_stride: i32,
     pub groups: i32,
     pub w_group_scale: *const u8,
-    pub w_tab: *const f32,
+    pub w_tab: *const OrnithFp4Entry,
     pub tab_rows: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
@@ -993,7 +1010,7 @@ pub struct OrnithGemvNvfp4Params {
     pub x: *const u16,
     pub w: *const u8,
     pub ws: *const u8,
-    pub tab: *const f32,
+    pub tab: *const OrnithFp4Entry,
     pub y: *mut u16,
     pub tokens: i32,
     pub in_: i32,
@@ -1040,10 +1057,10 @@ pub struct OrnithMoeGemvNvfp4Params {
     pub idx: *const i32,
     pub w: *const u8,
     pub ws: *const u8,
-    pub tab: *const f32,
+    pub tab: *const OrnithFp4Entry,
     pub shared_w: *const u8,
     pub shared_ws: *const u8,
-    pub shared_tab: *const f32,
+    pub shared_tab: *const OrnithFp4Entry,
     pub y: *mut u16,
     pub tokens: i32,
     pub top_k: i32,

@@ -2,7 +2,7 @@
 //! `ornith-bench`'s achieved GB/s and "% of ceiling" — from the spec alone (no weights):
 //! every weight once as the backend holds it ([`plan::device_form`]: FP8 codes, NVFP4 codes and
 //! group scales and BF16 matrices as stored, FP8 scales as f32, an NVFP4 global scale as its
-//! 1 KiB table, vectors in the one form the kernels read: bf16, `A_log` f32),
+//! 4 KiB dequantisation table, vectors in the one form the kernels read: bf16, `A_log` f32),
 //! except the embedding table (one row) and the routed experts (top-k of E per layer); the
 //! Gated DeltaNet states read and written once (conv bf16, recurrent f32); BF16 K and V of every
 //! full-attention layer at `position` cached positions.

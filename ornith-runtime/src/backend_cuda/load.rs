@@ -2,7 +2,8 @@
 //! the model), routed experts packed into one contiguous buffer per layer as the MoE kernel wants
 //! them (`[E, 2I, H]` gate|up rows and `[E, H, I]` down, FP8, with f32 scales), a progress line on
 //! stderr.
-use super::{CudaBackend, CudaExperts, CudaLinear, CudaVector, DevLinear, Fp4Dev};
+use super::{CudaBackend, CudaExperts, CudaLinear, CudaVector, DevLinear, ExpertScales, Fp4Dev};
+use crate::cuda::nvfp4::{fp4_device_codes, fp4_table, TAB_BYTES};
 use crate::graph::{Dims, Prec};
 use crate::weights::{to_f32, Checkpoint};
 use anyhow::{ensure, Context, Result};
@@ -110,9 +111,9 @@ impl CudaBackend {
                 Ok(DevLinear {
                     out_features: out_f,
                     in_features: in_f,
-                    w: self.put(p.codes)?,
+                    w: self.put(&p.codes)?,
                     scale: None,
-                    fp4: Some(Fp4Dev { ws: self.put(p.scales)?, tab: self.put_f32(&p.table)?, tab_rows: out_f }),
+                    fp4: Some(Fp4Dev { ws: self.put(p.scales)?, tab: self.put(&p.table)?, tab_rows: out_f }),
                 })
             }
         }
@@ -226,18 +227,18 @@ impl CudaBackend {
     /// shared expert's gate|up and attention's q|k|v. The kernels take one table per `tab_rows`
     /// rows, so `tab_rows` is the gcd of the parts' rows (a multiple of 16, `fused_group`) and a
     /// part of n rows stores its table n / tab_rows times (q|k|v at the 35B shapes: 16 copies of
-    /// q's, 15 KiB a layer beyond the one table per global scale the memory plan counts, inside
+    /// q's, 60 KiB a layer beyond the one table per global scale the memory plan counts, inside
     /// its margin).
     fn fp4_stacked(&self, parts: &[Fp4Parts]) -> Result<DevLinear> {
-        let (tab_rows, table) = stacked_tables(&parts.iter().map(|p| (p.rows, p.table)).collect::<Vec<_>>())?;
+        let (tab_rows, table) = stacked_tables(&parts.iter().map(|p| (p.rows, &p.table[..])).collect::<Vec<_>>())?;
         Ok(DevLinear {
             out_features: parts.iter().map(|p| p.rows).sum(),
             in_features: parts[0].in_f,
-            w: self.put_parts(&parts.iter().map(|p| p.codes).collect::<Vec<_>>())?,
+            w: self.put_parts(&parts.iter().map(|p| &p.codes[..]).collect::<Vec<_>>())?,
             scale: None,
             fp4: Some(Fp4Dev {
                 ws: self.put_parts(&parts.iter().map(|p| p.scales).collect::<Vec<_>>())?,
-                tab: self.put_f32(&table)?,
+                tab: self.put(&table)?,
                 tab_rows,
             }),
         })
@@ -288,10 +289,8 @@ impl CudaBackend {
         }
         Ok(CudaExperts {
             gu,
-            gus: self.put_f32(&gus)?,
             dn,
-            dns: self.put_f32(&dns)?,
-            fp4: None,
+            scales: ExpertScales::Fp8 { gus: self.put_f32(&gus)?, dns: self.put_f32(&dns)? },
             experts: e,
             _p: PhantomData,
         })
@@ -311,7 +310,7 @@ impl CudaBackend {
         let mut gus = self.cx.alloc::<u8>(e * ih / 8)?;
         let mut dn = self.cx.alloc::<u8>(e * hi / 2)?;
         let mut dns = self.cx.alloc::<u8>(e * hi / 16)?;
-        let (mut gt, mut dt) = (Vec::with_capacity(e * 512), Vec::with_capacity(e * 256));
+        let (mut gt, mut dt) = (Vec::with_capacity(e * 2 * TAB_BYTES), Vec::with_capacity(e * TAB_BYTES));
         let stream = self.cx.stream().clone();
         for x in 0..e {
             let m = |p: &str| format!("{module}.{x}.{p}");
@@ -319,11 +318,11 @@ impl CudaBackend {
             let u = fp4_parts(ck, &m("up_proj"), inter, hidden)?;
             let d = fp4_parts(ck, &m("down_proj"), hidden, inter)?;
             let (c, sc) = (ih / 2, ih / 16);
-            stream.memcpy_htod(g.codes, &mut gu.slice_mut(2 * x * c..(2 * x + 1) * c))?;
-            stream.memcpy_htod(u.codes, &mut gu.slice_mut((2 * x + 1) * c..(2 * x + 2) * c))?;
+            stream.memcpy_htod(&g.codes, &mut gu.slice_mut(2 * x * c..(2 * x + 1) * c))?;
+            stream.memcpy_htod(&u.codes, &mut gu.slice_mut((2 * x + 1) * c..(2 * x + 2) * c))?;
             stream.memcpy_htod(g.scales, &mut gus.slice_mut(2 * x * sc..(2 * x + 1) * sc))?;
             stream.memcpy_htod(u.scales, &mut gus.slice_mut((2 * x + 1) * sc..(2 * x + 2) * sc))?;
-            stream.memcpy_htod(d.codes, &mut dn.slice_mut(x * hi / 2..(x + 1) * hi / 2))?;
+            stream.memcpy_htod(&d.codes, &mut dn.slice_mut(x * hi / 2..(x + 1) * hi / 2))?;
             stream.memcpy_htod(d.scales, &mut dns.slice_mut(x * hi / 16..(x + 1) * hi / 16))?;
             gt.extend(g.table);
             gt.extend(u.table);
@@ -332,10 +331,8 @@ impl CudaBackend {
         }
         Ok(CudaExperts {
             gu,
-            gus: self.put_f32(&gt)?,
             dn,
-            dns: self.put_f32(&dt)?,
-            fp4: Some((gus, dns)),
+            scales: ExpertScales::Nvfp4 { gus, dns, gut: self.put(&gt)?, dnt: self.put(&dt)? },
             experts: e,
             _p: PhantomData,
         })
@@ -357,12 +354,12 @@ impl CudaBackend {
     }
 }
 
-/// One NVFP4A16 Linear `[out, in]` as stored (borrowed from the shard mmap): codes, E4M3 group
-/// scales, and the scale table of its global scale.
+/// One NVFP4A16 Linear `[out, in]`: its codes in the kernels' order (`fp4_device_codes`), its E4M3
+/// group scales (borrowed from the shard mmap), and the dequantisation table of its global scale.
 pub(super) struct Fp4Parts<'a> {
-    codes: &'a [u8],
+    codes: Vec<u8>,
     scales: &'a [u8],
-    table: [f32; 256],
+    table: Vec<u8>,
     rows: usize,
     in_f: usize,
 }
@@ -370,14 +367,14 @@ pub(super) struct Fp4Parts<'a> {
 /// The scale tables of NVFP4 parts `(rows, table)` stacked into one matrix: rows per table (the
 /// gcd of the parts' rows, a multiple of 16 as the kernels need) and each part's table repeated
 /// once per `tab_rows` of its rows, in row order.
-fn stacked_tables(parts: &[(usize, [f32; 256])]) -> Result<(usize, Vec<f32>)> {
+fn stacked_tables(parts: &[(usize, &[u8])]) -> Result<(usize, Vec<u8>)> {
     let tab_rows = shared_tab_rows(parts.iter().map(|p| p.0)).ok_or_else(|| {
         anyhow::anyhow!(
             "NVFP4 parts of {:?} rows cannot share one matrix",
             parts.iter().map(|p| p.0).collect::<Vec<_>>()
         )
     })?;
-    Ok((tab_rows, parts.iter().flat_map(|p| std::iter::repeat_n(p.1, p.0 / tab_rows).flatten()).collect()))
+    Ok((tab_rows, parts.iter().flat_map(|p| std::iter::repeat_n(p.1, p.0 / tab_rows).flatten().copied()).collect()))
 }
 
 /// Rows per scale table when NVFP4 parts of these row counts share one matrix: their gcd, if it is
@@ -411,7 +408,7 @@ pub(super) fn fp4_parts<'a>(ck: &'a Checkpoint, module: &str, out_f: usize, in_f
         gs.is_finite() && gs > 0.0,
         "{gname} is {gs}: NVFP4 dequantisation divides by it, so it must be positive and finite. Fix: re-export the checkpoint"
     );
-    Ok(Fp4Parts { codes, scales, table: model_spec::nvfp4::scale_table(gs), rows: out_f, in_f })
+    Ok(Fp4Parts { codes: fp4_device_codes(codes), scales, table: fp4_table(gs), rows: out_f, in_f })
 }
 
 /// Linears that read the same input and load as one matrix: the Gated DeltaNet's four input
@@ -502,18 +499,18 @@ mod tests {
 
     #[test]
     fn stacked_nvfp4_tables_repeat_each_part_over_its_rows() {
-        let t = |v: f32| [v; 256];
+        let (t1, t2, t3) = ([1u8; TAB_BYTES], [2u8; TAB_BYTES], [3u8; TAB_BYTES]);
         // Attention's q|k|v at the 35B shapes: 8,192 + 512 + 512 rows, a table per 512 rows.
-        let (rows, tab) = stacked_tables(&[(8192, t(1.0)), (512, t(2.0)), (512, t(3.0))]).unwrap();
+        let (rows, tab) = stacked_tables(&[(8192, &t1[..]), (512, &t2[..]), (512, &t3[..])]).unwrap();
         assert_eq!(rows, 512);
-        assert_eq!(tab.len(), 18 * 256);
-        let table_of_row = |r: usize| tab[(r / rows) * 256];
-        assert_eq!((table_of_row(0), table_of_row(8191), table_of_row(8192), table_of_row(8703)), (1.0, 1.0, 2.0, 2.0));
-        assert_eq!((table_of_row(8704), table_of_row(9215)), (3.0, 3.0));
+        assert_eq!(tab.len(), 18 * TAB_BYTES);
+        let table_of_row = |r: usize| tab[(r / rows) * TAB_BYTES + TAB_BYTES - 1];
+        assert_eq!((table_of_row(0), table_of_row(8191), table_of_row(8192), table_of_row(8703)), (1, 1, 2, 2));
+        assert_eq!((table_of_row(8704), table_of_row(9215)), (3, 3));
         // A fused gate|up: one table each.
-        assert_eq!(stacked_tables(&[(512, t(1.0)), (512, t(2.0))]).unwrap().0, 512);
+        assert_eq!(stacked_tables(&[(512, &t1[..]), (512, &t2[..])]).unwrap().0, 512);
         // Row counts whose gcd is not a multiple of 16 cannot share the kernels' tables.
-        assert!(stacked_tables(&[(24, t(1.0)), (40, t(2.0))]).is_err());
+        assert!(stacked_tables(&[(24, &t1[..]), (40, &t2[..])]).is_err());
     }
 
     #[test]

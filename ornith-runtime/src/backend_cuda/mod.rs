@@ -67,12 +67,12 @@ pub struct DevLinear {
     fp4: Option<Fp4Dev>,
 }
 
-/// The group scales of an NVFP4A16 matrix: E4M3 bytes `[out, in/16]` and the f32 table
-/// (`model_spec::nvfp4::scale_table`) of each global scale, table `k` serving rows
+/// The group scales of an NVFP4A16 matrix: E4M3 bytes `[out, in/16]` and the dequantisation
+/// table (`cuda::nvfp4::fp4_table`) of each global scale, table `k` serving rows
 /// `k · tab_rows ..` (a fused gate|up has two).
 pub struct Fp4Dev {
     ws: CudaSlice<u8>,
-    tab: CudaSlice<f32>,
+    tab: CudaSlice<u8>,
     tab_rows: usize,
 }
 
@@ -93,17 +93,23 @@ impl<P: Prec> CudaLinear<P> {
 }
 
 /// The routed experts of one layer, packed: `gu [E, 2I, H]` (gate rows then up rows per
-/// expert), `dn [E, H, I]`. FP8: E4M3 codes with f32 scales `gus [E, 2I]`, `dns [E, H]`.
-/// NVFP4A16: codes `gu [E, 2I, H/2]`, `dn [E, H, I/2]`, scale bytes in `fp4` (`[E, 2I, H/16]`,
-/// `[E, H, I/16]`), and `gus` / `dns` the scale tables (`[E, 2, 256]`: gate, up; `[E, 1, 256]`).
+/// expert), `dn [E, H, I]`: E4M3 codes (FP8) or NVFP4A16 codes `[E, 2I, H/2]`, `[E, H, I/2]` in
+/// the kernels' order, with their scales.
 pub struct CudaExperts<G: Prec, U: Prec, D: Prec> {
     gu: CudaSlice<u8>,
-    gus: CudaSlice<f32>,
     dn: CudaSlice<u8>,
-    dns: CudaSlice<f32>,
-    fp4: Option<(CudaSlice<u8>, CudaSlice<u8>)>,
+    scales: ExpertScales,
     experts: usize,
     _p: PhantomData<(G, U, D)>,
+}
+
+/// The routed experts' scales as their precision stores them. FP8: f32 per-row scales
+/// `gus [E, 2I]`, `dns [E, H]`. NVFP4A16: E4M3 group scale bytes `gus [E, 2I, H/16]`,
+/// `dns [E, H, I/16]` and the dequantisation tables `gut [E, 2]` (gate, up) and `dnt [E, 1]`
+/// (`cuda::nvfp4::TAB_BYTES` each).
+pub enum ExpertScales {
+    Fp8 { gus: CudaSlice<f32>, dns: CudaSlice<f32> },
+    Nvfp4 { gus: CudaSlice<u8>, dns: CudaSlice<u8>, gut: CudaSlice<u8>, dnt: CudaSlice<u8> },
 }
 
 /// A small vector as bf16 and as the same values in f32 (kernels take one or the other).
@@ -922,6 +928,9 @@ impl CudaBackend {
     ) -> Result<()> {
         let d = &self.dims;
         let (hs, e, k, inter) = (d.hidden_size, ex.experts, d.num_experts_per_tok, d.moe_intermediate_size);
+        let ExpertScales::Fp8 { gus, dns } = &ex.scales else {
+            bail!("the grouped FP8 MoE GEMMs need FP8 routed experts")
+        };
         let s = &self.s;
         let nk = n * k;
         let (go, to, rt) = (at(self, &s.group_offsets, 0), at(self, &s.tile_offsets, 0), at(self, &s.row_token, 0));
@@ -932,7 +941,7 @@ impl CudaBackend {
             a_scale: x.1 as _,
             a_rows: rt as _,
             w: at(self, &ex.gu, 0) as _,
-            w_scale: at(self, &ex.gus, 0) as _,
+            w_scale: at(self, gus, 0) as _,
             y: gu as _,
             group_offsets: go as _,
             tile_offsets: to as _,
@@ -950,7 +959,7 @@ impl CudaBackend {
             a_scale: asc as _,
             a_rows: std::ptr::null(),
             w: at(self, &ex.dn, 0) as _,
-            w_scale: at(self, &ex.dns, 0) as _,
+            w_scale: at(self, dns, 0) as _,
             y: ys as _,
             group_offsets: go as _,
             tile_offsets: to as _,
@@ -1047,14 +1056,16 @@ impl CudaBackend {
         let (Some(sgu), Some(sdn)) = (sgu.fp4, sdn.fp4) else {
             bail!("the CUDA MoE needs an NVFP4 shared expert beside NVFP4 routed experts")
         };
-        let Some((gu_ws, dn_ws)) = &w.experts.fp4 else { bail!("NVFP4 experts loaded without their scales") };
+        let ExpertScales::Nvfp4 { gus, dns, gut, dnt } = &w.experts.scales else {
+            bail!("NVFP4 experts loaded without their group scales")
+        };
         ensure!(
             w.shared_expert_gate.dev.is_none() && w.gate.dev("mlp.gate")?.out_features == e + 1,
             "mlp.gate must hold the router and shared_expert_gate rows as one [E + 1, H] matrix"
         );
         let ex = &w.experts;
-        let gu = Fp4W { w: at(self, &ex.gu, 0), ws: at(self, gu_ws, 0), tab: at(self, &ex.gus, 0), tab_rows: inter };
-        let dn = Fp4W { w: at(self, &ex.dn, 0), ws: at(self, dn_ws, 0), tab: at(self, &ex.dns, 0), tab_rows: hs };
+        let gu = Fp4W { w: at(self, &ex.gu, 0), ws: at(self, gus, 0), tab: at(self, gut, 0), tab_rows: inter };
+        let dn = Fp4W { w: at(self, &ex.dn, 0), ws: at(self, dns, 0), tab: at(self, dnt, 0), tab_rows: hs };
         let slots = k + 1;
         let rw = self.sz.rlog_w;
         let s = &self.s;
@@ -1450,6 +1461,9 @@ impl Backend for CudaBackend {
             (Some(a), Some(b)) => (a, b),
             _ => bail!("the CUDA MoE kernel needs an FP8 shared expert"),
         };
+        let ExpertScales::Fp8 { gus, dns } = &w.experts.scales else {
+            bail!("the CUDA MoE kernel needs FP8 routed experts here")
+        };
         ensure!(
             w.shared_expert_gate.dev.is_none() && w.gate.dev("mlp.gate")?.out_features == e + 1,
             "mlp.gate must hold the router and shared_expert_gate rows as one [E + 1, H] matrix"
@@ -1488,7 +1502,7 @@ impl Backend for CudaBackend {
                 xs: xs as _,
                 idx: at(self, &s.idx, 0) as _,
                 w: at(self, &w.experts.gu, 0) as _,
-                ws: at(self, &w.experts.gus, 0) as _,
+                ws: at(self, gus, 0) as _,
                 shared_w: at(self, &sgu.w, 0) as _,
                 shared_ws: at(self, sgu_s, 0) as _,
                 y: at(self, &s.gu, 0) as _,
@@ -1524,7 +1538,7 @@ impl Backend for CudaBackend {
                     xq: at(self, &s.aq, 0) as _,
                     xs: at(self, &s.asc, 0) as _,
                     w: at(self, &w.experts.dn, 0) as _,
-                    ws: at(self, &w.experts.dns, 0) as _,
+                    ws: at(self, dns, 0) as _,
                     shared_w: at(self, &sdn.w, 0) as _,
                     shared_ws: at(self, sdn_s, 0) as _,
                     y: at(self, &s.ys, 0) as _,

@@ -270,8 +270,8 @@ pub enum DeviceForm {
     AsStored,
     /// An FP8 weight's per-channel `*_scale`: f32 only (4 bytes per element).
     ScaleF32,
-    /// An NVFP4 weight's `weight_global_scale`: the 256-entry f32 table of group scales it
-    /// defines (`model_spec::nvfp4::scale_table`, 1 KiB per element).
+    /// An NVFP4 weight's `weight_global_scale`: the dequantisation table it defines, 256
+    /// entries of 16 bytes (`cuda::nvfp4::fp4_table`, 4 KiB per element).
     ScaleTable,
     /// A vector (1-D, or a `[C, 1, k]` conv kernel): bf16 and f32 both (6 bytes per element).
     Vector,

@@ -2,8 +2,9 @@
 //! `gemv_nvfp4_wide`, `moe_gemv_nvfp4`, `moe_gemv_nvfp4_grouped`), the prefill GEMMs (gemm.cu:
 //! `gemm_nvfp4`, `gemm_nvfp4_grouped`) and the dequantiser (nvfp4.cu, which tests the register
 //! dequantisation all of them share bit for bit). A weight is compressed-tensors' `weight_packed`
-//! U8 `[out, in/2]`, `weight_scale` E4M3 `[out, in/16]` and, per global scale, the f32 table
-//! [`model_spec::nvfp4::scale_table`] (`ornith_kernels.h` states the math).
+//! U8 `[out, in/2]` (uploaded in the kernels' order, [`fp4_device_codes`]), `weight_scale` E4M3
+//! `[out, in/16]` and, per global scale, the dequantisation table [`fp4_table`]
+//! (`ornith_kernels.h` states the math).
 //!
 //! One launcher per kernel (see [`super`]), then the slice-based wrappers the kernel tests call.
 use super::gemm::{gemm_rows, gemm_smem, GEMM_GROUPED_ROWS, GEMM_TILE};
@@ -15,8 +16,52 @@ use ornith_kernels::bindings::*;
 
 type Bf = CudaSlice<u16>;
 
-/// Bytes of one scale table (256 f32).
-pub const TAB_BYTES: usize = 256 * 4;
+/// Bytes of one dequantisation table: 256 entries (`OrnithFp4Entry`) of 16 bytes.
+pub const TAB_BYTES: usize = 256 * 16;
+
+/// The dequantisation table of one global scale (`OrnithFp4Entry[256]`, little-endian words):
+/// entry `b` holds the 8 magnitudes `v_m = model_spec::nvfp4::dequant(m, s_b)`, `m = 0..7`, of
+/// the group scale `s_b = model_spec::nvfp4::scale_table(global_scale)[b]`, as the words
+/// `lo(v0..v3), lo(v4..v7), hi(v0..v3), hi(v4..v7)` (byte `j` of a word the low or high byte of
+/// its `j`-th value), so the kernels look a magnitude up with one byte permute
+/// (`kernels/cuda/fp4.cuh`) and never multiply or round.
+pub fn fp4_table(global_scale: f32) -> Vec<u8> {
+    let mut t = Vec::with_capacity(TAB_BYTES);
+    for s in model_spec::nvfp4::scale_table(global_scale) {
+        let v: [u16; 8] = std::array::from_fn(|m| model_spec::nvfp4::dequant(m as u8, s).to_bits());
+        for (vals, shift) in [(&v[..4], 0), (&v[4..], 0), (&v[..4], 8), (&v[4..], 8)] {
+            t.extend(vals.iter().map(|&x| (x >> shift) as u8));
+        }
+    }
+    t
+}
+
+/// One u32 word of codes (little endian: nibble `n` the code of the word's column `n`, bit
+/// `4n + 3` its sign) in the order `fp4_word` (`kernels/cuda/fp4.cuh`) reads: nibble `n` keeps
+/// the magnitude (bits `4n .. 4n + 2`) and the signs move to the bits the kernel XORs into the
+/// high bytes it looks up: column `j < 4`'s to bit `8j + 7`, column `4 + j`'s to bit `8j + 3`.
+pub fn fp4_device_word(w: u32) -> u32 {
+    // spread(x): bit i of a 16-bit x to bit 2i. The signs of columns 0..3 (bits 4j + 3) go to
+    // 8j + 7 = 2(4j + 3) + 1, those of columns 4..7 (bits 16 + 4j + 3) to 8j + 3 = 2(4j + 3) - 3.
+    fn spread(x: u32) -> u32 {
+        let x = (x | (x << 8)) & 0x00ff_00ff;
+        let x = (x | (x << 4)) & 0x0f0f_0f0f;
+        let x = (x | (x << 2)) & 0x3333_3333;
+        (x | (x << 1)) & 0x5555_5555
+    }
+    let s = w & 0x8888_8888;
+    (w & 0x7777_7777) | (spread(s & 0xffff) << 1) | (spread(s >> 16) >> 3)
+}
+
+/// A matrix's code bytes (`weight_packed`, rows of a multiple of 4 bytes) in the kernels' order
+/// ([`fp4_device_word`] on every u32).
+pub fn fp4_device_codes(codes: &[u8]) -> Vec<u8> {
+    assert!(codes.len().is_multiple_of(4), "NVFP4 codes of {} bytes are not whole u32 words", codes.len());
+    codes
+        .chunks_exact(4)
+        .flat_map(|c| fp4_device_word(u32::from_le_bytes([c[0], c[1], c[2], c[3]])).to_le_bytes())
+        .collect()
+}
 
 /// Device addresses of an NVFP4 matrix `[out, in]` (or of `groups` of them one after the other):
 /// codes, scale bytes, and its scale tables, table `k` serving rows `k · tab_rows ..`.
@@ -43,7 +88,7 @@ fn fp4_checks(w: &Fp4W, in_: usize, out: usize) -> Result<()> {
         "nvfp4: {} rows per scale table for {out} rows (a multiple of 16 dividing out, or all rows)",
         w.tab_rows
     );
-    ensure!(aligned(w.w, 16) && aligned(w.ws, 2) && aligned(w.tab, 4), "nvfp4: codes, scales and tables misaligned");
+    ensure!(aligned(w.w, 16) && aligned(w.ws, 2) && aligned(w.tab, 16), "nvfp4: codes, scales and tables misaligned");
     i32of("nvfp4 out", out)?;
     i32of("nvfp4 in", in_)?;
     Ok(())
@@ -276,7 +321,7 @@ impl CudaContext {
 pub struct Fp4Buf {
     pub w: CudaSlice<u8>,
     pub ws: CudaSlice<u8>,
-    pub tab: CudaSlice<f32>,
+    pub tab: CudaSlice<u8>,
     pub tab_rows: usize,
 }
 
@@ -303,7 +348,7 @@ impl CudaContext {
     fn fp4_buf(&self, what: &str, b: &Fp4Buf, groups: usize, in_: usize, out: usize) -> Result<Fp4W> {
         need(&format!("{what} codes"), &b.w, groups * out * in_ / 2)?;
         need(&format!("{what} scales"), &b.ws, groups * out * in_ / 16)?;
-        need(&format!("{what} tables"), &b.tab, groups * out.div_ceil(b.tab_rows.max(1)) * 256)?;
+        need(&format!("{what} tables"), &b.tab, groups * out.div_ceil(b.tab_rows.max(1)) * TAB_BYTES)?;
         Ok(Fp4W { w: self.addr(&b.w), ws: self.addr(&b.ws), tab: self.addr(&b.tab), tab_rows: b.tab_rows })
     }
 
@@ -396,5 +441,77 @@ impl CudaContext {
         let [ri, ra] = g.lists(self, "moe_gemv_nvfp4_grouped", a.experts, a.tokens * a.top_k)?;
         (p.row_info, p.row_assign) = (ri as _, ra as _);
         self.k_moe_gemv_nvfp4(p, true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{fp4_device_codes, fp4_device_word, fp4_table, TAB_BYTES};
+    use half::bf16;
+    use model_spec::nvfp4::{dequant, scale_table};
+
+    /// prmt.b32 (`__byte_perm`) for selector nibbles below 8: byte k of the result is byte
+    /// `nibble k` of the 8 bytes {a, b}.
+    fn byte_perm(a: u32, b: u32, sel: u32) -> u32 {
+        let src = (u64::from(b) << 32) | u64::from(a);
+        (0..4).fold(0, |r, k| r | ((((src >> (8 * ((sel >> (4 * k)) & 7))) & 0xff) as u32) << (8 * k)))
+    }
+
+    /// `fp4_word` (kernels/cuda/fp4.cuh) step by step on the CPU: the 8 bf16 values of a device
+    /// word under one table entry.
+    fn fp4_word(w: u32, e: [u32; 4]) -> [u16; 8] {
+        let m = w & 0x7777_7777;
+        let (lo_a, lo_b) = (byte_perm(e[0], e[1], m), byte_perm(e[0], e[1], m >> 16));
+        let hi_a = byte_perm(e[2], e[3], m) ^ (w & 0x8080_8080);
+        let hi_b = byte_perm(e[2], e[3], m >> 16) ^ ((w << 4) & 0x8080_8080);
+        let r = [
+            byte_perm(lo_a, hi_a, 0x5140),
+            byte_perm(lo_a, hi_a, 0x7362),
+            byte_perm(lo_b, hi_b, 0x5140),
+            byte_perm(lo_b, hi_b, 0x7362),
+        ];
+        std::array::from_fn(|n| (r[n / 2] >> (16 * (n % 2))) as u16)
+    }
+
+    fn entry(t: &[u8], b: usize) -> [u32; 4] {
+        std::array::from_fn(|k| u32::from_le_bytes(t[16 * b + 4 * k..16 * b + 4 * k + 4].try_into().unwrap()))
+    }
+
+    #[test]
+    fn device_word_moves_only_the_signs() {
+        for n in 0..8 {
+            for c in 0..16u32 {
+                let d = fp4_device_word(c << (4 * n));
+                let sign_bit = if n < 4 { 8 * n + 7 } else { 8 * (n - 4) + 3 };
+                let want = ((c & 7) << (4 * n)) | (((c >> 3) & 1) << sign_bit);
+                assert_eq!(d, want, "column {n} code {c:#x}");
+            }
+        }
+        assert_eq!(fp4_device_codes(&[0x98, 0xba, 0xdc, 0xfe]), fp4_device_word(0xfedc_ba98).to_le_bytes());
+    }
+
+    /// The table and the kernel's lookup give compressed-tensors' weight (`dequant`) for every
+    /// code in every column under every scale byte, at several global scales: bit for bit, NaN
+    /// scale bytes giving NaN.
+    #[test]
+    fn table_lookup_matches_dequant() {
+        for gs in [1.0f32, 448.0 * 6.0 / 0.37, 3.7e-3, 2.5e7] {
+            let t = fp4_table(gs);
+            assert_eq!(t.len(), TAB_BYTES);
+            let scales = scale_table(gs);
+            for (b, &s) in scales.iter().enumerate() {
+                for w in [0x7654_3210u32, 0xfedc_ba98, 0x1f2e_3d4c, 0x8a9b_f0e7] {
+                    let got = fp4_word(fp4_device_word(w), entry(&t, b));
+                    for (n, &g) in got.iter().enumerate() {
+                        let want = dequant(((w >> (4 * n)) & 15) as u8, s);
+                        let g = bf16::from_bits(g);
+                        assert!(
+                            g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                            "gs {gs} byte {b} column {n}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -73,9 +73,9 @@ impl Fp4Host {
     }
 
     fn upload(&self, c: &CudaContext) -> Fp4Buf {
-        let tab: Vec<f32> = self.gs.iter().flat_map(|&g| model_spec::nvfp4::scale_table(g)).collect();
+        let tab: Vec<u8> = self.gs.iter().flat_map(|&g| super::nvfp4::fp4_table(g)).collect();
         Fp4Buf {
-            w: c.upload(&self.w).unwrap(),
+            w: c.upload(&super::nvfp4::fp4_device_codes(&self.w)).unwrap(),
             ws: c.upload(&self.ws).unwrap(),
             tab: c.upload(&tab).unwrap(),
             tab_rows: self.tab_rows,
