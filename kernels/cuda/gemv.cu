@@ -901,7 +901,8 @@ __device__ __forceinline__ void tc_tile_fp4_prologue(const uint8_t *w, const uin
 }
 
 // 64-byte code steps per round of the NVFP4 tile (each dequantises to 256 bytes of bf16 per row):
-// 2 in the narrow and MoE builds, 1 in the wide build (its accumulators take the registers). The
+// 2 in the narrow and per-slot MoE builds, 1 in the wide build (its accumulators take the
+// registers) and in the grouped MoE build (FP4_GROUPED_BLOCKS). The
 // dependent chain codes -> scale -> table entry -> mma is latency: one step at a time left these
 // kernels at 60-700 GB/s (H200, first run). The narrow and MoE builds run FP4_BLOCKS blocks per SM
 // (<= 80 registers, no spills with U 2; ptxas sm_90 and sm_121): with 2 (U 4, 128 registers) a
@@ -1185,7 +1186,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
 // Both give the same bits for a (token, slot, row).
 // =============================================================================================
 
-template <int NT>
+template <int NT, int U = fp4_u(NT)>
 __device__ __forceinline__ void moe_fp4_pass(const OrnithMoeGemvNvfp4Params &p, const uint8_t *wb, const uint8_t *sb,
                                              const OrnithFp4Entry *tb, const MoeCols &cols, int n0, const TcPlace &pl, float *red) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, slots = p.top_k + 1;
@@ -1204,7 +1205,7 @@ __device__ __forceinline__ void moe_fp4_pass(const OrnithMoeGemvNvfp4Params &p, 
         for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
     const int nrows = max(1, min(16, p.out - pl.row0));
     if (pl.row0 < p.out)
-        tc_tile_fp4<NT, fp4_u(NT)>(wb + (size_t)pl.row0 * row_bytes, sb + (size_t)pl.row0 * (row_bytes / 8),
+        tc_tile_fp4<NT, U>(wb + (size_t)pl.row0 * row_bytes, sb + (size_t)pl.row0 * (row_bytes / 8),
                                fp4_tab(tb, pl.row0, p.tab_rows), row_bytes, nrows, reinterpret_cast<const uint8_t *>(p.x),
                                xoff, pl.k0, pl.k1, acc);
     pdl_wait();
@@ -1226,10 +1227,11 @@ __device__ __forceinline__ void moe_fp4_pass(const OrnithMoeGemvNvfp4Params &p, 
         }
 }
 
+template <int U = fp4_u(TC_NARROW)>
 __device__ __forceinline__ void moe_fp4(const OrnithMoeGemvNvfp4Params &p, const uint8_t *wb, const uint8_t *sb, const OrnithFp4Entry *tb,
                                         const MoeCols &cols, const TcPlace &pl) {
     __shared__ float red[TC_WARPS * 4 * 32];
-    for (int n0 = 0; n0 < cols.n; n0 += 8 * TC_NARROW) moe_fp4_pass<TC_NARROW>(p, wb, sb, tb, cols, n0, pl, red);
+    for (int n0 = 0; n0 < cols.n; n0 += 8 * TC_NARROW) moe_fp4_pass<TC_NARROW, U>(p, wb, sb, tb, cols, n0, pl, red);
 }
 
 // The routed expert e's codes, scales and tables (an index the router never writes is clamped).
@@ -1322,12 +1324,19 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
     moe_combine_epilogue(p.combine, p.ticket, t, pl.ks);
 }
 
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv_nvfp4_grouped(const OrnithMoeGemvNvfp4Params p) {
+// The grouped form takes one 64-byte step per round at FP4_GROUPED_BLOCKS blocks per SM (64
+// registers; ptxas spills 4 bytes on sm_90, 16 on sm_121) where the per-slot forms take 2 at
+// FP4_BLOCKS: its grid is thousands of blocks, so more resident warps hide more of the
+// dequantisation chain than a second step in flight per warp does (H200, 32 sequences: 7,191 against 7,543 us of grouped
+// products per step; 8 sequences 2,642 against 2,694). The per-slot grids at one token (288
+// blocks) are resident either way. The same rounds in the same order: the same bits.
+#define FP4_GROUPED_BLOCKS 4
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_GROUPED_BLOCKS) moe_gemv_nvfp4_grouped(const OrnithMoeGemvNvfp4Params p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
     const int sy = moe_shared_row(p.tokens);
     if (sy >= 0) {  // the shared expert, tokens 8 sy .. (as moe_gemv_grouped)
-        moe_fp4(p, p.shared_w, p.shared_ws, p.shared_tab, MoeCols{nullptr, p.top_k, min(8, p.tokens - 8 * sy), 8 * sy, p.top_k}, pl);
+        moe_fp4<1>(p, p.shared_w, p.shared_ws, p.shared_tab, MoeCols{nullptr, p.top_k, min(8, p.tokens - 8 * sy), 8 * sy, p.top_k}, pl);
         return;
     }
     pdl_wait();  // row_info and row_assign are moe_sort's output
@@ -1337,5 +1346,5 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
     const uint8_t *wb, *sb;
     const OrnithFp4Entry *tb;
     moe_fp4_expert(p, e, wb, sb, tb);
-    moe_fp4(p, wb, sb, tb, MoeCols{p.row_assign + a0, p.top_k, count, 0, 0}, pl);
+    moe_fp4<1>(p, wb, sb, tb, MoeCols{p.row_assign + a0, p.top_k, count, 0, 0}, pl);
 }

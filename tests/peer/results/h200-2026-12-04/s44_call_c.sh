@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Session 22, call C (8512d3f + the table prefetch + the experimental grouped U1 kernel): every
+# NVFP4 kernel test, the shallow NVFP4A16 model checks, the full NVFP4A16 preset at 2K (1, 8, 32
+# sequences; 8 and 32 again with ORNITH_X_U1), and the FP8 full preset beside it (same run).
+set -uo pipefail
+. tests/gpu/lib.sh
+unpack_builds s22c
+t0=$SECONDS
+timeout 200 "$G/kernels" --ignored --test-threads=1 --nocapture nvfp4 > "$OUT/kernels.log" 2>&1; rc=$?
+echo "kernels rc=$rc $((SECONDS - t0))s"
+grep -E "panicked|test result|^test " "$OUT/kernels.log" | cut -c1-200
+grep -E "^\| (gemv|moe|gemm)_nvfp4" "$OUT/kernels.log" | head -12
+t0=$SECONDS
+"$G/xtask" synth --preset shallow --quant nvfp4a16 --out "$C/shallow-nvfp4" > "$OUT/synth_shallow.log" 2>&1; echo "synth shallow nvfp4 rc=$? $((SECONDS - t0))s"
+ORNITH_TEST_MODEL=$C/shallow-nvfp4 timeout 150 "$G/test_shallow_nvfp4" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu batch_invariance > "$OUT/test_shallow.log" 2>&1
+echo "test_shallow_nvfp4 rc=$? $((SECONDS - t0))s"
+grep -E "CPU chunked|decode graph|panicked|test result" "$OUT/test_shallow.log" | cut -c1-200 | head -12
+rm -rf "$C/shallow-nvfp4"
+t0=$SECONDS
+"$G/xtask" synth --preset full --quant nvfp4a16 --out "$C/full-nvfp4" > "$OUT/synth_nvfp4.log" 2>&1; echo "synth full nvfp4 rc=$? $((SECONDS - t0))s"; t0=$SECONDS
+timeout 120 "$G/bench_full_nvfp4" --model "$C/full-nvfp4" --prompts 2048 --gen 64 --budget-s 90 --batch 1,8,32 > "$OUT/bench_nvfp4.json" 2> "$OUT/bench_nvfp4.err"
+echo "bench nvfp4 rc=$? $((SECONDS - t0))s"
+ORNITH_X_U1=1 timeout 100 "$G/bench_full_nvfp4" --model "$C/full-nvfp4" --prompts --gen 64 --budget-s 60 --batch 8,32 > "$OUT/bench_nvfp4_u1.json" 2> "$OUT/bench_nvfp4_u1.err"
+echo "bench nvfp4 u1 rc=$? $((SECONDS - t0))s"
+rm -rf "$C/full-nvfp4"
+synth_full || exit 1
+t0=$SECONDS
+timeout 120 "$G/bench_full" --model "$C/full" --prompts 2048 --gen 64 --budget-s 90 --batch 1,8,32 > "$OUT/bench_fp8.json" 2> "$OUT/bench_fp8.err"
+echo "bench fp8 rc=$? $((SECONDS - t0))s"
+python3 - "$OUT" <<'PY'
+import json, sys
+for name in ("nvfp4", "nvfp4_u1", "fp8"):
+    try: d = json.load(open(f"{sys.argv[1]}/bench_{name}.json"))
+    except Exception as e: print(name, "no json", e); continue
+    for br in d["batch_runs"]:
+        ab = {x["kernel"]: x["in_graph_us"] for x in br.get("decode_graph_ablation") or []}
+        keys = [k for k in ab if k.startswith(("moe", "swiglu", "gemv_nvfp4"))]
+        print(name, br["batch"], "%.1f / %.1f" % (br["decode_tok_s"], br["decode_default_sampling_tok_s"]), "step %.3f ms" % br["decode_step_ms"], "prefill %.3f s" % br["prefill_s"],
+              " ".join("%s=%.0f" % (k, ab[k]) for k in keys))
+    for r in d.get("runs") or []:
+        print(name, "run", {k: round(r[k], 3) for k in r if k in ("prompt_tokens", "decode_tok_s", "decode_default_sampling_tok_s", "prefill_tok_s", "ttft_s")})
+PY
