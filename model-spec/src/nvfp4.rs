@@ -31,8 +31,9 @@ pub fn group_scale(scale: u8, global_scale: f32) -> f32 {
 }
 
 /// The group scale of every E4M3 scale byte under one global scale: `table[b] =
-/// group_scale(b, global_scale)`. The CUDA kernels look a group's scale up here (one f32 division
-/// per byte, done once at load) instead of dividing per group.
+/// group_scale(b, global_scale)` (one f32 division per byte, done once at load): the CUDA
+/// backend's dequantisation tables (`cuda::nvfp4::fp4_table` in ornith-runtime) are built from it
+/// and [`dequant`], so the kernels never divide or round.
 pub fn scale_table(global_scale: f32) -> [f32; 256] {
     std::array::from_fn(|b| group_scale(b as u8, global_scale))
 }
