@@ -804,15 +804,15 @@ template <int TC_U> __device__ __forceinline__ void fp4_next(Fp4Lane &l) {
 }
 
 // One round of a lane's NVFP4 loads: codes and scale byte pairs of its steps u < TC_U; zeros for
-// a step past the slice (FULL: the whole round is inside it for every lane, no tests).
-template <int TC_U, bool FULL>
+// a step past the slice.
+template <int TC_U>
 __device__ __forceinline__ void fp4_load(const uint8_t *w, const uint8_t *ws, const Fp4Lane &l, uint4 (&wa)[TC_U], uint4 (&wb)[TC_U],
                                          uint32_t (&sa)[TC_U], uint32_t (&sb)[TC_U]) {
     const uint4 *ca = reinterpret_cast<const uint4 *>(w + l.oa), *cb = reinterpret_cast<const uint4 *>(w + l.ob);
     const uint16_t *pa = reinterpret_cast<const uint16_t *>(ws + (l.oa >> 3)), *pb = reinterpret_cast<const uint16_t *>(ws + (l.ob >> 3));
 #pragma unroll
     for (int u = 0; u < TC_U; u++) {
-        const bool ok = FULL || 64 * u < l.rem;
+        const bool ok = 64 * u < l.rem;
         wa[u] = ok ? __ldg(ca + 4 * u) : make_uint4(0, 0, 0, 0);
         wb[u] = ok ? __ldg(cb + 4 * u) : make_uint4(0, 0, 0, 0);
         sa[u] = ok ? __ldg(pa + 4 * u) : 0u;
@@ -822,15 +822,15 @@ __device__ __forceinline__ void fp4_load(const uint8_t *w, const uint8_t *ws, co
 
 // The dequantisation and mma of one NVFP4 round (token j's activations at x + xoff[j] + l.xk; a step
 // past the slice reads zeros: its weights are zero, but the row past it need not be finite).
-template <int NT, int TC_U, bool FULL>
+template <int NT, int TC_U>
 __device__ __forceinline__ void fp4_mma(const OrnithFp4Entry *tab, const Fp4Lane &l, const uint8_t *x, const uint32_t (&xoff)[NT],
                                         const uint4 (&wa)[TC_U], const uint4 (&wb)[TC_U], const uint32_t (&sa)[TC_U],
                                         const uint32_t (&sb)[TC_U], float (&acc)[NT][4]) {
     const uint4 z = make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int u = 0; u < TC_U; u++) {
-        if (!FULL && 64 * u >= l.rem + 16 * (threadIdx.x & 3)) break;  // warp-uniform: the step is past k1
-        const bool ok = FULL || 64 * u < l.rem;
+        if (64 * u >= l.rem + 16 * (threadIdx.x & 3)) break;  // warp-uniform: the step is past k1
+        const bool ok = 64 * u < l.rem;
         const uint32_t ca[4] = {wa[u].x, wa[u].y, wa[u].z, wa[u].w}, cb[4] = {wb[u].x, wb[u].y, wb[u].z, wb[u].w};
 #pragma unroll
         for (int h = 0; h < 2; h++) {  // the lane's two groups of this step
@@ -855,25 +855,24 @@ __device__ __forceinline__ void fp4_mma(const OrnithFp4Entry *tab, const Fp4Lane
 }
 
 // One round: loads, then (first: after the PDL wait, weights first as tc_tile) the mma.
-template <int NT, int TC_U, bool FULL>
+template <int NT, int TC_U>
 __device__ __forceinline__ void fp4_round(const uint8_t *w, const uint8_t *ws, const OrnithFp4Entry *tab, const Fp4Lane &l,
                                           const uint8_t *x, const uint32_t (&xoff)[NT], bool first, float (&acc)[NT][4]) {
     uint4 wa[TC_U], wb[TC_U];
     uint32_t sa[TC_U], sb[TC_U];
-    fp4_load<TC_U, FULL>(w, ws, l, wa, wb, sa, sb);
+    fp4_load<TC_U>(w, ws, l, wa, wb, sa, sb);
     if (first) pdl_wait();
-    fp4_mma<NT, TC_U, FULL>(tab, l, x, xoff, wa, wb, sa, sb, acc);
+    fp4_mma<NT, TC_U>(tab, l, x, xoff, wa, wb, sa, sb, acc);
 }
 
 // acc[j] += dequantised rows (codes w, scale bytes ws: 16 rows, the first nrows real; tab the
-// rows' dequantisation table) · tokens of N tile j over code bytes [k0, k1) of each row. A round
-// wholly inside the slice (kb + 64 TC_U <= k1) takes the path without bounds tests.
+// rows' dequantisation table) · tokens of N tile j over code bytes [k0, k1) of each row.
 template <int NT, int TC_U>
 __device__ __forceinline__ void tc_tile_fp4(const uint8_t *w, const uint8_t *ws, const OrnithFp4Entry *tab, size_t row_bytes, int nrows,
                                             const uint8_t *x, const uint32_t (&xoff)[NT], int k0, int k1, float (&acc)[NT][4]) {
     Fp4Lane l = fp4_lane(row_bytes, nrows, k0, k1);
     for (int kb = k0; kb < k1; kb += 64 * TC_U, fp4_next<TC_U>(l)) {
-        fp4_round<NT, TC_U, false>(w, ws, tab, l, x, xoff, kb == k0, acc);
+        fp4_round<NT, TC_U>(w, ws, tab, l, x, xoff, kb == k0, acc);
     }
 }
 
@@ -888,15 +887,15 @@ __device__ __forceinline__ void tc_tile_fp4_prologue(const uint8_t *w, const uin
     Fp4Lane l = fp4_lane(row_bytes, nrows, k0, k1);
     uint4 wa[TC_U], wb[TC_U];
     uint32_t sa[TC_U], sb[TC_U];
-    if (has) fp4_load<TC_U, false>(w, ws, l, wa, wb, sa, sb);
+    if (has) fp4_load<TC_U>(w, ws, l, wa, wb, sa, sb);
     pdl_wait();
     prologue();
     if (!has) return;
     const uint32_t xoff[1] = {0};
-    fp4_mma<1, TC_U, false>(tab, l, x, xoff, wa, wb, sa, sb, acc);
+    fp4_mma<1, TC_U>(tab, l, x, xoff, wa, wb, sa, sb, acc);
     fp4_next<TC_U>(l);
     for (int kb = k0 + 64 * TC_U; kb < k1; kb += 64 * TC_U, fp4_next<TC_U>(l)) {
-        fp4_round<1, TC_U, false>(w, ws, tab, l, x, xoff, false, acc);
+        fp4_round<1, TC_U>(w, ws, tab, l, x, xoff, false, acc);
     }
 }
 
@@ -1327,8 +1326,8 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
 // The grouped form takes one 64-byte step per round at FP4_GROUPED_BLOCKS blocks per SM (64
 // registers; ptxas spills 4 bytes on sm_90, 16 on sm_121) where the per-slot forms take 2 at
 // FP4_BLOCKS: its grid is thousands of blocks, so more resident warps hide more of the
-// dequantisation chain than a second step in flight per warp does (H200, 32 sequences: 7,191 against 7,543 us of grouped
-// products per step; 8 sequences 2,642 against 2,694). The per-slot grids at one token (288
+// dequantisation chain than a second step in flight per warp does (H200, 32 sequences: 7,191
+// against 7,543 us of grouped products per step; 8 sequences 2,642 against 2,694). The per-slot grids at one token (288
 // blocks) are resident either way. The same rounds in the same order: the same bits.
 #define FP4_GROUPED_BLOCKS 4
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_GROUPED_BLOCKS) moe_gemv_nvfp4_grouped(const OrnithMoeGemvNvfp4Params p) {

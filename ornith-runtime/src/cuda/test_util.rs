@@ -97,18 +97,18 @@ pub(super) fn unpage(paged: &[u16], row: usize, table: &[i32], len: usize) -> Ve
         .collect()
 }
 
-/// The per-slot down products' combine epilogue (`moe_gemv_fp8_swiglu`, `moe_gemv_nvfp4_swiglu`
-/// with `combine` set) against `moe_combine` after the product: `want_y` is the product's output
-/// without the epilogue, `got_y` the buffer `launch` has the product write (the epilogue's `ys`).
-/// Random routing weights (bf16 values, as the router writes them), gate logits at stride 3, a
-/// pending delta and a residual fold; the combined rows and the folded residual must be the
-/// same bits, on two launches in a row (the counters are zero again after each).
 /// `n` random bf16 bit patterns, uniform in (-scale, scale) before rounding.
 pub(super) fn bfv(r: &mut R, n: usize, scale: f32) -> Vec<u16> {
     use rand::Rng;
     (0..n).map(|_| half::bf16::from_f32(r.random_range(-1.0f32..1.0) * scale).to_bits()).collect()
 }
 
+/// The per-slot down products' combine epilogue (`moe_gemv_fp8_swiglu`, `moe_gemv_nvfp4_swiglu`
+/// with `combine` set) against `moe_combine` after the product: `want_y` is the product's output
+/// without the epilogue, `got_y` the buffer `launch` has the product write (the epilogue's `ys`).
+/// Random routing weights (bf16 values, as the router writes them), gate logits at stride 3, a
+/// pending delta and a residual fold; the combined rows and the folded residual must be the
+/// same bits, on two launches in a row (the counters are zero again after each).
 pub(super) fn check_combine_epilogue(
     c: &CudaContext,
     r: &mut R,
