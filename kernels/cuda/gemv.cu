@@ -805,14 +805,14 @@ template <int TC_U> __device__ __forceinline__ void fp4_next(Fp4Lane &l) {
 
 // One round of a lane's NVFP4 loads: codes and scale byte pairs of its steps u < TC_U; zeros for
 // a step past the slice.
-template <int TC_U>
+template <int TC_U, bool FULL = false>
 __device__ __forceinline__ void fp4_load(const uint8_t *w, const uint8_t *ws, const Fp4Lane &l, uint4 (&wa)[TC_U], uint4 (&wb)[TC_U],
                                          uint32_t (&sa)[TC_U], uint32_t (&sb)[TC_U]) {
     const uint4 *ca = reinterpret_cast<const uint4 *>(w + l.oa), *cb = reinterpret_cast<const uint4 *>(w + l.ob);
     const uint16_t *pa = reinterpret_cast<const uint16_t *>(ws + (l.oa >> 3)), *pb = reinterpret_cast<const uint16_t *>(ws + (l.ob >> 3));
 #pragma unroll
     for (int u = 0; u < TC_U; u++) {
-        const bool ok = 64 * u < l.rem;
+        const bool ok = FULL || 64 * u < l.rem;
         wa[u] = ok ? __ldg(ca + 4 * u) : make_uint4(0, 0, 0, 0);
         wb[u] = ok ? __ldg(cb + 4 * u) : make_uint4(0, 0, 0, 0);
         sa[u] = ok ? __ldg(pa + 4 * u) : 0u;
@@ -822,15 +822,15 @@ __device__ __forceinline__ void fp4_load(const uint8_t *w, const uint8_t *ws, co
 
 // The dequantisation and mma of one NVFP4 round (token j's activations at x + xoff[j] + l.xk; a step
 // past the slice reads zeros: its weights are zero, but the row past it need not be finite).
-template <int NT, int TC_U>
+template <int NT, int TC_U, bool FULL = false>
 __device__ __forceinline__ void fp4_mma(const OrnithFp4Entry *tab, const Fp4Lane &l, const uint8_t *x, const uint32_t (&xoff)[NT],
                                         const uint4 (&wa)[TC_U], const uint4 (&wb)[TC_U], const uint32_t (&sa)[TC_U],
                                         const uint32_t (&sb)[TC_U], float (&acc)[NT][4]) {
     const uint4 z = make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int u = 0; u < TC_U; u++) {
-        if (64 * u >= l.rem + 16 * (threadIdx.x & 3)) break;  // warp-uniform: the step is past k1
-        const bool ok = 64 * u < l.rem;
+        if (!FULL && 64 * u >= l.rem + 16 * (threadIdx.x & 3)) break;  // warp-uniform: the step is past k1
+        const bool ok = FULL || 64 * u < l.rem;
         const uint32_t ca[4] = {wa[u].x, wa[u].y, wa[u].z, wa[u].w}, cb[4] = {wb[u].x, wb[u].y, wb[u].z, wb[u].w};
 #pragma unroll
         for (int h = 0; h < 2; h++) {  // the lane's two groups of this step
@@ -855,23 +855,31 @@ __device__ __forceinline__ void fp4_mma(const OrnithFp4Entry *tab, const Fp4Lane
 }
 
 // One round: loads, then (first: after the PDL wait, weights first as tc_tile) the mma.
-template <int NT, int TC_U>
+template <int NT, int TC_U, bool FULL = false>
 __device__ __forceinline__ void fp4_round(const uint8_t *w, const uint8_t *ws, const OrnithFp4Entry *tab, const Fp4Lane &l,
                                           const uint8_t *x, const uint32_t (&xoff)[NT], bool first, float (&acc)[NT][4]) {
     uint4 wa[TC_U], wb[TC_U];
     uint32_t sa[TC_U], sb[TC_U];
-    fp4_load<TC_U>(w, ws, l, wa, wb, sa, sb);
+    fp4_load<TC_U, FULL>(w, ws, l, wa, wb, sa, sb);
     if (first) pdl_wait();
-    fp4_mma<NT, TC_U>(tab, l, x, xoff, wa, wb, sa, sb, acc);
+    fp4_mma<NT, TC_U, FULL>(tab, l, x, xoff, wa, wb, sa, sb, acc);
 }
 
 // acc[j] += dequantised rows (codes w, scale bytes ws: 16 rows, the first nrows real; tab the
 // rows' dequantisation table) · tokens of N tile j over code bytes [k0, k1) of each row.
-template <int NT, int TC_U>
+// FR: the rounds whose steps all lie inside the slice (kb + 64 TC_U <= k1: every lane's step u
+// then starts below k1) run without the bounds tests (FULL), a partial last round as before;
+// the same loads, zeros and mma, so the same bits. The grouped MoE build's (see there).
+template <int NT, int TC_U, bool FR = false>
 __device__ __forceinline__ void tc_tile_fp4(const uint8_t *w, const uint8_t *ws, const OrnithFp4Entry *tab, size_t row_bytes, int nrows,
                                             const uint8_t *x, const uint32_t (&xoff)[NT], int k0, int k1, float (&acc)[NT][4]) {
     Fp4Lane l = fp4_lane(row_bytes, nrows, k0, k1);
-    for (int kb = k0; kb < k1; kb += 64 * TC_U, fp4_next<TC_U>(l)) {
+    int kb = k0;
+    if (FR)
+        for (; kb + 64 * TC_U <= k1; kb += 64 * TC_U, fp4_next<TC_U>(l)) {
+            fp4_round<NT, TC_U, true>(w, ws, tab, l, x, xoff, kb == k0, acc);
+        }
+    for (; kb < k1; kb += 64 * TC_U, fp4_next<TC_U>(l)) {
         fp4_round<NT, TC_U>(w, ws, tab, l, x, xoff, kb == k0, acc);
     }
 }
@@ -915,7 +923,9 @@ __device__ __forceinline__ const OrnithFp4Entry *fp4_tab(const OrnithFp4Entry *t
     return tab + (size_t)(row0 / tab_rows) * 256;
 }
 
-template <int NT>
+// FOLD: the build takes OrnithGemvNvfp4Params.fold (the narrow one: a fold comes with a norm
+// that ran in a prologue, one decode row; the wide build's registers are its accumulators').
+template <int NT, bool FOLD>
 __device__ __forceinline__ void gemv_fp4_pass(const OrnithGemvNvfp4Params &p, int t0, const TcPlace &pl, float *red) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const size_t row_bytes = (size_t)p.in / 2;
@@ -940,7 +950,7 @@ __device__ __forceinline__ void gemv_fp4_pass(const OrnithGemvNvfp4Params &p, in
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int row = pl.row0 + g + (i >> 1) * 8, t = t0 + 8 * j + 2 * c + (i & 1);
-            if (row < p.out && t < p.tokens) p.y[(size_t)t * p.y_stride + row] = f2bf(acc[j][i]);
+            if (row < p.out && t < p.tokens) store_delta(p.y, FOLD ? p.fold : nullptr, (size_t)t * p.y_stride + row, acc[j][i]);
         }
 }
 
@@ -953,7 +963,7 @@ template <int NTMAX> __device__ __forceinline__ void gemv_fp4(const OrnithGemvNv
         p.x += (size_t)tbeg * p.x_stride;
         p.y += (size_t)tbeg * p.y_stride;
     }
-    tc_passes<NTMAX>(p.tokens, [&](int t0, auto nt) { gemv_fp4_pass<decltype(nt)::v>(p, t0, pl, red); });
+    tc_passes<NTMAX>(p.tokens, [&](int t0, auto nt) { gemv_fp4_pass<decltype(nt)::v, NTMAX == TC_NARROW>(p, t0, pl, red); });
 }
 
 // y[t, o] = bf16(Σ_i x[t, i] · wd[o, i]) for any number of tokens (NVFP4A16 weights).
@@ -964,6 +974,32 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) gemv_nvf
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv_nvfp4_wide(const OrnithGemvNvfp4Params p) {
     pdl_launch_dependents();
     gemv_fp4<TC_WIDE>(p);
+}
+
+// gemv_nvfp4 of one row whose input is the norm of a residual row (OrnithGemvNvfp4Params.norm),
+// computed by every block after its first weight loads as gemv_bf16_norm's: the bits of
+// rmsnorm_residual then gemv_nvfp4 (the same K split, rounds and mma order), without the norm's
+// launch or its stores; the fold as gemv_nvfp4's.
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) gemv_nvfp4_norm(const OrnithGemvNvfp4Params p) {
+    pdl_launch_dependents();
+    __shared__ float red[TC_WARPS * 4 * 32];
+    extern __shared__ __align__(16) uint8_t xrow[];
+    __shared__ float sh[32];
+    const TcPlace pl = tc_place(p.in, split_rows(p.split_out, p.out), TC_TARGET_WARPS, 1);
+    const size_t row_bytes = (size_t)p.in / 2;
+    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+    const int nrows = max(1, min(16, p.out - pl.row0));
+    tc_tile_fp4_prologue<fp4_u(1)>(p.w + (size_t)pl.row0 * row_bytes, p.ws + (size_t)pl.row0 * (row_bytes / 8),
+                                   fp4_tab(p.tab, pl.row0, p.tab_rows), row_bytes, nrows, pl.row0 < p.out, xrow, pl.k0, pl.k1, acc,
+                                   [&] { norm_prologue<false>(p.norm, p.in, xrow, nullptr, sh); });
+    tc_reduce<1>(acc, pl.ks, red);
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    if (!pl.lead || pl.row0 >= p.out || c != 0) return;  // column 0 = lane (g, 0)'s acc[0][0], acc[0][2]
+#pragma unroll
+    for (int v = 0; v < 2; v++) {
+        const int row = pl.row0 + g + 8 * v;
+        if (row < p.out) store_delta(p.y, p.fold, row, acc[0][2 * v]);
+    }
 }
 
 // =============================================================================================
@@ -1185,7 +1221,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
 // Both give the same bits for a (token, slot, row).
 // =============================================================================================
 
-template <int NT, int U = fp4_u(NT)>
+template <int NT, int U = fp4_u(NT), bool FR = false>
 __device__ __forceinline__ void moe_fp4_pass(const OrnithMoeGemvNvfp4Params &p, const uint8_t *wb, const uint8_t *sb,
                                              const OrnithFp4Entry *tb, const MoeCols &cols, int n0, const TcPlace &pl, float *red) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, slots = p.top_k + 1;
@@ -1204,7 +1240,7 @@ __device__ __forceinline__ void moe_fp4_pass(const OrnithMoeGemvNvfp4Params &p, 
         for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
     const int nrows = max(1, min(16, p.out - pl.row0));
     if (pl.row0 < p.out)
-        tc_tile_fp4<NT, U>(wb + (size_t)pl.row0 * row_bytes, sb + (size_t)pl.row0 * (row_bytes / 8),
+        tc_tile_fp4<NT, U, FR>(wb + (size_t)pl.row0 * row_bytes, sb + (size_t)pl.row0 * (row_bytes / 8),
                                fp4_tab(tb, pl.row0, p.tab_rows), row_bytes, nrows, reinterpret_cast<const uint8_t *>(p.x),
                                xoff, pl.k0, pl.k1, acc);
     pdl_wait();
@@ -1226,11 +1262,11 @@ __device__ __forceinline__ void moe_fp4_pass(const OrnithMoeGemvNvfp4Params &p, 
         }
 }
 
-template <int U = fp4_u(TC_NARROW)>
+template <int U = fp4_u(TC_NARROW), bool FR = false>
 __device__ __forceinline__ void moe_fp4(const OrnithMoeGemvNvfp4Params &p, const uint8_t *wb, const uint8_t *sb, const OrnithFp4Entry *tb,
                                         const MoeCols &cols, const TcPlace &pl) {
     __shared__ float red[TC_WARPS * 4 * 32];
-    for (int n0 = 0; n0 < cols.n; n0 += 8 * TC_NARROW) moe_fp4_pass<TC_NARROW, U>(p, wb, sb, tb, cols, n0, pl, red);
+    for (int n0 = 0; n0 < cols.n; n0 += 8 * TC_NARROW) moe_fp4_pass<TC_NARROW, U, FR>(p, wb, sb, tb, cols, n0, pl, red);
 }
 
 // The routed expert e's codes, scales and tables (an index the router never writes is clamped).
@@ -1324,18 +1360,22 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
 }
 
 // The grouped form takes one 64-byte step per round at FP4_GROUPED_BLOCKS blocks per SM (64
-// registers; ptxas spills 4 bytes on sm_90, 16 on sm_121) where the per-slot forms take 2 at
+// registers; ptxas spills 12 bytes on sm_90, 20 on sm_121) where the per-slot forms take 2 at
 // FP4_BLOCKS: its grid is thousands of blocks, so more resident warps hide more of the
 // dequantisation chain than a second step in flight per warp does (H200, 32 sequences: 7,191
 // against 7,543 us of grouped products per step; 8 sequences 2,642 against 2,694). The per-slot grids at one token (288
-// blocks) are resident either way. The same rounds in the same order: the same bits.
+// blocks) are resident either way. The same rounds in the same order: the same bits. Its full
+// rounds skip the bounds tests (tc_tile_fp4's FR; H200, 8 / 32 sequences: grouped products 2,641
+// -> 2,586 and 7,209 -> 7,105 us per step); the per-slot forms' were slower (norm 387 -> 397 us,
+// SwiGLU 370 -> 380 at one sequence) and keep the tested rounds.
 #define FP4_GROUPED_BLOCKS 4
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_GROUPED_BLOCKS) moe_gemv_nvfp4_grouped(const OrnithMoeGemvNvfp4Params p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
     const int sy = moe_shared_row(p.tokens);
     if (sy >= 0) {  // the shared expert, tokens 8 sy .. (as moe_gemv_grouped)
-        moe_fp4<1>(p, p.shared_w, p.shared_ws, p.shared_tab, MoeCols{nullptr, p.top_k, min(8, p.tokens - 8 * sy), 8 * sy, p.top_k}, pl);
+        moe_fp4<1, true>(p, p.shared_w, p.shared_ws, p.shared_tab, MoeCols{nullptr, p.top_k, min(8, p.tokens - 8 * sy), 8 * sy, p.top_k},
+                         pl);
         return;
     }
     pdl_wait();  // row_info and row_assign are moe_sort's output
@@ -1345,5 +1385,5 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_GROUPED_BLOCKS) 
     const uint8_t *wb, *sb;
     const OrnithFp4Entry *tb;
     moe_fp4_expert(p, e, wb, sb, tb);
-    moe_fp4<1>(p, wb, sb, tb, MoeCols{p.row_assign + a0, p.top_k, count, 0, 0}, pl);
+    moe_fp4<1, true>(p, wb, sb, tb, MoeCols{p.row_assign + a0, p.top_k, count, 0, 0}, pl);
 }

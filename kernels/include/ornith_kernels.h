@@ -570,7 +570,8 @@ typedef struct OrnithFlashAttnParams {
  * Dequantise (nvfp4_dequant):  y[o, i] = wd[o, i]  (bf16 [out, in]; x, tokens, strides unused).
  * Decode product (gemv_nvfp4, gemv_nvfp4_wide): y[t, o] = bf16( sum_i x[t, i] * wd[o, i] ), fp32
  *   accumulation on tensor cores, any number of tokens; in % 32 == 0, tab_rows % 16 == 0;
- *   x_stride / y_stride row strides in elements (x rows 16-byte aligned). */
+ *   x_stride / y_stride row strides in elements (x rows 16-byte aligned). gemv_nvfp4_norm: the
+ *   same product of one row whose x is the norm prologue's row (norm below). */
 typedef struct OrnithGemvNvfp4Params {
     const uint16_t *x;
     const uint8_t *w;
@@ -587,6 +588,12 @@ typedef struct OrnithGemvNvfp4Params {
      * covers some of its rows (attention's q, k, v parts of the fused [q; k; v]), so each part's
      * bits are those of the one launch over the whole matrix; 0 means `out`. */
     int32_t split_out;
+    /* gemv_nvfp4_norm only: the norm prologue (one decode row; x unused), as OrnithGemvBf16Params'. */
+    OrnithNormIn norm;
+    /* Residual fold (non-NULL; y is the pending delta): before writing y[t, o] the kernel sets
+     * fold[t * y_stride + o] = bf16(fold + y_old[t, o]), rmsnorm_residual's add (gemv_nvfp4,
+     * gemv_nvfp4_norm). */
+    uint16_t *fold;
 } OrnithGemvNvfp4Params;
 
 /* MoE expert products over NVFP4A16 experts (moe_gemv_nvfp4: one (token, slot) per block;

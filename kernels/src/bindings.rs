@@ -1019,10 +1019,12 @@ pub struct OrnithGemvNvfp4Params {
     pub y_stride: i32,
     pub tab_rows: i32,
     pub split_out: i32,
+    pub norm: OrnithNormIn,
+    pub fold: *mut u16,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithGemvNvfp4Params"][::std::mem::size_of::<OrnithGemvNvfp4Params>() - 72usize];
+    ["Size of OrnithGemvNvfp4Params"][::std::mem::size_of::<OrnithGemvNvfp4Params>() - 112usize];
     ["Alignment of OrnithGemvNvfp4Params"][::std::mem::align_of::<OrnithGemvNvfp4Params>() - 8usize];
     ["Offset of field: OrnithGemvNvfp4Params::x"][::std::mem::offset_of!(OrnithGemvNvfp4Params, x) - 0usize];
     ["Offset of field: OrnithGemvNvfp4Params::w"][::std::mem::offset_of!(OrnithGemvNvfp4Params, w) - 8usize];
@@ -1040,6 +1042,8 @@ const _: () = {
         [::std::mem::offset_of!(OrnithGemvNvfp4Params, tab_rows) - 60usize];
     ["Offset of field: OrnithGemvNvfp4Params::split_out"]
         [::std::mem::offset_of!(OrnithGemvNvfp4Params, split_out) - 64usize];
+    ["Offset of field: OrnithGemvNvfp4Params::norm"][::std::mem::offset_of!(OrnithGemvNvfp4Params, norm) - 72usize];
+    ["Offset of field: OrnithGemvNvfp4Params::fold"][::std::mem::offset_of!(OrnithGemvNvfp4Params, fold) - 104usize];
 };
 impl Default for OrnithGemvNvfp4Params {
     fn default() -> Self {

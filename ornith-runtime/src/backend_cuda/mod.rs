@@ -575,8 +575,8 @@ impl CudaBackend {
 
     /// The one place that decides whether a layer's input norm runs as its own kernel or in the
     /// prologue of the layer's first decode products (`fusable`: the caller's consumers and the
-    /// writer of its next delta take the prologue and the fold, i.e. are BF16 or FP8 decode
-    /// products or `moe_combine`). Fused for one row (`ORNITH_NORM_ROWS`) of a hidden size the
+    /// writer of its next delta take the prologue and the fold, i.e. are decode products (BF16,
+    /// FP8 or NVFP4) or `moe_combine`). Fused for one row (`ORNITH_NORM_ROWS`) of a hidden size the
     /// prologue takes: the input is then `XIn::norm` (every consuming product computes the row's
     /// norm itself, with `rmsnorm_residual`'s arithmetic: the same bits) and nothing is written
     /// to `h`; the second value is then `Some(rows of h)` when a delta is pending, which the
@@ -682,8 +682,8 @@ impl CudaBackend {
         let pw = self.sz.proj_w;
         let s = &self.s;
         let prefill = matches!(rows, Rows::Seq { .. }) && use_prefill(n);
-        let fusable = [Qkv::KIND, Z::KIND, Bt::KIND, A::KIND, O::KIND].iter().all(|&k| k != Precision::Nvfp4);
-        let (x, fold) = self.norm_rows_for(h, norm, r0, n, fusable && !prefill)?;
+        // Fusable: every decode product (BF16, FP8, NVFP4) takes the norm prologue and the fold.
+        let (x, fold) = self.norm_rows_for(h, norm, r0, n, !prefill)?;
         let proj = at(self, &s.proj, 0);
         let (z_at, b_at) = (proj + 2 * cd as u64, proj + 2 * (cd + vd) as u64);
         if w.in_proj_z.dev.is_none() {
@@ -796,8 +796,8 @@ impl CudaBackend {
         };
         let prefill = matches!(rows, Rows::Seq { .. }) && use_prefill(n);
         let s = &self.s;
-        let fusable = [Q::KIND, K::KIND, V::KIND, O::KIND].iter().all(|&k| k != Precision::Nvfp4);
-        let (x, fold) = self.norm_rows_for(h, norm, r0, n, fusable && !prefill)?;
+        // Fusable: every decode product (BF16, FP8, NVFP4) takes the norm prologue and the fold.
+        let (x, fold) = self.norm_rows_for(h, norm, r0, n, !prefill)?;
         let (qn, kn) = (nh * 2 * hd, nkv * hd);
         let (qg, kp, vp) = (at(self, &s.qg, 0), at(self, &s.k, 0), at(self, &s.v, 0));
         let (kp, vp) = if w.k_proj.dev.is_none() {

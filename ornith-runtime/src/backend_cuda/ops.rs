@@ -120,15 +120,13 @@ impl CudaBackend {
         ensure!(t >= 1, "linear on zero rows");
         let prefill = prefill && use_prefill(t);
         let (in_, out) = (w.in_features, w.out_features);
-        ensure!(fold.is_none() || (!prefill && w.fp4.is_none()), "a residual fold needs a BF16 or FP8 decode product");
+        ensure!(fold.is_none() || !prefill, "a residual fold needs a decode product");
         if let Some(n) = x.norm {
-            ensure!(
-                t == 1 && !prefill && w.fp4.is_none(),
-                "the norm prologue takes one decode row of a BF16 or FP8 Linear"
-            );
-            return match w.scale {
-                None => self.cx.k_gemv_bf16_norm(n, w.w, y, in_, out, y_stride, w.split_rows, fold),
-                Some(ws) => self.cx.k_gemv_fp8_norm(n, w.w, ws, y, in_, out, y_stride, w.split_rows, fold),
+            ensure!(t == 1 && !prefill, "the norm prologue takes one decode row");
+            return match (w.fp4, w.scale) {
+                (Some(f), _) => self.cx.k_gemv_nvfp4_norm(n, f, y, in_, out, y_stride, w.split_rows, fold),
+                (None, None) => self.cx.k_gemv_bf16_norm(n, w.w, y, in_, out, y_stride, w.split_rows, fold),
+                (None, Some(ws)) => self.cx.k_gemv_fp8_norm(n, w.w, ws, y, in_, out, y_stride, w.split_rows, fold),
             };
         }
         if let Some(f) = w.fp4 {
@@ -136,7 +134,7 @@ impl CudaBackend {
             if prefill && gemm_aligned(x.bf, x.stride * 2, in_ * 2) {
                 return self.cx.k_gemm_nvfp4(x.bf, f, y, t, in_, out, x.stride, y_stride);
             }
-            return self.cx.k_gemv_nvfp4(x.bf, f, y, t, in_, out, x.stride, y_stride, w.split_rows);
+            return self.cx.k_gemv_nvfp4(x.bf, f, y, t, in_, out, x.stride, y_stride, w.split_rows, fold);
         }
         match w.scale {
             None => {

@@ -25,7 +25,7 @@ pub(super) fn norm_bytes(n: &OrnithNormIn, hidden: usize) -> usize {
 }
 
 /// Bytes a residual fold moves: the residual read and written, the old delta read.
-fn fold_bytes(fold: Option<Ptr>, t: usize, out: usize) -> u64 {
+pub(super) fn fold_bytes(fold: Option<Ptr>, t: usize, out: usize) -> u64 {
     fold.map_or(0, |_| (t * out * 6) as u64)
 }
 

@@ -173,6 +173,7 @@ const KERNELS: [(Module, &[&str]); 11] = [
             "moe_gemv_grouped",
             "gemv_nvfp4",
             "gemv_nvfp4_wide",
+            "gemv_nvfp4_norm",
             "moe_gemv_nvfp4",
             "moe_gemv_nvfp4_norm",
             "moe_gemv_nvfp4_swiglu",

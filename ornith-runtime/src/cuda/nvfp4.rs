@@ -108,7 +108,8 @@ impl CudaContext {
     /// `y[t, o] = bf16(Σ_i x[t, i] · wd[o, i])` for any number of rows (bf16 rows of `x` and `y`
     /// at strides `xs`, `ys` elements): the tensor-core decode product with the dense K split on
     /// the weights per row (`gemv_tc_ksplit(in, ..)`, the FP8 rule), so a row's bits never depend
-    /// on the row count.
+    /// on the row count. With `fold` (the residual rows, `y` being the pending delta) the product
+    /// first adds the delta `y` holds into them (`OrnithGemvNvfp4Params.fold`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn k_gemv_nvfp4(
         &self,
@@ -121,6 +122,7 @@ impl CudaContext {
         xs: usize,
         ys: usize,
         split: usize,
+        fold: Option<Ptr>,
     ) -> Result<()> {
         fp4_checks(&w, in_, out)?;
         ensure!(split >= out, "gemv_nvfp4: split rows {split} < out {out}");
@@ -143,12 +145,57 @@ impl CudaContext {
             y_stride: i32of("gemv_nvfp4 y_stride", ys)?,
             tab_rows: i32of("tab_rows", w.tab_rows.min(out))?,
             split_out: i32of("gemv_nvfp4 split rows", split)?,
+            fold: fold.map_or(std::ptr::null_mut(), |f| f as _),
+            ..Default::default()
         };
-        let bytes = (fp4_bytes(in_, out, tables(&w, out)) + t * (in_ + out) * 2) as u64;
+        let bytes =
+            (fp4_bytes(in_, out, tables(&w, out)) + t * (in_ + out) * 2) as u64 + super::gemv::fold_bytes(fold, t, out);
         let name = if super::gemv_tc_wide(t) { "gemv_nvfp4_wide" } else { "gemv_nvfp4" };
+        ensure!(fold.is_none() || name == "gemv_nvfp4", "gemv_nvfp4: a fold takes at most 8 rows (the narrow build)");
         // Token groups over grid.y as the other wide products: same bits.
         let grid = super::gemv_tc_grid(in_, out, split, t, self.nvfp4_wide_wave);
         self.launch(Launch::new(name, grid, super::GEMV_BLOCK, bytes).weights_first(), p)
+    }
+
+    /// [`Self::k_gemv_nvfp4`] of one row whose input is the norm of a residual row, computed by
+    /// every block after its first weight loads (`OrnithNormIn`, `gemv_nvfp4_norm`): the bits of
+    /// `rmsnorm_residual` then `gemv_nvfp4`, without the norm's launch or its stores; `fold` as there.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn k_gemv_nvfp4_norm(
+        &self,
+        norm: OrnithNormIn,
+        w: Fp4W,
+        y: Ptr,
+        in_: usize,
+        out: usize,
+        ys: usize,
+        split: usize,
+        fold: Option<Ptr>,
+    ) -> Result<()> {
+        fp4_checks(&w, in_, out)?;
+        let smem = Self::norm_checks(&norm, in_, 2)?;
+        ensure!(split >= out, "gemv_nvfp4_norm: split rows {split} < out {out}");
+        ensure!(ys >= out, "gemv_nvfp4_norm: y stride {ys} < out {out}");
+        let p = OrnithGemvNvfp4Params {
+            w: w.w as _,
+            ws: w.ws as _,
+            tab: w.tab as _,
+            y: y as _,
+            tokens: 1,
+            in_: in_ as i32,
+            out: out as i32,
+            x_stride: in_ as i32,
+            y_stride: i32of("gemv_nvfp4_norm y_stride", ys)?,
+            tab_rows: i32of("tab_rows", w.tab_rows.min(out))?,
+            split_out: i32of("gemv_nvfp4_norm split rows", split)?,
+            norm,
+            fold: fold.map_or(std::ptr::null_mut(), |f| f as _),
+            ..Default::default()
+        };
+        let bytes = (fp4_bytes(in_, out, tables(&w, out)) + super::gemv::norm_bytes(&norm, in_) + out * 2) as u64
+            + super::gemv::fold_bytes(fold, 1, out);
+        let grid = (super::gemv_tc_blocks(in_, out, split), 1, 1);
+        self.launch(Launch::new("gemv_nvfp4_norm", grid, super::GEMV_BLOCK, bytes).smem(smem).weights_first(), p)
     }
 
     /// The NVFP4 expert products of a decode group (see `OrnithMoeGemvNvfp4Params`): per
@@ -376,7 +423,7 @@ impl CudaContext {
         let fw = self.fp4_buf("gemv_nvfp4", w, 1, in_, out)?;
         need("gemv_nvfp4 x", x, (tokens - 1) * x_stride + in_)?;
         need("gemv_nvfp4 y", y, (tokens - 1) * y_stride + out)?;
-        self.k_gemv_nvfp4(self.addr(x), fw, self.addr(y), tokens, in_, out, x_stride, y_stride, out)
+        self.k_gemv_nvfp4(self.addr(x), fw, self.addr(y), tokens, in_, out, x_stride, y_stride, out, None)
     }
 
     /// [`Self::k_gemm_nvfp4`] on buffers.

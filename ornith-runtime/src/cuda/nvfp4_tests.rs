@@ -450,7 +450,7 @@ fn gemv_parts_match_the_whole() {
                         tab: c.addr(&d4.tab) + ((r0 / 512) * super::nvfp4::TAB_BYTES) as u64,
                         tab_rows: 512,
                     };
-                    c.k_gemv_nvfp4(dx, w, y, tokens, inp, n, inp, out, split)
+                    c.k_gemv_nvfp4(dx, w, y, tokens, inp, n, inp, out, split, None)
                 }
             }
             .unwrap()
@@ -588,5 +588,82 @@ fn moe_nvfp4_prologues_match_the_kernels() {
         check_combine_epilogue(&c, &mut r, &want, &got, (tokens, top_k, hidden), &name, |combine| {
             c.k_moe_gemv_nvfp4(ornith_kernels::bindings::OrnithMoeGemvNvfp4Params { combine, ..p }, false).unwrap()
         });
+    }
+}
+
+/// `gemv_nvfp4_norm` (the norm prologue: attention's q|k|v at one decode row) gives the bits of
+/// `rmsnorm_residual` then `gemv_nvfp4`, with and without a pending delta, at the 35B q|k|v shape
+/// (9,216 rows, 512 per table), one table of 64 rows, and a hidden size (544) that is not a
+/// multiple of the prologue's 256 threads; and `gemv_nvfp4`'s fold (o_proj writing the next
+/// delta) leaves the residual `rmsnorm_residual` would have and its own output unchanged.
+#[test]
+#[ignore]
+fn gemv_nvfp4_norm_and_fold_match_the_kernels() {
+    use ornith_kernels::bindings::OrnithNormIn;
+    let c = ctx();
+    let mut r = rng(53);
+    let eps = 1e-6f32;
+    let fw = |b: &Fp4Buf| super::nvfp4::Fp4W {
+        w: c.addr(&b.w),
+        ws: c.addr(&b.ws),
+        tab: c.addr(&b.tab),
+        tab_rows: b.tab_rows,
+    };
+    for (hidden, with_add) in [(2048, true), (2048, false), (544, true)] {
+        let (res, add, wn) = (bfv(&mut r, hidden, 4.0), bfv(&mut r, hidden, 4.0), bfv(&mut r, hidden, 0.5));
+        let (dres0, dadd, dwn) = (c.upload(&res).unwrap(), c.upload(&add).unwrap(), c.upload(&wn).unwrap());
+        let mut dres = c.upload(&res).unwrap();
+        let mut xb = c.upload(&vec![POISON; hidden]).unwrap();
+        c.rmsnorm_residual(&mut dres, with_add.then_some(&dadd), &dwn, Some(&mut xb), None, 1, hidden, eps).unwrap();
+        let res_after = c.download(&dres).unwrap();
+        let norm = OrnithNormIn {
+            res: c.addr(&dres0) as _,
+            add: if with_add { c.addr(&dadd) as _ } else { std::ptr::null() },
+            weight: c.addr(&dwn) as _,
+            eps,
+        };
+        for (mats, tab_rows) in [(18, 512), (1, 64)] {
+            let out = mats * tab_rows;
+            let w = Fp4Host::random(&mut r, mats, tab_rows, hidden).upload(&c);
+            let mut want = c.upload(&vec![POISON; out]).unwrap();
+            c.gemv_nvfp4(&xb, &w, &mut want, 1, hidden, out, hidden, out).unwrap();
+            let got = c.upload(&vec![POISON; out]).unwrap();
+            c.k_gemv_nvfp4_norm(norm, fw(&w), c.addr(&got), hidden, out, out, out, None).unwrap();
+            let want = c.download(&want).unwrap();
+            assert!(want.iter().all(|&v| v != POISON), "gemv_nvfp4 left outputs unwritten");
+            assert!(
+                c.download(&got).unwrap() == want,
+                "gemv_nvfp4_norm {hidden} -> {out} (add {with_add}) differs from rmsnorm_residual + gemv_nvfp4"
+            );
+        }
+        if !with_add {
+            continue;
+        }
+        // The fold: o_proj (NVFP4, in 512 -> hidden) adds the old delta into the residual first.
+        let inw = 512;
+        let xin = c.upload(&bfv(&mut r, inw, 1.0)).unwrap();
+        let wo = Fp4Host::random(&mut r, 1, hidden, inw).upload(&c);
+        let mut want = c.upload(&vec![POISON; hidden]).unwrap();
+        c.gemv_nvfp4(&xin, &wo, &mut want, 1, inw, hidden, inw, hidden).unwrap();
+        let (fold_res, delta) = (c.upload(&res).unwrap(), c.upload(&add).unwrap());
+        c.k_gemv_nvfp4(
+            c.addr(&xin),
+            fw(&wo),
+            c.addr(&delta),
+            1,
+            inw,
+            hidden,
+            inw,
+            hidden,
+            hidden,
+            Some(c.addr(&fold_res)),
+        )
+        .unwrap();
+        assert_eq!(
+            c.download(&fold_res).unwrap(),
+            res_after,
+            "gemv_nvfp4 fold {hidden}: the residual is not rmsnorm_residual's"
+        );
+        assert!(c.download(&delta).unwrap() == c.download(&want).unwrap(), "gemv_nvfp4 with a fold changed its output");
     }
 }
