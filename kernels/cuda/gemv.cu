@@ -976,30 +976,44 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv
     gemv_fp4<TC_WIDE>(p);
 }
 
+// One column of an NVFP4 product (matrix w, ws, tab of `out` rows, `in` weights per row) whose
+// bf16 input row the block computes itself: after its first weight loads, `prologue(xrow, sh)`
+// (block-wide, synchronising the block at its end) leaves the row in shared memory; then the
+// column's pass as tc_tile_fp4's, and each row's sum to `store(row, sum)` (the lead warp's lanes
+// (g, 0), which hold column 0: acc[0][0] and acc[0][2]). gemv_nvfp4_norm's and the per-slot
+// MoE prologue forms'.
+template <class Prologue, class Store>
+__device__ __forceinline__ void fp4_prologue_column(const uint8_t *w, const uint8_t *ws, const OrnithFp4Entry *tab, int tab_rows, int in,
+                                                    int out, const TcPlace &pl, Prologue prologue, Store store) {
+    __shared__ float red[TC_WARPS * 4 * 32];
+    extern __shared__ __align__(16) uint8_t xrow[];
+    __shared__ float sh[32];
+    const size_t row_bytes = (size_t)in / 2;
+    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+    const int nrows = max(1, min(16, out - pl.row0));
+    tc_tile_fp4_prologue<fp4_u(1)>(w + (size_t)pl.row0 * row_bytes, ws + (size_t)pl.row0 * (row_bytes / 8), fp4_tab(tab, pl.row0, tab_rows),
+                                   row_bytes, nrows, pl.row0 < out, xrow, pl.k0, pl.k1, acc, [&] { prologue(xrow, sh); });
+    tc_reduce<1>(acc, pl.ks, red);
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    if (!pl.lead || pl.row0 >= out || c != 0) return;
+#pragma unroll
+    for (int v = 0; v < 2; v++) {
+        const int row = pl.row0 + g + 8 * v;
+        if (row < out) store(row, acc[0][2 * v]);
+    }
+}
+
 // gemv_nvfp4 of one row whose input is the norm of a residual row (OrnithGemvNvfp4Params.norm),
 // computed by every block after its first weight loads as gemv_bf16_norm's: the bits of
 // rmsnorm_residual then gemv_nvfp4 (the same K split, rounds and mma order), without the norm's
 // launch or its stores; the fold as gemv_nvfp4's.
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) gemv_nvfp4_norm(const OrnithGemvNvfp4Params p) {
     pdl_launch_dependents();
-    __shared__ float red[TC_WARPS * 4 * 32];
-    extern __shared__ __align__(16) uint8_t xrow[];
-    __shared__ float sh[32];
     const TcPlace pl = tc_place(p.in, split_rows(p.split_out, p.out), TC_TARGET_WARPS, 1);
-    const size_t row_bytes = (size_t)p.in / 2;
-    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-    const int nrows = max(1, min(16, p.out - pl.row0));
-    tc_tile_fp4_prologue<fp4_u(1)>(p.w + (size_t)pl.row0 * row_bytes, p.ws + (size_t)pl.row0 * (row_bytes / 8),
-                                   fp4_tab(p.tab, pl.row0, p.tab_rows), row_bytes, nrows, pl.row0 < p.out, xrow, pl.k0, pl.k1, acc,
-                                   [&] { norm_prologue<false>(p.norm, p.in, xrow, nullptr, sh); });
-    tc_reduce<1>(acc, pl.ks, red);
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    if (!pl.lead || pl.row0 >= p.out || c != 0) return;  // column 0 = lane (g, 0)'s acc[0][0], acc[0][2]
-#pragma unroll
-    for (int v = 0; v < 2; v++) {
-        const int row = pl.row0 + g + 8 * v;
-        if (row < p.out) store_delta(p.y, p.fold, row, acc[0][2 * v]);
-    }
+    fp4_prologue_column(
+        p.w, p.ws, p.tab, p.tab_rows, p.in, p.out, pl,
+        [&](uint8_t *xrow, float *sh) { norm_prologue<false>(p.norm, p.in, xrow, nullptr, sh); },
+        [&](int row, float sum) { store_delta(p.y, p.fold, row, sum); });
 }
 
 // =============================================================================================
@@ -1301,29 +1315,13 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
     moe_fp4(p, wb, sb, tb, MoeCols{nullptr, p.top_k, 1, t, slot}, pl);
 }
 
-// The per-slot NVFP4 form whose bf16 input row the block computes itself: after its first
-// weight loads, `prologue(xrow, sh)` (block-wide, synchronising the block at its end) leaves the
-// (token t, slot) column's row in shared memory; then that one column's pass as moe_fp4_pass.
+// The per-slot NVFP4 form whose bf16 input row the block computes itself (fp4_prologue_column):
+// the (token t, slot) column.
 template <class Prologue>
 __device__ __forceinline__ void moe_fp4_prologue(const OrnithMoeGemvNvfp4Params &p, const uint8_t *wb, const uint8_t *sb,
                                                  const OrnithFp4Entry *tb, int t, int slot, const TcPlace &pl, Prologue prologue) {
-    __shared__ float red[TC_WARPS * 4 * 32];
-    extern __shared__ __align__(16) uint8_t xrow[];
-    __shared__ float sh[32];
-    const size_t row_bytes = (size_t)p.in / 2;
-    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-    const int nrows = max(1, min(16, p.out - pl.row0));
-    tc_tile_fp4_prologue<fp4_u(1)>(wb + (size_t)pl.row0 * row_bytes, sb + (size_t)pl.row0 * (row_bytes / 8),
-                                   fp4_tab(tb, pl.row0, p.tab_rows), row_bytes, nrows, pl.row0 < p.out, xrow, pl.k0, pl.k1, acc,
-                                   [&] { prologue(xrow, sh); });
-    tc_reduce<1>(acc, pl.ks, red);
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    if (!pl.lead || pl.row0 >= p.out || c != 0) return;  // column 0 = lane (g, 0)'s acc[0][0], acc[0][2]
-#pragma unroll
-    for (int v = 0; v < 2; v++) {
-        const int row = pl.row0 + g + 8 * v;
-        if (row < p.out) p.y[((size_t)t * (p.top_k + 1) + slot) * p.out + row] = f2bf(acc[0][2 * v]);
-    }
+    fp4_prologue_column(wb, sb, tb, p.tab_rows, p.in, p.out, pl, prologue,
+                        [&](int row, float sum) { p.y[((size_t)t * (p.top_k + 1) + slot) * p.out + row] = f2bf(sum); });
 }
 
 // moe_gemv_nvfp4 with the norm prologue (OrnithMoeGemvNvfp4Params.norm; the gate|up product, in =
