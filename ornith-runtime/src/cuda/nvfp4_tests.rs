@@ -7,7 +7,7 @@
 //! fp32 summation order (`close`), and the decode forms are batch invariant (a token alone gives
 //! the same bits as in a group; per-slot and grouped MoE give the same bits).
 use super::nvfp4::{Fp4Buf, MoeNvfp4Args};
-use super::test_util::{bfv, check_combine_epilogue, ctx, rng, same_bits_with_few_blocks, POISON, R};
+use super::test_util::{bfv, check_combine_epilogue, check_fold, ctx, rng, same_bits_with_few_blocks, POISON, R};
 use super::tests::{close, perf};
 use super::{CudaContext, Ptr};
 use crate::cpu::linear::linear_nvfp4;
@@ -645,25 +645,8 @@ fn gemv_nvfp4_norm_and_fold_match_the_kernels() {
         let wo = Fp4Host::random(&mut r, 1, hidden, inw).upload(&c);
         let mut want = c.upload(&vec![POISON; hidden]).unwrap();
         c.gemv_nvfp4(&xin, &wo, &mut want, 1, inw, hidden, inw, hidden).unwrap();
-        let (fold_res, delta) = (c.upload(&res).unwrap(), c.upload(&add).unwrap());
-        c.k_gemv_nvfp4(
-            c.addr(&xin),
-            fw(&wo),
-            c.addr(&delta),
-            1,
-            inw,
-            hidden,
-            inw,
-            hidden,
-            hidden,
-            Some(c.addr(&fold_res)),
-        )
-        .unwrap();
-        assert_eq!(
-            c.download(&fold_res).unwrap(),
-            res_after,
-            "gemv_nvfp4 fold {hidden}: the residual is not rmsnorm_residual's"
-        );
-        assert!(c.download(&delta).unwrap() == c.download(&want).unwrap(), "gemv_nvfp4 with a fold changed its output");
+        check_fold(&c, "gemv_nvfp4", &res, &add, &res_after, &c.download(&want).unwrap(), |delta, fold| {
+            c.k_gemv_nvfp4(c.addr(&xin), fw(&wo), delta, 1, inw, hidden, inw, hidden, hidden, Some(fold)).unwrap()
+        });
     }
 }

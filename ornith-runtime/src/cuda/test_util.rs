@@ -103,6 +103,30 @@ pub(super) fn bfv(r: &mut R, n: usize, scale: f32) -> Vec<u16> {
     (0..n).map(|_| half::bf16::from_f32(r.random_range(-1.0f32..1.0) * scale).to_bits()).collect()
 }
 
+/// A residual fold (`fold` of the dense decode products and of `moe_combine`: the writer of the
+/// next delta adds the old one into the residual first): `launch(delta, residual)` overwrites a
+/// pending delta `add` while folding it into a copy of `res`; the residual must then be
+/// `res_after` (`rmsnorm_residual`'s) and the new delta `want` (the product without a fold).
+pub(super) fn check_fold(
+    c: &CudaContext,
+    what: &str,
+    res: &[u16],
+    add: &[u16],
+    res_after: &[u16],
+    want: &[u16],
+    launch: impl FnOnce(super::Ptr, super::Ptr),
+) {
+    let (fold_res, delta) = (c.upload(res).unwrap(), c.upload(add).unwrap());
+    launch(c.addr(&delta), c.addr(&fold_res));
+    assert_eq!(
+        c.download(&fold_res).unwrap(),
+        res_after,
+        "{what} fold {}: the residual is not rmsnorm_residual's",
+        res.len()
+    );
+    assert!(c.download(&delta).unwrap() == want, "{what} with a fold changed its output");
+}
+
 /// The per-slot down products' combine epilogue (`moe_gemv_fp8_swiglu`, `moe_gemv_nvfp4_swiglu`
 /// with `combine` set) against `moe_combine` after the product: `want_y` is the product's output
 /// without the epilogue, `got_y` the buffer `launch` has the product write (the epilogue's `ys`).

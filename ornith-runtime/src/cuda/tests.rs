@@ -9,7 +9,7 @@ use super::attention::*;
 use super::gdn::*;
 use super::gemv::*;
 use super::test_util::{
-    bfv, check_combine_epilogue, ctx, page, reversed_table, rng, time_cold, time_it, unpage, KVB, POISON, R,
+    bfv, check_combine_epilogue, check_fold, ctx, page, reversed_table, rng, time_cold, time_it, unpage, KVB, POISON, R,
 };
 use crate::cpu::attention::{apply_rope, attention, split_q_gate};
 use crate::cpu::conv::conv_silu;
@@ -348,62 +348,26 @@ fn norm_prologue_and_fold_match_the_norm_kernel() {
         }
         // The folds: the writer of the next delta adds the old delta (in y / out) into the residual
         // first; the residual then equals rmsnorm_residual's, the new delta the plain product's.
-        let fold_res = c.upload(&res).unwrap();
         let inw = 512;
         let xin = bfv(&mut r, inw, 1.0);
         let wo = bfv(&mut r, hidden * inw, 0.05);
         let (dxin, dwo) = (c.upload(&xin).unwrap(), c.upload(&wo).unwrap());
         let mut want = c.upload(&vec![POISON; hidden]).unwrap();
         c.gemv_bf16(&dxin, &dwo, &mut want, 1, inw, hidden, inw, hidden).unwrap();
-        let delta = c.upload(&add).unwrap();
-        c.k_gemv_bf16(
-            c.addr(&dxin),
-            c.addr(&dwo),
-            c.addr(&delta),
-            1,
-            inw,
-            hidden,
-            inw,
-            hidden,
-            hidden,
-            Some(c.addr(&fold_res)),
-        )
-        .unwrap();
-        assert_eq!(
-            c.download(&fold_res).unwrap(),
-            res_after,
-            "gemv_bf16 fold {hidden}: the residual is not rmsnorm_residual's"
-        );
-        assert!(c.download(&delta).unwrap() == c.download(&want).unwrap(), "gemv_bf16 with a fold changed its output");
+        check_fold(&c, "gemv_bf16", &res, &add, &res_after, &c.download(&want).unwrap(), |delta, fold| {
+            c.k_gemv_bf16(c.addr(&dxin), c.addr(&dwo), delta, 1, inw, hidden, inw, hidden, hidden, Some(fold)).unwrap()
+        });
         // moe_combine's fold (its own output checked against the reference in moe_decode_matches_reference).
-        let fold_res = c.upload(&res).unwrap();
         let ys = c.upload(&bfv(&mut r, (k + 1) * hidden, 1.0)).unwrap();
         let wt = c.upload(&(0..k).map(|j| 0.1 * (j + 1) as f32).collect::<Vec<f32>>()).unwrap();
         let gl = c.upload(&bfv(&mut r, 1, 1.0)).unwrap();
         let mut want = c.upload(&vec![POISON; hidden]).unwrap();
         c.moe_combine(&ys, &wt, &gl, &mut want, 1, k, hidden, 1).unwrap();
-        let delta = c.upload(&add).unwrap();
-        let p = super::moe::combine_params(
-            c.addr(&ys),
-            c.addr(&wt),
-            c.addr(&gl),
-            c.addr(&delta),
-            1,
-            k,
-            hidden,
-            1,
-            Some(c.addr(&fold_res)),
-        );
-        c.k_combine_with(p.unwrap()).unwrap();
-        assert_eq!(
-            c.download(&fold_res).unwrap(),
-            res_after,
-            "moe_combine fold {hidden}: the residual is not rmsnorm_residual's"
-        );
-        assert!(
-            c.download(&delta).unwrap() == c.download(&want).unwrap(),
-            "moe_combine with a fold changed its output"
-        );
+        check_fold(&c, "moe_combine", &res, &add, &res_after, &c.download(&want).unwrap(), |delta, fold| {
+            let p =
+                super::moe::combine_params(c.addr(&ys), c.addr(&wt), c.addr(&gl), delta, 1, k, hidden, 1, Some(fold));
+            c.k_combine_with(p.unwrap()).unwrap()
+        });
     }
     // PERF: the GDN input projection (2048 -> 12,352 BF16) as norm + product vs the fused product.
     let hidden = 2048;
