@@ -389,11 +389,13 @@ template <int NTMAX, class Pass> __device__ __forceinline__ void tc_passes(int t
 // The rows a launch's K split is chosen for (OrnithGemv*Params.split_out).
 __device__ __forceinline__ int split_rows(int split_out, int out) { return split_out > 0 ? split_out : out; }
 
-// The dense form with the norm prologue (one row, OrnithNormIn): the row in dynamic shared memory
-// (in * ES bytes), the FP8 scale in a shared float; then the pass of one token as above.
-template <bool FP8>
-__device__ __forceinline__ void gemv_tc_norm(const uint8_t *w, const float *ws, uint16_t *y, int in, int out, int y_stride,
-                                             int split_out, const OrnithNormIn &norm, uint16_t *fold) {
+// The dense form of one row that the block computes itself: after its first weight loads,
+// `prologue(xrow, &xsc, sh)` (block-wide, synchronising the block at its end) leaves the row in
+// dynamic shared memory (in * ES bytes: bf16 values, or e4m3 codes with their scale in xsc);
+// then the pass of one token as above.
+template <bool FP8, class Prologue>
+__device__ __forceinline__ void gemv_tc_prologue(const uint8_t *w, const float *ws, uint16_t *y, int in, int out, int y_stride,
+                                                 int split_out, uint16_t *fold, Prologue prologue) {
     __shared__ float red[TC_WARPS * 4 * 32];
     extern __shared__ __align__(16) uint8_t xrow[];
     __shared__ float sh[32], xsc;
@@ -403,10 +405,17 @@ __device__ __forceinline__ void gemv_tc_norm(const uint8_t *w, const float *ws, 
     float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
     const int nrows = max(1, min(16, out - pl.row0));
     tc_tile_prologue<FP8, tc_u(1)>(w + (size_t)pl.row0 * row_bytes, row_bytes, nrows, pl.row0 < out, xrow, pl.k0, pl.k1, acc,
-                                   [&] { norm_prologue<FP8>(norm, in, xrow, &xsc, sh); });
+                                   [&] { prologue(xrow, &xsc, sh); });
     tc_reduce<1>(acc, pl.ks, red);
     if (!pl.lead || pl.row0 >= out) return;
     tc_store<FP8, 1>(acc, pl.row0, 0, 1, out, y, y_stride, ws, &xsc, fold);
+}
+// With the norm prologue (OrnithNormIn).
+template <bool FP8>
+__device__ __forceinline__ void gemv_tc_norm(const uint8_t *w, const float *ws, uint16_t *y, int in, int out, int y_stride,
+                                             int split_out, const OrnithNormIn &norm, uint16_t *fold) {
+    gemv_tc_prologue<FP8>(w, ws, y, in, out, y_stride, split_out, fold,
+                          [&](uint8_t *xrow, float *xsc, float *sh) { norm_prologue<FP8>(norm, in, xrow, xsc, sh); });
 }
 
 // This block row's token group (the rule below, gemv_tc; cuda::token_groups sizes grid.y): returns
@@ -661,6 +670,9 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_WIDE_BLOCKS) gemv
 // first round of weights stays in registers across the prologue without spills; the GDN input
 // projection's 386 blocks still fit one wave of the H200's 132 SMs).
 #define TC_NORM_BLOCKS 3
+// gemv_fp8_quant holds a row of up to 256 * this many elements in registers (one L2 pass; longer
+// rows are read twice, as quantize_fp8_rows reads them: the same bits either way).
+#define QUANT_PROLOGUE_REGS 16
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NORM_BLOCKS) gemv_bf16_norm(const OrnithGemvBf16Params p) {
     pdl_launch_dependents();
     gemv_tc_norm<false>(reinterpret_cast<const uint8_t *>(p.w), nullptr, p.y, p.in, p.out, p.y_stride, p.split_out, p.norm, p.fold);
@@ -668,6 +680,18 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NORM_BLOCKS) gemv
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NORM_BLOCKS) gemv_fp8_norm(const OrnithGemvFp8Params p) {
     pdl_launch_dependents();
     gemv_tc_norm<true>(p.w, p.ws, p.y, p.in, p.out, p.y_stride, p.split_out, p.norm, p.fold);
+}
+// gemv_fp8 of one bf16 row (OrnithGemvFp8Params.xb) that every block quantises itself after its
+// first weight loads, with quantize_fp8_rows' code (common.cuh's quant_row_256: the same codes
+// and scale, so the bits of quantize_fp8_rows then gemv_fp8), without that launch. The decode
+// o_proj of one row: the attention combine's last block quantised it there before, a serial tail
+// (ticket, the row read back, a block max) that every later kernel waited for.
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NORM_BLOCKS) gemv_fp8_quant(const OrnithGemvFp8Params p) {
+    pdl_launch_dependents();
+    gemv_tc_prologue<true>(p.w, p.ws, p.y, p.in, p.out, p.y_stride, p.split_out, p.fold, [&](uint8_t *xrow, float *xsc, float *sh) {
+        quant_row_256<QUANT_PROLOGUE_REGS>(p.xb, p.in, xrow, xsc, sh);
+        __syncthreads();
+    });
 }
 
 // =============================================================================================
@@ -945,12 +969,23 @@ __device__ __forceinline__ void gemv_fp4_pass(const OrnithGemvNvfp4Params &p, in
     pdl_wait();
     tc_reduce<NT>(acc, pl.ks, red);
     if (!pl.lead || pl.row0 >= p.out) return;
+    // store_delta's two steps in two loops, the fold's first (each output is this lane's alone):
+    // one loop holding both spilled 8 bytes on sm_121 (ptxas, the narrow build).
+    if (FOLD && p.fold)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int row = pl.row0 + g + (i >> 1) * 8, t = t0 + 8 * j + 2 * c + (i & 1);
+                const size_t o = (size_t)t * p.y_stride + row;
+                if (row < p.out && t < p.tokens) p.fold[o] = f2bf(rms_add(bf2f(p.fold[o]), p.y[o]));
+            }
 #pragma unroll
     for (int j = 0; j < NT; j++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int row = pl.row0 + g + (i >> 1) * 8, t = t0 + 8 * j + 2 * c + (i & 1);
-            if (row < p.out && t < p.tokens) store_delta(p.y, FOLD ? p.fold : nullptr, (size_t)t * p.y_stride + row, acc[j][i]);
+            if (row < p.out && t < p.tokens) p.y[(size_t)t * p.y_stride + row] = f2bf(acc[j][i]);
         }
 }
 

@@ -130,6 +130,9 @@ typedef struct OrnithGemvFp8Params {
     uint16_t *fold;
     float *wide_part; /* as OrnithGemvBf16Params */
     uint32_t *wide_ticket;
+    /* gemv_fp8_quant: the one bf16 row (in elements) every block quantises itself as
+     * quantize_fp8_rows does (xq, xs and norm unused). */
+    const uint16_t *xb;
 } OrnithGemvFp8Params;
 
 /* MoE router: logits [tokens, logit_stride] bf16 (first `experts` columns are the router).

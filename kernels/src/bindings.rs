@@ -206,10 +206,11 @@ pub struct OrnithGemvFp8Params {
     pub fold: *mut u16,
     pub wide_part: *mut f32,
     pub wide_ticket: *mut u32,
+    pub xb: *const u16,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of OrnithGemvFp8Params"][::std::mem::size_of::<OrnithGemvFp8Params>() - 120usize];
+    ["Size of OrnithGemvFp8Params"][::std::mem::size_of::<OrnithGemvFp8Params>() - 128usize];
     ["Alignment of OrnithGemvFp8Params"][::std::mem::align_of::<OrnithGemvFp8Params>() - 8usize];
     ["Offset of field: OrnithGemvFp8Params::xq"][::std::mem::offset_of!(OrnithGemvFp8Params, xq) - 0usize];
     ["Offset of field: OrnithGemvFp8Params::xs"][::std::mem::offset_of!(OrnithGemvFp8Params, xs) - 8usize];
@@ -229,6 +230,7 @@ const _: () = {
         [::std::mem::offset_of!(OrnithGemvFp8Params, wide_part) - 104usize];
     ["Offset of field: OrnithGemvFp8Params::wide_ticket"]
         [::std::mem::offset_of!(OrnithGemvFp8Params, wide_ticket) - 112usize];
+    ["Offset of field: OrnithGemvFp8Params::xb"][::std::mem::offset_of!(OrnithGemvFp8Params, xb) - 120usize];
 };
 impl Default for OrnithGemvFp8Params {
     fn default() -> Self {

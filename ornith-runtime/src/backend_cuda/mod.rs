@@ -843,9 +843,10 @@ impl CudaBackend {
             table: table as _,
             table_stride: tw as i32,
         })?;
-        // An FP8 o_proj's input codes come from the decode combine itself (its last block per row
-        // quantises the row: quantize_fp8_rows' bits, one launch fewer per layer).
-        let quant_in_combine = !prefill && O::KIND == Precision::Fp8;
+        // An FP8 o_proj's input codes: for one decode row the product quantises the row in its
+        // prologue (gemv_fp8_quant, via linear_rows); for more, the decode combine's last block
+        // per row does (quantize_fp8_rows' bits either way, one launch fewer per layer).
+        let quant_in_combine = !prefill && O::KIND == Precision::Fp8 && n > 1;
         let (xq, xs) = self.q8_scratch();
         if prefill {
             self.cx.k_flash_attn(OrnithFlashAttnParams {

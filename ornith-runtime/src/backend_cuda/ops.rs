@@ -146,6 +146,10 @@ impl CudaBackend {
             Some(ws) => {
                 let (xq, xsc, xstride) = match x.q8 {
                     Some((q, s)) => (q, s, x.stride),
+                    // one decode row: quantised in the product's prologue
+                    None if t == 1 && !prefill => {
+                        return self.cx.k_gemv_fp8_quant(x.bf, w.w, ws, y, in_, out, y_stride, w.split_rows, fold);
+                    }
                     None => {
                         self.k_quant_rows(x, q8_scratch, t, in_)?;
                         (q8_scratch.0, q8_scratch.1, in_)

@@ -374,6 +374,44 @@ impl CudaContext {
         self.launch(Launch::new("gemv_fp8_norm", grid, super::GEMV_BLOCK, bytes).smem(smem).weights_first(), p)
     }
 
+    /// `gemv_fp8` of one bf16 row `xb` (`in_` elements) that every block quantises itself after
+    /// its first weight loads (`gemv_fp8_quant`): the bits of `quantize_fp8_rows` then
+    /// [`Self::k_gemv_fp8`], without the quantisation's launch; `fold` as there.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn k_gemv_fp8_quant(
+        &self,
+        xb: Ptr,
+        w: Ptr,
+        ws: Ptr,
+        y: Ptr,
+        in_: usize,
+        out: usize,
+        ys: usize,
+        split: usize,
+        fold: Option<Ptr>,
+    ) -> Result<()> {
+        Self::gemv_checks(xb, w, 1, in_, out, in_, ys, 16)?;
+        ensure!(split >= out, "gemv_fp8_quant: split rows {split} < out {out}");
+        ensure!(in_ <= 48 * 1024, "gemv_fp8_quant: a row of {in_} codes exceeds the 48 KiB of shared memory");
+        let p = OrnithGemvFp8Params {
+            w: w as _,
+            ws: ws as _,
+            y: y as _,
+            tokens: 1,
+            in_: in_ as i32,
+            out: out as i32,
+            x_stride: in_ as i32,
+            y_stride: ys as i32,
+            split_out: i32of("gemv_fp8 split rows", split)?,
+            fold: fold.map_or(std::ptr::null_mut(), |f| f as _),
+            xb: xb as _,
+            ..Default::default()
+        };
+        let bytes = (out * in_ + out * 4 + in_ * 2 + out * 2) as u64 + fold_bytes(fold, 1, out);
+        let grid = (super::gemv_tc_blocks(in_, out, split), 1, 1);
+        self.launch(Launch::new("gemv_fp8_quant", grid, super::GEMV_BLOCK, bytes).smem(in_ as u32).weights_first(), p)
+    }
+
     /// The expert GEMVs of a decode group (see `OrnithMoeGemvParams`): per (token, slot)
     /// (`moe_gemv_fp8`: grid (tiles, top_k + 1, tokens)), or `grouped` by expert over
     /// `moe_sort`'s groups (`moe_gemv_grouped`, the same bits; one block row per possible active

@@ -165,6 +165,7 @@ const KERNELS: [(Module, &[&str]); 11] = [
             "gemv_fp8_staged",
             "gemv_bf16_norm",
             "gemv_fp8_norm",
+            "gemv_fp8_quant",
             "gdn_out_proj",
             "gdn_out_reduce",
             "moe_gemv_fp8",

@@ -392,6 +392,73 @@ fn norm_prologue_and_fold_match_the_norm_kernel() {
     );
 }
 
+/// The quantisation prologue (`gemv_fp8_quant`: every block quantises the one bf16 row itself)
+/// against what it replaces, bit for bit: `quantize_fp8_rows` (itself tested against
+/// `model_spec::fp8` above) then `gemv_fp8`; with a residual fold, the residual and the delta
+/// against `gemv_fp8`'s fold from the same buffers. The decode o_proj (4,096 -> 2,048), a row
+/// that is not a multiple of the block, and one longer than the registers hold (two L2 passes).
+#[test]
+#[ignore]
+fn gemv_fp8_quant_matches_quantize_and_gemv_fp8() {
+    let c = ctx();
+    let mut r = rng(43);
+    for (in_, out) in [(4096, 2048), (528, 64), (4368, 136)] {
+        let x = bfv(&mut r, in_, 3.0);
+        let (w8, ws) = (e4m3_codes(&mut r, out * in_), fp8_scales(&mut r, out));
+        let (dx, dw, dws) = (c.upload(&x).unwrap(), c.upload(&w8).unwrap(), c.upload(&ws).unwrap());
+        let mut xq = c.upload(&vec![0xAAu8; in_]).unwrap();
+        let mut xs = c.upload(&[-1f32; 1]).unwrap();
+        c.quantize_fp8(&dx, &mut xq, &mut xs, 1, in_).unwrap();
+        let mut want = c.upload(&vec![POISON; out]).unwrap();
+        c.gemv_fp8(&xq, &xs, &dw, &dws, &mut want, 1, in_, out, in_, out).unwrap();
+        let got = c.upload(&vec![POISON; out]).unwrap();
+        c.k_gemv_fp8_quant(c.addr(&dx), c.addr(&dw), c.addr(&dws), c.addr(&got), in_, out, out, out, None).unwrap();
+        let want = c.download(&want).unwrap();
+        assert!(
+            c.download(&got).unwrap() == want,
+            "gemv_fp8_quant {in_} -> {out} differs from quantize_fp8_rows + gemv_fp8"
+        );
+        // The fold: the same residual and pending delta into both kernels.
+        let (res, old) = (bfv(&mut r, out, 4.0), bfv(&mut r, out, 4.0));
+        let (fr_want, dl_want) = (c.upload(&res).unwrap(), c.upload(&old).unwrap());
+        let (fr_got, dl_got) = (c.upload(&res).unwrap(), c.upload(&old).unwrap());
+        let (a, b) = (c.addr(&xq), c.addr(&xs));
+        c.k_gemv_fp8(
+            a,
+            b,
+            c.addr(&dw),
+            c.addr(&dws),
+            c.addr(&dl_want),
+            1,
+            in_,
+            out,
+            in_,
+            out,
+            out,
+            Some(c.addr(&fr_want)),
+        )
+        .unwrap();
+        c.k_gemv_fp8_quant(
+            c.addr(&dx),
+            c.addr(&dw),
+            c.addr(&dws),
+            c.addr(&dl_got),
+            in_,
+            out,
+            out,
+            out,
+            Some(c.addr(&fr_got)),
+        )
+        .unwrap();
+        assert!(c.download(&dl_got).unwrap() == want, "gemv_fp8_quant {in_} -> {out} with a fold changed its output");
+        assert_eq!(
+            c.download(&fr_got).unwrap(),
+            c.download(&fr_want).unwrap(),
+            "gemv_fp8_quant {in_} -> {out}: the folded residual is not gemv_fp8's"
+        );
+    }
+}
+
 #[test]
 #[ignore]
 fn rmsnorm_residual_matches_reference() {
