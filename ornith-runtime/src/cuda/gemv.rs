@@ -49,6 +49,34 @@ pub struct MoeGemvArgs<'a> {
     pub xs_slot_stride: usize,
 }
 
+/// The parameters of an FP8 product of one row that a prologue computes (the norm, the
+/// quantisation): everything but the prologue's input.
+#[allow(clippy::too_many_arguments)]
+fn fp8_row_params(
+    w: Ptr,
+    ws: Ptr,
+    y: Ptr,
+    in_: usize,
+    out: usize,
+    ys: usize,
+    split: usize,
+    fold: Option<Ptr>,
+) -> Result<OrnithGemvFp8Params> {
+    Ok(OrnithGemvFp8Params {
+        w: w as _,
+        ws: ws as _,
+        y: y as _,
+        tokens: 1,
+        in_: in_ as i32,
+        out: out as i32,
+        x_stride: in_ as i32,
+        y_stride: ys as i32,
+        split_out: i32of("gemv_fp8 split rows", split)?,
+        fold: fold.map_or(std::ptr::null_mut(), |f| f as _),
+        ..Default::default()
+    })
+}
+
 impl CudaContext {
     /// What both tensor-core decode products assume: `in % 16 == 0`, strides covering the rows and
     /// keeping them 16-byte aligned (`align` elements), offsets inside int32.
@@ -355,20 +383,7 @@ impl CudaContext {
         let smem = Self::norm_checks(&norm, in_, 1)?;
         Self::gemv_checks(norm.res as Ptr, w, 1, in_, out, in_, ys, 16)?;
         ensure!(split >= out, "gemv_fp8_norm: split rows {split} < out {out}");
-        let p = OrnithGemvFp8Params {
-            w: w as _,
-            ws: ws as _,
-            y: y as _,
-            tokens: 1,
-            in_: in_ as i32,
-            out: out as i32,
-            x_stride: in_ as i32,
-            y_stride: ys as i32,
-            split_out: i32of("gemv_fp8 split rows", split)?,
-            norm,
-            fold: fold.map_or(std::ptr::null_mut(), |f| f as _),
-            ..Default::default()
-        };
+        let p = OrnithGemvFp8Params { norm, ..fp8_row_params(w, ws, y, in_, out, ys, split, fold)? };
         let bytes = (out * in_ + out * 4 + norm_bytes(&norm, in_) + out * 2) as u64 + fold_bytes(fold, 1, out);
         let grid = (super::gemv_tc_blocks(in_, out, split), 1, 1);
         self.launch(Launch::new("gemv_fp8_norm", grid, super::GEMV_BLOCK, bytes).smem(smem).weights_first(), p)
@@ -393,20 +408,7 @@ impl CudaContext {
         Self::gemv_checks(xb, w, 1, in_, out, in_, ys, 16)?;
         ensure!(split >= out, "gemv_fp8_quant: split rows {split} < out {out}");
         ensure!(in_ <= 48 * 1024, "gemv_fp8_quant: a row of {in_} codes exceeds the 48 KiB of shared memory");
-        let p = OrnithGemvFp8Params {
-            w: w as _,
-            ws: ws as _,
-            y: y as _,
-            tokens: 1,
-            in_: in_ as i32,
-            out: out as i32,
-            x_stride: in_ as i32,
-            y_stride: ys as i32,
-            split_out: i32of("gemv_fp8 split rows", split)?,
-            fold: fold.map_or(std::ptr::null_mut(), |f| f as _),
-            xb: xb as _,
-            ..Default::default()
-        };
+        let p = OrnithGemvFp8Params { xb: xb as _, ..fp8_row_params(w, ws, y, in_, out, ys, split, fold)? };
         let bytes = (out * in_ + out * 4 + in_ * 2 + out * 2) as u64 + fold_bytes(fold, 1, out);
         let grid = (super::gemv_tc_blocks(in_, out, split), 1, 1);
         self.launch(Launch::new("gemv_fp8_quant", grid, super::GEMV_BLOCK, bytes).smem(in_ as u32).weights_first(), p)
