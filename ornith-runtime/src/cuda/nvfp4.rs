@@ -104,6 +104,38 @@ pub fn fp4_bytes(in_: usize, out: usize, tabs: usize) -> usize {
     out * in_ / 2 + out * in_ / 16 + tabs * TAB_BYTES
 }
 
+/// The parameters of an NVFP4 decode product (`gemv_nvfp4`, `gemv_nvfp4_norm`) of `t` rows.
+#[allow(clippy::too_many_arguments)]
+fn fp4_params(
+    x: Ptr,
+    w: &Fp4W,
+    y: Ptr,
+    t: usize,
+    in_: usize,
+    out: usize,
+    xs: usize,
+    ys: usize,
+    split: usize,
+    fold: Option<Ptr>,
+) -> Result<OrnithGemvNvfp4Params> {
+    Ok(OrnithGemvNvfp4Params {
+        x: x as _,
+        w: w.w as _,
+        ws: w.ws as _,
+        tab: w.tab as _,
+        y: y as _,
+        tokens: t as i32,
+        in_: in_ as i32,
+        out: out as i32,
+        x_stride: xs as i32,
+        y_stride: i32of("gemv_nvfp4 y_stride", ys)?,
+        tab_rows: i32of("tab_rows", w.tab_rows.min(out))?,
+        split_out: i32of("gemv_nvfp4 split rows", split)?,
+        fold: fold.map_or(std::ptr::null_mut(), |f| f as _),
+        ..Default::default()
+    })
+}
+
 impl CudaContext {
     /// `y[t, o] = bf16(Σ_i x[t, i] · wd[o, i])` for any number of rows (bf16 rows of `x` and `y`
     /// at strides `xs`, `ys` elements): the tensor-core decode product with the dense K split on
@@ -132,22 +164,7 @@ impl CudaContext {
             "gemv_nvfp4: strides x {xs} (>= in {in_}, 16-byte rows), y {ys}"
         );
         ensure!(aligned(x, 16), "gemv_nvfp4: x must be 16-byte aligned");
-        let p = OrnithGemvNvfp4Params {
-            x: x as _,
-            w: w.w as _,
-            ws: w.ws as _,
-            tab: w.tab as _,
-            y: y as _,
-            tokens: t as i32,
-            in_: in_ as i32,
-            out: out as i32,
-            x_stride: xs as i32,
-            y_stride: i32of("gemv_nvfp4 y_stride", ys)?,
-            tab_rows: i32of("tab_rows", w.tab_rows.min(out))?,
-            split_out: i32of("gemv_nvfp4 split rows", split)?,
-            fold: fold.map_or(std::ptr::null_mut(), |f| f as _),
-            ..Default::default()
-        };
+        let p = fp4_params(x, &w, y, t, in_, out, xs, ys, split, fold)?;
         let bytes =
             (fp4_bytes(in_, out, tables(&w, out)) + t * (in_ + out) * 2) as u64 + super::gemv::fold_bytes(fold, t, out);
         let name = if super::gemv_tc_wide(t) { "gemv_nvfp4_wide" } else { "gemv_nvfp4" };
@@ -176,22 +193,8 @@ impl CudaContext {
         let smem = Self::norm_checks(&norm, in_, 2)?;
         ensure!(split >= out, "gemv_nvfp4_norm: split rows {split} < out {out}");
         ensure!(ys >= out, "gemv_nvfp4_norm: y stride {ys} < out {out}");
-        let p = OrnithGemvNvfp4Params {
-            w: w.w as _,
-            ws: w.ws as _,
-            tab: w.tab as _,
-            y: y as _,
-            tokens: 1,
-            in_: in_ as i32,
-            out: out as i32,
-            x_stride: in_ as i32,
-            y_stride: i32of("gemv_nvfp4_norm y_stride", ys)?,
-            tab_rows: i32of("tab_rows", w.tab_rows.min(out))?,
-            split_out: i32of("gemv_nvfp4_norm split rows", split)?,
-            norm,
-            fold: fold.map_or(std::ptr::null_mut(), |f| f as _),
-            ..Default::default()
-        };
+        // x unused: the prologue computes the row.
+        let p = OrnithGemvNvfp4Params { norm, ..fp4_params(0, &w, y, 1, in_, out, in_, ys, split, fold)? };
         let bytes = (fp4_bytes(in_, out, tables(&w, out)) + super::gemv::norm_bytes(&norm, in_) + out * 2) as u64
             + super::gemv::fold_bytes(fold, 1, out);
         let grid = (super::gemv_tc_blocks(in_, out, split), 1, 1);
