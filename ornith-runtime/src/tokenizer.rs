@@ -6,8 +6,14 @@
 //! and text is released only up to the last complete UTF-8 character. Invalid bytes become
 //! U+FFFD exactly where `String::from_utf8_lossy` on the whole byte string would put them, which
 //! is what the byte-level decoder of `decode` does, so the concatenated stream equals `decode`.
-use std::collections::HashSet;
+//!
+//! Encoding splits the text at its added tokens first, as the library's own first step does, and
+//! keeps the ids of long pieces in a cache: a coding agent resends its whole conversation every
+//! turn, and only the pieces it has not sent before are encoded again (see [`Tokenizer::encode`]).
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Context, Result};
 use tokenizers::DecoderWrapper;
@@ -18,6 +24,160 @@ pub struct Tokenizer {
     bytes: Vec<Vec<u8>>,
     /// Ids of added tokens flagged `special` (dropped by `skip_special` decoding).
     special: HashSet<u32>,
+    /// The added tokens as the library's first split matches them, when that split is all there
+    /// is to them (see [`AddedSplit::of`]); `None`: every text goes through the whole pipeline.
+    split: Option<AddedSplit>,
+    /// Ids of text pieces (see [`Tokenizer::encode`]).
+    cache: Mutex<PieceCache>,
+}
+
+/// Text pieces at least this long are cached (shorter ones cost less to encode than to store).
+const CACHE_MIN_PIECE: usize = 256;
+/// Bytes the piece cache holds at most (texts and ids): ~40 conversations of 200K tokens.
+const CACHE_BUDGET: usize = 64 << 20;
+/// Uncached pieces adding up to this many bytes are encoded on several threads.
+const PARALLEL_MIN_BYTES: usize = 128 << 10;
+/// Most threads one encode uses.
+const MAX_THREADS: usize = 8;
+
+/// One piece of a text as the library's first split sees it: an added token, or the text between two.
+enum Piece<'a> {
+    Added(u32),
+    Text(&'a str),
+}
+
+/// The added tokens, longest first, and the bytes they can start with.
+struct AddedSplit {
+    tokens: Vec<(String, u32)>,
+    first: [bool; 256],
+}
+
+impl AddedSplit {
+    /// `tokenizers` encodes a text by splitting it at the added tokens it finds in the raw text
+    /// (leftmost-longest, the `normalized: false` ones), normalising what lies between, splitting
+    /// that again at the `normalized: true` tokens, then pre-tokenizing and running the model on
+    /// each piece by itself (tokenizers 0.22, `AddedVocabulary::extract_and_normalize`). When
+    /// every added token is matched in the raw text as it stands (`normalized`, `lstrip`, `rstrip`
+    /// and `single_word` all false: the Qwen3.5 files), specials are not encoded as text, and no
+    /// truncation or padding is set, that first split is the only place where pieces meet, so the
+    /// ids of a text are those of its pieces in order. Otherwise `None`.
+    fn of(inner: &tokenizers::Tokenizer) -> Option<Self> {
+        let added = inner.get_added_tokens_decoder();
+        let plain =
+            added.values().all(|t| !t.normalized && !t.lstrip && !t.rstrip && !t.single_word && !t.content.is_empty());
+        if !plain
+            || inner.get_encode_special_tokens()
+            || inner.get_truncation().is_some()
+            || inner.get_padding().is_some()
+        {
+            return None;
+        }
+        let mut tokens: Vec<(String, u32)> = added.iter().map(|(&id, t)| (t.content.clone(), id)).collect();
+        tokens.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let mut first = [false; 256];
+        for (t, _) in &tokens {
+            first[t.as_bytes()[0] as usize] = true;
+        }
+        Some(Self { tokens, first })
+    }
+
+    /// `text` cut at its added tokens, leftmost first and the longest token at a place (the
+    /// library's `MatchKind::LeftmostLongest`); empty pieces between tokens are left out.
+    fn split<'a>(&self, text: &'a str) -> Vec<Piece<'a>> {
+        let b = text.as_bytes();
+        let mut pieces = Vec::new();
+        let (mut start, mut i) = (0, 0);
+        while i < b.len() {
+            if self.first[b[i] as usize] {
+                // A token's first byte never continues a UTF-8 character, so `i` is a char boundary.
+                if let Some((t, id)) = self.tokens.iter().find(|(t, _)| b[i..].starts_with(t.as_bytes())) {
+                    if start < i {
+                        pieces.push(Piece::Text(&text[start..i]));
+                    }
+                    pieces.push(Piece::Added(*id));
+                    i += t.len();
+                    start = i;
+                    continue;
+                }
+            }
+            i += 1;
+        }
+        if start < b.len() {
+            pieces.push(Piece::Text(&text[start..]));
+        }
+        pieces
+    }
+}
+
+/// Ids of text pieces by their text, least recently used evicted first past [`CACHE_BUDGET`].
+#[derive(Default)]
+struct PieceCache {
+    map: HashMap<String, (Arc<[u32]>, u64)>,
+    bytes: usize,
+    clock: u64,
+    budget: usize,
+    /// Lookups that found their piece, and those that did not.
+    hits: u64,
+    misses: u64,
+}
+
+/// The encode cache's counters ([`Tokenizer::cache_stats`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Pieces held.
+    pub pieces: usize,
+    /// Lookups of long pieces that found them, and that did not.
+    pub hits: u64,
+    pub misses: u64,
+}
+
+impl PieceCache {
+    fn new(budget: usize) -> Self {
+        Self { budget, ..Self::default() }
+    }
+
+    fn cost(text: &str, ids: &[u32]) -> usize {
+        text.len() + 4 * ids.len()
+    }
+
+    fn get(&mut self, text: &str) -> Option<Arc<[u32]>> {
+        self.clock += 1;
+        let clock = self.clock;
+        let found = self.map.get_mut(text).map(|(ids, used)| {
+            *used = clock;
+            ids.clone()
+        });
+        if found.is_some() {
+            self.hits += 1;
+        } else {
+            self.misses += 1;
+        }
+        found
+    }
+
+    /// Stores a piece's ids; past the budget, drops the least recently used pieces down to 3/4 of
+    /// it (a piece larger than that is not kept).
+    fn insert(&mut self, text: &str, ids: Arc<[u32]>) {
+        let cost = Self::cost(text, &ids);
+        if cost > self.budget / 4 * 3 || self.map.contains_key(text) {
+            return;
+        }
+        self.clock += 1;
+        self.bytes += cost;
+        self.map.insert(text.to_string(), (ids, self.clock));
+        if self.bytes > self.budget {
+            let mut by_age: Vec<(u64, String)> = self.map.iter().map(|(t, (_, used))| (*used, t.clone())).collect();
+            by_age.sort_unstable();
+            for (_, t) in by_age {
+                if self.bytes <= self.budget / 4 * 3 {
+                    break;
+                }
+                if let Some((ids, _)) = self.map.remove(&t) {
+                    self.bytes -= Self::cost(&t, &ids);
+                }
+            }
+        }
+    }
 }
 
 /// GPT-2's byte-level alphabet as a char → byte table indexed by code point: printable Latin-1
@@ -70,14 +230,107 @@ impl Tokenizer {
                     .collect::<Result<Vec<u8>>>()?,
             };
         }
-        Ok(Self { inner, bytes, special })
+        let split = AddedSplit::of(&inner);
+        Ok(Self { inner, bytes, special, split, cache: Mutex::new(PieceCache::new(CACHE_BUDGET)) })
     }
 
     /// Token ids of `text` (NFC-normalised, split by the pre-tokenizer regex, BPE). Added tokens
     /// written in the text (`<|im_start|>`, `<think>`, …) are matched whole, special or not.
+    ///
+    /// The ids of [`Self::encode_uncached`], piece by piece: the text is cut at its added tokens
+    /// (the library's first step, [`AddedSplit::of`]), pieces of at least [`CACHE_MIN_PIECE`]
+    /// bytes are looked up in the cache, and the rest are encoded — on several threads when
+    /// they add up to [`PARALLEL_MIN_BYTES`] — and the long ones cached. A conversation's messages
+    /// are such pieces (the chat template puts `<|im_start|>` and `<|im_end|>` around each), so
+    /// the next turn of a conversation encodes only its new messages.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let Some(split) = &self.split else {
+            return self.encode_uncached(text);
+        };
+        enum Part {
+            Id(u32),
+            Ids(Arc<[u32]>),
+            Miss(usize),
+        }
+        let mut misses: Vec<&str> = Vec::new();
+        let parts: Vec<Part> = {
+            let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            split
+                .split(text)
+                .into_iter()
+                .map(|p| match p {
+                    Piece::Added(id) => Part::Id(id),
+                    Piece::Text(t) => match (t.len() >= CACHE_MIN_PIECE).then(|| cache.get(t)).flatten() {
+                        Some(ids) => Part::Ids(ids),
+                        None => {
+                            misses.push(t);
+                            Part::Miss(misses.len() - 1)
+                        }
+                    },
+                })
+                .collect()
+        };
+        let encoded = self.encode_pieces(&misses)?;
+        {
+            let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            for (t, ids) in misses.iter().zip(&encoded) {
+                if t.len() >= CACHE_MIN_PIECE {
+                    cache.insert(t, ids.clone());
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(text.len() / 3);
+        for p in parts {
+            match p {
+                Part::Id(id) => out.push(id),
+                Part::Ids(ids) => out.extend_from_slice(&ids),
+                Part::Miss(i) => out.extend_from_slice(&encoded[i]),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The library's whole pipeline on `text` at once, no cache: what [`Self::encode`] equals.
+    pub fn encode_uncached(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self.inner.encode(text, false).map_err(|e| anyhow!("encoding failed: {e}"))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// The encode cache's counters (for tests and diagnostics).
+    pub fn cache_stats(&self) -> CacheStats {
+        let c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        CacheStats { pieces: c.map.len(), hits: c.hits, misses: c.misses }
+    }
+
+    /// [`Self::encode_uncached`] of each piece, in order: on up to [`MAX_THREADS`] threads (the
+    /// longest pieces first) when they add up to [`PARALLEL_MIN_BYTES`].
+    fn encode_pieces(&self, pieces: &[&str]) -> Result<Vec<Arc<[u32]>>> {
+        let total: usize = pieces.iter().map(|p| p.len()).sum();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = cores.min(MAX_THREADS).min(pieces.len());
+        if threads <= 1 || total < PARALLEL_MIN_BYTES {
+            return pieces.iter().map(|p| self.encode_uncached(p).map(Arc::from)).collect();
+        }
+        let mut order: Vec<usize> = (0..pieces.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(pieces[i].len()));
+        let next = AtomicUsize::new(0);
+        // One slot per piece, filled by whichever thread encodes it.
+        type Slot = Mutex<Option<Result<Arc<[u32]>>>>;
+        let slots: Vec<Slot> = pieces.iter().map(|_| Mutex::new(None)).collect();
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| loop {
+                    let k = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&i) = order.get(k) else { break };
+                    let r = self.encode_uncached(pieces[i]).map(Arc::from);
+                    *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+                });
+            }
+        });
+        slots
+            .into_iter()
+            .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()).expect("every piece encoded"))
+            .collect()
     }
 
     /// Text of `ids`; with `skip_special`, added tokens flagged special are dropped (`<think>`
@@ -185,7 +438,61 @@ impl DecodeStream<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{byte_level_table, char_to_byte as cb};
+    use super::{byte_level_table, char_to_byte as cb, AddedSplit, Piece, PieceCache};
+    use std::sync::Arc;
+
+    fn split_of(tokens: &[(&str, u32)]) -> AddedSplit {
+        let mut tokens: Vec<(String, u32)> = tokens.iter().map(|(t, id)| (t.to_string(), *id)).collect();
+        tokens.sort_by_key(|t| std::cmp::Reverse(t.0.len()));
+        let mut first = [false; 256];
+        for (t, _) in &tokens {
+            first[t.as_bytes()[0] as usize] = true;
+        }
+        AddedSplit { tokens, first }
+    }
+
+    fn show(pieces: Vec<Piece<'_>>) -> Vec<String> {
+        pieces
+            .into_iter()
+            .map(|p| match p {
+                Piece::Added(id) => format!("#{id}"),
+                Piece::Text(t) => t.to_string(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn added_split_is_leftmost_longest() {
+        let s = split_of(&[("<a>", 1), ("<a>b", 2), ("<|x|>", 3), ("é<", 4)]);
+        assert_eq!(show(s.split("")), Vec::<String>::new());
+        assert_eq!(show(s.split("<a>")), ["#1"]);
+        // The longest token at the leftmost place wins; nothing empty between adjacent tokens.
+        assert_eq!(show(s.split("x<a>bc<a><|x|>")), ["x", "#2", "c", "#1", "#3"]);
+        // Partial and nested markers stay text; a multi-byte first character splits on a boundary.
+        assert_eq!(show(s.split("<<|x|>>|x|<a")), ["<", "#3", ">|x|<a"]);
+        assert_eq!(show(s.split("aé<a>")), ["a", "#4", "a>"]);
+    }
+
+    #[test]
+    fn piece_cache_evicts_least_recently_used() {
+        let ids = |n: usize| Arc::<[u32]>::from(vec![7u32; n]);
+        // cost = text bytes + 4 per id: 10 + 40 = 50 each, budget 200 (kept down to 150).
+        let mut c = PieceCache::new(200);
+        for k in 0..4 {
+            c.insert(&format!("piece-{k:04}"), ids(10));
+        }
+        assert_eq!((c.map.len(), c.bytes), (4, 200));
+        assert!(c.get("piece-0000").is_some()); // now the most recently used
+        c.insert("piece-0004", ids(10)); // 250 > 200: drop the oldest down to <= 150
+        assert_eq!(c.bytes, 150);
+        assert!(c.get("piece-0000").is_some() && c.get("piece-0004").is_some());
+        assert!(c.get("piece-0001").is_none() && c.get("piece-0002").is_none());
+        // A piece larger than 3/4 of the budget is not kept; a repeated insert changes nothing.
+        c.insert("huge", ids(40));
+        c.insert("piece-0004", ids(10));
+        assert_eq!((c.map.len(), c.bytes), (3, 150));
+        assert_eq!(&*c.get("piece-0004").unwrap(), &[7u32; 10][..]);
+    }
 
     #[test]
     fn byte_level_alphabet() {

@@ -252,3 +252,88 @@ fn unknown_ids_degrade_to_replacement_characters() {
     // `0..vocab_size` holds no hole.
     assert!((0..n).all(|id| t.knows(id)), "the tokenizer has ids without a token below {n}");
 }
+
+/// Texts that cut the golden corpus at the added tokens every way the chat template and the
+/// models write them: adjacent tokens, tokens at both ends, partial and nested markers, a
+/// combining mark right after a token (NFC would compose `>` + U+0338 if the token were matched
+/// after normalisation), pieces above the cache's 256-byte threshold, and one text above the
+/// 128 KiB that spreads its pieces over threads.
+fn piece_texts() -> Vec<String> {
+    let golden: Vec<String> = cases().into_iter().map(|c| c.text).collect();
+    let mut texts: Vec<String> = [
+        "",
+        "<|im_start|>",
+        "<|im_start|><|im_end|>",
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nok<|im_end|>",
+        "<<|im_end|>>|im_start|><|im_start",
+        "<think>\u{338} </think>\u{338}x<tool_call>\u{301}",
+        "a<tool_call>\n{\"name\": \"f\"}\n</tool_call><tool_response>\nr\n</tool_response>",
+        "<|fim_prefix|>def f():<|fim_suffix|>\n    return 1<|fim_middle|>",
+        "  <|im_end|>  \n\n<|endoftext|>\u{3000}",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let markers = ["<|im_start|>", "<|im_end|>\n", "<think>", "</think>\n\n", "<tool_call>", "<|endoftext|>"];
+    for (i, g) in golden.iter().enumerate() {
+        let m = markers[i % markers.len()];
+        texts.push(format!("{m}{g}{m}"));
+        texts.push(format!("{g}{m}{}", golden[(i + 1) % golden.len()]));
+    }
+    let long: String = golden
+        .iter()
+        .map(|g| g.repeat(1 + 300 / g.len().max(1)))
+        .collect::<Vec<_>>()
+        .join("<|im_end|>\n<|im_start|>user\n");
+    texts.push(long.clone());
+    let mut big = String::new();
+    while big.len() < 300 << 10 {
+        big.push_str(&long);
+        big.push_str(&format!("<|im_end|>\n<|im_start|>assistant\n{}", big.len()));
+    }
+    texts.push(big);
+    texts
+}
+
+#[test]
+fn piecewise_encode_equals_the_whole_pipeline() {
+    // Tokenizer::encode cuts the text at its added tokens and caches long pieces; its ids must be
+    // those of the library's pipeline on the whole text, first from a cold cache, then warm.
+    let tok = tokenizer();
+    for pass in ["cold", "warm"] {
+        for (i, t) in piece_texts().iter().enumerate() {
+            assert_eq!(tok.encode(t).unwrap(), tok.encode_uncached(t).unwrap(), "text {i} ({pass}): {:.80?}", t);
+        }
+    }
+}
+
+#[test]
+fn a_growing_conversation_encodes_only_its_new_pieces() {
+    // A coding agent's turns: each request is the previous one plus new messages, rendered by the
+    // chat template. Every turn's ids equal the whole pipeline's, and after the first turn the
+    // cache gains only the new messages' long pieces. (A tokenizer of its own: the shared one's
+    // cache is also used by the tests running beside this one.)
+    let tok = Tokenizer::from_file(&tokenizer_dir().join("tokenizer.json")).unwrap();
+    let tpl = ornith_runtime::chat::ChatTemplate::from_file(&tokenizer_dir().join("chat_template.jinja")).unwrap();
+    let golden: Vec<String> = cases().into_iter().map(|c| c.text).collect();
+    let mut messages = vec![serde_json::json!({"role": "system", "content": "You are a coding agent. ".repeat(40)})];
+    let mut before = tok.cache_stats();
+    for turn in 0..6 {
+        let body: String = golden.iter().skip(turn * 7).take(7).cloned().collect::<Vec<_>>().join("\n");
+        messages.push(serde_json::json!({"role": "user", "content": format!("turn {turn}\n{body}")}));
+        let text = tpl.render(&Value::Array(messages.clone()), None, true, &serde_json::Map::new()).unwrap();
+        assert_eq!(tok.encode(&text).unwrap(), tok.encode_uncached(&text).unwrap(), "turn {turn}");
+        let after = tok.cache_stats();
+        // The new user message and the previous turn's reply are the only long pieces not seen.
+        let (new, seen) = (after.misses - before.misses, after.hits - before.hits);
+        assert!(
+            (1..=2).contains(&new) && after.pieces == before.pieces + new as usize,
+            "turn {turn}: {before:?} -> {after:?}"
+        );
+        if turn > 0 {
+            assert!(seen as usize >= turn, "turn {turn}: only {seen} earlier pieces found ({before:?} -> {after:?})");
+        }
+        before = after;
+        messages.push(serde_json::json!({"role": "assistant", "content": format!("Done with turn {turn}. {}", "ok ".repeat(100))}));
+    }
+}
