@@ -40,8 +40,8 @@ fn eos_fallback(defaults: &mut GenerationDefaults, codec: &dyn TextCodec) {
 /// The engine and the front end of the checkpoint, loaded for `run` and `serve`.
 struct Loaded {
     engine: Engine,
-    codec: Box<dyn TextCodec + Send>,
-    renderer: Box<dyn PromptRenderer + Send>,
+    codec: Box<dyn TextCodec + Send + Sync>,
+    renderer: Box<dyn PromptRenderer + Send + Sync>,
     defaults: GenerationDefaults,
     /// The checkpoint directory's name (the default model name).
     name: String,
@@ -65,7 +65,8 @@ fn load_all(args: &Args) -> anyhow::Result<Loaded> {
     });
     let ((tok, tpl), t_frontend) = frontend.unwrap_or_else(|p| std::panic::resume_unwind(p))?;
     let (runner, max_context) = gen?;
-    let (codec, renderer): (Box<dyn TextCodec + Send>, Box<dyn PromptRenderer + Send>) = (Box::new(tok), Box::new(tpl));
+    let (codec, renderer): (Box<dyn TextCodec + Send + Sync>, Box<dyn PromptRenderer + Send + Sync>) =
+        (Box::new(tok), Box::new(tpl));
     eos_fallback(&mut defaults, codec.as_ref());
     // Only ids the tokenizer can decode are ever sampled (the lm_head has padding rows).
     let cfg = EngineConfig {

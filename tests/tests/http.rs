@@ -425,6 +425,70 @@ async fn two_concurrent_streams_interleave() {
     assert_eq!(stats.peak_running, 2);
 }
 
+/// The content of a streamed chat completion's events.
+fn streamed_content(events: &[(String, String)]) -> String {
+    events
+        .iter()
+        .filter(|(_, d)| d != "[DONE]")
+        .filter_map(|(_, d)| {
+            serde_json::from_str::<Value>(d).unwrap()["choices"][0]["delta"]["content"].as_str().map(str::to_string)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_being_prepared_holds_up_no_other_request() {
+    // A coding agent's 200K-token conversation takes a while to render and encode; meanwhile the
+    // other clients' requests start and stream. Request B's encoding waits at the gate until A,
+    // sent after it, has streamed to its end.
+    let gate = std::sync::Arc::new(Gate::default());
+    let mut runner = support::ScriptRunner::new(512, 2);
+    runner.step_time = Duration::from_millis(3);
+    let s = server_with_codec(runner, Box::new(GatedCodec(gate.clone())), |_| {}).await;
+    let (c, url) = (s.client.clone(), format!("{}/v1/chat/completions", s.base));
+    let b = tokio::spawn(async move {
+        let body = json!({"messages": user(&format!("SAY:held {HOLD}")), NO_THINK: {"enable_thinking": false}});
+        let r = c.post(url).body(body.to_string()).send().await.unwrap();
+        let status = r.status().as_u16();
+        (status, serde_json::from_str::<Value>(&r.text().await.unwrap()).unwrap())
+    });
+    gate.until_waiting(1).await;
+    let a = json!({"messages": user("SAY:one two three"), "stream": true, NO_THINK: {"enable_thinking": false}});
+    let (status, _, events) = tokio::time::timeout(Duration::from_secs(20), s.stream("/v1/chat/completions", a))
+        .await
+        .expect("request A waited for B's prompt");
+    assert_eq!((status, streamed_content(&events).as_str()), (200, "one two three"));
+    assert!(!b.is_finished(), "B finished before its prompt was made");
+    gate.open();
+    let (status, body) = b.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"], format!("held {HOLD}"));
+    let stats = s.stop().await;
+    assert_eq!((stats.finished, stats.cancelled), (2, 0), "{stats:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_cancelled_while_its_prompt_is_prepared_never_starts() {
+    // The client goes away while its prompt is encoded: the router drops the prompt when it
+    // comes back, the engine never sees the request, and its place is free for the next one.
+    let gate = std::sync::Arc::new(Gate::default());
+    let runner = support::ScriptRunner::new(512, 1);
+    let s = server_with_codec(runner, Box::new(GatedCodec(gate.clone())), |o| o.max_queue = 0).await;
+    let (c, url) = (s.client.clone(), format!("{}/v1/chat/completions", s.base));
+    let pending = tokio::spawn(async move {
+        let body = json!({"messages": user(&format!("SAY:{HOLD}")), "max_tokens": 4000, "ignore_eos": true});
+        c.post(url).body(body.to_string()).send().await
+    });
+    gate.until_waiting(1).await;
+    pending.abort();
+    let _ = pending.await;
+    tokio::time::sleep(Duration::from_millis(300)).await; // the server sees the connection close
+    gate.open();
+    short_request_runs(&s).await;
+    let stats = s.stop().await;
+    assert_eq!((stats.finished, stats.cancelled), (1, 0), "the cancelled request reached the engine: {stats:?}");
+}
+
 // ------------------------------------------------------------------ /v1/responses (Responses API)
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -161,8 +161,8 @@ fn now_unix() -> u64 {
 /// app (every clone of it) is dropped; [`Threads::join`] then returns the engine's counters.
 pub fn app(
     engine: Engine,
-    codec: Box<dyn TextCodec + Send>,
-    renderer: Box<dyn PromptRenderer + Send>,
+    codec: Box<dyn TextCodec + Send + Sync>,
+    renderer: Box<dyn PromptRenderer + Send + Sync>,
     opts: ServerOptions,
 ) -> anyhow::Result<(Router, Threads)> {
     let metrics = Arc::new(Metrics::default());

@@ -1,12 +1,17 @@
-//! The thread between the HTTP handlers and the engine thread: it owns the tokenizer and the chat
-//! template, starts requests (render, tokenize, submit), turns the engine's tokens into chunks and
-//! final bodies with [`Live`], and sends them to each request's channel.
+//! The thread between the HTTP handlers and the engine thread: it starts requests (submits them
+//! to the engine), turns the engine's tokens into chunks and final bodies with [`Live`], and
+//! sends them to each request's channel. A request's prompt (the chat template's rendering and
+//! its tokens) is made first on one of [`PREPARE_THREADS`] preparation threads, so that encoding
+//! a long conversation holds up neither the tokens of the requests already streaming nor the
+//! start of a short request that arrives meanwhile (requests whose preparations overlap are
+//! submitted as they finish, otherwise in arrival order).
 //!
-//! Every message (a new request, a cancel, an engine event) comes through one queue, so a
-//! request is registered under its id before any event of it can be handled. A request whose
-//! channel is closed (the client went away) is cancelled in the engine at once.
+//! Every message (a new request, its prepared prompt, a cancel, an engine event) comes through
+//! one queue, so a request is registered under its id before any event of it can be handled. A
+//! request whose channel is closed (the client went away) is cancelled in the engine at once; one
+//! cancelled while its prompt is being prepared is dropped when the prompt comes back.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
@@ -47,6 +52,15 @@ pub(crate) enum Msg {
     Count {
         req: Request,
         reply: oneshot::Sender<Result<usize, LineError>>,
+    },
+    /// The prompt of request `id`, from a preparation thread.
+    Prepared {
+        id: u64,
+        req: Request,
+        started: Instant,
+        tx: mpsc::UnboundedSender<Out>,
+        place: Place,
+        prompt: Result<(Vec<u32>, bool), LineError>,
     },
     Cancel(u64),
     Event(Event),
@@ -154,38 +168,98 @@ pub struct RouterConfig {
     pub quiet: bool,
 }
 
-/// The router thread and the engine thread under it.
+/// Threads that render and tokenize prompts (the tokenizer spreads one long encode over threads
+/// of its own).
+pub const PREPARE_THREADS: usize = 2;
+
+/// The router thread, the preparation threads and the engine thread under them.
 pub struct Threads {
     router: JoinHandle<()>,
+    prepare: Vec<JoinHandle<()>>,
     engine: EngineThread,
 }
 
 impl Threads {
-    /// Waits for both threads (once every [`EngineRouter`] is dropped); the engine's counters.
+    /// Waits for the threads (once every [`EngineRouter`] is dropped); the engine's counters.
     pub fn join(self) -> anyhow::Result<EngineStats> {
         self.router.join().map_err(|_| anyhow::anyhow!("the router thread panicked"))?;
+        for p in self.prepare {
+            p.join().map_err(|_| anyhow::anyhow!("a prompt preparation thread panicked"))?;
+        }
         self.engine.join()
     }
 }
 
-/// Starts the engine thread and the router thread.
+/// Work for the preparation threads.
+enum Job {
+    /// Make the prompt of a request to start; the result goes back to the router as `Prepared`.
+    Start { id: u64, req: Request, started: Instant, tx: mpsc::UnboundedSender<Out>, place: Place },
+    /// Count a request's prompt tokens and reply at once.
+    Count { req: Request, reply: oneshot::Sender<Result<usize, LineError>> },
+}
+
+/// Starts the engine thread, the router thread and the preparation threads.
 pub fn spawn(
     engine: Engine,
-    codec: Box<dyn TextCodec + Send>,
-    renderer: Box<dyn PromptRenderer + Send>,
+    codec: Box<dyn TextCodec + Send + Sync>,
+    renderer: Box<dyn PromptRenderer + Send + Sync>,
     cfg: RouterConfig,
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<(Threads, EngineRouter)> {
     let window = engine.max_context();
+    let limits = Limits { window, vocab: codec.vocab_size() };
+    let codec: Arc<dyn TextCodec + Send + Sync> = Arc::from(codec);
     let (tx, rx) = channel::<Msg>();
+    let (jobs, job_rx) = channel::<Job>();
     let gone = GoneSignal(tx.clone());
     let (engine, client) = EngineThread::spawn(engine, move |e| gone.0.send(Msg::Event(e)).is_ok());
     let router_client = client.clone();
+    let router_codec = codec.clone();
     let router = std::thread::Builder::new().name("ornith-router".into()).spawn(move || {
-        route(rx, router_client, codec.as_ref(), renderer.as_ref(), &cfg, window, &metrics);
+        route(rx, jobs, router_client, router_codec.as_ref(), &cfg, limits, &metrics);
     })?;
+    let job_rx = Arc::new(std::sync::Mutex::new(job_rx));
+    let renderer: Arc<dyn PromptRenderer + Send + Sync> = Arc::from(renderer);
+    let mut prepare = Vec::with_capacity(PREPARE_THREADS);
+    for i in 0..PREPARE_THREADS {
+        let (jobs, back, codec, renderer) = (job_rx.clone(), tx.clone(), codec.clone(), renderer.clone());
+        prepare.push(std::thread::Builder::new().name(format!("ornith-prompts-{i}")).spawn(move || {
+            prepare_prompts(&jobs, back, codec.as_ref(), renderer.as_ref(), limits);
+        })?);
+    }
     let closer = Arc::new(Closer(tx.clone()));
-    Ok((Threads { router, engine }, EngineRouter { tx, client, window, _closer: closer }))
+    Ok((Threads { router, prepare, engine }, EngineRouter { tx, client, window, _closer: closer }))
+}
+
+/// A preparation thread: renders and tokenizes the prompts of the jobs it takes from the shared
+/// queue (a panic in the template or the tokenizer becomes that request's error). Ends when the
+/// router does.
+fn prepare_prompts(
+    jobs: &std::sync::Mutex<Receiver<Job>>,
+    back: Sender<Msg>,
+    codec: &dyn TextCodec,
+    renderer: &dyn PromptRenderer,
+    limits: Limits,
+) {
+    let make = |req: &Request| {
+        catch_unwind(AssertUnwindSafe(|| live::prompt_tokens(req, codec, renderer, &limits)))
+            .unwrap_or_else(|_| Err(panicked()))
+    };
+    loop {
+        // The lock is held only while waiting for the next job, never while preparing one.
+        let Ok(job) = jobs.lock().unwrap_or_else(|e| e.into_inner()).recv() else { break };
+        match job {
+            Job::Start { id, req, started, tx, place } => {
+                let prompt = make(&req);
+                if back.send(Msg::Prepared { id, req, started, tx, place, prompt }).is_err() {
+                    break; // the router is gone
+                }
+            }
+            Job::Count { req, reply } => {
+                let _ = reply.send(make(&req).map(|(p, _)| p.len()));
+            }
+        }
+    }
 }
 
 struct Open<'a> {
@@ -201,44 +275,69 @@ struct Open<'a> {
 
 fn route(
     rx: Receiver<Msg>,
+    jobs: Sender<Job>,
     client: EngineClient,
     codec: &dyn TextCodec,
-    renderer: &dyn PromptRenderer,
     cfg: &RouterConfig,
-    window: usize,
+    limits: Limits,
     metrics: &Metrics,
 ) {
-    let limits = Limits { window, vocab: codec.vocab_size() };
     let mut open: HashMap<u64, Open<'_>> = HashMap::new();
+    // Requests whose prompts are being prepared, and those of them cancelled meanwhile.
+    let mut preparing: HashSet<u64> = HashSet::new();
+    let mut cancelled: HashSet<u64> = HashSet::new();
     let mut engine_alive = true;
     while let Ok(msg) = rx.recv() {
         match msg {
             Msg::Closed => break,
             Msg::Count { req, reply } => {
-                let r = catch_unwind(AssertUnwindSafe(|| live::prompt_tokens(&req, codec, renderer, &limits)))
-                    .unwrap_or_else(|_| Err(panicked()));
-                let _ = reply.send(r.map(|(p, _)| p.len()));
+                if let Err(std::sync::mpsc::SendError(Job::Count { reply, .. })) = jobs.send(Job::Count { req, reply })
+                {
+                    let _ = reply.send(Err(engine_stopped()));
+                }
             }
             Msg::Start { id, req, started, tx, place } => {
                 if !engine_alive {
                     let _ = tx.send(Out::Done(Err(engine_stopped())));
                     continue;
                 }
-                let begun = catch_unwind(AssertUnwindSafe(|| {
-                    Live::start(
-                        req,
-                        id,
-                        None,
-                        codec,
-                        renderer,
-                        &limits,
-                        &cfg.eos_ids,
-                        &cfg.model_name,
-                        cfg.run_id,
-                        started,
-                    )
-                }))
-                .unwrap_or_else(|_| Err(panicked()));
+                match jobs.send(Job::Start { id, req, started, tx, place }) {
+                    Ok(()) => {
+                        preparing.insert(id);
+                    }
+                    Err(std::sync::mpsc::SendError(job)) => {
+                        if let Job::Start { tx, .. } = job {
+                            let _ = tx.send(Out::Done(Err(engine_stopped())));
+                        }
+                    }
+                }
+            }
+            Msg::Prepared { id, req, started, tx, place, prompt } => {
+                preparing.remove(&id);
+                if cancelled.remove(&id) {
+                    continue; // the client went away while its prompt was made
+                }
+                if !engine_alive {
+                    let _ = tx.send(Out::Done(Err(engine_stopped())));
+                    continue;
+                }
+                let begun = prompt.and_then(|prompt| {
+                    catch_unwind(AssertUnwindSafe(|| {
+                        Live::begin(
+                            req,
+                            prompt,
+                            id,
+                            None,
+                            codec,
+                            &limits,
+                            &cfg.eos_ids,
+                            &cfg.model_name,
+                            cfg.run_id,
+                            started,
+                        )
+                    }))
+                    .unwrap_or_else(|_| Err(panicked()))
+                });
                 match begun {
                     Ok((gen, mut live)) => {
                         let prompt_tokens = live.prompt_len();
@@ -259,7 +358,9 @@ fn route(
                 }
             }
             Msg::Cancel(id) => {
-                if let Some(o) = open.remove(&id) {
+                if preparing.contains(&id) {
+                    cancelled.insert(id);
+                } else if let Some(o) = open.remove(&id) {
                     client.cancel(id);
                     metrics.left(o.live.generated() > 0);
                     if !cfg.quiet {

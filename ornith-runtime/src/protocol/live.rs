@@ -168,6 +168,7 @@ pub fn fim_prompt(codec: &dyn TextCodec, prefix: &str, suffix: &str) -> Result<V
 }
 
 /// What the front end needs of the engine to start a request.
+#[derive(Clone, Copy, Debug)]
 pub struct Limits {
     /// Longest prompt + output.
     pub window: usize,
@@ -216,7 +217,7 @@ impl<'a> Live<'a> {
     /// every chunk (the JSONL front end's).
     #[allow(clippy::too_many_arguments)]
     pub fn start(
-        mut req: Request,
+        req: Request,
         line: u64,
         custom_id: Option<&str>,
         codec: &'a dyn TextCodec,
@@ -227,7 +228,25 @@ impl<'a> Live<'a> {
         run_id: u64,
         started: Instant,
     ) -> Result<(GenRequest, Live<'a>), LineError> {
-        let (prompt, thinking) = prompt_tokens(&req, codec, renderer, limits)?;
+        let prompt = prompt_tokens(&req, codec, renderer, limits)?;
+        Self::begin(req, prompt, line, custom_id, codec, limits, eos_ids, model_name, run_id, started)
+    }
+
+    /// [`Self::start`] from the prompt [`prompt_tokens`] gave for `req` (the HTTP router has it
+    /// computed on a thread of its own, so that a long prompt's encoding holds up no stream).
+    #[allow(clippy::too_many_arguments)]
+    pub fn begin(
+        mut req: Request,
+        (prompt, thinking): (Vec<u32>, bool),
+        line: u64,
+        custom_id: Option<&str>,
+        codec: &'a dyn TextCodec,
+        limits: &Limits,
+        eos_ids: &[u32],
+        model_name: &str,
+        run_id: u64,
+        started: Instant,
+    ) -> Result<(GenRequest, Live<'a>), LineError> {
         if let Kind::Completion { prompt: Prompt::Fim { .. } } = &req.kind {
             req.stop_token_ids.extend(FIM_STOP_TOKENS.iter().filter_map(|t| codec.token_id(t)));
         }
