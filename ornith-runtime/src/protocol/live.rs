@@ -211,29 +211,12 @@ pub fn prompt_tokens(
 }
 
 impl<'a> Live<'a> {
-    /// Renders and tokenizes `req`, checks it against the window, and returns the engine's
-    /// request with the state that will turn its tokens into the result. `line` identifies the
-    /// request within the run (response and tool-call ids); `custom_id`, when given, goes into
-    /// every chunk (the JSONL front end's).
-    #[allow(clippy::too_many_arguments)]
-    pub fn start(
-        req: Request,
-        line: u64,
-        custom_id: Option<&str>,
-        codec: &'a dyn TextCodec,
-        renderer: &dyn PromptRenderer,
-        limits: &Limits,
-        eos_ids: &[u32],
-        model_name: &str,
-        run_id: u64,
-        started: Instant,
-    ) -> Result<(GenRequest, Live<'a>), LineError> {
-        let prompt = prompt_tokens(&req, codec, renderer, limits)?;
-        Self::begin(req, prompt, line, custom_id, codec, limits, eos_ids, model_name, run_id, started)
-    }
-
-    /// [`Self::start`] from the prompt [`prompt_tokens`] gave for `req` (the HTTP router has it
-    /// computed on a thread of its own, so that a long prompt's encoding holds up no stream).
+    /// Checks `req`'s prompt (what [`prompt_tokens`] gave for it) against the window, and returns
+    /// the engine's request with the state that will turn its tokens into the result. `line`
+    /// identifies the request within the run (response and tool-call ids); `custom_id`, when
+    /// given, goes into every chunk (the JSONL front end's). The JSONL front end makes the prompt
+    /// on its main thread, the HTTP server on threads of its own (so that a long prompt's
+    /// encoding holds up no stream).
     #[allow(clippy::too_many_arguments)]
     pub fn begin(
         mut req: Request,
@@ -547,8 +530,8 @@ mod tests {
         let start = |line: Value| {
             let req = super::super::request::parse(&line, &defaults, 1).unwrap();
             let codec = Bytes { fim: true };
-            let (gen, _) =
-                Live::start(req, 1, None, &codec, &NoTemplate, &limits, &[7], "m", 1, Instant::now()).unwrap();
+            let prompt = prompt_tokens(&req, &codec, &NoTemplate, &limits).unwrap();
+            let (gen, _) = Live::begin(req, prompt, 1, None, &codec, &limits, &[7], "m", 1, Instant::now()).unwrap();
             gen.stop_ids
         };
         assert_eq!(start(json!({"prompt": "ab", "suffix": "c"})), [7, 300, 301, 302]);

@@ -35,7 +35,7 @@ use crate::engine::{Engine, EngineStats, EngineThread, Event, EventKind};
 use crate::sampling::mix64;
 
 use super::lines::{LineReader, RawLine};
-use super::live::{Limits, Live};
+use super::live::{prompt_tokens, Limits, Live};
 use super::request::{self, LineError, Request};
 use super::{GenerationDefaults, PromptRenderer, TextCodec};
 
@@ -334,12 +334,13 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
                     let begun = catch_unwind(AssertUnwindSafe(|| {
                         let name = &opts.model_name;
                         let chunk_id = cid.clone().unwrap_or_else(|| format!("line-{line_no}"));
-                        Live::start(
+                        let prompt = prompt_tokens(&req, codec, renderer, &limits)?;
+                        Live::begin(
                             req,
+                            prompt,
                             line_no,
                             Some(&chunk_id),
                             codec,
-                            renderer,
                             &limits,
                             eos,
                             name,
