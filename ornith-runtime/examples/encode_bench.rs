@@ -1,7 +1,8 @@
 //! How long the prompt of a coding agent's turn takes to encode: a conversation of source files
 //! (the repository's own Rust, ~200K tokens), rendered by the checkpoint's chat template, encoded
 //! by the library's whole pipeline (`encode_uncached`), by `encode` from a cold cache, by `encode`
-//! again (warm), and by `encode` of the next turn (the same conversation plus one message).
+//! again (warm), and by `encode` of the next turn (the same conversation plus one message); then
+//! the same sources as one message (one piece, cut at its seams), whole pipeline and cold.
 //! Medians of `--runs` runs; one JSON line on stdout.
 //!
 //!     cargo run --release -p ornith-runtime --example encode_bench -- --model DIR [--kib 800] [--runs 5]
@@ -77,6 +78,18 @@ fn main() -> Result<()> {
         cold.push(s.elapsed().as_secs_f64() * 1e3);
     }
     cold.sort_by(f64::total_cmp);
+    // The same sources as one message (one piece: cut at its seams instead of between messages).
+    let one: String = messages[1..].iter().map(|m| m["content"].as_str().unwrap_or_default()).collect();
+    let one_text = render(&[json!({"role": "user", "content": one})])?;
+    let one_whole_ms = median_ms(|| t.encode_uncached(&one_text).map(|_| ()), runs)?;
+    let mut one_cold = Vec::new();
+    for _ in 0..runs {
+        let fresh = tok()?;
+        let s = Instant::now();
+        fresh.encode(&one_text)?;
+        one_cold.push(s.elapsed().as_secs_f64() * 1e3);
+    }
+    one_cold.sort_by(f64::total_cmp);
     let warm_ms = median_ms(|| t.encode(&text).map(|_| ()), runs)?;
     let next_ms = median_ms(|| t.encode(&next_text).map(|_| ()), runs)?;
     let out = json!({
@@ -84,6 +97,7 @@ fn main() -> Result<()> {
         "threads": std::thread::available_parallelism().map_or(1, |n| n.get()),
         "render_ms": render_ms, "encode_whole_ms": whole_ms, "encode_cold_ms": cold[cold.len() / 2],
         "encode_warm_ms": warm_ms, "encode_next_turn_ms": next_ms,
+        "one_message_encode_whole_ms": one_whole_ms, "one_message_encode_cold_ms": one_cold[one_cold.len() / 2],
     });
     println!("{out}");
     Ok(())

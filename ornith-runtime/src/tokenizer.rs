@@ -29,6 +29,59 @@ pub struct Tokenizer {
     split: Option<AddedSplit>,
     /// Ids of text pieces (see [`Tokenizer::encode`]).
     cache: Mutex<PieceCache>,
+    /// Whether a long piece may be cut at its seams ([`seams`]) to be encoded on threads: the
+    /// normalizer and pre-tokenizer are Qwen3.5's ([`seams_hold`]).
+    cut_seams: bool,
+}
+
+/// Pieces this long are encoded in parts cut at seams ([`seams`]) at least this far apart.
+const SUB_PIECE: usize = 16 << 10;
+
+/// The Qwen3.5 pre-tokenizer: the regex split (`Isolated`), then byte-level mapping without a
+/// regex of its own.
+const QWEN_PRETOKENIZER: &str = r#"{"type":"Sequence","pretokenizers":[{"type":"Split","pattern":{"Regex":"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},"behavior":"Isolated","invert":false},{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":false,"use_regex":false}]}"#;
+
+/// Whether [`seams`] are places where the library's pipeline treats the two sides apart: NFC (or
+/// no normalizer) and [`QWEN_PRETOKENIZER`] exactly. Then in `…\n` + ASCII letter the newline
+/// ends a match of the split regex in the whole text as in the left part alone — only the
+/// alternatives `\s*[\r\n]+` and ` ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*` can hold a newline, a match
+/// of either ends right after a newline that a letter follows, and `\s*[\r\n]+` comes before
+/// the one alternative that looks ahead (which so never takes a newline) — so the matches on
+/// either side are those of the whole text, and the next one starts at the letter; NFC
+/// composes nothing across a newline followed by an ASCII letter (neither is part of a
+/// composition across them, and the letter, a starter, blocks reordering); the byte-level map and
+/// BPE work within a match.
+fn seams_hold(inner: &tokenizers::Tokenizer) -> bool {
+    let nfc = match inner.get_normalizer().map(serde_json::to_value) {
+        None => true,
+        Some(Ok(v)) => v == serde_json::json!({"type": "NFC"}),
+        Some(Err(_)) => false,
+    };
+    let pre = inner.get_pre_tokenizer().map(serde_json::to_value);
+    let want: serde_json::Value = serde_json::from_str(QWEN_PRETOKENIZER).expect("the pattern constant is JSON");
+    nfc && matches!(pre, Some(Ok(v)) if v == want)
+}
+
+/// `piece` in parts for encoding apart (see [`seams_hold`]): cut after a `\n` followed by an ASCII
+/// letter, the first such place at or past every [`SUB_PIECE`] bytes; a shorter piece whole.
+fn seams(piece: &str) -> Vec<&str> {
+    let b = piece.as_bytes();
+    let mut parts = Vec::new();
+    let mut start = 0;
+    let mut at = SUB_PIECE;
+    while at < b.len() {
+        // The seam at or after `at`: b[i - 1] == '\n' and b[i] an ASCII letter (a char boundary).
+        match (at.max(1)..b.len()).find(|&i| b[i - 1] == b'\n' && b[i].is_ascii_alphabetic()) {
+            Some(i) => {
+                parts.push(&piece[start..i]);
+                start = i;
+                at = i + SUB_PIECE;
+            }
+            None => break,
+        }
+    }
+    parts.push(&piece[start..]);
+    parts
 }
 
 /// Text pieces at least this long are cached (shorter ones cost less to encode than to store).
@@ -231,7 +284,8 @@ impl Tokenizer {
             };
         }
         let split = AddedSplit::of(&inner);
-        Ok(Self { inner, bytes, special, split, cache: Mutex::new(PieceCache::new(CACHE_BUDGET)) })
+        let cut_seams = seams_hold(&inner);
+        Ok(Self { inner, bytes, special, split, cache: Mutex::new(PieceCache::new(CACHE_BUDGET)), cut_seams })
     }
 
     /// Token ids of `text` (NFC-normalised, split by the pre-tokenizer regex, BPE). Added tokens
@@ -296,41 +350,61 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// Whether long pieces are encoded in parts cut at their seams (the Qwen3.5 normalizer and
+    /// pre-tokenizer; for tests and diagnostics).
+    pub fn cuts_long_pieces(&self) -> bool {
+        self.cut_seams
+    }
+
     /// The encode cache's counters (for tests and diagnostics).
     pub fn cache_stats(&self) -> CacheStats {
         let c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         CacheStats { pieces: c.map.len(), hits: c.hits, misses: c.misses }
     }
 
-    /// [`Self::encode_uncached`] of each piece, in order: on up to [`MAX_THREADS`] threads (the
-    /// longest pieces first) when they add up to [`PARALLEL_MIN_BYTES`].
+    /// [`Self::encode_uncached`] of each piece, in order. A piece of Qwen3.5 text longer than
+    /// [`SUB_PIECE`] is encoded in parts cut at its seams ([`seams`]: the same ids); the parts run
+    /// on up to [`MAX_THREADS`] threads (the longest first) when they add up to
+    /// [`PARALLEL_MIN_BYTES`].
     fn encode_pieces(&self, pieces: &[&str]) -> Result<Vec<Arc<[u32]>>> {
+        // The parts, each with the index of its piece, in order.
+        let parts: Vec<(usize, &str)> = pieces
+            .iter()
+            .enumerate()
+            .flat_map(|(i, p)| if self.cut_seams { seams(p) } else { vec![*p] }.into_iter().map(move |q| (i, q)))
+            .collect();
         let total: usize = pieces.iter().map(|p| p.len()).sum();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads = cores.min(MAX_THREADS).min(pieces.len());
-        if threads <= 1 || total < PARALLEL_MIN_BYTES {
-            return pieces.iter().map(|p| self.encode_uncached(p).map(Arc::from)).collect();
+        let threads = cores.min(MAX_THREADS).min(parts.len());
+        let encoded: Vec<Vec<u32>> = if threads <= 1 || total < PARALLEL_MIN_BYTES {
+            parts.iter().map(|(_, q)| self.encode_uncached(q)).collect::<Result<_>>()?
+        } else {
+            let mut order: Vec<usize> = (0..parts.len()).collect();
+            order.sort_by_key(|&k| std::cmp::Reverse(parts[k].1.len()));
+            let next = AtomicUsize::new(0);
+            // One slot per part, filled by whichever thread encodes it.
+            type Slot = Mutex<Option<Result<Vec<u32>>>>;
+            let slots: Vec<Slot> = parts.iter().map(|_| Mutex::new(None)).collect();
+            std::thread::scope(|s| {
+                for _ in 0..threads {
+                    s.spawn(|| loop {
+                        let n = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&k) = order.get(n) else { break };
+                        let r = self.encode_uncached(parts[k].1);
+                        *slots[k].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+                    });
+                }
+            });
+            slots
+                .into_iter()
+                .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()).expect("every part encoded"))
+                .collect::<Result<_>>()?
+        };
+        let mut out: Vec<Vec<u32>> = vec![Vec::new(); pieces.len()];
+        for ((i, _), ids) in parts.iter().zip(encoded) {
+            out[*i].extend(ids);
         }
-        let mut order: Vec<usize> = (0..pieces.len()).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(pieces[i].len()));
-        let next = AtomicUsize::new(0);
-        // One slot per piece, filled by whichever thread encodes it.
-        type Slot = Mutex<Option<Result<Arc<[u32]>>>>;
-        let slots: Vec<Slot> = pieces.iter().map(|_| Mutex::new(None)).collect();
-        std::thread::scope(|s| {
-            for _ in 0..threads {
-                s.spawn(|| loop {
-                    let k = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&i) = order.get(k) else { break };
-                    let r = self.encode_uncached(pieces[i]).map(Arc::from);
-                    *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
-                });
-            }
-        });
-        slots
-            .into_iter()
-            .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()).expect("every piece encoded"))
-            .collect()
+        Ok(out.into_iter().map(Arc::from).collect())
     }
 
     /// Text of `ids`; with `skip_special`, added tokens flagged special are dropped (`<think>`
@@ -471,6 +545,26 @@ mod tests {
         // Partial and nested markers stay text; a multi-byte first character splits on a boundary.
         assert_eq!(show(s.split("<<|x|>>|x|<a")), ["<", "#3", ">|x|<a"]);
         assert_eq!(show(s.split("aé<a>")), ["a", "#4", "a>"]);
+    }
+
+    #[test]
+    fn seams_cut_after_a_newline_before_an_ascii_letter() {
+        use super::{seams, SUB_PIECE};
+        assert_eq!(seams("short\nlines"), ["short\nlines"]);
+        // Past SUB_PIECE bytes, the first newline followed by an ASCII letter; a newline before
+        // a space, a digit, another newline or a non-ASCII letter is not a seam.
+        let head = "x".repeat(SUB_PIECE - 2);
+        let text = format!("{head}\n \n1\n\n\u{e9}\nabc\n{}", "y".repeat(SUB_PIECE));
+        let parts = seams(&text);
+        assert_eq!(parts.len(), 2);
+        assert!(parts[0].ends_with("\u{e9}\n") && parts[1].starts_with("abc\n"), "{:?}", &parts[1][..8]);
+        assert_eq!(parts.concat(), text);
+        // Cuts at least SUB_PIECE apart; none without a seam.
+        let lines = "line of text\n".repeat(5 * SUB_PIECE / 13);
+        let parts = seams(&lines);
+        assert!(parts.len() >= 4 && parts[..parts.len() - 1].iter().all(|p| p.len() >= SUB_PIECE));
+        assert_eq!(parts.concat(), lines);
+        assert_eq!(seams(&"z".repeat(3 * SUB_PIECE)).len(), 1);
     }
 
     #[test]

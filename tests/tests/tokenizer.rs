@@ -337,3 +337,40 @@ fn a_growing_conversation_encodes_only_its_new_pieces() {
         messages.push(serde_json::json!({"role": "assistant", "content": format!("Done with turn {turn}. {}", "ok ".repeat(100))}));
     }
 }
+
+#[test]
+fn long_pieces_cut_at_their_seams_give_the_whole_pipelines_ids() {
+    // A piece longer than 16 KiB is encoded in parts cut after a newline that an ASCII letter
+    // follows (threads when the pieces add up to 128 KiB): on the repository's own sources (one
+    // piece of ~1 MB, no added tokens) and on lines built so that seams sit after every kind of
+    // run the split regex treats specially, the ids must be the whole pipeline's. A fresh
+    // tokenizer each time, so that nothing comes from the cache.
+    let fresh = || Tokenizer::from_file(&tokenizer_dir().join("tokenizer.json")).unwrap();
+    assert!(fresh().cuts_long_pieces(), "the Qwen3.5 files' normalizer and pre-tokenizer allow the cuts");
+    let mut files = Vec::new();
+    let mut dirs = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("../ornith-runtime/src")];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    let sources: String = files.iter().map(|f| std::fs::read_to_string(f).unwrap()).collect();
+    let heads = ["", " ", "  ", "\t", "\r", ".", "'", "'s", "1", "\u{e9}", "a\u{301}", "\u{3000}", "\n", " \n", "-- "];
+    let mut lines = String::new();
+    let mut k = 0usize;
+    while lines.len() < 200 << 10 {
+        let (a, b) = (heads[k % heads.len()], heads[(k / heads.len()) % heads.len()]);
+        lines.push_str(&format!("{a}word{k}{b}\nNext{b}{a}\n"));
+        k += 1;
+    }
+    for (name, text) in [("sources", sources.as_str()), ("lines", lines.as_str())] {
+        let t = fresh();
+        assert_eq!(t.encode(text).unwrap(), t.encode_uncached(text).unwrap(), "{name} ({} bytes)", text.len());
+    }
+}
