@@ -70,34 +70,31 @@ fn main() -> Result<()> {
     let tokens = t.encode_uncached(&text)?.len();
     let whole_ms = median_ms(|| t.encode_uncached(&text).map(|_| ()), runs)?;
     // Cold: a fresh tokenizer (an empty cache) per run, its loading not timed.
-    let mut cold = Vec::new();
-    for _ in 0..runs {
-        let fresh = tok()?;
-        let s = Instant::now();
-        fresh.encode(&text)?;
-        cold.push(s.elapsed().as_secs_f64() * 1e3);
-    }
-    cold.sort_by(f64::total_cmp);
+    let cold_ms = |text: &str| -> Result<f64> {
+        let mut t = Vec::with_capacity(runs);
+        for _ in 0..runs {
+            let fresh = tok()?;
+            let s = Instant::now();
+            fresh.encode(text)?;
+            t.push(s.elapsed().as_secs_f64() * 1e3);
+        }
+        t.sort_by(f64::total_cmp);
+        Ok(t[t.len() / 2])
+    };
+    let encode_cold_ms = cold_ms(&text)?;
     // The same sources as one message (one piece: cut at its seams instead of between messages).
     let one: String = messages[1..].iter().map(|m| m["content"].as_str().unwrap_or_default()).collect();
     let one_text = render(&[json!({"role": "user", "content": one})])?;
     let one_whole_ms = median_ms(|| t.encode_uncached(&one_text).map(|_| ()), runs)?;
-    let mut one_cold = Vec::new();
-    for _ in 0..runs {
-        let fresh = tok()?;
-        let s = Instant::now();
-        fresh.encode(&one_text)?;
-        one_cold.push(s.elapsed().as_secs_f64() * 1e3);
-    }
-    one_cold.sort_by(f64::total_cmp);
+    let one_cold_ms = cold_ms(&one_text)?;
     let warm_ms = median_ms(|| t.encode(&text).map(|_| ()), runs)?;
     let next_ms = median_ms(|| t.encode(&next_text).map(|_| ()), runs)?;
     let out = json!({
         "bytes": text.len(), "messages": messages.len(), "tokens": tokens, "runs": runs,
         "threads": std::thread::available_parallelism().map_or(1, |n| n.get()),
-        "render_ms": render_ms, "encode_whole_ms": whole_ms, "encode_cold_ms": cold[cold.len() / 2],
+        "render_ms": render_ms, "encode_whole_ms": whole_ms, "encode_cold_ms": encode_cold_ms,
         "encode_warm_ms": warm_ms, "encode_next_turn_ms": next_ms,
-        "one_message_encode_whole_ms": one_whole_ms, "one_message_encode_cold_ms": one_cold[one_cold.len() / 2],
+        "one_message_encode_whole_ms": one_whole_ms, "one_message_encode_cold_ms": one_cold_ms,
     });
     println!("{out}");
     Ok(())
