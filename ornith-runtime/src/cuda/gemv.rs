@@ -50,7 +50,8 @@ pub struct MoeGemvArgs<'a> {
 }
 
 /// The parameters of an FP8 product of one row that a prologue computes (the norm, the
-/// quantisation): everything but the prologue's input.
+/// quantisation): everything but the prologue's input; refuses a K split chosen for fewer rows
+/// than the launch's.
 #[allow(clippy::too_many_arguments)]
 fn fp8_row_params(
     w: Ptr,
@@ -62,6 +63,7 @@ fn fp8_row_params(
     split: usize,
     fold: Option<Ptr>,
 ) -> Result<OrnithGemvFp8Params> {
+    ensure!(split >= out, "gemv_fp8: split rows {split} < out {out}");
     Ok(OrnithGemvFp8Params {
         w: w as _,
         ws: ws as _,
@@ -382,7 +384,6 @@ impl CudaContext {
     ) -> Result<()> {
         let smem = Self::norm_checks(&norm, in_, 1)?;
         Self::gemv_checks(norm.res as Ptr, w, 1, in_, out, in_, ys, 16)?;
-        ensure!(split >= out, "gemv_fp8_norm: split rows {split} < out {out}");
         let p = OrnithGemvFp8Params { norm, ..fp8_row_params(w, ws, y, in_, out, ys, split, fold)? };
         let bytes = (out * in_ + out * 4 + norm_bytes(&norm, in_) + out * 2) as u64 + fold_bytes(fold, 1, out);
         let grid = (super::gemv_tc_blocks(in_, out, split), 1, 1);
@@ -406,7 +407,6 @@ impl CudaContext {
         fold: Option<Ptr>,
     ) -> Result<()> {
         Self::gemv_checks(xb, w, 1, in_, out, in_, ys, 16)?;
-        ensure!(split >= out, "gemv_fp8_quant: split rows {split} < out {out}");
         ensure!(in_ <= 48 * 1024, "gemv_fp8_quant: a row of {in_} codes exceeds the 48 KiB of shared memory");
         let p = OrnithGemvFp8Params { xb: xb as _, ..fp8_row_params(w, ws, y, in_, out, ys, split, fold)? };
         let bytes = (out * in_ + out * 4 + in_ * 2 + out * 2) as u64 + fold_bytes(fold, 1, out);

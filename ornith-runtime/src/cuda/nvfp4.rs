@@ -104,7 +104,8 @@ pub fn fp4_bytes(in_: usize, out: usize, tabs: usize) -> usize {
     out * in_ / 2 + out * in_ / 16 + tabs * TAB_BYTES
 }
 
-/// The parameters of an NVFP4 decode product (`gemv_nvfp4`, `gemv_nvfp4_norm`) of `t` rows.
+/// The parameters of an NVFP4 decode product (`gemv_nvfp4`, `gemv_nvfp4_norm`) of `t` rows;
+/// refuses a K split chosen for fewer rows than the launch's.
 #[allow(clippy::too_many_arguments)]
 fn fp4_params(
     x: Ptr,
@@ -118,6 +119,7 @@ fn fp4_params(
     split: usize,
     fold: Option<Ptr>,
 ) -> Result<OrnithGemvNvfp4Params> {
+    ensure!(split >= out, "gemv_nvfp4: split rows {split} < out {out}");
     Ok(OrnithGemvNvfp4Params {
         x: x as _,
         w: w.w as _,
@@ -157,7 +159,6 @@ impl CudaContext {
         fold: Option<Ptr>,
     ) -> Result<()> {
         fp4_checks(&w, in_, out)?;
-        ensure!(split >= out, "gemv_nvfp4: split rows {split} < out {out}");
         ensure!(t >= 1 && t * xs * 2 <= i32::MAX as usize, "gemv_nvfp4: {t} tokens of stride {xs}");
         ensure!(
             xs >= in_ && ys >= out && xs.is_multiple_of(8),
@@ -191,7 +192,6 @@ impl CudaContext {
     ) -> Result<()> {
         fp4_checks(&w, in_, out)?;
         let smem = Self::norm_checks(&norm, in_, 2)?;
-        ensure!(split >= out, "gemv_nvfp4_norm: split rows {split} < out {out}");
         ensure!(ys >= out, "gemv_nvfp4_norm: y stride {ys} < out {out}");
         // x unused: the prologue computes the row.
         let p = OrnithGemvNvfp4Params { norm, ..fp4_params(0, &w, y, 1, in_, out, in_, ys, split, fold)? };
