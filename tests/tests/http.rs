@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 
 mod support;
 use support::server::*;
+use support::{Gate, GatedCodec, HOLD};
 
 const NO_THINK: &str = "chat_template_kwargs";
 

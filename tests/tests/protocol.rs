@@ -721,3 +721,123 @@ fn batch_stop_cancels_what_generates_and_leaves_the_rest_unanswered() {
     }
     assert_eq!(stats.engine.cancelled, 4, "every open request is cancelled in the engine");
 }
+
+// ------------------------------------------------------- prompts prepared off the main thread
+
+/// The output of a run, which opens `gate` once it has written a result line of `custom_id`
+/// (and says whether it did).
+struct OpensGate {
+    out: Vec<u8>,
+    gate: std::sync::Arc<support::Gate>,
+    custom_id: &'static str,
+    opened: bool,
+}
+
+impl std::io::Write for OpensGate {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.out.extend_from_slice(buf);
+        let key = format!("\"custom_id\":\"{}\"", self.custom_id);
+        let done = self.out.split(|b| *b == b'\n').any(|l| {
+            let l = String::from_utf8_lossy(l);
+            l.contains(&key) && l.contains("\"response\"")
+        });
+        if done && !self.opened {
+            self.opened = true;
+            self.gate.open();
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Thinking off (the replies are the message content).
+const NO_THINK: &str = r#""chat_template_kwargs":{"enable_thinking":false}"#;
+
+/// Opens `gate` after 10 s whatever happens, so that a serve loop stuck at it fails its test
+/// instead of hanging it.
+fn open_later(gate: &std::sync::Arc<support::Gate>) {
+    let gate = gate.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_secs(10));
+        gate.open();
+    });
+}
+
+#[test]
+fn a_prompt_being_prepared_holds_up_no_other_line() {
+    // A batch file (or a stream on stdin) whose first request is a 200K-token conversation: its
+    // rendering and encoding take a while, and meanwhile the lines after it start and finish.
+    // Line 1's encoding waits at the gate until line 2's result line has been written.
+    let gate = std::sync::Arc::new(support::Gate::default());
+    open_later(&gate);
+    let input = [
+        format!(
+            r#"{{"custom_id":"held","messages":[{{"role":"user","content":"SAY:held {}"}}],{NO_THINK}}}"#,
+            support::HOLD
+        ),
+        format!(
+            r#"{{"custom_id":"quick","messages":[{{"role":"user","content":"SAY:one two"}}],"stream":true,{NO_THINK}}}"#
+        ),
+    ]
+    .join("\n");
+    let runner = ScriptRunner::new(512, 2);
+    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
+    let engine = Engine::new(Box::new(runner), cfg).unwrap();
+    let mut o = opts();
+    o.ordered = false;
+    let mut w = OpensGate { out: Vec::new(), gate: gate.clone(), custom_id: "quick", opened: false };
+    let codec = support::GatedCodec(gate.clone());
+    let input = std::io::BufReader::new(Cursor::new(input.into_bytes()));
+    let stats = protocol::serve(input, &mut w, engine, &codec, &ChatMl, &o).unwrap();
+    assert!(w.opened, "line 2 was not answered while line 1's prompt was being made");
+    assert_eq!((stats.ok, stats.errors), (2, 0), "{stats:?}");
+    let lines: Vec<Value> =
+        String::from_utf8(w.out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let (res, chunks) = results(&lines);
+    assert_eq!(res.iter().map(|r| r["custom_id"].as_str().unwrap()).collect::<Vec<_>>(), ["quick", "held"]);
+    assert_eq!(stream_concat(&chunks[0], "quick").1, "one two");
+    assert_eq!(msg(&res[1])["content"], format!("held {}", support::HOLD));
+}
+
+#[test]
+fn batch_stop_leaves_a_line_being_prepared_unanswered() {
+    // `ornith batch` stopped while line 1's prompt is still being encoded and line 2 generates:
+    // line 2 is cancelled, line 1 gets no line (a resume runs it) and never reaches the engine.
+    let gate = std::sync::Arc::new(support::Gate::default());
+    open_later(&gate);
+    let input = [
+        format!(r#"{{"custom_id":"held","messages":[{{"role":"user","content":"SAY:{}"}}]}}"#, support::HOLD),
+        r#"{"custom_id":"long","messages":[{"role":"user","content":"SAY:"}],"max_tokens":400,"ignore_eos":true}"#
+            .to_string(),
+    ]
+    .join("\n");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
+    let (flag, g) = (stop.clone(), gate.clone());
+    let t = std::thread::spawn(move || {
+        g.wait_for(1);
+        std::thread::sleep(std::time::Duration::from_millis(100)); // line 2 generates
+        flag.store(2, std::sync::atomic::Ordering::SeqCst);
+        std::thread::sleep(std::time::Duration::from_millis(200)); // the loop has stopped
+        g.open();
+    });
+    let mut runner = ScriptRunner::new(512, 2);
+    runner.step_time = std::time::Duration::from_millis(5);
+    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
+    let engine = Engine::new(Box::new(runner), cfg).unwrap();
+    let mut o = opts();
+    o.ordered = false;
+    let ctl = protocol::BatchControl { stop, results_only: true, ..Default::default() };
+    let mut out = Vec::new();
+    let codec = support::GatedCodec(gate.clone());
+    let input = std::io::BufReader::new(Cursor::new(input.into_bytes()));
+    let stats = protocol::serve_with(input, &mut out, engine, &codec, &ChatMl, &o, ctl).unwrap();
+    t.join().unwrap();
+    assert_eq!(stats.stopped_by, Some(2));
+    assert_eq!((stats.lines, stats.cancelled, stats.not_run), (2, 1, 1), "{stats:?}");
+    let lines: Vec<Value> = String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!((lines[0]["custom_id"].as_str(), lines[0]["error"]["code"].as_str()), (Some("long"), Some("cancelled")));
+    assert_eq!(stats.engine.cancelled, 1, "the held request never reached the engine: {stats:?}");
+}

@@ -168,9 +168,7 @@ pub struct RouterConfig {
     pub quiet: bool,
 }
 
-/// Threads that render and tokenize prompts (the tokenizer spreads one long encode over threads
-/// of its own).
-pub const PREPARE_THREADS: usize = 2;
+pub use crate::protocol::live::PREPARE_THREADS;
 
 /// The router thread, the preparation threads and the engine thread under them.
 pub struct Threads {

@@ -176,6 +176,11 @@ pub struct Limits {
     pub vocab: usize,
 }
 
+/// Threads that render and tokenize prompts beside the thread that turns the engine's tokens into
+/// output (both front ends; the tokenizer spreads one long encode over threads of its own). Two,
+/// so that a short prompt read after a long one is not queued behind it.
+pub const PREPARE_THREADS: usize = 2;
+
 /// The prompt tokens of `req` (its messages rendered by the chat template, or its completion
 /// prompt) and whether the rendered prompt leaves the model thinking.
 pub fn prompt_tokens(
@@ -214,9 +219,9 @@ impl<'a> Live<'a> {
     /// Checks `req`'s prompt (what [`prompt_tokens`] gave for it) against the window, and returns
     /// the engine's request with the state that will turn its tokens into the result. `line`
     /// identifies the request within the run (response and tool-call ids); `custom_id`, when
-    /// given, goes into every chunk (the JSONL front end's). The JSONL front end makes the prompt
-    /// on its main thread, the HTTP server on threads of its own (so that a long prompt's
-    /// encoding holds up no stream).
+    /// given, goes into every chunk (the JSONL front end's). Both front ends make the prompt on
+    /// [`PREPARE_THREADS`] threads of their own, so that a long prompt's encoding holds up no
+    /// stream.
     #[allow(clippy::too_many_arguments)]
     pub fn begin(
         mut req: Request,

@@ -9,8 +9,11 @@
 //! deltas of concatenate to the final message.
 //!
 //! Many requests run at once: a reader thread reads ahead (at most `max_in_flight` requests
-//! between their line and their result), the main thread renders, tokenizes and submits them to
-//! the engine thread, and turns the engine's tokens into chunk and result lines as they come.
+//! between their line and their result), the main thread parses each line and hands its request
+//! to one of [`PREPARE_THREADS`] preparation threads, which render and tokenize the prompt; the
+//! main thread submits each prepared request to the engine thread as it comes back, and turns
+//! the engine's tokens into chunk and result lines as they come — so a long prompt being encoded
+//! holds up neither the other requests' output nor a short prompt read after it.
 //! Results are written as each request finishes (each line carries `custom_id`), or with
 //! `ordered` in input order; chunk lines of different requests interleave.
 //!
@@ -35,7 +38,7 @@ use crate::engine::{Engine, EngineStats, EngineThread, Event, EventKind};
 use crate::sampling::mix64;
 
 use super::lines::{LineReader, RawLine};
-use super::live::{prompt_tokens, Limits, Live};
+use super::live::{prompt_tokens, Limits, Live, PREPARE_THREADS};
 use super::request::{self, LineError, Request};
 use super::{GenerationDefaults, PromptRenderer, TextCodec};
 
@@ -214,6 +217,11 @@ impl Credits {
 
 enum Msg {
     Line(io::Result<Option<RawLine>>),
+    /// A request's prompt, made by a preparation thread.
+    Prepared {
+        job: Box<Job>,
+        prompt: Result<(Vec<u32>, bool), LineError>,
+    },
     Event(Event),
     /// The engine thread ended (its event sink was dropped).
     EngineGone,
@@ -224,6 +232,36 @@ struct GoneSignal(Sender<Msg>);
 impl Drop for GoneSignal {
     fn drop(&mut self) {
         let _ = self.0.send(Msg::EngineGone);
+    }
+}
+
+/// A parsed request whose prompt a preparation thread makes.
+struct Job {
+    line: u64,
+    custom_id: Option<String>,
+    req: Request,
+    /// When its line was read (the TTFT's start).
+    started: Instant,
+}
+
+/// A preparation thread: renders and tokenizes the prompts of the jobs it takes from the shared
+/// queue (a panic in the template or the tokenizer becomes that request's error) and sends them
+/// back to the main thread. Ends when the queue's sender is dropped or the main thread is gone.
+fn prepare_prompts(
+    jobs: &Mutex<std::sync::mpsc::Receiver<Job>>,
+    back: Sender<Msg>,
+    codec: &dyn TextCodec,
+    renderer: &dyn PromptRenderer,
+    limits: Limits,
+) {
+    loop {
+        // The lock is held only while waiting for the next job, never while preparing one.
+        let Ok(job) = jobs.lock().unwrap_or_else(|e| e.into_inner()).recv() else { break };
+        let prompt = catch_unwind(AssertUnwindSafe(|| prompt_tokens(&job.req, codec, renderer, &limits)))
+            .unwrap_or_else(|_| Err(panicked()));
+        if back.send(Msg::Prepared { job: Box::new(job), prompt }).is_err() {
+            break;
+        }
     }
 }
 
@@ -240,8 +278,8 @@ pub fn serve<R: BufRead + Send + 'static, W: Write>(
     reader: R,
     writer: W,
     engine: Engine,
-    codec: &dyn TextCodec,
-    renderer: &dyn PromptRenderer,
+    codec: &(dyn TextCodec + Sync),
+    renderer: &(dyn PromptRenderer + Sync),
     opts: &ServeOptions,
 ) -> anyhow::Result<ServeStats> {
     serve_with(reader, writer, engine, codec, renderer, opts, BatchControl::default())
@@ -252,8 +290,8 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
     reader: R,
     writer: W,
     engine: Engine,
-    codec: &dyn TextCodec,
-    renderer: &dyn PromptRenderer,
+    codec: &(dyn TextCodec + Sync),
+    renderer: &(dyn PromptRenderer + Sync),
     opts: &ServeOptions,
     mut ctl: BatchControl,
 ) -> anyhow::Result<ServeStats> {
@@ -273,6 +311,7 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
             }
         })?;
     }
+    let back = tx.clone();
     let gone = GoneSignal(tx);
     let (thread, client) = EngineThread::spawn(engine, move |e| gone.0.send(Msg::Event(e)).is_ok());
     let mut out =
@@ -282,10 +321,26 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
     let mut seen: HashSet<String> = HashSet::new();
     let mut open: HashMap<u64, Open<'_>> = HashMap::new();
     let (mut line_no, mut eof, mut engine_alive) = (0u64, false, true);
-    let r = (|| -> anyhow::Result<()> {
-        while !(eof && open.is_empty()) {
+    // Lines handed to the preparation threads and not yet back.
+    let mut preparing = 0u64;
+    let (jobs, job_rx) = channel::<Job>();
+    let job_rx = Mutex::new(job_rx);
+    let r = std::thread::scope(|scope| -> anyhow::Result<()> {
+        let jobs = jobs; // moved in: dropped when the closure returns
+        for i in 0..PREPARE_THREADS {
+            let (job_rx, back) = (&job_rx, back.clone());
+            std::thread::Builder::new()
+                .name(format!("ornith-prompts-{i}"))
+                .spawn_scoped(scope, move || prepare_prompts(job_rx, back, codec, renderer, limits))?;
+        }
+        drop(back);
+        // `jobs` is dropped when this closure returns, so the preparation threads end before the
+        // scope joins them.
+        while !(eof && open.is_empty() && preparing == 0) {
             let signal = ctl.stop.load(Ordering::Relaxed);
             if signal != 0 {
+                // Lines still being prepared were read but not begun: no line (a resume runs them).
+                st.stats.not_run += preparing;
                 st.stop(&mut out, &client, &mut open, signal)?;
                 break;
             }
@@ -330,34 +385,35 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
                         st.answer(&mut out, line_no, cid.as_deref(), Err(engine_stopped()), 0)?;
                         continue;
                     }
+                    jobs.send(Job { line: line_no, custom_id: cid, req, started })
+                        .map_err(|_| anyhow::anyhow!("the prompt preparation threads stopped"))?;
+                    preparing += 1;
+                }
+                Msg::Prepared { job, prompt } => {
+                    preparing -= 1;
+                    let Job { line, custom_id: cid, req, started } = *job;
+                    if !engine_alive {
+                        st.answer(&mut out, line, cid.as_deref(), Err(engine_stopped()), 0)?;
+                        continue;
+                    }
                     let eos = &opts.defaults.eos_token_ids;
-                    let begun = catch_unwind(AssertUnwindSafe(|| {
-                        let name = &opts.model_name;
-                        let chunk_id = cid.clone().unwrap_or_else(|| format!("line-{line_no}"));
-                        let prompt = prompt_tokens(&req, codec, renderer, &limits)?;
-                        Live::begin(
-                            req,
-                            prompt,
-                            line_no,
-                            Some(&chunk_id),
-                            codec,
-                            &limits,
-                            eos,
-                            name,
-                            opts.run_id,
-                            started,
-                        )
-                    }))
-                    .unwrap_or_else(|_| Err(panicked()));
+                    let begun = prompt.and_then(|prompt| {
+                        catch_unwind(AssertUnwindSafe(|| {
+                            let chunk_id = cid.clone().unwrap_or_else(|| format!("line-{line}"));
+                            let (name, run_id) = (&opts.model_name, opts.run_id);
+                            Live::begin(req, prompt, line, Some(&chunk_id), codec, &limits, eos, name, run_id, started)
+                        }))
+                        .unwrap_or_else(|_| Err(panicked()))
+                    });
                     match begun {
                         Ok((gen, mut live)) => {
                             for c in live.take_chunks() {
-                                out.chunk(line_no, c.to_string())?;
+                                out.chunk(line, c.to_string())?;
                             }
                             let id = client.submit(gen);
-                            open.insert(id, Open { line: line_no, custom_id: cid, live });
+                            open.insert(id, Open { line, custom_id: cid, live });
                         }
-                        Err(e) => st.answer(&mut out, line_no, cid.as_deref(), Err(e), 0)?,
+                        Err(e) => st.answer(&mut out, line, cid.as_deref(), Err(e), 0)?,
                     }
                 }
                 Msg::Event(e) => {
@@ -408,7 +464,7 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
             }
         }
         Ok(())
-    })();
+    });
     credits.stop();
     for id in open.keys() {
         client.cancel(*id);

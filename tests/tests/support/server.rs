@@ -8,7 +8,7 @@ use ornith_runtime::http::{self, ServerOptions};
 use ornith_runtime::protocol::GenerationDefaults;
 use serde_json::{json, Value};
 
-use super::{ByteCodec, ChatMl, ScriptRunner, ENDOFTEXT, IM_END};
+use super::{ByteCodec, ChatMl, Gate, ScriptRunner, ENDOFTEXT, IM_END};
 
 pub const MODEL: &str = "ornith-test";
 
@@ -41,27 +41,7 @@ pub async fn server_on(runner: ScriptRunner, f: impl FnOnce(&mut ServerOptions))
     server_with_codec(runner, Box::new(ByteCodec), f).await
 }
 
-/// [`ByteCodec`] whose encoding of a text holding [`HOLD`] waits until its [`Gate`] opens: a
-/// prompt whose preparation takes as long as the test wants.
-pub struct GatedCodec(pub std::sync::Arc<Gate>);
-
-/// The marker [`GatedCodec`] waits on.
-pub const HOLD: &str = "@@hold@@";
-
-/// Shut until [`Gate::open`]; counts the encodes waiting at it.
-#[derive(Default)]
-pub struct Gate {
-    open: std::sync::Mutex<bool>,
-    cv: std::sync::Condvar,
-    pub waiting: std::sync::atomic::AtomicUsize,
-}
-
 impl Gate {
-    pub fn open(&self) {
-        *self.open.lock().unwrap() = true;
-        self.cv.notify_all();
-    }
-
     /// Waits (up to 10 s) until `n` encodes wait at the gate.
     pub async fn until_waiting(&self, n: usize) {
         let t = Instant::now();
@@ -69,31 +49,6 @@ impl Gate {
             assert!(t.elapsed() < Duration::from_secs(10), "no encode reached the gate");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-    }
-}
-
-impl ornith_runtime::protocol::TextCodec for GatedCodec {
-    fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
-        if text.contains(HOLD) {
-            self.0.waiting.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            let mut open = self.0.open.lock().unwrap();
-            while !*open {
-                open = self.0.cv.wait(open).unwrap();
-            }
-        }
-        ByteCodec.encode(text)
-    }
-    fn decode(&self, ids: &[u32], skip_special: bool) -> anyhow::Result<String> {
-        ByteCodec.decode(ids, skip_special)
-    }
-    fn token_id(&self, token: &str) -> Option<u32> {
-        ByteCodec.token_id(token)
-    }
-    fn vocab_size(&self) -> usize {
-        ByteCodec.vocab_size()
-    }
-    fn stream<'a>(&'a self, skip_special: bool) -> Box<dyn ornith_runtime::protocol::TokenStream + 'a> {
-        ByteCodec.stream(skip_special)
     }
 }
 
