@@ -100,7 +100,7 @@ const REL_L2: f64 = 1.0 / 128.0;
 
 /// Cap of the self-computed logits tolerance `max(REL_L2, 2 · cpu_gap)`. `cpu_gap` is a CPU-only
 /// figure of a fixed checkpoint and prompt, recorded as 7.42e-2 on every H200 run that printed it
-/// (docs/TESTING.md, 2026-11-30: 9daff8d, e44ea40, fb31681, d5bc3c4; tolerance 1.48e-1). The cap
+/// (docs/TESTING.md and TESTING-2026-11.md, 2026-11-30: 9daff8d, e44ea40, fb31681, d5bc3c4; tolerance 1.48e-1). The cap
 /// is 1.6e-1, 8% above that tolerance: if the CPU backend's two orderings drifted further apart
 /// (a regression in the reference itself), the tolerance would widen with them, so the test fails
 /// instead of accepting a larger CUDA gap. CUDA's own recorded worst: prefill 8.97e-2, decode
@@ -467,7 +467,7 @@ fn batch_invariance() {
 
 // Bounds of `cuda_ops_vs_cpu`: relative L2 distance of one op's output delta (`h_out - h_in`),
 // CUDA against CPU from the same CPU input (the shallow preset, the 100-token LCG prompt of this
-// file). Each is the largest figure recorded for that op on the H200 (docs/TESTING.md, runs of
+// file). Each is the largest figure recorded for that op on the H200 (docs/TESTING.md and TESTING-2026-11.md, runs of
 // 2026-11-30 at 9daff8d, e0abe05 and fb31681: the prefill kernels wired in) times a margin of
 // about 3: the ops are deterministic (fixed checkpoint, prompt and kernels), so a figure moves
 // only when a kernel's summation order changes, while a real defect (a wrong row, scale, expert,
