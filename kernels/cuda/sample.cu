@@ -54,6 +54,27 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_bf16(const OrnithArgma
     }
 }
 
+// ---- Penalties -------------------------------------------------------------------------------
+// One thread per (id, tag) entry of the row's seen tokens (OrnithPenaltyParams): the logit edited
+// in place with sampling.rs `penalize`'s single IEEE operations (__fmul_rn / __fsub_rn: never
+// contracted into an FMA), rounded to bf16 like the CPU's half::bf16::from_f32.
+extern "C" __global__ void __launch_bounds__(256) apply_penalties(const OrnithPenaltyParams p) {
+    pdl_entry();
+    const int i = blockIdx.x * 256 + threadIdx.x;
+    if (i >= p.count) return;
+    const uint32_t id = p.tokens[2 * i], tag = p.tokens[2 * i + 1];
+    if (id >= (uint32_t)p.n) return;
+    const uint16_t bits = p.logits[id];
+    if ((bits & 0x7f80) == 0x7f80) return; // NaN and +-inf stay as they are
+    const uint32_t count = tag & 0x7fffffffu;
+    float v = bf2f(bits);
+    if (p.repetition != 1.0f && (count > 0 || (tag >> 31) != 0))
+        v = v > 0.0f ? __fmul_rn(v, p.inv_repetition) : __fmul_rn(v, p.repetition);
+    v = __fsub_rn(v, __fmul_rn(p.frequency, __uint2float_rn(count)));
+    if (count > 0) v = __fsub_rn(v, p.presence);
+    p.logits[id] = f2bf(v);
+}
+
 // ---- Sampling with temperature, min-p, top-k, top-p ------------------------------------------
 // Every value that decides the result is an integer sum or comes from single IEEE operations
 // written with __fmul_rn / __fadd_rn (which nvcc never contracts into an FMA), mirroring

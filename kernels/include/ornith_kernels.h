@@ -447,6 +447,24 @@ typedef struct OrnithSampleParams {
     const int32_t *logit_row;   /* [rows] logits row of each sampled row, or NULL */
 } OrnithSampleParams;
 
+/* Penalties on one logits row before it is sampled, exactly as ornith-runtime's
+ * `sampling::penalize`: for entry i (tokens[2i] = id, tokens[2i + 1] = tag: the output count in
+ * bits 0..30, bit 31 set when the prompt holds the id) with id < n and a finite logit v:
+ *   v = v > 0 ? v * inv_repetition : v * repetition   (when repetition != 1 and the id was seen)
+ *   v = v - frequency * count;  v = v - presence      (when count > 0)
+ * each one f32 operation, then rounded to bf16 (nearest even) in place. The entries of a row are
+ * distinct ids, so no two threads write one logit. Grid ceil(count / 256), 256 threads. */
+typedef struct OrnithPenaltyParams {
+    uint16_t *logits;        /* the row: n candidate columns */
+    const uint32_t *tokens;  /* [count, 2] */
+    int32_t count;
+    int32_t n;
+    float presence;
+    float frequency;
+    float repetition;
+    float inv_repetition;    /* 1 / repetition, rounded once on the host */
+} OrnithPenaltyParams;
+
 /* ---- Prefill (many tokens) ---- */
 
 /* One entry of an NVFP4 dequantisation table (see OrnithGemvNvfp4Params): for one E4M3 group

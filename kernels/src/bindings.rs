@@ -801,6 +801,43 @@ impl Default for OrnithSampleParams {
     }
 }
 #[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct OrnithPenaltyParams {
+    pub logits: *mut u16,
+    pub tokens: *const u32,
+    pub count: i32,
+    pub n: i32,
+    pub presence: f32,
+    pub frequency: f32,
+    pub repetition: f32,
+    pub inv_repetition: f32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of OrnithPenaltyParams"][::std::mem::size_of::<OrnithPenaltyParams>() - 40usize];
+    ["Alignment of OrnithPenaltyParams"][::std::mem::align_of::<OrnithPenaltyParams>() - 8usize];
+    ["Offset of field: OrnithPenaltyParams::logits"][::std::mem::offset_of!(OrnithPenaltyParams, logits) - 0usize];
+    ["Offset of field: OrnithPenaltyParams::tokens"][::std::mem::offset_of!(OrnithPenaltyParams, tokens) - 8usize];
+    ["Offset of field: OrnithPenaltyParams::count"][::std::mem::offset_of!(OrnithPenaltyParams, count) - 16usize];
+    ["Offset of field: OrnithPenaltyParams::n"][::std::mem::offset_of!(OrnithPenaltyParams, n) - 20usize];
+    ["Offset of field: OrnithPenaltyParams::presence"][::std::mem::offset_of!(OrnithPenaltyParams, presence) - 24usize];
+    ["Offset of field: OrnithPenaltyParams::frequency"]
+        [::std::mem::offset_of!(OrnithPenaltyParams, frequency) - 28usize];
+    ["Offset of field: OrnithPenaltyParams::repetition"]
+        [::std::mem::offset_of!(OrnithPenaltyParams, repetition) - 32usize];
+    ["Offset of field: OrnithPenaltyParams::inv_repetition"]
+        [::std::mem::offset_of!(OrnithPenaltyParams, inv_repetition) - 36usize];
+};
+impl Default for OrnithPenaltyParams {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
 pub struct OrnithFp4Entry {
     pub lo0: u32,

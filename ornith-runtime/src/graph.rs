@@ -174,12 +174,15 @@ impl Batch {
     }
 }
 
-/// Which logits row to sample for one sequence, how, and at which step of its random stream.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// Which logits row to sample for one sequence, how, and at which step of its random stream;
+/// with penalties, the tokens they apply to (the backend penalises the row first:
+/// [`crate::sampling::penalize`]).
+#[derive(Debug, Clone, PartialEq)]
 pub struct RowSample {
     pub row: usize,
     pub params: crate::engine::SamplingParams,
     pub step: u64,
+    pub penalties: Option<std::sync::Arc<crate::sampling::PenaltyState>>,
 }
 
 /// A compute backend at the level of layer operations. Each method documents the math in the

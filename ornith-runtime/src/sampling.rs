@@ -35,10 +35,17 @@
 //! textbook float formulation the distribution differs only by the `2^-40` quantisation of `w`.
 //!
 //! A row with no finite logit is an error on every path (it means the forward pass is broken).
+//!
+//! **Penalties** come first, as in vLLM (before temperature): [`penalize`] changes the logits of
+//! the tokens the request has seen — repetition (prompt and output), then frequency and presence
+//! (output) — and rounds each changed logit to bf16, so that the row stays a row of bf16 values
+//! and every step above applies unchanged. Both backends edit the row the same way (the CUDA
+//! kernel `apply_penalties` with the same single IEEE operations), so they still return the same
+//! id.
 
 use anyhow::{bail, Result};
 
-use crate::engine::SamplingParams;
+use crate::engine::{Penalties, SamplingParams};
 
 /// The error of a logits row without a finite value (every path, both backends).
 pub const NO_FINITE_LOGIT: &str = "every logit is NaN or infinite: the forward pass produced no usable row";
@@ -269,6 +276,120 @@ pub fn sample(logits: &[u16], p: &SamplingParams, step: u64) -> Result<u32> {
         }
     }
     unreachable!("the running sum reaches the kept mass, which exceeds the target")
+}
+
+/// One token a request has seen, for its penalties: the id, and in `tag` the number of times the
+/// request has generated it (low 31 bits) and whether the prompt holds it ([`Self::PROMPT`]).
+/// The layout is the device's (`apply_penalties` reads pairs of u32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
+pub struct PenaltyToken {
+    pub id: u32,
+    pub tag: u32,
+}
+
+impl PenaltyToken {
+    /// The bit of `tag` that says the prompt holds the token.
+    pub const PROMPT: u32 = 1 << 31;
+
+    /// Times the request has generated the token.
+    pub fn count(&self) -> u32 {
+        self.tag & !Self::PROMPT
+    }
+
+    pub fn in_prompt(&self) -> bool {
+        self.tag & Self::PROMPT != 0
+    }
+}
+
+/// A sequence's penalties and the tokens they apply to: every distinct token of its output and,
+/// when the repetition penalty is on, of its prompt, ascending by id. The engine keeps it and
+/// adds each sampled token ([`Self::add_output`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PenaltyState {
+    pub penalties: Penalties,
+    pub tokens: Vec<PenaltyToken>,
+}
+
+impl PenaltyState {
+    /// The state before the first sampled token: the prompt's distinct ids when the repetition
+    /// penalty is on (only it looks at the prompt), else none.
+    pub fn new(penalties: Penalties, prompt: &[u32]) -> Self {
+        let mut tokens = Vec::new();
+        if penalties.repetition != 1.0 {
+            let mut ids = prompt.to_vec();
+            ids.sort_unstable();
+            ids.dedup();
+            tokens = ids.into_iter().map(|id| PenaltyToken { id, tag: PenaltyToken::PROMPT }).collect();
+        }
+        PenaltyState { penalties, tokens }
+    }
+
+    /// Counts one more sampled `id`.
+    pub fn add_output(&mut self, id: u32) {
+        match self.tokens.binary_search_by_key(&id, |t| t.id) {
+            Ok(i) => {
+                let t = &mut self.tokens[i];
+                if t.count() < !PenaltyToken::PROMPT {
+                    t.tag += 1;
+                }
+            }
+            Err(i) => self.tokens.insert(i, PenaltyToken { id, tag: 1 }),
+        }
+    }
+}
+
+/// The numbers [`penalize`] computes with (host-side, rounded once): vLLM scales a repeated
+/// token's positive logit by `1 / repetition` (rounded to f32 once), its other logits by
+/// `repetition`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PreparedPenalties {
+    pub presence: f32,
+    pub frequency: f32,
+    pub repetition: f32,
+    pub inv_repetition: f32,
+}
+
+impl PreparedPenalties {
+    pub fn new(p: &Penalties) -> Self {
+        PreparedPenalties {
+            presence: p.presence,
+            frequency: p.frequency,
+            repetition: p.repetition,
+            inv_repetition: 1.0f32 / p.repetition,
+        }
+    }
+}
+
+/// The penalised bf16 logit of a token the request has seen (`bits`: its bf16 logit), in vLLM's
+/// order, each step one f32 operation: `v = f32(bits)`; if the prompt or the output holds it and
+/// the repetition penalty is not 1, `v = v > 0 ? v · (1/r) : v · r`; `v = v − f · count`;
+/// `v = v − p` when `count > 0`; the result rounded to bf16 (nearest, ties to even). NaN and ±inf
+/// logits are left as they are (the sampler never draws them).
+pub fn penalize(bits: u16, t: PenaltyToken, p: &PreparedPenalties) -> u16 {
+    if bits & 0x7f80 == 0x7f80 {
+        return bits;
+    }
+    let count = t.count();
+    let mut v = f32::from_bits((bits as u32) << 16);
+    if p.repetition != 1.0 && (count > 0 || t.in_prompt()) {
+        v = if v > 0.0 { v * p.inv_repetition } else { v * p.repetition };
+    }
+    v -= p.frequency * count as f32;
+    if count > 0 {
+        v -= p.presence;
+    }
+    half::bf16::from_f32(v).to_bits()
+}
+
+/// Applies a sequence's penalties to its row of candidate logits (ids past the row are ignored).
+pub fn apply_penalties(row: &mut [u16], st: &PenaltyState) {
+    let p = PreparedPenalties::new(&st.penalties);
+    for t in &st.tokens {
+        if let Some(b) = row.get_mut(t.id as usize) {
+            *b = penalize(*b, *t, &p);
+        }
+    }
 }
 
 /// bf16 bits of f32 logits that are bf16 values (the CPU backend's logits are rounded to bf16
@@ -569,5 +690,120 @@ mod tests {
                 );
             }
         }
+    }
+
+    fn pen(presence: f32, frequency: f32, repetition: f32) -> PreparedPenalties {
+        PreparedPenalties::new(&Penalties { presence, frequency, repetition })
+    }
+
+    fn tok(id: u32, count: u32, prompt: bool) -> PenaltyToken {
+        PenaltyToken { id, tag: count | if prompt { PenaltyToken::PROMPT } else { 0 } }
+    }
+
+    fn bf(v: f32) -> u16 {
+        half::bf16::from_f32(v).to_bits()
+    }
+
+    /// vLLM's order on exactly representable values (every step exact in f32, so the result is
+    /// the f64 formula rounded to bf16 once): repetition on a seen token (divided when positive,
+    /// multiplied when not), frequency times the output count, presence once for an output token,
+    /// nothing but repetition for a prompt-only token; NaN and infinities untouched.
+    #[test]
+    fn penalize_follows_vllms_order() {
+        let p = pen(1.5, 0.25, 2.0);
+        // (logit, count, in prompt, expected)
+        let cases = [
+            (3.0f32, 0, true, 1.5f32), // prompt only: 3 / 2
+            (-3.0, 0, true, -6.0),     // prompt only, negative: -3 * 2
+            (0.0, 0, true, 0.0),       // zero is "not positive": 0 * 2
+            (3.0, 1, false, -0.25),    // 3 / 2 - 0.25 - 1.5
+            (3.0, 4, true, -1.0),      // 3 / 2 - 1 - 1.5
+            (-1.0, 2, false, -4.0),    // -1 * 2 - 0.5 - 1.5
+            (8.0, 0, false, 8.0),      // neither in the prompt nor generated: untouched
+        ];
+        for (v, c, pr, want) in cases {
+            assert_eq!(penalize(bf(v), tok(0, c, pr), &p), bf(want), "logit {v}, count {c}, prompt {pr}");
+        }
+        for special in [0x7fc0u16, 0x7f80, 0xff80] {
+            assert_eq!(penalize(special, tok(0, 3, true), &p), special);
+        }
+        // Repetition 1 scales nothing; presence and frequency never touch a prompt-only token.
+        assert_eq!(penalize(bf(3.0), tok(0, 0, true), &pen(2.0, 2.0, 1.0)), bf(3.0));
+        assert_eq!(penalize(bf(3.0), tok(0, 2, false), &pen(-2.0, -1.0, 1.0)), bf(7.0));
+    }
+
+    /// Inexact penalties: one f32 rounding per step, then bf16 — within half a bf16 ulp (plus
+    /// the f32 steps' error) of the f64 formula, checked over many logits.
+    #[test]
+    fn penalize_rounds_once_to_bf16() {
+        let p = pen(0.3, 0.7, 1.3);
+        let mut rng = 12345u64;
+        for _ in 0..10_000 {
+            rng = mix64(rng);
+            let v = half::bf16::from_bits((rng >> 16) as u16 & 0x7fff | ((rng & 1) as u16) << 15).to_f32();
+            if !v.is_finite() || v.abs() > 1e30 || (v != 0.0 && v.abs() < 1e-30) {
+                continue;
+            }
+            let count = (rng >> 40) as u32 % 5;
+            let (f, pr) = (0.7f32 as f64, 0.3f32 as f64);
+            let mut x = v as f64;
+            x = if x > 0.0 { x * (1.0f32 / 1.3f32) as f64 } else { x * 1.3f32 as f64 };
+            x -= f * count as f64;
+            if count > 0 {
+                x -= pr;
+            }
+            let got = half::bf16::from_bits(penalize(bf(v), tok(0, count, true), &p)).to_f32() as f64;
+            let ulp = 2f64.powi(x.abs().log2().floor() as i32 - 7);
+            assert!((got - x).abs() <= 0.5 * ulp + x.abs() * 1e-6, "v {v}, count {count}: {got} vs {x}");
+        }
+    }
+
+    /// The state the engine keeps: the prompt's distinct ids only with a repetition penalty,
+    /// outputs counted, ascending by id; the row edit skips ids past the row.
+    #[test]
+    fn penalty_state_tracks_prompt_and_output() {
+        let on = Penalties { presence: 1.0, frequency: 0.0, repetition: 1.2 };
+        let mut st = PenaltyState::new(on, &[9, 3, 9, 5]);
+        assert_eq!(st.tokens, vec![tok(3, 0, true), tok(5, 0, true), tok(9, 0, true)]);
+        for t in [5, 7, 5, 1, 12] {
+            st.add_output(t);
+        }
+        assert_eq!(
+            st.tokens,
+            vec![
+                tok(1, 1, false),
+                tok(3, 0, true),
+                tok(5, 2, true),
+                tok(7, 1, false),
+                tok(9, 0, true),
+                tok(12, 1, false)
+            ]
+        );
+        let off = PenaltyState::new(Penalties { repetition: 1.0, ..on }, &[9, 3]);
+        assert!(off.tokens.is_empty(), "without repetition the prompt is not looked at");
+        st.tokens.push(tok(40, 1, false)); // an id past the row
+        let mut row = vec![bf(2.0); 10];
+        apply_penalties(&mut row, &st);
+        // A seen token: 2 · f32(1 / 1.2) in f32; an output token then minus the presence 1.
+        let scaled = 2.0f32 * (1.0f32 / 1.2f32);
+        let want: Vec<u16> = (0..10)
+            .map(|i| match i {
+                1 | 5 | 7 => bf(scaled - 1.0),
+                3 | 9 => bf(scaled),
+                _ => bf(2.0),
+            })
+            .collect();
+        assert_eq!(row, want);
+    }
+
+    /// Greedy with a presence penalty moves off a token the request already generated.
+    #[test]
+    fn a_presence_penalty_changes_the_greedy_pick() {
+        let mut st = PenaltyState::new(Penalties { presence: 1.5, ..Penalties::NONE }, &[]);
+        let mut row = bits(&[1.0, 3.0, 2.0, 0.5]);
+        assert_eq!(argmax(&row).unwrap(), 1);
+        st.add_output(1);
+        apply_penalties(&mut row, &st);
+        assert_eq!(argmax(&row).unwrap(), 2);
     }
 }

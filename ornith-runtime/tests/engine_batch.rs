@@ -4,7 +4,8 @@
 
 use ornith_runtime::backend_cpu::CpuBackend;
 use ornith_runtime::engine::{
-    drain, Capacity, Engine, EngineConfig, EventKind, Finish, GenRequest, Runner, SamplingParams, PREFILL_CHUNK,
+    drain, Capacity, Engine, EngineConfig, EventKind, Finish, GenRequest, Penalties, Runner, SamplingParams,
+    PREFILL_CHUNK,
 };
 use ornith_runtime::graph::{Backend, Batch, SeqRows, KV_BLOCK};
 use ornith_runtime::weights::Checkpoint;
@@ -46,6 +47,7 @@ fn requests() -> Vec<GenRequest> {
             prompt: prompt(n, i as u64),
             max_tokens: 6 + (i as u64 % 3) * 5,
             params: if i % 2 == 0 { SamplingParams::greedy() } else { sampled(1000 + i as u64) },
+            penalties: Penalties::NONE,
             stop_ids: Vec::new(),
         })
         .collect()
@@ -141,9 +143,16 @@ fn a_short_request_after_a_long_one_finishes_first() {
         prompt: prompt(PREFILL_CHUNK + 900, 9),
         max_tokens: 4,
         params: SamplingParams::greedy(),
+        penalties: Penalties::NONE,
         stop_ids: vec![],
     };
-    let short = GenRequest { prompt: prompt(6, 10), max_tokens: 2, params: SamplingParams::greedy(), stop_ids: vec![] };
+    let short = GenRequest {
+        prompt: prompt(6, 10),
+        max_tokens: 2,
+        params: SamplingParams::greedy(),
+        penalties: Penalties::NONE,
+        stop_ids: vec![],
+    };
     e.submit(1, long).unwrap();
     e.submit(2, short).unwrap();
     let mut order = Vec::new();
@@ -167,6 +176,7 @@ fn admission_waits_for_memory_refuses_what_never_fits_and_cancel_frees() {
         prompt: prompt(n, n as u64),
         max_tokens: max,
         params: SamplingParams::greedy(),
+        penalties: Penalties::NONE,
         stop_ids: vec![],
     };
     // Longer than the context: refused at once, nothing queued.
@@ -199,7 +209,17 @@ fn stop_ids_end_a_sequence_and_pools_never_leak_over_a_thousand_requests() {
     for i in 0..1000u64 {
         let params = if i % 3 == 0 { SamplingParams::greedy() } else { sampled(i) };
         let n = 1 + (i as usize * 7) % 40;
-        e.submit(i, GenRequest { prompt: prompt(n, i), max_tokens: 1 + i % 4, params, stop_ids: vec![] }).unwrap();
+        e.submit(
+            i,
+            GenRequest {
+                prompt: prompt(n, i),
+                max_tokens: 1 + i % 4,
+                params,
+                penalties: Penalties::NONE,
+                stop_ids: vec![],
+            },
+        )
+        .unwrap();
         stats_tokens += 1 + i % 4;
         if i % 50 == 49 {
             let (toks, errs) = drain(&mut e);
@@ -211,7 +231,13 @@ fn stop_ids_end_a_sequence_and_pools_never_leak_over_a_thousand_requests() {
     assert_eq!(e.stats().finished, 1000);
     assert_eq!(e.pool_usage(), (8, 8, 32, 32), "every slot and block came back");
     // A stop id ends the sequence on the token that is one.
-    let r = GenRequest { prompt: prompt(5, 77), max_tokens: 50, params: SamplingParams::greedy(), stop_ids: vec![] };
+    let r = GenRequest {
+        prompt: prompt(5, 77),
+        max_tokens: 50,
+        params: SamplingParams::greedy(),
+        penalties: Penalties::NONE,
+        stop_ids: vec![],
+    };
     e.submit(5000, r.clone()).unwrap();
     let first = drain(&mut e).0[&5000][0];
     e.submit(5001, GenRequest { stop_ids: vec![first], ..r }).unwrap();
@@ -224,4 +250,79 @@ fn runner_reports_its_pools() {
     let r = runner(3, 10);
     assert_eq!(r.capacity(), Capacity { slots: 3, blocks: 10, snapshots: 0 });
     assert_eq!(r.window(), compiled::DIMS.max_position_embeddings);
+}
+
+/// What vLLM does to one row of logits (its mask formulation over the whole vocabulary, written
+/// apart from the engine's sparse bookkeeping): a seen token's logit (prompt or output) is scaled
+/// by `1 / repetition` when positive and by `repetition` otherwise; then `frequency` times its
+/// output count and `presence` once if generated are subtracted. Rounded to bf16 (the sampler's
+/// contract, `sampling::penalize`).
+fn oracle_penalised(logits: &[f32], prompt: &[u32], out: &[u32], p: &Penalties) -> Vec<u16> {
+    let v = logits.len();
+    let mut counts = vec![0u32; v];
+    for &t in out {
+        counts[t as usize] += 1;
+    }
+    let mut in_prompt = vec![false; v];
+    for &t in prompt {
+        in_prompt[t as usize] = true;
+    }
+    let inv_r = 1.0f32 / p.repetition;
+    (0..v)
+        .map(|i| {
+            let mut x = logits[i];
+            if !x.is_finite() {
+                return half::bf16::from_f32(x).to_bits();
+            }
+            if in_prompt[i] || counts[i] > 0 {
+                x *= if x > 0.0 { inv_r } else { p.repetition };
+            }
+            x -= p.frequency * counts[i] as f32;
+            x -= p.presence * if counts[i] > 0 { 1.0 } else { 0.0 };
+            half::bf16::from_f32(x).to_bits()
+        })
+        .collect()
+}
+
+/// Penalties through the engine on the CPU backend: four requests at once (greedy with the
+/// model card's presence penalty and a repetition penalty; seeded sampling with frequency and
+/// presence; greedy without penalties; greedy with negative ones), each token equal to a
+/// step-by-step run of the model alone whose logits are penalised by `oracle_penalised` and
+/// then picked by argmax or by `sampling::sample`. The penalties change the greedy output (the
+/// last request differs from the same prompt without them).
+#[test]
+fn penalties_match_a_step_by_step_oracle() {
+    let b = CpuBackend::new();
+    let n = compiled::DIMS.vocab_size;
+    let pr = prompt(40, 77);
+    let reqs = [
+        (SamplingParams::greedy(), Penalties { presence: 1.5, frequency: 0.0, repetition: 1.3 }),
+        (sampled(5), Penalties { presence: 0.5, frequency: 0.75, repetition: 1.0 }),
+        (SamplingParams::greedy(), Penalties::NONE),
+        // Negative penalties and a repetition penalty below 1 pull the output back to what the
+        // prompt and the output hold.
+        (SamplingParams::greedy(), Penalties { presence: -2.0, frequency: -2.0, repetition: 0.5 }),
+    ];
+    let mut e = engine(4, 4 * CTX / KV_BLOCK, 2048);
+    for (i, (params, penalties)) in reqs.iter().enumerate() {
+        let r =
+            GenRequest { prompt: pr.clone(), max_tokens: 24, params: *params, penalties: *penalties, stop_ids: vec![] };
+        e.submit(i as u64, r).unwrap();
+    }
+    let (toks, errs) = drain(&mut e);
+    assert!(errs.is_empty(), "{errs:?}");
+    let m = runner(1, CTX / KV_BLOCK).model;
+    for (i, (params, penalties)) in reqs.iter().enumerate() {
+        let mut st = compiled::Model::new_state(&b, CTX).unwrap();
+        let mut logits = b.logits_to_host(&m.prefill(&b, &mut st, &pr, false, &mut |_, _| {}).unwrap()).unwrap();
+        let mut out: Vec<u32> = Vec::new();
+        for step in 0..24u64 {
+            let row = oracle_penalised(&logits[..n], &pr, &out, penalties);
+            let t = ornith_runtime::sampling::sample(&row, params, step).unwrap();
+            out.push(t);
+            logits = b.logits_to_host(&m.decode_step(&b, &mut st, t).unwrap()).unwrap();
+        }
+        assert_eq!(toks[&(i as u64)], out, "request {i} ({penalties:?}) differs from the oracle");
+    }
+    assert_ne!(toks[&3], toks[&2], "the penalties changed nothing");
 }

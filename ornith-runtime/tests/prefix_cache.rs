@@ -4,7 +4,9 @@
 //! the pools come back whole.
 
 use ornith_runtime::backend_cpu::CpuBackend;
-use ornith_runtime::engine::{Capacity, Engine, EngineConfig, EventKind, GenRequest, SamplingParams, PREFILL_CHUNK};
+use ornith_runtime::engine::{
+    Capacity, Engine, EngineConfig, EventKind, GenRequest, Penalties, SamplingParams, PREFILL_CHUNK,
+};
 use ornith_runtime::graph::{Backend, Batch, KV_BLOCK};
 use ornith_runtime::weights::Checkpoint;
 use std::collections::HashMap;
@@ -44,7 +46,7 @@ fn request(prompt: Vec<u32>, i: u64) -> GenRequest {
     } else {
         SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.95, min_p: 0.0, seed: 100 + i }
     };
-    GenRequest { prompt, max_tokens: 5, params, stop_ids: Vec::new() }
+    GenRequest { prompt, max_tokens: 5, params, penalties: Penalties::NONE, stop_ids: Vec::new() }
 }
 
 /// Runs `engine` until idle: tokens and cached prompt tokens by id.

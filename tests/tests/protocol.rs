@@ -3,7 +3,7 @@
 
 use std::io::{Cursor, Read};
 
-use ornith_runtime::engine::{Engine, EngineConfig, SamplingParams};
+use ornith_runtime::engine::{Engine, EngineConfig, Penalties, SamplingParams};
 use ornith_runtime::protocol::{self, GenerationDefaults, ServeOptions, TextCodec};
 use serde_json::{json, Map, Value};
 
@@ -16,6 +16,7 @@ fn opts() -> ServeOptions {
         top_k: 20,
         top_p: 0.95,
         min_p: 0.0,
+        repetition_penalty: 1.0,
         eos_token_ids: vec![IM_END, ENDOFTEXT],
     };
     let mut o = ServeOptions::new("ornith-test", defaults);
@@ -344,6 +345,44 @@ fn explicit_sampling_parameters_reach_the_generator() {
     // temperature 0 → greedy.
     let (_, gen) = run_with(Cursor::new(r#"{"prompt": "SAY:a", "temperature": 0}"#), &opts(), 512);
     assert_eq!(gen[0].temperature, 0.0);
+}
+
+#[test]
+fn penalties_reach_the_engine_and_bad_ones_are_refused() {
+    // The model card's recommended settings carry a presence penalty (1.5 for thinking, general).
+    let runner = ScriptRunner::new(512, 1);
+    let seen = runner.penalties.clone();
+    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
+    let engine = Engine::new(Box::new(runner), cfg).unwrap();
+    let input = [
+        r#"{"messages": [{"role": "user", "content": "SAY:a"}], "presence_penalty": 1.5, "repetition_penalty": 1.05}"#,
+        r#"{"prompt": "SAY:b", "frequency_penalty": -0.5}"#,
+        r#"{"prompt": "SAY:c"}"#,
+        r#"{"prompt": "SAY:d", "presence_penalty": 2.5}"#,
+        r#"{"prompt": "SAY:e", "repetition_penalty": 0}"#,
+    ]
+    .join("\n");
+    let mut out = Vec::new();
+    protocol::serve(std::io::BufReader::new(Cursor::new(input)), &mut out, engine, &ByteCodec, &ChatMl, &opts())
+        .unwrap();
+    let lines: Vec<Value> = String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let (res, _) = results(&lines);
+    assert_eq!(res.len(), 5);
+    for r in &res[..3] {
+        assert!(r["error"].is_null(), "{r}");
+    }
+    for r in &res[3..] {
+        assert_eq!(err_code(r), "invalid_request", "{r}");
+    }
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(
+        seen,
+        [
+            Penalties { presence: 1.5, frequency: 0.0, repetition: 1.05 },
+            Penalties { presence: 0.0, frequency: -0.5, repetition: 1.0 },
+            Penalties::NONE,
+        ]
+    );
 }
 
 #[test]

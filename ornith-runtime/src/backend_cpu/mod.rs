@@ -436,7 +436,11 @@ impl Backend for CpuBackend {
             .map(|r| {
                 ensure!(r.row < logits.rows, "sampling row {} of {}", r.row, logits.rows);
                 let l = &logits.data[r.row * logits.vocab..][..n];
-                crate::sampling::sample(&crate::sampling::bf16_bits(l), &r.params, r.step)
+                let mut bits = crate::sampling::bf16_bits(l);
+                if let Some(p) = &r.penalties {
+                    crate::sampling::apply_penalties(&mut bits, p);
+                }
+                crate::sampling::sample(&bits, &r.params, r.step)
             })
             .collect()
     }
@@ -459,7 +463,7 @@ mod tests {
     /// The lm_head's padding rows (columns `n..`) never come out, whatever their logits, in any
     /// sampling mode; a row without a finite candidate is an error.
     fn row(p: &SamplingParams, step: u64) -> RowSample {
-        RowSample { row: 0, params: *p, step }
+        RowSample { row: 0, params: *p, step, penalties: None }
     }
 
     #[test]

@@ -1617,6 +1617,15 @@ impl Backend for CudaBackend {
         if let Some(r) = rows.iter().find(|r| r.row >= logits.rows) {
             bail!("sampling row {} of {} logits rows", r.row, logits.rows);
         }
+        // Penalties edit their rows' logits first, for the argmax and the draw alike.
+        if rows.iter().any(|r| r.penalties.is_some()) {
+            let mut s = self.sampler.lock().unwrap_or_else(|e| e.into_inner());
+            for r in rows {
+                if let Some(st) = &r.penalties {
+                    self.cx.apply_penalties(&logits.buf, v, r.row, n, st, &mut s)?;
+                }
+            }
+        }
         let mut out = vec![0u32; rows.len()];
         let (greedy, drawn): (Vec<usize>, Vec<usize>) =
             (0..rows.len()).partition(|&i| crate::sampling::is_greedy(&rows[i].params));

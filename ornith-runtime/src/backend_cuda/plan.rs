@@ -191,7 +191,7 @@ impl ScratchSizes {
 /// row and the greedy sampler's two ints.
 pub fn step_bytes_per_slot(d: &Dims, table_width: usize) -> u64 {
     (4 * desc_len(1, table_width) + 2 * 2 * d.hidden_size + 2 * d.vocab_size + 8) as u64
-        + crate::cuda::sample::SampleScratch::bytes(1, d.vocab_size)
+        + crate::cuda::sample::SampleScratch::row_bytes(d.vocab_size)
 }
 
 /// What the pools cost: `fixed` bytes whatever their size (weights, scratch, prompt
@@ -346,7 +346,7 @@ impl MemoryPlan {
         let state_per_slot = (gdn_layers * (conv * 2 + ssm * 4)) as u64;
         let step_per_slot = step_bytes_per_slot(d, width);
         let per_block = (attention_layers * KV_BLOCK * d.num_key_value_heads * d.head_dim * 2 * 2) as u64;
-        let scratch = ScratchSizes::new(d).bytes(d);
+        let scratch = ScratchSizes::new(d).bytes(d) + crate::cuda::sample::SampleScratch::fixed_bytes(d.vocab_size);
         let activations = (max_context * (d.hidden_size * 4 + 4)) as u64;
         let costs = PoolCosts {
             fixed: weights + scratch + activations + MARGIN,

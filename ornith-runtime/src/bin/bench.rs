@@ -160,7 +160,7 @@ fn sample1(
     q: &SamplingParams,
     step: u64,
 ) -> Result<u32> {
-    Ok(b.sample(l, n, &[RowSample { row: 0, params: *q, step }])?[0])
+    Ok(b.sample(l, n, &[RowSample { row: 0, params: *q, step, penalties: None }])?[0])
 }
 
 /// Timed decode runs of `--gen` steps at batch 1: greedy, default sampling, top-p, eager, and
@@ -215,7 +215,12 @@ fn batch_run(
         let batch = Batch { ids: toks.clone(), seqs, all_rows: false };
         let l = model.forward(b, pools, &batch, &mut |_, _| {})?;
         let rows: Vec<RowSample> = (0..bsz)
-            .map(|s| RowSample { row: s, params: SamplingParams { seed: q.seed + s as u64, ..*q }, step })
+            .map(|s| RowSample {
+                row: s,
+                params: SamplingParams { seed: q.seed + s as u64, ..*q },
+                step,
+                penalties: None,
+            })
             .collect();
         *toks = b.sample(&l, n_vocab, &rows)?;
         *pos += 1;

@@ -2,6 +2,9 @@
 //! top-k, top-p and the seeded draw, bit-identical to [`crate::sampling::sample`]. Only the
 //! sampled ids come back to the host.
 //!
+//! Penalties first, where a row has them: `apply_penalties` edits that row's logits in place
+//! (one launch per penalised row, its seen tokens uploaded to the scratch; `sampling::penalize`).
+//!
 //! Four launches per call, in stream order (the kernels' math is in the shared header,
 //! `OrnithSampleParams`): `sample_prep` (zero each row's 65,536-bin key histogram, per-block
 //! maxima), `sample_hist` (histogram of the keys that keep a nonzero weight), `sample_select`
@@ -9,7 +12,7 @@
 //! kept mass; the last block to finish walks the slice that holds the target).
 use super::{i32of, need, CudaContext, Launch, Ptr};
 use crate::engine::SamplingParams;
-use crate::sampling::{draw_bits, Prepared};
+use crate::sampling::{draw_bits, PenaltyState, Prepared, PreparedPenalties};
 use anyhow::{ensure, Result};
 use cudarc::driver::CudaSlice;
 use ornith_kernels::bindings::*;
@@ -35,6 +38,8 @@ pub struct SampleScratch {
     idx: CudaSlice<i32>,
     /// The logits row of each sampled row.
     logit_row: CudaSlice<i32>,
+    /// One row's penalised tokens (id, tag), at most `n` (ids past `n` are not uploaded).
+    pen: CudaSlice<u32>,
 }
 
 fn blocks_for(n: usize) -> usize {
@@ -56,13 +61,25 @@ impl SampleScratch {
             done: cx.alloc(rows)?,
             idx: cx.alloc(rows)?,
             logit_row: cx.alloc(rows)?,
+            pen: cx.alloc(2 * n)?,
         })
     }
 
-    /// Device bytes [`Self::new`] allocates (for the memory plan).
+    /// Device bytes [`Self::new`] allocates (for the memory plan): [`Self::row_bytes`] per row
+    /// and [`Self::fixed_bytes`] once.
     pub fn bytes(rows: usize, n: usize) -> u64 {
+        rows as u64 * Self::row_bytes(n) + Self::fixed_bytes(n)
+    }
+
+    /// What each row of the scratch holds on the device.
+    pub fn row_bytes(n: usize) -> u64 {
         let b = blocks_for(n);
-        (rows * (4 * ROW_WORDS + 4 * BINS + 4 * b + 8 * b + 16 + 4 + 4 + 4)) as u64
+        (4 * ROW_WORDS + 4 * BINS + 4 * b + 8 * b + 16 + 4 + 4 + 4) as u64
+    }
+
+    /// What the scratch holds whatever its rows: one row's penalised tokens.
+    pub fn fixed_bytes(n: usize) -> u64 {
+        8 * n as u64
     }
 }
 
@@ -138,6 +155,44 @@ impl CudaContext {
                 i => Ok(i as u32),
             })
             .collect()
+    }
+}
+
+/// Penalties (`apply_penalties`).
+impl CudaContext {
+    /// Applies `st`'s penalties to row `row` (elements `row·stride ..`, candidate columns `0..n`)
+    /// of `logits`, in place: [`crate::sampling::apply_penalties`] on the device. The row's seen
+    /// tokens go through the scratch, so rows are penalised one launch after another (stream
+    /// order keeps each launch's tokens until it has read them).
+    pub fn apply_penalties(
+        &self,
+        logits: &CudaSlice<u16>,
+        stride: usize,
+        row: usize,
+        n: usize,
+        st: &PenaltyState,
+        s: &mut SampleScratch,
+    ) -> Result<()> {
+        ensure!(n > 0 && n <= s.n && n <= stride, "apply_penalties: n {n}, stride {stride}, scratch for {}", s.n);
+        need("apply_penalties logits", logits, row * stride + n)?;
+        let words: Vec<u32> = st.tokens.iter().filter(|t| (t.id as usize) < n).flat_map(|t| [t.id, t.tag]).collect();
+        if words.is_empty() {
+            return Ok(());
+        }
+        let count = words.len() / 2;
+        self.stream().memcpy_htod(&words, &mut s.pen.slice_mut(0..words.len()))?;
+        let pp = PreparedPenalties::new(&st.penalties);
+        let p = OrnithPenaltyParams {
+            logits: (self.addr(logits) + 2 * (row * stride) as u64) as _,
+            tokens: self.addr(&s.pen) as _,
+            count: i32of("penalised tokens", count)?,
+            n: i32of("n", n)?,
+            presence: pp.presence,
+            frequency: pp.frequency,
+            repetition: pp.repetition,
+            inv_repetition: pp.inv_repetition,
+        };
+        self.launch(Launch::new("apply_penalties", (count.div_ceil(256) as u32, 1, 1), 256, (count * 12) as u64), p)
     }
 }
 

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use super::pool::{BlockPool, SlotPool};
 use super::prefix::{chunk_keys, keeps_snapshot, CacheStats, PrefixCache, CHUNK_BLOCKS};
-use super::{Runner, SamplingParams, PREFILL_CHUNK};
+use super::{Penalties, Runner, SamplingParams, PREFILL_CHUNK};
 use crate::graph::{Batch, RowSample, SeqRows, KV_BLOCK};
 
 /// What the engine needs of one request (the front end has rendered and tokenized it).
@@ -41,6 +41,9 @@ pub struct GenRequest {
     /// At least 1; `prompt.len() + max_tokens` must fit the engine's context.
     pub max_tokens: u64,
     pub params: SamplingParams,
+    /// Applied to the logits before sampling (greedy too), over the prompt and the tokens
+    /// generated so far.
+    pub penalties: Penalties,
     /// Sampling one of these ends the sequence (the token is still reported).
     pub stop_ids: Vec<u32>,
 }
@@ -120,6 +123,9 @@ struct Seq {
     /// The last sampled token, not yet in the state (the sequence is decoding).
     last: Option<u32>,
     n_out: u64,
+    /// The tokens its penalties apply to (None: no penalties). Shared with the step's
+    /// [`RowSample`] while the backend samples; updated (copy on write) after.
+    pen: Option<std::sync::Arc<crate::sampling::PenaltyState>>,
     /// Prefix-cache chunks this sequence uses (resumed after, or entered while prefilling).
     chain: Vec<usize>,
     /// False once a chunk could not be entered (a hash collision): no later chunk is either.
@@ -331,7 +337,11 @@ impl Engine {
             blocks.extend(self.blocks.take(need).expect("the blocks are free"));
             let pos = m.cached_tokens();
             let (chain, caching, wanted) = (shared.to_vec(), true, Vec::new());
-            let s = Seq { id, req, slot, blocks, pos, last: None, n_out: 0, chain, caching, wanted, keys };
+            let pen = req
+                .penalties
+                .active()
+                .then(|| std::sync::Arc::new(crate::sampling::PenaltyState::new(req.penalties, &req.prompt)));
+            let s = Seq { id, req, slot, blocks, pos, last: None, n_out: 0, pen, chain, caching, wanted, keys };
             let loaded = match shared.last() {
                 Some(&node) => {
                     let snap = self.cache.snapshot(node).expect("a resumable chunk has a snapshot");
@@ -431,7 +441,7 @@ impl Engine {
             .filter(|(_, m)| m.2)
             .map(|(row, &(i, _, _))| {
                 let s = &self.running[i];
-                RowSample { row, params: s.req.params, step: s.n_out }
+                RowSample { row, params: s.req.params, step: s.n_out, penalties: s.pen.clone() }
             })
             .collect();
         let t0 = Instant::now();
@@ -453,6 +463,9 @@ impl Engine {
                 ),
             )),
         };
+        // The rows' shares of the penalty states go, so that adding the sampled tokens below
+        // updates them in place.
+        drop(rows);
         self.stats.busy += t0.elapsed();
         self.stats.steps += 1;
         self.stats.decode_rows += decode_rows as u64;
@@ -491,6 +504,9 @@ impl Engine {
                     }
                     let t = toks.next().expect("one token per sampled row");
                     s.n_out += 1;
+                    if let Some(p) = &mut s.pen {
+                        std::sync::Arc::make_mut(p).add_output(t);
+                    }
                     self.stats.sampled += 1;
                     events.push(Event { id: s.id, kind: EventKind::Token(t) });
                     let finish = if s.req.stop_ids.contains(&t) {

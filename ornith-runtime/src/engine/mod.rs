@@ -51,6 +51,36 @@ impl SamplingParams {
     }
 }
 
+/// Repetition, frequency and presence penalties of one request (vLLM's and OpenAI's semantics;
+/// the math is [`crate::sampling::penalize`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Penalties {
+    /// Subtracted from the logit of every token the request has generated (OpenAI's
+    /// `presence_penalty`, -2..=2; 0 disables).
+    pub presence: f32,
+    /// Times the number of times the request has generated the token, subtracted from its logit
+    /// (OpenAI's `frequency_penalty`, -2..=2; 0 disables).
+    pub frequency: f32,
+    /// The logit of every token in the prompt or the output divided by it when positive,
+    /// multiplied when not (HF's and vLLM's `repetition_penalty`, > 0; 1 disables).
+    pub repetition: f32,
+}
+
+impl Penalties {
+    pub const NONE: Penalties = Penalties { presence: 0.0, frequency: 0.0, repetition: 1.0 };
+
+    /// Whether these change any logit.
+    pub fn active(&self) -> bool {
+        self.presence != 0.0 || self.frequency != 0.0 || self.repetition != 1.0
+    }
+}
+
+impl Default for Penalties {
+    fn default() -> Self {
+        Penalties::NONE
+    }
+}
+
 /// The size of a runner's pools.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Capacity {

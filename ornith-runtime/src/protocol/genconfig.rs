@@ -14,6 +14,9 @@ pub struct GenerationDefaults {
     pub top_k: usize,
     pub top_p: f32,
     pub min_p: f32,
+    /// 1 = disabled (transformers' `repetition_penalty`, which vLLM also takes from the
+    /// generation config; the OpenAI presence and frequency penalties have no such field).
+    pub repetition_penalty: f32,
     /// Token ids that end generation (unless a request sets `ignore_eos`).
     pub eos_token_ids: Vec<u32>,
 }
@@ -21,7 +24,14 @@ pub struct GenerationDefaults {
 impl Default for GenerationDefaults {
     /// Neutral sampling (vLLM's defaults without a generation config) and no stop tokens.
     fn default() -> Self {
-        GenerationDefaults { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.0, eos_token_ids: Vec::new() }
+        GenerationDefaults {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            eos_token_ids: Vec::new(),
+        }
     }
 }
 
@@ -61,6 +71,10 @@ impl GenerationDefaults {
         if let Some(p) = num("min_p")? {
             anyhow::ensure!((0.0..=1.0).contains(&p), "generation_config.json: min_p {p} outside [0, 1]");
             d.min_p = p as f32;
+        }
+        if let Some(r) = num("repetition_penalty")? {
+            anyhow::ensure!(r > 0.0 && r.is_finite(), "generation_config.json: repetition_penalty {r} is not > 0");
+            d.repetition_penalty = r as f32;
         }
         if obj.get("do_sample") == Some(&Value::Bool(false)) {
             d.temperature = 0.0;
@@ -109,6 +123,18 @@ mod tests {
         let d = GenerationDefaults::from_generation_config(&doc).unwrap();
         assert_eq!(d.eos_token_ids, vec![248046, 248044]);
         assert_eq!((d.temperature, d.top_k, d.top_p, d.min_p), (1.0, 20, 0.95, 0.0));
+    }
+
+    #[test]
+    fn repetition_penalty_is_read_and_checked() {
+        let d = GenerationDefaults::from_generation_config(&serde_json::json!({"repetition_penalty": 1.05})).unwrap();
+        assert_eq!(d.repetition_penalty, 1.05);
+        assert_eq!(GenerationDefaults::from_generation_config(&serde_json::json!({})).unwrap().repetition_penalty, 1.0);
+        for bad in [serde_json::json!(0), serde_json::json!(-1.0)] {
+            let e = GenerationDefaults::from_generation_config(&serde_json::json!({"repetition_penalty": bad}))
+                .unwrap_err();
+            assert!(format!("{e:#}").contains("repetition_penalty"), "{e:#}");
+        }
     }
 
     #[test]

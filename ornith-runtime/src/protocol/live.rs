@@ -284,7 +284,7 @@ impl<'a> Live<'a> {
         let eos: Vec<u32> = if req.ignore_eos { Vec::new() } else { eos_ids.to_vec() };
         let mut stop_ids = eos.clone();
         stop_ids.extend_from_slice(&req.stop_token_ids);
-        let gen = GenRequest { prompt, max_tokens, params: req.sampling, stop_ids };
+        let gen = GenRequest { prompt, max_tokens, params: req.sampling, penalties: req.penalties, stop_ids };
         let live = Live {
             stops: StopStrings::new(&req.stop),
             eos,
@@ -529,6 +529,7 @@ mod tests {
             top_k: 0,
             top_p: 1.0,
             min_p: 0.0,
+            repetition_penalty: 1.0,
             eos_token_ids: vec![7],
         };
         let limits = Limits { window: 64, vocab: 303 };

@@ -7,13 +7,13 @@
 //! * raw completion: `{"prompt": "text" | [ids], ...}` or `{"prompt_token_ids": [ids]}`.
 //!
 //! `null` means "absent" for every optional field (OpenAI clients send explicit nulls).
-//! Parameters this build cannot honour (n > 1, penalties, logprobs, forced tool choice,
+//! Parameters this build cannot honour (n > 1, logprobs, forced tool choice,
 //! structured output, images) are errors rather than silently ignored. The role `developer`
 //! (newer OpenAI clients) is treated as `system`.
 
 use serde_json::{Map, Value};
 
-use crate::engine::SamplingParams;
+use crate::engine::{Penalties, SamplingParams};
 use crate::sampling::GREEDY_EPS;
 
 use super::GenerationDefaults;
@@ -42,7 +42,7 @@ pub const ERROR_CODES: &[(&str, &str)] = &[
     ),
     (
         "unsupported_parameter",
-        "a parameter this build cannot honour: `n` > 1, penalties, `logprobs`, `response_format` other \
+        "a parameter this build cannot honour: `n` > 1, `logprobs`, `response_format` other \
          than text, a forced `tool_choice`, `echo`, several prompts in one line, `suffix` when the tokenizer \
          has no fill-in-the-middle tokens",
     ),
@@ -108,6 +108,7 @@ pub struct Request {
     /// `max_completion_tokens`, else `max_tokens`; `None` = up to the end of the context.
     pub max_tokens: Option<u64>,
     pub sampling: SamplingParams,
+    pub penalties: Penalties,
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
@@ -267,20 +268,6 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
             ));
         }
     }
-    for k in ["presence_penalty", "frequency_penalty"] {
-        if get_f64(b, k)?.is_some_and(|x| x != 0.0) {
-            return Err(LineError::new(
-                "unsupported_parameter",
-                format!("`{k}` is not supported by this build (use 0)"),
-            ));
-        }
-    }
-    if get_f64(b, "repetition_penalty")?.is_some_and(|x| x != 1.0) {
-        return Err(LineError::new(
-            "unsupported_parameter",
-            "`repetition_penalty` is not supported by this build (use 1)",
-        ));
-    }
     let logprobs_on = match present(b, "logprobs") {
         None | Some(Value::Bool(false)) => false,
         Some(Value::Number(n)) => n.as_i64() != Some(0),
@@ -335,6 +322,25 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
     };
     let temperature = if temperature < GREEDY_EPS { 0.0 } else { temperature };
     let sampling = SamplingParams { temperature, top_k, top_p, min_p, seed };
+    // Penalties: OpenAI's ranges for presence and frequency, vLLM's for repetition.
+    let pm2 = |k: &str| -> R<f32> {
+        match get_f64(b, k)? {
+            Some(x) if !(-2.0..=2.0).contains(&x) => {
+                Err(LineError::invalid(format!("`{k}` must be in [-2, 2], got {x}")))
+            }
+            Some(x) => Ok(x as f32),
+            None => Ok(0.0),
+        }
+    };
+    let (presence, frequency) = (pm2("presence_penalty")?, pm2("frequency_penalty")?);
+    let repetition = match get_f64(b, "repetition_penalty")? {
+        Some(x) if !(x > 0.0 && x.is_finite() && x as f32 > 0.0) => {
+            return Err(LineError::invalid(format!("`repetition_penalty` must be > 0, got {x}")))
+        }
+        Some(x) => x as f32,
+        None => defaults.repetition_penalty,
+    };
+    let penalties = Penalties { presence, frequency, repetition };
 
     let max_tokens = match get_i64(b, "max_completion_tokens")?.or(get_i64(b, "max_tokens")?) {
         Some(m) if m < 1 => return Err(LineError::invalid(format!("`max_tokens` must be at least 1, got {m}"))),
@@ -362,7 +368,17 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
     let stream = get_bool(b, "stream")?.unwrap_or(false);
 
     let kind = if chat { parse_chat(b)? } else { parse_completion(b)? };
-    Ok(Request { kind, max_tokens, sampling, stop, stop_token_ids, ignore_eos, stream, warnings: Vec::new() })
+    Ok(Request {
+        kind,
+        max_tokens,
+        sampling,
+        penalties,
+        stop,
+        stop_token_ids,
+        ignore_eos,
+        stream,
+        warnings: Vec::new(),
+    })
 }
 
 /// Fields a request body may carry: those read above, and those clients send that do not change
@@ -732,7 +748,14 @@ mod tests {
     use serde_json::json;
 
     fn p(v: Value) -> R<Request> {
-        let d = GenerationDefaults { temperature: 1.0, top_k: 20, top_p: 0.95, min_p: 0.0, eos_token_ids: vec![1] };
+        let d = GenerationDefaults {
+            temperature: 1.0,
+            top_k: 20,
+            top_p: 0.95,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            eos_token_ids: vec![1],
+        };
         parse(&v, &d, 99)
     }
 
@@ -742,6 +765,41 @@ mod tests {
         assert_eq!(r.sampling, SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.95, min_p: 0.0, seed: 99 });
         assert_eq!(r.max_tokens, None);
         assert!(matches!(r.kind, Kind::Chat { parse_tools: false, .. }));
+    }
+
+    #[test]
+    fn penalties_are_read_checked_and_default_to_off() {
+        let chat = |extra: Value| {
+            let mut v = json!({"messages": [{"role": "user", "content": "hi"}]});
+            v.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            p(v)
+        };
+        assert_eq!(chat(json!({})).unwrap().penalties, Penalties::NONE);
+        // The model card's settings (thinking, general): presence 1.5.
+        let r = chat(json!({"presence_penalty": 1.5, "frequency_penalty": -0.25, "repetition_penalty": 1.05})).unwrap();
+        assert_eq!(r.penalties, Penalties { presence: 1.5, frequency: -0.25, repetition: 1.05 });
+        let r = chat(json!({"presence_penalty": null, "repetition_penalty": null})).unwrap();
+        assert_eq!(r.penalties, Penalties::NONE, "null is absent");
+        for (k, v) in [
+            ("presence_penalty", json!(2.5)),
+            ("presence_penalty", json!(-2.01)),
+            ("frequency_penalty", json!(3)),
+            ("repetition_penalty", json!(0)),
+            ("repetition_penalty", json!(-1)),
+            ("repetition_penalty", json!(1e-60)),
+        ] {
+            let e = chat(json!({ k: v })).unwrap_err();
+            assert_eq!(e.code, "invalid_request", "{k} = {v}: {e:?}");
+            assert!(e.message.contains(k), "{e:?}");
+        }
+        let e = chat(json!({"presence_penalty": "high"})).unwrap_err();
+        assert_eq!(e.code, "invalid_request", "{e:?}");
+        // The checkpoint's generation config supplies the repetition penalty a request omits.
+        let d = GenerationDefaults { repetition_penalty: 1.1, ..GenerationDefaults::default() };
+        let r = parse(&json!({"prompt": "x"}), &d, 1).unwrap();
+        assert_eq!(r.penalties, Penalties { repetition: 1.1, ..Penalties::NONE });
+        let r = parse(&json!({"prompt": "x", "repetition_penalty": 1}), &d, 1).unwrap();
+        assert_eq!(r.penalties, Penalties::NONE);
     }
 
     #[test]

@@ -6,7 +6,7 @@ pub mod server;
 
 use std::sync::{Arc, Mutex};
 
-use ornith_runtime::engine::{Capacity, Runner, SamplingParams};
+use ornith_runtime::engine::{Capacity, Penalties, Runner, SamplingParams};
 use ornith_runtime::graph::{Batch, RowSample, KV_BLOCK};
 use ornith_runtime::protocol::{PromptRenderer, TextCodec, TokenStream};
 use serde_json::{json, Map, Value};
@@ -136,6 +136,8 @@ pub struct ScriptRunner {
     pub fed: Vec<Vec<u32>>,
     pub script: Vec<Option<(Vec<u32>, usize)>>,
     pub calls: Arc<Mutex<Vec<SamplingParams>>>,
+    /// The penalties each sequence's first sampled row carried (beside `calls`).
+    pub penalties: Arc<Mutex<Vec<Penalties>>>,
     /// Time one step takes (0: as fast as it goes).
     pub step_time: std::time::Duration,
 }
@@ -149,6 +151,7 @@ impl ScriptRunner {
             fed: vec![Vec::new(); slots],
             script: vec![None; slots],
             calls: Arc::new(Mutex::new(Vec::new())),
+            penalties: Arc::new(Mutex::new(Vec::new())),
             step_time: std::time::Duration::ZERO,
         }
     }
@@ -202,6 +205,7 @@ impl Runner for ScriptRunner {
             if self.script[slot].is_none() {
                 let prompt = &self.fed[slot];
                 self.calls.lock().unwrap().push(r.params);
+                self.penalties.lock().unwrap().push(r.penalties.as_ref().map_or(Penalties::NONE, |p| p.penalties));
                 let start = prompt.windows(4).rposition(|w| w == marker.as_slice()).map_or(prompt.len(), |i| i + 4);
                 let mut script: Vec<u32> = prompt[start..].iter().copied().take_while(|&t| t != IM_END).collect();
                 let text: Vec<u8> = script.iter().filter(|&&t| t < 256).map(|&t| t as u8).collect();

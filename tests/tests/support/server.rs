@@ -66,6 +66,7 @@ pub async fn server_with_codec(
         top_k: 0,
         top_p: 1.0,
         min_p: 0.0,
+        repetition_penalty: 1.0,
         eos_token_ids: vec![IM_END, ENDOFTEXT],
     };
     let mut opts = ServerOptions {
