@@ -13,6 +13,8 @@
 //! * `batch_invariance` — shallow: sequences decoded together (1, 2, 3, 8, 13 at once, and next
 //!   to a prefill chunk) give each sequence the bits it gets alone; graphs equal eager launches
 //!   at every batch size.
+//! * `cuda_penalties_match_cpu_sampling` — shallow: penalties on the device logits, then the
+//!   device sampler, against the CPU edit and sampler on the same logits.
 //! * `cuda_decode_1000_steps_finite` — build for the **full** preset: 1,000 greedy decode steps.
 #![cfg(feature = "cuda")]
 
@@ -750,4 +752,46 @@ fn prefix_cache_resume_matches_cold() {
         assert_eq!(diff, 0, "step {k} (0 = the resumed prefill): {diff} logits differ from the cold run");
     }
     eprintln!("prefix cache on the device: resumed prefill + 8 decode steps bit-identical to the cold run");
+}
+
+/// Penalties through the CUDA backend's `sample` (`apply_penalties` on the device logits, then
+/// the device argmax or draw) against the CPU path on the same logits: the row downloaded first,
+/// penalised by `sampling::apply_penalties` and sampled by `sampling::sample`. Greedy and
+/// sampled, each with a presence, frequency and repetition penalty over a prompt and a made-up
+/// output history that holds the unpenalised greedy pick 20 times (so the greedy pick moves).
+#[test]
+#[ignore]
+fn cuda_penalties_match_cpu_sampling() {
+    use ornith_runtime::engine::{Penalties, SamplingParams};
+    use ornith_runtime::graph::RowSample;
+    use ornith_runtime::sampling::{apply_penalties, bf16_bits, sample, PenaltyState};
+    let ck = Checkpoint::open(&model_dir(), compiled::FINGERPRINT).expect("checkpoint");
+    let d = compiled::DIMS;
+    let gpu = cuda_backend(&ck, 256);
+    let m = compiled::Model::load(&gpu, &ck).expect("CUDA load");
+    let n = d.vocab_size;
+    let ids = prompt(48, n);
+    let sampled = SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.95, min_p: 0.0, seed: 3 };
+    for (params, pen) in [
+        (SamplingParams::greedy(), Penalties { presence: 1.5, frequency: 0.5, repetition: 1.3 }),
+        (sampled, Penalties { presence: 1.5, frequency: 0.5, repetition: 1.3 }),
+        (sampled, Penalties { presence: -2.0, frequency: -1.0, repetition: 0.7 }),
+    ] {
+        let mut st = compiled::Model::new_state(&gpu, 256).unwrap();
+        let logits = m.prefill(&gpu, &mut st, &ids, false, &mut |_, _| {}).unwrap();
+        let host = bf16_bits(&gpu.logits_to_host(&logits).unwrap()[..n]);
+        let mut seen = PenaltyState::new(pen, &ids);
+        let top = ornith_runtime::sampling::argmax(&host).unwrap();
+        for t in [7, (top + 1) % n as u32].into_iter().chain([top; 20]) {
+            seen.add_output(t);
+        }
+        let mut want = host.clone();
+        apply_penalties(&mut want, &seen);
+        let rows = [RowSample { row: 0, params, step: 4, penalties: Some(std::sync::Arc::new(seen)) }];
+        let got = gpu.sample(&logits, n, &rows).unwrap()[0];
+        assert_eq!(got, sample(&want, &params, 4).unwrap(), "{params:?} {pen:?}");
+        if params.temperature == 0.0 {
+            assert_ne!(got, top, "the presence penalty moved nothing");
+        }
+    }
 }
