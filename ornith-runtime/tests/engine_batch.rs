@@ -49,6 +49,7 @@ fn requests() -> Vec<GenRequest> {
             params: if i % 2 == 0 { SamplingParams::greedy() } else { sampled(1000 + i as u64) },
             penalties: Penalties::NONE,
             stop_ids: Vec::new(),
+            force: None,
         })
         .collect()
 }
@@ -145,6 +146,7 @@ fn a_short_request_after_a_long_one_finishes_first() {
         params: SamplingParams::greedy(),
         penalties: Penalties::NONE,
         stop_ids: vec![],
+        force: None,
     };
     let short = GenRequest {
         prompt: prompt(6, 10),
@@ -152,6 +154,7 @@ fn a_short_request_after_a_long_one_finishes_first() {
         params: SamplingParams::greedy(),
         penalties: Penalties::NONE,
         stop_ids: vec![],
+        force: None,
     };
     e.submit(1, long).unwrap();
     e.submit(2, short).unwrap();
@@ -178,6 +181,7 @@ fn admission_waits_for_memory_refuses_what_never_fits_and_cancel_frees() {
         params: SamplingParams::greedy(),
         penalties: Penalties::NONE,
         stop_ids: vec![],
+        force: None,
     };
     // Longer than the context: refused at once, nothing queued.
     let err = e.submit(1, req(CTX, 1)).unwrap_err();
@@ -217,6 +221,7 @@ fn stop_ids_end_a_sequence_and_pools_never_leak_over_a_thousand_requests() {
                 params,
                 penalties: Penalties::NONE,
                 stop_ids: vec![],
+                force: None,
             },
         )
         .unwrap();
@@ -237,6 +242,7 @@ fn stop_ids_end_a_sequence_and_pools_never_leak_over_a_thousand_requests() {
         params: SamplingParams::greedy(),
         penalties: Penalties::NONE,
         stop_ids: vec![],
+        force: None,
     };
     e.submit(5000, r.clone()).unwrap();
     let first = drain(&mut e).0[&5000][0];
@@ -305,8 +311,14 @@ fn penalties_match_a_step_by_step_oracle() {
     ];
     let mut e = engine(4, 4 * CTX / KV_BLOCK, 2048);
     for (i, (params, penalties)) in reqs.iter().enumerate() {
-        let r =
-            GenRequest { prompt: pr.clone(), max_tokens: 24, params: *params, penalties: *penalties, stop_ids: vec![] };
+        let r = GenRequest {
+            prompt: pr.clone(),
+            max_tokens: 24,
+            params: *params,
+            penalties: *penalties,
+            stop_ids: vec![],
+            force: None,
+        };
         e.submit(i as u64, r).unwrap();
     }
     let (toks, errs) = drain(&mut e);
@@ -325,4 +337,68 @@ fn penalties_match_a_step_by_step_oracle() {
         assert_eq!(toks[&(i as u64)], out, "request {i} ({penalties:?}) differs from the oracle");
     }
     assert_ne!(toks[&3], toks[&2], "the penalties changed nothing");
+}
+
+/// A forced continuation (`GenRequest::force`, what a forced tool call uses): from the first
+/// token, and after a two-token trigger taken from the request's own unforced greedy output;
+/// a sampled request too. Each token equals a step-by-step run of the model alone that replaces
+/// the draws by the forced tokens at the same steps; run four at once with an unforced request.
+#[test]
+fn forced_tokens_follow_their_trigger_and_the_model_continues_from_them() {
+    use ornith_runtime::engine::Forcing;
+    use std::collections::VecDeque;
+    let b = CpuBackend::new();
+    let n = compiled::DIMS.vocab_size;
+    let pr = prompt(30, 5);
+    let m = runner(1, CTX / KV_BLOCK).model;
+    // The oracle: the model alone, each draw replaced by a pending forced token.
+    let oracle = |params: &SamplingParams, force: &Option<Forcing>, steps: u64| -> Vec<u32> {
+        let mut st = compiled::Model::new_state(&b, CTX).unwrap();
+        let mut logits = b.logits_to_host(&m.prefill(&b, &mut st, &pr, false, &mut |_, _| {}).unwrap()).unwrap();
+        let (mut out, mut pending, mut plan) = (Vec::new(), VecDeque::new(), force.clone());
+        if let Some(f) = plan.take_if(|f| f.after.is_empty()) {
+            pending.extend(f.tokens);
+        }
+        for step in 0..steps {
+            let drawn =
+                ornith_runtime::sampling::sample(&ornith_runtime::sampling::bf16_bits(&logits[..n]), params, step);
+            let t = pending.pop_front().unwrap_or(drawn.unwrap());
+            out.push(t);
+            if let Some(f) = plan.take_if(|f| out.ends_with(&f.after)) {
+                pending.extend(f.tokens);
+            }
+            logits = b.logits_to_host(&m.decode_step(&b, &mut st, t).unwrap()).unwrap();
+        }
+        out
+    };
+    let greedy = SamplingParams::greedy();
+    let plain = oracle(&greedy, &None, 12);
+    let forced = vec![4001, 4002, 4003];
+    let reqs = [
+        (greedy, Some(Forcing { after: vec![], tokens: forced.clone() })),
+        (greedy, Some(Forcing { after: plain[1..3].to_vec(), tokens: forced.clone() })),
+        (sampled(9), Some(Forcing { after: vec![], tokens: forced.clone() })),
+        (greedy, None),
+    ];
+    let mut e = engine(4, 4 * CTX / KV_BLOCK, 2048);
+    for (i, (params, force)) in reqs.iter().enumerate() {
+        let r = GenRequest {
+            prompt: pr.clone(),
+            max_tokens: 12,
+            params: *params,
+            penalties: Penalties::NONE,
+            stop_ids: vec![],
+            force: force.clone(),
+        };
+        e.submit(i as u64, r).unwrap();
+    }
+    let (toks, errs) = drain(&mut e);
+    assert!(errs.is_empty(), "{errs:?}");
+    assert_eq!(toks[&0][..3], forced[..], "forced from the first token");
+    assert_eq!(toks[&1][..3], plain[..3], "the output up to the trigger is the model's own");
+    assert_eq!(toks[&1][3..6], forced[..], "forced right after the trigger");
+    assert_eq!(toks[&3], plain, "an unforced request next to them is unchanged");
+    for (i, (params, force)) in reqs.iter().enumerate() {
+        assert_eq!(toks[&(i as u64)], oracle(params, force, 12), "request {i} differs from the oracle");
+    }
 }

@@ -386,6 +386,52 @@ fn penalties_reach_the_engine_and_bad_ones_are_refused() {
 }
 
 #[test]
+fn a_forced_tool_choice_makes_the_answer_a_call() {
+    // The scripted model would write filler where the call starts: forcing replaces the first
+    // tokens of the answer (thinking off) or those right after `</think>` (thinking on) by the
+    // start of a call in the template's format, and the model's own tokens go on from there.
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string"}}}}}, {"type": "function", "function": {"name": "ls"}}]);
+    let rest = "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>";
+    let named_head = "<tool_call>\n<function=get_weather>\n";
+    let any_head = "\n\n<tool_call>\n<function=";
+    let fill = |n: usize| "x".repeat(n);
+    let lines = [
+        // Named, thinking off: forced from the first token.
+        json!({"custom_id": "named", "messages": [{"role": "user", "content": format!("SAY:{}{rest}", fill(named_head.len()))}],
+               "tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+               "chat_template_kwargs": {"enable_thinking": false}}),
+        // Any tool, thinking on: forced after `</think>`; the model names the function.
+        json!({"custom_id": "any", "messages": [{"role": "user", "content": format!("SAY:Let me see.\n</think>{}get_weather>\n{rest}", fill(any_head.len()))}],
+               "tools": tools, "tool_choice": "required", "stream": true}),
+        // Auto: the filler stays (the same script, no forcing).
+        json!({"custom_id": "auto", "messages": [{"role": "user", "content": format!("SAY:{}{rest}", fill(named_head.len()))}],
+               "tools": tools, "chat_template_kwargs": {"enable_thinking": false}}),
+    ];
+    let input: String = lines.iter().map(|l| l.to_string() + "\n").collect();
+    let (out, _) = run_with(Cursor::new(input), &opts(), 512);
+    let (res, chunks) = results(&out);
+    let call = |m: &Value| {
+        let c = &m["tool_calls"][0]["function"];
+        (
+            c["name"].as_str().unwrap().to_string(),
+            serde_json::from_str::<Value>(c["arguments"].as_str().unwrap()).unwrap(),
+        )
+    };
+    let m = msg(&res[0]);
+    assert_eq!((finish(&res[0]), &m["content"]), ("tool_calls", &Value::Null), "a call alone: {m}");
+    assert_eq!(call(m), ("get_weather".into(), json!({"city": "Paris"})));
+    let m = msg(&res[1]);
+    assert_eq!((finish(&res[1]), m["reasoning"].as_str()), ("tool_calls", Some("Let me see.")), "{m}");
+    assert_eq!(call(m), ("get_weather".into(), json!({"city": "Paris"})));
+    let (reasoning, content, calls, fin) = stream_concat(&chunks[1], "any");
+    assert_eq!((reasoning.as_str(), content.as_str(), calls.len(), fin.as_str()), ("Let me see.", "", 1, "tool_calls"));
+    let m = msg(&res[2]);
+    assert!(m["content"].as_str().unwrap().starts_with("xxxx"), "without forcing the filler is the answer: {m}");
+    assert_eq!(finish(&res[2]), "stop");
+}
+
+#[test]
 fn max_tokens_absent_runs_to_the_end_of_the_window() {
     // The script is "abc" + eos, ignored: generation must stop at the window, not past it.
     let line = r#"{"prompt": "SAY:abc", "ignore_eos": true}"#;

@@ -205,10 +205,21 @@ pub fn chat_body(body: &Value, counting: bool) -> Result<(Value, Vec<String>), L
             Some("none") => {
                 chat.insert("tool_choice".into(), json!("none"));
             }
+            // A forced call: any tool, or the named one (the chat request checks the name).
+            Some("any") => {
+                chat.insert("tool_choice".into(), json!("required"));
+            }
+            Some("tool") => {
+                let name = tc
+                    .get("name")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| invalid("`tool_choice` of type tool needs a `name`"))?;
+                chat.insert("tool_choice".into(), json!({"type": "function", "function": {"name": name}}));
+            }
             _ => {
                 return Err(LineError::new(
                     "unsupported_parameter",
-                    "`tool_choice` other than auto or none is not supported by this build",
+                    "`tool_choice` must be of type auto, any, tool or none",
                 ))
             }
         }
@@ -421,8 +432,15 @@ mod tests {
         let img =
             json!({"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]});
         assert_eq!(chat_body(&img, false).unwrap_err().code, "unsupported_content");
-        let forced =
-            json!({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "any"}});
-        assert_eq!(chat_body(&forced, false).unwrap_err().code, "unsupported_parameter");
+        // Forced calls map to the chat forms; an unknown type is refused.
+        let with =
+            |tc: Value| json!({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tool_choice": tc});
+        assert_eq!(chat_body(&with(json!({"type": "any"})), false).unwrap().0["tool_choice"], "required");
+        assert_eq!(
+            chat_body(&with(json!({"type": "tool", "name": "ls"})), false).unwrap().0["tool_choice"],
+            json!({"type": "function", "function": {"name": "ls"}})
+        );
+        assert_eq!(chat_body(&with(json!({"type": "tool"})), false).unwrap_err().code, "invalid_request");
+        assert_eq!(chat_body(&with(json!({"type": "some"})), false).unwrap_err().code, "unsupported_parameter");
     }
 }

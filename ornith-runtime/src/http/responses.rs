@@ -221,12 +221,20 @@ pub fn chat_body(body: &Value) -> Result<(Value, Vec<String>), LineError> {
         chat.insert("tools".into(), Value::Array(out));
     }
     if let Some(tc) = b.get("tool_choice").filter(|v| !v.is_null()) {
-        match tc.as_str() {
-            Some(c @ ("auto" | "none")) => {
+        match (tc.as_str(), tc.get("type").and_then(Value::as_str)) {
+            (Some(c @ ("auto" | "none" | "required")), _) => {
                 chat.insert("tool_choice".into(), json!(c));
             }
+            // A forced call of the named function (the chat request checks the name).
+            (None, Some("function")) => {
+                let name = tc.get("name").and_then(Value::as_str);
+                let name = name.ok_or_else(|| invalid("`tool_choice` of type function needs a `name`"))?;
+                chat.insert("tool_choice".into(), json!({"type": "function", "function": {"name": name}}));
+            }
             _ => {
-                return Err(unsupported("`tool_choice` other than \"auto\" or \"none\" is not supported by this build"))
+                return Err(unsupported(
+                    "`tool_choice` other than \"auto\", \"none\", \"required\" or a function is not supported by this build",
+                ))
             }
         }
     }
@@ -552,8 +560,12 @@ mod tests {
         assert!(e.message.contains("stateless"), "{}", e.message);
         let e = chat_body(&json!({"input": "x", "tools": [{"type": "web_search"}]})).unwrap_err();
         assert_eq!(e.code, "unsupported_parameter");
-        let e = chat_body(&json!({"input": "x", "tool_choice": "required"})).unwrap_err();
+        let e = chat_body(&json!({"input": "x", "tool_choice": {"type": "allowed_tools", "tools": []}})).unwrap_err();
         assert_eq!(e.code, "unsupported_parameter");
+        let (chat, _) = chat_body(&json!({"input": "x", "tool_choice": "required"})).unwrap();
+        assert_eq!(chat["tool_choice"], "required");
+        let (chat, _) = chat_body(&json!({"input": "x", "tool_choice": {"type": "function", "name": "f"}})).unwrap();
+        assert_eq!(chat["tool_choice"], json!({"type": "function", "function": {"name": "f"}}));
         let img = json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]});
         assert_eq!(chat_body(&img).unwrap_err().code, "unsupported_content");
         assert!(chat_body(&json!({"input": []})).is_err());

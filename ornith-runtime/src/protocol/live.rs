@@ -11,10 +11,10 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
-use crate::engine::GenRequest;
+use crate::engine::{Forcing, GenRequest};
 use crate::sampling::mix64;
 
-use super::request::{Kind, LineError, Prompt, Request};
+use super::request::{Kind, LineError, Prompt, Request, ToolForce};
 use super::split::{Delta, Message, Splitter};
 use super::stop::StopStrings;
 use super::toolcall::ToolCall;
@@ -167,6 +167,25 @@ pub fn fim_prompt(codec: &dyn TextCodec, prefix: &str, suffix: &str) -> Result<V
     Ok(ids)
 }
 
+/// The start of a forced tool call in the chat template's format (an assistant turn that is a
+/// call renders as `<tool_call>\n<function=NAME>\n<parameter=…`): the model writes the rest —
+/// for `required` the function's name too. Forced from the first token, or, when the prompt
+/// leaves the model thinking, right after it closes its thinking (`</think>`, which the template
+/// follows with `\n\n`): the reasoning stays the model's own.
+fn forced_call(codec: &dyn TextCodec, f: &ToolForce, thinking: bool) -> Result<Forcing, LineError> {
+    let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
+    let head = match f {
+        ToolForce::Any => "<tool_call>\n<function=".to_string(),
+        ToolForce::Named(n) => format!("<tool_call>\n<function={n}>\n"),
+    };
+    if thinking {
+        let after = codec.encode("</think>").map_err(tok)?;
+        Ok(Forcing { after, tokens: codec.encode(&format!("\n\n{head}")).map_err(tok)? })
+    } else {
+        Ok(Forcing { after: Vec::new(), tokens: codec.encode(&head).map_err(tok)? })
+    }
+}
+
 /// What the front end needs of the engine to start a request.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
@@ -284,7 +303,11 @@ impl<'a> Live<'a> {
         let eos: Vec<u32> = if req.ignore_eos { Vec::new() } else { eos_ids.to_vec() };
         let mut stop_ids = eos.clone();
         stop_ids.extend_from_slice(&req.stop_token_ids);
-        let gen = GenRequest { prompt, max_tokens, params: req.sampling, penalties: req.penalties, stop_ids };
+        let force = match &req.kind {
+            Kind::Chat { force: Some(f), .. } => Some(forced_call(codec, f, thinking)?),
+            _ => None,
+        };
+        let gen = GenRequest { prompt, max_tokens, params: req.sampling, penalties: req.penalties, stop_ids, force };
         let live = Live {
             stops: StopStrings::new(&req.stop),
             eos,

@@ -7,7 +7,7 @@
 //! * raw completion: `{"prompt": "text" | [ids], ...}` or `{"prompt_token_ids": [ids]}`.
 //!
 //! `null` means "absent" for every optional field (OpenAI clients send explicit nulls).
-//! Parameters this build cannot honour (n > 1, logprobs, forced tool choice,
+//! Parameters this build cannot honour (n > 1, logprobs, `allowed_tools` tool choice,
 //! structured output, images) are errors rather than silently ignored. The role `developer`
 //! (newer OpenAI clients) is treated as `system`.
 
@@ -43,7 +43,7 @@ pub const ERROR_CODES: &[(&str, &str)] = &[
     (
         "unsupported_parameter",
         "a parameter this build cannot honour: `n` > 1, `logprobs`, `response_format` other \
-         than text, a forced `tool_choice`, `echo`, several prompts in one line, `suffix` when the tokenizer \
+         than text, a `tool_choice` other than auto, none, required or a named function, `echo`, several prompts in one line, `suffix` when the tokenizer \
          has no fill-in-the-middle tokens",
     ),
     ("unsupported_content", "image, audio, video or file parts (this build serves text only)"),
@@ -96,10 +96,19 @@ pub enum Kind {
         /// Extract tool calls from the output (tools given and `tool_choice` not `none`).
         parse_tools: bool,
         kwargs: Map<String, Value>,
+        /// `tool_choice` `required` (any tool) or a named function: the answer must be a call.
+        force: Option<ToolForce>,
     },
     Completion {
         prompt: Prompt,
     },
+}
+
+/// A forced tool call (`tool_choice`): one of the tools, or the named one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolForce {
+    Any,
+    Named(String),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -522,6 +531,7 @@ fn parse_chat(b: &Map<String, Value>) -> R<Kind> {
         }
         Some(_) => return Err(LineError::invalid("`tools` must be an array")),
     };
+    let mut force = None;
     let parse_tools = match present(b, "tool_choice") {
         None => true,
         Some(Value::String(s)) if s == "auto" => true,
@@ -530,15 +540,46 @@ fn parse_chat(b: &Map<String, Value>) -> R<Kind> {
             tools = None;
             false
         }
+        Some(Value::String(s)) if s == "required" => {
+            force = Some(ToolForce::Any);
+            true
+        }
+        Some(v @ Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
+            let name = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
+            let name = name.ok_or_else(|| {
+                LineError::invalid(format!("`tool_choice` {} needs `function.name`", short(v)))
+            })?;
+            force = Some(ToolForce::Named(name.to_string()));
+            true
+        }
         Some(v) => {
             return Err(LineError::new(
                 "unsupported_parameter",
-                format!("`tool_choice` {} is not supported by this build (use \"auto\" or \"none\")", short(v)),
+                format!(
+                    "`tool_choice` {} is not supported by this build (use \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": …}}}})",
+                    short(v)
+                ),
             ))
         }
     } && tools.is_some();
+    if let Some(f) = &force {
+        let names: Vec<&str> = tools
+            .as_ref()
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(|t| t["function"]["name"].as_str()).collect())
+            .unwrap_or_default();
+        match f {
+            ToolForce::Any if names.is_empty() => {
+                return Err(LineError::invalid("`tool_choice` \"required\" needs `tools`"));
+            }
+            ToolForce::Named(n) if !names.contains(&n.as_str()) => {
+                return Err(LineError::invalid(format!("`tool_choice` names `{n}`, which is not among `tools`")));
+            }
+            _ => {}
+        }
+    }
     let kwargs = template_kwargs(present(b, "chat_template_kwargs"))?;
-    Ok(Kind::Chat { messages, tools, parse_tools, kwargs })
+    Ok(Kind::Chat { messages, tools, parse_tools, kwargs, force })
 }
 
 /// `chat_template_kwargs`: an object; the switches the template tests with `is true` / `is false`
@@ -803,6 +844,28 @@ mod tests {
     }
 
     #[test]
+    fn tool_choice_forces_any_or_a_named_tool_among_the_tools() {
+        let tools = json!([{"type": "function", "function": {"name": "ls"}}, {"type": "function", "function": {"name": "cat"}}]);
+        let force = |tc: Value| {
+            p(json!({"messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": tc})).map(|r| {
+                match r.kind {
+                    Kind::Chat { force, parse_tools, .. } => (force, parse_tools),
+                    _ => unreachable!(),
+                }
+            })
+        };
+        assert_eq!(force(json!("auto")).unwrap(), (None, true));
+        assert_eq!(force(json!("required")).unwrap(), (Some(ToolForce::Any), true));
+        let named = json!({"type": "function", "function": {"name": "cat"}});
+        assert_eq!(force(named).unwrap(), (Some(ToolForce::Named("cat".into())), true));
+        let e = force(json!({"type": "function", "function": {"name": "rm"}})).unwrap_err();
+        assert_eq!(e.code, "invalid_request");
+        assert!(e.message.contains("`rm`"), "{e:?}");
+        assert_eq!(force(json!({"type": "function"})).unwrap_err().code, "invalid_request");
+        assert_eq!(force(json!("sometimes")).unwrap_err().code, "unsupported_parameter");
+    }
+
+    #[test]
     fn batch_line_and_overrides() {
         let r = p(json!({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {
             "messages": [{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
@@ -860,7 +923,9 @@ mod tests {
         assert!(base("max_tokens", json!(0)).message.contains("at least 1"));
         assert!(base("stop", json!(3)).message.contains("stop"));
         assert_eq!(base("n", json!(2)).code, "unsupported_parameter");
-        assert_eq!(base("tool_choice", json!("required")).code, "unsupported_parameter");
+        assert_eq!(base("tool_choice", json!({"type": "allowed_tools"})).code, "unsupported_parameter");
+        // Forcing needs the tools it names.
+        assert!(base("tool_choice", json!("required")).message.contains("needs `tools`"));
         let e =
             p(json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}))
                 .unwrap_err();
