@@ -394,7 +394,7 @@ fn a_forced_tool_choice_makes_the_answer_a_call() {
         "properties": {"city": {"type": "string"}}}}}, {"type": "function", "function": {"name": "ls"}}]);
     let rest = "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>";
     let named_head = "<tool_call>\n<function=get_weather>\n";
-    let any_head = "\n\n<tool_call>\n<function=";
+    let any_head = "\n\n<tool_call>\n<function";
     let fill = |n: usize| "x".repeat(n);
     let lines = [
         // Named, thinking off: forced from the first token.
@@ -402,7 +402,7 @@ fn a_forced_tool_choice_makes_the_answer_a_call() {
                "tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
                "chat_template_kwargs": {"enable_thinking": false}}),
         // Any tool, thinking on: forced after `</think>`; the model names the function.
-        json!({"custom_id": "any", "messages": [{"role": "user", "content": format!("SAY:Let me see.\n</think>{}get_weather>\n{rest}", fill(any_head.len()))}],
+        json!({"custom_id": "any", "messages": [{"role": "user", "content": format!("SAY:Let me see.\n</think>{}=get_weather>\n{rest}", fill(any_head.len()))}],
                "tools": tools, "tool_choice": "required", "stream": true}),
         // Auto: the filler stays (the same script, no forcing).
         json!({"custom_id": "auto", "messages": [{"role": "user", "content": format!("SAY:{}{rest}", fill(named_head.len()))}],

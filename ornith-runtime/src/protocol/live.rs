@@ -169,13 +169,15 @@ pub fn fim_prompt(codec: &dyn TextCodec, prefix: &str, suffix: &str) -> Result<V
 
 /// The start of a forced tool call in the chat template's format (an assistant turn that is a
 /// call renders as `<tool_call>\n<function=NAME>\n<parameter=…`): the model writes the rest —
-/// for `required` the function's name too. Forced from the first token, or, when the prompt
+/// for `required` `=` and the function's name too. Forced from the first token, or, when the prompt
 /// leaves the model thinking, right after it closes its thinking (`</think>`, which the template
 /// follows with `\n\n`): the reasoning stays the model's own.
 fn forced_call(codec: &dyn TextCodec, f: &ToolForce, thinking: bool) -> Result<Forcing, LineError> {
     let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
     let head = match f {
-        ToolForce::Any => "<tool_call>\n<function=".to_string(),
+        // Up to a pre-token boundary of the tokenizer's split: `<function` then `=NAME` is how
+        // a call's text is cut, so the model writes `=` and the name as it would unforced.
+        ToolForce::Any => "<tool_call>\n<function".to_string(),
         ToolForce::Named(n) => format!("<tool_call>\n<function={n}>\n"),
     };
     if thinking {
