@@ -290,115 +290,99 @@ fn oracle_penalised(logits: &[f32], prompt: &[u32], out: &[u32], p: &Penalties) 
         .collect()
 }
 
-/// Penalties through the engine on the CPU backend: four requests at once (greedy with the
-/// model card's presence penalty and a repetition penalty; seeded sampling with frequency and
-/// presence; greedy without penalties; greedy with negative ones), each token equal to a
-/// step-by-step run of the model alone whose logits are penalised by `oracle_penalised` and
-/// then picked by argmax or by `sampling::sample`. The penalties change the greedy output (the
-/// last request differs from the same prompt without them).
-#[test]
-fn penalties_match_a_step_by_step_oracle() {
+/// The model alone on the CPU backend, one token at a time: `r.prompt` prefilled, then
+/// `r.max_tokens` decode steps, each token drawn from the logits penalised by `oracle_penalised`
+/// (argmax or `sampling::sample` at that step) unless a forced token is pending (`r.force`: once
+/// the output ends with its trigger, its tokens replace the next draws).
+fn oracle(r: &GenRequest) -> Vec<u32> {
     let b = CpuBackend::new();
+    let m = runner(1, CTX / KV_BLOCK).model;
     let n = compiled::DIMS.vocab_size;
-    let pr = prompt(40, 77);
-    let reqs = [
-        (SamplingParams::greedy(), Penalties { presence: 1.5, frequency: 0.0, repetition: 1.3 }),
-        (sampled(5), Penalties { presence: 0.5, frequency: 0.75, repetition: 1.0 }),
-        (SamplingParams::greedy(), Penalties::NONE),
-        // Negative penalties and a repetition penalty below 1 pull the output back to what the
-        // prompt and the output hold.
-        (SamplingParams::greedy(), Penalties { presence: -2.0, frequency: -2.0, repetition: 0.5 }),
-    ];
-    let mut e = engine(4, 4 * CTX / KV_BLOCK, 2048);
-    for (i, (params, penalties)) in reqs.iter().enumerate() {
-        let r = GenRequest {
-            prompt: pr.clone(),
-            max_tokens: 24,
-            params: *params,
-            penalties: *penalties,
-            stop_ids: vec![],
-            force: None,
-        };
-        e.submit(i as u64, r).unwrap();
+    let mut st = compiled::Model::new_state(&b, CTX).unwrap();
+    let mut logits = b.logits_to_host(&m.prefill(&b, &mut st, &r.prompt, false, &mut |_, _| {}).unwrap()).unwrap();
+    let (mut out, mut pending, mut plan) = (Vec::new(), std::collections::VecDeque::new(), r.force.clone());
+    if let Some(f) = plan.take_if(|f| f.after.is_empty()) {
+        pending.extend(f.tokens);
+    }
+    for step in 0..r.max_tokens {
+        let row = oracle_penalised(&logits[..n], &r.prompt, &out, &r.penalties);
+        let drawn = ornith_runtime::sampling::sample(&row, &r.params, step).unwrap();
+        let t = pending.pop_front().unwrap_or(drawn);
+        out.push(t);
+        if let Some(f) = plan.take_if(|f| out.ends_with(&f.after)) {
+            pending.extend(f.tokens);
+        }
+        logits = b.logits_to_host(&m.decode_step(&b, &mut st, t).unwrap()).unwrap();
+    }
+    out
+}
+
+/// `reqs` run at once on one engine (a slot each); every request's tokens.
+fn run_together(reqs: &[GenRequest]) -> HashMap<u64, Vec<u32>> {
+    let mut e = engine(reqs.len(), reqs.len() * CTX / KV_BLOCK, 2048);
+    for (i, r) in reqs.iter().enumerate() {
+        e.submit(i as u64, r.clone()).unwrap();
     }
     let (toks, errs) = drain(&mut e);
     assert!(errs.is_empty(), "{errs:?}");
-    let m = runner(1, CTX / KV_BLOCK).model;
-    for (i, (params, penalties)) in reqs.iter().enumerate() {
-        let mut st = compiled::Model::new_state(&b, CTX).unwrap();
-        let mut logits = b.logits_to_host(&m.prefill(&b, &mut st, &pr, false, &mut |_, _| {}).unwrap()).unwrap();
-        let mut out: Vec<u32> = Vec::new();
-        for step in 0..24u64 {
-            let row = oracle_penalised(&logits[..n], &pr, &out, penalties);
-            let t = ornith_runtime::sampling::sample(&row, params, step).unwrap();
-            out.push(t);
-            logits = b.logits_to_host(&m.decode_step(&b, &mut st, t).unwrap()).unwrap();
-        }
-        assert_eq!(toks[&(i as u64)], out, "request {i} ({penalties:?}) differs from the oracle");
+    toks
+}
+
+fn plain(prompt: Vec<u32>, max_tokens: u64, params: SamplingParams) -> GenRequest {
+    GenRequest { prompt, max_tokens, params, penalties: Penalties::NONE, stop_ids: vec![], force: None }
+}
+
+/// Penalties through the engine on the CPU backend: four requests at once (greedy with the
+/// model card's presence penalty and a repetition penalty; seeded sampling with frequency and
+/// presence; greedy without penalties; greedy with negative ones), each equal to `oracle`'s
+/// step-by-step run. The penalties change the greedy output (the last request differs from the
+/// same prompt without them).
+#[test]
+fn penalties_match_a_step_by_step_oracle() {
+    let base = plain(prompt(40, 77), 24, SamplingParams::greedy());
+    let reqs = [
+        GenRequest { penalties: Penalties { presence: 1.5, frequency: 0.0, repetition: 1.3 }, ..base.clone() },
+        GenRequest {
+            params: sampled(5),
+            penalties: Penalties { presence: 0.5, frequency: 0.75, repetition: 1.0 },
+            ..base.clone()
+        },
+        base.clone(),
+        // Negative penalties and a repetition penalty below 1 pull the output back to what the
+        // prompt and the output hold.
+        GenRequest { penalties: Penalties { presence: -2.0, frequency: -2.0, repetition: 0.5 }, ..base.clone() },
+    ];
+    let toks = run_together(&reqs);
+    for (i, r) in reqs.iter().enumerate() {
+        assert_eq!(toks[&(i as u64)], oracle(r), "request {i} ({:?}) differs from the oracle", r.penalties);
     }
     assert_ne!(toks[&3], toks[&2], "the penalties changed nothing");
 }
 
 /// A forced continuation (`GenRequest::force`, what a forced tool call uses): from the first
-/// token, and after a two-token trigger taken from the request's own unforced greedy output;
-/// a sampled request too. Each token equals a step-by-step run of the model alone that replaces
-/// the draws by the forced tokens at the same steps; run four at once with an unforced request.
+/// token, and after a two-token trigger taken from the request's own unforced greedy output; a
+/// sampled request, and one with a penalty too. Each equals `oracle`'s step-by-step run (the draws
+/// replaced by the forced tokens at the same steps); five at once with an unforced request.
 #[test]
 fn forced_tokens_follow_their_trigger_and_the_model_continues_from_them() {
     use ornith_runtime::engine::Forcing;
-    use std::collections::VecDeque;
-    let b = CpuBackend::new();
-    let n = compiled::DIMS.vocab_size;
-    let pr = prompt(30, 5);
-    let m = runner(1, CTX / KV_BLOCK).model;
-    // The oracle: the model alone, each draw replaced by a pending forced token.
-    let oracle = |params: &SamplingParams, force: &Option<Forcing>, steps: u64| -> Vec<u32> {
-        let mut st = compiled::Model::new_state(&b, CTX).unwrap();
-        let mut logits = b.logits_to_host(&m.prefill(&b, &mut st, &pr, false, &mut |_, _| {}).unwrap()).unwrap();
-        let (mut out, mut pending, mut plan) = (Vec::new(), VecDeque::new(), force.clone());
-        if let Some(f) = plan.take_if(|f| f.after.is_empty()) {
-            pending.extend(f.tokens);
-        }
-        for step in 0..steps {
-            let drawn =
-                ornith_runtime::sampling::sample(&ornith_runtime::sampling::bf16_bits(&logits[..n]), params, step);
-            let t = pending.pop_front().unwrap_or(drawn.unwrap());
-            out.push(t);
-            if let Some(f) = plan.take_if(|f| out.ends_with(&f.after)) {
-                pending.extend(f.tokens);
-            }
-            logits = b.logits_to_host(&m.decode_step(&b, &mut st, t).unwrap()).unwrap();
-        }
-        out
-    };
-    let greedy = SamplingParams::greedy();
-    let plain = oracle(&greedy, &None, 12);
+    let base = plain(prompt(30, 5), 12, SamplingParams::greedy());
+    let unforced = oracle(&base);
     let forced = vec![4001, 4002, 4003];
+    let at_once = Some(Forcing { after: vec![], tokens: forced.clone() });
     let reqs = [
-        (greedy, Some(Forcing { after: vec![], tokens: forced.clone() })),
-        (greedy, Some(Forcing { after: plain[1..3].to_vec(), tokens: forced.clone() })),
-        (sampled(9), Some(Forcing { after: vec![], tokens: forced.clone() })),
-        (greedy, None),
+        GenRequest { force: at_once.clone(), ..base.clone() },
+        GenRequest { force: Some(Forcing { after: unforced[1..3].to_vec(), tokens: forced.clone() }), ..base.clone() },
+        GenRequest { params: sampled(9), force: at_once.clone(), ..base.clone() },
+        GenRequest { penalties: Penalties { presence: 1.5, ..Penalties::NONE }, force: at_once, ..base.clone() },
+        base.clone(),
     ];
-    let mut e = engine(4, 4 * CTX / KV_BLOCK, 2048);
-    for (i, (params, force)) in reqs.iter().enumerate() {
-        let r = GenRequest {
-            prompt: pr.clone(),
-            max_tokens: 12,
-            params: *params,
-            penalties: Penalties::NONE,
-            stop_ids: vec![],
-            force: force.clone(),
-        };
-        e.submit(i as u64, r).unwrap();
-    }
-    let (toks, errs) = drain(&mut e);
-    assert!(errs.is_empty(), "{errs:?}");
+    let toks = run_together(&reqs);
     assert_eq!(toks[&0][..3], forced[..], "forced from the first token");
-    assert_eq!(toks[&1][..3], plain[..3], "the output up to the trigger is the model's own");
+    assert_eq!(toks[&1][..3], unforced[..3], "the output up to the trigger is the model's own");
     assert_eq!(toks[&1][3..6], forced[..], "forced right after the trigger");
-    assert_eq!(toks[&3], plain, "an unforced request next to them is unchanged");
-    for (i, (params, force)) in reqs.iter().enumerate() {
-        assert_eq!(toks[&(i as u64)], oracle(params, force, 12), "request {i} differs from the oracle");
+    assert_eq!(toks[&4], unforced, "an unforced request next to them is unchanged");
+    for (i, r) in reqs.iter().enumerate() {
+        assert_eq!(toks[&(i as u64)], oracle(r), "request {i} differs from the oracle");
     }
 }
