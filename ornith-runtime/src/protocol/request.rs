@@ -43,8 +43,8 @@ pub const ERROR_CODES: &[(&str, &str)] = &[
     (
         "unsupported_parameter",
         "a parameter this build cannot honour: `n` > 1, `logprobs`, `response_format` other \
-         than text, a `tool_choice` other than auto, none, required or a named function, `echo`, several prompts in one line, `suffix` when the tokenizer \
-         has no fill-in-the-middle tokens",
+         than text, a `tool_choice` other than auto, none, required or a named function, `echo`, \
+         several prompts in one line, `suffix` when the tokenizer has no fill-in-the-middle tokens",
     ),
     ("unsupported_content", "image, audio, video or file parts (this build serves text only)"),
     ("unsupported_url", "a Batch line whose `url` is neither `/v1/chat/completions` nor `/v1/completions`"),
