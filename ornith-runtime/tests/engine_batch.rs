@@ -49,7 +49,7 @@ fn requests() -> Vec<GenRequest> {
             params: if i % 2 == 0 { SamplingParams::greedy() } else { sampled(1000 + i as u64) },
             penalties: Penalties::NONE,
             stop_ids: Vec::new(),
-            force: None,
+            force: vec![],
         })
         .collect()
 }
@@ -146,7 +146,7 @@ fn a_short_request_after_a_long_one_finishes_first() {
         params: SamplingParams::greedy(),
         penalties: Penalties::NONE,
         stop_ids: vec![],
-        force: None,
+        force: vec![],
     };
     let short = GenRequest {
         prompt: prompt(6, 10),
@@ -154,7 +154,7 @@ fn a_short_request_after_a_long_one_finishes_first() {
         params: SamplingParams::greedy(),
         penalties: Penalties::NONE,
         stop_ids: vec![],
-        force: None,
+        force: vec![],
     };
     e.submit(1, long).unwrap();
     e.submit(2, short).unwrap();
@@ -181,7 +181,7 @@ fn admission_waits_for_memory_refuses_what_never_fits_and_cancel_frees() {
         params: SamplingParams::greedy(),
         penalties: Penalties::NONE,
         stop_ids: vec![],
-        force: None,
+        force: vec![],
     };
     // Longer than the context: refused at once, nothing queued.
     let err = e.submit(1, req(CTX, 1)).unwrap_err();
@@ -221,7 +221,7 @@ fn stop_ids_end_a_sequence_and_pools_never_leak_over_a_thousand_requests() {
                 params,
                 penalties: Penalties::NONE,
                 stop_ids: vec![],
-                force: None,
+                force: vec![],
             },
         )
         .unwrap();
@@ -242,7 +242,7 @@ fn stop_ids_end_a_sequence_and_pools_never_leak_over_a_thousand_requests() {
         params: SamplingParams::greedy(),
         penalties: Penalties::NONE,
         stop_ids: vec![],
-        force: None,
+        force: vec![],
     };
     e.submit(5000, r.clone()).unwrap();
     let first = drain(&mut e).0[&5000][0];
@@ -293,26 +293,40 @@ fn oracle_penalised(logits: &[f32], prompt: &[u32], out: &[u32], p: &Penalties) 
 /// The model alone on the CPU backend, one token at a time: `r.prompt` prefilled, then
 /// `r.max_tokens` decode steps, each token drawn from the logits penalised by `oracle_penalised`
 /// (argmax or `sampling::sample` at that step) unless a forced token is pending (`r.force`: once
-/// the output ends with its trigger, its tokens replace the next draws).
+/// a plan's trigger holds — the output ends with its tokens, or reaches its count before ending
+/// with its `unless` — its tokens replace the next draws).
 fn oracle(r: &GenRequest) -> Vec<u32> {
+    use ornith_runtime::engine::Trigger;
     let b = CpuBackend::new();
     let m = runner(1, CTX / KV_BLOCK).model;
     let n = compiled::DIMS.vocab_size;
     let mut st = compiled::Model::new_state(&b, CTX).unwrap();
     let mut logits = b.logits_to_host(&m.prefill(&b, &mut st, &r.prompt, false, &mut |_, _| {}).unwrap()).unwrap();
-    let (mut out, mut pending, mut plan) = (Vec::new(), std::collections::VecDeque::new(), r.force.clone());
-    if let Some(f) = plan.take_if(|f| f.after.is_empty()) {
-        pending.extend(f.tokens);
-    }
+    let (mut out, mut pending, mut plans) = (Vec::<u32>::new(), std::collections::VecDeque::new(), r.force.clone());
+    // Plans whose trigger holds now fire in order; a count whose `unless` was just met is dropped.
+    let fire = |out: &[u32], plans: &mut Vec<_>, pending: &mut std::collections::VecDeque<u32>| {
+        plans.retain(|f: &ornith_runtime::engine::Forcing| {
+            let (go, keep) = match &f.when {
+                Trigger::After(a) => (out.ends_with(a), !out.ends_with(a)),
+                Trigger::Count { tokens, unless } => {
+                    let met = !unless.is_empty() && out.ends_with(unless);
+                    let go = !met && out.len() as u64 >= *tokens;
+                    (go, !met && !go)
+                }
+            };
+            if go {
+                pending.extend(f.tokens.iter().copied());
+            }
+            keep
+        });
+    };
+    fire(&out, &mut plans, &mut pending);
     for step in 0..r.max_tokens {
         let row = oracle_penalised(&logits[..n], &r.prompt, &out, &r.penalties);
         let drawn = ornith_runtime::sampling::sample(&row, &r.params, step).unwrap();
-        let t = pending.pop_front().unwrap_or(drawn);
-        out.push(t);
-        if let Some(f) = plan.take_if(|f| out.ends_with(&f.after)) {
-            pending.extend(f.tokens);
-        }
-        logits = b.logits_to_host(&m.decode_step(&b, &mut st, t).unwrap()).unwrap();
+        out.push(pending.pop_front().unwrap_or(drawn));
+        fire(&out, &mut plans, &mut pending);
+        logits = b.logits_to_host(&m.decode_step(&b, &mut st, *out.last().unwrap()).unwrap()).unwrap();
     }
     out
 }
@@ -329,7 +343,7 @@ fn run_together(reqs: &[GenRequest]) -> HashMap<u64, Vec<u32>> {
 }
 
 fn plain(prompt: Vec<u32>, max_tokens: u64, params: SamplingParams) -> GenRequest {
-    GenRequest { prompt, max_tokens, params, penalties: Penalties::NONE, stop_ids: vec![], force: None }
+    GenRequest { prompt, max_tokens, params, penalties: Penalties::NONE, stop_ids: vec![], force: vec![] }
 }
 
 /// Penalties through the engine on the CPU backend: four requests at once (greedy with the
@@ -359,29 +373,49 @@ fn penalties_match_a_step_by_step_oracle() {
     assert_ne!(toks[&3], toks[&2], "the penalties changed nothing");
 }
 
-/// A forced continuation (`GenRequest::force`, what a forced tool call uses): from the first
-/// token, and after a two-token trigger taken from the request's own unforced greedy output; a
-/// sampled request, and one with a penalty too. Each equals `oracle`'s step-by-step run (the draws
-/// replaced by the forced tokens at the same steps); five at once with an unforced request.
+/// Forced continuations (`GenRequest::force`: forced tool calls, thinking budgets): from the
+/// first token; after a two-token trigger taken from the request's own unforced greedy output;
+/// a count (a budget) that fires, one whose `unless` the output meets first, and a count whose
+/// forced tokens are the trigger of a second plan; a sampled request and one with a penalty too.
+/// Each equals `oracle`'s step-by-step run (the draws replaced by the forced tokens at the same
+/// steps); all at once with an unforced request.
 #[test]
 fn forced_tokens_follow_their_trigger_and_the_model_continues_from_them() {
-    use ornith_runtime::engine::Forcing;
+    use ornith_runtime::engine::{Forcing, Trigger};
     let base = plain(prompt(30, 5), 12, SamplingParams::greedy());
     let unforced = oracle(&base);
     let forced = vec![4001, 4002, 4003];
-    let at_once = Some(Forcing { after: vec![], tokens: forced.clone() });
+    let at_once = vec![Forcing { when: Trigger::After(vec![]), tokens: forced.clone() }];
+    let count =
+        |tokens: u64, unless: Vec<u32>| Forcing { when: Trigger::Count { tokens, unless }, tokens: forced.clone() };
     let reqs = [
         GenRequest { force: at_once.clone(), ..base.clone() },
-        GenRequest { force: Some(Forcing { after: unforced[1..3].to_vec(), tokens: forced.clone() }), ..base.clone() },
+        GenRequest {
+            force: vec![Forcing { when: Trigger::After(unforced[1..3].to_vec()), tokens: forced.clone() }],
+            ..base.clone()
+        },
         GenRequest { params: sampled(9), force: at_once.clone(), ..base.clone() },
         GenRequest { penalties: Penalties { presence: 1.5, ..Penalties::NONE }, force: at_once, ..base.clone() },
         base.clone(),
+        GenRequest { force: vec![count(4, vec![4999])], ..base.clone() },
+        GenRequest { force: vec![count(4, vec![unforced[2]])], ..base.clone() },
+        GenRequest {
+            force: vec![count(2, vec![4003]), Forcing { when: Trigger::After(vec![4003]), tokens: vec![4010, 4011] }],
+            ..base.clone()
+        },
     ];
     let toks = run_together(&reqs);
     assert_eq!(toks[&0][..3], forced[..], "forced from the first token");
     assert_eq!(toks[&1][..3], unforced[..3], "the output up to the trigger is the model's own");
     assert_eq!(toks[&1][3..6], forced[..], "forced right after the trigger");
     assert_eq!(toks[&4], unforced, "an unforced request next to them is unchanged");
+    assert_eq!(toks[&5][..7], [&unforced[..4], &forced[..]].concat()[..], "a count fires at its length");
+    assert_eq!(toks[&6], unforced, "a count whose `unless` came first never fires");
+    assert_eq!(
+        toks[&7][..7],
+        [&unforced[..2], &forced[..], &[4010, 4011]].concat()[..],
+        "a budget's close fires the call"
+    );
     for (i, r) in reqs.iter().enumerate() {
         assert_eq!(toks[&(i as u64)], oracle(r), "request {i} differs from the oracle");
     }

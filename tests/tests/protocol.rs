@@ -432,6 +432,42 @@ fn a_forced_tool_choice_makes_the_answer_a_call() {
 }
 
 #[test]
+fn a_thinking_budget_makes_the_model_answer() {
+    // Once the reasoning holds `thinking_budget` tokens, the Qwen3 report's stop-thinking text
+    // replaces the next draws (the scripted model's filler there) and the model's own tokens go
+    // on as the answer; a model that closes its thinking within the budget is left alone; and a
+    // budget's close fires a forced call.
+    let stop = ornith_runtime::protocol::live::STOP_THINKING;
+    let fill = |n: usize| "x".repeat(n);
+    let tools = json!([{"type": "function", "function": {"name": "ls"}}]);
+    let lines = [
+        json!({"custom_id": "cut", "messages": [{"role": "user", "content": format!("SAY:abcde{}\n\nThe answer.", fill(stop.len()))}],
+               "thinking_budget": 5}),
+        json!({"custom_id": "within", "messages": [{"role": "user", "content": "SAY:ab\n</think>\n\nDone."}],
+               "thinking_budget": 20}),
+        json!({"custom_id": "call", "messages": [{"role": "user", "content":
+               format!("SAY:abc{}{}>\n</function>\n</tool_call>", fill(stop.len()), fill("\n\n<tool_call>\n<function=ls".len()))}],
+               "thinking_budget": 3, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "ls"}}}),
+    ];
+    let input: String = lines.iter().map(|l| l.to_string() + "\n").collect();
+    let (out, _) = run_with(Cursor::new(input), &opts(), 1024);
+    let (res, _) = results(&out);
+    let m = msg(&res[0]);
+    let cut = stop.strip_suffix("\n</think>").unwrap().trim_start();
+    assert_eq!(m["reasoning"].as_str().unwrap(), format!("abcde\n\n{cut}"), "{m}");
+    assert_eq!(m["content"], "The answer.");
+    let m = msg(&res[1]);
+    assert_eq!((m["reasoning"].as_str(), m["content"].as_str()), (Some("ab"), Some("Done.")), "{m}");
+    let m = msg(&res[2]);
+    assert_eq!(m["reasoning"].as_str().unwrap(), format!("abc\n\n{cut}"), "{m}");
+    assert_eq!(m["tool_calls"][0]["function"]["name"], "ls", "{m}");
+    assert_eq!(finish(&res[2]), "tool_calls");
+    // Refused: a negative budget.
+    let (out, _) = run_with(Cursor::new(r#"{"prompt": "x", "thinking_budget": -1}"#), &opts(), 64);
+    assert_eq!(err_code(&results(&out).0[0]), "invalid_request");
+}
+
+#[test]
 fn max_tokens_absent_runs_to_the_end_of_the_window() {
     // The script is "abc" + eos, ignored: generation must stop at the window, not past it.
     let line = r#"{"prompt": "SAY:abc", "ignore_eos": true}"#;

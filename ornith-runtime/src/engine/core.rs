@@ -29,6 +29,7 @@ use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
+use super::force::{Forced, Forcing};
 use super::pool::{BlockPool, SlotPool};
 use super::prefix::{chunk_keys, keeps_snapshot, CacheStats, PrefixCache, CHUNK_BLOCKS};
 use super::{Penalties, Runner, SamplingParams, PREFILL_CHUNK};
@@ -46,19 +47,9 @@ pub struct GenRequest {
     pub penalties: Penalties,
     /// Sampling one of these ends the sequence (the token is still reported).
     pub stop_ids: Vec<u32>,
-    /// Tokens the output must continue with once it ends with a given sequence (a forced tool
-    /// call: `tool_choice` `required` or a named function).
-    pub force: Option<Forcing>,
-}
-
-/// Once the output ends with `after` (at once when `after` is empty), its next tokens are
-/// `tokens`, whatever the sampler draws for them; once per request. The sampler still runs for
-/// those rows (its draw is dropped), so a forced token costs one step like any other and the
-/// request's random stream keeps its step numbering.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Forcing {
-    pub after: Vec<u32>,
-    pub tokens: Vec<u32>,
+    /// Tokens the output must continue with once a trigger holds (a forced tool call, a
+    /// thinking budget: [`Forcing`]).
+    pub force: Vec<Forcing>,
 }
 
 /// Why the engine ended a sequence.
@@ -139,10 +130,8 @@ struct Seq {
     /// The tokens its penalties apply to (None: no penalties). Shared with the step's
     /// [`RowSample`] while the backend samples; updated (copy on write) after.
     pen: Option<std::sync::Arc<crate::sampling::PenaltyState>>,
-    /// Forced tokens still to come, and the trigger not yet met with the last outputs it is
-    /// compared with (see [`Forcing`]).
-    forced: std::collections::VecDeque<u32>,
-    force: Option<(Forcing, std::collections::VecDeque<u32>)>,
+    /// Its forced tokens (None: the request has no [`Forcing`]).
+    forced: Option<Forced>,
     /// Prefix-cache chunks this sequence uses (resumed after, or entered while prefilling).
     chain: Vec<usize>,
     /// False once a chunk could not be entered (a hash collision): no later chunk is either.
@@ -358,28 +347,8 @@ impl Engine {
                 .penalties
                 .active()
                 .then(|| std::sync::Arc::new(crate::sampling::PenaltyState::new(req.penalties, &req.prompt)));
-            let (mut forced, mut force) = (std::collections::VecDeque::new(), None);
-            match req.force.clone() {
-                Some(f) if f.after.is_empty() => forced.extend(f.tokens),
-                Some(f) => force = Some((f, std::collections::VecDeque::new())),
-                None => {}
-            }
-            let s = Seq {
-                id,
-                req,
-                slot,
-                blocks,
-                pos,
-                last: None,
-                n_out: 0,
-                pen,
-                forced,
-                force,
-                chain,
-                caching,
-                wanted,
-                keys,
-            };
+            let forced = (!req.force.is_empty()).then(|| Forced::new(&req.force));
+            let s = Seq { id, req, slot, blocks, pos, last: None, n_out: 0, pen, forced, chain, caching, wanted, keys };
             let loaded = match shared.last() {
                 Some(&node) => {
                     let snap = self.cache.snapshot(node).expect("a resumable chunk has a snapshot");
@@ -541,17 +510,7 @@ impl Engine {
                         continue;
                     }
                     let drawn = toks.next().expect("one token per sampled row");
-                    let t = s.forced.pop_front().unwrap_or(drawn);
-                    if let Some((f, recent)) = &mut s.force {
-                        recent.push_back(t);
-                        if recent.len() > f.after.len() {
-                            recent.pop_front();
-                        }
-                        if recent.iter().eq(f.after.iter()) {
-                            s.forced.extend(f.tokens.iter().copied());
-                            s.force = None;
-                        }
-                    }
+                    let t = s.forced.as_mut().map_or(drawn, |f| f.next(drawn));
                     s.n_out += 1;
                     if let Some(p) = &mut s.pen {
                         std::sync::Arc::make_mut(p).add_output(t);

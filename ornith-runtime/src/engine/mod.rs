@@ -13,13 +13,13 @@
 //!   once. The JSONL front end and the HTTP server (`http`) drive it.
 
 mod core;
+mod force;
 mod pool;
 pub mod prefix;
 mod thread;
 
-pub use self::core::{
-    drain, Engine, EngineConfig, EngineStats, Event, EventKind, Finish, Forcing, GenRequest, SubmitError,
-};
+pub use self::core::{drain, Engine, EngineConfig, EngineStats, Event, EventKind, Finish, GenRequest, SubmitError};
+pub use self::force::{Forcing, Trigger};
 pub use self::pool::{BlockPool, SlotPool};
 pub use self::prefix::CacheStats;
 pub use self::thread::{EngineClient, EngineGauges, EngineThread, PoolUsage};

@@ -231,6 +231,11 @@ pub fn chat_body(body: &Value, counting: bool) -> Result<(Value, Vec<String>), L
             _ => return Err(invalid("`thinking.type` must be \"enabled\" or \"disabled\"")),
         };
         chat.insert("chat_template_kwargs".into(), json!({"enable_thinking": on}));
+        // The budget is kept: once the reasoning reaches it the model is made to answer.
+        if let (true, Some(n)) = (on, th.get("budget_tokens").filter(|v| !v.is_null())) {
+            let n = n.as_u64().ok_or_else(|| invalid("`thinking.budget_tokens` must be a non-negative integer"))?;
+            chat.insert("thinking_budget".into(), json!(n));
+        }
     }
     Ok((Value::Object(chat), warnings))
 }
@@ -442,5 +447,14 @@ mod tests {
         );
         assert_eq!(chat_body(&with(json!({"type": "tool"})), false).unwrap_err().code, "invalid_request");
         assert_eq!(chat_body(&with(json!({"type": "some"})), false).unwrap_err().code, "unsupported_parameter");
+        // A thinking budget is kept (thinking on); a budget with thinking off means nothing.
+        let think =
+            |th: Value| json!({"max_tokens": 9000, "messages": [{"role": "user", "content": "x"}], "thinking": th});
+        let (chat, _) = chat_body(&think(json!({"type": "enabled", "budget_tokens": 4096})), false).unwrap();
+        assert_eq!(chat["thinking_budget"], 4096);
+        let (chat, _) = chat_body(&think(json!({"type": "disabled", "budget_tokens": 4096})), false).unwrap();
+        assert!(chat.get("thinking_budget").is_none());
+        let e = chat_body(&think(json!({"type": "enabled", "budget_tokens": -5})), false).unwrap_err();
+        assert_eq!(e.code, "invalid_request");
     }
 }

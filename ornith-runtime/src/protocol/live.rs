@@ -11,7 +11,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
-use crate::engine::{Forcing, GenRequest};
+use crate::engine::{Forcing, GenRequest, Trigger};
 use crate::sampling::mix64;
 
 use super::request::{Kind, LineError, Prompt, Request, ToolForce};
@@ -167,25 +167,41 @@ pub fn fim_prompt(codec: &dyn TextCodec, prefix: &str, suffix: &str) -> Result<V
     Ok(ids)
 }
 
-/// The start of a forced tool call in the chat template's format (an assistant turn that is a
-/// call renders as `<tool_call>\n<function=NAME>\n<parameter=…`): the model writes the rest —
-/// for `required` `=` and the function's name too. Forced from the first token, or, when the prompt
-/// leaves the model thinking, right after it closes its thinking (`</think>`, which the template
-/// follows with `\n\n`): the reasoning stays the model's own.
-fn forced_call(codec: &dyn TextCodec, f: &ToolForce, thinking: bool) -> Result<Forcing, LineError> {
+/// What the Qwen3 technical report (section 4.3, "Thinking Budget") inserts when the reasoning
+/// reaches the budget; the model then answers from the reasoning so far.
+pub const STOP_THINKING: &str =
+    "\n\nConsidering the limited time by the user, I have to give the solution based on the thinking directly now.\n</think>";
+
+/// The request's forced tokens ([`Forcing`]), in order:
+/// * a thinking budget (`thinking_budget`, Anthropic's `budget_tokens`; only when the prompt
+///   leaves the model thinking): once the output holds that many tokens, unless the model has
+///   closed its thinking itself, [`STOP_THINKING`] (the template's `\n\n` after `</think>` is
+///   the model's, as when it closes its thinking itself);
+/// * a forced tool call: the start of a call in the chat template's format (an assistant turn
+///   that is a call renders as `<tool_call>\n<function=NAME>\n<parameter=…`), the model writing
+///   the rest — for `required` `=` and the function's name too. From the first token, or, when the
+///   prompt leaves the model thinking, right after `</think>` (then `\n\n`, as the template
+///   writes it): the reasoning stays the model's own.
+fn forcings(codec: &dyn TextCodec, req: &Request, thinking: bool) -> Result<Vec<Forcing>, LineError> {
     let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
-    let head = match f {
-        // Up to a pre-token boundary of the tokenizer's split: `<function` then `=NAME` is how
-        // a call's text is cut, so the model writes `=` and the name as it would unforced.
-        ToolForce::Any => "<tool_call>\n<function".to_string(),
-        ToolForce::Named(n) => format!("<tool_call>\n<function={n}>\n"),
-    };
-    if thinking {
-        let after = codec.encode("</think>").map_err(tok)?;
-        Ok(Forcing { after, tokens: codec.encode(&format!("\n\n{head}")).map_err(tok)? })
-    } else {
-        Ok(Forcing { after: Vec::new(), tokens: codec.encode(&head).map_err(tok)? })
+    let Kind::Chat { force, .. } = &req.kind else { return Ok(Vec::new()) };
+    let mut plans = Vec::new();
+    let close = if thinking { codec.encode("</think>").map_err(tok)? } else { Vec::new() };
+    if let (Some(budget), true) = (req.thinking_budget, thinking) {
+        let tokens = codec.encode(STOP_THINKING).map_err(tok)?;
+        plans.push(Forcing { when: Trigger::Count { tokens: budget, unless: close.clone() }, tokens });
     }
+    if let Some(f) = force {
+        let head = match f {
+            // Up to a pre-token boundary of the tokenizer's split: `<function` then `=NAME` is
+            // how a call's text is cut, so the model writes `=` and the name as it would unforced.
+            ToolForce::Any => "<tool_call>\n<function".to_string(),
+            ToolForce::Named(n) => format!("<tool_call>\n<function={n}>\n"),
+        };
+        let text = if thinking { format!("\n\n{head}") } else { head };
+        plans.push(Forcing { when: Trigger::After(close), tokens: codec.encode(&text).map_err(tok)? });
+    }
+    Ok(plans)
 }
 
 /// What the front end needs of the engine to start a request.
@@ -305,10 +321,7 @@ impl<'a> Live<'a> {
         let eos: Vec<u32> = if req.ignore_eos { Vec::new() } else { eos_ids.to_vec() };
         let mut stop_ids = eos.clone();
         stop_ids.extend_from_slice(&req.stop_token_ids);
-        let force = match &req.kind {
-            Kind::Chat { force: Some(f), .. } => Some(forced_call(codec, f, thinking)?),
-            _ => None,
-        };
+        let force = forcings(codec, &req, thinking)?;
         let gen = GenRequest { prompt, max_tokens, params: req.sampling, penalties: req.penalties, stop_ids, force };
         let live = Live {
             stops: StopStrings::new(&req.stop),

@@ -118,6 +118,8 @@ pub struct Request {
     pub max_tokens: Option<u64>,
     pub sampling: SamplingParams,
     pub penalties: Penalties,
+    /// Reasoning tokens after which the model is made to answer (chat with thinking on).
+    pub thinking_budget: Option<u64>,
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
@@ -350,6 +352,11 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
         None => defaults.repetition_penalty,
     };
     let penalties = Penalties { presence, frequency, repetition };
+    // Qwen's own API's name for it; Anthropic's `thinking.budget_tokens` maps here.
+    let thinking_budget = match get_i64(b, "thinking_budget")? {
+        Some(n) if n < 0 => return Err(LineError::invalid(format!("`thinking_budget` must be >= 0, got {n}"))),
+        n => n.map(|n| n as u64),
+    };
 
     let max_tokens = match get_i64(b, "max_completion_tokens")?.or(get_i64(b, "max_tokens")?) {
         Some(m) if m < 1 => return Err(LineError::invalid(format!("`max_tokens` must be at least 1, got {m}"))),
@@ -382,6 +389,7 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
         max_tokens,
         sampling,
         penalties,
+        thinking_budget,
         stop,
         stop_token_ids,
         ignore_eos,
@@ -419,6 +427,7 @@ pub const BODY_FIELDS: &[&str] = &[
     "stream",
     "tools",
     "tool_choice",
+    "thinking_budget",
     "chat_template_kwargs",
     "model",
     "user",
@@ -835,6 +844,9 @@ mod tests {
         }
         let e = chat(json!({"presence_penalty": "high"})).unwrap_err();
         assert_eq!(e.code, "invalid_request", "{e:?}");
+        assert_eq!(chat(json!({"thinking_budget": 512})).unwrap().thinking_budget, Some(512));
+        assert_eq!(chat(json!({})).unwrap().thinking_budget, None);
+        assert_eq!(chat(json!({"thinking_budget": -1})).unwrap_err().code, "invalid_request");
         // The checkpoint's generation config supplies the repetition penalty a request omits.
         let d = GenerationDefaults { repetition_penalty: 1.1, ..GenerationDefaults::default() };
         let r = parse(&json!({"prompt": "x"}), &d, 1).unwrap();
