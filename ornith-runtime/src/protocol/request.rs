@@ -571,19 +571,21 @@ fn parse_chat(b: &Map<String, Value>) -> R<Kind> {
             ))
         }
     } && tools.is_some();
-    if let Some(f) = &force {
+    if let Some(f) = force.clone() {
         let names: Vec<&str> = tools
             .as_ref()
             .and_then(Value::as_array)
             .map(|a| a.iter().filter_map(|t| t["function"]["name"].as_str()).collect())
             .unwrap_or_default();
-        match f {
+        match &f {
             ToolForce::Any if names.is_empty() => {
                 return Err(LineError::invalid("`tool_choice` \"required\" needs `tools`"));
             }
             ToolForce::Named(n) if !names.contains(&n.as_str()) => {
                 return Err(LineError::invalid(format!("`tool_choice` names `{n}`, which is not among `tools`")));
             }
+            // With one tool, "any tool" is that one: its name is forced too.
+            ToolForce::Any if names.len() == 1 => force = Some(ToolForce::Named(names[0].to_string())),
             _ => {}
         }
     }
@@ -875,6 +877,10 @@ mod tests {
         assert!(e.message.contains("`rm`"), "{e:?}");
         assert_eq!(force(json!({"type": "function"})).unwrap_err().code, "invalid_request");
         assert_eq!(force(json!("sometimes")).unwrap_err().code, "unsupported_parameter");
+        // One tool: `required` forces its name too.
+        let one = json!({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+                         "tools": [{"type": "function", "function": {"name": "ls"}}]});
+        assert!(matches!(p(one).unwrap().kind, Kind::Chat { force: Some(ToolForce::Named(n)), .. } if n == "ls"));
     }
 
     #[test]
