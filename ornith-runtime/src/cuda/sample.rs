@@ -65,13 +65,8 @@ impl SampleScratch {
         })
     }
 
-    /// Device bytes [`Self::new`] allocates (for the memory plan): [`Self::row_bytes`] per row
-    /// and [`Self::fixed_bytes`] once.
-    pub fn bytes(rows: usize, n: usize) -> u64 {
-        rows as u64 * Self::row_bytes(n) + Self::fixed_bytes(n)
-    }
-
-    /// What each row of the scratch holds on the device.
+    /// Device bytes [`Self::new`] allocates per row (for the memory plan; [`Self::fixed_bytes`]
+    /// once besides).
     pub fn row_bytes(n: usize) -> u64 {
         let b = blocks_for(n);
         (4 * ROW_WORDS + 4 * BINS + 4 * b + 8 * b + 16 + 4 + 4 + 4) as u64

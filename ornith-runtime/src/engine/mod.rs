@@ -77,12 +77,6 @@ impl Penalties {
     }
 }
 
-impl Default for Penalties {
-    fn default() -> Self {
-        Penalties::NONE
-    }
-}
-
 /// The size of a runner's pools.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Capacity {

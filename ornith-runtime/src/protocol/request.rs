@@ -524,19 +524,21 @@ fn parse_completion(b: &Map<String, Value>) -> R<Kind> {
 fn parse_chat(b: &Map<String, Value>) -> R<Kind> {
     let messages = present(b, "messages").ok_or_else(|| LineError::invalid("a chat request needs `messages`"))?;
     let messages = normalize_messages(messages)?;
-    let mut tools = match present(b, "tools") {
-        None => None,
-        Some(Value::Array(a)) if a.is_empty() => None,
+    // The tools, and their names (what a forced `tool_choice` may name).
+    let (mut tools, names) = match present(b, "tools") {
+        None => (None, Vec::new()),
+        Some(Value::Array(a)) if a.is_empty() => (None, Vec::new()),
         Some(Value::Array(a)) => {
-            for t in a {
-                let name = t.get("function").and_then(|f| f.get("name")).and_then(|n| n.as_str());
-                if name.is_none_or(str::is_empty) {
-                    return Err(LineError::invalid(
-                        "each tool must be {\"type\": \"function\", \"function\": {\"name\": …}}",
-                    ));
-                }
-            }
-            Some(Value::Array(a.clone()))
+            let names = a
+                .iter()
+                .map(|t| {
+                    let name = t.get("function").and_then(|f| f.get("name")).and_then(|n| n.as_str());
+                    name.filter(|n| !n.is_empty()).ok_or_else(|| {
+                        LineError::invalid("each tool must be {\"type\": \"function\", \"function\": {\"name\": …}}")
+                    })
+                })
+                .collect::<R<Vec<&str>>>()?;
+            (Some(Value::Array(a.clone())), names)
         }
         Some(_) => return Err(LineError::invalid("`tools` must be an array")),
     };
@@ -572,11 +574,6 @@ fn parse_chat(b: &Map<String, Value>) -> R<Kind> {
         }
     } && tools.is_some();
     if let Some(f) = force.clone() {
-        let names: Vec<&str> = tools
-            .as_ref()
-            .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(|t| t["function"]["name"].as_str()).collect())
-            .unwrap_or_default();
         match &f {
             ToolForce::Any if names.is_empty() => {
                 return Err(LineError::invalid("`tool_choice` \"required\" needs `tools`"));
