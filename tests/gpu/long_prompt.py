@@ -8,13 +8,14 @@ import json, random, subprocess, sys, time
 
 ornith, model, out = sys.argv[1:4]
 n = int(sys.argv[4]) if len(sys.argv) > 4 else 261000
+m = int(sys.argv[5]) if len(sys.argv) > 5 else 8
 rng = random.Random(5)
 ids = [rng.randrange(1000, 200000) for _ in range(n)]
-args = [ornith, "--model", model, "--backend", "cuda", "--max-context", str(n + 64)]
+args = [ornith, "--model", model, "--backend", "cuda", "--max-context", str(n + m + 64)]
 t_start = time.time()
 p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 t0 = time.time()
-p.stdin.write(json.dumps({"custom_id": "long", "prompt_token_ids": ids, "max_tokens": 8, "seed": 1}) + "\n")
+p.stdin.write(json.dumps({"custom_id": "long", "prompt_token_ids": ids, "max_tokens": m, "seed": 1, "ignore_eos": True}) + "\n")
 p.stdin.flush()
 line = p.stdout.readline()
 wall = time.time() - t0
@@ -35,5 +36,5 @@ ch = (body.get("choices") or [{}])[0]
 ok = not r.get("error") and usage.get("prompt_tokens") == n and bool(ch.get("text"))
 print(f"long prompt {n} tokens: ttft_ms {body.get('ttft_ms')}, wall from request {wall:.2f} s, "
       f"prefill {n / (body.get('ttft_ms') or 1e30) * 1e3:.0f} tok/s, completion {usage.get('completion_tokens')} tokens, "
-      f"finish {ch.get('finish_reason')}, rc {rc}, {'ok' if ok else 'FAILED: ' + json.dumps(r)[:300]}")
+      f"decode_tok_s {body.get('decode_tok_s')}, finish {ch.get('finish_reason')}, rc {rc}, {'ok' if ok else 'FAILED: ' + json.dumps(r)[:300]}")
 sys.exit(0 if ok else 1)
