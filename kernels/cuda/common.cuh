@@ -18,7 +18,10 @@
 //    issued it (or exited). It changes when the next kernel starts, never what it sees.
 //  * Before the wait a kernel may only read data no kernel of a step ever writes: the weights,
 //    written once at load. The decode products (gemv.cu) issue their first round of weight loads
-//    before the wait ("weights first"); nothing else reads or writes global memory before it.
+//    before the wait ("weights first"); nothing else reads or writes global memory before it,
+//    with one exception: the per-slot MoE down products read their routed expert's index before
+//    the wait, from L2, after a gate|up that lets them launch only once the index's writer has
+//    completed (gemv.cu, moe_routed_index_early).
 //  * Data an earlier kernel wrote is read with ordinary (coherent) loads, never __ldg /
 //    ld.global.nc: a non-coherent load promises memory that is read-only for the kernel's whole
 //    lifetime, which under PDL it is not (the kernel starts before its producer finishes), so the

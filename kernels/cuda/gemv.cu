@@ -1201,19 +1201,44 @@ __device__ __forceinline__ void moe_slot_weights(const OrnithMoeGemvParams &p, i
     }
 }
 
+// The per-slot pair's PDL order ("routed index early"). The per-slot gate|up forms
+// (moe_gemv_fp8, moe_gemv_fp8_norm and their NVFP4 twins) let the next kernel launch only after
+// their routed blocks' wait: no block of the down product can start before the router's top-k
+// grid has completed. So the down product (the *_swiglu forms, only ever launched right after a
+// per-slot gate|up) reads its routed index before its own wait — the one exception to "only
+// weights before the wait" (common.cuh): that index's writer has completed, and the next writer
+// of it (the next layer's top-k) waits for this grid. The read goes to L2 (ld.global.cg: no stale
+// L1 line of the previous layer's index, held by an earlier grid's blocks on this SM, can serve
+// it), and the routed expert's first weight loads then go out before the wait like the shared
+// expert's. H200, NVFP4A16 full preset, batch 1, same call (tests/peer/results/h200-2026-12-05,
+// s58a): 412.3 / 413.0 -> 421.9 tok/s; in the graph the gate|up products 377 -> 343 and the down
+// products 361 -> 305 us per step, the router's top-k 83 -> 102.
+__device__ __forceinline__ int moe_routed_index_early(const int32_t *idx, int t, int top_k, int slot) {
+    return __ldcg(idx + t * top_k + slot);
+}
+__device__ __forceinline__ void moe_slot_weights_early(const OrnithMoeGemvParams &p, int t, int slot, const uint8_t *&wb,
+                                                       const float *&ws) {
+    wb = p.shared_w;
+    ws = p.shared_ws;
+    if (slot != p.top_k) moe_expert(p, moe_routed_index_early(p.idx, t, p.top_k, slot), wb, ws);
+}
+
+// Per-slot gate|up without the norm prologue (decode groups of 2 or 3 rows, whose norm kernel ran
+// before): the routed-index-early order above.
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_fp8(const OrnithMoeGemvParams p) {
-    pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
     const int slot = blockIdx.y, t = blockIdx.z;
     const uint8_t *wb;
     const float *ws;
     moe_slot_weights(p, t, slot, wb, ws);
+    pdl_launch_dependents();  // routed blocks: after the wait (see moe_routed_index_early)
     moe_tc(p, wb, ws, MoeCols{nullptr, p.top_k, 1, t, slot}, pl);
 }
 
 // moe_gemv_fp8 with the norm prologue (OrnithMoeGemvParams.norm; the gate|up product, in = hidden).
+// The next kernel may launch once every block has issued its first weight loads and waited (the
+// trigger opens the prologue; moe_routed_index_early).
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_fp8_norm(const OrnithMoeGemvParams p) {
-    pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
     const int slot = blockIdx.y, t = blockIdx.z;
     const uint8_t *wb;
@@ -1222,19 +1247,23 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
     OrnithNormIn n = p.norm;
     n.res += (size_t)t * p.in;
     if (n.add) n.add += (size_t)t * p.in;
-    moe_tc_prologue(p, wb, ws, t, slot, pl, [&](uint8_t *xrow, float *xsc, float *sh) { norm_prologue<true>(n, p.in, xrow, xsc, sh); });
+    moe_tc_prologue(p, wb, ws, t, slot, pl, [&](uint8_t *xrow, float *xsc, float *sh) {
+        pdl_launch_dependents();
+        norm_prologue<true>(n, p.in, xrow, xsc, sh);
+    });
 }
 
 // moe_gemv_fp8 with the SwiGLU prologue (OrnithMoeGemvParams.gate_up; the down product, in =
 // inter): the block quantises its (token, slot) row of SwiGLU(gate|up) itself, as swiglu_quant;
 // with OrnithMoeGemvParams.combine the token's last blocks combine the slots (moe_combine_epilogue).
+// The routed index before the wait (moe_routed_index_early).
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_fp8_swiglu(const OrnithMoeGemvParams p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
     const int slot = blockIdx.y, t = blockIdx.z;
     const uint8_t *wb;
     const float *ws;
-    moe_slot_weights(p, t, slot, wb, ws);
+    moe_slot_weights_early(p, t, slot, wb, ws);
     const uint16_t *gu = p.gate_up + ((size_t)t * (p.top_k + 1) + slot) * 2 * p.in;
     moe_tc_prologue(p, wb, ws, t, slot, pl, [&](uint8_t *xrow, float *xsc, float *sh) {
         swiglu_q8_row(gu, p.in, xrow, xsc, sh);
@@ -1340,13 +1369,14 @@ __device__ __forceinline__ void moe_fp4_slot_weights(const OrnithMoeGemvNvfp4Par
     }
 }
 
+// Per-slot gate|up without the norm prologue: moe_gemv_fp8's routed-index-early order.
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv_nvfp4(const OrnithMoeGemvNvfp4Params p) {
-    pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
     const int slot = blockIdx.y, t = blockIdx.z;
     const uint8_t *wb, *sb;
     const OrnithFp4Entry *tb;
     moe_fp4_slot_weights(p, t, slot, wb, sb, tb);
+    pdl_launch_dependents();  // routed blocks: after the wait (moe_routed_index_early)
     moe_fp4(p, wb, sb, tb, MoeCols{nullptr, p.top_k, 1, t, slot}, pl);
 }
 
@@ -1360,9 +1390,9 @@ __device__ __forceinline__ void moe_fp4_prologue(const OrnithMoeGemvNvfp4Params 
 }
 
 // moe_gemv_nvfp4 with the norm prologue (OrnithMoeGemvNvfp4Params.norm; the gate|up product, in =
-// hidden): token t's normalised bf16 row as rmsnorm_residual writes it.
+// hidden): token t's normalised bf16 row as rmsnorm_residual writes it. The next kernel may
+// launch once every block has waited (moe_gemv_fp8_norm's order).
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv_nvfp4_norm(const OrnithMoeGemvNvfp4Params p) {
-    pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
     const int slot = blockIdx.y, t = blockIdx.z;
     const uint8_t *wb, *sb;
@@ -1371,19 +1401,22 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv
     OrnithNormIn n = p.norm;
     n.res += (size_t)t * p.in;
     if (n.add) n.add += (size_t)t * p.in;
-    moe_fp4_prologue(p, wb, sb, tb, t, slot, pl, [&](uint8_t *xrow, float *sh) { norm_prologue<false>(n, p.in, xrow, nullptr, sh); });
+    moe_fp4_prologue(p, wb, sb, tb, t, slot, pl, [&](uint8_t *xrow, float *sh) {
+        pdl_launch_dependents();
+        norm_prologue<false>(n, p.in, xrow, nullptr, sh);
+    });
 }
 
 // moe_gemv_nvfp4 with the SwiGLU prologue (OrnithMoeGemvNvfp4Params.gate_up; the down product, in =
 // inter): the (token, slot) row of SwiGLU(gate|up) in bf16 as swiglu_bf16 writes it; the combine
-// epilogue as moe_gemv_fp8_swiglu's.
+// epilogue as moe_gemv_fp8_swiglu's; the routed index before the wait (moe_routed_index_early).
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, FP4_BLOCKS) moe_gemv_nvfp4_swiglu(const OrnithMoeGemvNvfp4Params p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS, 1);
     const int slot = blockIdx.y, t = blockIdx.z;
-    const uint8_t *wb, *sb;
-    const OrnithFp4Entry *tb;
-    moe_fp4_slot_weights(p, t, slot, wb, sb, tb);
+    const uint8_t *wb = p.shared_w, *sb = p.shared_ws;
+    const OrnithFp4Entry *tb = p.shared_tab;
+    if (slot != p.top_k) moe_fp4_expert(p, moe_routed_index_early(p.idx, t, p.top_k, slot), wb, sb, tb);
     const uint16_t *gu = p.gate_up + ((size_t)t * (p.top_k + 1) + slot) * 2 * p.in;
     moe_fp4_prologue(p, wb, sb, tb, t, slot, pl, [&](uint8_t *xrow, float *) {
         for (int i = threadIdx.x; i < p.in; i += blockDim.x) reinterpret_cast<uint16_t *>(xrow)[i] = f2bf(swiglu_val(gu[i], gu[p.in + i]));

@@ -460,6 +460,8 @@ impl CudaContext {
         if !p.gate_up.is_null() {
             // The per-(token, slot) down product with the SwiGLU prologue: each block quantises
             // its (token, slot) row of SwiGLU(gate|up) itself (in = inter; gate|up rows of 2 in).
+            // It reads its routed index before its PDL wait: launch it only right after the
+            // per-slot gate|up product of the same idx (gemv.cu, moe_routed_index_early).
             ensure!(
                 in_ <= super::moe::SWIGLU_MAX_INTER && p.x_slot_stride as usize == in_ && xt == slots * in_,
                 "moe_gemv_fp8_swiglu: inter {in_} (<= {}), x strides {xt} / {xsl} (the swiglu rows')",

@@ -266,6 +266,8 @@ impl CudaContext {
         if !p.gate_up.is_null() {
             // The per-(token, slot) down product with the SwiGLU prologue: each block computes its
             // (token, slot) row of SwiGLU(gate|up) itself (in = inter; bf16 in shared memory).
+            // The routed index before the PDL wait, as moe_gemv_fp8_swiglu: only right after the
+            // per-slot gate|up product of the same idx.
             // With the combine epilogue (the decode MoE of 1 to 3 tokens): the counters and its bytes.
             let (ticket, cb) = self.combine_epilogue(&p.combine, p.y as Ptr, p.tokens, p.top_k, p.out, tiles)?;
             let p = OrnithMoeGemvNvfp4Params { ticket, ..p };
