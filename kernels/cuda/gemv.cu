@@ -1272,47 +1272,12 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
     moe_combine_epilogue(p.combine, p.ticket, t, pl.ks);
 }
 
-// The grouped down product's combine epilogue (OrnithMoeGemvParams.combine set; tokens <= the
-// block's threads): a token's top_k + 1 slots are stored by top_k + 1 different block rows (its
-// routed experts' and its shared-expert row), so each block, once its outputs are stored, arrives
-// at the counter of (token t, block column x) of every token it covered — thread i for its column
-// i — and the arrival that completes a counter (the top_k + 1-th) combines token t's rows
-// [x R, x R + R) as moe_combine does (moe_combine_elem: the same bits; R as in
-// moe_combine_epilogue). A block may complete several tokens; their combines run one after another.
-__device__ __forceinline__ void moe_grouped_combine_epilogue(const OrnithMoeCombineParams &c, uint32_t *ticket, const MoeCols &cols,
-                                                             int ks) {
-    __shared__ int last[TC_WARPS * 32];
-    __syncthreads();  // every warp's outputs are stored
-    const int i = threadIdx.x;
-    if (i < cols.n) {
-        int t, slot;
-        cols.pair(i, t, slot);
-        uint32_t *tk = ticket + (size_t)t * gridDim.x + blockIdx.x;
-        __threadfence();
-        const bool l = atomicAdd(tk, 1u) == (uint32_t)c.top_k;
-        if (l) {
-            atomicExch(tk, 0u);
-            __threadfence();
-        }
-        last[i] = l ? t : -1;
-    }
-    __syncthreads();
-    const int rows = 16 * (TC_WARPS / ks), r0 = (int)blockIdx.x * rows, r1 = min(r0 + rows, c.hidden);
-    for (int j = 0; j < cols.n; j++) {
-        const int t = last[j];
-        if (t < 0) continue;
-        for (int r = r0 + i; r < r1; r += (int)blockDim.x) moe_combine_elem(c, t, r);
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) moe_gemv_grouped(const OrnithMoeGemvParams p) {
     pdl_launch_dependents();
     const TcPlace pl = tc_place(p.in, p.out, MOE_TARGET_WARPS);
     const int sy = moe_shared_row(p.tokens);
     if (sy >= 0) {  // the shared expert, tokens 8 sy .. (weights first: the tile waits after its first loads)
-        const MoeCols cols{nullptr, p.top_k, min(8, p.tokens - 8 * sy), 8 * sy, p.top_k};
-        moe_tc(p, p.shared_w, p.shared_ws, cols, pl);
-        if (p.combine.out) moe_grouped_combine_epilogue(p.combine, p.ticket, cols, pl.ks);
+        moe_tc(p, p.shared_w, p.shared_ws, MoeCols{nullptr, p.top_k, min(8, p.tokens - 8 * sy), 8 * sy, p.top_k}, pl);
         return;
     }
     pdl_wait();  // row_info and row_assign are moe_sort's output
@@ -1322,9 +1287,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) mo
     const uint8_t *wb;
     const float *ws;
     moe_expert(p, e, wb, ws);
-    const MoeCols cols{p.row_assign + a0, p.top_k, count, 0, 0};
-    moe_tc(p, wb, ws, cols, pl);
-    if (p.combine.out) moe_grouped_combine_epilogue(p.combine, p.ticket, cols, pl.ks);
+    moe_tc(p, wb, ws, MoeCols{p.row_assign + a0, p.top_k, count, 0, 0}, pl);
 }
 
 

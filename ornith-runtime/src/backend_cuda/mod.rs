@@ -1526,11 +1526,8 @@ impl Backend for CudaBackend {
             self.cx.k_moe_gemv(gu_params, grouped)?;
             // The per-slot down product takes SwiGLU + quantisation in its prologue (each block its
             // own (token, slot) row) and the combine in its epilogue (the last block of each
-            // column); the grouped one reads swiglu_quant's rows and takes the combine in its
-            // epilogue (the block completing a token's slots for its column) where its counters
-            // fit, else moe_combine follows it.
+            // column); the grouped one reads swiglu_quant's rows, and moe_combine follows it.
             let per_slot = !grouped;
-            let fused_combine = per_slot || CudaContext::grouped_combine_fits(n, inter, hs);
             let delta = at(self, &h.delta, r0 * hs);
             let combine =
                 combine_params(at(self, &s.ys, 0), at(self, &s.wt, 0), rl + 2 * e as u64, delta, n, k, hs, rw, fold)?;
@@ -1554,12 +1551,12 @@ impl Backend for CudaBackend {
                     xs_slot_stride: 1,
                     norm: OrnithNormIn::default(),
                     gate_up: if per_slot { at(self, &s.gu, 0) as _ } else { std::ptr::null() },
-                    combine: if fused_combine { combine } else { OrnithMoeCombineParams::default() },
+                    combine: if per_slot { combine } else { OrnithMoeCombineParams::default() },
                     ..gu_params
                 },
                 grouped,
             )?;
-            if !fused_combine {
+            if !per_slot {
                 self.cx.k_combine_with(combine)?;
             }
         }

@@ -433,8 +433,8 @@ impl CudaContext {
         ensure!(t * xt + k * xsl <= i32::MAX as usize, "moe_gemv: {t} tokens of stride {xt}");
         let tiles = super::moe_tc_blocks(in_, out);
         ensure!(
-            p.combine.out.is_null() || !p.gate_up.is_null() || (grouped && xsl == in_),
-            "moe_gemv: the combine epilogue is the down product's (moe_gemv_fp8_swiglu, moe_gemv_grouped)"
+            p.combine.out.is_null() || (!grouped && !p.gate_up.is_null()),
+            "moe_gemv: the combine epilogue is the per-slot down product's (moe_gemv_fp8_swiglu)"
         );
         if grouped {
             ensure!(p.norm.weight.is_null() && p.gate_up.is_null(), "moe_gemv_grouped has no prologue");
@@ -443,16 +443,7 @@ impl CudaContext {
                 "moe_gemv_grouped needs moe_sort's groups (row_info 16-byte aligned)"
             );
             let active = (p.experts as usize).min(t * k);
-            // With the combine epilogue (a down product of at most GEMV_BLOCK tokens: one thread
-            // per column arrives; see grouped_combine_fits): the counters and its bytes.
-            ensure!(
-                p.combine.out.is_null() || t <= super::GEMV_BLOCK as usize,
-                "moe_gemv_grouped: the combine epilogue takes at most {} tokens, not {t}",
-                super::GEMV_BLOCK
-            );
-            let (ticket, cb) = self.combine_epilogue(&p.combine, p.y as Ptr, p.tokens, p.top_k, p.out, tiles)?;
-            let p = OrnithMoeGemvParams { ticket, ..p };
-            let bytes = (active + 1) * (out * in_ + out * 4) + t * slots * (in_ + 4 + out * 2) + cb;
+            let bytes = (active + 1) * (out * in_ + out * 4) + t * slots * (in_ + 4 + out * 2);
             // The shared expert's block rows: 8 tokens each (moe_shared_row in gemv.cu).
             let rows = active + t.div_ceil(8);
             ensure!(rows <= 65535, "moe_gemv_grouped: {rows} block rows exceed grid.y");
@@ -596,7 +587,7 @@ impl CudaContext {
         self.k_moe_gemv(p, false)
     }
 
-    pub(crate) fn moe_gemv_params(&self, a: &MoeGemvArgs, y: &Bf) -> Result<OrnithMoeGemvParams> {
+    fn moe_gemv_params(&self, a: &MoeGemvArgs, y: &Bf) -> Result<OrnithMoeGemvParams> {
         let slots = a.top_k + 1;
         ensure!(a.tokens > 0, "moe_gemv: no tokens");
         need("moe_gemv idx", a.idx, a.tokens * a.top_k)?;

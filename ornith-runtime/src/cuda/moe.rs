@@ -273,14 +273,6 @@ impl CudaContext {
         self.launch(Launch::new("moe_combine", grid, 256, combine_bytes(&p) as u64), p)
     }
 
-    /// Whether the grouped FP8 down product of `tokens` rows over `[out, in_]` experts takes the
-    /// combine in its epilogue (`moe_gemv_grouped` with `combine` set): one thread per column
-    /// arrives (at most [`super::GEMV_BLOCK`] tokens) at one counter per (token, block column).
-    pub(crate) fn grouped_combine_fits(tokens: usize, in_: usize, out: usize) -> bool {
-        tokens <= super::GEMV_BLOCK as usize
-            && tokens * super::moe_tc_blocks(in_, out) as usize <= super::WIDE_TICKETS as usize
-    }
-
     /// The combine epilogue `c` of a per-slot down product (`moe_gemv_fp8_swiglu`,
     /// `moe_gemv_nvfp4_swiglu`) writing `y` (`tokens` x `top_k + 1` rows of `out`) over `tiles`
     /// block columns: checks that the combine reads that output with the product's shapes and
