@@ -1210,9 +1210,10 @@ __device__ __forceinline__ void moe_slot_weights(const OrnithMoeGemvParams &p, i
 // of it (the next layer's top-k) waits for this grid. The read goes to L2 (ld.global.cg: no stale
 // L1 line of the previous layer's index, held by an earlier grid's blocks on this SM, can serve
 // it), and the routed expert's first weight loads then go out before the wait like the shared
-// expert's. H200, NVFP4A16 full preset, batch 1, same call (tests/peer/results/h200-2026-12-05,
-// s58a): 412.3 / 413.0 -> 421.9 tok/s; in the graph the gate|up products 377 -> 343 and the down
-// products 361 -> 305 us per step, the router's top-k 83 -> 102.
+// expert's. H200, full preset, batch 1 at 2K (tests/peer/results/h200-2026-12-05): NVFP4A16
+// 412.3 / 413.0 -> 421.9 tok/s (s58a, one call; in the graph gate|up 377 -> 343, down 361 -> 305
+// us per step, the router's top-k 83 -> 102); FP8 389.4 -> 396.1 (s58c; gate|up 442 -> 417, down
+// 377 -> 331, top-k 98 -> 117). Bits unchanged (only when loads issue).
 __device__ __forceinline__ int moe_routed_index_early(const int32_t *idx, int t, int top_k, int slot) {
     return __ldcg(idx + t * top_k + slot);
 }

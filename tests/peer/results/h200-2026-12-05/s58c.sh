@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Session 27, call C. s27c = the routed-index-early MoE pair landed (aab6ca3 + the working tree:
 # per-slot gate|up forms trigger their dependents after their wait, the per-slot down forms read
-# the routed index from L2 before theirs); s25x = aab6ca3 + s57_moe_variants.patch (bench_full, ornith_full).
+# the routed index from L2 before theirs; the grouped FP8 down product takes the combine in its
+# epilogue); s25x = aab6ca3 + s57_moe_variants.patch (bench_full, ornith_full).
 # 1. kernel tests moe / nvfp4 / norm_prologue / swiglu_prologue; 2. shallow FP8 and NVFP4A16 model
 # checks (graph = eager, batch invariance 1..40 in every PDL mode, CUDA vs CPU);
 # 3. full FP8 preset: s27c at 2K / 32K / 128K batch 1 and 2K at 8 / 32 / 64 sequences;
-# 4. s25x: base, ORNITH_XDIV=2 at 2K batch 1, 8 sequences with / without gei;
+# 4. s25x: base, ORNITH_XDIV=2 at 2K batch 1; 8 / 32 / 64 sequences; 8 with gei;
 # 5. one 2,048-token request with 256 generated through s25x's binary (its decode_tok_s vs the bench's).
 set -uo pipefail
 . tests/gpu/lib.sh
@@ -13,6 +14,7 @@ OUT0=$OUT; L=/tmp/s58c; mkdir -p $L; OUT=$L
 unpack_builds s25x; GX=$G
 unpack_builds s27c
 exec > >(tee "$L/summary.txt") 2>&1
+save() { tar czf "$OUT0/s58c.tgz" -C /tmp s58c; cp "$L/summary.txt" "$OUT0/summary.txt"; }  # after each stage: a call cut at its limit keeps them
 t0=$SECONDS
 timeout 120 "$G/kernels" --ignored --test-threads=1 moe nvfp4 norm_prologue swiglu_prologue > "$L/kernels.log" 2>&1
 echo "kernels rc=$? $((SECONDS - t0))s"; grep -E "panicked|test result" "$L/kernels.log" | cut -c1-200; t0=$SECONDS
@@ -22,13 +24,15 @@ echo "test_shallow fp8 rc=$? $((SECONDS - t0))s"; grep -E -A1 "panicked" "$L/tes
 "$G/xtask" synth --preset shallow --quant nvfp4a16 --out "$C/shallow-nvfp4" > /dev/null 2>&1; echo "synth shallow nvfp4 rc=$? $((SECONDS - t0))s"; t0=$SECONDS
 ORNITH_TEST_MODEL=$C/shallow-nvfp4 timeout 100 "$G/test_shallow_nvfp4" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager batch_invariance > "$L/test_shallow_nvfp4.log" 2>&1
 echo "test_shallow nvfp4 rc=$? $((SECONDS - t0))s"; grep -E -A1 "panicked" "$L/test_shallow_nvfp4.log" | cut -c1-250 | head -4; grep -E "test result" "$L/test_shallow_nvfp4.log"; t0=$SECONDS
+save
 synth_full; t0=$SECONDS
 timeout 150 "$G/bench_full" --model "$C/full" --prompts 2048,32768,131072 --batch 1 --gen 64 --budget-s 120 > "$L/bench_long.json" 2> "$L/bench_long.err"; echo "bench s27c long rc=$? $((SECONDS - t0))s"; t0=$SECONDS
 timeout 120 "$G/bench_full" --model "$C/full" --prompts 2048 --batch 8,32,64 --gen 64 --budget-s 100 > "$L/bench_batch.json" 2> "$L/bench_batch.err"; echo "bench s27c batch rc=$? $((SECONDS - t0))s"; t0=$SECONDS
+save
 run() { local v=$1; shift
-  local args=(--prompts 2048 --batch 1); [ "${v#x8}" != "$v" ] && args=(--prompts 2048 --batch 8)
-  env "$@" timeout 60 "$GX/bench_full" --model "$C/full" "${args[@]}" --gen 64 --budget-s 40 > "$L/bench_$v.json" 2> "$L/bench_$v.err"
-  echo "bench $v rc=$? $((SECONDS - t0))s"; t0=$SECONDS; }
+  local args=(--prompts 2048 --batch 1); [ "$v" = x8base ] && args=(--prompts 2048 --batch 8,32,64); [ "$v" = x8gei ] && args=(--prompts 2048 --batch 8)
+  env "$@" timeout 100 "$GX/bench_full" --model "$C/full" "${args[@]}" --gen 64 --budget-s 80 > "$L/bench_$v.json" 2> "$L/bench_$v.err"
+  echo "bench $v rc=$? $((SECONDS - t0))s"; t0=$SECONDS; save; }
 run xbase X=1
 run xdiv2 ORNITH_XDIV=2
 run x8base X=1
@@ -45,4 +49,4 @@ for f in ("bench_long", "bench_batch"):
 PY
 timeout 120 python3 tests/gpu/long_prompt.py "$GX/ornith_full" "$C/full" "$L/binary_2k.json" 2048 256
 echo "binary 2k rc=$? $((SECONDS - t0))s"
-tar czf "$OUT0/s58c.tgz" -C /tmp s58c; cp "$L/summary.txt" "$OUT0/summary.txt"
+save
