@@ -1,9 +1,11 @@
 """One long prompt through the real `ornith` binary (H200 run): a single JSONL request of N token
-ids (default 261,000; random weights, so any ids), max_tokens 8, the checkpoint's default sampling,
-seeded, with --max-context N + 64 and the default prefix cache. Records the result's ttft_ms, the
-wall time from the line written to the result read (the binary's load excluded), the usage and the
-finish reason. Usage: long_prompt.py ORNITH MODEL_DIR OUT_JSON [N]; prints one line, exits 1 if the
-result is an error, holds no text or does not count the N prompt tokens."""
+ids (default 261,000; random weights, so any ids), max_tokens M (default 8; ignore_eos, so all M
+are generated), the checkpoint's default sampling, seeded, with --max-context N + M + 64 and the
+default prefix cache. Records the result's ttft_ms and decode_tok_s (the binary's own figures: at
+N = 2,048, M = 256 its decode beside the bench's), the wall time from the line written to the
+result read (the binary's load excluded), the usage and the finish reason. Usage:
+long_prompt.py ORNITH MODEL_DIR OUT_JSON [N] [M]; prints one line, exits 1 if the result is an
+error, holds no text or does not count the N prompt tokens."""
 import json, random, subprocess, sys, time
 
 ornith, model, out = sys.argv[1:4]
