@@ -46,6 +46,27 @@ const FIELDS: &[&str] = &[
     "stream_options",
 ];
 
+/// Tool types a Responses request may declare that this server does not offer to the model and
+/// skips with a warning instead of refusing the request: the tools OpenAI's servers run themselves
+/// (web and file search, code interpreter, image generation, computer use, remote MCP, tool
+/// search), which a local server cannot execute, and `namespace` groups of tools (Codex CLI sends
+/// such a group beside its function tools; how a call of a grouped tool is named back is not
+/// settled here, so the group's tools are not offered rather than guessed). Other non-function
+/// types (`custom`, `local_shell`: the client runs them, and a skip would take away a tool the
+/// agent relies on) stay an `unsupported_parameter` error.
+const NOT_OFFERED: &[&str] = &[
+    "web_search",
+    "web_search_preview",
+    "file_search",
+    "code_interpreter",
+    "image_generation",
+    "computer",
+    "computer_use_preview",
+    "mcp",
+    "tool_search",
+    "namespace",
+];
+
 fn invalid(m: impl Into<String>) -> LineError {
     LineError::invalid(m)
 }
@@ -183,7 +204,7 @@ pub fn chat_body(body: &Value) -> Result<(Value, Vec<String>), LineError> {
     if b.get("background") == Some(&Value::Bool(true)) {
         return Err(unsupported("`background` responses are not supported by this build"));
     }
-    let warnings = b
+    let mut warnings: Vec<String> = b
         .keys()
         .filter(|k| !FIELDS.contains(&k.as_str()))
         .map(|k| format!("unknown field `{k}` in the request body was ignored"))
@@ -203,10 +224,15 @@ pub fn chat_body(body: &Value) -> Result<(Value, Vec<String>), LineError> {
         let mut out = Vec::new();
         for t in arr {
             let ty = t.get("type").and_then(Value::as_str);
+            if let Some(h) = ty.filter(|ty| NOT_OFFERED.contains(ty)) {
+                warnings.push(format!("tool of type \"{h}\" not offered to the model (this server cannot run it)"));
+                continue;
+            }
             if ty != Some("function") {
                 return Err(unsupported(format!(
-                    "tool type {} is not supported by this build (only \"function\" tools)",
-                    t.get("type").unwrap_or(&Value::Null)
+                    "tool type {} is not supported by this build (\"function\" tools; the types {} are skipped)",
+                    t.get("type").unwrap_or(&Value::Null),
+                    NOT_OFFERED.join(", ")
                 )));
             }
             let name = t.get("name").and_then(Value::as_str).filter(|n| !n.is_empty());
@@ -553,13 +579,42 @@ mod tests {
         assert_eq!(chat["messages"], json!([{"role": "user", "content": "hi"}]));
     }
 
+    /// Hosted tools and tool groups (Codex CLI's `web_search`, `namespace`, `image_generation` beside
+    /// its function tools) are skipped, each with a warning; the function tools are offered as
+    /// sent, in order; a request of hosted tools only offers none.
+    #[test]
+    fn hosted_tools_are_skipped_with_a_warning() {
+        let ns = json!({"type": "namespace", "name": "mcp", "description": "d",
+                        "tools": [{"type": "function", "name": "inner", "parameters": {"type": "object"}}]});
+        let body = json!({"input": "x", "tools": [
+            {"type": "function", "name": "shell", "parameters": {"type": "object"}},
+            {"type": "web_search", "external_web_access": false}, ns, {"type": "image_generation"},
+            {"type": "function", "name": "update_plan"}]});
+        let (chat, warnings) = chat_body(&body).unwrap();
+        let names: Vec<&str> =
+            chat["tools"].as_array().unwrap().iter().map(|t| t["function"]["name"].as_str().unwrap()).collect();
+        assert_eq!(names, ["shell", "update_plan"]);
+        assert_eq!(warnings.len(), 3, "{warnings:?}");
+        for (w, ty) in warnings.iter().zip(["web_search", "namespace", "image_generation"]) {
+            assert!(w.contains(&format!("\"{ty}\"")) && w.contains("not offered"), "{w}");
+        }
+        let (chat, warnings) = chat_body(&json!({"input": "x", "tools": [{"type": "web_search_preview"}]})).unwrap();
+        assert_eq!(chat["tools"], json!([]));
+        assert_eq!(warnings.len(), 1);
+    }
+
     #[test]
     fn refusals_are_clear() {
         let e = chat_body(&json!({"input": "x", "previous_response_id": "resp_1"})).unwrap_err();
         assert_eq!(e.code, "invalid_request");
         assert!(e.message.contains("stateless"), "{}", e.message);
-        let e = chat_body(&json!({"input": "x", "tools": [{"type": "web_search"}]})).unwrap_err();
+        let e = chat_body(&json!({"input": "x", "tools": [{"type": "custom", "name": "apply_patch"}]})).unwrap_err();
         assert_eq!(e.code, "unsupported_parameter");
+        assert!(e.message.contains("\"custom\"") && e.message.contains("web_search"), "{}", e.message);
+        assert_eq!(
+            chat_body(&json!({"input": "x", "tools": [{"type": "local_shell"}]})).unwrap_err().code,
+            "unsupported_parameter"
+        );
         let e = chat_body(&json!({"input": "x", "tool_choice": {"type": "allowed_tools", "tools": []}})).unwrap_err();
         assert_eq!(e.code, "unsupported_parameter");
         let (chat, _) = chat_body(&json!({"input": "x", "tool_choice": "required"})).unwrap();
