@@ -552,6 +552,10 @@ async fn responses_non_streamed_and_refusals() {
     let hosted = json!([{"type": "web_search"}, {"type": "namespace", "name": "g", "description": "", "tools": []}]);
     let (st, r) = s.post("/v1/responses", json!({"input": "SAY:ok", "tools": hosted})).await;
     assert_eq!((st, r["status"].as_str()), (200, Some("completed")), "{r}");
+    // A probe with empty input (Codex CLI's) is answered.
+    let (st, r) = s.post("/v1/responses", json!({"input": [], "max_output_tokens": 1})).await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["object"], "response", "{r}");
     let (st, _) = s.post("/v1/responses", json!({"input": "x", "model": "other"})).await;
     assert_eq!(st, 404);
     s.stop().await;

@@ -49,7 +49,8 @@ const FIELDS: &[&str] = &[
 /// Tool types a Responses request may declare that this server does not offer to the model and
 /// skips with a warning instead of refusing the request: the tools OpenAI's servers run themselves
 /// (web and file search, code interpreter, image generation, computer use, remote MCP, tool
-/// search), which a local server cannot execute, and `namespace` groups of tools (Codex CLI sends
+/// search), which a local server cannot execute, and `namespace` groups of tools (llama.cpp
+/// 91e84fed and ik_llama.cpp #1964 made the same change after Codex runs; Codex CLI sends
 /// such a group beside its function tools; how a call of a grouped tool is named back is not
 /// settled here, so the group's tools are not offered rather than guessed). Other non-function
 /// types (`custom`, `local_shell`: the client runs them, and a skip would take away a tool the
@@ -119,7 +120,10 @@ fn messages(b: &Map<String, Value>) -> Result<Vec<Value>, LineError> {
         _ => return Err(invalid("`input` must be a string or a list of input items")),
     };
     if items.is_empty() {
-        return Err(invalid("`input` is empty"));
+        // Empty input (Codex CLI probes a server with `input: []` and `max_output_tokens: 1`,
+        // ik_llama.cpp #1964): one empty user turn, the user query the chat template requires.
+        out.push(json!({"role": "user", "content": ""}));
+        return Ok(out);
     }
     let mut reasoning = String::new();
     for (i, item) in items.iter().enumerate() {
@@ -577,6 +581,12 @@ mod tests {
         assert_eq!(chat["chat_template_kwargs"]["enable_thinking"], false);
         let (chat, _) = chat_body(&json!({"input": "hi"})).unwrap();
         assert_eq!(chat["messages"], json!([{"role": "user", "content": "hi"}]));
+        // An empty input (a client's probe): one empty user turn after the instructions.
+        let (chat, _) = chat_body(&json!({"input": [], "instructions": "be brief", "max_output_tokens": 1})).unwrap();
+        assert_eq!(
+            chat["messages"],
+            json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": ""}])
+        );
     }
 
     /// Hosted tools and tool groups (Codex CLI's `web_search`, `namespace`, `image_generation` beside
@@ -623,7 +633,7 @@ mod tests {
         assert_eq!(chat["tool_choice"], json!({"type": "function", "function": {"name": "f"}}));
         let img = json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]});
         assert_eq!(chat_body(&img).unwrap_err().code, "unsupported_content");
-        assert!(chat_body(&json!({"input": []})).is_err());
+        assert!(chat_body(&json!({"input": 5})).is_err());
         assert!(chat_body(&json!({})).is_err());
     }
 
