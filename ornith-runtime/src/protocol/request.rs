@@ -573,18 +573,16 @@ fn parse_chat(b: &Map<String, Value>) -> R<Kind> {
             ))
         }
     } && tools.is_some();
-    if let Some(f) = force.clone() {
-        match &f {
-            ToolForce::Any if names.is_empty() => {
-                return Err(LineError::invalid("`tool_choice` \"required\" needs `tools`"));
-            }
-            ToolForce::Named(n) if !names.contains(&n.as_str()) => {
-                return Err(LineError::invalid(format!("`tool_choice` names `{n}`, which is not among `tools`")));
-            }
-            // With one tool, "any tool" is that one: its name is forced too.
-            ToolForce::Any if names.len() == 1 => force = Some(ToolForce::Named(names[0].to_string())),
-            _ => {}
+    match &force {
+        Some(ToolForce::Any) if names.is_empty() => {
+            return Err(LineError::invalid("`tool_choice` \"required\" needs `tools`"));
         }
+        Some(ToolForce::Named(n)) if !names.contains(&n.as_str()) => {
+            return Err(LineError::invalid(format!("`tool_choice` names `{n}`, which is not among `tools`")));
+        }
+        // With one tool, "any tool" is that one: its name is forced too.
+        Some(ToolForce::Any) if names.len() == 1 => force = Some(ToolForce::Named(names[0].to_string())),
+        _ => {}
     }
     let kwargs = template_kwargs(present(b, "chat_template_kwargs"))?;
     Ok(Kind::Chat { messages, tools, parse_tools, kwargs, force })
