@@ -131,6 +131,40 @@ fn every_line_gets_exactly_one_result_and_good_lines_generate() {
     assert!(res[good.len() + 3]["error"]["message"].as_str().unwrap().contains("text only"), "{}", res[good.len() + 3]);
 }
 
+/// `n` = 3 on the real model (CPU backend): choice `i` is exactly what one request seeded
+/// `seed + i` generates alone — the choices are sequences of the engine, batched with each other
+/// and with the single requests, and a sequence's tokens do not depend on its company.
+#[test]
+fn n_choices_equal_single_requests_seeded_seed_plus_index() {
+    let sampled = r#","temperature":0.8,"top_p":0.95"#;
+    let lines = [
+        chat("three", &format!(r#"{sampled},"seed":7,"n":3"#)),
+        chat("s7", &format!(r#"{sampled},"seed":7"#)),
+        chat("s8", &format!(r#"{sampled},"seed":8"#)),
+        chat("s9", &format!(r#"{sampled},"seed":9"#)),
+        format!(r#"{{"custom_id":"raw","prompt":"fn main() {{","max_tokens":5{sampled},"seed":3,"n":2}}"#),
+        format!(r#"{{"custom_id":"raw4","prompt":"fn main() {{","max_tokens":5{sampled},"seed":4}}"#),
+    ];
+    let input = lines.join("\n") + "\n";
+    let (out, stderr) = run(&["--backend", "cpu", "--max-context", "512", "--ordered"], input.as_bytes());
+    let res = results(&out);
+    assert_eq!(res.len(), lines.len(), "stderr: {stderr}");
+    let body = |k: usize| &res[k]["response"]["body"];
+    let three = body(0)["choices"].as_array().unwrap_or_else(|| panic!("{}", res[0]));
+    assert_eq!(three.len(), 3);
+    let singles: Vec<&Value> = (1..4).map(|k| &body(k)["choices"][0]["message"]).collect();
+    for (i, c) in three.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(&c["message"], singles[i], "choice {i} vs the request seeded {}", 7 + i);
+    }
+    assert!(singles[0] != singles[1] || singles[1] != singles[2], "seeds 7, 8, 9 sampled the same text");
+    let n_out: u64 = (1..4).map(|k| body(k)["usage"]["completion_tokens"].as_u64().unwrap()).sum();
+    assert_eq!(body(0)["usage"]["completion_tokens"], n_out);
+    assert_eq!(body(0)["usage"]["prompt_tokens"], body(1)["usage"]["prompt_tokens"]);
+    // Completions: choice 1 of seed 3 is the request seeded 4.
+    assert_eq!(body(4)["choices"][1]["text"], body(5)["choices"][0]["text"], "{}", res[4]);
+}
+
 #[test]
 fn tokenize_counts_tokens() {
     let (lines, _) = run(

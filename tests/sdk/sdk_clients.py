@@ -123,6 +123,13 @@ def check_openai():
     r = c.completions.create(model=MODEL, prompt="SAY:abcdef", max_tokens=3)
     assert r.choices[0].text == "abc" and r.choices[0].finish_reason == "length", r
 
+    mark('n choices, seeded seed + i')
+    # n choices: each its own sequence seeded seed + i (the scripted model says the seed's digit).
+    r = c.chat.completions.create(model=MODEL, messages=user("SAY:c$S"), n=2, seed=10, extra_body=NO_THINK)
+    assert [(ch.index, ch.message.content) for ch in r.choices] == [(0, "c0"), (1, "c1")], r
+    r = c.completions.create(model=MODEL, prompt="SAY:d$S", n=3, seed=21)
+    assert [ch.text for ch in r.choices] == ["d1", "d2", "d3"] and r.usage.completion_tokens == 9, r
+
     mark("Errors: the API's shape, raised as the S")
     # Errors: the API's shape, raised as the SDK's exceptions.
     try:

@@ -74,6 +74,58 @@ async fn chat_completion_streamed_with_usage() {
     s.stop().await;
 }
 
+/// `n` over HTTP: each choice its own sequence seeded `seed + i` (the scripted model says its
+/// seed's last digit), three choices on a server of two sequences at once; streamed chunks
+/// carry each choice's index; tool calls are parsed per choice, their ids distinct.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_streamed_and_not() {
+    let s = server(1024, 2, Duration::ZERO).await;
+    let body = json!({"messages": user("SAY:c$S"), NO_THINK: {"enable_thinking": false}, "n": 3, "seed": 40,
+                      "stream": true, "stream_options": {"include_usage": true}});
+    let (st, _, events) = s.stream("/v1/chat/completions", body).await;
+    assert_eq!(st, 200);
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|(_, d)| serde_json::from_str(d).unwrap()).collect();
+    let mut text = vec![String::new(); 3];
+    let mut roles = [0; 3];
+    let mut finish = vec![Value::Null; 3];
+    for c in &chunks[..chunks.len() - 1] {
+        let ch = &c["choices"][0];
+        let i = ch["index"].as_u64().unwrap() as usize;
+        roles[i] += (ch["delta"]["role"] == "assistant") as usize;
+        text[i] += ch["delta"]["content"].as_str().unwrap_or("");
+        if !ch["finish_reason"].is_null() {
+            finish[i] = ch["finish_reason"].clone();
+        }
+    }
+    assert_eq!(text, ["c0", "c1", "c2"]);
+    assert_eq!(roles, [1, 1, 1], "one role chunk per choice");
+    assert_eq!(finish, [json!("stop"), json!("stop"), json!("stop")]);
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 9);
+
+    let calls = TWO_CALLS.replace("Paris", "Paris$S");
+    let (st, b) = s
+        .post("/v1/chat/completions", json!({"messages": user(&calls), "tools": tool_spec(), "n": 2, "seed": 5}))
+        .await;
+    assert_eq!(st, 200, "{b}");
+    let choices = b["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    let mut ids = std::collections::HashSet::new();
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["finish_reason"], "tool_calls");
+        let tc = c["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(tc.len(), 2);
+        let args: Value = serde_json::from_str(tc[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert_eq!(args["city"], format!("Paris{}", 5 + i));
+        for t in tc {
+            assert!(ids.insert(t["id"].as_str().unwrap().to_string()), "tool-call ids repeat: {b}");
+        }
+    }
+    let (st, b) = s.post("/v1/chat/completions", json!({"messages": user("SAY:x"), "n": 129})).await;
+    assert_eq!((st, b["error"]["code"].as_str()), (400, Some("invalid_request")), "{b}");
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streamed_tool_calls_and_reasoning() {
     let s = server(1024, 2, Duration::ZERO).await;

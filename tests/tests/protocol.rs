@@ -261,7 +261,7 @@ fn fixture_every_line_answered_in_order_with_the_right_shape() {
         (25, "e-panic", "internal_error"),
         (26, "e-url", "unsupported_url"),
         (27, "e-template", "invalid_request"),
-        (33, "e-n", "unsupported_parameter"),
+        (33, "e-n", "invalid_request"),
         (34, "e-prompt-ids", "invalid_request"),
         (35, "e-neither", "invalid_request"),
         (36, "line-36", "invalid_request"),
@@ -386,6 +386,123 @@ fn penalties_reach_the_engine_and_bad_ones_are_refused() {
     ];
     want.sort_by_key(key);
     assert_eq!(seen, want);
+}
+
+/// `n` choices are `n` sequences of the engine, choice `i` sampled with `seed + i` (vLLM's
+/// children): the scripted model says the last digit of each sequence's seed. A choice that a
+/// stop string ends is cancelled in the engine while the others go on; streamed chunks carry
+/// each choice's `index`, and each choice ends with its own finish chunk.
+#[test]
+fn n_choices_are_sequences_seeded_seed_plus_index() {
+    let mut runner = ScriptRunner::new(512, 4);
+    runner.step_time = std::time::Duration::from_millis(1);
+    let calls = runner.calls.clone();
+    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
+    let engine = Engine::new(Box::new(runner), cfg).unwrap();
+    let tail = "y".repeat(120);
+    let input = [
+        json!({"custom_id": "chat", "messages": [{"role": "user", "content": "SAY:v$S"}], "n": 3, "seed": 7,
+               "chat_template_kwargs": {"enable_thinking": false}}),
+        json!({"custom_id": "stream", "prompt": format!("SAY:ab$S{tail}"), "n": 3, "seed": 17, "stop": ["8"],
+               "max_tokens": 300, "stream": true}),
+        json!({"custom_id": "one", "prompt": "SAY:w$S", "seed": 4, "n": 1}),
+    ]
+    .map(|l| l.to_string())
+    .join("\n");
+    let mut out = Vec::new();
+    let stats =
+        protocol::serve(std::io::BufReader::new(Cursor::new(input)), &mut out, engine, &ByteCodec, &ChatMl, &opts())
+            .unwrap();
+    let lines: Vec<Value> = String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let (res, chunks) = results(&lines);
+    assert_eq!(res.len(), 3);
+
+    // Chat: three choices, seeds 7, 8, 9.
+    let b = body(&res[0]);
+    let texts: Vec<(u64, &str, &str)> = b["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["index"].as_u64().unwrap(),
+                c["message"]["content"].as_str().unwrap(),
+                c["finish_reason"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(texts, [(0, "v7", "stop"), (1, "v8", "stop"), (2, "v9", "stop")]);
+    // The prompt counts once, every choice's tokens (2 + `<|im_end|>` each) count.
+    let prompt_tokens = b["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(b["usage"]["completion_tokens"], 9);
+    assert_eq!(b["usage"]["total_tokens"], prompt_tokens + 9);
+    let mut seeds: Vec<u64> = calls.lock().unwrap().iter().map(|p| p.seed).collect();
+    seeds.sort();
+    assert_eq!(seeds, [4, 7, 8, 9, 17, 18, 19]);
+
+    // Streamed completion: choice 1 (seed 18) stops at "8"; the others run to the script's end.
+    let b = body(&res[1]);
+    let ch = b["choices"].as_array().unwrap();
+    assert_eq!(ch.len(), 3);
+    assert_eq!((ch[1]["text"].as_str().unwrap(), ch[1]["finish_reason"].as_str().unwrap()), ("ab", "stop"));
+    assert_eq!(ch[1]["stop_reason"], "8");
+    assert_eq!(ch[0]["text"], format!("ab7{tail}"));
+    assert_eq!(ch[2]["text"], format!("ab9{tail}"));
+    let mut streamed = vec![String::new(); 3];
+    let mut finishes: Vec<usize> = Vec::new();
+    for (k, c) in chunks[1].iter().enumerate() {
+        assert_eq!(c["custom_id"], "stream");
+        let choices = c["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 1, "one choice per chunk: {c}");
+        let i = choices[0]["index"].as_u64().unwrap() as usize;
+        assert!(!finishes.contains(&i), "choice {i} streamed after its finish chunk");
+        streamed[i] += choices[0]["text"].as_str().unwrap();
+        if !choices[0]["finish_reason"].is_null() {
+            finishes.push(i);
+            if i == 1 {
+                assert!(k < chunks[1].len() / 2, "the stopped choice finished late (chunk {k})");
+            }
+        }
+    }
+    assert_eq!(finishes[0], 1, "the stopped choice finishes first");
+    assert_eq!(finishes.len(), 3);
+    for (i, c) in ch.iter().enumerate() {
+        assert_eq!(streamed[i], c["text"].as_str().unwrap(), "choice {i}");
+    }
+    // 3 + 1 + 124 + 124 tokens: the stopped choice's sequence did not run on.
+    assert_eq!(b["usage"]["completion_tokens"], 3 + 124 * 2);
+    assert_eq!(stats.engine.cancelled, 1, "the stopped choice is cancelled in the engine");
+
+    // n = 1: one choice, as before.
+    let b = body(&res[2]);
+    assert_eq!(b["choices"].as_array().unwrap().len(), 1);
+    assert_eq!(b["choices"][0]["text"], "w4");
+}
+
+/// The choices of a prompt longer than a prefill chunk share its full chunks through the prefix
+/// cache: the first choice prefills them, the others wait for them and prefill only the rest.
+#[test]
+fn n_choices_share_the_prompts_full_chunks() {
+    let runner = ScriptRunner::new(8192, 4).with_snapshots(4);
+    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: 8192, sample_vocab: 259 };
+    let engine = Engine::new(Box::new(runner), cfg).unwrap();
+    let prompt = format!("{}SAY:z$S", "a".repeat(4400));
+    let input = json!({"prompt": prompt, "n": 3, "seed": 0}).to_string();
+    let mut out = Vec::new();
+    let stats =
+        protocol::serve(std::io::BufReader::new(Cursor::new(input)), &mut out, engine, &ByteCodec, &ChatMl, &opts())
+            .unwrap();
+    let lines: Vec<Value> = String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let (res, _) = results(&lines);
+    let b = body(&res[0]);
+    let texts: Vec<&str> = b["choices"].as_array().unwrap().iter().map(|c| c["text"].as_str().unwrap()).collect();
+    assert_eq!(texts, ["z0", "z1", "z2"]);
+    let n = 4400 + 7;
+    let c = &stats.engine.cache;
+    assert_eq!((c.hits, c.misses, c.cached_tokens), (2, 1, 2 * 4096), "{c:?}");
+    assert_eq!(stats.engine.prefill_rows, (n + 2 * (n - 4096)) as u64);
+    // cached_tokens: the least any choice took from the cache (the first took none).
+    assert_eq!(b["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
 }
 
 #[test]

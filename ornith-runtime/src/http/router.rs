@@ -22,7 +22,7 @@ use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::engine::{Engine, EngineClient, EngineStats, EngineThread, Event, EventKind};
-use crate::protocol::live::{self, Limits, Live};
+use crate::protocol::live::{self, Limits, Live, Progress};
 use crate::protocol::request::{LineError, Request};
 use crate::protocol::{PromptRenderer, TextCodec};
 
@@ -262,10 +262,12 @@ fn prepare_prompts(
 
 struct Open<'a> {
     live: Live<'a>,
+    /// The engine ids of its choices' sequences (the first is the request's id).
+    ids: Vec<u64>,
     tx: mpsc::UnboundedSender<Out>,
     started: Instant,
-    /// When its last token came (inter-token latency).
-    last_token: Instant,
+    /// When each choice's last token came (inter-token latency).
+    last_token: Vec<Instant>,
     /// Given back when the request leaves `open`, before its `Done` is sent: a client that has
     /// seen its request end finds the place free.
     place: Place,
@@ -280,7 +282,9 @@ fn route(
     limits: Limits,
     metrics: &Metrics,
 ) {
+    // Requests by id, and the (request, choice) of each engine id.
     let mut open: HashMap<u64, Open<'_>> = HashMap::new();
+    let mut owner: HashMap<u64, (u64, usize)> = HashMap::new();
     // Requests whose prompts are being prepared, and those of them cancelled meanwhile.
     let mut preparing: HashSet<u64> = HashSet::new();
     let mut cancelled: HashSet<u64> = HashSet::new();
@@ -337,7 +341,7 @@ fn route(
                     .unwrap_or_else(|_| Err(panicked()))
                 });
                 match begun {
-                    Ok((gen, mut live)) => {
+                    Ok((gens, mut live)) => {
                         let prompt_tokens = live.prompt_len();
                         let chunks = live.take_chunks();
                         if tx.send(Out::Accepted { prompt_tokens }).is_err() {
@@ -347,8 +351,15 @@ fn route(
                             let _ = tx.send(Out::Chunks(chunks));
                         }
                         metrics.submitted(prompt_tokens);
-                        client.submit_as(id, gen);
-                        open.insert(id, Open { live, tx, started, last_token: started, place });
+                        let mut ids = Vec::with_capacity(gens.len());
+                        for (choice, g) in gens.into_iter().enumerate() {
+                            let eid = if choice == 0 { id } else { client.reserve_id() };
+                            owner.insert(eid, (id, choice));
+                            client.submit_as(eid, g);
+                            ids.push(eid);
+                        }
+                        let last_token = vec![started; ids.len()];
+                        open.insert(id, Open { live, ids, tx, started, last_token, place });
                     }
                     Err(e) => {
                         let _ = tx.send(Out::Done(Err(e)));
@@ -359,7 +370,10 @@ fn route(
                 if preparing.contains(&id) {
                     cancelled.insert(id);
                 } else if let Some(o) = open.remove(&id) {
-                    client.cancel(id);
+                    for eid in &o.ids {
+                        client.cancel(*eid);
+                        owner.remove(eid);
+                    }
                     metrics.left(o.live.generated() > 0);
                     if !cfg.quiet {
                         eprintln!("[ornith] request {id}: cancelled (the client went away)");
@@ -367,37 +381,50 @@ fn route(
                 }
             }
             Msg::Event(e) => {
-                let Some(o) = open.get_mut(&e.id) else { continue };
-                let done: Option<Result<(), LineError>> = match e.kind {
+                let Some(&(rid, choice)) = owner.get(&e.id) else { continue };
+                let Some(o) = open.get_mut(&rid) else { continue };
+                let progress = match e.kind {
                     EventKind::Token(t) => {
                         let now = Instant::now();
                         if o.live.generated() == 0 {
                             metrics.first_token(now - o.started);
-                        } else {
-                            metrics.inter_token(now - o.last_token);
+                        } else if o.live.generated_by(choice) > 0 {
+                            metrics.inter_token(now - o.last_token[choice]);
                         }
-                        o.last_token = now;
+                        o.last_token[choice] = now;
                         metrics.generated(1);
-                        match catch_unwind(AssertUnwindSafe(|| o.live.on_token(t))).unwrap_or_else(|_| Err(panicked()))
-                        {
-                            Ok(true) => Some(Ok(())),
-                            Ok(false) => None,
-                            Err(e) => Some(Err(e)),
-                        }
+                        catch_unwind(AssertUnwindSafe(|| o.live.on_token(choice, t)))
+                            .unwrap_or_else(|_| Err(panicked()))
                     }
-                    EventKind::Finished(_) => Some(Ok(())),
+                    EventKind::Finished(_) => catch_unwind(AssertUnwindSafe(|| o.live.on_finished(choice)))
+                        .unwrap_or_else(|_| Err(panicked())),
                     EventKind::Admitted { cached_tokens } => {
-                        o.live.on_admitted(cached_tokens);
-                        metrics.cached(cached_tokens);
+                        o.live.on_admitted(choice, cached_tokens);
+                        if choice == 0 {
+                            metrics.cached(cached_tokens);
+                        }
+                        Ok(Progress::Running)
+                    }
+                    EventKind::Error { code, message } => Err(LineError::from_engine(code, message)),
+                };
+                let done = match progress {
+                    Ok(Progress::Running) => None,
+                    Ok(Progress::ChoiceDone) => {
+                        client.cancel(e.id); // a no-op when the engine already ended it
+                        owner.remove(&e.id);
                         None
                     }
-                    EventKind::Error { code, message } => Some(Err(LineError::from_engine(code, message))),
+                    Ok(Progress::Done) => Some(Ok(())),
+                    Err(err) => Some(Err(err)),
                 };
                 let chunks = o.live.take_chunks();
                 let mut gone = !chunks.is_empty() && o.tx.send(Out::Chunks(chunks)).is_err();
                 if let Some(res) = done {
-                    let mut o = open.remove(&e.id).expect("present above");
-                    client.cancel(e.id); // a no-op when the engine already ended it
+                    let mut o = open.remove(&rid).expect("present above");
+                    for eid in &o.ids {
+                        client.cancel(*eid); // a no-op when the engine already ended it
+                        owner.remove(eid);
+                    }
                     metrics.left(o.live.generated() > 0);
                     let res = res.and_then(|()| {
                         catch_unwind(AssertUnwindSafe(|| o.live.body())).unwrap_or_else(|_| Err(panicked()))
@@ -407,7 +434,7 @@ fn route(
                         let _ = o.tx.send(Out::Chunks(chunks));
                     }
                     if !cfg.quiet {
-                        log_result(e.id, &res);
+                        log_result(rid, &res);
                     }
                     drop(o.place);
                     let _ = o.tx.send(Out::Done(res));
@@ -416,16 +443,20 @@ fn route(
                 gone = gone || o.tx.is_closed();
                 if gone {
                     // The client went away between two tokens.
-                    let o = open.remove(&e.id).expect("present above");
-                    client.cancel(e.id);
+                    let o = open.remove(&rid).expect("present above");
+                    for eid in &o.ids {
+                        client.cancel(*eid);
+                        owner.remove(eid);
+                    }
                     metrics.left(o.live.generated() > 0);
                     if !cfg.quiet {
-                        eprintln!("[ornith] request {}: cancelled (the client went away)", e.id);
+                        eprintln!("[ornith] request {rid}: cancelled (the client went away)");
                     }
                 }
             }
             Msg::EngineGone => {
                 engine_alive = false;
+                owner.clear();
                 for (_, o) in open.drain() {
                     metrics.left(o.live.generated() > 0);
                     drop(o.place);
@@ -434,8 +465,8 @@ fn route(
             }
         }
     }
-    for id in open.keys() {
-        client.cancel(*id);
+    for eid in open.values().flat_map(|o| &o.ids) {
+        client.cancel(*eid);
     }
 }
 

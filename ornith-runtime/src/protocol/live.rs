@@ -11,7 +11,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
-use crate::engine::{Forcing, GenRequest, Trigger};
+use crate::engine::{Forcing, GenRequest, SamplingParams, Trigger};
 use crate::sampling::mix64;
 
 use super::request::{Kind, LineError, Prompt, Request, ToolForce};
@@ -33,9 +33,10 @@ fn now_unix() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-/// `call_` + 24 hex digits, unique per (run, line, index).
-fn call_id(run_id: u64, line: u64, index: usize) -> String {
-    let a = mix64(run_id ^ mix64(line.wrapping_mul(0x1_0000_0001).wrapping_add(index as u64)));
+/// `call_` + 24 hex digits, unique per (run, line, choice, index).
+fn call_id(run_id: u64, line: u64, choice: usize, index: usize) -> String {
+    let k = index as u64 + ((choice as u64) << 32);
+    let a = mix64(run_id ^ mix64(line.wrapping_mul(0x1_0000_0001).wrapping_add(k)));
     let b = mix64(a);
     format!("call_{:016x}{:08x}", a, b as u32)
 }
@@ -47,11 +48,11 @@ fn tool_call_json(c: &ToolCall, id: String) -> Value {
 /// The final assistant message. `content` is null when there is no text and there are tool
 /// calls (OpenAI's shape); `reasoning` / `reasoning_content` (both spellings, for vLLM clients old
 /// and new) are null when the model did not think.
-fn message_json(m: &Message, run_id: u64, line: u64) -> Value {
+fn message_json(m: &Message, run_id: u64, line: u64, choice: usize) -> Value {
     let content = if m.content.is_empty() && !m.tool_calls.is_empty() { Value::Null } else { json!(m.content) };
     let reasoning = if m.reasoning.is_empty() { Value::Null } else { json!(m.reasoning) };
     let calls: Vec<Value> =
-        m.tool_calls.iter().enumerate().map(|(i, c)| tool_call_json(c, call_id(run_id, line, i))).collect();
+        m.tool_calls.iter().enumerate().map(|(i, c)| tool_call_json(c, call_id(run_id, line, choice, i))).collect();
     json!({"role": "assistant", "content": content, "reasoning": reasoning, "reasoning_content": reasoning, "tool_calls": calls})
 }
 
@@ -64,55 +65,31 @@ struct Chunker {
     /// The JSONL front end's `custom_id` of every chunk (the HTTP server has none).
     custom_id: Option<String>,
     line: u64,
-    n_calls: usize,
     run_id: u64,
     out: Vec<Value>,
 }
 
 impl Chunker {
-    /// One chunk: `delta` for chat, text for completions.
-    fn send(&mut self, delta: Value, finish: Option<&str>) {
+    /// One chunk of choice `index`: `delta` for chat, text for completions.
+    fn send(&mut self, index: usize, delta: Value, finish: Option<&str>) {
         let mut v = if self.chat {
             json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]})
+                   "choices": [{"index": index, "delta": delta, "logprobs": null, "finish_reason": finish}]})
         } else {
             json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                   "choices": [{"index": 0, "text": delta, "logprobs": null, "finish_reason": finish}]})
+                   "choices": [{"index": index, "text": delta, "logprobs": null, "finish_reason": finish}]})
         };
         if let Some(c) = &self.custom_id {
             v["custom_id"] = json!(c);
         }
         self.out.push(v);
     }
-
-    /// Sends pending chat deltas and records them into `msg`.
-    fn deltas(&mut self, deltas: &mut Vec<Delta>, msg: &mut Message) {
-        for d in deltas.drain(..) {
-            let delta = match &d {
-                Delta::Reasoning(s) => json!({"reasoning": s, "reasoning_content": s}),
-                Delta::Content(s) => json!({"content": s}),
-                Delta::ToolCall(c) => {
-                    let i = self.n_calls;
-                    self.n_calls += 1;
-                    let mut call = tool_call_json(c, call_id(self.run_id, self.line, i));
-                    call.as_object_mut().expect("a JSON object").insert("index".into(), json!(i));
-                    json!({"tool_calls": [call]})
-                }
-            };
-            msg.add(&d);
-            self.send(delta, None);
-        }
-    }
 }
 
-/// A request between its first and its last token.
-pub struct Live<'a> {
-    req: Request,
-    line: u64,
-    run_id: u64,
-    chunker: Chunker,
+/// One choice of a request: a sequence of its own, and what turns its tokens into text.
+struct Choice<'a> {
+    index: usize,
     stops: StopStrings,
-    eos: Vec<u32>,
     detok: Box<dyn TokenStream + 'a>,
     splitter: Splitter,
     text: String,
@@ -122,15 +99,61 @@ pub struct Live<'a> {
     /// Completions: the text streamed so far.
     raw_text: String,
     deltas: Vec<Delta>,
-    n_prompt: usize,
+    /// Tool calls streamed so far (their `index` in the chunks).
+    n_calls: usize,
+    n_out: u64,
     /// Prompt tokens the prefix cache served (not prefilled).
     n_cached: usize,
-    n_out: u64,
+    finish: Option<Finish>,
+    /// The choice's entry of the body's `choices`, once it has ended and its last chunks are
+    /// out.
+    result: Option<Value>,
+}
+
+impl Choice<'_> {
+    /// Sends pending chat deltas and records them into the message.
+    fn send_deltas(&mut self, c: &mut Chunker) {
+        for d in self.deltas.drain(..) {
+            let delta = match &d {
+                Delta::Reasoning(s) => json!({"reasoning": s, "reasoning_content": s}),
+                Delta::Content(s) => json!({"content": s}),
+                Delta::ToolCall(call) => {
+                    let i = self.n_calls;
+                    self.n_calls += 1;
+                    let mut call = tool_call_json(call, call_id(c.run_id, c.line, self.index, i));
+                    call.as_object_mut().expect("a JSON object").insert("index".into(), json!(i));
+                    json!({"tool_calls": [call]})
+                }
+            };
+            self.msg.add(&d);
+            c.send(self.index, delta, None);
+        }
+    }
+}
+
+/// Where a request stands after one of its choices' events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// The choice goes on.
+    Running,
+    /// The choice has ended (its sequence can be cancelled); others go on.
+    ChoiceDone,
+    /// Every choice has ended: [`Live::body`] answers the request.
+    Done,
+}
+
+/// A request between its first and its last token.
+pub struct Live<'a> {
+    req: Request,
+    chunker: Chunker,
+    eos: Vec<u32>,
+    choices: Vec<Choice<'a>>,
+    n_prompt: usize,
     max_tokens: u64,
     started: Instant,
     submitted: Instant,
+    /// The first token of any choice.
     first: Option<Instant>,
-    finish: Option<Finish>,
 }
 
 /// The fill-in-the-middle tokens, in the order Qwen2.5-Coder and Qwen3(-Coder) are trained on
@@ -254,11 +277,11 @@ pub fn prompt_tokens(
 
 impl<'a> Live<'a> {
     /// Checks `req`'s prompt (what [`prompt_tokens`] gave for it) against the window, and returns
-    /// the engine's request with the state that will turn its tokens into the result. `line`
-    /// identifies the request within the run (response and tool-call ids); `custom_id`, when
-    /// given, goes into every chunk (the JSONL front end's). Both front ends make the prompt on
-    /// [`PREPARE_THREADS`] threads of their own, so that a long prompt's encoding holds up no
-    /// stream.
+    /// the engine's requests — one per choice (`n`), choice `i` seeded with `seed + i` — with the
+    /// state that will turn their tokens into the result. `line` identifies the request within
+    /// the run (response and tool-call ids); `custom_id`, when given, goes into every chunk (the
+    /// JSONL front end's). Both front ends make the prompt on [`PREPARE_THREADS`] threads of
+    /// their own, so that a long prompt's encoding holds up no stream.
     #[allow(clippy::too_many_arguments)]
     pub fn begin(
         mut req: Request,
@@ -271,7 +294,7 @@ impl<'a> Live<'a> {
         model_name: &str,
         run_id: u64,
         started: Instant,
-    ) -> Result<(GenRequest, Live<'a>), LineError> {
+    ) -> Result<(Vec<GenRequest>, Live<'a>), LineError> {
         if let Kind::Completion { prompt: Prompt::Fim { .. } } = &req.kind {
             req.stop_token_ids.extend(FIM_STOP_TOKENS.iter().filter_map(|t| codec.token_id(t)));
         }
@@ -311,42 +334,53 @@ impl<'a> Live<'a> {
             model: model_name.to_string(),
             custom_id: custom_id.map(str::to_string),
             line,
-            n_calls: 0,
             run_id,
             out: Vec::new(),
         };
+        let n = req.n.max(1);
         if req.stream && chat {
-            chunker.send(json!({"role": "assistant", "content": ""}), None);
+            for i in 0..n {
+                chunker.send(i, json!({"role": "assistant", "content": ""}), None);
+            }
         }
         let eos: Vec<u32> = if req.ignore_eos { Vec::new() } else { eos_ids.to_vec() };
         let mut stop_ids = eos.clone();
         stop_ids.extend_from_slice(&req.stop_token_ids);
         let force = forcings(codec, &req, thinking)?;
-        let gen = GenRequest { prompt, max_tokens, params: req.sampling, penalties: req.penalties, stop_ids, force };
-        let live = Live {
-            stops: StopStrings::new(&req.stop),
-            eos,
-            detok: codec.stream(true),
-            splitter: Splitter::new(thinking, tools.as_ref(), parse_tools),
-            line,
-            run_id,
-            chunker,
-            text: String::new(),
-            sent: 0,
-            msg: Message::default(),
-            raw_text: String::new(),
-            deltas: Vec::new(),
-            n_prompt,
-            n_cached: 0,
-            n_out: 0,
-            max_tokens,
-            started,
-            submitted: Instant::now(),
-            first: None,
-            finish: None,
-            req,
-        };
-        Ok((gen, live))
+        let gens = (0..n)
+            .map(|i| {
+                let params = SamplingParams { seed: req.sampling.seed.wrapping_add(i as u64), ..req.sampling };
+                GenRequest {
+                    prompt: prompt.clone(),
+                    max_tokens,
+                    params,
+                    penalties: req.penalties,
+                    stop_ids: stop_ids.clone(),
+                    force: force.clone(),
+                }
+            })
+            .collect();
+        let choices = (0..n)
+            .map(|index| Choice {
+                index,
+                stops: StopStrings::new(&req.stop),
+                detok: codec.stream(true),
+                splitter: Splitter::new(thinking, tools.as_ref(), parse_tools),
+                text: String::new(),
+                sent: 0,
+                msg: Message::default(),
+                raw_text: String::new(),
+                deltas: Vec::new(),
+                n_calls: 0,
+                n_out: 0,
+                n_cached: 0,
+                finish: None,
+                result: None,
+            })
+            .collect();
+        let live =
+            Live { eos, chunker, choices, n_prompt, max_tokens, started, submitted: Instant::now(), first: None, req };
+        Ok((gens, live))
     }
 
     /// Chunks produced so far (to be sent before anything later of this request).
@@ -359,137 +393,166 @@ impl<'a> Live<'a> {
         self.n_prompt
     }
 
-    /// The engine admitted the request, the first `cached_tokens` of its prompt from the
-    /// prefix cache.
-    pub fn on_admitted(&mut self, cached_tokens: usize) {
-        self.n_cached = cached_tokens;
+    /// The engine admitted choice `choice`'s sequence, the first `cached_tokens` of its prompt
+    /// from the prefix cache.
+    pub fn on_admitted(&mut self, choice: usize, cached_tokens: usize) {
+        self.choices[choice].n_cached = cached_tokens;
     }
 
-    /// Tokens sampled so far.
+    /// Tokens sampled so far, all choices together.
     pub fn generated(&self) -> u64 {
-        self.n_out
+        self.choices.iter().map(|c| c.n_out).sum()
     }
 
-    /// Whether the request has ended (a stop token, a stop string or its length).
-    pub fn finished(&self) -> bool {
-        self.finish.is_some()
+    /// Tokens sampled so far for choice `choice`.
+    pub fn generated_by(&self, choice: usize) -> u64 {
+        self.choices[choice].n_out
     }
 
-    /// Takes the next sampled token. Returns true when the request has ended with it.
-    pub fn on_token(&mut self, next: u32) -> Result<bool, LineError> {
-        if self.finish.is_some() {
-            return Ok(true);
+    fn progress(&self) -> Progress {
+        if self.choices.iter().all(|c| c.result.is_some()) {
+            Progress::Done
+        } else {
+            Progress::ChoiceDone
+        }
+    }
+
+    /// Takes the next sampled token of choice `choice`.
+    pub fn on_token(&mut self, choice: usize, next: u32) -> Result<Progress, LineError> {
+        if self.choices[choice].result.is_some() {
+            return Ok(self.progress());
         }
         let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
         if self.first.is_none() {
             self.first = Some(Instant::now());
         }
-        self.n_out += 1;
+        let (stream, max_tokens) = (self.req.stream, self.max_tokens);
+        let c = &mut self.choices[choice];
+        c.n_out += 1;
         if self.eos.contains(&next) || self.req.stop_token_ids.contains(&next) {
-            self.finish = Some(Finish::StopToken(next));
-            return Ok(true);
+            c.finish = Some(Finish::StopToken(next));
+        } else {
+            let old = c.text.len();
+            if let Some(piece) = c.detok.push(next).map_err(tok)? {
+                c.text.push_str(&piece);
+            }
+            if let Some((at, s)) = c.stops.find(&c.text, old) {
+                let s = s.to_string();
+                c.text.truncate(at);
+                c.finish = Some(Finish::StopString(s));
+            } else if c.n_out >= max_tokens {
+                c.finish = Some(Finish::Length);
+            }
         }
-        let old = self.text.len();
-        if let Some(piece) = self.detok.push(next).map_err(tok)? {
-            self.text.push_str(&piece);
+        if c.finish.is_some() {
+            return self.on_finished(choice);
         }
-        if let Some((at, s)) = self.stops.find(&self.text, old) {
-            let s = s.to_string();
-            self.text.truncate(at);
-            self.finish = Some(Finish::StopString(s));
-            return Ok(true);
-        }
-        if self.n_out >= self.max_tokens {
-            self.finish = Some(Finish::Length);
-            return Ok(true);
-        }
-        if self.req.stream {
-            let safe = self.text.len() - self.stops.holdback(&self.text);
-            if safe > self.sent {
-                let fresh = self.text[self.sent..safe].to_string();
-                self.sent = safe;
+        if stream {
+            let safe = c.text.len() - c.stops.holdback(&c.text);
+            if safe > c.sent {
+                let fresh = c.text[c.sent..safe].to_string();
+                c.sent = safe;
                 if self.chunker.chat {
-                    self.splitter.feed(&fresh, &mut self.deltas);
-                    self.chunker.deltas(&mut self.deltas, &mut self.msg);
+                    c.splitter.feed(&fresh, &mut c.deltas);
+                    c.send_deltas(&mut self.chunker);
                 } else {
-                    self.raw_text.push_str(&fresh);
-                    self.chunker.send(Value::String(fresh), None);
+                    c.raw_text.push_str(&fresh);
+                    self.chunker.send(c.index, Value::String(fresh), None);
                 }
             }
         }
-        Ok(false)
+        Ok(Progress::Running)
     }
 
-    /// The result body of a finished request (its last chunk lines are in `take_chunks`).
-    pub fn body(&mut self) -> Result<Value, LineError> {
+    /// Choice `choice` has ended (a stop token, a stop string or its length, or the engine
+    /// ended its sequence: then as for its length): its text is flushed, its last chunks are
+    /// made and its entry of `choices` is kept for [`Self::body`].
+    pub fn on_finished(&mut self, choice: usize) -> Result<Progress, LineError> {
         let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
-        let end = Instant::now();
-        let finish = self.finish.take().unwrap_or(Finish::Length);
+        let stream = self.req.stream;
+        let chat = self.chunker.chat;
+        let c = &mut self.choices[choice];
+        if c.result.is_some() {
+            return Ok(self.progress());
+        }
+        let finish = c.finish.clone().unwrap_or(Finish::Length);
         if !matches!(finish, Finish::StopString(_)) {
-            let old = self.text.len();
-            if let Some(rest) = self.detok.flush().map_err(tok)? {
-                self.text.push_str(&rest);
-                if let Some((at, _)) = self.stops.find(&self.text, old) {
-                    self.text.truncate(at);
+            let old = c.text.len();
+            if let Some(rest) = c.detok.flush().map_err(tok)? {
+                c.text.push_str(&rest);
+                if let Some((at, _)) = c.stops.find(&c.text, old) {
+                    c.text.truncate(at);
                 }
             }
         }
-        let chat = self.chunker.chat;
-        let rest = self.text[self.sent.min(self.text.len())..].to_string();
+        let rest = c.text[c.sent.min(c.text.len())..].to_string();
         let text_out;
         let mut message = Value::Null;
         if chat {
-            self.splitter.feed(&rest, &mut self.deltas);
-            self.splitter.finish(&mut self.deltas);
-            if self.req.stream {
-                self.chunker.deltas(&mut self.deltas, &mut self.msg);
+            c.splitter.feed(&rest, &mut c.deltas);
+            c.splitter.finish(&mut c.deltas);
+            if stream {
+                c.send_deltas(&mut self.chunker);
             } else {
-                let mut n = 0;
-                for d in self.deltas.drain(..) {
-                    if let Delta::ToolCall(_) = d {
-                        n += 1;
-                    }
-                    self.msg.add(&d);
+                for d in c.deltas.drain(..) {
+                    c.msg.add(&d);
                 }
-                self.chunker.n_calls = n;
             }
-            message = message_json(&self.msg, self.run_id, self.line);
+            message = message_json(&c.msg, self.chunker.run_id, self.chunker.line, c.index);
             text_out = String::new();
         } else {
-            if self.req.stream && !rest.is_empty() {
-                self.chunker.send(Value::String(rest.clone()), None);
+            if stream && !rest.is_empty() {
+                self.chunker.send(c.index, Value::String(rest.clone()), None);
             }
-            self.raw_text.push_str(&rest);
-            text_out = std::mem::take(&mut self.raw_text);
+            c.raw_text.push_str(&rest);
+            text_out = std::mem::take(&mut c.raw_text);
         }
         let (finish_reason, stop_reason) = match &finish {
-            _ if chat && !self.msg.tool_calls.is_empty() => ("tool_calls", Value::Null),
+            _ if chat && !c.msg.tool_calls.is_empty() => ("tool_calls", Value::Null),
             Finish::StopToken(t) => ("stop", if self.eos.contains(t) { Value::Null } else { json!(t) }),
             Finish::StopString(s) => ("stop", json!(s)),
             Finish::Length => ("length", Value::Null),
         };
-        if self.req.stream {
-            self.chunker.send(if chat { json!({}) } else { Value::String(String::new()) }, Some(finish_reason));
+        if stream {
+            let end = if chat { json!({}) } else { Value::String(String::new()) };
+            self.chunker.send(c.index, end, Some(finish_reason));
         }
+        c.result = Some(if chat {
+            json!({"index": c.index, "message": message, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason})
+        } else {
+            json!({"index": c.index, "text": text_out, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason})
+        });
+        Ok(self.progress())
+    }
+
+    /// The result body of the request (choices that have not ended end here, as for their
+    /// length; the last chunk lines are in `take_chunks`). `usage` counts the prompt once and
+    /// the tokens of every choice; `cached_tokens` is the least any choice's sequence took
+    /// from the prefix cache.
+    pub fn body(&mut self) -> Result<Value, LineError> {
+        for i in 0..self.choices.len() {
+            self.on_finished(i)?;
+        }
+        let chat = self.chunker.chat;
+        let end = Instant::now();
         let first = self.first.unwrap_or(end);
         let prefill_s = (first - self.submitted).as_secs_f64();
         let decode_s = (end - first).as_secs_f64();
         let rate = |n: f64, s: f64| if s > 0.0 && n > 0.0 { json!((n / s * 10.0).round() / 10.0) } else { Value::Null };
         let ttft_ms = ((first - self.started).as_secs_f64() * 1e4).round() / 10.0;
-        let (n_prompt, n_out, n_cached) = (self.n_prompt, self.n_out, self.n_cached);
+        let (n_prompt, n_out) = (self.n_prompt, self.generated());
+        let n_cached = self.choices.iter().map(|c| c.n_cached).min().unwrap_or(0);
         let usage = json!({"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt as u64 + n_out,
                            "prompt_tokens_details": {"cached_tokens": n_cached}});
+        let choices: Vec<Value> = self.choices.iter_mut().map(|c| c.result.take().expect("ended above")).collect();
+        // Each choice's first token came with its prefill.
+        let decoded = n_out as f64 - self.choices.len() as f64;
         let c = &self.chunker;
-        let choice = if chat {
-            json!({"index": 0, "message": message, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason})
-        } else {
-            json!({"index": 0, "text": text_out, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason})
-        };
         let mut body = json!({
             "id": c.id, "object": if chat { "chat.completion" } else { "text_completion" }, "created": c.created, "model": c.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": usage,
-            "ttft_ms": ttft_ms, "prefill_tok_s": rate((n_prompt - n_cached) as f64, prefill_s), "decode_tok_s": rate(n_out as f64 - 1.0, decode_s),
+            "ttft_ms": ttft_ms, "prefill_tok_s": rate((n_prompt - n_cached) as f64, prefill_s), "decode_tok_s": rate(decoded, decode_s),
         });
         if !self.req.warnings.is_empty() {
             body["warnings"] = json!(self.req.warnings);
@@ -575,8 +638,8 @@ mod tests {
             let req = super::super::request::parse(&line, &defaults, 1).unwrap();
             let codec = Bytes { fim: true };
             let prompt = prompt_tokens(&req, &codec, &NoTemplate, &limits).unwrap();
-            let (gen, _) = Live::begin(req, prompt, 1, None, &codec, &limits, &[7], "m", 1, Instant::now()).unwrap();
-            gen.stop_ids
+            let (gens, _) = Live::begin(req, prompt, 1, None, &codec, &limits, &[7], "m", 1, Instant::now()).unwrap();
+            gens[0].stop_ids.clone()
         };
         assert_eq!(start(json!({"prompt": "ab", "suffix": "c"})), [7, 300, 301, 302]);
         assert_eq!(start(json!({"prompt": "ab"})), [7], "a plain completion does not");

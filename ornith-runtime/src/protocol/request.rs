@@ -7,7 +7,7 @@
 //! * raw completion: `{"prompt": "text" | [ids], ...}` or `{"prompt_token_ids": [ids]}`.
 //!
 //! `null` means "absent" for every optional field (OpenAI clients send explicit nulls).
-//! Parameters this build cannot honour (n > 1, logprobs, `allowed_tools` tool choice,
+//! Parameters this build cannot honour (logprobs, `allowed_tools` tool choice,
 //! structured output, images) are errors rather than silently ignored. The role `developer`
 //! (newer OpenAI clients) is treated as `system`.
 
@@ -42,7 +42,7 @@ pub const ERROR_CODES: &[(&str, &str)] = &[
     ),
     (
         "unsupported_parameter",
-        "a parameter this build cannot honour: `n` > 1, `logprobs`, `response_format` other \
+        "a parameter this build cannot honour: `logprobs`, `response_format` other \
          than text, a `tool_choice` other than auto, none, required or a named function, `echo`, \
          several prompts in one line, `suffix` when the tokenizer has no fill-in-the-middle tokens",
     ),
@@ -124,9 +124,15 @@ pub struct Request {
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub stream: bool,
+    /// `n`: choices, each its own sequence sampled with `seed + i` (vLLM's children).
+    pub n: usize,
     /// Fields the front end does not know (ignored; the request still runs), one message each.
     pub warnings: Vec<String>,
 }
+
+/// The most choices (`n`) one request may ask for: each is a sequence of its own, and one line
+/// should not fill the engine's slots many times over.
+pub const MAX_CHOICES: usize = 128;
 
 /// The `custom_id` of a parsed line: `custom_id`, else (bare bodies) `id`. Numbers are
 /// accepted and rendered as their JSON text.
@@ -270,15 +276,12 @@ pub fn parse(line: &Value, defaults: &GenerationDefaults, default_seed: u64) -> 
 }
 
 fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults, default_seed: u64) -> R<Request> {
+    let n = match get_i64(b, "n")? {
+        None => 1,
+        Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => n as usize,
+        Some(n) => return Err(LineError::invalid(format!("`n` must be in 1..={MAX_CHOICES}, got {n}"))),
+    };
     // Parameters that would change the result and are not implemented.
-    if let Some(n) = get_i64(b, "n")? {
-        if n != 1 {
-            return Err(LineError::new(
-                "unsupported_parameter",
-                format!("`n` = {n}: this build returns one choice per request"),
-            ));
-        }
-    }
     let logprobs_on = match present(b, "logprobs") {
         None | Some(Value::Bool(false)) => false,
         Some(Value::Number(n)) => n.as_i64() != Some(0),
@@ -394,6 +397,7 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
         stop_token_ids,
         ignore_eos,
         stream,
+        n,
         warnings: Vec::new(),
     })
 }
@@ -935,7 +939,10 @@ mod tests {
         assert!(base("temperature", json!("hot")).message.contains("number"));
         assert!(base("max_tokens", json!(0)).message.contains("at least 1"));
         assert!(base("stop", json!(3)).message.contains("stop"));
-        assert_eq!(base("n", json!(2)).code, "unsupported_parameter");
+        assert!(base("n", json!(0)).message.contains("`n` must be in 1..=128"));
+        assert_eq!(base("n", json!(129)).code, "invalid_request");
+        assert_eq!(p(json!({"messages": [{"role": "user", "content": "hi"}], "n": 3})).unwrap().n, 3);
+        assert_eq!(p(json!({"messages": [{"role": "user", "content": "hi"}], "n": null})).unwrap().n, 1);
         assert_eq!(base("tool_choice", json!({"type": "allowed_tools"})).code, "unsupported_parameter");
         // Forcing needs the tools it names.
         assert!(base("tool_choice", json!("required")).message.contains("needs `tools`"));

@@ -38,7 +38,7 @@ use crate::engine::{Engine, EngineStats, EngineThread, Event, EventKind};
 use crate::sampling::mix64;
 
 use super::lines::{LineReader, RawLine};
-use super::live::{prompt_tokens, Limits, Live, PREPARE_THREADS};
+use super::live::{prompt_tokens, Limits, Live, Progress as ChoiceProgress, PREPARE_THREADS};
 use super::request::{self, LineError, Request};
 use super::{GenerationDefaults, PromptRenderer, TextCodec};
 
@@ -270,6 +270,8 @@ struct Open<'a> {
     line: u64,
     custom_id: Option<String>,
     live: Live<'a>,
+    /// The engine ids of its choices' sequences.
+    ids: Vec<u64>,
 }
 
 /// Runs every request of `reader` through `engine`, writing JSONL to `writer`. Returns an error
@@ -319,7 +321,9 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
     let progress = ctl.total_lines.filter(|_| !opts.quiet).map(|total| Progress { total, last: Instant::now() });
     let mut st = Run { opts, stats: ServeStats::default(), credits: &credits, progress };
     let mut seen: HashSet<String> = HashSet::new();
+    // Submitted requests by line, and the (line, choice) of each engine id.
     let mut open: HashMap<u64, Open<'_>> = HashMap::new();
+    let mut owner: HashMap<u64, (u64, usize)> = HashMap::new();
     let (mut line_no, mut eof, mut engine_alive) = (0u64, false, true);
     // Lines handed to the preparation threads and not yet back.
     let mut preparing = 0u64;
@@ -406,43 +410,54 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
                         .unwrap_or_else(|_| Err(panicked()))
                     });
                     match begun {
-                        Ok((gen, mut live)) => {
+                        Ok((gens, mut live)) => {
                             for c in live.take_chunks() {
                                 out.chunk(line, c.to_string())?;
                             }
-                            let id = client.submit(gen);
-                            open.insert(id, Open { line, custom_id: cid, live });
+                            let ids: Vec<u64> = gens.into_iter().map(|g| client.submit(g)).collect();
+                            for (choice, &id) in ids.iter().enumerate() {
+                                owner.insert(id, (line, choice));
+                            }
+                            open.insert(line, Open { line, custom_id: cid, live, ids });
                         }
                         Err(e) => st.answer(&mut out, line, cid.as_deref(), Err(e), 0)?,
                     }
                 }
                 Msg::Event(e) => {
-                    let Some(o) = open.get_mut(&e.id) else { continue };
-                    let done: Option<Result<(), LineError>> = match e.kind {
-                        EventKind::Token(t) => {
-                            match catch_unwind(AssertUnwindSafe(|| o.live.on_token(t)))
-                                .unwrap_or_else(|_| Err(panicked()))
-                            {
-                                Ok(true) => Some(Ok(())),
-                                Ok(false) => None,
-                                Err(e) => Some(Err(e)),
-                            }
-                        }
+                    let Some(&(line, choice)) = owner.get(&e.id) else { continue };
+                    let Some(o) = open.get_mut(&line) else { continue };
+                    let progress = match e.kind {
+                        EventKind::Token(t) => catch_unwind(AssertUnwindSafe(|| o.live.on_token(choice, t)))
+                            .unwrap_or_else(|_| Err(panicked())),
                         // The engine ends a sequence on the same token the front end does; a
-                        // finish the front end has not seen still answers the request.
-                        EventKind::Finished(_) => Some(Ok(())),
+                        // finish the front end has not seen still ends the choice.
+                        EventKind::Finished(_) => catch_unwind(AssertUnwindSafe(|| o.live.on_finished(choice)))
+                            .unwrap_or_else(|_| Err(panicked())),
                         EventKind::Admitted { cached_tokens } => {
-                            o.live.on_admitted(cached_tokens);
-                            None
+                            o.live.on_admitted(choice, cached_tokens);
+                            Ok(ChoiceProgress::Running)
                         }
-                        EventKind::Error { code, message } => Some(Err(LineError::from_engine(code, message))),
+                        EventKind::Error { code, message } => Err(LineError::from_engine(code, message)),
                     };
                     for c in o.live.take_chunks() {
                         out.chunk(o.line, c.to_string())?;
                     }
+                    let done = match progress {
+                        Ok(ChoiceProgress::Running) => None,
+                        Ok(ChoiceProgress::ChoiceDone) => {
+                            client.cancel(e.id); // a no-op when the engine already ended it
+                            owner.remove(&e.id);
+                            None
+                        }
+                        Ok(ChoiceProgress::Done) => Some(Ok(())),
+                        Err(err) => Some(Err(err)),
+                    };
                     if let Some(res) = done {
-                        let mut o = open.remove(&e.id).expect("present above");
-                        client.cancel(e.id); // a no-op when the engine already ended it
+                        let mut o = open.remove(&line).expect("present above");
+                        for id in &o.ids {
+                            client.cancel(*id); // a no-op when the engine already ended it
+                            owner.remove(id);
+                        }
                         let res = res.and_then(|()| {
                             catch_unwind(AssertUnwindSafe(|| o.live.body())).unwrap_or_else(|_| Err(panicked()))
                         });
@@ -455,6 +470,7 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
                 }
                 Msg::EngineGone => {
                     engine_alive = false;
+                    owner.clear();
                     let mut left: Vec<(u64, Open)> = open.drain().collect();
                     left.sort_by_key(|(_, o)| o.line);
                     for (_, o) in left {
@@ -466,7 +482,7 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
         Ok(())
     });
     credits.stop();
-    for id in open.keys() {
+    for id in open.values().flat_map(|o| &o.ids) {
         client.cancel(*id);
     }
     drop(client);
@@ -548,8 +564,10 @@ impl Run<'_> {
         self.credits.stop();
         let mut left: Vec<(u64, Open)> = open.drain().collect();
         left.sort_by_key(|(_, o)| o.line);
-        for (id, o) in left {
-            client.cancel(id);
+        for (_, o) in left {
+            for id in &o.ids {
+                client.cancel(*id);
+            }
             if o.live.generated() == 0 {
                 self.stats.not_run += 1;
                 continue;

@@ -122,8 +122,8 @@ impl PromptRenderer for ChatMl {
     }
 }
 
-/// Replays the tokens after the last `SAY:` of the prompt (up to `<|im_end|>`), then
-/// `<|im_end|>`, then `x` forever, for each sequence of a batch from its own slot.
+/// Replays the tokens after the last `SAY:` of the prompt (up to `<|im_end|>`; `$S` becomes the
+/// last digit of the sequence's seed), then `<|im_end|>`, then `x` forever, for each sequence of a batch from its own slot.
 /// `SAY:FAIL` fails the step, `SAY:PANIC` panics in it. With
 /// [`with_snapshots`](ScriptRunner::with_snapshots), a snapshot row after the slots holds a copy
 /// of a slot's state (for the prefix cache).
@@ -214,6 +214,11 @@ impl Runner for ScriptRunner {
                 }
                 if text == b"PANIC" {
                     panic!("simulated bug");
+                }
+                // `$S` says the last digit of the row's seed (choices of one request differ).
+                let digit = b'0' as u32 + (r.params.seed % 10) as u32;
+                while let Some(i) = script.windows(2).position(|w| w == [b'$' as u32, b'S' as u32]) {
+                    script.splice(i..i + 2, [digit]);
                 }
                 script.push(IM_END);
                 self.script[slot] = Some((script, 0));
