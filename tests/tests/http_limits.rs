@@ -137,6 +137,28 @@ async fn max_queue_zero_admits_only_what_the_slots_run() {
     s.stop().await;
 }
 
+/// A request of `n` choices takes `n` places (they are `n` sequences), at most all of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_take_n_places() {
+    let s = server_opts(8192, 2, Duration::from_millis(5), |o| o.max_queue = 1).await;
+    let url = format!("{}/v1/chat/completions", s.base);
+    let mut two = endless(true);
+    two["n"] = json!(2);
+    let a = s.client.post(&url).body(two.to_string()).send().await.unwrap();
+    assert_eq!(a.status().as_u16(), 200);
+    wait_for(&s, "ornith_requests_in_flight", 2.0).await;
+    let mut three = endless(false);
+    three["n"] = json!(3);
+    let (st, retry, body) = post_raw(&s, "/v1/chat/completions", &three).await;
+    assert_eq!((st, retry.as_deref()), (429, Some("1")), "two choices free, three asked: {body}");
+    drop(a);
+    wait_for(&s, "ornith_requests_in_flight", 0.0).await;
+    // More choices than the bound: all three places, and it runs.
+    let (st, b) = s.post("/v1/chat/completions", json!({"messages": user("SAY:ok"), "n": 5})).await;
+    assert_eq!((st, b["choices"].as_array().map(Vec::len)), (200, Some(5)), "{b}");
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inter_token_histogram_counts_every_gap() {
     let s = server(512, 2, Duration::from_millis(20)).await;

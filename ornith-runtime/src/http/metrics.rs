@@ -172,7 +172,7 @@ impl Metrics {
         gauge(
             &mut s,
             "ornith_requests_in_flight",
-            "Generation requests in the server (queued or running); at ornith_requests_in_flight_limit new ones get 429.",
+            "Generation requests in the server (queued or running; n choices count n); at ornith_requests_in_flight_limit new ones get 429.",
             queue.in_flight as i64,
         );
         gauge(

@@ -257,7 +257,7 @@ async fn start(
     id: u64,
     req: request::Request,
 ) -> Result<(usize, UnboundedReceiver<Out>, CancelOnDrop), ApiError> {
-    let place = st.admission.try_enter().ok_or_else(|| ApiError::queue_full(st.admission.limit()))?;
+    let place = st.admission.try_enter(req.n).ok_or_else(|| ApiError::queue_full(st.admission.limit()))?;
     let (mut rx, mut guard) = st.router.start(id, req, place);
     match rx.recv().await {
         Some(Out::Accepted { prompt_tokens }) => Ok((prompt_tokens, rx, guard)),

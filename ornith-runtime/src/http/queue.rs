@@ -1,8 +1,9 @@
 //! The bound on generation requests in the server (`--max-queue`).
 //!
 //! A generation request takes a [`Place`] before anything of it is queued anywhere (the router's
-//! queue, the engine's); it holds it through the engine's queue and its run, and gives it back
-//! when it ends (finished, failed, or cancelled because its client went away). At most `limit`
+//! queue, the engine's) — one per sequence it will run (`n` choices: `n` places, at most the
+//! limit, so that every request can be admitted) —; it holds it through the engine's queue and
+//! its run, and gives it back when it ends (finished, failed, or cancelled because its client went away). At most `limit`
 //! places exist: the engine's sequence slots plus `--max-queue` waiting. A request that finds
 //! none is refused at once with 429 and `Retry-After`, so memory held for queued requests (their
 //! parsed bodies and prompt tokens) is bounded by the limit whatever the clients send.
@@ -31,12 +32,14 @@ impl Admission {
         Arc::new(Admission { held: AtomicUsize::new(0), limit })
     }
 
-    /// A place, or None when all `limit` are held.
-    pub fn try_enter(self: &Arc<Self>) -> Option<Place> {
+    /// The places of a request of `seqs` sequences (`seqs` clamped to 1..=limit), or None when
+    /// fewer are free.
+    pub fn try_enter(self: &Arc<Self>, seqs: usize) -> Option<Place> {
+        let k = seqs.clamp(1, self.limit.max(1));
         self.held
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.limit).then_some(n + 1))
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n + k <= self.limit).then_some(n + k))
             .ok()
-            .map(|_| Place(self.clone()))
+            .map(|_| Place(self.clone(), k))
     }
 
     /// Places held now.
@@ -48,13 +51,13 @@ impl Admission {
     }
 }
 
-/// One request's place; given back when dropped.
+/// One request's places; given back when dropped.
 #[derive(Debug)]
-pub struct Place(Arc<Admission>);
+pub struct Place(Arc<Admission>, usize);
 
 impl Drop for Place {
     fn drop(&mut self) {
-        self.0.held.fetch_sub(1, Ordering::AcqRel);
+        self.0.held.fetch_sub(self.1, Ordering::AcqRel);
     }
 }
 
@@ -65,14 +68,20 @@ mod tests {
     #[test]
     fn places_are_bounded_and_come_back() {
         let a = Admission::new(2);
-        let p1 = a.try_enter().unwrap();
-        let p2 = a.try_enter().unwrap();
-        assert!(a.try_enter().is_none(), "a third place of two");
+        let p1 = a.try_enter(1).unwrap();
+        let p2 = a.try_enter(1).unwrap();
+        assert!(a.try_enter(1).is_none(), "a third place of two");
         assert_eq!(a.held(), 2);
         drop(p1);
-        let p3 = a.try_enter().expect("a place came back");
+        assert!(a.try_enter(2).is_none(), "two places with one free");
+        let p3 = a.try_enter(1).expect("a place came back");
         drop((p2, p3));
         assert_eq!(a.held(), 0);
-        assert!(Admission::new(0).try_enter().is_none());
+        // n choices take n places, at most all of them.
+        let p4 = a.try_enter(5).expect("clamped to the limit");
+        assert_eq!(a.held(), 2);
+        drop(p4);
+        assert_eq!(a.held(), 0);
+        assert!(Admission::new(0).try_enter(1).is_none());
     }
 }

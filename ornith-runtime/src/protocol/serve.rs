@@ -9,7 +9,7 @@
 //! deltas of concatenate to the final message.
 //!
 //! Many requests run at once: a reader thread reads ahead (at most `max_in_flight` requests
-//! between their line and their result), the main thread parses each line and hands its request
+//! between their line and their result, a request of `n` choices counting `n`), the main thread parses each line and hands its request
 //! to one of [`PREPARE_THREADS`] preparation threads, which render and tokenize the prompt; the
 //! main thread submits each prepared request to the engine thread as it comes back, and turns
 //! the engine's tokens into chunk and result lines as they come — so a long prompt being encoded
@@ -55,7 +55,8 @@ pub struct ServeOptions {
     pub run_id: u64,
     /// No per-request log lines on stderr.
     pub quiet: bool,
-    /// Requests read ahead and not yet answered, at most (bounds memory on huge files).
+    /// Requests read ahead and not yet answered, at most (bounds memory on huge files); a request
+    /// of `n` choices counts `n`.
     pub max_in_flight: usize,
 }
 
@@ -186,9 +187,12 @@ fn error_line(opts: &ServeOptions, line: u64, custom_id: Option<&str>, e: &LineE
     .to_string()
 }
 
-/// Read-ahead credits: the reader takes one per line, each answered line gives one back.
+/// Read-ahead credits: the reader takes one per line, each answered line gives one back. A
+/// request of `n` choices holds `n` (it is `n` sequences in the engine, each with its prompt):
+/// [`Credits::charge`] takes the others, into debt if need be, so reading pauses until enough
+/// sequences have ended.
 struct Credits {
-    state: Mutex<(usize, bool)>,
+    state: Mutex<(i64, bool)>,
     cv: Condvar,
 }
 
@@ -196,7 +200,7 @@ impl Credits {
     /// Waits for a credit; false once `stop` was called.
     fn take(&self) -> bool {
         let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        while g.0 == 0 && !g.1 {
+        while g.0 <= 0 && !g.1 {
             g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
         }
         if g.1 {
@@ -206,8 +210,15 @@ impl Credits {
         true
     }
     fn give(&self) {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).0 += 1;
+        self.give_n(1);
+    }
+    fn give_n(&self, n: usize) {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).0 += n as i64;
         self.cv.notify_one();
+    }
+    /// Takes `n` more credits without waiting (the balance may go below zero).
+    fn charge(&self, n: usize) {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).0 -= n as i64;
     }
     fn stop(&self) {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
@@ -299,7 +310,8 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
 ) -> anyhow::Result<ServeStats> {
     let limits = Limits { window: engine.max_context(), vocab: codec.vocab_size() };
     let (tx, rx) = channel::<Msg>();
-    let credits = Arc::new(Credits { state: Mutex::new((opts.max_in_flight.max(1), false)), cv: Condvar::new() });
+    let credits =
+        Arc::new(Credits { state: Mutex::new((opts.max_in_flight.max(1) as i64, false)), cv: Condvar::new() });
     {
         let (tx, credits, max) = (tx.clone(), credits.clone(), opts.max_line_bytes);
         std::thread::Builder::new().name("ornith-reader".into()).spawn(move || {
@@ -418,6 +430,7 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
                             for (choice, &id) in ids.iter().enumerate() {
                                 owner.insert(id, (line, choice));
                             }
+                            credits.charge(ids.len() - 1);
                             open.insert(line, Open { line, custom_id: cid, live, ids });
                         }
                         Err(e) => st.answer(&mut out, line, cid.as_deref(), Err(e), 0)?,
@@ -454,6 +467,7 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
                     };
                     if let Some(res) = done {
                         let mut o = open.remove(&line).expect("present above");
+                        credits.give_n(o.ids.len() - 1);
                         for id in &o.ids {
                             client.cancel(*id); // a no-op when the engine already ended it
                             owner.remove(id);
@@ -474,6 +488,7 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
                     let mut left: Vec<(u64, Open)> = open.drain().collect();
                     left.sort_by_key(|(_, o)| o.line);
                     for (_, o) in left {
+                        credits.give_n(o.ids.len() - 1);
                         st.answer(&mut out, o.line, o.custom_id.as_deref(), Err(engine_stopped()), 0)?;
                     }
                 }
@@ -693,6 +708,22 @@ mod tests {
 
     fn lines(e: &Emitter<Vec<u8>>) -> Vec<String> {
         String::from_utf8(e.w.clone()).unwrap().lines().map(str::to_string).collect()
+    }
+
+    #[test]
+    fn a_request_of_n_choices_holds_n_read_ahead_credits() {
+        let c = Arc::new(Credits { state: Mutex::new((2, false)), cv: Condvar::new() });
+        assert!(c.take() && c.take());
+        c.charge(3); // a line of 4 choices: 3 more than its line's credit
+        c.give_n(3); // ... which ends: the balance is back to 0
+        let (c2, (tx, rx)) = (c.clone(), std::sync::mpsc::channel());
+        let reader = std::thread::spawn(move || tx.send(c2.take()).unwrap());
+        assert!(rx.recv_timeout(Duration::from_millis(100)).is_err(), "read past the bound");
+        c.give();
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(true));
+        reader.join().unwrap();
+        c.stop();
+        assert!(!c.take(), "a stopped reader takes nothing");
     }
 
     #[test]
