@@ -464,7 +464,7 @@ pub fn generate(spec: &ModelSpec) -> TokenStream {
             fn copy_slot(&mut self, from: usize, to: usize) -> ::anyhow::Result<()> {
                 self.pools.copy_slot(&self.backend, from, to)
             }
-            fn run(&mut self, batch: &#g::Batch, n: usize, rows: &[#g::RowSample]) -> ::anyhow::Result<Vec<u32>> {
+            fn run(&mut self, batch: &#g::Batch, n: usize, rows: &[#g::RowSample]) -> ::anyhow::Result<Vec<#g::Sampled>> {
                 let logits = self.model.forward(&self.backend, &mut self.pools, batch, &mut |_, _| {})?;
                 if rows.is_empty() {
                     return Ok(Vec::new());

@@ -176,13 +176,37 @@ impl Batch {
 
 /// Which logits row to sample for one sequence, how, and at which step of its random stream;
 /// with penalties, the tokens they apply to (the backend penalises the row first:
-/// [`crate::sampling::penalize`]).
+/// [`crate::sampling::penalize`]); with `logprobs`, what to report of the row as the model gave
+/// it (before the penalties).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RowSample {
     pub row: usize,
     pub params: crate::engine::SamplingParams,
     pub step: u64,
     pub penalties: Option<std::sync::Arc<crate::sampling::PenaltyState>>,
+    pub logprobs: Option<WantLogprobs>,
+}
+
+/// The log-probabilities a row reports ([`crate::logprobs::token_logprobs`]): of the token the
+/// sequence outputs — `forced` when the engine replaces the draw with a forced token, else the
+/// draw — and of the `top` most likely candidates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WantLogprobs {
+    pub top: usize,
+    pub forced: Option<u32>,
+}
+
+/// One sampled row: the drawn id and, where the row asked, its log-probabilities.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    pub id: u32,
+    pub logprobs: Option<Box<crate::logprobs::TokenLogprobs>>,
+}
+
+impl Sampled {
+    pub fn id(id: u32) -> Self {
+        Sampled { id, logprobs: None }
+    }
 }
 
 /// A compute backend at the level of layer operations. Each method documents the math in the
@@ -319,7 +343,9 @@ pub trait Backend: Sized + Send {
     /// Samples one token from the first `n` columns of each requested row of `logits` where the
     /// backend runs (`crate::sampling` semantics, bit for bit; `n` is the tokenizer's vocabulary,
     /// so the lm_head's padding rows never come out). A row without a finite logit is an error.
-    fn sample(&self, logits: &Self::Logits, n: usize, rows: &[RowSample]) -> anyhow::Result<Vec<u32>>;
+    /// Rows that ask for log-probabilities get them from their first `n` columns before any
+    /// penalty edits them.
+    fn sample(&self, logits: &Self::Logits, n: usize, rows: &[RowSample]) -> anyhow::Result<Vec<Sampled>>;
 
     /// Logits as host f32, row-major `[rows, vocab]` (tests).
     fn logits_to_host(&self, logits: &Self::Logits) -> anyhow::Result<Vec<f32>>;

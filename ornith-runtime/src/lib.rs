@@ -14,6 +14,7 @@ pub mod cuda;
 pub mod engine;
 pub mod graph;
 pub mod http;
+pub mod logprobs;
 pub mod protocol;
 pub mod sampling;
 pub mod tokenizer;

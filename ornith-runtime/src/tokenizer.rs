@@ -435,6 +435,12 @@ impl Tokenizer {
     }
 
     /// The vocabulary spelling of `id` (byte-level form for BPE tokens, e.g. `Ġthe`).
+    /// The bytes `id` stands for in decoded text (a special token's text), or None for an id
+    /// the tokenizer does not know.
+    pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
+        self.knows(id).then(|| self.bytes[id as usize].as_slice())
+    }
+
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
     }

@@ -759,6 +759,7 @@ fn prefix_cache_resume_matches_cold() {
 /// penalised by `sampling::apply_penalties` and sampled by `sampling::sample`. Greedy and
 /// sampled, each with a presence, frequency and repetition penalty over a prompt and a made-up
 /// output history that holds the unpenalised greedy pick 20 times (so the greedy pick moves).
+/// The row's log-probabilities (asked for beside) are those of the unpenalised row.
 #[test]
 #[ignore]
 fn cuda_penalties_match_cpu_sampling() {
@@ -787,9 +788,13 @@ fn cuda_penalties_match_cpu_sampling() {
         }
         let mut want = host.clone();
         apply_penalties(&mut want, &seen);
-        let rows = [RowSample { row: 0, params, step: 4, penalties: Some(std::sync::Arc::new(seen)) }];
-        let got = gpu.sample(&logits, n, &rows).unwrap()[0];
+        // Log-probabilities too: the unpenalised row's, of the drawn id and the top 5.
+        let logprobs = Some(ornith_runtime::graph::WantLogprobs { top: 5, forced: None });
+        let rows = [RowSample { row: 0, params, step: 4, penalties: Some(std::sync::Arc::new(seen)), logprobs }];
+        let s = gpu.sample(&logits, n, &rows).unwrap().remove(0);
+        let got = s.id;
         assert_eq!(got, sample(&want, &params, 4).unwrap(), "{params:?} {pen:?}");
+        assert_eq!(s.logprobs.as_deref(), Some(&ornith_runtime::logprobs::token_logprobs(&host, got, 5)));
         if params.temperature == 0.0 {
             assert_ne!(got, top, "the presence penalty moved nothing");
         }

@@ -165,6 +165,55 @@ fn n_choices_equal_single_requests_seeded_seed_plus_index() {
     assert_eq!(body(4)["choices"][1]["text"], body(5)["choices"][0]["text"], "{}", res[4]);
 }
 
+/// `logprobs` on the real model (CPU backend): the model's own distribution — greedy picks the
+/// top entry, the top entries are sorted and no more than certain, a repetition penalty changes
+/// no reported figure — and the entries' tokens spell the output.
+#[test]
+fn logprobs_on_the_model() {
+    let lines = [
+        r#"{"custom_id":"g","prompt":"fn main() {","max_tokens":6,"temperature":0,"logprobs":5,"ignore_eos":true}"#,
+        r#"{"custom_id":"p","prompt":"fn main() {","max_tokens":6,"temperature":0,"logprobs":5,"ignore_eos":true,"repetition_penalty":1.8}"#,
+        r#"{"custom_id":"c","messages":[{"role":"user","content":"Write a function"}],"max_tokens":6,"temperature":0.8,"seed":3,"logprobs":true,"top_logprobs":3}"#,
+    ];
+    let input = lines.join("\n") + "\n";
+    let (out, stderr) = run(&["--backend", "cpu", "--max-context", "512", "--ordered"], input.as_bytes());
+    let res = results(&out);
+    assert_eq!(res.len(), 3, "stderr: {stderr}");
+    let choice = |k: usize| &res[k]["response"]["body"]["choices"][0];
+    let lp = |k: usize| choice(k)["logprobs"].clone();
+    let g = lp(0);
+    let tokens = g["tokens"].as_array().unwrap_or_else(|| panic!("{}", res[0]));
+    assert_eq!(tokens.len(), 6);
+    let spelled: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(spelled, choice(0)["text"].as_str().unwrap(), "the tokens spell the text");
+    for (i, t) in tokens.iter().enumerate() {
+        let chosen = g["token_logprobs"][i].as_f64().unwrap();
+        let top = g["top_logprobs"][i].as_object().unwrap();
+        assert!((5..=6).contains(&top.len()), "{top:?}");
+        let best = top.values().map(|v| v.as_f64().unwrap()).fold(f64::NEG_INFINITY, f64::max);
+        assert_eq!(chosen, best, "greedy takes the most likely token ({t})");
+        assert_eq!(top[t.as_str().unwrap()].as_f64(), Some(chosen));
+        let mass: f64 = top.values().map(|v| v.as_f64().unwrap().exp()).sum();
+        assert!(chosen <= 0.0 && mass <= 1.0 + 1e-4, "{chosen} {mass}");
+    }
+    // The penalty moves the picks after the first, never the figures of a step: the first
+    // step's distribution is the same with and without it.
+    let p = lp(1);
+    assert_eq!(p["top_logprobs"][0], g["top_logprobs"][0]);
+    // Chat, sampled: one entry per output token, each with the top three, sorted.
+    let c = lp(2);
+    let content = c["content"].as_array().unwrap_or_else(|| panic!("{}", res[2]));
+    assert_eq!(content.len() as u64, res[2]["response"]["body"]["usage"]["completion_tokens"].as_u64().unwrap());
+    for e in content {
+        let top: Vec<f64> =
+            e["top_logprobs"].as_array().unwrap().iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        assert_eq!(top.len(), 3);
+        assert!(top.windows(2).all(|w| w[0] >= w[1]), "{top:?}");
+        assert!(e["logprob"].as_f64().unwrap() <= top[0], "{e}");
+        assert!(!e["bytes"].as_array().unwrap().is_empty());
+    }
+}
+
 #[test]
 fn tokenize_counts_tokens() {
     let (lines, _) = run(

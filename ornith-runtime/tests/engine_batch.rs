@@ -50,6 +50,7 @@ fn requests() -> Vec<GenRequest> {
             penalties: Penalties::NONE,
             stop_ids: Vec::new(),
             force: vec![],
+            logprobs: None,
         })
         .collect()
 }
@@ -80,7 +81,7 @@ fn every_request_gives_the_tokens_it_gives_alone_with_staggered_arrivals() {
             match ev.kind {
                 EventKind::Token(t) => toks.entry(ev.id).or_default().push(t),
                 EventKind::Error { message, .. } => panic!("request {}: {message}", ev.id),
-                EventKind::Finished(_) | EventKind::Admitted { .. } => {}
+                EventKind::Finished(_) | EventKind::Admitted { .. } | EventKind::Logprobs(_) => {}
             }
         }
         steps += 1;
@@ -147,6 +148,7 @@ fn a_short_request_after_a_long_one_finishes_first() {
         penalties: Penalties::NONE,
         stop_ids: vec![],
         force: vec![],
+        logprobs: None,
     };
     let short = GenRequest {
         prompt: prompt(6, 10),
@@ -155,6 +157,7 @@ fn a_short_request_after_a_long_one_finishes_first() {
         penalties: Penalties::NONE,
         stop_ids: vec![],
         force: vec![],
+        logprobs: None,
     };
     e.submit(1, long).unwrap();
     e.submit(2, short).unwrap();
@@ -182,6 +185,7 @@ fn admission_waits_for_memory_refuses_what_never_fits_and_cancel_frees() {
         penalties: Penalties::NONE,
         stop_ids: vec![],
         force: vec![],
+        logprobs: None,
     };
     // Longer than the context: refused at once, nothing queued.
     let err = e.submit(1, req(CTX, 1)).unwrap_err();
@@ -222,6 +226,7 @@ fn stop_ids_end_a_sequence_and_pools_never_leak_over_a_thousand_requests() {
                 penalties: Penalties::NONE,
                 stop_ids: vec![],
                 force: vec![],
+                logprobs: None,
             },
         )
         .unwrap();
@@ -243,6 +248,7 @@ fn stop_ids_end_a_sequence_and_pools_never_leak_over_a_thousand_requests() {
         penalties: Penalties::NONE,
         stop_ids: vec![],
         force: vec![],
+        logprobs: None,
     };
     e.submit(5000, r.clone()).unwrap();
     let first = drain(&mut e).0[&5000][0];
@@ -343,7 +349,15 @@ fn run_together(reqs: &[GenRequest]) -> HashMap<u64, Vec<u32>> {
 }
 
 fn plain(prompt: Vec<u32>, max_tokens: u64, params: SamplingParams) -> GenRequest {
-    GenRequest { prompt, max_tokens, params, penalties: Penalties::NONE, stop_ids: vec![], force: vec![] }
+    GenRequest {
+        prompt,
+        max_tokens,
+        params,
+        penalties: Penalties::NONE,
+        stop_ids: vec![],
+        force: vec![],
+        logprobs: None,
+    }
 }
 
 /// Penalties through the engine on the CPU backend: four requests at once (greedy with the

@@ -46,7 +46,15 @@ fn request(prompt: Vec<u32>, i: u64) -> GenRequest {
     } else {
         SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.95, min_p: 0.0, seed: 100 + i }
     };
-    GenRequest { prompt, max_tokens: 5, params, penalties: Penalties::NONE, stop_ids: Vec::new(), force: vec![] }
+    GenRequest {
+        prompt,
+        max_tokens: 5,
+        params,
+        penalties: Penalties::NONE,
+        stop_ids: Vec::new(),
+        force: vec![],
+        logprobs: None,
+    }
 }
 
 /// Runs `engine` until idle: tokens and cached prompt tokens by id.
@@ -68,7 +76,7 @@ fn drain_observing(
                     cached.insert(ev.id, cached_tokens);
                 }
                 EventKind::Error { message, .. } => panic!("request {}: {message}", ev.id),
-                EventKind::Finished(_) => {}
+                EventKind::Finished(_) | EventKind::Logprobs(_) => {}
             }
         }
         after_step(e);

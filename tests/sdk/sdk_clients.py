@@ -123,6 +123,16 @@ def check_openai():
     r = c.completions.create(model=MODEL, prompt="SAY:abcdef", max_tokens=3)
     assert r.choices[0].text == "abc" and r.choices[0].finish_reason == "length", r
 
+    mark('logprobs in the SDK types')
+    # logprobs: parsed into the SDK's types (chat: ChoiceLogprobs; completions: Logprobs).
+    r = c.chat.completions.create(model=MODEL, messages=user("SAY:hi"), logprobs=True, top_logprobs=2, extra_body=NO_THINK)
+    lp = r.choices[0].logprobs.content
+    assert [e.token for e in lp] == ["h", "i", "<|im_end|>"] and lp[0].bytes == [104], lp
+    assert abs(lp[0].logprob - (-0.104)) < 1e-6 and [t.token for t in lp[0].top_logprobs] == ["A", "B"], lp
+    r = c.completions.create(model=MODEL, prompt="SAY:ab", logprobs=1)
+    assert r.choices[0].logprobs.tokens == ["a", "b", "<|im_end|>"] and r.choices[0].logprobs.text_offset == [0, 1, 2], r
+    assert r.choices[0].logprobs.top_logprobs[0] == {"A": -0.25, "a": -0.097}, r
+
     mark('n choices, seeded seed + i')
     # n choices: each its own sequence seeded seed + i (the scripted model says the seed's digit).
     r = c.chat.completions.create(model=MODEL, messages=user("SAY:c$S"), n=2, seed=10, extra_body=NO_THINK)

@@ -505,6 +505,90 @@ fn n_choices_share_the_prompts_full_chunks() {
     assert_eq!(b["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
 }
 
+/// `logprobs` in each API's shape, one entry per output token (the stop token included, as
+/// `completion_tokens` counts it), from the model's figures (the scripted model: `-t / 1000`
+/// for token `t`, top `A`, `B`, … at -0.25, -0.5, …); streamed chunks carry their tokens' and
+/// add up to the body's; a forced token is reported as the forced one; bad values are refused.
+#[test]
+fn logprobs_in_chat_and_completions_shapes() {
+    let no_think = json!({"enable_thinking": false});
+    let tools = json!([{"type": "function", "function": {"name": "ls"}}]);
+    let lines = [
+        json!({"messages": [{"role": "user", "content": "SAY:hi"}], "chat_template_kwargs": no_think,
+               "logprobs": true, "top_logprobs": 2}),
+        json!({"messages": [{"role": "user", "content": "SAY:hé"}], "chat_template_kwargs": no_think,
+               "logprobs": true, "stream": true}),
+        json!({"prompt": "SAY:ab", "logprobs": 1}),
+        json!({"prompt": "SAY:abcdef", "logprobs": 0, "stream": true, "max_tokens": 4}),
+        // A forced call: the scripted model says `yyyy…` where the forced head goes.
+        json!({"messages": [{"role": "user", "content": format!("SAY:{}</function>\n</tool_call>", "y".repeat(26))}],
+               "chat_template_kwargs": no_think, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "ls"}},
+               "logprobs": true}),
+        json!({"messages": [{"role": "user", "content": "SAY:x"}], "logprobs": true, "top_logprobs": 21}),
+        json!({"messages": [{"role": "user", "content": "SAY:x"}], "top_logprobs": 2}),
+        json!({"prompt": "SAY:x", "logprobs": 21}),
+        json!({"prompt": "SAY:x", "top_logprobs": 1}),
+        json!({"messages": [{"role": "user", "content": "SAY:x"}], "logprobs": 3}),
+    ];
+    let input: String = lines.iter().map(|l| l.to_string() + "\n").collect();
+    let (out, _) = run_with(Cursor::new(input), &opts(), 512);
+    let (res, chunks) = results(&out);
+    let lp = |t: u32| (-(t as f32) / 1000.0).to_string().parse::<f64>().unwrap();
+    let entry = |t: u32| json!({"token": String::from_utf8_lossy(&[t as u8]), "logprob": lp(t), "bytes": [t]});
+
+    // Chat: h, i, <|im_end|>, each with the top two.
+    let c = &body(&res[0])["choices"][0]["logprobs"];
+    let top2 = json!([{"token": "A", "logprob": -0.25, "bytes": [65]}, {"token": "B", "logprob": -0.5, "bytes": [66]}]);
+    let mut want: Vec<Value> = [b'h' as u32, b'i' as u32].map(entry).to_vec();
+    want.push(json!({"token": "<|im_end|>", "logprob": lp(IM_END), "bytes": b"<|im_end|>".to_vec()}));
+    for w in &mut want {
+        w["top_logprobs"] = top2.clone();
+    }
+    assert_eq!(c, &json!({"content": want, "refusal": null}));
+    assert_eq!(body(&res[0])["usage"]["completion_tokens"], 3);
+
+    // Streamed chat: the chunks' entries add up to the body's (é is two byte tokens).
+    let full = body(&res[1])["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
+    assert_eq!(full.len(), 4);
+    assert_eq!(full[1]["bytes"], json!([0xc3]));
+    assert_eq!(full[1]["token"], "\u{fffd}", "a token that ends inside a character: lossy text, exact bytes");
+    assert_eq!(full[0]["top_logprobs"], json!([]));
+    let streamed: Vec<Value> =
+        chunks[1].iter().filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array()).flatten().cloned().collect();
+    assert_eq!(streamed, full);
+    assert!(chunks[1][0]["choices"][0]["logprobs"].is_null(), "the role chunk carries none");
+
+    // Completions: the legacy shape; top_logprobs holds the top k and the output token.
+    let c = &body(&res[2])["choices"][0]["logprobs"];
+    assert_eq!(c["tokens"], json!(["a", "b", "<|im_end|>"]));
+    assert_eq!(c["token_logprobs"], json!([lp(97), lp(98), lp(IM_END)]));
+    assert_eq!(c["top_logprobs"][0], json!({"A": -0.25, "a": lp(97)}));
+    assert_eq!(c["text_offset"], json!([0, 1, 2]));
+    // Streamed completions: the chunks' pieces add up, offsets continuing.
+    let full = &body(&res[3])["choices"][0]["logprobs"];
+    assert_eq!(full["tokens"], json!(["a", "b", "c", "d"]));
+    let (mut toks, mut offs) = (Vec::new(), Vec::new());
+    for c in &chunks[3] {
+        let l = &c["choices"][0]["logprobs"];
+        toks.extend(l["tokens"].as_array().unwrap().iter().cloned());
+        offs.extend(l["text_offset"].as_array().unwrap().iter().cloned());
+    }
+    assert_eq!((json!(toks), json!(offs)), (full["tokens"].clone(), full["text_offset"].clone()));
+
+    // The forced head's tokens are reported, not the filler the model drew under them.
+    let c = body(&res[4])["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
+    let text: String = c.iter().map(|e| e["token"].as_str().unwrap()).collect();
+    assert!(text.starts_with("<tool_call>\n<function=ls>\n</function>"), "{text}");
+    assert_eq!(finish(&res[4]), "tool_calls");
+
+    for (k, want) in
+        [(5, "0..=20"), (6, "needs `logprobs: true`"), (7, "0..=20"), (8, "chat parameter"), (9, "true or false")]
+    {
+        assert_eq!(err_code(&res[k]), "invalid_request", "{}", res[k]);
+        assert!(res[k]["error"]["message"].as_str().unwrap().contains(want), "{}", res[k]);
+    }
+}
+
 #[test]
 fn a_forced_tool_choice_makes_the_answer_a_call() {
     // The scripted model would write filler where the call starts: forcing replaces the first
@@ -955,9 +1039,14 @@ fn batch_stop_cancels_what_generates_and_leaves_the_rest_unanswered() {
     assert_eq!(stats.stopped_by, Some(15));
     assert_eq!((stats.cancelled, stats.not_run), (2, 2), "{stats:?}");
     assert_eq!(lines.len(), 2, "{lines:?}");
+    // Which two generate depends on which prompts the preparation threads finish first.
+    let mut ids: Vec<&str> = lines.iter().map(|l| l["custom_id"].as_str().unwrap()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 2, "{lines:?}");
     for l in &lines {
         assert_eq!(l["error"]["code"], "cancelled", "{l}");
-        assert!(["p", "q"].contains(&l["custom_id"].as_str().unwrap()), "{l}");
+        assert!(["p", "q", "r", "s"].contains(&l["custom_id"].as_str().unwrap()), "{l}");
         assert!(l["error"]["message"].as_str().unwrap().contains("signal 15"), "{l}");
     }
     assert_eq!(stats.engine.cancelled, 4, "every open request is cancelled in the engine");

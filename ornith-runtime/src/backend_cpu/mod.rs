@@ -430,17 +430,23 @@ impl Backend for CpuBackend {
         Ok(CpuLogits { rows, vocab: d.vocab_size, data: y.iter().map(|v| v.to_f32()).collect() })
     }
 
-    fn sample(&self, logits: &CpuLogits, n: usize, rows: &[RowSample]) -> Result<Vec<u32>> {
+    fn sample(&self, logits: &CpuLogits, n: usize, rows: &[RowSample]) -> Result<Vec<Sampled>> {
         ensure!(n > 0 && n <= logits.vocab, "sampling {n} of {} logits", logits.vocab);
         rows.iter()
             .map(|r| {
                 ensure!(r.row < logits.rows, "sampling row {} of {}", r.row, logits.rows);
                 let l = &logits.data[r.row * logits.vocab..][..n];
                 let mut bits = crate::sampling::bf16_bits(l);
+                let raw = r.logprobs.map(|_| bits.clone());
                 if let Some(p) = &r.penalties {
                     crate::sampling::apply_penalties(&mut bits, p);
                 }
-                crate::sampling::sample(&bits, &r.params, r.step)
+                let id = crate::sampling::sample(&bits, &r.params, r.step)?;
+                let logprobs = r
+                    .logprobs
+                    .zip(raw)
+                    .map(|(w, raw)| Box::new(crate::logprobs::token_logprobs(&raw, w.forced.unwrap_or(id), w.top)));
+                Ok(Sampled { id, logprobs })
             })
             .collect()
     }
@@ -463,7 +469,7 @@ mod tests {
     /// The lm_head's padding rows (columns `n..`) never come out, whatever their logits, in any
     /// sampling mode; a row without a finite candidate is an error.
     fn row(p: &SamplingParams, step: u64) -> RowSample {
-        RowSample { row: 0, params: *p, step, penalties: None }
+        RowSample { row: 0, params: *p, step, penalties: None, logprobs: None }
     }
 
     #[test]
@@ -482,14 +488,44 @@ mod tests {
         ];
         for p in &modes {
             for step in 0..500 {
-                assert!(b.sample(&l, 10, &[row(p, step)]).unwrap()[0] < 10, "{p:?}");
+                assert!(b.sample(&l, 10, &[row(p, step)]).unwrap()[0].id < 10, "{p:?}");
             }
         }
-        assert_eq!(b.sample(&l, 10, &[row(&modes[0], 0)]).unwrap(), [3]);
+        assert_eq!(b.sample(&l, 10, &[row(&modes[0], 0)]).unwrap(), [Sampled::id(3)]);
         let nan = CpuLogits { rows: 1, vocab: 4, data: vec![f32::NAN, f32::NAN, 7.0, 7.0] };
         assert!(b.sample(&nan, 2, &[row(&modes[0], 0)]).is_err());
         assert!(b.sample(&nan, 2, &[row(&modes[1], 0)]).is_err());
         assert!(b.sample(&l, 17, &[row(&modes[0], 0)]).is_err());
         assert!(b.sample(&l, 10, &[RowSample { row: 1, ..row(&modes[0], 0) }]).is_err());
+    }
+
+    /// Log-probabilities come from the row as the model gave it: before the penalties that
+    /// change the draw, over the candidate columns only, of the forced token when one is forced.
+    #[test]
+    fn logprobs_are_the_models_before_penalties() {
+        let b = CpuBackend::new();
+        // Candidates 0..4 (column 4 is padding, larger than all).
+        let l = CpuLogits { rows: 1, vocab: 5, data: vec![1.0, 4.0, 2.0, 3.5, 9.0] };
+        let raw = crate::sampling::bf16_bits(&l.data[..4]);
+        let want = |t: u32, top: usize| Box::new(crate::logprobs::token_logprobs(&raw, t, top));
+        let greedy = SamplingParams::greedy();
+        let mut r = row(&greedy, 0);
+        r.logprobs = Some(WantLogprobs { top: 2, forced: None });
+        let s = b.sample(&l, 4, std::slice::from_ref(&r)).unwrap();
+        assert_eq!(s[0], Sampled { id: 1, logprobs: Some(want(1, 2)) });
+        assert_eq!(s[0].logprobs.as_ref().unwrap().top.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 3]);
+        // A repetition penalty on token 1 makes 3 the argmax; the reported figures are the raw row's.
+        let mut st = crate::sampling::PenaltyState::new(
+            crate::engine::Penalties { repetition: 4.0, ..crate::engine::Penalties::NONE },
+            &[1],
+        );
+        st.add_output(1);
+        r.penalties = Some(std::sync::Arc::new(st));
+        let s = b.sample(&l, 4, std::slice::from_ref(&r)).unwrap();
+        assert_eq!(s[0], Sampled { id: 3, logprobs: Some(want(3, 2)) });
+        // A forced token: its probability under the model, whatever was drawn.
+        r.logprobs = Some(WantLogprobs { top: 0, forced: Some(0) });
+        let s = b.sample(&l, 4, &[r]).unwrap();
+        assert_eq!(s[0], Sampled { id: 3, logprobs: Some(want(0, 0)) });
     }
 }

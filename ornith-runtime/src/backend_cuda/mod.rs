@@ -1609,13 +1609,23 @@ impl Backend for CudaBackend {
 
     /// Greedy rows by one argmax launch, the others by one `sample_rows` launch, each over all
     /// of its rows at once; the ids come back in `rows` order.
-    fn sample(&self, logits: &CudaLogits, n: usize, rows: &[RowSample]) -> Result<Vec<u32>> {
+    fn sample(&self, logits: &CudaLogits, n: usize, rows: &[RowSample]) -> Result<Vec<Sampled>> {
         self.check_deferred()?;
         let v = logits.vocab;
         ensure!(n > 0 && n <= v, "sampling {n} of {v} logits");
         ensure!(rows.len() <= self.cap.slots, "sampling {} rows: the sampler holds {}", rows.len(), self.cap.slots);
         if let Some(r) = rows.iter().find(|r| r.row >= logits.rows) {
             bail!("sampling row {} of {} logits rows", r.row, logits.rows);
+        }
+        // Rows that report log-probabilities: their candidates as the model gave them, copied to
+        // the host before any penalty edits them (computed there: `logprobs::token_logprobs`).
+        let mut raw: Vec<Option<Vec<u16>>> = vec![None; rows.len()];
+        for (i, r) in rows.iter().enumerate() {
+            if r.logprobs.is_some() {
+                let mut b = vec![0u16; n];
+                self.cx.stream().memcpy_dtoh(&logits.buf.slice(r.row * v..r.row * v + n), &mut b)?;
+                raw[i] = Some(b);
+            }
         }
         // Penalties edit their rows' logits first, for the argmax and the draw alike.
         if rows.iter().any(|r| r.penalties.is_some()) {
@@ -1652,7 +1662,17 @@ impl Backend for CudaBackend {
                 out[i] = id;
             }
         }
-        Ok(out)
+        Ok(out
+            .into_iter()
+            .zip(rows.iter().zip(raw))
+            .map(|(id, (r, raw))| {
+                let logprobs = r
+                    .logprobs
+                    .zip(raw)
+                    .map(|(w, raw)| Box::new(crate::logprobs::token_logprobs(&raw, w.forced.unwrap_or(id), w.top)));
+                Sampled { id, logprobs }
+            })
+            .collect())
     }
 
     fn logits_to_host(&self, logits: &CudaLogits) -> Result<Vec<f32>> {

@@ -33,7 +33,7 @@ use super::force::{Forced, Forcing};
 use super::pool::{BlockPool, SlotPool};
 use super::prefix::{chunk_keys, keeps_snapshot, CacheStats, PrefixCache, CHUNK_BLOCKS};
 use super::{Penalties, Runner, SamplingParams, PREFILL_CHUNK};
-use crate::graph::{Batch, RowSample, SeqRows, KV_BLOCK};
+use crate::graph::{Batch, RowSample, SeqRows, WantLogprobs, KV_BLOCK};
 
 /// What the engine needs of one request (the front end has rendered and tokenized it).
 #[derive(Debug, Clone, PartialEq)]
@@ -50,6 +50,9 @@ pub struct GenRequest {
     /// Tokens the output must continue with once a trigger holds (a forced tool call, a
     /// thinking budget: [`Forcing`]).
     pub force: Vec<Forcing>,
+    /// Report each output token's log-probability and this many most likely candidates
+    /// ([`crate::logprobs`]; at most [`crate::logprobs::MAX_TOP_LOGPROBS`]).
+    pub logprobs: Option<usize>,
 }
 
 /// Why the engine ended a sequence.
@@ -61,13 +64,16 @@ pub enum Finish {
     Length,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum EventKind {
     /// The request was admitted: its first `cached_tokens` prompt tokens come from the prefix
     /// cache (not prefilled).
     Admitted { cached_tokens: usize },
     /// The next sampled token.
     Token(u32),
+    /// The log-probabilities of the token the next `Token` event carries (requests with
+    /// `logprobs` only).
+    Logprobs(Box<crate::logprobs::TokenLogprobs>),
     /// The sequence ended; its memory is free.
     Finished(Finish),
     /// The request was refused, or the step that carried it failed (`engine_error`) or panicked
@@ -75,7 +81,7 @@ pub enum EventKind {
     Error { code: &'static str, message: String },
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Event {
     /// The id the request was submitted with.
     pub id: u64,
@@ -448,7 +454,11 @@ impl Engine {
             .filter(|(_, m)| m.2)
             .map(|(row, &(i, _, _))| {
                 let s = &self.running[i];
-                RowSample { row, params: s.req.params, step: s.n_out, penalties: s.pen.clone() }
+                let logprobs = s.req.logprobs.map(|top| WantLogprobs {
+                    top: top.min(crate::logprobs::MAX_TOP_LOGPROBS),
+                    forced: s.forced.as_ref().and_then(|f| f.peek()),
+                });
+                RowSample { row, params: s.req.params, step: s.n_out, penalties: s.pen.clone(), logprobs }
             })
             .collect();
         let t0 = Instant::now();
@@ -510,12 +520,15 @@ impl Engine {
                         continue;
                     }
                     let drawn = toks.next().expect("one token per sampled row");
-                    let t = s.forced.as_mut().map_or(drawn, |f| f.next(drawn));
+                    let t = s.forced.as_mut().map_or(drawn.id, |f| f.next(drawn.id));
                     s.n_out += 1;
                     if let Some(p) = &mut s.pen {
                         std::sync::Arc::make_mut(p).add_output(t);
                     }
                     self.stats.sampled += 1;
+                    if let Some(lp) = drawn.logprobs {
+                        events.push(Event { id: s.id, kind: EventKind::Logprobs(lp) });
+                    }
                     events.push(Event { id: s.id, kind: EventKind::Token(t) });
                     let finish = if s.req.stop_ids.contains(&t) {
                         Some(Finish::Stop)
@@ -558,7 +571,7 @@ pub fn drain(engine: &mut Engine) -> (HashMap<u64, Vec<u32>>, HashMap<u64, Strin
                 EventKind::Error { message, .. } => {
                     errs.insert(e.id, message);
                 }
-                EventKind::Finished(_) | EventKind::Admitted { .. } => {}
+                EventKind::Finished(_) | EventKind::Admitted { .. } | EventKind::Logprobs(_) => {}
             }
         }
     }

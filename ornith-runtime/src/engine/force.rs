@@ -51,6 +51,11 @@ impl Forced {
         f
     }
 
+    /// The token the next step outputs whatever its draw, if one is forced there.
+    pub(super) fn peek(&self) -> Option<u32> {
+        self.pending.front().copied()
+    }
+
     /// The token the sequence outputs for a step whose draw is `drawn`.
     pub(super) fn next(&mut self, drawn: u32) -> u32 {
         let t = self.pending.pop_front().unwrap_or(drawn);

@@ -24,7 +24,7 @@ pub use self::pool::{BlockPool, SlotPool};
 pub use self::prefix::CacheStats;
 pub use self::thread::{EngineClient, EngineGauges, EngineThread, PoolUsage};
 
-use crate::graph::{Batch, RowSample};
+use crate::graph::{Batch, RowSample, Sampled};
 
 /// Prefill runs in chunks whose boundaries sit at absolute multiples of this many positions of
 /// the sequence, whatever else is in the step: a prompt's chunks are always the same, so its
@@ -102,8 +102,9 @@ pub trait Runner: Send {
     /// row `from` to row `to`; rows are the `slots` sequences' and then the `snapshots`.
     fn copy_slot(&mut self, from: usize, to: usize) -> anyhow::Result<()>;
     /// Runs one forward step over `batch`, then samples each of `rows` from the first `n`
-    /// logits of its row; returns the sampled ids in `rows` order.
-    fn run(&mut self, batch: &Batch, n: usize, rows: &[RowSample]) -> anyhow::Result<Vec<u32>>;
+    /// logits of its row; returns the sampled ids (with log-probabilities where a row asks) in
+    /// `rows` order.
+    fn run(&mut self, batch: &Batch, n: usize, rows: &[RowSample]) -> anyhow::Result<Vec<Sampled>>;
 }
 
 /// What the command line asks of the pools; the backend's memory plan turns it into a

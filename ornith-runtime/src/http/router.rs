@@ -405,6 +405,10 @@ fn route(
                         }
                         Ok(Progress::Running)
                     }
+                    EventKind::Logprobs(lp) => {
+                        o.live.on_logprobs(choice, lp);
+                        Ok(Progress::Running)
+                    }
                     EventKind::Error { code, message } => Err(LineError::from_engine(code, message)),
                 };
                 let done = match progress {

@@ -35,6 +35,9 @@ impl TextCodec for Tokenizer {
     fn stream<'a>(&'a self, skip_special: bool) -> Box<dyn TokenStream + 'a> {
         Box::new(self.decode_stream(skip_special))
     }
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        Tokenizer::token_bytes(self, id).map_or_else(|| "\u{FFFD}".as_bytes().to_vec(), <[u8]>::to_vec)
+    }
 }
 
 impl PromptRenderer for ChatTemplate {

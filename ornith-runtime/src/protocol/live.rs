@@ -12,6 +12,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use serde_json::{json, Value};
 
 use crate::engine::{Forcing, GenRequest, SamplingParams, Trigger};
+use crate::logprobs::TokenLogprobs;
 use crate::sampling::mix64;
 
 use super::request::{Kind, LineError, Prompt, Request, ToolForce};
@@ -70,14 +71,15 @@ struct Chunker {
 }
 
 impl Chunker {
-    /// One chunk of choice `index`: `delta` for chat, text for completions.
-    fn send(&mut self, index: usize, delta: Value, finish: Option<&str>) {
+    /// One chunk of choice `index`: `delta` for chat, text for completions, with the
+    /// log-probabilities of the tokens since the choice's previous chunk (null when not asked).
+    fn send(&mut self, index: usize, delta: Value, logprobs: Value, finish: Option<&str>) {
         let mut v = if self.chat {
             json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                   "choices": [{"index": index, "delta": delta, "logprobs": null, "finish_reason": finish}]})
+                   "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
         } else {
             json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                   "choices": [{"index": index, "text": delta, "logprobs": null, "finish_reason": finish}]})
+                   "choices": [{"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}]})
         };
         if let Some(c) = &self.custom_id {
             v["custom_id"] = json!(c);
@@ -108,12 +110,36 @@ struct Choice<'a> {
     /// The choice's entry of the body's `choices`, once it has ended and its last chunks are
     /// out.
     result: Option<Value>,
+    /// With `logprobs`: the next token's (from the engine's `Logprobs` event), every output
+    /// token's, how many of those the chunks have carried, and the text offset reached by them
+    /// (completions' `text_offset`).
+    lp_next: Option<Box<TokenLogprobs>>,
+    lps: Vec<TokenLogprobs>,
+    lp_sent: usize,
+    lp_offset: usize,
 }
 
 impl Choice<'_> {
-    /// Sends pending chat deltas and records them into the message.
-    fn send_deltas(&mut self, c: &mut Chunker) {
-        for d in self.deltas.drain(..) {
+    /// The log-probabilities of the tokens no chunk has carried yet, in the API's shape (null
+    /// without `logprobs`).
+    fn unsent_logprobs(&mut self, codec: &dyn TextCodec, chat: bool, on: bool) -> Value {
+        if !on {
+            return Value::Null;
+        }
+        let part = &self.lps[self.lp_sent..];
+        self.lp_sent = self.lps.len();
+        if chat {
+            chat_logprobs(codec, part)
+        } else {
+            completion_logprobs(codec, part, &mut self.lp_offset)
+        }
+    }
+
+    /// Sends pending chat deltas and records them into the message; the first carries the
+    /// log-probabilities not yet sent.
+    fn send_deltas(&mut self, c: &mut Chunker, codec: &dyn TextCodec, lp_on: bool) {
+        let deltas = std::mem::take(&mut self.deltas);
+        for d in deltas {
             let delta = match &d {
                 Delta::Reasoning(s) => json!({"reasoning": s, "reasoning_content": s}),
                 Delta::Content(s) => json!({"content": s}),
@@ -126,9 +152,63 @@ impl Choice<'_> {
                 }
             };
             self.msg.add(&d);
-            c.send(self.index, delta, None);
+            let lp = self.unsent_logprobs(codec, true, lp_on);
+            c.send(self.index, delta, lp, None);
         }
     }
+}
+
+/// A log-probability as a JSON number: the shortest decimal that reads back as the f32
+/// (`-0.104`, not the f64 widening `-0.10400000214576721`).
+fn lp_json(x: f32) -> Value {
+    let d = x.to_string().parse::<f64>().unwrap_or(x as f64);
+    serde_json::Number::from_f64(d).map_or(Value::Null, Value::Number)
+}
+
+/// A token's text and bytes (the text lossy where the token ends inside a character).
+fn token_text(codec: &dyn TextCodec, id: u32) -> (String, Vec<u8>) {
+    let b = codec.token_bytes(id);
+    (String::from_utf8_lossy(&b).into_owned(), b)
+}
+
+/// Chat's `logprobs`: `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
+/// bytes}]}], "refusal": null}` (OpenAI's shape).
+fn chat_logprobs(codec: &dyn TextCodec, lps: &[TokenLogprobs]) -> Value {
+    let entry = |id: u32, lp: f32| {
+        let (t, b) = token_text(codec, id);
+        json!({"token": t, "logprob": lp_json(lp), "bytes": b})
+    };
+    let content: Vec<Value> = lps
+        .iter()
+        .map(|l| {
+            let mut e = entry(l.token, l.logprob);
+            e["top_logprobs"] = l.top.iter().map(|&(id, lp)| entry(id, lp)).collect();
+            e
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
+}
+
+/// Completions' `logprobs`: `{tokens, token_logprobs, top_logprobs: [{token: logprob}],
+/// text_offset}` (OpenAI's legacy shape; `top_logprobs` holds the top `k` and the output token,
+/// so up to `k + 1` entries). `offset` is where the first token's text starts (characters of
+/// the tokens before it), advanced past these.
+fn completion_logprobs(codec: &dyn TextCodec, lps: &[TokenLogprobs], offset: &mut usize) -> Value {
+    let (mut tokens, mut lp, mut top, mut at) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for l in lps {
+        let t = token_text(codec, l.token).0;
+        at.push(*offset);
+        *offset += t.chars().count();
+        let mut m = serde_json::Map::new();
+        for &(id, p) in &l.top {
+            m.insert(token_text(codec, id).0, lp_json(p));
+        }
+        m.insert(t.clone(), lp_json(l.logprob));
+        tokens.push(t);
+        lp.push(lp_json(l.logprob));
+        top.push(Value::Object(m));
+    }
+    json!({"tokens": tokens, "token_logprobs": lp, "top_logprobs": top, "text_offset": at})
 }
 
 /// Where a request stands after one of its choices' events.
@@ -145,6 +225,7 @@ pub enum Progress {
 /// A request between its first and its last token.
 pub struct Live<'a> {
     req: Request,
+    codec: &'a dyn TextCodec,
     chunker: Chunker,
     eos: Vec<u32>,
     choices: Vec<Choice<'a>>,
@@ -340,7 +421,7 @@ impl<'a> Live<'a> {
         let n = req.n.max(1);
         if req.stream && chat {
             for i in 0..n {
-                chunker.send(i, json!({"role": "assistant", "content": ""}), None);
+                chunker.send(i, json!({"role": "assistant", "content": ""}), Value::Null, None);
             }
         }
         let eos: Vec<u32> = if req.ignore_eos { Vec::new() } else { eos_ids.to_vec() };
@@ -357,6 +438,7 @@ impl<'a> Live<'a> {
                     penalties: req.penalties,
                     stop_ids: stop_ids.clone(),
                     force: force.clone(),
+                    logprobs: req.logprobs,
                 }
             })
             .collect();
@@ -376,10 +458,24 @@ impl<'a> Live<'a> {
                 n_cached: 0,
                 finish: None,
                 result: None,
+                lp_next: None,
+                lps: Vec::new(),
+                lp_sent: 0,
+                lp_offset: 0,
             })
             .collect();
-        let live =
-            Live { eos, chunker, choices, n_prompt, max_tokens, started, submitted: Instant::now(), first: None, req };
+        let live = Live {
+            codec,
+            eos,
+            chunker,
+            choices,
+            n_prompt,
+            max_tokens,
+            started,
+            submitted: Instant::now(),
+            first: None,
+            req,
+        };
         Ok((gens, live))
     }
 
@@ -417,10 +513,19 @@ impl<'a> Live<'a> {
         }
     }
 
+    /// The log-probabilities of choice `choice`'s next token (the engine sends them just
+    /// before it).
+    pub fn on_logprobs(&mut self, choice: usize, lp: Box<TokenLogprobs>) {
+        self.choices[choice].lp_next = Some(lp);
+    }
+
     /// Takes the next sampled token of choice `choice`.
     pub fn on_token(&mut self, choice: usize, next: u32) -> Result<Progress, LineError> {
         if self.choices[choice].result.is_some() {
             return Ok(self.progress());
+        }
+        if let Some(lp) = self.choices[choice].lp_next.take() {
+            self.choices[choice].lps.push(*lp);
         }
         let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
         if self.first.is_none() {
@@ -452,12 +557,14 @@ impl<'a> Live<'a> {
             if safe > c.sent {
                 let fresh = c.text[c.sent..safe].to_string();
                 c.sent = safe;
+                let lp_on = self.req.logprobs.is_some();
                 if self.chunker.chat {
                     c.splitter.feed(&fresh, &mut c.deltas);
-                    c.send_deltas(&mut self.chunker);
+                    c.send_deltas(&mut self.chunker, self.codec, lp_on);
                 } else {
                     c.raw_text.push_str(&fresh);
-                    self.chunker.send(c.index, Value::String(fresh), None);
+                    let lp = c.unsent_logprobs(self.codec, false, lp_on);
+                    self.chunker.send(c.index, Value::String(fresh), lp, None);
                 }
             }
         }
@@ -469,8 +576,9 @@ impl<'a> Live<'a> {
     /// made and its entry of `choices` is kept for [`Self::body`].
     pub fn on_finished(&mut self, choice: usize) -> Result<Progress, LineError> {
         let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
-        let stream = self.req.stream;
+        let (stream, lp_on) = (self.req.stream, self.req.logprobs.is_some());
         let chat = self.chunker.chat;
+        let codec = self.codec;
         let c = &mut self.choices[choice];
         if c.result.is_some() {
             return Ok(self.progress());
@@ -492,7 +600,7 @@ impl<'a> Live<'a> {
             c.splitter.feed(&rest, &mut c.deltas);
             c.splitter.finish(&mut c.deltas);
             if stream {
-                c.send_deltas(&mut self.chunker);
+                c.send_deltas(&mut self.chunker, codec, lp_on);
             } else {
                 for d in c.deltas.drain(..) {
                     c.msg.add(&d);
@@ -502,7 +610,8 @@ impl<'a> Live<'a> {
             text_out = String::new();
         } else {
             if stream && !rest.is_empty() {
-                self.chunker.send(c.index, Value::String(rest.clone()), None);
+                let lp = c.unsent_logprobs(codec, false, lp_on);
+                self.chunker.send(c.index, Value::String(rest.clone()), lp, None);
             }
             c.raw_text.push_str(&rest);
             text_out = std::mem::take(&mut c.raw_text);
@@ -515,12 +624,19 @@ impl<'a> Live<'a> {
         };
         if stream {
             let end = if chat { json!({}) } else { Value::String(String::new()) };
-            self.chunker.send(c.index, end, Some(finish_reason));
+            let lp = c.unsent_logprobs(codec, chat, lp_on);
+            self.chunker.send(c.index, end, lp, Some(finish_reason));
         }
+        // The body carries every token's log-probabilities, whatever the chunks carried.
+        let logprobs = match (lp_on, chat) {
+            (false, _) => Value::Null,
+            (true, true) => chat_logprobs(codec, &c.lps),
+            (true, false) => completion_logprobs(codec, &c.lps, &mut 0),
+        };
         c.result = Some(if chat {
-            json!({"index": c.index, "message": message, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason})
+            json!({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason})
         } else {
-            json!({"index": c.index, "text": text_out, "logprobs": null, "finish_reason": finish_reason, "stop_reason": stop_reason})
+            json!({"index": c.index, "text": text_out, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason})
         });
         Ok(self.progress())
     }
@@ -586,6 +702,9 @@ mod tests {
         }
         fn stream<'a>(&'a self, _: bool) -> Box<dyn TokenStream + 'a> {
             Box::new(NoText)
+        }
+        fn token_bytes(&self, _: u32) -> Vec<u8> {
+            unimplemented!("not used")
         }
     }
 

@@ -40,6 +40,9 @@ pub trait TextCodec {
     /// Real vocabulary size (ids `0..vocab_size` are valid token ids).
     fn vocab_size(&self) -> usize;
     fn stream<'a>(&'a self, skip_special: bool) -> Box<dyn TokenStream + 'a>;
+    /// The bytes one id stands for in decoded text (a special token's text; U+FFFD for an id
+    /// the tokenizer does not know): the `bytes` of a logprobs entry.
+    fn token_bytes(&self, id: u32) -> Vec<u8>;
 }
 
 /// What the front end needs of a chat template.

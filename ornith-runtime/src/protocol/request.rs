@@ -7,13 +7,14 @@
 //! * raw completion: `{"prompt": "text" | [ids], ...}` or `{"prompt_token_ids": [ids]}`.
 //!
 //! `null` means "absent" for every optional field (OpenAI clients send explicit nulls).
-//! Parameters this build cannot honour (logprobs, `allowed_tools` tool choice,
+//! Parameters this build cannot honour (`allowed_tools` tool choice,
 //! structured output, images) are errors rather than silently ignored. The role `developer`
 //! (newer OpenAI clients) is treated as `system`.
 
 use serde_json::{Map, Value};
 
 use crate::engine::{Penalties, SamplingParams};
+use crate::logprobs::MAX_TOP_LOGPROBS;
 use crate::sampling::GREEDY_EPS;
 
 use super::GenerationDefaults;
@@ -42,7 +43,7 @@ pub const ERROR_CODES: &[(&str, &str)] = &[
     ),
     (
         "unsupported_parameter",
-        "a parameter this build cannot honour: `logprobs`, `response_format` other \
+        "a parameter this build cannot honour: `response_format` other \
          than text, a `tool_choice` other than auto, none, required or a named function, `echo`, \
          several prompts in one line, `suffix` when the tokenizer has no fill-in-the-middle tokens",
     ),
@@ -126,6 +127,8 @@ pub struct Request {
     pub stream: bool,
     /// `n`: choices, each its own sequence sampled with `seed + i` (vLLM's children).
     pub n: usize,
+    /// Report each output token's log-probability and this many most likely candidates.
+    pub logprobs: Option<usize>,
     /// Fields the front end does not know (ignored; the request still runs), one message each.
     pub warnings: Vec<String>,
 }
@@ -282,14 +285,7 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
         Some(n) => return Err(LineError::invalid(format!("`n` must be in 1..={MAX_CHOICES}, got {n}"))),
     };
     // Parameters that would change the result and are not implemented.
-    let logprobs_on = match present(b, "logprobs") {
-        None | Some(Value::Bool(false)) => false,
-        Some(Value::Number(n)) => n.as_i64() != Some(0),
-        Some(_) => true,
-    };
-    if logprobs_on || present(b, "top_logprobs").is_some() {
-        return Err(LineError::new("unsupported_parameter", "`logprobs` are not supported by this build"));
-    }
+    let logprobs = parse_logprobs(b, chat)?;
     if let Some(rf) = present(b, "response_format") {
         if rf.get("type").and_then(|t| t.as_str()) != Some("text") {
             return Err(LineError::new(
@@ -398,8 +394,34 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
         ignore_eos,
         stream,
         n,
+        logprobs,
         warnings: Vec::new(),
     })
+}
+
+/// `logprobs` as each API spells it: chat `logprobs: true` with `top_logprobs: k` (0 when
+/// absent), completions `logprobs: k`; `k` at most [`MAX_TOP_LOGPROBS`]. None: off.
+fn parse_logprobs(b: &Map<String, Value>, chat: bool) -> R<Option<usize>> {
+    let top = |v: i64, key: &str| -> R<usize> {
+        if (0..=MAX_TOP_LOGPROBS as i64).contains(&v) {
+            Ok(v as usize)
+        } else {
+            Err(LineError::invalid(format!("`{key}` must be in 0..={MAX_TOP_LOGPROBS}, got {v}")))
+        }
+    };
+    if chat {
+        let on = get_bool(b, "logprobs")?.unwrap_or(false);
+        match (on, get_i64(b, "top_logprobs")?) {
+            (true, k) => Ok(Some(k.map_or(Ok(0), |k| top(k, "top_logprobs"))?)),
+            (false, None) => Ok(None),
+            (false, Some(_)) => Err(LineError::invalid("`top_logprobs` needs `logprobs: true`")),
+        }
+    } else {
+        if present(b, "top_logprobs").is_some() {
+            return Err(LineError::invalid("`top_logprobs` is a chat parameter; completions take `logprobs: N`"));
+        }
+        get_i64(b, "logprobs")?.map(|k| top(k, "logprobs")).transpose()
+    }
 }
 
 /// Fields a request body may carry: those read above, and those clients send that do not change

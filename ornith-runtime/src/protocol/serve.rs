@@ -450,6 +450,10 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
                             o.live.on_admitted(choice, cached_tokens);
                             Ok(ChoiceProgress::Running)
                         }
+                        EventKind::Logprobs(lp) => {
+                            o.live.on_logprobs(choice, lp);
+                            Ok(ChoiceProgress::Running)
+                        }
                         EventKind::Error { code, message } => Err(LineError::from_engine(code, message)),
                     };
                     for c in o.live.take_chunks() {

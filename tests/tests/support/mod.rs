@@ -7,7 +7,8 @@ pub mod server;
 use std::sync::{Arc, Mutex};
 
 use ornith_runtime::engine::{Capacity, Penalties, Runner, SamplingParams};
-use ornith_runtime::graph::{Batch, RowSample, KV_BLOCK};
+use ornith_runtime::graph::{Batch, RowSample, Sampled, KV_BLOCK};
+use ornith_runtime::logprobs::TokenLogprobs;
 use ornith_runtime::protocol::{PromptRenderer, TextCodec, TokenStream};
 use serde_json::{json, Map, Value};
 
@@ -86,6 +87,12 @@ impl TextCodec for ByteCodec {
     }
     fn stream<'a>(&'a self, skip_special: bool) -> Box<dyn TokenStream + 'a> {
         Box::new(ByteStream { pending: Vec::new(), skip: skip_special })
+    }
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        match SPECIALS.iter().find(|(_, i)| *i == id) {
+            Some((s, _)) => s.as_bytes().to_vec(),
+            None => vec![id as u8],
+        }
     }
 }
 
@@ -187,7 +194,7 @@ impl Runner for ScriptRunner {
         self.script[to] = self.script[from].clone();
         Ok(())
     }
-    fn run(&mut self, batch: &Batch, n: usize, rows: &[RowSample]) -> anyhow::Result<Vec<u32>> {
+    fn run(&mut self, batch: &Batch, n: usize, rows: &[RowSample]) -> anyhow::Result<Vec<Sampled>> {
         assert!(n > 0 && n <= 259, "sampling {n} ids");
         std::thread::sleep(self.step_time);
         batch.validate(self.slots, self.capacity().blocks, self.ctx).expect("the engine sent a bad batch");
@@ -224,11 +231,20 @@ impl Runner for ScriptRunner {
                 self.script[slot] = Some((script, 0));
             }
             let (script, at) = self.script[slot].as_mut().unwrap();
-            out.push(script.get(*at).copied().unwrap_or(b'x' as u32));
+            let id = script.get(*at).copied().unwrap_or(b'x' as u32);
             *at += 1;
+            let logprobs = r.logprobs.map(|w| Box::new(script_logprobs(w.forced.unwrap_or(id), w.top)));
+            out.push(Sampled { id, logprobs });
         }
         Ok(out)
     }
+}
+
+/// The scripted model's log-probabilities: token `t` has `-t / 1000`, the top `k` are `A`, `B`,
+/// … with -0.25, -0.5, ….
+pub fn script_logprobs(token: u32, top: usize) -> TokenLogprobs {
+    let top = (0..top).map(|i| (b'A' as u32 + i as u32, -0.25 * (i + 1) as f32)).collect();
+    TokenLogprobs { token, logprob: -(token as f32) / 1000.0, top }
 }
 
 /// [`ByteCodec`] whose encoding of a text holding [`HOLD`] waits until its [`Gate`] opens: a
@@ -284,5 +300,8 @@ impl ornith_runtime::protocol::TextCodec for GatedCodec {
     }
     fn stream<'a>(&'a self, skip_special: bool) -> Box<dyn ornith_runtime::protocol::TokenStream + 'a> {
         ByteCodec.stream(skip_special)
+    }
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        ByteCodec.token_bytes(id)
     }
 }
