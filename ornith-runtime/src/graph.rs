@@ -177,7 +177,7 @@ impl Batch {
 /// Which logits row to sample for one sequence, how, and at which step of its random stream;
 /// with penalties, the tokens they apply to (the backend penalises the row first:
 /// [`crate::sampling::penalize`]); with `logprobs`, what to report of the row as the model gave
-/// it (before the penalties).
+/// it (before the penalties); with `mask`, the only ids it may draw.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RowSample {
     pub row: usize,
@@ -185,6 +185,9 @@ pub struct RowSample {
     pub step: u64,
     pub penalties: Option<std::sync::Arc<crate::sampling::PenaltyState>>,
     pub logprobs: Option<WantLogprobs>,
+    /// The ids a grammar allows (structured output): the others' logits become −∞ after the
+    /// penalties, so only allowed ids can come out.
+    pub mask: Option<std::sync::Arc<crate::engine::TokenMask>>,
 }
 
 /// The log-probabilities a row reports ([`crate::logprobs::token_logprobs`]): of the token the

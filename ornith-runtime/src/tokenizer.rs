@@ -24,6 +24,8 @@ pub struct Tokenizer {
     bytes: Vec<Vec<u8>>,
     /// Ids of added tokens flagged `special` (dropped by `skip_special` decoding).
     special: HashSet<u32>,
+    /// Ids of every added token (special or not: `<think>`, the tool-call markers too).
+    added: HashSet<u32>,
     /// The added tokens as the library's first split matches them, when that split is all there
     /// is to them (see [`AddedSplit::of`]); `None`: every text goes through the whole pipeline.
     split: Option<AddedSplit>,
@@ -264,6 +266,7 @@ impl Tokenizer {
         }
         let added = inner.get_added_tokens_decoder();
         let special: HashSet<u32> = added.iter().filter(|(_, t)| t.special).map(|(&id, _)| id).collect();
+        let added_ids: HashSet<u32> = added.keys().copied().collect();
         let n = inner.get_vocab_size(true);
         let table = byte_level_table();
         let mut bytes = vec![Vec::new(); n];
@@ -285,7 +288,15 @@ impl Tokenizer {
         }
         let split = AddedSplit::of(&inner);
         let cut_seams = seams_hold(&inner);
-        Ok(Self { inner, bytes, special, split, cache: Mutex::new(PieceCache::new(CACHE_BUDGET)), cut_seams })
+        Ok(Self {
+            inner,
+            bytes,
+            special,
+            added: added_ids,
+            split,
+            cache: Mutex::new(PieceCache::new(CACHE_BUDGET)),
+            cut_seams,
+        })
     }
 
     /// Token ids of `text` (NFC-normalised, split by the pre-tokenizer regex, BPE). Added tokens
@@ -435,6 +446,11 @@ impl Tokenizer {
     }
 
     /// The vocabulary spelling of `id` (byte-level form for BPE tokens, e.g. `Ġthe`).
+    /// Whether `id` is an added token (`<|im_end|>`, `<think>`, the tool-call markers, …).
+    pub fn is_added(&self, id: u32) -> bool {
+        self.added.contains(&id)
+    }
+
     /// The bytes `id` stands for in decoded text (a special token's text), or None for an id
     /// the tokenizer does not know.
     pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {

@@ -759,7 +759,8 @@ fn prefix_cache_resume_matches_cold() {
 /// penalised by `sampling::apply_penalties` and sampled by `sampling::sample`. Greedy and
 /// sampled, each with a presence, frequency and repetition penalty over a prompt and a made-up
 /// output history that holds the unpenalised greedy pick 20 times (so the greedy pick moves).
-/// The row's log-probabilities (asked for beside) are those of the unpenalised row.
+/// The row's log-probabilities (asked for beside) are those of the unpenalised row; a masked row
+/// (structured output) draws what the CPU draws from the penalised, masked row.
 #[test]
 #[ignore]
 fn cuda_penalties_match_cpu_sampling() {
@@ -790,7 +791,20 @@ fn cuda_penalties_match_cpu_sampling() {
         apply_penalties(&mut want, &seen);
         // Log-probabilities too: the unpenalised row's, of the drawn id and the top 5.
         let logprobs = Some(ornith_runtime::graph::WantLogprobs { top: 5, forced: None });
-        let rows = [RowSample { row: 0, params, step: 4, penalties: Some(std::sync::Arc::new(seen)), logprobs }];
+        let rows =
+            [RowSample { row: 0, params, step: 4, penalties: Some(std::sync::Arc::new(seen)), logprobs, mask: None }];
+        // A grammar's mask (ids ≡ 3 mod 7): sampled on the host, after the penalties (first: the
+        // unmasked call below penalises the device row in place).
+        let words: Vec<u32> = (0..n.div_ceil(32))
+            .map(|w| (0..32).filter(|b| (w * 32 + b) % 7 == 3).fold(0u32, |acc, b| acc | 1 << b))
+            .collect();
+        let mask = ornith_runtime::engine::TokenMask { words };
+        let mut masked = want.clone();
+        mask.apply(&mut masked);
+        let masked_rows = [RowSample { mask: Some(std::sync::Arc::new(mask)), logprobs: None, ..rows[0].clone() }];
+        let s = gpu.sample(&logits, n, &masked_rows).unwrap().remove(0);
+        assert_eq!(s.id, sample(&masked, &params, 4).unwrap(), "masked {params:?} {pen:?}");
+        assert_eq!(s.id % 7, 3);
         let s = gpu.sample(&logits, n, &rows).unwrap().remove(0);
         let got = s.id;
         assert_eq!(got, sample(&want, &params, 4).unwrap(), "{params:?} {pen:?}");

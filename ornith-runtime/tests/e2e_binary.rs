@@ -214,6 +214,48 @@ fn logprobs_on_the_model() {
     }
 }
 
+/// `response_format` json_schema on the real model (CPU backend, the real tokenizer): a model of
+/// random weights writes JSON that matches the schema, greedy and sampled, because the grammar
+/// allows nothing else; `json_object` gives an object.
+#[test]
+fn response_format_json_schema_on_the_model() {
+    let schema = r#"{"type":"object","properties":{"answer":{"enum":["yes","no"]},"score":{"type":"integer","minimum":0,"maximum":9}},"required":["answer","score"],"additionalProperties":false}"#;
+    let line = |id: &str, extra: &str| {
+        format!(
+            r#"{{"custom_id":"{id}","messages":[{{"role":"user","content":"Is it?"}}],"max_tokens":40,"chat_template_kwargs":{{"enable_thinking":false}}{extra}}}"#
+        )
+    };
+    let rf = format!(r#","response_format":{{"type":"json_schema","json_schema":{{"name":"r","schema":{schema}}}}}"#);
+    let lines = [
+        line("greedy", &format!(r#"{rf},"temperature":0"#)),
+        line("sampled", &format!(r#"{rf},"seed":5,"n":2"#)),
+        line("object", r#","response_format":{"type":"json_object"},"temperature":0,"max_tokens":60"#),
+    ];
+    let input = lines.join("\n") + "\n";
+    let (out, stderr) = run(&["--backend", "cpu", "--max-context", "512", "--ordered"], input.as_bytes());
+    let res = results(&out);
+    assert_eq!(res.len(), 3, "stderr: {stderr}");
+    for (k, n) in [(0, 1), (1, 2)] {
+        let choices = res[k]["response"]["body"]["choices"].as_array().unwrap_or_else(|| panic!("{}", res[k]));
+        assert_eq!(choices.len(), n);
+        for c in choices {
+            let text = c["message"]["content"].as_str().unwrap();
+            let v: serde_json::Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+            assert!(v["answer"] == "yes" || v["answer"] == "no", "{v}");
+            assert!(v["score"].as_u64().is_some_and(|s| s <= 9), "{v}");
+            assert_eq!(v.as_object().unwrap().len(), 2, "{v}");
+            assert_eq!(c["finish_reason"], "stop", "the grammar ends the answer: {c}");
+        }
+    }
+    let c = &res[2]["response"]["body"]["choices"][0];
+    let text = c["message"]["content"].as_str().unwrap();
+    if c["finish_reason"] == "stop" {
+        assert!(serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(text).is_ok(), "{text:?}");
+    } else {
+        assert!(text.starts_with('{'), "an object, cut at max_tokens: {text:?}");
+    }
+}
+
 #[test]
 fn tokenize_counts_tokens() {
     let (lines, _) = run(

@@ -51,6 +51,7 @@ fn requests() -> Vec<GenRequest> {
             stop_ids: Vec::new(),
             force: vec![],
             logprobs: None,
+            constraint: None,
         })
         .collect()
 }
@@ -149,6 +150,7 @@ fn a_short_request_after_a_long_one_finishes_first() {
         stop_ids: vec![],
         force: vec![],
         logprobs: None,
+        constraint: None,
     };
     let short = GenRequest {
         prompt: prompt(6, 10),
@@ -158,6 +160,7 @@ fn a_short_request_after_a_long_one_finishes_first() {
         stop_ids: vec![],
         force: vec![],
         logprobs: None,
+        constraint: None,
     };
     e.submit(1, long).unwrap();
     e.submit(2, short).unwrap();
@@ -186,6 +189,7 @@ fn admission_waits_for_memory_refuses_what_never_fits_and_cancel_frees() {
         stop_ids: vec![],
         force: vec![],
         logprobs: None,
+        constraint: None,
     };
     // Longer than the context: refused at once, nothing queued.
     let err = e.submit(1, req(CTX, 1)).unwrap_err();
@@ -227,6 +231,7 @@ fn stop_ids_end_a_sequence_and_pools_never_leak_over_a_thousand_requests() {
                 stop_ids: vec![],
                 force: vec![],
                 logprobs: None,
+                constraint: None,
             },
         )
         .unwrap();
@@ -249,6 +254,7 @@ fn stop_ids_end_a_sequence_and_pools_never_leak_over_a_thousand_requests() {
         stop_ids: vec![],
         force: vec![],
         logprobs: None,
+        constraint: None,
     };
     e.submit(5000, r.clone()).unwrap();
     let first = drain(&mut e).0[&5000][0];
@@ -357,6 +363,7 @@ fn plain(prompt: Vec<u32>, max_tokens: u64, params: SamplingParams) -> GenReques
         stop_ids: vec![],
         force: vec![],
         logprobs: None,
+        constraint: None,
     }
 }
 

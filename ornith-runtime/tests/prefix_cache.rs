@@ -54,6 +54,7 @@ fn request(prompt: Vec<u32>, i: u64) -> GenRequest {
         stop_ids: Vec::new(),
         force: vec![],
         logprobs: None,
+        constraint: None,
     }
 }
 

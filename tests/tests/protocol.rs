@@ -589,6 +589,70 @@ fn logprobs_in_chat_and_completions_shapes() {
     }
 }
 
+/// `response_format` json: the answer is what the grammar allows. The scripted model draws its
+/// script where the mask allows it (else it closes what is open): a script that is the right
+/// JSON comes out as it is, a junk script still comes out as JSON; with thinking on the
+/// reasoning stays free and the JSON follows `</think>`; each choice has its own grammar; the
+/// stream adds up to the body; bad formats and combinations are refused.
+#[test]
+fn response_format_json_constrains_the_answer() {
+    let no_think = json!({"enable_thinking": false});
+    let schema = json!({"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+                        "required": ["ok", "n"], "additionalProperties": false});
+    let rf = json!({"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": true}});
+    let good = r#"{"ok": true, "n": 12}"#;
+    let chat = |say: &str, extra: Value| {
+        let mut v = json!({"messages": [{"role": "user", "content": format!("SAY:{say}")}]});
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v
+    };
+    let lines = [
+        chat(good, json!({"response_format": rf, "chat_template_kwargs": no_think})),
+        chat("Sure! Here it is", json!({"response_format": {"type": "json_object"}, "chat_template_kwargs": no_think})),
+        chat(&format!("Let me think.\n</think>\n\n{good}"), json!({"response_format": rf, "stream": true})),
+        chat("nope", json!({"response_format": rf, "chat_template_kwargs": no_think, "n": 2, "max_tokens": 40})),
+        json!({"prompt": "SAY:x", "response_format": {"type": "json_object"}}),
+        chat("x", json!({"response_format": rf, "tools": [{"type": "function", "function": {"name": "ls"}}]})),
+        chat("x", json!({"response_format": {"type": "yaml"}})),
+        chat("x", json!({"response_format": {"type": "json_schema", "json_schema": {"name": "r"}}})),
+        chat("x", json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}})),
+        chat("x", json!({"response_format": rf, "ignore_eos": true})),
+        // With tools left out (`tool_choice: none`) the JSON is allowed.
+        chat(
+            good,
+            json!({"response_format": rf, "chat_template_kwargs": no_think,
+                          "tools": [{"type": "function", "function": {"name": "ls"}}], "tool_choice": "none"}),
+        ),
+    ];
+    let input: String = lines.iter().map(|l| l.to_string() + "\n").collect();
+    let (out, _) = run_with(Cursor::new(input), &opts(), 512);
+    let (res, chunks) = results(&out);
+    let content = |k: usize, i: usize| body(&res[k])["choices"][i]["message"]["content"].as_str().unwrap().to_string();
+
+    assert_eq!(content(0, 0), good);
+    assert_eq!(finish(&res[0]), "stop");
+    let junk = content(1, 0);
+    assert!(serde_json::from_str::<Map<String, Value>>(&junk).is_ok(), "not a JSON object: {junk}");
+    let m = msg(&res[2]);
+    assert_eq!((m["reasoning"].as_str(), m["content"].as_str()), (Some("Let me think."), Some(good)), "{m}");
+    let (reasoning, streamed, _, fin) = stream_concat(&chunks[2], "line-3");
+    assert_eq!((reasoning.as_str(), streamed.as_str(), fin.as_str()), ("Let me think.", good, "stop"));
+    for i in 0..2 {
+        let v: Value =
+            serde_json::from_str(&content(3, i)).unwrap_or_else(|e| panic!("choice {i}: {e}: {}", content(3, i)));
+        assert!(v["ok"].is_boolean() && v["n"].is_i64(), "{v}");
+    }
+    assert_eq!(err_code(&res[4]), "unsupported_parameter");
+    assert_eq!(err_code(&res[5]), "unsupported_parameter");
+    for k in [6, 7, 8, 9] {
+        assert_eq!(err_code(&res[k]), "invalid_request", "{}", res[k]);
+    }
+    assert!(res[8]["error"]["message"].as_str().unwrap().contains("schema"), "{}", res[8]);
+    assert_eq!(content(10, 0), good);
+}
+
 #[test]
 fn a_forced_tool_choice_makes_the_answer_a_call() {
     // The scripted model would write filler where the call starts: forcing replaces the first

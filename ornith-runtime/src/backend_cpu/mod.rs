@@ -441,6 +441,9 @@ impl Backend for CpuBackend {
                 if let Some(p) = &r.penalties {
                     crate::sampling::apply_penalties(&mut bits, p);
                 }
+                if let Some(m) = &r.mask {
+                    m.apply(&mut bits);
+                }
                 let id = crate::sampling::sample(&bits, &r.params, r.step)?;
                 let logprobs = r
                     .logprobs
@@ -469,7 +472,7 @@ mod tests {
     /// The lm_head's padding rows (columns `n..`) never come out, whatever their logits, in any
     /// sampling mode; a row without a finite candidate is an error.
     fn row(p: &SamplingParams, step: u64) -> RowSample {
-        RowSample { row: 0, params: *p, step, penalties: None, logprobs: None }
+        RowSample { row: 0, params: *p, step, penalties: None, logprobs: None, mask: None }
     }
 
     #[test]

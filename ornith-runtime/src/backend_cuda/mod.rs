@@ -1617,11 +1617,14 @@ impl Backend for CudaBackend {
         if let Some(r) = rows.iter().find(|r| r.row >= logits.rows) {
             bail!("sampling row {} of {} logits rows", r.row, logits.rows);
         }
-        // Rows that report log-probabilities: their candidates as the model gave them, copied to
-        // the host before any penalty edits them (computed there: `logprobs::token_logprobs`).
+        // Rows that report log-probabilities or carry a grammar's mask: their candidates as the
+        // model gave them, copied to the host before any penalty edits them. Log-probabilities
+        // are computed there (`logprobs::token_logprobs`), and a masked row is sampled there by
+        // the reference sampler — penalties, mask, `sampling::sample` — which the device sampler
+        // matches bit for bit.
         let mut raw: Vec<Option<Vec<u16>>> = vec![None; rows.len()];
         for (i, r) in rows.iter().enumerate() {
-            if r.logprobs.is_some() {
+            if r.logprobs.is_some() || r.mask.is_some() {
                 let mut b = vec![0u16; n];
                 self.cx.stream().memcpy_dtoh(&logits.buf.slice(r.row * v..r.row * v + n), &mut b)?;
                 raw[i] = Some(b);
@@ -1630,15 +1633,26 @@ impl Backend for CudaBackend {
         // Penalties edit their rows' logits first, for the argmax and the draw alike.
         if rows.iter().any(|r| r.penalties.is_some()) {
             let mut s = self.sampler.lock().unwrap_or_else(|e| e.into_inner());
-            for r in rows {
+            for r in rows.iter().filter(|r| r.mask.is_none()) {
                 if let Some(st) = &r.penalties {
                     self.cx.apply_penalties(&logits.buf, v, r.row, n, st, &mut s)?;
                 }
             }
         }
         let mut out = vec![0u32; rows.len()];
-        let (greedy, drawn): (Vec<usize>, Vec<usize>) =
-            (0..rows.len()).partition(|&i| crate::sampling::is_greedy(&rows[i].params));
+        for (i, r) in rows.iter().enumerate() {
+            if let (Some(m), Some(raw)) = (&r.mask, &raw[i]) {
+                let mut bits = raw.clone();
+                if let Some(st) = &r.penalties {
+                    crate::sampling::apply_penalties(&mut bits, st);
+                }
+                m.apply(&mut bits);
+                out[i] = crate::sampling::sample(&bits, &r.params, r.step)?;
+            }
+        }
+        let (greedy, drawn): (Vec<usize>, Vec<usize>) = (0..rows.len())
+            .filter(|&i| rows[i].mask.is_none())
+            .partition(|&i| crate::sampling::is_greedy(&rows[i].params));
         if !greedy.is_empty() {
             let lr: Vec<i32> = greedy.iter().map(|&i| rows[i].row as i32).collect();
             let (idx, lrows) = (at(self, &self.s.amax, 0), at(self, &self.s.amax_rows, 0));

@@ -160,7 +160,7 @@ fn sample1(
     q: &SamplingParams,
     step: u64,
 ) -> Result<u32> {
-    Ok(b.sample(l, n, &[RowSample { row: 0, params: *q, step, penalties: None, logprobs: None }])?[0].id)
+    Ok(b.sample(l, n, &[RowSample { row: 0, params: *q, step, penalties: None, logprobs: None, mask: None }])?[0].id)
 }
 
 /// Timed decode runs of `--gen` steps at batch 1: greedy, default sampling, top-p, eager, and
@@ -221,6 +221,7 @@ fn batch_run(
                 step,
                 penalties: None,
                 logprobs: None,
+                mask: None,
             })
             .collect();
         *toks = b.sample(&l, n_vocab, &rows)?.into_iter().map(|s| s.id).collect();

@@ -27,8 +27,10 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::constrain::{Active, Constraint, TokenMask};
 use super::force::{Forced, Forcing};
 use super::pool::{BlockPool, SlotPool};
 use super::prefix::{chunk_keys, keeps_snapshot, CacheStats, PrefixCache, CHUNK_BLOCKS};
@@ -36,7 +38,7 @@ use super::{Penalties, Runner, SamplingParams, PREFILL_CHUNK};
 use crate::graph::{Batch, RowSample, SeqRows, WantLogprobs, KV_BLOCK};
 
 /// What the engine needs of one request (the front end has rendered and tokenized it).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct GenRequest {
     pub prompt: Vec<u32>,
     /// At least 1; `prompt.len() + max_tokens` must fit the engine's context.
@@ -53,6 +55,8 @@ pub struct GenRequest {
     /// Report each output token's log-probability and this many most likely candidates
     /// ([`crate::logprobs`]; at most [`crate::logprobs::MAX_TOP_LOGPROBS`]).
     pub logprobs: Option<usize>,
+    /// Draws restricted to what a grammar allows ([`Constraint`]: structured output).
+    pub constraint: Option<Constraint>,
 }
 
 /// Why the engine ended a sequence.
@@ -138,6 +142,8 @@ struct Seq {
     pen: Option<std::sync::Arc<crate::sampling::PenaltyState>>,
     /// Its forced tokens (None: the request has no [`Forcing`]).
     forced: Option<Forced>,
+    /// Its grammar (None: unconstrained).
+    constrained: Option<Active>,
     /// Prefix-cache chunks this sequence uses (resumed after, or entered while prefilling).
     chain: Vec<usize>,
     /// False once a chunk could not be entered (a hash collision): no later chunk is either.
@@ -342,7 +348,8 @@ impl Engine {
                 self.cache.release(shared, &mut self.blocks);
                 break;
             }
-            let (id, req, keys) = self.waiting.pop_front().expect("front exists");
+            let (id, mut req, keys) = self.waiting.pop_front().expect("front exists");
+            let constrained = req.constraint.take().map(Active::new);
             let slot = self.slots.take().expect("a slot is free");
             let mut blocks = self.cache.blocks(shared);
             self.blocks.retain(&blocks);
@@ -354,7 +361,22 @@ impl Engine {
                 .active()
                 .then(|| std::sync::Arc::new(crate::sampling::PenaltyState::new(req.penalties, &req.prompt)));
             let forced = (!req.force.is_empty()).then(|| Forced::new(&req.force));
-            let s = Seq { id, req, slot, blocks, pos, last: None, n_out: 0, pen, forced, chain, caching, wanted, keys };
+            let s = Seq {
+                id,
+                req,
+                slot,
+                blocks,
+                pos,
+                last: None,
+                n_out: 0,
+                pen,
+                forced,
+                constrained,
+                chain,
+                caching,
+                wanted,
+                keys,
+            };
             let loaded = match shared.last() {
                 Some(&node) => {
                     let snap = self.cache.snapshot(node).expect("a resumable chunk has a snapshot");
@@ -448,6 +470,26 @@ impl Engine {
             batch.seqs.push(SeqRows { slot: s.slot, pos: s.pos, len, blocks: s.blocks.clone() });
             members.push((i, len, end == s.req.prompt.len()));
         }
+        // The grammars' masks of the rows that sample (none where a token is forced: the draw
+        // is dropped); a grammar that cannot go on fails its sequence after the step.
+        let n = self.cfg.sample_vocab;
+        let mut masks: HashMap<usize, Arc<TokenMask>> = HashMap::new();
+        let mut dead: HashMap<usize, String> = HashMap::new();
+        for &(i, _, samples) in &members {
+            let s = &mut self.running[i];
+            let forced = s.forced.as_ref().and_then(|f| f.peek()).is_some();
+            if let (true, false, Some(a)) = (samples, forced, s.constrained.as_mut()) {
+                match a.mask(n) {
+                    Ok(Some(m)) => {
+                        masks.insert(i, m);
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        dead.insert(i, format!("structured output: {e:#}"));
+                    }
+                }
+            }
+        }
         let rows: Vec<RowSample> = members
             .iter()
             .enumerate()
@@ -458,11 +500,11 @@ impl Engine {
                     top: top.min(crate::logprobs::MAX_TOP_LOGPROBS),
                     forced: s.forced.as_ref().and_then(|f| f.peek()),
                 });
-                RowSample { row, params: s.req.params, step: s.n_out, penalties: s.pen.clone(), logprobs }
+                let mask = masks.get(&i).cloned();
+                RowSample { row, params: s.req.params, step: s.n_out, penalties: s.pen.clone(), logprobs, mask }
             })
             .collect();
         let t0 = Instant::now();
-        let n = self.cfg.sample_vocab;
         let out = match catch_unwind(AssertUnwindSafe(|| self.runner.run(&batch, n, &rows))) {
             Ok(Ok(v)) if v.len() == rows.len() => Ok(v),
             Ok(Ok(v)) => {
@@ -521,6 +563,19 @@ impl Engine {
                     }
                     let drawn = toks.next().expect("one token per sampled row");
                     let t = s.forced.as_mut().map_or(drawn.id, |f| f.next(drawn.id));
+                    let grammar = match dead.remove(&i) {
+                        Some(e) => Err(e),
+                        None => s
+                            .constrained
+                            .as_mut()
+                            .map_or(Ok(()), |a| a.output(t).map_err(|e| format!("structured output: {e:#}"))),
+                    };
+                    if let Err(message) = grammar {
+                        events.push(Event { id: s.id, kind: EventKind::Error { code: "engine_error", message } });
+                        done[i] = true;
+                        self.stats.failed += 1;
+                        continue;
+                    }
                     s.n_out += 1;
                     if let Some(p) = &mut s.pen {
                         std::sync::Arc::make_mut(p).add_output(t);

@@ -12,12 +12,14 @@
 //!   handle, events (token, finish, error) come back on a channel, `cancel` frees a sequence at
 //!   once. The JSONL front end and the HTTP server (`http`) drive it.
 
+mod constrain;
 mod core;
 mod force;
 mod pool;
 pub mod prefix;
 mod thread;
 
+pub use self::constrain::{Constraint, Grammar, TokenMask};
 pub use self::core::{drain, Engine, EngineConfig, EngineStats, Event, EventKind, Finish, GenRequest, SubmitError};
 pub use self::force::{Forcing, Trigger};
 pub use self::pool::{BlockPool, SlotPool};

@@ -22,8 +22,9 @@ use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::engine::{Engine, EngineClient, EngineStats, EngineThread, Event, EventKind};
-use crate::protocol::live::{self, Limits, Live, Progress};
+use crate::protocol::live::{self, Limits, Live, Prepared, Progress};
 use crate::protocol::request::{LineError, Request};
+use crate::protocol::structured::Grammars;
 use crate::protocol::{PromptRenderer, TextCodec};
 
 use super::metrics::Metrics;
@@ -60,7 +61,7 @@ pub(crate) enum Msg {
         started: Instant,
         tx: mpsc::UnboundedSender<Out>,
         place: Place,
-        prompt: Result<(Vec<u32>, bool), LineError>,
+        prompt: Result<Prepared, LineError>,
     },
     Cancel(u64),
     Event(Event),
@@ -205,7 +206,8 @@ pub fn spawn(
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<(Threads, EngineRouter)> {
     let window = engine.max_context();
-    let limits = Limits { window, vocab: codec.vocab_size() };
+    let limits = Limits { window, vocab: codec.vocab_size(), eos: cfg.eos_ids.first().copied() };
+    let grammars = Arc::new(Grammars::new());
     let codec: Arc<dyn TextCodec + Send + Sync> = Arc::from(codec);
     let (tx, rx) = channel::<Msg>();
     let (jobs, job_rx) = channel::<Job>();
@@ -221,8 +223,9 @@ pub fn spawn(
     let mut prepare = Vec::with_capacity(PREPARE_THREADS);
     for i in 0..PREPARE_THREADS {
         let (jobs, back, codec, renderer) = (job_rx.clone(), tx.clone(), codec.clone(), renderer.clone());
+        let grammars = grammars.clone();
         prepare.push(std::thread::Builder::new().name(format!("ornith-prompts-{i}")).spawn(move || {
-            prepare_prompts(&jobs, back, codec.as_ref(), renderer.as_ref(), limits);
+            prepare_prompts(&jobs, back, codec.as_ref(), renderer.as_ref(), limits, &grammars);
         })?);
     }
     let closer = Arc::new(Closer(tx.clone()));
@@ -238,8 +241,13 @@ fn prepare_prompts(
     codec: &dyn TextCodec,
     renderer: &dyn PromptRenderer,
     limits: Limits,
+    grammars: &Grammars,
 ) {
     let make = |req: &Request| {
+        catch_unwind(AssertUnwindSafe(|| live::prepare(req, codec, renderer, &limits, grammars)))
+            .unwrap_or_else(|_| Err(panicked()))
+    };
+    let count = |req: &Request| {
         catch_unwind(AssertUnwindSafe(|| live::prompt_tokens(req, codec, renderer, &limits)))
             .unwrap_or_else(|_| Err(panicked()))
     };
@@ -254,7 +262,7 @@ fn prepare_prompts(
                 }
             }
             Job::Count { req, reply } => {
-                let _ = reply.send(make(&req).map(|(p, _)| p.len()));
+                let _ = reply.send(count(&req).map(|(p, _)| p.len()));
             }
         }
     }

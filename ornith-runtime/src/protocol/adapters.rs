@@ -38,6 +38,9 @@ impl TextCodec for Tokenizer {
     fn token_bytes(&self, id: u32) -> Vec<u8> {
         Tokenizer::token_bytes(self, id).map_or_else(|| "\u{FFFD}".as_bytes().to_vec(), <[u8]>::to_vec)
     }
+    fn is_added(&self, id: u32) -> bool {
+        Tokenizer::is_added(self, id)
+    }
 }
 
 impl PromptRenderer for ChatTemplate {

@@ -11,13 +11,14 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
-use crate::engine::{Forcing, GenRequest, SamplingParams, Trigger};
+use crate::engine::{Constraint, Forcing, GenRequest, Grammar, SamplingParams, Trigger};
 use crate::logprobs::TokenLogprobs;
 use crate::sampling::mix64;
 
 use super::request::{Kind, LineError, Prompt, Request, ToolForce};
 use super::split::{Delta, Message, Splitter};
 use super::stop::StopStrings;
+use super::structured::Grammars;
 use super::toolcall::ToolCall;
 use super::{PromptRenderer, TextCodec, TokenStream};
 
@@ -271,6 +272,9 @@ pub fn fim_prompt(codec: &dyn TextCodec, prefix: &str, suffix: &str) -> Result<V
     Ok(ids)
 }
 
+/// What the chat template writes between `</think>` and the answer.
+const ANSWER_GAP: &str = "\n\n";
+
 /// What the Qwen3 technical report (section 4.3, "Thinking Budget") inserts when the reasoning
 /// reaches the budget; the model then answers from the reasoning so far.
 pub const STOP_THINKING: &str =
@@ -285,7 +289,10 @@ pub const STOP_THINKING: &str =
 ///   that is a call renders as `<tool_call>\n<function=NAME>\n<parameter=…`), the model writing
 ///   the rest — for `required` `=` and the function's name too. From the first token, or, when the
 ///   prompt leaves the model thinking, right after `</think>` (then `\n\n`, as the template
-///   writes it): the reasoning stays the model's own.
+///   writes it): the reasoning stays the model's own;
+/// * `response_format` json with thinking on: `\n\n` right after `</think>`, where the
+///   constrained answer starts (a grammar that starts at `</think>` would refuse the blank
+///   line the model is trained to write there).
 fn forcings(codec: &dyn TextCodec, req: &Request, thinking: bool) -> Result<Vec<Forcing>, LineError> {
     let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
     let Kind::Chat { force, .. } = &req.kind else { return Ok(Vec::new()) };
@@ -303,7 +310,10 @@ fn forcings(codec: &dyn TextCodec, req: &Request, thinking: bool) -> Result<Vec<
             ToolForce::Named(n) => format!("<tool_call>\n<function={n}>\n"),
         };
         let text = if thinking { format!("\n\n{head}") } else { head };
-        plans.push(Forcing { when: Trigger::After(close), tokens: codec.encode(&text).map_err(tok)? });
+        plans.push(Forcing { when: Trigger::After(close.clone()), tokens: codec.encode(&text).map_err(tok)? });
+    }
+    if req.json_output.is_some() && thinking {
+        plans.push(Forcing { when: Trigger::After(close), tokens: codec.encode(ANSWER_GAP).map_err(tok)? });
     }
     Ok(plans)
 }
@@ -315,6 +325,39 @@ pub struct Limits {
     pub window: usize,
     /// Ids the tokenizer has.
     pub vocab: usize,
+    /// The end-of-sequence id grammars end on (`response_format` json; None: no structured
+    /// output).
+    pub eos: Option<u32>,
+}
+
+/// A request's prompt made ready by a preparation thread: its tokens, whether the prompt leaves
+/// the model thinking, and its grammar (`response_format` json).
+pub struct Prepared {
+    pub prompt: Vec<u32>,
+    pub thinking: bool,
+    pub grammar: Option<Box<dyn Grammar>>,
+}
+
+/// [`prompt_tokens`], and the grammar of a `response_format` json request (compiled here, off
+/// the thread that streams).
+pub fn prepare(
+    req: &Request,
+    codec: &dyn TextCodec,
+    renderer: &dyn PromptRenderer,
+    limits: &Limits,
+    grammars: &Grammars,
+) -> Result<Prepared, LineError> {
+    let (prompt, thinking) = prompt_tokens(req, codec, renderer, limits)?;
+    let grammar = match &req.json_output {
+        None => None,
+        Some(j) => {
+            let eos = limits.eos.ok_or_else(|| {
+                LineError::new("unsupported_parameter", "`response_format` json needs an end-of-sequence token")
+            })?;
+            Some(grammars.json(codec, eos, j.schema.as_ref())?)
+        }
+    };
+    Ok(Prepared { prompt, thinking, grammar })
 }
 
 /// Threads that render and tokenize prompts beside the thread that turns the engine's tokens into
@@ -366,7 +409,7 @@ impl<'a> Live<'a> {
     #[allow(clippy::too_many_arguments)]
     pub fn begin(
         mut req: Request,
-        (prompt, thinking): (Vec<u32>, bool),
+        Prepared { prompt, thinking, grammar }: Prepared,
         line: u64,
         custom_id: Option<&str>,
         codec: &'a dyn TextCodec,
@@ -428,6 +471,15 @@ impl<'a> Live<'a> {
         let mut stop_ids = eos.clone();
         stop_ids.extend_from_slice(&req.stop_token_ids);
         let force = forcings(codec, &req, thinking)?;
+        // The JSON is the answer: with thinking on, it starts after the model's `</think>` and the
+        // `\n\n` forced after it (`forcings`), as the template writes an answer.
+        let after = if thinking {
+            let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
+            [codec.encode("</think>").map_err(tok)?, codec.encode(ANSWER_GAP).map_err(tok)?].concat()
+        } else {
+            Vec::new()
+        };
+        let constraint = grammar.map(|grammar| Constraint { after, grammar });
         let gens = (0..n)
             .map(|i| {
                 let params = SamplingParams { seed: req.sampling.seed.wrapping_add(i as u64), ..req.sampling };
@@ -439,6 +491,7 @@ impl<'a> Live<'a> {
                     stop_ids: stop_ids.clone(),
                     force: force.clone(),
                     logprobs: req.logprobs,
+                    constraint: constraint.clone(),
                 }
             })
             .collect();
@@ -706,6 +759,9 @@ mod tests {
         fn token_bytes(&self, _: u32) -> Vec<u8> {
             unimplemented!("not used")
         }
+        fn is_added(&self, id: u32) -> bool {
+            id >= 300
+        }
     }
 
     /// A detokenizer that yields nothing (the tests below generate no tokens).
@@ -752,11 +808,11 @@ mod tests {
             repetition_penalty: 1.0,
             eos_token_ids: vec![7],
         };
-        let limits = Limits { window: 64, vocab: 303 };
+        let limits = Limits { window: 64, vocab: 303, eos: Some(7) };
         let start = |line: Value| {
             let req = super::super::request::parse(&line, &defaults, 1).unwrap();
             let codec = Bytes { fim: true };
-            let prompt = prompt_tokens(&req, &codec, &NoTemplate, &limits).unwrap();
+            let prompt = prepare(&req, &codec, &NoTemplate, &limits, &Grammars::new()).unwrap();
             let (gens, _) = Live::begin(req, prompt, 1, None, &codec, &limits, &[7], "m", 1, Instant::now()).unwrap();
             gens[0].stop_ids.clone()
         };

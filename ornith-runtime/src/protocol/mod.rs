@@ -17,6 +17,7 @@ pub mod request;
 pub mod serve;
 pub mod split;
 pub mod stop;
+pub mod structured;
 pub mod tokenize;
 pub mod toolcall;
 
@@ -43,6 +44,9 @@ pub trait TextCodec {
     /// The bytes one id stands for in decoded text (a special token's text; U+FFFD for an id
     /// the tokenizer does not know): the `bytes` of a logprobs entry.
     fn token_bytes(&self, id: u32) -> Vec<u8>;
+    /// Whether `id` is an added token (`<|im_end|>`, `<think>`, tool-call markers): structured
+    /// output never writes one as text.
+    fn is_added(&self, id: u32) -> bool;
 }
 
 /// What the front end needs of a chat template.

@@ -7,8 +7,8 @@
 //! * raw completion: `{"prompt": "text" | [ids], ...}` or `{"prompt_token_ids": [ids]}`.
 //!
 //! `null` means "absent" for every optional field (OpenAI clients send explicit nulls).
-//! Parameters this build cannot honour (`allowed_tools` tool choice,
-//! structured output, images) are errors rather than silently ignored. The role `developer`
+//! Parameters this build cannot honour (`allowed_tools` tool choice, `response_format` json
+//! on completions or beside tools, images) are errors rather than silently ignored. The role `developer`
 //! (newer OpenAI clients) is treated as `system`.
 
 use serde_json::{Map, Value};
@@ -43,8 +43,8 @@ pub const ERROR_CODES: &[(&str, &str)] = &[
     ),
     (
         "unsupported_parameter",
-        "a parameter this build cannot honour: `response_format` other \
-         than text, a `tool_choice` other than auto, none, required or a named function, `echo`, \
+        "a parameter this build cannot honour: `response_format` json on completions or with \
+         `tools`, a `tool_choice` other than auto, none, required or a named function, `echo`, \
          several prompts in one line, `suffix` when the tokenizer has no fill-in-the-middle tokens",
     ),
     ("unsupported_content", "image, audio, video or file parts (this build serves text only)"),
@@ -129,8 +129,16 @@ pub struct Request {
     pub n: usize,
     /// Report each output token's log-probability and this many most likely candidates.
     pub logprobs: Option<usize>,
+    /// `response_format` json: the answer constrained to JSON (`protocol::structured`).
+    pub json_output: Option<JsonOutput>,
     /// Fields the front end does not know (ignored; the request still runs), one message each.
     pub warnings: Vec<String>,
+}
+
+/// Structured output: JSON matching `schema`, or any JSON object without one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JsonOutput {
+    pub schema: Option<Value>,
 }
 
 /// The most choices (`n`) one request may ask for: each is a sequence of its own, and one line
@@ -286,14 +294,7 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
     };
     // Parameters that would change the result and are not implemented.
     let logprobs = parse_logprobs(b, chat)?;
-    if let Some(rf) = present(b, "response_format") {
-        if rf.get("type").and_then(|t| t.as_str()) != Some("text") {
-            return Err(LineError::new(
-                "unsupported_parameter",
-                "`response_format` other than text is not supported by this build",
-            ));
-        }
-    }
+    let json_output = parse_response_format(b, chat)?;
 
     // Sampling.
     let temperature = match get_f64(b, "temperature")? {
@@ -383,6 +384,17 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
     let stream = get_bool(b, "stream")?.unwrap_or(false);
 
     let kind = if chat { parse_chat(b)? } else { parse_completion(b)? };
+    if let (Some(_), Kind::Chat { force, parse_tools, .. }) = (&json_output, &kind) {
+        if force.is_some() || *parse_tools {
+            return Err(LineError::new(
+                "unsupported_parameter",
+                "`response_format` json with `tools` (the answer cannot be both a tool call and the JSON); send `tool_choice: \"none\"` or no tools",
+            ));
+        }
+        if ignore_eos {
+            return Err(LineError::invalid("`response_format` json ends the answer when the JSON is complete; it cannot be combined with `ignore_eos`"));
+        }
+    }
     Ok(Request {
         kind,
         max_tokens,
@@ -395,8 +407,38 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
         stream,
         n,
         logprobs,
+        json_output,
         warnings: Vec::new(),
     })
+}
+
+/// `response_format`: `{"type": "text"}` (the default), `{"type": "json_object"}` (any JSON
+/// object) or `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}` (JSON
+/// matching the schema), chat only.
+fn parse_response_format(b: &Map<String, Value>, chat: bool) -> R<Option<JsonOutput>> {
+    let Some(rf) = present(b, "response_format") else { return Ok(None) };
+    let ty = rf.get("type").and_then(Value::as_str);
+    match (ty, chat) {
+        (Some("text"), _) => Ok(None),
+        (Some("json_object" | "json_schema"), false) => Err(LineError::new(
+            "unsupported_parameter",
+            "`response_format` json is a chat parameter (`/v1/chat/completions`)",
+        )),
+        (Some("json_object"), true) => Ok(Some(JsonOutput { schema: None })),
+        (Some("json_schema"), true) => {
+            let schema = rf.pointer("/json_schema/schema").filter(|s| !s.is_null()).ok_or_else(|| {
+                LineError::invalid("`response_format` json_schema needs `json_schema.schema` (a JSON schema object)")
+            })?;
+            if !schema.is_object() {
+                return Err(LineError::invalid("`response_format.json_schema.schema` must be a JSON object"));
+            }
+            Ok(Some(JsonOutput { schema: Some(schema.clone()) }))
+        }
+        _ => Err(LineError::invalid(format!(
+            "`response_format.type` must be text, json_object or json_schema, got {}",
+            short(rf.get("type").unwrap_or(&Value::Null))
+        ))),
+    }
 }
 
 /// `logprobs` as each API spells it: chat `logprobs: true` with `top_logprobs: k` (0 when

@@ -38,8 +38,9 @@ use crate::engine::{Engine, EngineStats, EngineThread, Event, EventKind};
 use crate::sampling::mix64;
 
 use super::lines::{LineReader, RawLine};
-use super::live::{prompt_tokens, Limits, Live, Progress as ChoiceProgress, PREPARE_THREADS};
+use super::live::{prepare, Limits, Live, Prepared, Progress as ChoiceProgress, PREPARE_THREADS};
 use super::request::{self, LineError, Request};
+use super::structured::Grammars;
 use super::{GenerationDefaults, PromptRenderer, TextCodec};
 
 #[derive(Debug, Clone)]
@@ -231,7 +232,7 @@ enum Msg {
     /// A request's prompt, made by a preparation thread.
     Prepared {
         job: Box<Job>,
-        prompt: Result<(Vec<u32>, bool), LineError>,
+        prompt: Result<Prepared, LineError>,
     },
     Event(Event),
     /// The engine thread ended (its event sink was dropped).
@@ -264,11 +265,12 @@ fn prepare_prompts(
     codec: &dyn TextCodec,
     renderer: &dyn PromptRenderer,
     limits: Limits,
+    grammars: &Grammars,
 ) {
     loop {
         // The lock is held only while waiting for the next job, never while preparing one.
         let Ok(job) = jobs.lock().unwrap_or_else(|e| e.into_inner()).recv() else { break };
-        let prompt = catch_unwind(AssertUnwindSafe(|| prompt_tokens(&job.req, codec, renderer, &limits)))
+        let prompt = catch_unwind(AssertUnwindSafe(|| prepare(&job.req, codec, renderer, &limits, grammars)))
             .unwrap_or_else(|_| Err(panicked()));
         if back.send(Msg::Prepared { job: Box::new(job), prompt }).is_err() {
             break;
@@ -308,7 +310,9 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
     opts: &ServeOptions,
     mut ctl: BatchControl,
 ) -> anyhow::Result<ServeStats> {
-    let limits = Limits { window: engine.max_context(), vocab: codec.vocab_size() };
+    let eos = opts.defaults.eos_token_ids.first().copied();
+    let limits = Limits { window: engine.max_context(), vocab: codec.vocab_size(), eos };
+    let grammars = Grammars::new();
     let (tx, rx) = channel::<Msg>();
     let credits =
         Arc::new(Credits { state: Mutex::new((opts.max_in_flight.max(1) as i64, false)), cv: Condvar::new() });
@@ -344,10 +348,10 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
     let r = std::thread::scope(|scope| -> anyhow::Result<()> {
         let jobs = jobs; // moved in: dropped when the closure returns
         for i in 0..PREPARE_THREADS {
-            let (job_rx, back) = (&job_rx, back.clone());
+            let (job_rx, back, grammars) = (&job_rx, back.clone(), &grammars);
             std::thread::Builder::new()
                 .name(format!("ornith-prompts-{i}"))
-                .spawn_scoped(scope, move || prepare_prompts(job_rx, back, codec, renderer, limits))?;
+                .spawn_scoped(scope, move || prepare_prompts(job_rx, back, codec, renderer, limits, grammars))?;
         }
         drop(back);
         // `jobs` is dropped when this closure returns, so the preparation threads end before the

@@ -94,6 +94,9 @@ impl TextCodec for ByteCodec {
             None => vec![id as u8],
         }
     }
+    fn is_added(&self, id: u32) -> bool {
+        id >= 256
+    }
 }
 
 /// ChatML with the 35B generation prompt (`<think>\n` unless `enable_thinking` is false).
@@ -131,7 +134,8 @@ impl PromptRenderer for ChatMl {
 
 /// Replays the tokens after the last `SAY:` of the prompt (up to `<|im_end|>`; `$S` becomes the
 /// last digit of the sequence's seed), then `<|im_end|>`, then `x` forever, for each sequence of a batch from its own slot.
-/// `SAY:FAIL` fails the step, `SAY:PANIC` panics in it. With
+/// `SAY:FAIL` fails the step, `SAY:PANIC` panics in it. A row with a grammar's mask draws the
+/// scripted token where the mask allows it. With
 /// [`with_snapshots`](ScriptRunner::with_snapshots), a snapshot row after the slots holds a copy
 /// of a slot's state (for the prefix cache).
 pub struct ScriptRunner {
@@ -231,8 +235,15 @@ impl Runner for ScriptRunner {
                 self.script[slot] = Some((script, 0));
             }
             let (script, at) = self.script[slot].as_mut().unwrap();
-            let id = script.get(*at).copied().unwrap_or(b'x' as u32);
+            let mut id = script.get(*at).copied().unwrap_or(b'x' as u32);
             *at += 1;
+            // Under a grammar's mask a scripted token the grammar refuses becomes the first
+            // allowed of `}"]:,0` and `<|im_end|>`, else the lowest allowed id (closing what is
+            // open, so that junk scripts still end).
+            if let Some(m) = r.mask.as_ref().filter(|m| !m.allows(id)) {
+                let prefer = b"}\"]:,0".iter().map(|&b| b as u32).chain([IM_END]);
+                id = prefer.chain(0..n as u32).find(|&t| m.allows(t)).expect("the mask allows some id");
+            }
             let logprobs = r.logprobs.map(|w| Box::new(script_logprobs(w.forced.unwrap_or(id), w.top)));
             out.push(Sampled { id, logprobs });
         }
@@ -303,5 +314,8 @@ impl ornith_runtime::protocol::TextCodec for GatedCodec {
     }
     fn token_bytes(&self, id: u32) -> Vec<u8> {
         ByteCodec.token_bytes(id)
+    }
+    fn is_added(&self, id: u32) -> bool {
+        ByteCodec.is_added(id)
     }
 }
