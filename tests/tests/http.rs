@@ -584,6 +584,19 @@ async fn responses_non_streamed_and_refusals() {
     assert_eq!(call["name"], "get_weather");
     let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
     assert_eq!(args, json!({"city": "Paris", "days": 3}));
+    // `text.format` json_schema: the output text is the JSON (structured output), the format
+    // echoed back.
+    let format = json!({"type": "json_schema", "name": "r", "strict": true, "schema": {"type": "object",
+        "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": false}});
+    let (st, r) = s
+        .post("/v1/responses", json!({"input": "SAY:ok?", "reasoning": {"effort": "none"}, "text": {"format": format}}))
+        .await;
+    assert_eq!(st, 200, "{r}");
+    let text = r["output"][0]["content"][0]["text"].as_str().unwrap();
+    assert!(serde_json::from_str::<Value>(text).unwrap()["ok"].is_boolean(), "{text}");
+    assert_eq!(r["text"]["format"], format);
+    let (st, e) = s.post("/v1/responses", json!({"input": "x", "text": {"format": {"type": "yaml"}}})).await;
+    assert_eq!((st, e["error"]["code"].as_str()), (400, Some("unsupported_parameter")), "{e}");
     // max_output_tokens ends it: incomplete.
     let (st, r) = s.post("/v1/responses", json!({"input": "SAY:abcdef", "max_output_tokens": 2})).await;
     assert_eq!(st, 200);

@@ -268,9 +268,22 @@ pub fn chat_body(body: &Value) -> Result<(Value, Vec<String>), LineError> {
             }
         }
     }
+    // `text.format` is chat's `response_format` with the schema's fields one level up.
     if let Some(f) = b.get("text").and_then(|t| t.get("format")).filter(|f| !f.is_null()) {
-        if f.get("type").and_then(Value::as_str) != Some("text") {
-            return Err(unsupported("`text.format` other than text is not supported by this build"));
+        let rf = match f.get("type").and_then(Value::as_str) {
+            Some("text") => None,
+            Some("json_object") => Some(json!({"type": "json_object"})),
+            Some("json_schema") => {
+                let js: serde_json::Map<String, Value> = ["name", "schema", "strict"]
+                    .iter()
+                    .filter_map(|k| f.get(*k).map(|v| (k.to_string(), v.clone())))
+                    .collect();
+                Some(json!({"type": "json_schema", "json_schema": js}))
+            }
+            _ => return Err(unsupported("`text.format.type` must be text, json_object or json_schema")),
+        };
+        if let Some(rf) = rf {
+            chat.insert("response_format".into(), rf);
         }
     }
     // `reasoning.effort` "none" turns thinking off; any other effort leaves the chat template's
@@ -295,6 +308,8 @@ pub struct Echo {
     pub temperature: Value,
     pub top_p: Value,
     pub max_output_tokens: Value,
+    /// `text` as sent (its `format`), else the default text format.
+    pub text: Value,
 }
 
 impl Echo {
@@ -302,7 +317,13 @@ impl Echo {
         let get = |k: &str| body.get(k).cloned().unwrap_or(Value::Null);
         let tool_choice = body.get("tool_choice").filter(|v| !v.is_null()).cloned().unwrap_or(json!("auto"));
         let tools = body.get("tools").filter(|v| !v.is_null()).cloned().unwrap_or(json!([]));
+        let text = body
+            .get("text")
+            .filter(|t| t.get("format").is_some_and(|f| !f.is_null()))
+            .cloned()
+            .unwrap_or(json!({"format": {"type": "text"}}));
         Echo {
+            text,
             id,
             created_at,
             model: model.to_string(),
@@ -330,7 +351,7 @@ impl Echo {
             "instructions": self.instructions, "tools": self.tools, "tool_choice": self.tool_choice,
             "parallel_tool_calls": true, "temperature": self.temperature, "top_p": self.top_p,
             "max_output_tokens": self.max_output_tokens, "previous_response_id": null, "store": false,
-            "text": {"format": {"type": "text"}}, "metadata": {},
+            "text": self.text, "metadata": {},
         })
     }
 
