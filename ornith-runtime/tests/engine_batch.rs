@@ -43,15 +43,9 @@ fn requests() -> Vec<GenRequest> {
     let lens = [5, 300, 1, 2500, 17, 64, 129, 8];
     lens.iter()
         .enumerate()
-        .map(|(i, &n)| GenRequest {
-            prompt: prompt(n, i as u64),
-            max_tokens: 6 + (i as u64 % 3) * 5,
-            params: if i % 2 == 0 { SamplingParams::greedy() } else { sampled(1000 + i as u64) },
-            penalties: Penalties::NONE,
-            stop_ids: Vec::new(),
-            force: vec![],
-            logprobs: None,
-            constraint: None,
+        .map(|(i, &n)| {
+            let params = if i % 2 == 0 { SamplingParams::greedy() } else { sampled(1000 + i as u64) };
+            plain(prompt(n, i as u64), 6 + (i as u64 % 3) * 5, params)
         })
         .collect()
 }
@@ -142,26 +136,8 @@ fn logits_in_a_batch_are_bit_identical_to_logits_alone() {
 #[test]
 fn a_short_request_after_a_long_one_finishes_first() {
     let mut e = engine(2, 2 * CTX / KV_BLOCK, 2048);
-    let long = GenRequest {
-        prompt: prompt(PREFILL_CHUNK + 900, 9),
-        max_tokens: 4,
-        params: SamplingParams::greedy(),
-        penalties: Penalties::NONE,
-        stop_ids: vec![],
-        force: vec![],
-        logprobs: None,
-        constraint: None,
-    };
-    let short = GenRequest {
-        prompt: prompt(6, 10),
-        max_tokens: 2,
-        params: SamplingParams::greedy(),
-        penalties: Penalties::NONE,
-        stop_ids: vec![],
-        force: vec![],
-        logprobs: None,
-        constraint: None,
-    };
+    let long = plain(prompt(PREFILL_CHUNK + 900, 9), 4, SamplingParams::greedy());
+    let short = plain(prompt(6, 10), 2, SamplingParams::greedy());
     e.submit(1, long).unwrap();
     e.submit(2, short).unwrap();
     let mut order = Vec::new();
@@ -181,16 +157,7 @@ fn admission_waits_for_memory_refuses_what_never_fits_and_cancel_frees() {
     // Two slots, blocks for 1.5 full-context sequences.
     let blocks = CTX / KV_BLOCK * 3 / 2;
     let mut e = engine(2, blocks, 2048);
-    let req = |n: usize, max: u64| GenRequest {
-        prompt: prompt(n, n as u64),
-        max_tokens: max,
-        params: SamplingParams::greedy(),
-        penalties: Penalties::NONE,
-        stop_ids: vec![],
-        force: vec![],
-        logprobs: None,
-        constraint: None,
-    };
+    let req = |n: usize, max: u64| plain(prompt(n, n as u64), max, SamplingParams::greedy());
     // Longer than the context: refused at once, nothing queued.
     let err = e.submit(1, req(CTX, 1)).unwrap_err();
     assert_eq!(err.code, "context_length_exceeded");
@@ -221,20 +188,7 @@ fn stop_ids_end_a_sequence_and_pools_never_leak_over_a_thousand_requests() {
     for i in 0..1000u64 {
         let params = if i % 3 == 0 { SamplingParams::greedy() } else { sampled(i) };
         let n = 1 + (i as usize * 7) % 40;
-        e.submit(
-            i,
-            GenRequest {
-                prompt: prompt(n, i),
-                max_tokens: 1 + i % 4,
-                params,
-                penalties: Penalties::NONE,
-                stop_ids: vec![],
-                force: vec![],
-                logprobs: None,
-                constraint: None,
-            },
-        )
-        .unwrap();
+        e.submit(i, plain(prompt(n, i), 1 + i % 4, params)).unwrap();
         stats_tokens += 1 + i % 4;
         if i % 50 == 49 {
             let (toks, errs) = drain(&mut e);
@@ -246,16 +200,7 @@ fn stop_ids_end_a_sequence_and_pools_never_leak_over_a_thousand_requests() {
     assert_eq!(e.stats().finished, 1000);
     assert_eq!(e.pool_usage(), (8, 8, 32, 32), "every slot and block came back");
     // A stop id ends the sequence on the token that is one.
-    let r = GenRequest {
-        prompt: prompt(5, 77),
-        max_tokens: 50,
-        params: SamplingParams::greedy(),
-        penalties: Penalties::NONE,
-        stop_ids: vec![],
-        force: vec![],
-        logprobs: None,
-        constraint: None,
-    };
+    let r = plain(prompt(5, 77), 50, SamplingParams::greedy());
     e.submit(5000, r.clone()).unwrap();
     let first = drain(&mut e).0[&5000][0];
     e.submit(5001, GenRequest { stop_ids: vec![first], ..r }).unwrap();

@@ -64,6 +64,20 @@ fn run_timed(
     (lines, calls)
 }
 
+/// Serves `lines` on an engine over `runner` (contexts of `ctx`); returns the output lines and
+/// the run's stats.
+fn serve_lines(runner: ScriptRunner, ctx: usize, lines: &[Value]) -> (Vec<Value>, protocol::ServeStats) {
+    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: ctx, sample_vocab: 259 };
+    let engine = Engine::new(Box::new(runner), cfg).unwrap();
+    let input: String = lines.iter().map(|l| l.to_string() + "\n").collect();
+    let mut out = Vec::new();
+    let stats =
+        protocol::serve(std::io::BufReader::new(Cursor::new(input)), &mut out, engine, &ByteCodec, &ChatMl, &opts())
+            .unwrap();
+    let lines = String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    (lines, stats)
+}
+
 fn is_result(v: &Value) -> bool {
     v.get("response").is_some()
 }
@@ -397,8 +411,6 @@ fn n_choices_are_sequences_seeded_seed_plus_index() {
     let mut runner = ScriptRunner::new(512, 4);
     runner.step_time = std::time::Duration::from_millis(1);
     let calls = runner.calls.clone();
-    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
-    let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let tail = "y".repeat(120);
     let input = [
         json!({"custom_id": "chat", "messages": [{"role": "user", "content": "SAY:v$S"}], "n": 3, "seed": 7,
@@ -406,14 +418,8 @@ fn n_choices_are_sequences_seeded_seed_plus_index() {
         json!({"custom_id": "stream", "prompt": format!("SAY:ab$S{tail}"), "n": 3, "seed": 17, "stop": ["8"],
                "max_tokens": 300, "stream": true}),
         json!({"custom_id": "one", "prompt": "SAY:w$S", "seed": 4, "n": 1}),
-    ]
-    .map(|l| l.to_string())
-    .join("\n");
-    let mut out = Vec::new();
-    let stats =
-        protocol::serve(std::io::BufReader::new(Cursor::new(input)), &mut out, engine, &ByteCodec, &ChatMl, &opts())
-            .unwrap();
-    let lines: Vec<Value> = String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    ];
+    let (lines, stats) = serve_lines(runner, 512, &input);
     let (res, chunks) = results(&lines);
     assert_eq!(res.len(), 3);
 
@@ -484,15 +490,8 @@ fn n_choices_are_sequences_seeded_seed_plus_index() {
 #[test]
 fn n_choices_share_the_prompts_full_chunks() {
     let runner = ScriptRunner::new(8192, 4).with_snapshots(4);
-    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: 8192, sample_vocab: 259 };
-    let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let prompt = format!("{}SAY:z$S", "a".repeat(4400));
-    let input = json!({"prompt": prompt, "n": 3, "seed": 0}).to_string();
-    let mut out = Vec::new();
-    let stats =
-        protocol::serve(std::io::BufReader::new(Cursor::new(input)), &mut out, engine, &ByteCodec, &ChatMl, &opts())
-            .unwrap();
-    let lines: Vec<Value> = String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let (lines, stats) = serve_lines(runner, 8192, &[json!({"prompt": prompt, "n": 3, "seed": 0})]);
     let (res, _) = results(&lines);
     let b = body(&res[0]);
     let texts: Vec<&str> = b["choices"].as_array().unwrap().iter().map(|c| c["text"].as_str().unwrap()).collect();

@@ -419,16 +419,10 @@ fn route(
                     }
                     EventKind::Error { code, message } => Err(LineError::from_engine(code, message)),
                 };
-                let done = match progress {
-                    Ok(Progress::Running) => None,
-                    Ok(Progress::ChoiceDone) => {
-                        client.cancel(e.id); // a no-op when the engine already ended it
-                        owner.remove(&e.id);
-                        None
-                    }
-                    Ok(Progress::Done) => Some(Ok(())),
-                    Err(err) => Some(Err(err)),
-                };
+                let done = live::settle(progress, || {
+                    client.cancel(e.id);
+                    owner.remove(&e.id);
+                });
                 let chunks = o.live.take_chunks();
                 let mut gone = !chunks.is_empty() && o.tx.send(Out::Chunks(chunks)).is_err();
                 if let Some(res) = done {

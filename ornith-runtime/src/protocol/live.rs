@@ -223,6 +223,21 @@ pub enum Progress {
     Done,
 }
 
+/// What a front end does with a choice's event's outcome: once the choice has ended, `end_choice`
+/// (cancel its sequence: a no-op when the engine ended it); returns the request's end — every
+/// choice ended, or the error that ends them all — or None while it goes on.
+pub fn settle(progress: Result<Progress, LineError>, end_choice: impl FnOnce()) -> Option<Result<(), LineError>> {
+    match progress {
+        Ok(Progress::Running) => None,
+        Ok(Progress::ChoiceDone) => {
+            end_choice();
+            None
+        }
+        Ok(Progress::Done) => Some(Ok(())),
+        Err(e) => Some(Err(e)),
+    }
+}
+
 /// A request between its first and its last token.
 pub struct Live<'a> {
     req: Request,

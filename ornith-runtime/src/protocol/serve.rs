@@ -38,7 +38,7 @@ use crate::engine::{Engine, EngineStats, EngineThread, Event, EventKind};
 use crate::sampling::mix64;
 
 use super::lines::{LineReader, RawLine};
-use super::live::{prepare, Limits, Live, Prepared, Progress as ChoiceProgress, PREPARE_THREADS};
+use super::live::{prepare, settle, Limits, Live, Prepared, Progress as ChoiceProgress, PREPARE_THREADS};
 use super::request::{self, LineError, Request};
 use super::structured::Grammars;
 use super::{GenerationDefaults, PromptRenderer, TextCodec};
@@ -463,16 +463,10 @@ pub fn serve_with<R: BufRead + Send + 'static, W: Write>(
                     for c in o.live.take_chunks() {
                         out.chunk(o.line, c.to_string())?;
                     }
-                    let done = match progress {
-                        Ok(ChoiceProgress::Running) => None,
-                        Ok(ChoiceProgress::ChoiceDone) => {
-                            client.cancel(e.id); // a no-op when the engine already ended it
-                            owner.remove(&e.id);
-                            None
-                        }
-                        Ok(ChoiceProgress::Done) => Some(Ok(())),
-                        Err(err) => Some(Err(err)),
-                    };
+                    let done = settle(progress, || {
+                        client.cancel(e.id);
+                        owner.remove(&e.id);
+                    });
                     if let Some(res) = done {
                         let mut o = open.remove(&line).expect("present above");
                         credits.give_n(o.ids.len() - 1);
