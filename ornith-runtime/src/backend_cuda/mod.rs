@@ -1640,15 +1640,24 @@ impl Backend for CudaBackend {
             }
         }
         let mut out = vec![0u32; rows.len()];
-        for (i, r) in rows.iter().enumerate() {
-            if let (Some(m), Some(raw)) = (&r.mask, &raw[i]) {
-                let mut bits = raw.clone();
-                if let Some(st) = &r.penalties {
-                    crate::sampling::apply_penalties(&mut bits, st);
-                }
-                m.apply(&mut bits);
-                out[i] = crate::sampling::sample(&bits, &r.params, r.step)?;
-            }
+        let host: Vec<(usize, u32)> = {
+            use rayon::prelude::*;
+            (0..rows.len())
+                .into_par_iter()
+                .filter_map(|i| Some((i, rows[i].mask.as_ref()?, raw[i].as_ref()?)))
+                .map(|(i, m, raw)| {
+                    let r = &rows[i];
+                    let mut bits = raw.clone();
+                    if let Some(st) = &r.penalties {
+                        crate::sampling::apply_penalties(&mut bits, st);
+                    }
+                    m.apply(&mut bits);
+                    Ok((i, crate::sampling::sample(&bits, &r.params, r.step)?))
+                })
+                .collect::<Result<_>>()?
+        };
+        for (i, id) in host {
+            out[i] = id;
         }
         let (greedy, drawn): (Vec<usize>, Vec<usize>) = (0..rows.len())
             .filter(|&i| rows[i].mask.is_none())

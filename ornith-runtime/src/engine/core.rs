@@ -30,12 +30,18 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rayon::prelude::*;
+
 use super::constrain::{Active, Constraint, TokenMask};
 use super::force::{Forced, Forcing};
 use super::pool::{BlockPool, SlotPool};
 use super::prefix::{chunk_keys, keeps_snapshot, CacheStats, PrefixCache, CHUNK_BLOCKS};
 use super::{Penalties, Runner, SamplingParams, PREFILL_CHUNK};
 use crate::graph::{Batch, RowSample, SeqRows, WantLogprobs, KV_BLOCK};
+
+/// A sequence's grammar mask for the step (None: its constraint has not started), or why its
+/// grammar cannot go on.
+type MaskOrDead = Result<Option<Arc<TokenMask>>, String>;
 
 /// What the engine needs of one request (the front end has rendered and tokenized it).
 #[derive(Debug, Clone)]
@@ -471,22 +477,31 @@ impl Engine {
             members.push((i, len, end == s.req.prompt.len()));
         }
         // The grammars' masks of the rows that sample (none where a token is forced: the draw
-        // is dropped); a grammar that cannot go on fails its sequence after the step.
+        // is dropped), one sequence per thread; a grammar that cannot go on fails its sequence
+        // after the step.
         let n = self.cfg.sample_vocab;
+        let sampling: std::collections::HashSet<usize> = members.iter().filter(|m| m.2).map(|m| m.0).collect();
+        let computed: Vec<(usize, MaskOrDead)> = self
+            .running
+            .par_iter_mut()
+            .enumerate()
+            .filter(|(i, s)| sampling.contains(i) && s.constrained.is_some())
+            .filter(|(_, s)| s.forced.as_ref().and_then(|f| f.peek()).is_none())
+            .map(|(i, s)| {
+                let a = s.constrained.as_mut().expect("filtered above");
+                (i, a.mask(n).map_err(|e| format!("structured output: {e:#}")))
+            })
+            .collect();
         let mut masks: HashMap<usize, Arc<TokenMask>> = HashMap::new();
         let mut dead: HashMap<usize, String> = HashMap::new();
-        for &(i, _, samples) in &members {
-            let s = &mut self.running[i];
-            let forced = s.forced.as_ref().and_then(|f| f.peek()).is_some();
-            if let (true, false, Some(a)) = (samples, forced, s.constrained.as_mut()) {
-                match a.mask(n) {
-                    Ok(Some(m)) => {
-                        masks.insert(i, m);
-                    }
-                    Ok(None) => {}
-                    Err(e) => {
-                        dead.insert(i, format!("structured output: {e:#}"));
-                    }
+        for (i, r) in computed {
+            match r {
+                Ok(Some(m)) => {
+                    masks.insert(i, m);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    dead.insert(i, e);
                 }
             }
         }
