@@ -4,10 +4,11 @@
 //! The grammars are llguidance's (guidance-ai/llguidance, MIT: the structured-output engine
 //! vLLM, SGLang and llama.cpp use): a JSON schema compiles to a grammar and a per-sequence
 //! matcher computes the allowed ids at each step from a byte trie of the vocabulary. The trie is
-//! built from the tokenizer once, on the first structured request, and shared. The JSON is written compactly (`", "` and `": "` separators, no free
-//! whitespace, as Python's `json.dumps`), so a model cannot spend its tokens on blank space
-//! inside the object; once the value is complete only the end-of-sequence token is allowed.
-//! Special tokens can never appear inside the JSON.
+//! built from the tokenizer once, on the first structured request, and shared. The JSON is
+//! written compactly (`", "` and `": "` separators, no free whitespace, as Python's
+//! `json.dumps`), so a model cannot spend its tokens on blank space inside the object; once the
+//! value is complete only the end-of-sequence token is allowed. Added tokens (`<think>`, the
+//! tool-call markers, the specials) can never appear inside the JSON.
 
 use std::sync::{Arc, OnceLock};
 
