@@ -1,8 +1,8 @@
 //! Structured output (`response_format`): the answer constrained to JSON, or to JSON matching a
 //! schema, by a grammar over token ids ([`crate::engine::Grammar`]).
 //!
-//! The grammars are llguidance's (guidance-ai/llguidance, MIT: the structured-output engine
-//! vLLM, SGLang and llama.cpp use): a JSON schema compiles to a grammar and a per-sequence
+//! The grammars are llguidance's (guidance-ai/llguidance, MIT; one of the structured-output
+//! backends vLLM and SGLang offer, and llama.cpp's optional one): a JSON schema compiles to a grammar and a per-sequence
 //! matcher computes the allowed ids at each step from a byte trie of the vocabulary. The trie is
 //! built from the tokenizer once, on the first structured request, and shared. The JSON is
 //! written compactly (`", "` and `": "` separators, no free whitespace, as Python's
