@@ -595,6 +595,13 @@ async fn responses_non_streamed_and_refusals() {
     let text = r["output"][0]["content"][0]["text"].as_str().unwrap();
     assert!(serde_json::from_str::<Value>(text).unwrap()["ok"].is_boolean(), "{text}");
     assert_eq!(r["text"]["format"], format);
+    // With tools beside it (Codex's `--output-schema`), the answer may still be calls.
+    let tools = json!([{"type": "function", "name": "get_weather", "parameters": schema()}]);
+    let (st, r) =
+        s.post("/v1/responses", json!({"input": TWO_CALLS, "tools": tools, "text": {"format": format}})).await;
+    assert_eq!(st, 200, "{r}");
+    let types: Vec<&str> = r["output"].as_array().unwrap().iter().map(|i| i["type"].as_str().unwrap()).collect();
+    assert_eq!(types, ["reasoning", "function_call", "function_call"], "{r}");
     let (st, e) = s.post("/v1/responses", json!({"input": "x", "text": {"format": {"type": "yaml"}}})).await;
     assert_eq!((st, e["error"]["code"].as_str()), (400, Some("unsupported_parameter")), "{e}");
     // max_output_tokens ends it: incomplete.

@@ -592,7 +592,8 @@ fn logprobs_in_chat_and_completions_shapes() {
 /// script where the mask allows it (else it closes what is open): a script that is the right
 /// JSON comes out as it is, a junk script still comes out as JSON; with thinking on the
 /// reasoning stays free and the JSON follows `</think>`; each choice has its own grammar; the
-/// stream adds up to the body; bad formats and combinations are refused.
+/// stream adds up to the body; with tools offered a call's marker frees the answer; bad formats
+/// and combinations are refused.
 #[test]
 fn response_format_json_constrains_the_answer() {
     let no_think = json!({"enable_thinking": false});
@@ -613,7 +614,11 @@ fn response_format_json_constrains_the_answer() {
         chat(&format!("Let me think.\n</think>\n\n{good}"), json!({"response_format": rf, "stream": true})),
         chat("nope", json!({"response_format": rf, "chat_template_kwargs": no_think, "n": 2, "max_tokens": 40})),
         json!({"prompt": "SAY:x", "response_format": {"type": "json_object"}}),
-        chat("x", json!({"response_format": rf, "tools": [{"type": "function", "function": {"name": "ls"}}]})),
+        chat(
+            "x",
+            json!({"response_format": rf, "tools": [{"type": "function", "function": {"name": "ls"}}],
+                         "tool_choice": "required"}),
+        ),
         chat("x", json!({"response_format": {"type": "yaml"}})),
         chat("x", json!({"response_format": {"type": "json_schema", "json_schema": {"name": "r"}}})),
         chat("x", json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}})),
@@ -623,6 +628,16 @@ fn response_format_json_constrains_the_answer() {
             good,
             json!({"response_format": rf, "chat_template_kwargs": no_think,
                           "tools": [{"type": "function", "function": {"name": "ls"}}], "tool_choice": "none"}),
+        ),
+        // With tools offered the answer is the JSON or a call (the call's marker frees it).
+        chat(
+            good,
+            json!({"response_format": rf, "chat_template_kwargs": no_think, "tools": [{"type": "function", "function": {"name": "ls"}}]}),
+        ),
+        chat(
+            "<tool_call>\n<function=ls>\n</function>\n</tool_call>",
+            json!({"response_format": rf,
+             "chat_template_kwargs": no_think, "tools": [{"type": "function", "function": {"name": "ls"}}]}),
         ),
     ];
     let input: String = lines.iter().map(|l| l.to_string() + "\n").collect();
@@ -650,6 +665,9 @@ fn response_format_json_constrains_the_answer() {
     }
     assert!(res[8]["error"]["message"].as_str().unwrap().contains("schema"), "{}", res[8]);
     assert_eq!(content(10, 0), good);
+    assert_eq!((content(11, 0), finish(&res[11])), (good.to_string(), "stop"));
+    let m = msg(&res[12]);
+    assert_eq!((finish(&res[12]), &m["tool_calls"][0]["function"]["name"]), ("tool_calls", &json!("ls")), "{m}");
 }
 
 #[test]

@@ -11,7 +11,7 @@ use super::core::{Engine, EngineStats, Event, EventKind, GenRequest};
 use super::prefix::CacheStats;
 
 enum Cmd {
-    Submit(u64, GenRequest),
+    Submit(u64, Box<GenRequest>),
     Cancel(u64),
 }
 
@@ -106,7 +106,7 @@ impl EngineClient {
     pub fn submit_as(&self, id: u64, req: GenRequest) {
         // A send fails only when the engine thread is gone; its sink has then been dropped
         // and the front end sees that.
-        let _ = self.tx.send(Cmd::Submit(id, req));
+        let _ = self.tx.send(Cmd::Submit(id, Box::new(req)));
     }
     /// Ends a sequence now (no event follows) and frees its memory.
     pub fn cancel(&self, id: u64) {
@@ -161,7 +161,7 @@ impl EngineThread {
                 let mut open = true;
                 let handle = |engine: &mut Engine, c: Cmd, sink: &mut dyn FnMut(Event) -> bool| -> bool {
                     match c {
-                        Cmd::Submit(id, req) => match engine.submit(id, req) {
+                        Cmd::Submit(id, req) => match engine.submit(id, *req) {
                             Ok(()) => true,
                             Err(e) => sink(Event { id, kind: EventKind::Error { code: e.code, message: e.message } }),
                         },

@@ -287,6 +287,9 @@ pub fn fim_prompt(codec: &dyn TextCodec, prefix: &str, suffix: &str) -> Result<V
     Ok(ids)
 }
 
+/// What opens a tool call in the chat template's format.
+const TOOL_CALL_OPEN: &str = "<tool_call>";
+
 /// What the chat template writes between `</think>` and the answer.
 const ANSWER_GAP: &str = "\n\n";
 
@@ -494,7 +497,14 @@ impl<'a> Live<'a> {
         } else {
             Vec::new()
         };
-        let constraint = grammar.map(|grammar| Constraint { after, grammar });
+        // With tools offered the answer may be a call instead: its marker is the escape.
+        let escape = match (&req.kind, grammar.is_some()) {
+            (Kind::Chat { parse_tools: true, .. }, true) => {
+                codec.encode(TOOL_CALL_OPEN).map_err(|e| LineError::new("tokenizer_error", format!("{e:#}")))?
+            }
+            _ => Vec::new(),
+        };
+        let constraint = grammar.map(|grammar| Constraint { after, grammar, escape });
         let gens = (0..n)
             .map(|i| {
                 let params = SamplingParams { seed: req.sampling.seed.wrapping_add(i as u64), ..req.sampling };

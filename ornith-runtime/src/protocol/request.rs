@@ -8,7 +8,7 @@
 //!
 //! `null` means "absent" for every optional field (OpenAI clients send explicit nulls).
 //! Parameters this build cannot honour (`allowed_tools` tool choice, `response_format` json
-//! on completions or beside tools, images) are errors rather than silently ignored. The role `developer`
+//! on completions or with a forced tool choice, images) are errors rather than silently ignored. The role `developer`
 //! (newer OpenAI clients) is treated as `system`.
 
 use serde_json::{Map, Value};
@@ -43,8 +43,8 @@ pub const ERROR_CODES: &[(&str, &str)] = &[
     ),
     (
         "unsupported_parameter",
-        "a parameter this build cannot honour: `response_format` json on completions or with \
-         `tools`, a `tool_choice` other than auto, none, required or a named function, `echo`, \
+        "a parameter this build cannot honour: `response_format` json on completions or with a \
+         forced `tool_choice`, a `tool_choice` other than auto, none, required or a named function, `echo`, \
          several prompts in one line, `suffix` when the tokenizer has no fill-in-the-middle tokens",
     ),
     ("unsupported_content", "image, audio, video or file parts (this build serves text only)"),
@@ -384,11 +384,11 @@ fn parse_body(b: &Map<String, Value>, chat: bool, defaults: &GenerationDefaults,
     let stream = get_bool(b, "stream")?.unwrap_or(false);
 
     let kind = if chat { parse_chat(b)? } else { parse_completion(b)? };
-    if let (Some(_), Kind::Chat { force, parse_tools, .. }) = (&json_output, &kind) {
-        if force.is_some() || *parse_tools {
+    if let (Some(_), Kind::Chat { force, .. }) = (&json_output, &kind) {
+        if force.is_some() {
             return Err(LineError::new(
                 "unsupported_parameter",
-                "`response_format` json with `tools` (the answer cannot be both a tool call and the JSON); send `tool_choice: \"none\"` or no tools",
+                "`response_format` json with a forced `tool_choice` (the answer cannot be both a tool call and the JSON)",
             ));
         }
         if ignore_eos {
