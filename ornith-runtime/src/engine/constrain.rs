@@ -22,6 +22,13 @@ pub struct TokenMask {
 }
 
 impl TokenMask {
+    /// Allows `id` too (an id past the mask's words is left out).
+    pub fn allow(&mut self, id: u32) {
+        if let Some(w) = self.words.get_mut(id as usize / 32) {
+            *w |= 1 << (id % 32);
+        }
+    }
+
     pub fn allows(&self, id: u32) -> bool {
         self.words.get(id as usize / 32).is_some_and(|w| w >> (id % 32) & 1 == 1)
     }
@@ -88,14 +95,6 @@ pub(super) struct Active {
     escape: Escape,
 }
 
-fn only(id: u32, vocab: usize) -> TokenMask {
-    let mut words = vec![0u32; vocab.div_ceil(32)];
-    if let Some(w) = words.get_mut(id as usize / 32) {
-        *w |= 1 << (id % 32);
-    }
-    TokenMask { words }
-}
-
 impl Active {
     pub(super) fn new(c: Constraint) -> Self {
         let started = c.after.is_empty();
@@ -111,12 +110,15 @@ impl Active {
         }
         let m = match self.escape {
             Escape::Out => return Ok(None),
-            Escape::Taking(k) => only(self.c.escape[k], vocab),
+            Escape::Taking(k) => {
+                let mut m = TokenMask { words: vec![0; vocab.div_ceil(32)] };
+                m.allow(self.c.escape[k]);
+                m
+            }
             Escape::Closed => self.c.grammar.allowed(vocab)?,
             Escape::Open => {
                 let mut m = self.c.grammar.allowed(vocab)?;
-                let e = only(self.c.escape[0], vocab);
-                m.words.iter_mut().zip(&e.words).for_each(|(a, b)| *a |= b);
+                m.allow(self.c.escape[0]);
                 m
             }
         };
@@ -177,11 +179,9 @@ mod tests {
     }
     impl Grammar for Modulo {
         fn allowed(&mut self, vocab: usize) -> anyhow::Result<TokenMask> {
-            let mut words = vec![0u32; vocab.div_ceil(32)];
-            for i in (0..vocab as u32).filter(|i| i % self.m == self.r) {
-                words[i as usize / 32] |= 1 << (i % 32);
-            }
-            Ok(TokenMask { words })
+            let mut m = TokenMask { words: vec![0; vocab.div_ceil(32)] };
+            (0..vocab as u32).filter(|i| i % self.m == self.r).for_each(|i| m.allow(i));
+            Ok(m)
         }
         fn commit(&mut self, id: u32) -> anyhow::Result<()> {
             anyhow::ensure!(id % self.m == self.r, "{id} not allowed");

@@ -1,12 +1,13 @@
 //! The bound on generation requests in the server (`--max-queue`).
 //!
 //! A generation request takes a [`Place`] before anything of it is queued anywhere (the router's
-//! queue, the engine's) — one per sequence it will run (`n` choices: `n` places, at most the
-//! limit, so that every request can be admitted) —; it holds it through the engine's queue and
-//! its run, and gives it back when it ends (finished, failed, or cancelled because its client went away). At most `limit`
-//! places exist: the engine's sequence slots plus `--max-queue` waiting. A request that finds
-//! none is refused at once with 429 and `Retry-After`, so memory held for queued requests (their
-//! parsed bodies and prompt tokens) is bounded by the limit whatever the clients send.
+//! queue, the engine's) — one per sequence it will run (`n` choices: `n` places, at most the limit,
+//! so that every request can be admitted) —; it holds it through the engine's queue and its run,
+//! and gives it back when it ends (finished, failed, or cancelled because its client went away). At
+//! most `limit` places exist: the engine's sequence slots plus `--max-queue` waiting. A request
+//! that finds none is refused at once with 429 and `Retry-After`, so memory held for queued
+//! requests (their parsed bodies and prompt tokens) is bounded by the limit whatever the clients
+//! send.
 //! `count_tokens`, `/v1/models`, `/health` and `/metrics` take no place and are never refused.
 
 use std::sync::atomic::{AtomicUsize, Ordering};

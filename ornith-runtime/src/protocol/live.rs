@@ -278,7 +278,7 @@ pub fn fim_prompt(codec: &dyn TextCodec, prefix: &str, suffix: &str) -> Result<V
             ),
         ));
     };
-    let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
+    let tok = LineError::tokenizer;
     let mut ids = vec![p];
     ids.extend(codec.encode(prefix).map_err(tok)?);
     ids.push(s);
@@ -289,6 +289,9 @@ pub fn fim_prompt(codec: &dyn TextCodec, prefix: &str, suffix: &str) -> Result<V
 
 /// What opens a tool call in the chat template's format.
 const TOOL_CALL_OPEN: &str = "<tool_call>";
+
+/// What ends the model's thinking.
+const THINK_CLOSE: &str = "</think>";
 
 /// What the chat template writes between `</think>` and the answer.
 const ANSWER_GAP: &str = "\n\n";
@@ -312,10 +315,10 @@ pub const STOP_THINKING: &str =
 ///   constrained answer starts (a grammar that starts at `</think>` would refuse the blank
 ///   line the model is trained to write there).
 fn forcings(codec: &dyn TextCodec, req: &Request, thinking: bool) -> Result<Vec<Forcing>, LineError> {
-    let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
+    let tok = LineError::tokenizer;
     let Kind::Chat { force, .. } = &req.kind else { return Ok(Vec::new()) };
     let mut plans = Vec::new();
-    let close = if thinking { codec.encode("</think>").map_err(tok)? } else { Vec::new() };
+    let close = if thinking { codec.encode(THINK_CLOSE).map_err(tok)? } else { Vec::new() };
     if let (Some(budget), true) = (req.thinking_budget, thinking) {
         let tokens = codec.encode(STOP_THINKING).map_err(tok)?;
         plans.push(Forcing { when: Trigger::Count { tokens: budget, unless: close.clone() }, tokens });
@@ -324,8 +327,8 @@ fn forcings(codec: &dyn TextCodec, req: &Request, thinking: bool) -> Result<Vec<
         let head = match f {
             // Up to a pre-token boundary of the tokenizer's split: `<function` then `=NAME` is
             // how a call's text is cut, so the model writes `=` and the name as it would unforced.
-            ToolForce::Any => "<tool_call>\n<function".to_string(),
-            ToolForce::Named(n) => format!("<tool_call>\n<function={n}>\n"),
+            ToolForce::Any => format!("{TOOL_CALL_OPEN}\n<function"),
+            ToolForce::Named(n) => format!("{TOOL_CALL_OPEN}\n<function={n}>\n"),
         };
         let text = if thinking { format!("\n\n{head}") } else { head };
         plans.push(Forcing { when: Trigger::After(close.clone()), tokens: codec.encode(&text).map_err(tok)? });
@@ -334,6 +337,29 @@ fn forcings(codec: &dyn TextCodec, req: &Request, thinking: bool) -> Result<Vec<
         plans.push(Forcing { when: Trigger::After(close), tokens: codec.encode(ANSWER_GAP).map_err(tok)? });
     }
     Ok(plans)
+}
+
+/// A `response_format` json request's constraint: the JSON is the answer, so with thinking on it
+/// starts after the model's `</think>` and the `\n\n` forced after it ([`forcings`]), as the
+/// template writes an answer; with tools offered the answer may be a call instead, whose marker
+/// is the escape.
+fn constraint(
+    codec: &dyn TextCodec,
+    req: &Request,
+    thinking: bool,
+    grammar: Box<dyn Grammar>,
+) -> Result<Constraint, LineError> {
+    let tok = LineError::tokenizer;
+    let after = if thinking {
+        [codec.encode(THINK_CLOSE).map_err(tok)?, codec.encode(ANSWER_GAP).map_err(tok)?].concat()
+    } else {
+        Vec::new()
+    };
+    let escape = match &req.kind {
+        Kind::Chat { parse_tools: true, .. } => codec.encode(TOOL_CALL_OPEN).map_err(tok)?,
+        _ => Vec::new(),
+    };
+    Ok(Constraint { after, grammar, escape })
 }
 
 /// What the front end needs of the engine to start a request.
@@ -393,7 +419,7 @@ pub fn prompt_tokens(
 ) -> Result<(Vec<u32>, bool), LineError> {
     // The template's errors already say "chat template: …".
     let tmpl = |e: anyhow::Error| LineError::new("invalid_request", format!("{e:#}"));
-    let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
+    let tok = LineError::tokenizer;
     let (prompt, thinking) = match &req.kind {
         Kind::Chat { messages, tools, kwargs, .. } => {
             let text = renderer.render(messages, tools.as_ref(), true, kwargs).map_err(tmpl)?;
@@ -489,22 +515,7 @@ impl<'a> Live<'a> {
         let mut stop_ids = eos.clone();
         stop_ids.extend_from_slice(&req.stop_token_ids);
         let force = forcings(codec, &req, thinking)?;
-        // The JSON is the answer: with thinking on, it starts after the model's `</think>` and the
-        // `\n\n` forced after it (`forcings`), as the template writes an answer.
-        let after = if thinking {
-            let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
-            [codec.encode("</think>").map_err(tok)?, codec.encode(ANSWER_GAP).map_err(tok)?].concat()
-        } else {
-            Vec::new()
-        };
-        // With tools offered the answer may be a call instead: its marker is the escape.
-        let escape = match (&req.kind, grammar.is_some()) {
-            (Kind::Chat { parse_tools: true, .. }, true) => {
-                codec.encode(TOOL_CALL_OPEN).map_err(|e| LineError::new("tokenizer_error", format!("{e:#}")))?
-            }
-            _ => Vec::new(),
-        };
-        let constraint = grammar.map(|grammar| Constraint { after, grammar, escape });
+        let constraint = grammar.map(|g| constraint(codec, &req, thinking, g)).transpose()?;
         let gens = (0..n)
             .map(|i| {
                 let params = SamplingParams { seed: req.sampling.seed.wrapping_add(i as u64), ..req.sampling };
@@ -605,7 +616,7 @@ impl<'a> Live<'a> {
         if let Some(lp) = self.choices[choice].lp_next.take() {
             self.choices[choice].lps.push(*lp);
         }
-        let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
+        let tok = LineError::tokenizer;
         if self.first.is_none() {
             self.first = Some(Instant::now());
         }
@@ -653,7 +664,7 @@ impl<'a> Live<'a> {
     /// ended its sequence: then as for its length): its text is flushed, its last chunks are
     /// made and its entry of `choices` is kept for [`Self::body`].
     pub fn on_finished(&mut self, choice: usize) -> Result<Progress, LineError> {
-        let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
+        let tok = LineError::tokenizer;
         let (stream, lp_on) = (self.req.stream, self.req.logprobs.is_some());
         let chat = self.chunker.chat;
         let codec = self.codec;

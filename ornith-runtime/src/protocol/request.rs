@@ -6,9 +6,9 @@
 //!   "/v1/completions", "body": {...}}`;
 //! * raw completion: `{"prompt": "text" | [ids], ...}` or `{"prompt_token_ids": [ids]}`.
 //!
-//! `null` means "absent" for every optional field (OpenAI clients send explicit nulls).
-//! Parameters this build cannot honour (`allowed_tools` tool choice, `response_format` json
-//! on completions or with a forced tool choice, images) are errors rather than silently ignored. The role `developer`
+//! `null` means "absent" for every optional field (OpenAI clients send explicit nulls). Parameters
+//! this build cannot honour (`allowed_tools` tool choice, `response_format` json on completions or
+//! with a forced tool choice, images) are errors rather than silently ignored. The role `developer`
 //! (newer OpenAI clients) is treated as `system`.
 
 use serde_json::{Map, Value};
@@ -72,6 +72,10 @@ impl LineError {
     }
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::new("invalid_request", message)
+    }
+    /// The tokenizer's failure on the request's text.
+    pub fn tokenizer(e: anyhow::Error) -> Self {
+        LineError::new("tokenizer_error", format!("{e:#}"))
     }
 }
 

@@ -8,12 +8,13 @@
 //! lines (`object` `chat.completion.chunk` or `text_completion`, plus `custom_id`), which the
 //! deltas of concatenate to the final message.
 //!
-//! Many requests run at once: a reader thread reads ahead (at most `max_in_flight` requests
-//! between their line and their result, a request of `n` choices counting `n`), the main thread parses each line and hands its request
-//! to one of [`PREPARE_THREADS`] preparation threads, which render and tokenize the prompt; the
-//! main thread submits each prepared request to the engine thread as it comes back, and turns
-//! the engine's tokens into chunk and result lines as they come — so a long prompt being encoded
-//! holds up neither the other requests' output nor a short prompt read after it.
+//! Many requests run at once: a reader thread reads ahead (at most `max_in_flight` requests between
+//! their line and their result, a request of `n` choices counting `n`), the main thread parses each
+//! line and hands its request to one of [`PREPARE_THREADS`] preparation threads, which render and
+//! tokenize the prompt; the main thread submits each prepared request to the engine thread as it
+//! comes back, and turns the engine's tokens into chunk and result lines as they come — so a long
+//! prompt being encoded holds up neither the other requests' output nor a short prompt read after
+//! it.
 //! Results are written as each request finishes (each line carries `custom_id`), or with
 //! `ordered` in input order; chunk lines of different requests interleave.
 //!

@@ -15,7 +15,7 @@ use super::{PromptRenderer, TextCodec};
 
 fn ids_for(v: &Value, codec: &dyn TextCodec, renderer: &dyn PromptRenderer) -> Result<Vec<u32>, LineError> {
     let obj = v.as_object().ok_or_else(|| LineError::new("invalid_request", "a line must be a JSON object"))?;
-    let tok = |e: anyhow::Error| LineError::new("tokenizer_error", format!("{e:#}"));
+    let tok = LineError::tokenizer;
     if let Some(t) = obj.get("text") {
         let t = t.as_str().ok_or_else(|| LineError::new("invalid_request", "`text` must be a string"))?;
         return codec.encode(t).map_err(tok);

@@ -133,7 +133,8 @@ impl PromptRenderer for ChatMl {
 }
 
 /// Replays the tokens after the last `SAY:` of the prompt (up to `<|im_end|>`; `$S` becomes the
-/// last digit of the sequence's seed), then `<|im_end|>`, then `x` forever, for each sequence of a batch from its own slot.
+/// last digit of the sequence's seed), then `<|im_end|>`, then `x` forever, for each sequence of a
+/// batch from its own slot.
 /// `SAY:FAIL` fails the step, `SAY:PANIC` panics in it. A row with a grammar's mask draws the
 /// scripted token where the mask allows it. With
 /// [`with_snapshots`](ScriptRunner::with_snapshots), a snapshot row after the slots holds a copy
