@@ -99,7 +99,9 @@ pub struct Args {
     #[arg(long, env = "ORNITH_MAX_SEQS", value_parser = clap::value_parser!(u64).range(1..=4096), global = true, value_name = "N")]
     pub max_seqs: Option<u64>,
     /// Rows per forward step: one decode token of every running sequence, then prefill chunks
-    /// up to this many rows (at least one chunk per step).
+    /// (of 2,048 tokens) up to this many rows, at least one per step. More rows prefill faster
+    /// (the CUDA MoE runs up to 8,192 prefill rows at once, with fuller expert tiles) but hold
+    /// running sequences longer per step.
     #[arg(long, env = "ORNITH_MAX_BATCH_TOKENS", default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=1048576), global = true, value_name = "TOKENS")]
     pub max_batch_tokens: u64,
     /// Write results in input order, holding finished ones back until those before them are

@@ -59,6 +59,7 @@ pub fn build_runner(args: &Args) -> anyhow::Result<(Box<dyn Runner>, usize)> {
         kv_budget: args.kv_budget,
         max_context: context_for(args)?,
         prefix_cache: args.prefix_cache_bytes,
+        max_batch_tokens: args.max_batch_tokens as usize,
     };
     #[cfg(not(feature = "cuda"))]
     anyhow::ensure!(

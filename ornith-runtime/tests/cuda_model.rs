@@ -21,7 +21,7 @@
 use ornith_runtime::backend_cpu::CpuBackend;
 use ornith_runtime::backend_cuda::CudaBackend;
 use ornith_runtime::cuda::{CudaContext, Pdl};
-use ornith_runtime::engine::PoolRequest;
+use ornith_runtime::engine::{PoolRequest, PREFILL_CHUNK};
 use ornith_runtime::graph::{Backend, Batch, SeqRows, KV_BLOCK};
 use ornith_runtime::weights::Checkpoint;
 use std::path::PathBuf;
@@ -79,7 +79,13 @@ fn dist(a: &[f32], b: &[f32]) -> (f64, f64) {
 /// A CUDA backend planned for `seqs` sequences of up to `ctx` tokens (K/V pool: what is free).
 fn cuda_backend_for(ck: &Checkpoint, ctx: usize, seqs: usize) -> CudaBackend {
     let cx = CudaContext::new(0).expect("this test needs a CUDA device");
-    let req = PoolRequest { max_seqs: Some(seqs), kv_budget: None, max_context: ctx, prefix_cache: Some(0) };
+    let req = PoolRequest {
+        max_seqs: Some(seqs),
+        kv_budget: None,
+        max_context: ctx,
+        prefix_cache: Some(0),
+        max_batch_tokens: PREFILL_CHUNK,
+    };
     CudaBackend::new(cx, ck, &compiled::DIMS, &req, false).expect("CUDA backend").0
 }
 
@@ -353,8 +359,8 @@ const INV_STEPS: usize = 6;
 /// staged lm_head and of two shared-expert passes; 33 and 40 take every dense product through the
 /// staged build, its K slices meeting in global memory): every row's logits must equal the
 /// sequence's alone logits (default mode) bit for bit. Last, a mixed step: three decode rows and
-/// the whole prompt of sequence 40 as one prefill chunk in the same batch, then a decode step of
-/// all four.
+/// the whole prompts of sequences 39 and 40 as prefill chunks in the same batch (their MoE blocks
+/// run as one: `moe_segments`), then a decode step of all five.
 #[test]
 #[ignore]
 fn batch_invariance() {
@@ -437,34 +443,38 @@ fn batch_invariance() {
         );
     }
     gpu.context().set_pdl(ornith_runtime::cuda::DEFAULT_PDL);
-    // Mixed: decode rows of sequences 0..3 (their first step) and sequence 40's whole prompt as
-    // one prefill chunk; then one decode step of all four.
+    // Mixed: decode rows of sequences 0..3 (their first step) and the whole prompts of sequences
+    // 39 and 40 as prefill chunks (988 rows: one MoE segment); then one decode step of all five.
     gpu.set_decode_graph(true);
-    let p = INV_SEQS;
+    let pre = [INV_SEQS - 1, INV_SEQS];
     for i in 0..3 {
         prefill(&mut pools, i);
     }
-    pools.clear_slot(&gpu, slot(p)).unwrap();
     let mut ids: Vec<u32> = (0..3).map(|i| fed[i][0]).collect();
-    ids.extend_from_slice(&prompts[p]);
     let mut seqs: Vec<SeqRows> = (0..3).map(|i| seq(i, prompts[i].len(), 1)).collect();
-    seqs.push(seq(p, 0, prompts[p].len()));
+    for p in pre {
+        pools.clear_slot(&gpu, slot(p)).unwrap();
+        ids.extend_from_slice(&prompts[p]);
+        seqs.push(seq(p, 0, prompts[p].len()));
+    }
     let mixed = Batch { ids, seqs, all_rows: false };
     let rows: Vec<Vec<f32>> =
         host(&m.forward(&gpu, &mut pools, &mixed, &mut |_, _| {}).unwrap()).chunks(vocab).map(|r| r.to_vec()).collect();
     for i in 0..3 {
         assert!(rows[i] == alone[i][1], "mixed batch: decode row of sequence {i} differs");
     }
-    assert!(rows[3] == alone[p][0], "mixed batch: the prefill chunk's logits differ from its prefill alone");
-    let idx = [0usize, 1, 2, p];
-    let toks: Vec<u32> = [fed[0][1], fed[1][1], fed[2][1], fed[p][0]].to_vec();
-    let pos: Vec<usize> = vec![prompts[0].len() + 1, prompts[1].len() + 1, prompts[2].len() + 1, prompts[p].len()];
+    for (j, p) in pre.into_iter().enumerate() {
+        assert!(rows[3 + j] == alone[p][0], "mixed batch: sequence {p}'s prefill logits differ from its prefill alone");
+    }
+    let idx = [0usize, 1, 2, pre[0], pre[1]];
+    let toks: Vec<u32> = [fed[0][1], fed[1][1], fed[2][1], fed[pre[0]][0], fed[pre[1]][0]].to_vec();
+    let pos: Vec<usize> = idx.iter().map(|&i| prompts[i].len() + usize::from(i < 3)).collect();
     let rows = decode(&mut pools, &idx, &toks, &pos);
     for (j, &i) in idx.iter().enumerate() {
-        let want = if i == p { &alone[p][1] } else { &alone[i][2] };
+        let want = if i < 3 { &alone[i][2] } else { &alone[i][1] };
         assert!(rows[j] == *want, "after the mixed batch: sequence {i} differs");
     }
-    eprintln!("batch invariance: mixed decode + prefill step and the step after it bit-identical");
+    eprintln!("batch invariance: mixed decode + two-prefill step and the step after it bit-identical");
 }
 
 // Bounds of `cuda_ops_vs_cpu`: relative L2 distance of one op's output delta (`h_out - h_in`),
@@ -700,7 +710,9 @@ fn cpu_orderings_greedy_agreement() {
 /// The prefix cache's identity on the device: a prompt resumed after two cached chunks (their
 /// K/V blocks shared through the block table, the recurrent state copied from a snapshot row by
 /// `copy_slot`) gives the logits of a cold prefill of the same prompt bit for bit, and so do 8
-/// greedy decode steps after it (graph replays).
+/// greedy decode steps after it (graph replays). The cold prefill runs one chunk per step; the
+/// same prompt as ONE step (its three chunks' MoE blocks as one segment of 4,296 rows, the
+/// backend planned for steps of 3 chunks) gives the same logits too.
 #[test]
 #[ignore]
 fn prefix_cache_resume_matches_cold() {
@@ -713,13 +725,19 @@ fn prefix_cache_resume_matches_cold() {
     let (conv, ssm) = d.gdn_state_elems();
     let snapshot_bytes = (gdn_layers * (conv * 2 + ssm * 4)) as u64;
     let cx = CudaContext::new(0).expect("this test needs a CUDA device");
-    let req = PoolRequest { max_seqs: Some(3), kv_budget: None, max_context: ctx, prefix_cache: Some(snapshot_bytes) };
+    let req = PoolRequest {
+        max_seqs: Some(4),
+        kv_budget: None,
+        max_context: ctx,
+        prefix_cache: Some(snapshot_bytes),
+        max_batch_tokens: 3 * C,
+    };
     let (gpu, cap) = CudaBackend::new(cx, &ck, &d, &req, false).expect("CUDA backend");
     assert_eq!(cap.snapshots, 1, "the plan holds the one snapshot asked for");
     let m = compiled::Model::load(&gpu, &ck).expect("CUDA load");
     let mut pools =
-        compiled::Model::new_pools_for(&gpu, &Capacity { slots: 3, blocks: 3 * per, snapshots: 1 }).unwrap();
-    let snap_row = 3;
+        compiled::Model::new_pools_for(&gpu, &Capacity { slots: 4, blocks: 4 * per, snapshots: 1 }).unwrap();
+    let snap_row = 4;
     let table = |s: usize| -> Vec<u32> { (0..per as u32).map(|j| j + (s * per) as u32).collect() };
     let run = |pools: &mut compiled::Pools<CudaBackend>, slot: usize, blocks: Vec<u32>, ids: &[u32], pos: usize| {
         let b = Batch::single(ids, slot, pos, blocks, false);
@@ -738,6 +756,10 @@ fn prefix_cache_resume_matches_cold() {
     run(&mut pools, 1, table(1), &q[..C], 0);
     run(&mut pools, 1, table(1), &q[C..2 * C], C);
     let mut cold = vec![run(&mut pools, 1, table(1), &q[2 * C..], 2 * C)];
+    pools.clear_slot(&gpu, 3).unwrap();
+    let one_step = run(&mut pools, 3, table(3), &q, 0);
+    let diff = cold[0].iter().zip(&one_step).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+    assert_eq!(diff, 0, "the prompt as one step: {diff} logits differ from its prefill chunk by chunk");
     pools.copy_slot(&gpu, snap_row, 2).unwrap();
     let shared: Vec<u32> = table(0)[..2 * C / KV_BLOCK].iter().chain(&table(2)[2 * C / KV_BLOCK..]).copied().collect();
     let mut warm = vec![run(&mut pools, 2, shared.clone(), &q[2 * C..], 2 * C)];
@@ -751,7 +773,11 @@ fn prefix_cache_resume_matches_cold() {
         let diff = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
         assert_eq!(diff, 0, "step {k} (0 = the resumed prefill): {diff} logits differ from the cold run");
     }
-    eprintln!("prefix cache on the device: resumed prefill + 8 decode steps bit-identical to the cold run");
+    eprintln!(
+        "prefix cache on the device: resumed prefill + 8 decode steps bit-identical to the cold run; the prompt as \
+         one step (one MoE segment of {} rows) too",
+        q.len()
+    );
 }
 
 /// Penalties through the CUDA backend's `sample` (`apply_penalties` on the device logits, then

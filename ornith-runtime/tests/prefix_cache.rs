@@ -85,9 +85,12 @@ fn drain_observing(
     (toks, cached)
 }
 
-/// The tokens of `req` on an engine without a prefix cache.
+/// The tokens of `req` on an engine without a prefix cache (one chunk per step, a context of
+/// up to 8 chunks).
 fn cold(req: &GenRequest) -> Vec<u32> {
-    let mut e = engine(1, SEQ_BLOCKS, 0);
+    let r = runner(Capacity { slots: 1, blocks: 8 * SEQ_BLOCKS / 4, snapshots: 0 });
+    let cfg = EngineConfig { max_batch_tokens: C, max_context: 8 * C, sample_vocab: compiled::DIMS.vocab_size };
+    let mut e = Engine::new(Box::new(r), cfg).unwrap();
     e.submit(0, req.clone()).unwrap();
     let (toks, cached) = drain(&mut e);
     assert_eq!(cached[&0], 0);
@@ -243,4 +246,36 @@ fn a_disabled_cache_serves_nothing() {
     assert!(cached.is_empty(), "admitted in the first step");
     assert_eq!(toks[&1], toks[&2]);
     assert_eq!(e.stats().cache, Default::default());
+}
+
+/// Steps of several chunks (`--max-batch-tokens` of four chunks): a long prompt prefills in fewer
+/// steps, each ending where the prefix cache may keep a snapshot (here its tail boundaries 5C and
+/// 6C), and gives the tokens of one chunk per step; the chunks and snapshots cached are the same,
+/// and so is the resume of a prompt that shares 5 of its chunks. Without a cache, nothing stops
+/// a step before its budget.
+#[test]
+fn steps_of_several_chunks_give_the_tokens_and_the_cache_of_one_chunk_per_step() {
+    let ctx = 8 * C;
+    let make = |max_batch_tokens: usize, snapshots: usize| {
+        let r = runner(Capacity { slots: 1, blocks: ctx / KV_BLOCK, snapshots });
+        let cfg = EngineConfig { max_batch_tokens, max_context: ctx, sample_vocab: compiled::DIMS.vocab_size };
+        Engine::new(Box::new(r), cfg).unwrap()
+    };
+    let p = ids(6 * C + 100, 50);
+    let q = join(&p[..5 * C + 10], &ids(60, 51));
+    let (cold_p, cold_q) = (cold(&request(p.clone(), 1)), cold(&request(q.clone(), 2)));
+    // (max_batch_tokens, snapshots, steps of the first request: prefill steps + 4 decode steps)
+    for (mbt, snaps, want_steps) in [(C, 8, 7 + 4), (4 * C, 8, 4 + 4), (4 * C, 0, 2 + 4)] {
+        let mut e = make(mbt, snaps);
+        e.submit(0, request(p.clone(), 1)).unwrap();
+        let (t0, _) = drain(&mut e);
+        assert_eq!(e.stats().steps, want_steps, "max_batch_tokens {mbt}, {snaps} snapshots: steps");
+        assert_eq!(t0[&0], cold_p, "max_batch_tokens {mbt}: tokens differ from a cold run");
+        let usage = e.cache_usage();
+        e.submit(1, request(q.clone(), 2)).unwrap();
+        let (t1, cached) = drain(&mut e);
+        let (want_cached, want_usage) = if snaps > 0 { (5 * C, (6, 2, 8)) } else { (0, (0, 0, 0)) };
+        assert_eq!((cached[&1], usage), (want_cached, want_usage), "max_batch_tokens {mbt}: what was cached");
+        assert_eq!(t1[&1], cold_q, "max_batch_tokens {mbt}: the resumed tokens differ");
+    }
 }

@@ -5,8 +5,9 @@ come first: the first start (on a fresh machine it includes the driver's one-tim
 the PTX, ~70 s before the twelfth session's trim of gemv.cu, which is why it is kept out of the
 figure), then the load time, subtracted from the file's wall time. Prints the wall time, the load
 time, generated tokens and generated tok/s, and the failed-line count; exits 1 on any failure.
-Usage: batch_file.py ORNITH MODEL_DIR OUT_JSONL [N] [EXTRA_ARGS...]"""
-import json, random, subprocess, sys, time
+Usage: batch_file.py ORNITH MODEL_DIR OUT_JSONL [N] [EXTRA_ARGS...]
+BATCH_EXTRA='{"logprobs": 5}' merges those fields into every request (what they cost)."""
+import json, os, random, subprocess, sys, time
 
 ornith, model, out = sys.argv[1:4]
 n = int(sys.argv[4]) if len(sys.argv) > 4 else 256
@@ -15,7 +16,7 @@ rng = random.Random(7)
 lines = []
 for i in range(n):
     req = {"custom_id": f"b{i}", "prompt_token_ids": [rng.randrange(1000, 200000) for _ in range(2048)],
-           "max_tokens": 128, "ignore_eos": True, "seed": i}
+           "max_tokens": 128, "ignore_eos": True, "seed": i, **json.loads(os.environ.get("BATCH_EXTRA", "{}"))}
     lines.append(json.dumps(req))
 
 

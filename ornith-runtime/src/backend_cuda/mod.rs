@@ -346,6 +346,22 @@ fn segments(batch: &Batch) -> Vec<(usize, usize, bool)> {
     v
 }
 
+/// The row ranges of an MoE block: those of [`segments`], with consecutive prefill chunks (of one
+/// sequence or of several) merged while they fit `max_rows` rows (the MoE scratch,
+/// [`plan::moe_rows`]): one router GEMM, one pair of grouped expert GEMMs and one combine over
+/// them, with fuller expert tiles. Every row's bits are those of its chunk alone (each output
+/// row's sums, quantisation and combine are its own).
+fn moe_segments(batch: &Batch, max_rows: usize) -> Vec<(usize, usize, bool)> {
+    let mut v: Vec<(usize, usize, bool)> = Vec::new();
+    for (r0, n, prefill) in segments(batch) {
+        match v.last_mut() {
+            Some((a, m, true)) if prefill && *a + *m == r0 && *m + n <= max_rows => *m += n,
+            _ => v.push((r0, n, prefill)),
+        }
+    }
+    v
+}
+
 impl CudaBackend {
     /// Checks the model's shapes against the kernels, sizes the state pools for `req`
     /// ([`plan::MemoryPlan::new`]: weights, K/V blocks, recurrent slots, scratch and step
@@ -368,7 +384,7 @@ impl CudaBackend {
         let (free, source) = plan::usable_free(driver_free as u64, integrated, meminfo.as_deref());
         let (plan, cap) = MemoryPlan::new(ck, dims, req, free, source)?;
         plan.check(free, source, total as u64, cx.device_name())?;
-        let sz = ScratchSizes::new(dims);
+        let sz = ScratchSizes::new(dims, plan::moe_rows(req.max_batch_tokens));
         let r = cap.slots;
         let s = Scratch::new(&cx, dims, &sz, r)?;
         let sampler = Mutex::new(crate::cuda::sample::SampleScratch::new(&cx, r, dims.vocab_size)?);
@@ -1072,7 +1088,7 @@ impl CudaBackend {
         let s = &self.s;
         let rl = at(self, &s.rlog, 0);
         let (sgu_y, sa, sy) = (at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.ys, 0));
-        for (r0, n, prefill) in segments(batch) {
+        for (r0, n, prefill) in moe_segments(batch, self.sz.moe_rows) {
             // Fusable as the FP8 MoE's: the BF16 router, the per-slot expert gate|up, the combine folds.
             let fusable = !prefill && n < GROUPED_MOE_ROWS;
             let (x, fold) = self.norm_rows_for(h, norm, r0, n, fusable)?;
@@ -1207,9 +1223,10 @@ struct SharedExpert {
 }
 
 impl Scratch {
-    /// Scratch of one chunk, and the greedy sampler's `rows` results.
+    /// Scratch of one chunk (the MoE's of `z.moe_rows` rows), and the greedy sampler's `rows`
+    /// results.
     fn new(cx: &CudaContext, d: &Dims, z: &ScratchSizes, rows: usize) -> Result<Self> {
-        let c = CHUNK;
+        let (c, m) = (CHUNK, z.moe_rows);
         Ok(Scratch {
             xb: cx.alloc(z.xb)?,
             xq: cx.alloc(z.xq)?,
@@ -1224,20 +1241,20 @@ impl Scratch {
             q: cx.alloc(c * d.num_attention_heads * d.head_dim)?,
             part_o: cx.alloc(z.part_o)?,
             part_ml: cx.alloc(z.part_ml)?,
-            rlog: cx.alloc(c * z.rlog_w)?,
-            idx: cx.alloc(c * d.num_experts_per_tok)?,
-            wt: cx.alloc(c * d.num_experts_per_tok)?,
-            gu: cx.alloc(c * z.slots * 2 * d.moe_intermediate_size)?,
+            rlog: cx.alloc(m * z.rlog_w)?,
+            idx: cx.alloc(m * d.num_experts_per_tok)?,
+            wt: cx.alloc(m * d.num_experts_per_tok)?,
+            gu: cx.alloc(m * z.slots * 2 * d.moe_intermediate_size)?,
             aq: cx.alloc(z.aq)?,
             asc: cx.alloc(z.asc)?,
-            ys: cx.alloc(c * z.slots * d.hidden_size)?,
+            ys: cx.alloc(m * z.slots * d.hidden_size)?,
             amax: cx.alloc(rows)?,
             amax_rows: cx.alloc(rows)?,
             group_offsets: cx.alloc(d.num_experts + 1)?,
             tile_offsets: cx.alloc(d.num_experts + 1)?,
-            row_token: cx.alloc(c * d.num_experts_per_tok)?,
-            row_of: cx.alloc(c * d.num_experts_per_tok)?,
-            row_assign: cx.alloc(c * d.num_experts_per_tok)?,
+            row_token: cx.alloc(m * d.num_experts_per_tok)?,
+            row_of: cx.alloc(m * d.num_experts_per_tok)?,
+            row_assign: cx.alloc(m * d.num_experts_per_tok)?,
             row_info: cx.alloc(4 * d.num_experts)?,
             gdn_work: cx.alloc(z.gdn_work)?,
         })
@@ -1473,9 +1490,9 @@ impl Backend for CudaBackend {
         let rw = self.sz.rlog_w;
         let s = &self.s;
         let rl = at(self, &s.rlog, 0);
-        // Row by row: the decode group at once (GEMVs, one MoE grid z per row), each prefill
-        // sequence in chunks (grouped by expert when longer than 8 rows).
-        for (r0, n, prefill) in segments(batch) {
+        // Row by row: the decode group at once (GEMVs, one MoE grid z per row), the prefill
+        // chunks (more than 8 rows) grouped by expert, several at once (`moe_segments`).
+        for (r0, n, prefill) in moe_segments(batch, self.sz.moe_rows) {
             // Fusable: the router is BF16 (the export's ignore list), the expert gate|up of a
             // group below GROUPED_MOE_ROWS the per-slot product, the combine folds.
             let fusable = !prefill && n < GROUPED_MOE_ROWS && R::KIND != Precision::Nvfp4;

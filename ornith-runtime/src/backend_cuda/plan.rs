@@ -18,6 +18,20 @@ pub const CHUNK: usize = crate::engine::PREFILL_CHUNK;
 /// sized for the pool's slots, at most this many (and a group must fit one chunk's scratch).
 pub const MAX_DECODE_ROWS: usize = 256;
 const _: () = assert!(MAX_DECODE_ROWS <= CHUNK);
+/// Most prefill rows one MoE block runs at once: a step's prefill chunks (of one sequence or of
+/// several, `--max-batch-tokens` rows) go through the router, the grouped expert GEMMs and the
+/// combine together, so each expert's 64-row tiles fill up (top-8 of 256: ~64 rows per expert
+/// at 2,048 rows, whose tiles run about two-thirds full; ~256 at 8,192, ~90%). A row's bits do
+/// not depend on the rows beside it (each output row's sums, its quantisation and its combine
+/// are its own), so this changes no token. The MoE scratch grows to ~0.6 GiB at the 35B shapes.
+pub const MAX_MOE_ROWS: usize = 4 * CHUNK;
+
+/// The MoE scratch's rows for steps of `max_batch_tokens` rows (a step's prefill rows: at most
+/// that, or one chunk), within `CHUNK ..= MAX_MOE_ROWS`.
+pub fn moe_rows(max_batch_tokens: usize) -> usize {
+    max_batch_tokens.clamp(CHUNK, MAX_MOE_ROWS)
+}
+
 /// Slots the plan chooses when `--max-seqs` is not given (fewer when they do not fit).
 pub const DEFAULT_MAX_SEQS: usize = 64;
 
@@ -109,9 +123,11 @@ pub fn check_dims(d: &Dims) -> Result<()> {
     Ok(())
 }
 
-/// Element counts of the scratch buffers (one prefill chunk).
+/// Element counts of the scratch buffers: one prefill chunk, the MoE's `moe_rows` rows.
 #[derive(Debug, Clone, Copy)]
 pub struct ScratchSizes {
+    /// Rows of the MoE's buffers and of the normalised input rows ([`moe_rows`]).
+    pub moe_rows: usize,
     pub xb: usize,
     pub xq: usize,
     pub xs: usize,
@@ -133,16 +149,18 @@ pub struct ScratchSizes {
 }
 
 impl ScratchSizes {
-    pub fn new(d: &Dims) -> Self {
+    pub fn new(d: &Dims, moe_rows: usize) -> Self {
         let vdim = d.value_dim().max(d.num_attention_heads * d.head_dim);
         let slots = d.num_experts_per_tok + 1;
+        let m = moe_rows.max(CHUNK);
         ScratchSizes {
-            xb: CHUNK * d.hidden_size,
-            xq: CHUNK * d.hidden_size.max(vdim),
-            xs: CHUNK,
+            moe_rows: m,
+            xb: m * d.hidden_size,
+            xq: (m * d.hidden_size).max(CHUNK * vdim),
+            xs: m,
             // Bytes: the experts' FP8 inputs, or their bf16 inputs for NVFP4A16 experts (2 per element).
-            aq: 2 * CHUNK * slots * d.moe_intermediate_size,
-            asc: CHUNK * slots,
+            aq: 2 * m * slots * d.moe_intermediate_size,
+            asc: m * slots,
             proj_w: d.conv_dim() + d.value_dim() + 2 * d.linear_num_value_heads,
             conv: CHUNK * d.conv_dim(),
             o: CHUNK * vdim,
@@ -158,7 +176,7 @@ impl ScratchSizes {
 
     /// Bytes of all scratch buffers (see `Scratch::new` for the list).
     pub fn bytes(&self, d: &Dims) -> u64 {
-        let c = CHUNK;
+        let (c, m) = (CHUNK, self.moe_rows);
         let bf = 2
             * (self.xb
                 + c * self.proj_w
@@ -167,9 +185,9 @@ impl ScratchSizes {
                 + self.qg
                 + 2 * self.kv
                 + c * d.num_attention_heads * d.head_dim
-                + c * self.rlog_w
-                + c * self.slots * 2 * d.moe_intermediate_size
-                + c * self.slots * d.hidden_size);
+                + m * self.rlog_w
+                + m * self.slots * 2 * d.moe_intermediate_size
+                + m * self.slots * d.hidden_size);
         // idx + wt, the MoE's group/tile offsets, row_token, row_of, row_assign and the grouped
         // block rows' row_info (4 per expert).
         // (gdn_work: fp32, counted below; the greedy sampler's rows: per slot, `step_bytes_per_slot`.)
@@ -178,9 +196,9 @@ impl ScratchSizes {
                 + self.asc
                 + self.part_o
                 + self.part_ml
-                + c * d.num_experts_per_tok * 2
+                + m * d.num_experts_per_tok * 2
                 + 2 * (d.num_experts + 1)
-                + 3 * c * d.num_experts_per_tok
+                + 3 * m * d.num_experts_per_tok
                 + 4 * d.num_experts);
         (bf + self.xq + self.aq + f4 + 4 * self.gdn_work) as u64
     }
@@ -346,7 +364,8 @@ impl MemoryPlan {
         let state_per_slot = (gdn_layers * (conv * 2 + ssm * 4)) as u64;
         let step_per_slot = step_bytes_per_slot(d, width);
         let per_block = (attention_layers * KV_BLOCK * d.num_key_value_heads * d.head_dim * 2 * 2) as u64;
-        let scratch = ScratchSizes::new(d).bytes(d) + crate::cuda::sample::SampleScratch::fixed_bytes(d.vocab_size);
+        let scratch = ScratchSizes::new(d, moe_rows(req.max_batch_tokens)).bytes(d)
+            + crate::cuda::sample::SampleScratch::fixed_bytes(d.vocab_size);
         let activations = (max_context * (d.hidden_size * 4 + 4)) as u64;
         let costs = PoolCosts {
             fixed: weights + scratch + activations + MARGIN,
@@ -515,6 +534,7 @@ mod tests {
             kv_budget: kv,
             max_context: 10240,
             prefix_cache: Some(0),
+            max_batch_tokens: CHUNK,
         };
         // Plenty of memory: 64 slots, the K/V pool capped at 64 full sequences.
         let cap = size_pools(&c, &req(None, None), 1 << 50).unwrap();

@@ -12,6 +12,7 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use cudarc::driver::sys::CUevent_flags;
 use ornith_runtime::backend_cuda::decode_bytes::{decode_step_bytes, total, ByteGroup};
+use ornith_runtime::backend_cuda::plan::MAX_DECODE_ROWS;
 use ornith_runtime::backend_cuda::CudaBackend;
 use ornith_runtime::cuda::profile::{summarize, KernelSummary};
 use ornith_runtime::cuda::spark::{spark_kernels, spark_step, SparkKernel, SparkStep};
@@ -58,6 +59,11 @@ struct Args {
     /// runtime's). The other modes are timed beside it (greedy, batch 1 and batched).
     #[arg(long)]
     pdl: Option<Pdl>,
+    /// The binary's `--max-batch-tokens` (default its default): rows of one step. The batch-1
+    /// prefill runs the prompt in steps of that many tokens (chunks of PREFILL_CHUNK, each MoE
+    /// block over up to a step's rows at once), as the engine does.
+    #[arg(long, default_value_t = 2048)]
+    max_batch_tokens: usize,
 }
 
 /// One batched run: B sequences decoded together.
@@ -65,7 +71,7 @@ struct Args {
 struct BatchRun {
     batch: usize,
     prompt_tokens: usize,
-    /// Prefill of all B prompts, one after the other (seconds).
+    /// Prefill of all B prompts, packed into steps as the engine packs them (seconds).
     prefill_s: f64,
     decode_steps: usize,
     /// Greedy: tokens of all sequences per second, one sequence's tokens per second, ms per step.
@@ -143,6 +149,8 @@ struct Report {
     routed_expert_bytes: u64,
     kv_cache_bytes: u64,
     max_context: usize,
+    /// `--max-batch-tokens`: the rows of a prefill step (the binary's flag of the same name).
+    max_batch_tokens: usize,
     /// Candidate ids sampled (the tokenizer's vocabulary; the lm_head has more rows).
     sample_vocab: usize,
     sampling_default: String,
@@ -173,9 +181,10 @@ fn batch_seq_blocks(prompt: usize, gen: usize) -> usize {
     (prompt + (1 + Pdl::ALL.len()) * gen + 2 + Pdl::ALL.len()).div_ceil(KV_BLOCK)
 }
 
-/// B sequences (slots 0..B, blocks `s·per ..` of `pools`), each prefilled in PREFILL_CHUNK
-/// chunks with its own prompt, then `gen` decode steps over all of them greedy and `gen` with
-/// `sampling` (seed + sequence), each step sampling every row in one call.
+/// B sequences (slots 0..B, blocks `s·per ..` of `pools`), each with its own prompt, prefilled as
+/// the engine fills steps: chunk by chunk of PREFILL_CHUNK, as many sequences' chunks per step
+/// as `max_batch_tokens` rows hold (at least one); then `gen` decode steps over all of them
+/// greedy and `gen` with `sampling` (seed + sequence), each step sampling every row in one call.
 #[allow(clippy::too_many_arguments)]
 fn batch_run(
     b: &CudaBackend,
@@ -187,6 +196,7 @@ fn batch_run(
     n_vocab: usize,
     sampling: &SamplingParams,
     (here_gb_s, spark_gb_s): (f64, f64),
+    max_batch_tokens: usize,
 ) -> Result<BatchRun> {
     let d = compiled::DIMS;
     let per = batch_seq_blocks(prompt_len, gen);
@@ -194,17 +204,30 @@ fn batch_run(
     let greedy = SamplingParams::greedy();
     let t0 = Instant::now();
     let mut toks = Vec::with_capacity(bsz);
+    // A different prompt per sequence: the same generator, rotated ids.
+    let base = prompt(prompt_len, d.vocab_size);
+    let ids: Vec<Vec<u32>> =
+        (0..bsz).map(|s| base.iter().map(|&t| (t + 7919 * s as u32) % d.vocab_size as u32).collect()).collect();
     for s in 0..bsz {
         pools.clear_slot(b, s)?;
-        // A different prompt per sequence: the same generator, rotated ids.
-        let ids: Vec<u32> =
-            prompt(prompt_len, d.vocab_size).iter().map(|&t| (t + 7919 * s as u32) % d.vocab_size as u32).collect();
-        let mut l = None;
-        for c0 in (0..prompt_len).step_by(PREFILL_CHUNK) {
-            let chunk = &ids[c0..(c0 + PREFILL_CHUNK).min(prompt_len)];
-            l = Some(model.forward(b, pools, &Batch::single(chunk, s, c0, blocks(s), false), &mut |_, _| {})?);
+    }
+    for c0 in (0..prompt_len).step_by(PREFILL_CHUNK) {
+        let len = PREFILL_CHUNK.min(prompt_len - c0);
+        let last = c0 + len == prompt_len;
+        for group in (0..bsz).collect::<Vec<_>>().chunks((max_batch_tokens / len).max(1)) {
+            let batch = Batch {
+                ids: group.iter().flat_map(|&s| ids[s][c0..c0 + len].iter().copied()).collect(),
+                seqs: group.iter().map(|&s| SeqRows { slot: s, pos: c0, len, blocks: blocks(s) }).collect(),
+                all_rows: false,
+            };
+            let l = model.forward(b, pools, &batch, &mut |_, _| {})?;
+            if last {
+                let rows: Vec<RowSample> = (0..group.len())
+                    .map(|row| RowSample { row, params: greedy, step: 0, penalties: None, logprobs: None, mask: None })
+                    .collect();
+                toks.extend(b.sample(&l, n_vocab, &rows)?.into_iter().map(|s| s.id));
+            }
         }
-        toks.push(sample1(b, &l.expect("a prompt of at least one token"), n_vocab, &greedy, 0)?);
     }
     b.context().synchronize()?;
     let prefill_s = t0.elapsed().as_secs_f64();
@@ -461,6 +484,27 @@ fn print_ablation<'a>(rows: impl Iterator<Item = &'a Ablation>, step_us: f64) {
 /// Wall-clock seconds of `steps` decode steps, each sampled with `q` over ids `0..n_vocab` as the
 /// engine does (the request's sampled-token count feeds the random stream); `tok` is fed in and
 /// holds the last sampled token afterwards.
+/// The prefill of `ids` as the engine runs one sequence: steps of as many whole chunks of
+/// PREFILL_CHUNK as `max_batch_tokens` holds (at least one), the last step ending at the
+/// prompt's end; the last step's logits.
+fn prefill_steps(
+    b: &CudaBackend,
+    model: &compiled::Model<CudaBackend>,
+    st: &mut compiled::State<CudaBackend>,
+    ids: &[u32],
+    max_batch_tokens: usize,
+) -> Result<<CudaBackend as Backend>::Logits> {
+    let step = (max_batch_tokens / PREFILL_CHUNK).max(1) * PREFILL_CHUNK;
+    let mut chunks = ids.chunks(step).peekable();
+    loop {
+        let c = chunks.next().context("prefill of no tokens")?;
+        let l = model.prefill(b, st, c, false, &mut |_, _| {})?;
+        if chunks.peek().is_none() {
+            return Ok(l);
+        }
+    }
+}
+
 fn decode_timed(
     b: &CudaBackend,
     model: &compiled::Model<CudaBackend>,
@@ -522,11 +566,17 @@ fn run() -> Result<()> {
     let bmax = args.batch.iter().copied().max().unwrap_or(0);
     let per = batch_seq_blocks(args.batch_prompt, args.gen);
     let seq_blocks = ctx.div_ceil(KV_BLOCK);
+    anyhow::ensure!(
+        bmax < MAX_DECODE_ROWS,
+        "--batch {bmax}: at most {} (one more state slot holds the batch-1 runs' sequence)",
+        MAX_DECODE_ROWS - 1
+    );
     let req = PoolRequest {
         max_seqs: Some(bmax.max(1) + 1),
         kv_budget: Some(compiled::KV_BYTES_PER_TOKEN * KV_BLOCK as u64 * (seq_blocks + bmax * per) as u64),
         max_context: ctx,
         prefix_cache: Some(0),
+        max_batch_tokens: args.max_batch_tokens,
     };
     let (b, cap) = CudaBackend::new(cx, &ck, &d, &req, false)?;
     let model = compiled::Model::load(&b, &ck).with_context(|| format!("loading {}", dir.display()))?;
@@ -570,7 +620,7 @@ fn run() -> Result<()> {
         let ids = prompt(p, d.vocab_size);
         st.reset(&b)?;
         let t0 = Instant::now();
-        let l = model.prefill(&b, &mut st, &ids, false, &mut |_, _| {})?;
+        let l = prefill_steps(&b, &model, &mut st, &ids, args.max_batch_tokens)?;
         let mut tok = sample1(&b, &l, n_vocab, &greedy, 0)?;
         let ttft = t0.elapsed().as_secs_f64();
         let dec = decode_timed(&b, &model, &mut st, &greedy, n_vocab, args.gen, &mut tok)?;
@@ -602,7 +652,7 @@ fn run() -> Result<()> {
         st.reset(&b)?;
         b.profile_begin();
         // A profiler range too (tests/gpu/profile.sh): the prefill's launches under ncu.
-        let _ = b.context().profiler_range(|| model.prefill(&b, &mut st, &ids, false, &mut |_, _| {}))?;
+        let _ = b.context().profiler_range(|| prefill_steps(&b, &model, &mut st, &ids, args.max_batch_tokens))?;
         let ptimes = b.profile_end()?;
         let avg_pos = p + args.gen / 2;
         let groups = decode_step_bytes(&ck.spec, avg_pos);
@@ -726,7 +776,18 @@ fn run() -> Result<()> {
         for &bsz in &args.batch {
             anyhow::ensure!(bsz >= 1, "--batch sizes must be at least 1");
             let bws = (bw / 1e9, args.spark_gb_s);
-            let r = batch_run(&b, &model, pools, bsz, args.batch_prompt, args.gen, n_vocab, &default_sampling, bws)?;
+            let r = batch_run(
+                &b,
+                &model,
+                pools,
+                bsz,
+                args.batch_prompt,
+                args.gen,
+                n_vocab,
+                &default_sampling,
+                bws,
+                args.max_batch_tokens,
+            )?;
             batch_runs.push(r);
         }
         eprintln!(
@@ -811,6 +872,7 @@ fn run() -> Result<()> {
         routed_expert_bytes: expert_bytes,
         kv_cache_bytes: plan.kv_cache,
         max_context: ctx,
+        max_batch_tokens: args.max_batch_tokens,
         sample_vocab: n_vocab,
         sampling_default: describe(&default_sampling),
         sampling_top_p: describe(&top_p_only),

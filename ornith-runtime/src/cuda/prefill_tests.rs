@@ -589,42 +589,46 @@ fn moe_prefill_matches_reference() {
         let (worst, rel) = check(&format!("moe_prefill e{e} t{t}"), &got, &want, 3.0, 2f64.powi(-7), 2f64.powi(-7));
         eprintln!("moe_prefill e{e} t{t}: max |d|/rms {worst:.2e}, rel L2 {rel:.2e}");
     }
-    // Timing at the real shape: 256 experts, top-8, 2048 tokens.
-    let (e, t) = (256, 2048);
-    let x = bfv(&mut r, t * d, 2.0);
-    let dx = c.upload(&bits(&x)).unwrap();
-    let drouter = c.upload(&bits(&bfv(&mut r, (e + 1) * d, 0.05))).unwrap();
-    let (dwgu, dwgus) =
-        (c.upload(&fp8_pattern(e * 2 * inter * d, 3)).unwrap(), c.upload(&vec![2e-4f32; e * 2 * inter]).unwrap());
-    let (dwdn, dwdns) = (c.upload(&fp8_pattern(e * d * inter, 4)).unwrap(), c.upload(&vec![2e-4f32; e * d]).unwrap());
-    let (dsgu, dsgus) =
-        (c.upload(&fp8_pattern(2 * sinter * d, 5)).unwrap(), c.upload(&vec![2e-4f32; 2 * sinter]).unwrap());
-    let (dsdn, dsdns) = (c.upload(&fp8_pattern(d * sinter, 6)).unwrap(), c.upload(&vec![2e-4f32; d]).unwrap());
-    let args = MoePrefillArgs {
-        x: &dx,
-        router: &drouter,
-        w_gate_up: &dwgu,
-        ws_gate_up: &dwgus,
-        w_down: &dwdn,
-        ws_down: &dwdns,
-        shared_gate_up: &dsgu,
-        shared_gate_up_scale: &dsgus,
-        shared_down: &dsdn,
-        shared_down_scale: &dsdns,
-        tokens: t,
-        hidden: d,
-        experts: e,
-        top_k: k,
-        inter,
-        shared_inter: sinter,
-    };
-    let mut scratch = MoePrefillScratch::new(&c, t, d, e, k, inter, sinter).unwrap();
-    let mut out = c.alloc::<u16>(t * d).unwrap();
-    let s = time_it(&c, || c.moe_prefill(&args, &mut scratch, &mut out).unwrap());
-    let flops = 2.0 * t as f64 * d as f64 * ((k * 3 * inter + 3 * sinter) as f64 + (e + 1) as f64);
-    eprintln!(
-        "PERF moe_prefill 2048 tokens, 256 experts top-8 + shared: {:.3} ms, {:.0} TFLOP/s",
-        s * 1e3,
-        flops / s / 1e12
-    );
+    // Timing at the real shape: 256 experts, top-8, one 2,048-token chunk and a step of 8,192
+    // tokens (more rows per expert: fuller 64-row tiles).
+    let e = 256;
+    for t in [2048, 8192] {
+        let x = bfv(&mut r, t * d, 2.0);
+        let dx = c.upload(&bits(&x)).unwrap();
+        let drouter = c.upload(&bits(&bfv(&mut r, (e + 1) * d, 0.05))).unwrap();
+        let (dwgu, dwgus) =
+            (c.upload(&fp8_pattern(e * 2 * inter * d, 3)).unwrap(), c.upload(&vec![2e-4f32; e * 2 * inter]).unwrap());
+        let (dwdn, dwdns) =
+            (c.upload(&fp8_pattern(e * d * inter, 4)).unwrap(), c.upload(&vec![2e-4f32; e * d]).unwrap());
+        let (dsgu, dsgus) =
+            (c.upload(&fp8_pattern(2 * sinter * d, 5)).unwrap(), c.upload(&vec![2e-4f32; 2 * sinter]).unwrap());
+        let (dsdn, dsdns) = (c.upload(&fp8_pattern(d * sinter, 6)).unwrap(), c.upload(&vec![2e-4f32; d]).unwrap());
+        let args = MoePrefillArgs {
+            x: &dx,
+            router: &drouter,
+            w_gate_up: &dwgu,
+            ws_gate_up: &dwgus,
+            w_down: &dwdn,
+            ws_down: &dwdns,
+            shared_gate_up: &dsgu,
+            shared_gate_up_scale: &dsgus,
+            shared_down: &dsdn,
+            shared_down_scale: &dsdns,
+            tokens: t,
+            hidden: d,
+            experts: e,
+            top_k: k,
+            inter,
+            shared_inter: sinter,
+        };
+        let mut scratch = MoePrefillScratch::new(&c, t, d, e, k, inter, sinter).unwrap();
+        let mut out = c.alloc::<u16>(t * d).unwrap();
+        let s = time_it(&c, || c.moe_prefill(&args, &mut scratch, &mut out).unwrap());
+        let flops = 2.0 * t as f64 * d as f64 * ((k * 3 * inter + 3 * sinter) as f64 + (e + 1) as f64);
+        eprintln!(
+            "PERF moe_prefill {t} tokens, 256 experts top-8 + shared: {:.3} ms, {:.0} TFLOP/s",
+            s * 1e3,
+            flops / s / 1e12
+        );
+    }
 }

@@ -11,7 +11,9 @@
 //!    `max_batch_tokens` rows (the first chunk of a step is always taken, so prefill always
 //!    progresses and a running sequence waits at most one chunk). A chunk ends at the next
 //!    absolute multiple of [`PREFILL_CHUNK`] or at the prompt's end: the same chunks for a
-//!    prompt whatever else runs.
+//!    prompt whatever else runs. A sequence takes further chunks of its prompt while the step
+//!    holds them, up to a boundary where the prefix cache may keep a snapshot (the state there
+//!    exists only between steps); the backend runs each chunk as it would alone.
 //!
 //! After the step, each sequence that produced logits (decode rows, last prompt chunks) samples
 //! one token on the backend, its `n`-th with step `n` of its seeded stream.
@@ -410,11 +412,28 @@ impl Engine {
         }
     }
 
-    /// Sequence `i` has just prefilled the full chunk ending at its position: enters the chunk
-    /// in the prefix cache and, where the policy keeps one, copies its state to a snapshot.
-    fn cache_chunk(&mut self, i: usize) -> anyhow::Result<()> {
+    /// Whether a step of sequence `s` must end at chunk boundary `b` (inside its prompt): the
+    /// prefix cache may keep a snapshot of the state there (`keeps_snapshot`). The chunk ending
+    /// at `b` can already be cached (`shared`) only if it is the sequence's next chunk: a later
+    /// chunk's parent is not cached before this step runs.
+    fn snapshot_boundary(&self, s: &Seq, b: usize) -> bool {
+        if !(s.caching && self.cache.enabled()) {
+            return false;
+        }
+        let first = b == (s.pos / PREFILL_CHUNK + 1) * PREFILL_CHUNK;
+        let k = b / PREFILL_CHUNK - 1;
+        let shared =
+            first && self.cache.contains(s.chain.last().copied(), s.keys[k], &s.req.prompt[b - PREFILL_CHUNK..b]);
+        keeps_snapshot(b, s.req.prompt.len(), shared, s.wanted.contains(&b))
+    }
+
+    /// Sequence `i` has just prefilled the full chunk ending at `pos`: enters the chunk in the
+    /// prefix cache and, where the policy keeps one and the sequence's state is the state at
+    /// `pos` (the step ended there), copies its state to a snapshot.
+    fn cache_chunk(&mut self, i: usize, pos: usize) -> anyhow::Result<()> {
         let s = &self.running[i];
-        let (pos, len) = (s.pos, s.req.prompt.len());
+        let len = s.req.prompt.len();
+        let state_here = s.pos == pos;
         let (tokens, blocks) =
             (&s.req.prompt[pos - PREFILL_CHUNK..pos], &s.blocks[(pos - PREFILL_CHUNK) / KV_BLOCK..pos / KV_BLOCK]);
         let k = s.keys[pos / PREFILL_CHUNK - 1];
@@ -426,7 +445,7 @@ impl Engine {
         let s = &mut self.running[i];
         s.chain.push(node);
         let wanted = s.wanted.contains(&pos);
-        if self.cache.snapshot(node).is_some() || !keeps_snapshot(pos, len, shared, wanted) {
+        if !state_here || self.cache.snapshot(node).is_some() || !keeps_snapshot(pos, len, shared, wanted) {
             return Ok(());
         }
         let Some(snap) = self.cache.new_snapshot(node, &mut self.blocks) else { return Ok(()) };
@@ -465,11 +484,21 @@ impl Engine {
             if s.last.is_some() {
                 continue;
             }
-            let end = ((s.pos / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(s.req.prompt.len());
-            let len = end - s.pos;
-            if took_chunk && used + len > self.cfg.max_batch_tokens {
+            let next_end = |p: usize| ((p / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(s.req.prompt.len());
+            let mut end = next_end(s.pos);
+            if took_chunk && used + end - s.pos > self.cfg.max_batch_tokens {
                 break;
             }
+            // More chunks of the same prompt while the step holds them and the boundary between
+            // is not one where the prefix cache may keep a snapshot (the state there is gone once
+            // the step runs past it).
+            while end < s.req.prompt.len()
+                && used + next_end(end) - s.pos <= self.cfg.max_batch_tokens
+                && !self.snapshot_boundary(s, end)
+            {
+                end = next_end(end);
+            }
+            let len = end - s.pos;
             took_chunk = true;
             used += len;
             batch.ids.extend_from_slice(&s.req.prompt[s.pos..end]);
@@ -559,18 +588,29 @@ impl Engine {
                 for &(i, len, samples) in &members {
                     let s = &mut self.running[i];
                     let prefill = s.last.is_none();
+                    let from = s.pos;
                     s.pos += len;
-                    if prefill && s.caching && self.cache.enabled() && s.pos.is_multiple_of(PREFILL_CHUNK) {
-                        if let Err(e) = self.cache_chunk(i) {
-                            let kind = EventKind::Error { code: "engine_error", message: format!("{e:#}") };
-                            events.push(Event { id: self.running[i].id, kind });
-                            done[i] = true;
-                            self.stats.failed += 1;
-                            if samples {
-                                toks.next();
-                            }
-                            continue;
+                    // Each full chunk the step prefilled, in order (a sequence that stops caching
+                    // at one stops there).
+                    let mut failed = None;
+                    for b in (from / PREFILL_CHUNK + 1..=s.pos / PREFILL_CHUNK).map(|c| c * PREFILL_CHUNK) {
+                        if !(prefill && self.running[i].caching && self.cache.enabled()) {
+                            break;
                         }
+                        if let Err(e) = self.cache_chunk(i, b) {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
+                    if let Some(e) = failed {
+                        let kind = EventKind::Error { code: "engine_error", message: format!("{e:#}") };
+                        events.push(Event { id: self.running[i].id, kind });
+                        done[i] = true;
+                        self.stats.failed += 1;
+                        if samples {
+                            toks.next();
+                        }
+                        continue;
                     }
                     let s = &mut self.running[i];
                     if !samples {

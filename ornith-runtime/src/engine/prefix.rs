@@ -138,6 +138,11 @@ impl PrefixCache {
         siblings.get(&key).copied().filter(|&c| *self.node(c).tokens == *tokens)
     }
 
+    /// Whether the chunk `tokens` (key `key`) is cached after `parent` (None: a prompt's first).
+    pub fn contains(&self, parent: Option<usize>, key: u64, tokens: &[u32]) -> bool {
+        self.child(parent, key, tokens).is_some()
+    }
+
     /// The longest chain of cached chunks that `prompt` begins with (`keys`: its
     /// [`chunk_keys`]), and how much of it a sequence can resume after.
     pub fn lookup(&self, prompt: &[u32], keys: &[u64]) -> Match {
