@@ -31,9 +31,13 @@ fn runner(cap: Capacity) -> compiled::Compiled<CpuBackend> {
 }
 
 fn engine(slots: usize, blocks: usize, snapshots: usize) -> Engine {
-    let r = runner(Capacity { slots, blocks, snapshots });
-    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: CTX, sample_vocab: compiled::DIMS.vocab_size };
-    Engine::new(Box::new(r), cfg).unwrap()
+    engine_with(Capacity { slots, blocks, snapshots }, C, CTX)
+}
+
+/// An engine over `cap` with steps of `max_batch_tokens` rows and requests of up to `max_context`.
+fn engine_with(cap: Capacity, max_batch_tokens: usize, max_context: usize) -> Engine {
+    let cfg = EngineConfig { max_batch_tokens, max_context, sample_vocab: compiled::DIMS.vocab_size };
+    Engine::new(Box::new(runner(cap)), cfg).unwrap()
 }
 
 fn join(a: &[u32], b: &[u32]) -> Vec<u32> {
@@ -88,9 +92,7 @@ fn drain_observing(
 /// The tokens of `req` on an engine without a prefix cache (one chunk per step, a context of
 /// up to 8 chunks).
 fn cold(req: &GenRequest) -> Vec<u32> {
-    let r = runner(Capacity { slots: 1, blocks: 8 * SEQ_BLOCKS / 4, snapshots: 0 });
-    let cfg = EngineConfig { max_batch_tokens: C, max_context: 8 * C, sample_vocab: compiled::DIMS.vocab_size };
-    let mut e = Engine::new(Box::new(r), cfg).unwrap();
+    let mut e = engine_with(Capacity { slots: 1, blocks: 8 * C / KV_BLOCK, snapshots: 0 }, C, 8 * C);
     e.submit(0, req.clone()).unwrap();
     let (toks, cached) = drain(&mut e);
     assert_eq!(cached[&0], 0);
@@ -257,9 +259,7 @@ fn a_disabled_cache_serves_nothing() {
 fn steps_of_several_chunks_give_the_tokens_and_the_cache_of_one_chunk_per_step() {
     let ctx = 8 * C;
     let make = |max_batch_tokens: usize, snapshots: usize| {
-        let r = runner(Capacity { slots: 1, blocks: ctx / KV_BLOCK, snapshots });
-        let cfg = EngineConfig { max_batch_tokens, max_context: ctx, sample_vocab: compiled::DIMS.vocab_size };
-        Engine::new(Box::new(r), cfg).unwrap()
+        engine_with(Capacity { slots: 1, blocks: ctx / KV_BLOCK, snapshots }, max_batch_tokens, ctx)
     };
     let p = ids(6 * C + 100, 50);
     let q = join(&p[..5 * C + 10], &ids(60, 51));

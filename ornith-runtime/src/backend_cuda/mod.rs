@@ -384,7 +384,7 @@ impl CudaBackend {
         let (free, source) = plan::usable_free(driver_free as u64, integrated, meminfo.as_deref());
         let (plan, cap) = MemoryPlan::new(ck, dims, req, free, source)?;
         plan.check(free, source, total as u64, cx.device_name())?;
-        let sz = ScratchSizes::new(dims, plan::moe_rows(req.max_batch_tokens));
+        let sz = ScratchSizes::new(dims, req.max_batch_tokens);
         let r = cap.slots;
         let s = Scratch::new(&cx, dims, &sz, r)?;
         let sampler = Mutex::new(crate::cuda::sample::SampleScratch::new(&cx, r, dims.vocab_size)?);

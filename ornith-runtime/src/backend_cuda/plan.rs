@@ -149,10 +149,11 @@ pub struct ScratchSizes {
 }
 
 impl ScratchSizes {
-    pub fn new(d: &Dims, moe_rows: usize) -> Self {
+    /// The sizes for steps of `max_batch_tokens` rows (the MoE's: [`moe_rows`] of it).
+    pub fn new(d: &Dims, max_batch_tokens: usize) -> Self {
         let vdim = d.value_dim().max(d.num_attention_heads * d.head_dim);
         let slots = d.num_experts_per_tok + 1;
-        let m = moe_rows.max(CHUNK);
+        let m = moe_rows(max_batch_tokens);
         ScratchSizes {
             moe_rows: m,
             xb: m * d.hidden_size,
@@ -364,7 +365,7 @@ impl MemoryPlan {
         let state_per_slot = (gdn_layers * (conv * 2 + ssm * 4)) as u64;
         let step_per_slot = step_bytes_per_slot(d, width);
         let per_block = (attention_layers * KV_BLOCK * d.num_key_value_heads * d.head_dim * 2 * 2) as u64;
-        let scratch = ScratchSizes::new(d, moe_rows(req.max_batch_tokens)).bytes(d)
+        let scratch = ScratchSizes::new(d, req.max_batch_tokens).bytes(d)
             + crate::cuda::sample::SampleScratch::fixed_bytes(d.vocab_size);
         let activations = (max_context * (d.hidden_size * 4 + 4)) as u64;
         let costs = PoolCosts {

@@ -211,10 +211,11 @@ fn batch_run(
     for s in 0..bsz {
         pools.clear_slot(b, s)?;
     }
+    let seqs: Vec<usize> = (0..bsz).collect();
     for c0 in (0..prompt_len).step_by(PREFILL_CHUNK) {
         let len = PREFILL_CHUNK.min(prompt_len - c0);
         let last = c0 + len == prompt_len;
-        for group in (0..bsz).collect::<Vec<_>>().chunks((max_batch_tokens / len).max(1)) {
+        for group in seqs.chunks((max_batch_tokens / len).max(1)) {
             let batch = Batch {
                 ids: group.iter().flat_map(|&s| ids[s][c0..c0 + len].iter().copied()).collect(),
                 seqs: group.iter().map(|&s| SeqRows { slot: s, pos: c0, len, blocks: blocks(s) }).collect(),
@@ -481,9 +482,6 @@ fn print_ablation<'a>(rows: impl Iterator<Item = &'a Ablation>, step_us: f64) {
     }
 }
 
-/// Wall-clock seconds of `steps` decode steps, each sampled with `q` over ids `0..n_vocab` as the
-/// engine does (the request's sampled-token count feeds the random stream); `tok` is fed in and
-/// holds the last sampled token afterwards.
 /// The prefill of `ids` as the engine runs one sequence: steps of as many whole chunks of
 /// PREFILL_CHUNK as `max_batch_tokens` holds (at least one), the last step ending at the
 /// prompt's end; the last step's logits.
@@ -505,6 +503,9 @@ fn prefill_steps(
     }
 }
 
+/// Wall-clock seconds of `steps` decode steps, each sampled with `q` over ids `0..n_vocab` as the
+/// engine does (the request's sampled-token count feeds the random stream); `tok` is fed in and
+/// holds the last sampled token afterwards.
 fn decode_timed(
     b: &CudaBackend,
     model: &compiled::Model<CudaBackend>,

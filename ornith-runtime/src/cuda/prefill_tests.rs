@@ -592,17 +592,15 @@ fn moe_prefill_matches_reference() {
     // Timing at the real shape: 256 experts, top-8, one 2,048-token chunk and a step of 8,192
     // tokens (more rows per expert: fuller 64-row tiles).
     let e = 256;
+    let drouter = c.upload(&bits(&bfv(&mut r, (e + 1) * d, 0.05))).unwrap();
+    let (dwgu, dwgus) =
+        (c.upload(&fp8_pattern(e * 2 * inter * d, 3)).unwrap(), c.upload(&vec![2e-4f32; e * 2 * inter]).unwrap());
+    let (dwdn, dwdns) = (c.upload(&fp8_pattern(e * d * inter, 4)).unwrap(), c.upload(&vec![2e-4f32; e * d]).unwrap());
+    let (dsgu, dsgus) =
+        (c.upload(&fp8_pattern(2 * sinter * d, 5)).unwrap(), c.upload(&vec![2e-4f32; 2 * sinter]).unwrap());
+    let (dsdn, dsdns) = (c.upload(&fp8_pattern(d * sinter, 6)).unwrap(), c.upload(&vec![2e-4f32; d]).unwrap());
     for t in [2048, 8192] {
-        let x = bfv(&mut r, t * d, 2.0);
-        let dx = c.upload(&bits(&x)).unwrap();
-        let drouter = c.upload(&bits(&bfv(&mut r, (e + 1) * d, 0.05))).unwrap();
-        let (dwgu, dwgus) =
-            (c.upload(&fp8_pattern(e * 2 * inter * d, 3)).unwrap(), c.upload(&vec![2e-4f32; e * 2 * inter]).unwrap());
-        let (dwdn, dwdns) =
-            (c.upload(&fp8_pattern(e * d * inter, 4)).unwrap(), c.upload(&vec![2e-4f32; e * d]).unwrap());
-        let (dsgu, dsgus) =
-            (c.upload(&fp8_pattern(2 * sinter * d, 5)).unwrap(), c.upload(&vec![2e-4f32; 2 * sinter]).unwrap());
-        let (dsdn, dsdns) = (c.upload(&fp8_pattern(d * sinter, 6)).unwrap(), c.upload(&vec![2e-4f32; d]).unwrap());
+        let dx = c.upload(&bits(&bfv(&mut r, t * d, 2.0))).unwrap();
         let args = MoePrefillArgs {
             x: &dx,
             router: &drouter,
