@@ -101,9 +101,11 @@ pub struct Args {
     /// Rows per forward step: one decode token of every running sequence, then prefill chunks
     /// (of 2,048 tokens) up to this many rows, at least one per step. More rows prefill faster
     /// (the CUDA MoE runs up to 8,192 prefill rows at once, with fuller expert tiles) but hold
-    /// running sequences longer per step.
-    #[arg(long, env = "ORNITH_MAX_BATCH_TOKENS", default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..=1048576), global = true, value_name = "TOKENS")]
-    pub max_batch_tokens: u64,
+    /// running sequences longer per step. Default: 8,192 for `run` and `batch` on the CUDA
+    /// backend (throughput), 2,048 for `serve` (a step is every stream's gap between tokens) and
+    /// on the CPU backend.
+    #[arg(long, env = "ORNITH_MAX_BATCH_TOKENS", value_parser = clap::value_parser!(u64).range(1..=1048576), global = true, value_name = "TOKENS")]
+    pub max_batch_tokens: Option<u64>,
     /// Write results in input order, holding finished ones back until those before them are
     /// written (default: each as it finishes; lines carry `custom_id`).
     #[arg(long, env = "ORNITH_ORDERED", global = true, action = ArgAction::SetTrue, value_parser = BoolishValueParser::new())]
@@ -149,6 +151,22 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         return Err(format!("{s:?} is out of range"));
     }
     Ok(v as u64)
+}
+
+/// Rows per step of the throughput front ends (`run`, `batch`) on the CUDA backend: the most the
+/// CUDA MoE takes as one segment (four prefill chunks).
+pub const THROUGHPUT_STEP_ROWS: usize = crate::backend_cuda::plan::MAX_MOE_ROWS;
+/// Rows per step of `serve` and of the CPU backend: one prefill chunk.
+pub const LATENCY_STEP_ROWS: usize = crate::engine::PREFILL_CHUNK;
+
+/// `--max-batch-tokens` where given; otherwise [`THROUGHPUT_STEP_ROWS`] for a throughput front end
+/// on the CUDA backend and [`LATENCY_STEP_ROWS`] elsewhere.
+pub fn step_rows(max_batch_tokens: Option<u64>, throughput: bool, cuda: bool) -> usize {
+    match max_batch_tokens {
+        Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+        None if throughput && cuda => THROUGHPUT_STEP_ROWS,
+        None => LATENCY_STEP_ROWS,
+    }
 }
 
 #[cfg(test)]
@@ -204,6 +222,25 @@ mod tests {
         assert!(c.args.quiet);
         assert!(Cli::try_parse_from(["ornith", "batch", "--input", "in.jsonl"]).is_err(), "--output is required");
         assert!(Cli::try_parse_from(["ornith", "--backend", "tpu"]).is_err());
+    }
+
+    #[test]
+    fn step_rows_default_by_front_end_and_backend() {
+        let c = Cli::try_parse_from(["ornith"]).unwrap();
+        assert_eq!(c.args.max_batch_tokens, None);
+        assert_eq!((THROUGHPUT_STEP_ROWS, LATENCY_STEP_ROWS), (8192, 2048));
+        // run / batch on CUDA; serve on CUDA; anything on the CPU.
+        assert_eq!(step_rows(None, true, true), 8192);
+        assert_eq!(step_rows(None, false, true), 2048);
+        assert_eq!(step_rows(None, true, false), 2048);
+        assert_eq!(step_rows(None, false, false), 2048);
+        // The flag wins everywhere.
+        let c = Cli::try_parse_from(["ornith", "serve", "--max-batch-tokens", "4096"]).unwrap();
+        assert_eq!(c.args.max_batch_tokens, Some(4096));
+        for (throughput, cuda) in [(true, true), (false, true), (true, false), (false, false)] {
+            assert_eq!(step_rows(Some(4096), throughput, cuda), 4096);
+        }
+        assert!(Cli::try_parse_from(["ornith", "--max-batch-tokens", "0"]).is_err());
     }
 
     #[test]

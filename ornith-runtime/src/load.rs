@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use ornith_runtime::backend_cpu::{available_memory, check_host_memory, plan_pools, CpuBackend, PoolSizes};
 use ornith_runtime::chat::ChatTemplate;
-use ornith_runtime::cli::Args;
 #[cfg(feature = "cuda")]
 use ornith_runtime::cli::Backend as BackendChoice;
+use ornith_runtime::cli::{step_rows, Args};
 use ornith_runtime::engine::{Capacity, PoolRequest, Runner};
 use ornith_runtime::graph::KV_BLOCK;
 use ornith_runtime::protocol::{PromptRenderer, TextCodec};
@@ -48,18 +48,26 @@ fn nvidia_driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// The loaded backend: the runner, the longest sequence one request may have and the rows per
+/// engine step (`cli::step_rows`: the backend chosen decides the default).
+pub struct Built {
+    pub runner: Box<dyn Runner>,
+    pub max_context: usize,
+    pub step_rows: usize,
+}
+
 /// Opens the checkpoint (re-validated; its fingerprint must be the compiled one), plans the
-/// pools and loads the backend the arguments ask for. Returns the runner and the longest
-/// sequence one request may have.
-pub fn build_runner(args: &Args) -> anyhow::Result<(Box<dyn Runner>, usize)> {
+/// pools and loads the backend the arguments ask for; `throughput`: a batch front end (`run`,
+/// `batch`), whose default steps are longer on CUDA.
+pub fn build_runner(args: &Args, throughput: bool) -> anyhow::Result<Built> {
     let dir = model_dir(args)?;
     let ck = Checkpoint::open(&dir, compiled::FINGERPRINT)?;
-    let req = PoolRequest {
+    let mut req = PoolRequest {
         max_seqs: args.max_seqs.map(|n| n as usize),
         kv_budget: args.kv_budget,
         max_context: context_for(args)?,
         prefix_cache: args.prefix_cache_bytes,
-        max_batch_tokens: args.max_batch_tokens as usize,
+        max_batch_tokens: step_rows(args.max_batch_tokens, throughput, false),
     };
     #[cfg(not(feature = "cuda"))]
     anyhow::ensure!(
@@ -68,33 +76,36 @@ pub fn build_runner(args: &Args) -> anyhow::Result<(Box<dyn Runner>, usize)> {
     );
     #[cfg(feature = "cuda")]
     if let Some(cx) = cuda_context(args)? {
+        req.max_batch_tokens = step_rows(args.max_batch_tokens, throughput, true);
         let b_name = cx.device_name().to_string();
         let (b, cap) = ornith_runtime::backend_cuda::CudaBackend::new(cx, &ck, &compiled::DIMS, &req, args.quiet)?;
         if !args.quiet {
             eprintln!(
-                "ornith: using the CUDA backend on '{b_name}': {} sequences at once, K/V pool {} tokens, context {} tokens, {}",
+                "ornith: using the CUDA backend on '{b_name}': {} sequences at once, K/V pool {} tokens, context {} tokens, steps of {} rows, {}",
                 cap.slots,
                 cap.blocks * KV_BLOCK,
                 req.max_context,
+                req.max_batch_tokens,
                 cache_line(&cap)
             );
         }
         let r = compiled::Compiled::load(b, &ck, &cap).with_context(|| format!("loading {}", dir.display()))?;
-        return Ok((Box::new(r), req.max_context));
+        return Ok(Built { runner: Box::new(r), max_context: req.max_context, step_rows: req.max_batch_tokens });
     }
     let cap = plan_cpu_pools(&ck, &req)?;
     if !args.quiet {
         eprintln!(
-            "ornith: {} sequences at once on the CPU, K/V pool {} tokens, context {} tokens, {}",
+            "ornith: {} sequences at once on the CPU, K/V pool {} tokens, context {} tokens, steps of {} rows, {}",
             cap.slots,
             cap.blocks * KV_BLOCK,
             req.max_context,
+            req.max_batch_tokens,
             cache_line(&cap)
         );
     }
     let r =
         compiled::Compiled::load(CpuBackend::new(), &ck, &cap).with_context(|| format!("loading {}", dir.display()))?;
-    Ok((Box::new(r), req.max_context))
+    Ok(Built { runner: Box::new(r), max_context: req.max_context, step_rows: req.max_batch_tokens })
 }
 
 fn cache_line(cap: &Capacity) -> String {

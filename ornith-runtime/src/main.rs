@@ -47,7 +47,8 @@ struct Loaded {
     name: String,
 }
 
-fn load_all(args: &Args) -> anyhow::Result<Loaded> {
+/// `throughput`: a batch front end (`run`, `batch`; see `cli::step_rows`).
+fn load_all(args: &Args, throughput: bool) -> anyhow::Result<Loaded> {
     let started = Instant::now();
     let dir = load::model_dir(args)?;
     let mut defaults = GenerationDefaults::from_model_dir(&dir)?;
@@ -59,21 +60,17 @@ fn load_all(args: &Args) -> anyhow::Result<Loaded> {
             load::load_frontend_parts(&dir).map(|parts| (parts, t.elapsed()))
         });
         let t = Instant::now();
-        let gen = load::build_runner(args);
+        let gen = load::build_runner(args, throughput);
         let t_weights = t.elapsed();
         (frontend.join(), gen, t_weights)
     });
     let ((tok, tpl), t_frontend) = frontend.unwrap_or_else(|p| std::panic::resume_unwind(p))?;
-    let (runner, max_context) = gen?;
+    let load::Built { runner, max_context, step_rows } = gen?;
     let (codec, renderer): (Box<dyn TextCodec + Send + Sync>, Box<dyn PromptRenderer + Send + Sync>) =
         (Box::new(tok), Box::new(tpl));
     eos_fallback(&mut defaults, codec.as_ref());
     // Only ids the tokenizer can decode are ever sampled (the lm_head has padding rows).
-    let cfg = EngineConfig {
-        max_batch_tokens: args.max_batch_tokens as usize,
-        max_context,
-        sample_vocab: codec.vocab_size(),
-    };
+    let cfg = EngineConfig { max_batch_tokens: step_rows, max_context, sample_vocab: codec.vocab_size() };
     let engine =
         Engine::new(runner, cfg).map_err(|e| anyhow::anyhow!("{}: {e:#}", dir.join("tokenizer.json").display()))?;
     if !args.quiet {
@@ -141,7 +138,7 @@ fn batch(ba: &BatchArgs, args: &Args, max_line_bytes: usize) -> anyhow::Result<E
             prep.truncated_bytes
         );
     }
-    let l = load_all(args)?;
+    let l = load_all(args, true)?;
     let out = OpenOptions::new()
         .create(true)
         .append(true)
@@ -193,7 +190,7 @@ fn run(cmd: Command, args: &Args) -> anyhow::Result<ExitCode> {
             )?;
         }
         Command::Run => {
-            let l = load_all(args)?;
+            let l = load_all(args, true)?;
             let mut opts = ServeOptions::new(l.name, l.defaults);
             opts.ordered = args.ordered;
             opts.quiet = args.quiet;
@@ -226,7 +223,7 @@ fn run(cmd: Command, args: &Args) -> anyhow::Result<ExitCode> {
                 .block_on(tokio::net::TcpListener::bind((sa.host.as_str(), sa.port)))
                 .with_context(|| format!("listening on {}:{}", sa.host, sa.port))?;
             let addr = listener.local_addr()?;
-            let l = load_all(args)?;
+            let l = load_all(args, false)?;
             let window = l.engine.max_context();
             let opts = ServerOptions {
                 model_name: sa.served_model_name.clone().unwrap_or(l.name),

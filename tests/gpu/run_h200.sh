@@ -22,7 +22,7 @@
 # PHASE=nvfp4-shallow: that last part alone.
 # PHASE=nvfp4-bench: the full preset's FP8 and NVFP4A16 exports benched one after the other (PROMPTS, BATCH;
 # QUANTS="fp8" or "nvfp4" for one of them; FILE_N=256 adds the JSONL batch file on the FP8 export).
-# FILE_STEPS="2048 8192": the batch file once per `--max-batch-tokens` value (default: the engine's 2048).
+# FILE_STEPS="2048 8192": the batch file once per `--max-batch-tokens` value (default: 2048, as in the earlier sessions' figures; `ornith run` on CUDA defaults to 8192).
 # PHASE=prefix: 1–2, then the full preset's prefix-cache identity test and tests/gpu/prefix_cache.py
 # (a growing agent conversation and a shared-system-prompt batch file, with and without the cache).
 # Logs and JSON go to $OUT; a short table to stdout.
