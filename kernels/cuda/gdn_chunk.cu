@@ -14,11 +14,10 @@
 // (v_heads, 4) with everything sequential over the chunks, measured 2.7x slower on the H200 and
 // was removed once this form passed the same test.)
 #include "common.cuh"
-#include "mma.cuh"
 
 #define GC_L 64
 #define GC_D 128
-#define GC_PK 132  // = 4 mod 32: A fragments (g * 4 + t) and K^T B fragments hit 32 banks
+#define GC_PK 129
 #define GC_PM 65
 
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
@@ -29,11 +28,8 @@ __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log
 //
 // Phase 1, gdn_chunk_prep, grid (chunks, v_heads), 256 threads, per chunk of L <= 64 rows:
 //   G = inclusive cumsum of g (sequential, as the reference), M as above,
-//   K K^T and Q K^T on tensor cores at fp32 accuracy (3xTF32: mma_3xtf32, mma.cuh),
-//   A  = (I + M)^{-1}: unit lower triangular, by 16-row blocks: the four diagonal blocks
-//        D_I = (I + M_II)^{-1} by forward substitution at once (column j: A_rj = [r == j] -
-//        sum_{s<r} M_rs A_sj; 4 lanes per column split the sum), then block rows I = 1..3 in turn:
-//        A_IJ = -D_I sum_{J<=K<I} M_IK A_KJ (J < I) — 15 + 6 dependent steps, not 63,
+//   A  = (I + M)^{-1}: unit lower triangular; column j solves A_rj = [r == j] - sum_{s<r} M_rs A_sj
+//        (forward substitution; the columns are independent: 4 lanes per column split the sum),
 //   A' = A diag(beta),  QKd_rs = (q_r . k_s) e^{G_r - G_s} (s <= r, else 0),
 //   eg_r = e^{G_r},  cg_r = e^{G_{L-1} - G_r};  rows/columns >= L are zero (A' rows there: beta = 0).
 // Workspace p.work, per (head, chunk) GW_STRIDE floats: A' [64][68], QKd [64][68], eg [64], cg [64]
@@ -126,7 +122,6 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const OrnithGdn
     const int ci = blockIdx.x, h = blockIdx.y, nchunks = gridDim.x;
     const int kh = h / (p.v_heads / p.k_heads);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, t = lane & 3;
     const int t0 = ci * GC_L, L = min(GC_L, p.tokens - t0);
     float *ws = p.work + ((size_t)h * nchunks + ci) * GW_STRIDE;
     float *wa = ws, *wq = ws + GC_L * GW_P, *weg = ws + 2 * GC_L * GW_P, *wcg = weg + GC_L;
@@ -147,37 +142,39 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const OrnithGdn
         float acc = 0.f;
         for (int r = 0; r < GC_L; r++) { acc += sm.g[r]; sm.g[r] = acc; }
     }
-    // K K^T and Q K^T: warp w owns rows m0 + g (+8) and the four 8-column tiles from n0.
-    const int m0 = 16 * (warp >> 1), n0 = 32 * (warp & 1);
+    // K K^T and Q K^T: rows r = a + 16m, columns s = b + 16n.
+    const int a = tid >> 4, b = tid & 15;
     float kk[4][4], qk[4][4];
 #pragma unroll
-    for (int n = 0; n < 4; n++)
+    for (int m = 0; m < 4; m++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) kk[n][e] = qk[n][e] = 0.f;
-#pragma unroll 2
-    for (int k0 = 0; k0 < GC_D; k0 += 8) {
-        const float *kr = &sm.u.qk.k[m0 + g][k0 + t], *qr = &sm.u.qk.q[m0 + g][k0 + t];
-        const Tf32A ak = tf32_a(kr[0], kr[8 * GC_PK], kr[4], kr[8 * GC_PK + 4]);
-        const Tf32A aq = tf32_a(qr[0], qr[8 * GC_PK], qr[4], qr[8 * GC_PK + 4]);
+        for (int n = 0; n < 4; n++) kk[m][n] = qk[m][n] = 0.f;
+    for (int i = 0; i < GC_D; i++) {
+        float kr[4], qr[4], ks[4];
 #pragma unroll
-        for (int n = 0; n < 4; n++) {
-            // B = K^T: element (i, s) = K[s][i]: rows k0 + t (+4), column n0 + 8n + g.
-            const float *kc = &sm.u.qk.k[n0 + 8 * n + g][k0 + t];
-            const Tf32B b = tf32_b(kc[0], kc[4]);
-            mma_3xtf32(kk[n], ak, b);
-            mma_3xtf32(qk[n], aq, b);
+        for (int m = 0; m < 4; m++) {
+            kr[m] = sm.u.qk.k[a + 16 * m][i];
+            qr[m] = sm.u.qk.q[a + 16 * m][i];
+            ks[m] = sm.u.qk.k[b + 16 * m][i];
         }
+#pragma unroll
+        for (int m = 0; m < 4; m++)
+#pragma unroll
+            for (int n = 0; n < 4; n++) {
+                kk[m][n] += kr[m] * ks[n];
+                qk[m][n] += qr[m] * ks[n];
+            }
     }
     __syncthreads();  // Q, K reads done (the region becomes M, A); G ready
 #pragma unroll
-    for (int n = 0; n < 4; n++)
+    for (int m = 0; m < 4; m++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int r = m0 + g + 8 * (e >> 1), s = n0 + 8 * n + 2 * t + (e & 1);
+        for (int n = 0; n < 4; n++) {
+            const int r = a + 16 * m, s = b + 16 * n;
             const bool in = r < L && s < L && s <= r;
             const float decay = in ? expf(sm.g[r] - sm.g[s]) : 0.f;
-            sm.u.inv.m[r][s] = (in && s < r) ? (sm.beta[r] * kk[n][e]) * decay : 0.f;
-            wq[r * GW_P + s] = in ? qk[n][e] * decay : 0.f;
+            sm.u.inv.m[r][s] = (in && s < r) ? (sm.beta[r] * kk[m][n]) * decay : 0.f;
+            wq[r * GW_P + s] = in ? qk[m][n] * decay : 0.f;
         }
     if (tid < GC_L) {
         const float gl = sm.g[L - 1];
@@ -185,54 +182,22 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const OrnithGdn
         wcg[tid] = expf(gl - sm.g[tid]);
     }
     __syncthreads();
-    // A = (I + M)^{-1}. (1) The diagonal blocks D_I: block I = warp / 2, its column j (8 per
-    // warp), lane part pp sums s = pp, pp + 4, ... (A_sj = 0 for s < j makes the loop uniform:
-    // rows r <= j of the block come out as [r == j]); the rows above the block are zero.
+    // A = (I + M)^{-1}: column j = 8 warp + lane/4, lane part pp sums s = pp, pp + 4, ... (A_sj = 0
+    // for s < j makes the loop uniform: rows r <= j come out as [r == j]).
     {
-        const int bi = 16 * (warp >> 1), j = bi + 8 * (warp & 1) + (lane >> 2), pp = lane & 3;
-        for (int r = pp; r < bi; r += 4) sm.u.inv.a[r][j] = 0.f;
-        if (pp == 0) sm.u.inv.a[bi][j] = bi == j ? 1.f : 0.f;
+        const int j = warp * 8 + (lane >> 2), pp = lane & 3;
+        if (pp == 0) sm.u.inv.a[0][j] = j == 0 ? 1.f : 0.f;
         __syncwarp();
-        for (int r = 1; r < 16; r++) {
+        for (int r = 1; r < GC_L; r++) {
             float acc = 0.f;
-            for (int s = pp; s < r; s += 4) acc += sm.u.inv.m[bi + r][bi + s] * sm.u.inv.a[bi + s][j];
+            for (int s = pp; s < r; s += 4) acc += sm.u.inv.m[r][s] * sm.u.inv.a[s][j];
             acc += __shfl_xor_sync(0xffffffffu, acc, 1);
             acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-            if (pp == 0) sm.u.inv.a[bi + r][j] = (bi + r == j ? 1.f : 0.f) - acc;
+            if (pp == 0) sm.u.inv.a[r][j] = (r == j ? 1.f : 0.f) - acc;
             __syncwarp();
         }
     }
     __syncthreads();
-    // (2) Block rows I = 1..3 below the diagonal, in turn: T_IJ = sum_{16J <= s < 16I} M_{.s} A_{s.}
-    // (A_KJ = 0 for K < J), then A_IJ = -D_I T_IJ = -(T_r + sum_{q<r} D_rq T_q) (D unit lower
-    // triangular). Thread: row r, column c of each 16 x 16 block (I, J < I).
-    {
-        const int r = tid >> 4, c = tid & 15;
-        for (int I = 1; I < 4; I++) {
-            const int ri = 16 * I + r;
-#pragma unroll
-            for (int J = 0; J < 3; J++)
-                if (J < I) {
-                    float acc = 0.f;
-                    for (int s = 16 * J; s < 16 * I; s++) acc += sm.u.inv.m[ri][s] * sm.u.inv.a[s][16 * J + c];
-                    sm.u.inv.a[ri][16 * J + c] = acc;  // T, where A_IJ goes (rows >= 16I are not read above)
-                }
-            __syncthreads();
-            float nv[3];
-#pragma unroll
-            for (int J = 0; J < 3; J++)
-                if (J < I) {
-                    float acc = sm.u.inv.a[ri][16 * J + c];
-                    for (int q = 0; q < r; q++) acc += sm.u.inv.a[ri][16 * I + q] * sm.u.inv.a[16 * I + q][16 * J + c];
-                    nv[J] = -acc;
-                }
-            __syncthreads();
-#pragma unroll
-            for (int J = 0; J < 3; J++)
-                if (J < I) sm.u.inv.a[ri][16 * J + c] = nv[J];
-            __syncthreads();
-        }
-    }
     for (int e = tid; e < GC_L * GC_L; e += 256) {
         const int r = e >> 6, j = e & 63;
         wa[r * GW_P + j] = sm.u.inv.a[r][j] * sm.beta[j];

@@ -82,43 +82,6 @@ __device__ __forceinline__ void mma_e4m3_split(float *c, const E4m3A &a, uint32_
     mma_e4m3(c, a.raw, b);
 #endif
 }
-// fp32 products on tensor cores (3xTF32, gdn_chunk.cu's prep): each fp32 operand x is split into
-// hi = tf32(x) and lo = tf32(x - hi) (both with the low 13 mantissa bits zero, as the m16n8k8 TF32
-// mma reads them) and a b is taken as a_lo b_hi + a_hi b_lo + a_hi b_hi into one fp32 accumulator;
-// the dropped a_lo b_lo is ~2^-22 relative. Three mma per product.
-__device__ __forceinline__ void tf32_split(float x, uint32_t &hi, uint32_t &lo) {
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
-}
-// The A fragment of m16n8k8 (rows g, g + 8; columns t, t + 4 of the tile) and the B fragment
-// (rows t, t + 4; column g), split.
-struct Tf32A { uint32_t hi[4], lo[4]; };
-struct Tf32B { uint32_t hi[2], lo[2]; };
-__device__ __forceinline__ Tf32A tf32_a(float a0, float a1, float a2, float a3) {
-    Tf32A f;
-    tf32_split(a0, f.hi[0], f.lo[0]);
-    tf32_split(a1, f.hi[1], f.lo[1]);
-    tf32_split(a2, f.hi[2], f.lo[2]);
-    tf32_split(a3, f.hi[3], f.lo[3]);
-    return f;
-}
-__device__ __forceinline__ Tf32B tf32_b(float b0, float b1) {
-    Tf32B f;
-    tf32_split(b0, f.hi[0], f.lo[0]);
-    tf32_split(b1, f.hi[1], f.lo[1]);
-    return f;
-}
-__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// c += a b at ~fp32 accuracy (the small terms first).
-__device__ __forceinline__ void mma_3xtf32(float (&c)[4], const Tf32A &a, const Tf32B &b) {
-    mma_tf32(c, a.lo, b.hi);
-    mma_tf32(c, a.hi, b.lo);
-    mma_tf32(c, a.hi, b.hi);
-}
 __device__ __forceinline__ void mma_bf16(float *c, const uint32_t *a, const uint32_t *b) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])

@@ -32,7 +32,7 @@ pub struct GdnArgs<'a> {
 }
 
 /// `GdnPrepSmem` / `GdnScanSmem` of the two-phase chunked form (`gdn_chunk.cu`).
-pub(crate) const GDN_PREP_SMEM: u32 = 4 * (2 * 64 * 132 + 2 * 64);
+pub(crate) const GDN_PREP_SMEM: u32 = 4 * (2 * 64 * 129 + 2 * 64);
 
 pub(crate) const GDN_SCAN_SMEM: u32 = 4 * (64 * 132 + 8704 + 128 * 16 + 4 * 64 * 16 + 2 * 64);
 
