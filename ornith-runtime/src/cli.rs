@@ -153,9 +153,10 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok(v as u64)
 }
 
-/// Rows per step of the throughput front ends (`run`, `batch`) on the CUDA backend: the most the
-/// CUDA MoE takes as one segment (four prefill chunks).
-pub const THROUGHPUT_STEP_ROWS: usize = crate::backend_cuda::plan::MAX_MOE_ROWS;
+/// Rows per step of the throughput front ends (`run`, `batch`) on the CUDA backend: four prefill
+/// chunks, the most the CUDA MoE takes as one segment (`backend_cuda::plan::MAX_MOE_ROWS`, held
+/// equal at compile time there).
+pub const THROUGHPUT_STEP_ROWS: usize = 4 * crate::engine::PREFILL_CHUNK;
 /// Rows per step of `serve` and of the CPU backend: one prefill chunk.
 pub const LATENCY_STEP_ROWS: usize = crate::engine::PREFILL_CHUNK;
 

@@ -62,7 +62,7 @@ pub struct Built {
 pub fn build_runner(args: &Args, throughput: bool) -> anyhow::Result<Built> {
     let dir = model_dir(args)?;
     let ck = Checkpoint::open(&dir, compiled::FINGERPRINT)?;
-    let mut req = PoolRequest {
+    let req = PoolRequest {
         max_seqs: args.max_seqs.map(|n| n as usize),
         kv_budget: args.kv_budget,
         max_context: context_for(args)?,
@@ -76,7 +76,7 @@ pub fn build_runner(args: &Args, throughput: bool) -> anyhow::Result<Built> {
     );
     #[cfg(feature = "cuda")]
     if let Some(cx) = cuda_context(args)? {
-        req.max_batch_tokens = step_rows(args.max_batch_tokens, throughput, true);
+        let req = PoolRequest { max_batch_tokens: step_rows(args.max_batch_tokens, throughput, true), ..req };
         let b_name = cx.device_name().to_string();
         let (b, cap) = ornith_runtime::backend_cuda::CudaBackend::new(cx, &ck, &compiled::DIMS, &req, args.quiet)?;
         if !args.quiet {

@@ -25,6 +25,8 @@ const _: () = assert!(MAX_DECODE_ROWS <= CHUNK);
 /// not depend on the rows beside it (each output row's sums, its quantisation and its combine
 /// are its own), so this changes no token. The MoE scratch grows to ~0.6 GiB at the 35B shapes.
 pub const MAX_MOE_ROWS: usize = 4 * CHUNK;
+// `run` and `batch` default to steps of this many rows (`cli::THROUGHPUT_STEP_ROWS`).
+const _: () = assert!(MAX_MOE_ROWS == crate::cli::THROUGHPUT_STEP_ROWS);
 
 /// The MoE scratch's rows for steps of `max_batch_tokens` rows (a step's prefill rows: at most
 /// that, or one chunk), within `CHUNK ..= MAX_MOE_ROWS`.
