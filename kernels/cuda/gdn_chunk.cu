@@ -28,8 +28,10 @@ __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log
 //
 // Phase 1, gdn_chunk_prep, grid (chunks, v_heads), 256 threads, per chunk of L <= 64 rows:
 //   G = inclusive cumsum of g (sequential, as the reference), M as above,
-//   A  = (I + M)^{-1}: unit lower triangular; column j solves A_rj = [r == j] - sum_{s<r} M_rs A_sj
-//        (forward substitution; the columns are independent: 4 lanes per column split the sum),
+//   A  = (I + M)^{-1}: unit lower triangular, by 16-row blocks: the four diagonal blocks
+//        D_I = (I + M_II)^{-1} by forward substitution at once (column j: A_rj = [r == j] -
+//        sum_{s<r} M_rs A_sj; 4 lanes per column split the sum), then block rows I = 1..3 in turn:
+//        A_IJ = -D_I sum_{J<=K<I} M_IK A_KJ (J < I) — 15 + 6 dependent steps, not 63,
 //   A' = A diag(beta),  QKd_rs = (q_r . k_s) e^{G_r - G_s} (s <= r, else 0),
 //   eg_r = e^{G_r},  cg_r = e^{G_{L-1} - G_r};  rows/columns >= L are zero (A' rows there: beta = 0).
 // Workspace p.work, per (head, chunk) GW_STRIDE floats: A' [64][68], QKd [64][68], eg [64], cg [64]
@@ -182,22 +184,54 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const OrnithGdn
         wcg[tid] = expf(gl - sm.g[tid]);
     }
     __syncthreads();
-    // A = (I + M)^{-1}: column j = 8 warp + lane/4, lane part pp sums s = pp, pp + 4, ... (A_sj = 0
-    // for s < j makes the loop uniform: rows r <= j come out as [r == j]).
+    // A = (I + M)^{-1}. (1) The diagonal blocks D_I: block I = warp / 2, its column j (8 per
+    // warp), lane part pp sums s = pp, pp + 4, ... (A_sj = 0 for s < j makes the loop uniform:
+    // rows r <= j of the block come out as [r == j]); the rows above the block are zero.
     {
-        const int j = warp * 8 + (lane >> 2), pp = lane & 3;
-        if (pp == 0) sm.u.inv.a[0][j] = j == 0 ? 1.f : 0.f;
+        const int bi = 16 * (warp >> 1), j = bi + 8 * (warp & 1) + (lane >> 2), pp = lane & 3;
+        for (int r = pp; r < bi; r += 4) sm.u.inv.a[r][j] = 0.f;
+        if (pp == 0) sm.u.inv.a[bi][j] = bi == j ? 1.f : 0.f;
         __syncwarp();
-        for (int r = 1; r < GC_L; r++) {
+        for (int r = 1; r < 16; r++) {
             float acc = 0.f;
-            for (int s = pp; s < r; s += 4) acc += sm.u.inv.m[r][s] * sm.u.inv.a[s][j];
+            for (int s = pp; s < r; s += 4) acc += sm.u.inv.m[bi + r][bi + s] * sm.u.inv.a[bi + s][j];
             acc += __shfl_xor_sync(0xffffffffu, acc, 1);
             acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-            if (pp == 0) sm.u.inv.a[r][j] = (r == j ? 1.f : 0.f) - acc;
+            if (pp == 0) sm.u.inv.a[bi + r][j] = (bi + r == j ? 1.f : 0.f) - acc;
             __syncwarp();
         }
     }
     __syncthreads();
+    // (2) Block rows I = 1..3 below the diagonal, in turn: T_IJ = sum_{16J <= s < 16I} M_{.s} A_{s.}
+    // (A_KJ = 0 for K < J), then A_IJ = -D_I T_IJ = -(T_r + sum_{q<r} D_rq T_q) (D unit lower
+    // triangular). Thread: row r, column c of each 16 x 16 block (I, J < I).
+    {
+        const int r = tid >> 4, c = tid & 15;
+        for (int I = 1; I < 4; I++) {
+            const int ri = 16 * I + r;
+#pragma unroll
+            for (int J = 0; J < 3; J++)
+                if (J < I) {
+                    float acc = 0.f;
+                    for (int s = 16 * J; s < 16 * I; s++) acc += sm.u.inv.m[ri][s] * sm.u.inv.a[s][16 * J + c];
+                    sm.u.inv.a[ri][16 * J + c] = acc;  // T, where A_IJ goes (rows >= 16I are not read above)
+                }
+            __syncthreads();
+            float nv[3];
+#pragma unroll
+            for (int J = 0; J < 3; J++)
+                if (J < I) {
+                    float acc = sm.u.inv.a[ri][16 * J + c];
+                    for (int q = 0; q < r; q++) acc += sm.u.inv.a[ri][16 * I + q] * sm.u.inv.a[16 * I + q][16 * J + c];
+                    nv[J] = -acc;
+                }
+            __syncthreads();
+#pragma unroll
+            for (int J = 0; J < 3; J++)
+                if (J < I) sm.u.inv.a[ri][16 * J + c] = nv[J];
+            __syncthreads();
+        }
+    }
     for (int e = tid; e < GC_L * GC_L; e += 256) {
         const int r = e >> 6, j = e & 63;
         wa[r * GW_P + j] = sm.u.inv.a[r][j] * sm.beta[j];
