@@ -95,7 +95,8 @@ pub struct Args {
     #[arg(long, env = "ORNITH_PREFIX_CACHE_BYTES", value_parser = parse_bytes_or_zero, global = true, value_name = "BYTES")]
     pub prefix_cache_bytes: Option<u64>,
     /// Sequences generated at once: each holds one recurrent-state slot (~63 MiB at the 35B
-    /// shapes) whatever its length (default: CUDA up to 64 as memory allows, CPU 4).
+    /// shapes) whatever its length (default on CUDA: as many as memory allows, up to 256 for
+    /// `run` and `batch` and 64 for `serve`; on the CPU 4).
     #[arg(long, env = "ORNITH_MAX_SEQS", value_parser = clap::value_parser!(u64).range(1..=4096), global = true, value_name = "N")]
     pub max_seqs: Option<u64>,
     /// Rows per forward step: one decode token of every running sequence, then prefill chunks
@@ -167,6 +168,24 @@ pub fn step_rows(max_batch_tokens: Option<u64>, throughput: bool, cuda: bool) ->
         Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
         None if throughput && cuda => THROUGHPUT_STEP_ROWS,
         None => LATENCY_STEP_ROWS,
+    }
+}
+
+/// Sequences at once the CUDA backend's plan chooses for the throughput front ends (`run`,
+/// `batch`) when `--max-seqs` is not given — as many as fit, up to this (the most a decode step
+/// takes, `backend_cuda::plan::MAX_DECODE_ROWS`, held equal at compile time there): from 64
+/// sequences on a decode step reads nearly every routed expert, so more sequences share the same
+/// weight bytes.
+pub const THROUGHPUT_SEQS: usize = 256;
+/// The same for `serve`, where a step is every stream's gap between tokens.
+pub const LATENCY_SEQS: usize = 64;
+
+/// The CUDA plan's sequence cap when `--max-seqs` is not given (the CPU plan keeps its own).
+pub fn default_seqs(throughput: bool) -> usize {
+    if throughput {
+        THROUGHPUT_SEQS
+    } else {
+        LATENCY_SEQS
     }
 }
 
@@ -242,6 +261,13 @@ mod tests {
             assert_eq!(step_rows(Some(4096), throughput, cuda), 4096);
         }
         assert!(Cli::try_parse_from(["ornith", "--max-batch-tokens", "0"]).is_err());
+    }
+
+    #[test]
+    fn sequence_cap_by_front_end() {
+        assert_eq!((default_seqs(true), default_seqs(false)), (256, 64));
+        assert_eq!(Cli::try_parse_from(["ornith", "run"]).unwrap().args.max_seqs, None);
+        assert_eq!(Cli::try_parse_from(["ornith", "--max-seqs", "8"]).unwrap().args.max_seqs, Some(8));
     }
 
     #[test]

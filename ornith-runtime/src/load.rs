@@ -7,7 +7,7 @@ use ornith_runtime::backend_cpu::{available_memory, check_host_memory, plan_pool
 use ornith_runtime::chat::ChatTemplate;
 #[cfg(feature = "cuda")]
 use ornith_runtime::cli::Backend as BackendChoice;
-use ornith_runtime::cli::{step_rows, Args};
+use ornith_runtime::cli::{default_seqs, step_rows, Args};
 use ornith_runtime::engine::{Capacity, PoolRequest, Runner};
 use ornith_runtime::graph::KV_BLOCK;
 use ornith_runtime::protocol::{PromptRenderer, TextCodec};
@@ -64,6 +64,7 @@ pub fn build_runner(args: &Args, throughput: bool) -> anyhow::Result<Built> {
     let ck = Checkpoint::open(&dir, compiled::FINGERPRINT)?;
     let req = PoolRequest {
         max_seqs: args.max_seqs.map(|n| n as usize),
+        default_seqs: default_seqs(throughput),
         kv_budget: args.kv_budget,
         max_context: context_for(args)?,
         prefix_cache: args.prefix_cache_bytes,

@@ -81,6 +81,7 @@ fn cuda_backend_for(ck: &Checkpoint, ctx: usize, seqs: usize) -> CudaBackend {
     let cx = CudaContext::new(0).expect("this test needs a CUDA device");
     let req = PoolRequest {
         max_seqs: Some(seqs),
+        default_seqs: seqs,
         kv_budget: None,
         max_context: ctx,
         prefix_cache: Some(0),
@@ -342,22 +343,27 @@ fn decode_graph_ablation() {
     );
 }
 
-/// Sequences in the batch-invariance test (one more is the prefill chunk of the mixed batch).
-const INV_SEQS: usize = 40;
+/// Sequences in the batch-invariance test: the most one decode step takes (`MAX_DECODE_ROWS`,
+/// what `run` and `batch` hold at once by default).
+const INV_SEQS: usize = ornith_runtime::backend_cuda::plan::MAX_DECODE_ROWS;
+/// Distinct prompt lengths in the batch-invariance test (20 + 12·(i mod INV_LENS) tokens).
+const INV_LENS: usize = 41;
 /// Decode steps per sequence in the batch-invariance test.
 const INV_STEPS: usize = 6;
 
 /// Batch invariance on the CUDA backend: a sequence's logits do not depend on which other
-/// sequences share its steps. Sequence i (prompt of 20 + 12·i tokens, so every sequence sits at
-/// its own position; state slot 13 - i, so slots are not the row order; blocks interleaved
-/// across the pool in reverse, so block tables are neither contiguous nor ordered) is first run
-/// alone: prefill, then `INV_STEPS` greedy decode steps, recording its logits and tokens. Then
-/// N = 1, 2, 3, 8, 9, 13, 33, 40 sequences are run together — each prefilled alone (the engine's chunks
+/// sequences share its steps. Sequence i (prompt of 20 + 12·(i mod 41) tokens, its own tokens,
+/// so the first 41 sit at different positions; state slot 255 - i, so slots are not the row order;
+/// blocks interleaved across the pool in reverse, so block tables are neither contiguous nor
+/// ordered) is first run alone: prefill, then `INV_STEPS` greedy decode steps, recording its
+/// logits and tokens. Then N = 1, 2, 3, 8, 9, 13, 33, 40, 65, 128, 256 sequences are run together
+/// — each prefilled alone (the engine's chunks
 /// do not depend on the batch), then the same decode steps as one batch of N rows fed the
 /// recorded tokens — through CUDA graphs and eagerly, in every programmatic-dependent-launch mode
 /// (`Pdl`: the default, off, every launch; 9 is the first group of the wide products, of the
 /// staged lm_head and of two shared-expert passes; 33 and 40 take every dense product through the
-/// staged build, its K slices meeting in global memory): every row's logits must equal the
+/// staged build, its K slices meeting in global memory; 65 to 256 are the `run` / `batch`
+/// default's larger steps): every row's logits must equal the
 /// sequence's alone logits (default mode) bit for bit. Last, a mixed step: three decode rows and
 /// the whole prompts of sequences 39 and 40 as prefill chunks in the same batch (their MoE blocks
 /// run as one: `moe_segments`), then a decode step of all five.
@@ -367,7 +373,7 @@ fn batch_invariance() {
     let ck = Checkpoint::open(&model_dir(), compiled::FINGERPRINT).expect("checkpoint");
     let d = compiled::DIMS;
     let ctx = 1024;
-    let n_seq = INV_SEQS + 1;
+    let n_seq = INV_SEQS;
     let gpu = cuda_backend_for(&ck, ctx, n_seq);
     let m = compiled::Model::load(&gpu, &ck).expect("CUDA load");
     let per = ctx.div_ceil(KV_BLOCK);
@@ -376,7 +382,10 @@ fn batch_invariance() {
     let slot = |i: usize| n_seq - 1 - i;
     let blocks = |i: usize| (0..per).map(|j| (total_blocks - 1 - (j * n_seq + i)) as u32).collect::<Vec<u32>>();
     let prompts: Vec<Vec<u32>> = (0..n_seq)
-        .map(|i| prompt(20 + 12 * i + INV_STEPS, d.vocab_size).into_iter().skip(i).take(20 + 12 * i).collect())
+        .map(|i| {
+            let len = 20 + 12 * (i % INV_LENS);
+            prompt(len + i, d.vocab_size).into_iter().skip(i).collect()
+        })
         .collect();
     let host = |l: &<CudaBackend as Backend>::Logits| gpu.logits_to_host(l).unwrap();
     let vocab = d.vocab_size;
@@ -413,7 +422,7 @@ fn batch_invariance() {
         alone.push(l);
         fed.push(t);
     }
-    for (n, pdl) in [1usize, 2, 3, 8, 9, 13, 33, INV_SEQS]
+    for (n, pdl) in [1usize, 2, 3, 8, 9, 13, 33, 40, 65, 128, INV_SEQS]
         .into_iter()
         .flat_map(|n| [Pdl::Weights, Pdl::Off, Pdl::All].map(|pdl| (n, pdl)))
     {
@@ -444,9 +453,9 @@ fn batch_invariance() {
     }
     gpu.context().set_pdl(ornith_runtime::cuda::DEFAULT_PDL);
     // Mixed: decode rows of sequences 0..3 (their first step) and the whole prompts of sequences
-    // 39 and 40 as prefill chunks (988 rows: one MoE segment); then one decode step of all five.
+    // 39 and 40 as prefill chunks (488 + 500 rows: one MoE segment); then one decode step of all five.
     gpu.set_decode_graph(true);
-    let pre = [INV_SEQS - 1, INV_SEQS];
+    let pre = [39, 40];
     for i in 0..3 {
         prefill(&mut pools, i);
     }
@@ -727,6 +736,7 @@ fn prefix_cache_resume_matches_cold() {
     let cx = CudaContext::new(0).expect("this test needs a CUDA device");
     let req = PoolRequest {
         max_seqs: Some(4),
+        default_seqs: 4,
         kv_budget: None,
         max_context: ctx,
         prefix_cache: Some(snapshot_bytes),

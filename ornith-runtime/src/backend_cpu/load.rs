@@ -226,7 +226,7 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     fn req(max_seqs: Option<usize>, kv_budget: Option<u64>, max_context: usize) -> PoolRequest {
-        PoolRequest { max_seqs, kv_budget, max_context, prefix_cache: None, max_batch_tokens: 2048 }
+        PoolRequest { max_seqs, default_seqs: 64, kv_budget, max_context, prefix_cache: None, max_batch_tokens: 2048 }
     }
 
     #[test]

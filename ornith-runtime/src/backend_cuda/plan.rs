@@ -18,6 +18,7 @@ pub const CHUNK: usize = crate::engine::PREFILL_CHUNK;
 /// sized for the pool's slots, at most this many (and a group must fit one chunk's scratch).
 pub const MAX_DECODE_ROWS: usize = 256;
 const _: () = assert!(MAX_DECODE_ROWS <= CHUNK);
+const _: () = assert!(MAX_DECODE_ROWS == crate::cli::THROUGHPUT_SEQS);
 /// Most prefill rows one MoE block runs at once: a step's prefill chunks (of one sequence or of
 /// several, `--max-batch-tokens` rows) go through the router, the grouped expert GEMMs and the
 /// combine together, so each expert's 64-row tiles fill up (top-8 of 256: ~64 rows per expert
@@ -33,9 +34,6 @@ const _: () = assert!(MAX_MOE_ROWS == crate::cli::THROUGHPUT_STEP_ROWS);
 pub fn moe_rows(max_batch_tokens: usize) -> usize {
     max_batch_tokens.clamp(CHUNK, MAX_MOE_ROWS)
 }
-
-/// Slots the plan chooses when `--max-seqs` is not given (fewer when they do not fit).
-pub const DEFAULT_MAX_SEQS: usize = 64;
 
 /// Element counts of one slot of a Gated DeltaNet pool: conv `[3, conv_dim]` (bf16) and
 /// recurrent `[Hv, dk, dv]` (f32).
@@ -230,7 +228,7 @@ pub struct PoolCosts {
 }
 
 /// Sizes the pools within `free` bytes: slots = `--max-seqs`, or as many as fit up to
-/// [`DEFAULT_MAX_SEQS`] beside the fixed part and a K/V pool of `--kv-budget` (or of one
+/// `req.default_seqs` beside the fixed part and a K/V pool of `--kv-budget` (or of one
 /// longest sequence); blocks = `--kv-budget` / block bytes, or what is left after the slots,
 /// between one longest sequence and `slots` of them, after the prefix cache's snapshots
 /// (`--prefix-cache-bytes`, default up to 4 GiB and a quarter of what the rest leaves). Refuses,
@@ -269,7 +267,7 @@ pub fn size_pools(c: &PoolCosts, req: &PoolRequest, free: u64) -> Result<Capacit
         None => {
             let kv = req.kv_budget.map_or(sb as u64 * c.per_block, |b| b.max(sb as u64 * c.per_block));
             let room = free.saturating_sub(c.fixed + kv);
-            ((room / c.per_slot.max(1)) as usize).clamp(1, DEFAULT_MAX_SEQS)
+            ((room / c.per_slot.max(1)) as usize).clamp(1, req.default_seqs.clamp(1, MAX_DECODE_ROWS))
         }
     };
     let most = slots.saturating_mul(sb);
@@ -534,14 +532,22 @@ mod tests {
         };
         let req = |s: Option<usize>, kv: Option<u64>| PoolRequest {
             max_seqs: s,
+            default_seqs: 64,
             kv_budget: kv,
             max_context: 10240,
             prefix_cache: Some(0),
             max_batch_tokens: CHUNK,
         };
-        // Plenty of memory: 64 slots, the K/V pool capped at 64 full sequences.
+        // Plenty of memory: 64 slots (serve's cap), the K/V pool capped at 64 full sequences.
         let cap = size_pools(&c, &req(None, None), 1 << 50).unwrap();
         assert_eq!(cap, Capacity { slots: 64, blocks: 64 * 40, snapshots: 0 });
+        // The throughput front ends' cap: 256 slots where they fit, as many as fit where not
+        // (1000 + 200 + 63 * 100 = 7500 MiB: 100), and never beyond a decode step's rows.
+        let wide = |n: usize| PoolRequest { default_seqs: n, ..req(None, None) };
+        let cap = size_pools(&c, &wide(crate::cli::THROUGHPUT_SEQS), 1 << 50).unwrap();
+        assert_eq!(cap, Capacity { slots: 256, blocks: 256 * 40, snapshots: 0 });
+        assert_eq!(size_pools(&c, &wide(256), 7500 * mib).unwrap().slots, 100);
+        assert_eq!(size_pools(&c, &wide(10_000), 1 << 50).unwrap().slots, MAX_DECODE_ROWS);
         // The default prefix cache: 4 GiB of 60 MiB snapshots when memory is plentiful.
         let dflt = PoolRequest { prefix_cache: None, ..req(None, None) };
         assert_eq!(size_pools(&c, &dflt, 1 << 50).unwrap().snapshots, 4096 / 60);

@@ -574,6 +574,7 @@ fn run() -> Result<()> {
     );
     let req = PoolRequest {
         max_seqs: Some(bmax.max(1) + 1),
+        default_seqs: bmax.max(1) + 1,
         kv_budget: Some(compiled::KV_BYTES_PER_TOKEN * KV_BLOCK as u64 * (seq_blocks + bmax * per) as u64),
         max_context: ctx,
         prefix_cache: Some(0),

@@ -115,6 +115,9 @@ pub trait Runner: Send {
 pub struct PoolRequest {
     /// `--max-seqs`: sequences at once (None: what the plan chooses).
     pub max_seqs: Option<usize>,
+    /// The CUDA plan's choice when `max_seqs` is None: as many sequences as fit, up to this
+    /// (`cli::default_seqs`: more for the throughput front ends). The CPU plan keeps its own.
+    pub default_seqs: usize,
     /// `--kv-budget`: bytes of K/V blocks (None: what the plan chooses).
     pub kv_budget: Option<u64>,
     /// The longest sequence (prompt + output) one request may have; the pool holds at least one.
