@@ -3,9 +3,9 @@
 # that tests/gpu/build.sh NAME left in .gpu/NAME (carry it, and .gpu/wheels for the peer):
 #   1. every CUDA kernel test (vs the CPU reference; PERF lines);
 #   2. shallow preset: the decode graph against eager launches, CUDA against the CPU backend,
-#      batch invariance (1..13 sequences per step, graph and eager, a mixed decode + prefill step);
+#      batch invariance (1..256 sequences per step, graph and eager, a mixed decode + prefill step);
 #   3. full preset (37.7 GB synthesised here, ~150 s): ornith-bench at 512 / 2K / 8K / 32K / 128K,
-#      then batched decode of 1, 2, 4, ..., 64 sequences of 2K-token prompts (BATCH);
+#      then batched decode of 1, 2, 4, ..., 64, 128, 255 sequences of 2K-token prompts (BATCH);
 #   4. 64 sampled requests through the real binary (tests/gpu/soak_full.py), then the
 #      transformers + fla peer on the same checkpoint (tests/peer/run_h200.sh) if carried;
 #   5. a 256-request JSONL batch file through the real binary (tests/gpu/batch_file.py);
@@ -22,25 +22,33 @@
 # PHASE=nvfp4-shallow: that last part alone.
 # PHASE=nvfp4-bench: the full preset's FP8 and NVFP4A16 exports benched one after the other (PROMPTS, BATCH;
 # QUANTS="fp8" or "nvfp4" for one of them; FILE_N=256 adds the JSONL batch file on the FP8 export).
-# FILE_STEPS="2048 8192": the batch file once per `--max-batch-tokens` value (default: 2048, as in the earlier sessions' figures; `ornith run` on CUDA defaults to 8192).
+# FILE_STEPS="default 2048": the batch file once per `--max-batch-tokens` value, `default` for none
+# (the binary's defaults: on CUDA 8,192-row steps and up to 256 sequences; the default here).
+# FILE_SEQS="64": pass `--max-seqs` too (each FILE_STEPS value once per FILE_SEQS value).
 # PHASE=prefix: 1–2, then the full preset's prefix-cache identity test and tests/gpu/prefix_cache.py
 # (a growing agent conversation and a shared-system-prompt batch file, with and without the cache).
 # Logs and JSON go to $OUT; a short table to stdout.
 set -uo pipefail
 name=${1:?usage: tests/gpu/run_h200.sh NAME [PROMPTS] [BATCH]}
 prompts=${2:-512,2048,8192,32768,131072}
-batch=${3:-1,2,4,8,16,32,64}
+batch=${3:-1,2,4,8,16,32,64,128,255}
 . "$(dirname "$0")/lib.sh"
 unpack_builds "$name"
 phase=${PHASE:-all}
 # The JSONL batch file (tests/gpu/batch_file.py) on MODEL_DIR with N requests, once per
-# --max-batch-tokens value in FILE_STEPS; results in /tmp, the figures on stdout.
+# --max-batch-tokens value in FILE_STEPS (and --max-seqs value in FILE_SEQS); results in /tmp,
+# the figures on stdout.
 batch_files() {  # MODEL_DIR N TIMEOUT_S
-    local steps t0
-    for steps in ${FILE_STEPS:-2048}; do
-        t0=$SECONDS
-        timeout "$3" python3 tests/gpu/batch_file.py "$G/ornith_full" "$1" "/tmp/batch_file_$steps.jsonl" "$2" --max-batch-tokens "$steps"
-        echo "batch file (--max-batch-tokens $steps) rc=$? $((SECONDS - t0))s"
+    local steps seqs t0 flags
+    for steps in ${FILE_STEPS:-default}; do
+        for seqs in ${FILE_SEQS:-default}; do
+            flags=()
+            [ "$steps" = default ] || flags+=(--max-batch-tokens "$steps")
+            [ "$seqs" = default ] || flags+=(--max-seqs "$seqs")
+            t0=$SECONDS
+            timeout "$3" python3 tests/gpu/batch_file.py "$G/ornith_full" "$1" "/tmp/batch_file_${steps}_$seqs.jsonl" "$2" ${flags[@]+"${flags[@]}"}
+            echo "batch file (--max-batch-tokens $steps, --max-seqs $seqs) rc=$? $((SECONDS - t0))s"
+        done
     done
 }
 if [ "$phase" = prefill ]; then
@@ -129,12 +137,12 @@ if [ -n "${BASE:-}" ]; then
     t0=$SECONDS
     unxz_to ".gpu/$BASE/bench_full.xz" "$G/bench_base"
     echo "baseline bench: commit $(cat ".gpu/$BASE/COMMIT" 2>/dev/null)"
-    timeout 330 "$G/bench_base" --model "$C/full" --prompts "${BASE_PROMPTS:-$prompts}" --gen 64 --budget-s 120 --batch "$batch" > "$OUT/bench_base.json" 2> "$OUT/bench_base.err"
+    timeout 400 "$G/bench_base" --model "$C/full" --prompts "${BASE_PROMPTS:-$prompts}" --gen 64 --budget-s 120 --batch "$batch" > "$OUT/bench_base.json" 2> "$OUT/bench_base.err"
     echo "bench base rc=$? $((SECONDS - t0))s"
     grep -E "^ +[0-9]+ +[0-9.]+ +[0-9]+ " "$OUT/bench_base.err" | head -20
 fi
 t0=$SECONDS
-timeout 330 "$G/bench_full" --model "$C/full" --prompts "$prompts" --gen 64 --budget-s 120 --batch "$batch" > "$OUT/bench_full.json" 2> "$OUT/bench_full.err"
+timeout 400 "$G/bench_full" --model "$C/full" --prompts "$prompts" --gen 64 --budget-s 120 --batch "$batch" > "$OUT/bench_full.json" 2> "$OUT/bench_full.err"
 echo "bench rc=$? $((SECONDS - t0))s"
 if [ "$phase" = bench ] || [ "$phase" = check+bench ] || [ "$phase" = nvfp4+bench ]; then
     grep -E "^ +[0-9]+ +[0-9.]+ +[0-9]+ |attn_decode|skipping|error" "$OUT/bench_full.err" | head -40
