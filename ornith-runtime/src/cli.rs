@@ -99,8 +99,9 @@ pub struct Args {
     /// `run` and `batch` and 64 for `serve`; on the CPU 4).
     #[arg(long, env = "ORNITH_MAX_SEQS", value_parser = clap::value_parser!(u64).range(1..=4096), global = true, value_name = "N")]
     pub max_seqs: Option<u64>,
-    /// Rows per forward step: one decode token of every running sequence, then prefill chunks
-    /// (of 2,048 tokens) up to this many rows, at least one per step. More rows prefill faster
+    /// Prefill rows per forward step: beside one decode token of every running sequence (not
+    /// counted), prefill chunks (of 2,048 tokens) up to this many rows, at least one per step.
+    /// More rows prefill faster
     /// (the CUDA MoE runs up to 8,192 prefill rows at once, with fuller expert tiles) but hold
     /// running sequences longer per step. Default: 8,192 for `run` and `batch` on the CUDA
     /// backend (throughput), 2,048 for `serve` (a step is every stream's gap between tokens) and
@@ -154,11 +155,11 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok(v as u64)
 }
 
-/// Rows per step of the throughput front ends (`run`, `batch`) on the CUDA backend: four prefill
-/// chunks, the most the CUDA MoE takes as one segment (`backend_cuda::plan::MAX_MOE_ROWS`, held
-/// equal at compile time there).
+/// Prefill rows per step of the throughput front ends (`run`, `batch`) on the CUDA backend:
+/// four prefill chunks, the most the CUDA MoE takes as one segment
+/// (`backend_cuda::plan::MAX_MOE_ROWS`, held equal at compile time there).
 pub const THROUGHPUT_STEP_ROWS: usize = 4 * crate::engine::PREFILL_CHUNK;
-/// Rows per step of `serve` and of the CPU backend: one prefill chunk.
+/// Prefill rows per step of `serve` and of the CPU backend: one prefill chunk.
 pub const LATENCY_STEP_ROWS: usize = crate::engine::PREFILL_CHUNK;
 
 /// `--max-batch-tokens` where given; otherwise [`THROUGHPUT_STEP_ROWS`] for a throughput front end

@@ -386,3 +386,49 @@ fn forced_tokens_follow_their_trigger_and_the_model_continues_from_them() {
         assert_eq!(toks[&(i as u64)], oracle(r), "request {i} differs from the oracle");
     }
 }
+
+/// A step's prefill budget (`max_batch_tokens`) does not shrink with its decode rows: with one
+/// sequence decoding and a budget of two chunks, the next step takes both waiting prompts' whole
+/// chunks beside the decode row (the decode rows run as their own group, not in the prefill's
+/// MoE segment). Every request still gives the tokens it gives alone.
+#[test]
+fn decode_rows_leave_the_prefill_budget_whole() {
+    let c = PREFILL_CHUNK;
+    let reqs = [
+        plain(prompt(9, 40), 12, SamplingParams::greedy()),
+        plain(prompt(c, 41), 3, SamplingParams::greedy()),
+        plain(prompt(c, 42), 3, sampled(7)),
+    ];
+    let mut e = engine(3, 3 * CTX / KV_BLOCK, 2 * c);
+    let mut toks: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut keep = |evs: Vec<ornith_runtime::engine::Event>| {
+        for ev in evs {
+            match ev.kind {
+                EventKind::Token(t) => toks.entry(ev.id).or_default().push(t),
+                EventKind::Error { message, .. } => panic!("request {}: {message}", ev.id),
+                _ => {}
+            }
+        }
+    };
+    e.submit(0, reqs[0].clone()).unwrap();
+    keep(e.step()); // request 0's prompt: it decodes from now on
+    e.submit(1, reqs[1].clone()).unwrap();
+    e.submit(2, reqs[2].clone()).unwrap();
+    let before = e.stats();
+    keep(e.step());
+    let after = e.stats();
+    assert_eq!(after.decode_rows - before.decode_rows, 1, "request 0's decode row");
+    assert_eq!(after.prefill_rows - before.prefill_rows, 2 * c as u64, "both prompts' chunks in one step");
+    let (rest, errs) = drain(&mut e);
+    assert!(errs.is_empty(), "{errs:?}");
+    for (id, t) in rest {
+        toks.entry(id).or_default().extend(t);
+    }
+    for (i, r) in reqs.iter().enumerate() {
+        let mut one = engine(1, CTX / KV_BLOCK, 2 * c);
+        one.submit(0, r.clone()).unwrap();
+        let (alone, errs) = drain(&mut one);
+        assert!(errs.is_empty(), "{errs:?}");
+        assert_eq!(toks[&(i as u64)], alone[&0], "request {i}");
+    }
+}

@@ -35,6 +35,14 @@ pub fn moe_rows(max_batch_tokens: usize) -> usize {
     max_batch_tokens.clamp(CHUNK, MAX_MOE_ROWS)
 }
 
+/// Rows of one step's residual stream the plan holds (bf16 hidden and delta and a row index
+/// each): a step carries at most `max_batch_tokens` prefill rows (one chunk at least) beside one
+/// decode row per sequence (the engine does not count those against the prefill rows); never
+/// fewer than one longest sequence.
+pub fn activation_rows(max_context: usize, max_batch_tokens: usize) -> usize {
+    max_context.max(max_batch_tokens.max(CHUNK) + MAX_DECODE_ROWS)
+}
+
 /// Element counts of one slot of a Gated DeltaNet pool: conv `[3, conv_dim]` (bf16) and
 /// recurrent `[Hv, dk, dv]` (f32).
 pub fn gdn_slot_elems(d: &Dims) -> (usize, usize) {
@@ -341,6 +349,8 @@ pub struct MemoryPlan {
     pub step_buffers: u64,
     /// Hidden states of a prompt as long as the context (two `[T, hidden]` bf16 buffers).
     pub activations: u64,
+    /// Rows `activations` holds: the larger of one step's and one longest sequence's.
+    pub activation_rows: usize,
     pub margin: u64,
     pub max_context: usize,
     pub slots: usize,
@@ -367,7 +377,8 @@ impl MemoryPlan {
         let per_block = (attention_layers * KV_BLOCK * d.num_key_value_heads * d.head_dim * 2 * 2) as u64;
         let scratch = ScratchSizes::new(d, req.max_batch_tokens).bytes(d)
             + crate::cuda::sample::SampleScratch::fixed_bytes(d.vocab_size);
-        let activations = (max_context * (d.hidden_size * 4 + 4)) as u64;
+        let activation_rows = activation_rows(max_context, req.max_batch_tokens);
+        let activations = (activation_rows * (d.hidden_size * 4 + 4)) as u64;
         let costs = PoolCosts {
             fixed: weights + scratch + activations + MARGIN,
             per_slot: state_per_slot + step_per_slot,
@@ -383,6 +394,7 @@ impl MemoryPlan {
             scratch,
             step_buffers: cap.slots as u64 * step_per_slot,
             activations,
+            activation_rows,
             margin: MARGIN,
             max_context,
             slots: cap.slots,
@@ -420,7 +432,7 @@ impl MemoryPlan {
              activations {:.2} for {} tokens, margin {:.2}) but only {:.2} GiB of {:.2} GiB is free ({source}). \
              Fix: lower --max-context, --max-seqs, --kv-budget or --prefix-cache-bytes, free GPU memory, or use --backend cpu.",
             g(self.total()), g(self.weights), g(self.kv_cache), self.blocks, g(self.recurrent_state), self.slots, self.snapshots,
-            g(self.scratch), g(self.step_buffers), g(self.activations), self.max_context, g(self.margin), g(free),
+            g(self.scratch), g(self.step_buffers), g(self.activations), self.activation_rows, g(self.margin), g(free),
             g(total_mem)
         );
         Ok(())
@@ -490,6 +502,7 @@ mod tests {
             scratch: gib,
             step_buffers: 0,
             activations: 0,
+            activation_rows: 262144,
             margin: MARGIN,
             max_context: 262144,
             slots: 4,
@@ -538,6 +551,10 @@ mod tests {
             prefix_cache: Some(0),
             max_batch_tokens: CHUNK,
         };
+        // A step's rows: the prefill budget plus a decode row per sequence, or one longest sequence.
+        assert_eq!(activation_rows(262_144, 8192), 262_144);
+        assert_eq!(activation_rows(4096, 8192), 8192 + MAX_DECODE_ROWS);
+        assert_eq!(activation_rows(1000, 96), CHUNK + MAX_DECODE_ROWS);
         // Plenty of memory: 64 slots (serve's cap), the K/V pool capped at 64 full sequences.
         let cap = size_pools(&c, &req(None, None), 1 << 50).unwrap();
         assert_eq!(cap, Capacity { slots: 64, blocks: 64 * 40, snapshots: 0 });

@@ -7,9 +7,10 @@
 //!    preempted or recomputed (which would change its tokens). A request that could never fit is
 //!    refused at `submit`.
 //! 2. **Decode rows**: one token of every sequence past its prompt.
-//! 3. **Prefill chunks**, oldest sequence first, while the step stays within
-//!    `max_batch_tokens` rows (the first chunk of a step is always taken, so prefill always
-//!    progresses and a running sequence waits at most one chunk). A chunk ends at the next
+//! 3. **Prefill chunks**, oldest sequence first, while the step's prefill rows stay within
+//!    `max_batch_tokens` (decode rows are not counted: they run as their own group; the first
+//!    chunk of a step is always taken, so prefill always progresses and a running sequence
+//!    waits at most one chunk). A chunk ends at the next
 //!    absolute multiple of [`PREFILL_CHUNK`] or at the prompt's end: the same chunks for a
 //!    prompt whatever else runs. A sequence takes further chunks of its prompt while the step
 //!    holds them, up to a boundary where the prefix cache may keep a snapshot (the state there
@@ -110,7 +111,7 @@ pub struct SubmitError {
 
 #[derive(Debug, Clone, Copy)]
 pub struct EngineConfig {
-    /// Rows per step (decode rows first, then prefill chunks; see the module doc).
+    /// Prefill rows per step, beside one decode row of every running sequence (see the module doc).
     pub max_batch_tokens: usize,
     /// Longest sequence (prompt + output) one request may have.
     pub max_context: usize,
@@ -469,16 +470,18 @@ impl Engine {
         // (index into running, rows, samples)
         let mut members: Vec<(usize, usize, bool)> = Vec::new();
         let mut batch = Batch::default();
-        let mut used = 0usize;
+        let mut decode_rows = 0usize;
         for (i, s) in self.running.iter().enumerate() {
             if let Some(t) = s.last {
                 batch.ids.push(t);
                 batch.seqs.push(SeqRows { slot: s.slot, pos: s.pos, len: 1, blocks: s.blocks.clone() });
                 members.push((i, 1, true));
-                used += 1;
+                decode_rows += 1;
             }
         }
-        let decode_rows = used;
+        // Prefill rows of the step: `max_batch_tokens` whatever the decode rows (they run as their
+        // own group, not in the prefill's MoE segment).
+        let mut used = 0usize;
         let mut took_chunk = false;
         for (i, s) in self.running.iter().enumerate() {
             if s.last.is_some() {
@@ -572,7 +575,7 @@ impl Engine {
         self.stats.busy += t0.elapsed();
         self.stats.steps += 1;
         self.stats.decode_rows += decode_rows as u64;
-        self.stats.prefill_rows += (used - decode_rows) as u64;
+        self.stats.prefill_rows += used as u64;
         let mut done = vec![false; self.running.len()];
         match out {
             Err((code, message)) => {

@@ -125,9 +125,10 @@ pub struct PoolRequest {
     /// `--prefix-cache-bytes`: bytes of recurrent-state snapshots (None: what the plan chooses,
     /// at most [`DEFAULT_PREFIX_CACHE_BYTES`]; 0 disables the prefix cache).
     pub prefix_cache: Option<u64>,
-    /// `--max-batch-tokens`: the rows of one step. The CUDA backend runs each MoE block over up
-    /// to that many prefill rows at once (several chunks, of one sequence or of several: fuller
-    /// expert tiles) and sizes that scratch for them (`backend_cuda::plan::moe_rows`).
+    /// `--max-batch-tokens`: the prefill rows of one step. The CUDA backend runs each MoE block
+    /// over up to that many prefill rows at once (several chunks, of one sequence or of
+    /// several: fuller expert tiles) and sizes that scratch for them
+    /// (`backend_cuda::plan::moe_rows`).
     pub max_batch_tokens: usize,
 }
 
