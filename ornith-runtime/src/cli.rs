@@ -101,9 +101,8 @@ pub struct Args {
     pub max_seqs: Option<u64>,
     /// Prefill rows per forward step: beside one decode token of every running sequence (not
     /// counted), prefill chunks (of 2,048 tokens) up to this many rows, at least one per step.
-    /// More rows prefill faster
-    /// (the CUDA MoE runs up to 8,192 prefill rows at once, with fuller expert tiles) but hold
-    /// running sequences longer per step. Default: 8,192 for `run` and `batch` on the CUDA
+    /// More rows prefill faster (the CUDA MoE runs up to 8,192 prefill rows at once, with fuller
+    /// expert tiles) but hold running sequences longer per step. Default: 8,192 for `run` and `batch` on the CUDA
     /// backend (throughput), 2,048 for `serve` (a step is every stream's gap between tokens) and
     /// on the CPU backend.
     #[arg(long, env = "ORNITH_MAX_BATCH_TOKENS", value_parser = clap::value_parser!(u64).range(1..=1048576), global = true, value_name = "TOKENS")]

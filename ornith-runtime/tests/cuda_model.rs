@@ -357,14 +357,13 @@ const INV_STEPS: usize = 6;
 /// blocks interleaved across the pool in reverse, so block tables are neither contiguous nor
 /// ordered) is first run alone: prefill, then `INV_STEPS` greedy decode steps, recording its
 /// logits and tokens. Then N = 1, 2, 3, 8, 9, 13, 33, 40, 65, 128, 256 sequences are run together
-/// — each prefilled alone (the engine's chunks
-/// do not depend on the batch), then the same decode steps as one batch of N rows fed the
-/// recorded tokens — through CUDA graphs and eagerly, in every programmatic-dependent-launch mode
+/// — each prefilled alone (the engine's chunks do not depend on the batch), then the same
+/// decode steps as one batch of N rows fed the recorded tokens — through CUDA graphs and eagerly, in every programmatic-dependent-launch mode
 /// (`Pdl`: the default, off, every launch; 9 is the first group of the wide products, of the
 /// staged lm_head and of two shared-expert passes; 33 and 40 take every dense product through the
 /// staged build, its K slices meeting in global memory; 65 to 256 are the `run` / `batch`
-/// default's larger steps): every row's logits must equal the
-/// sequence's alone logits (default mode) bit for bit. Last, a mixed step: three decode rows and
+/// default's larger steps): every row's logits must equal the sequence's alone logits (default
+/// mode) bit for bit. Last, a mixed step: three decode rows and
 /// the whole prompts of sequences 39 and 40 as prefill chunks in the same batch (their MoE blocks
 /// run as one: `moe_segments`), then a decode step of all five.
 #[test]

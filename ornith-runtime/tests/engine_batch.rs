@@ -4,7 +4,7 @@
 
 use ornith_runtime::backend_cpu::CpuBackend;
 use ornith_runtime::engine::{
-    drain, Capacity, Engine, EngineConfig, EventKind, Finish, GenRequest, Penalties, Runner, SamplingParams,
+    drain, Capacity, Engine, EngineConfig, Event, EventKind, Finish, GenRequest, Penalties, Runner, SamplingParams,
     PREFILL_CHUNK,
 };
 use ornith_runtime::graph::{Backend, Batch, SeqRows, KV_BLOCK};
@@ -32,6 +32,17 @@ fn engine(slots: usize, blocks: usize, max_batch_tokens: usize) -> Engine {
     let r = runner(slots, blocks);
     let cfg = EngineConfig { max_batch_tokens, max_context: CTX, sample_vocab: compiled::DIMS.vocab_size };
     Engine::new(Box::new(r), cfg).unwrap()
+}
+
+/// Appends each token event of a step to its request's tokens; an error event fails the test.
+fn keep_tokens(toks: &mut HashMap<u64, Vec<u32>>, events: Vec<Event>) {
+    for ev in events {
+        match ev.kind {
+            EventKind::Token(t) => toks.entry(ev.id).or_default().push(t),
+            EventKind::Error { message, .. } => panic!("request {}: {message}", ev.id),
+            EventKind::Finished(_) | EventKind::Admitted { .. } | EventKind::Logprobs(_) => {}
+        }
+    }
 }
 
 fn sampled(seed: u64) -> SamplingParams {
@@ -72,13 +83,7 @@ fn every_request_gives_the_tokens_it_gives_alone_with_staggered_arrivals() {
             e.submit(next as u64, reqs[next].clone()).unwrap();
             next += 1;
         }
-        for ev in e.step() {
-            match ev.kind {
-                EventKind::Token(t) => toks.entry(ev.id).or_default().push(t),
-                EventKind::Error { message, .. } => panic!("request {}: {message}", ev.id),
-                EventKind::Finished(_) | EventKind::Admitted { .. } | EventKind::Logprobs(_) => {}
-            }
-        }
+        keep_tokens(&mut toks, e.step());
         steps += 1;
     }
     for (i, r) in reqs.iter().enumerate() {
@@ -401,21 +406,12 @@ fn decode_rows_leave_the_prefill_budget_whole() {
     ];
     let mut e = engine(3, 3 * CTX / KV_BLOCK, 2 * c);
     let mut toks: HashMap<u64, Vec<u32>> = HashMap::new();
-    let mut keep = |evs: Vec<ornith_runtime::engine::Event>| {
-        for ev in evs {
-            match ev.kind {
-                EventKind::Token(t) => toks.entry(ev.id).or_default().push(t),
-                EventKind::Error { message, .. } => panic!("request {}: {message}", ev.id),
-                _ => {}
-            }
-        }
-    };
     e.submit(0, reqs[0].clone()).unwrap();
-    keep(e.step()); // request 0's prompt: it decodes from now on
+    keep_tokens(&mut toks, e.step()); // request 0's prompt: it decodes from now on
     e.submit(1, reqs[1].clone()).unwrap();
     e.submit(2, reqs[2].clone()).unwrap();
     let before = e.stats();
-    keep(e.step());
+    keep_tokens(&mut toks, e.step());
     let after = e.stats();
     assert_eq!(after.decode_rows - before.decode_rows, 1, "request 0's decode row");
     assert_eq!(after.prefill_rows - before.prefill_rows, 2 * c as u64, "both prompts' chunks in one step");

@@ -347,7 +347,8 @@ pub struct MemoryPlan {
     pub scratch: u64,
     /// The static step buffers (description, decode rows, logits, sampler) for `slots` rows.
     pub step_buffers: u64,
-    /// Hidden states of a prompt as long as the context (two `[T, hidden]` bf16 buffers).
+    /// Hidden states of one step (two `[T, hidden]` bf16 buffers and a row index) for
+    /// `activation_rows` rows ([`activation_rows`]).
     pub activations: u64,
     /// Rows `activations` holds: the larger of one step's and one longest sequence's.
     pub activation_rows: usize,

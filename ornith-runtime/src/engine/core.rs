@@ -10,11 +10,11 @@
 //! 3. **Prefill chunks**, oldest sequence first, while the step's prefill rows stay within
 //!    `max_batch_tokens` (decode rows are not counted: they run as their own group; the first
 //!    chunk of a step is always taken, so prefill always progresses and a running sequence
-//!    waits at most one chunk). A chunk ends at the next
-//!    absolute multiple of [`PREFILL_CHUNK`] or at the prompt's end: the same chunks for a
-//!    prompt whatever else runs. A sequence takes further chunks of its prompt while the step
-//!    holds them, up to a boundary where the prefix cache may keep a snapshot (the state there
-//!    exists only between steps); the backend runs each chunk as it would alone.
+//!    waits at most one chunk). A chunk ends at the next absolute multiple of
+//!    [`PREFILL_CHUNK`] or at the prompt's end: the same chunks for a prompt whatever else runs.
+//!    A sequence takes further chunks of its prompt while the step holds them, up to a boundary
+//!    where the prefix cache may keep a snapshot (the state there exists only between steps);
+//!    the backend runs each chunk as it would alone.
 //!
 //! After the step, each sequence that produced logits (decode rows, last prompt chunks) samples
 //! one token on the backend, its `n`-th with step `n` of its seeded stream.
