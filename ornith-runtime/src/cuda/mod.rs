@@ -286,7 +286,8 @@ pub(crate) fn gemv_tc_wide(tokens: usize) -> bool {
 /// block): above 8 tokens for an unsplit row (`ks` 1: the lm_head). Split rows keep the wide
 /// build: in the decode graph at 64 sequences (L2 warm) the staged split products were slower
 /// (H200, s10a: the dense BF16 products 3.83 -> 4.50 ms per step) although faster with L2 flushed
-/// (tests/peer/gemv_wide run 3).
+/// (tests/peer/gemv_wide run 3), and above 64 rows 2.5x (BF16) to 4.5x (FP8) slower (H100, s66b:
+/// 128 and 255 sequences).
 pub(crate) fn gemv_staged(row_bytes: usize, split: usize, tokens: usize) -> bool {
     #[cfg(test)]
     if tokens > 8 && STAGED_ALWAYS.with(|f| f.get()) {
