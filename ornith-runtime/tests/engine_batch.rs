@@ -34,6 +34,15 @@ fn engine(slots: usize, blocks: usize, max_batch_tokens: usize) -> Engine {
     Engine::new(Box::new(r), cfg).unwrap()
 }
 
+/// The tokens `r` gives alone: a one-slot engine with `max_batch_tokens` prefill rows per step.
+fn alone(r: &GenRequest, max_batch_tokens: usize) -> Vec<u32> {
+    let mut e = engine(1, CTX / KV_BLOCK, max_batch_tokens);
+    e.submit(0, r.clone()).unwrap();
+    let (toks, errs) = drain(&mut e);
+    assert!(errs.is_empty(), "{errs:?}");
+    toks[&0].clone()
+}
+
 /// Appends each token event of a step to its request's tokens; an error event fails the test.
 fn keep_tokens(toks: &mut HashMap<u64, Vec<u32>>, events: Vec<Event>) {
     for ev in events {
@@ -65,14 +74,7 @@ fn requests() -> Vec<GenRequest> {
 fn every_request_gives_the_tokens_it_gives_alone_with_staggered_arrivals() {
     let reqs = requests();
     // Alone: one sequence at a time.
-    let mut alone = HashMap::new();
-    for (i, r) in reqs.iter().enumerate() {
-        let mut e = engine(1, CTX / KV_BLOCK, 2048);
-        e.submit(i as u64, r.clone()).unwrap();
-        let (toks, errs) = drain(&mut e);
-        assert!(errs.is_empty(), "{errs:?}");
-        alone.insert(i as u64, toks[&(i as u64)].clone());
-    }
+    let solo: Vec<Vec<u32>> = reqs.iter().map(|r| alone(r, 2048)).collect();
     // Together: 4 slots, a small step budget, arrivals spread over the first steps.
     let mut e = engine(4, 4 * CTX / KV_BLOCK, 96);
     let mut toks: HashMap<u64, Vec<u32>> = HashMap::new();
@@ -89,7 +91,7 @@ fn every_request_gives_the_tokens_it_gives_alone_with_staggered_arrivals() {
     for (i, r) in reqs.iter().enumerate() {
         let got = &toks[&(i as u64)];
         assert_eq!(got.len() as u64, r.max_tokens);
-        assert_eq!(got, &alone[&(i as u64)], "request {i} (prompt {}) differs in a batch", r.prompt.len());
+        assert_eq!(got, &solo[i], "request {i} (prompt {}) differs in a batch", r.prompt.len());
     }
     assert!(e.stats().peak_running >= 3, "the requests did overlap: {:?}", e.stats());
     assert_eq!(e.pool_usage(), (4, 4, 4 * CTX / KV_BLOCK, 4 * CTX / KV_BLOCK), "every slot and block came back");
@@ -421,10 +423,6 @@ fn decode_rows_leave_the_prefill_budget_whole() {
         toks.entry(id).or_default().extend(t);
     }
     for (i, r) in reqs.iter().enumerate() {
-        let mut one = engine(1, CTX / KV_BLOCK, 2 * c);
-        one.submit(0, r.clone()).unwrap();
-        let (alone, errs) = drain(&mut one);
-        assert!(errs.is_empty(), "{errs:?}");
-        assert_eq!(toks[&(i as u64)], alone[&0], "request {i}");
+        assert_eq!(toks[&(i as u64)], alone(r, 2 * c), "request {i}");
     }
 }
