@@ -125,6 +125,66 @@ __device__ __forceinline__ float block_max_nan(float v, float *sh32) { return bl
 __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 
+#define ROUTER_MAX_PER_LANE 8  // experts <= 256
+
+// The router's top-k of token t by one warp (lane = its lane): softmax over the experts' logits
+// (fp32), the top_k largest probabilities (ties: the lower expert index), renormalised to sum 1
+// and rounded to bf16; writes idx[t, 0..top_k) and weight[t, 0..top_k). moe_router_topk runs one
+// warp per token, moe_route_sort (moe_prefill.cu) the warps of its block, so both give these bits.
+__device__ __forceinline__ void router_topk_warp(const OrnithRouterParams &p, int t, int lane) {
+    const uint16_t *lg = p.logits + (size_t)t * p.logit_stride;
+    float v[ROUTER_MAX_PER_LANE];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < ROUTER_MAX_PER_LANE; j++) {
+        int e = lane + 32 * j;
+        v[j] = e < p.experts ? bf2f(lg[e]) : -INFINITY;
+        mx = fmaxf(mx, v[j]);
+    }
+    mx = warp_max(mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < ROUTER_MAX_PER_LANE; j++) {
+        int e = lane + 32 * j;
+        v[j] = e < p.experts ? expf(v[j] - mx) : 0.f;
+        sum += v[j];
+    }
+    sum = warp_sum(sum);
+    // p = exp(l - max) / sum   (fp32 softmax); -1 marks "taken / absent" (probabilities are >= 0)
+#pragma unroll
+    for (int j = 0; j < ROUTER_MAX_PER_LANE; j++) v[j] = (lane + 32 * j) < p.experts ? v[j] / sum : -1.f;
+    float tsum = 0.f;
+    int32_t *oi_row = p.idx + (size_t)t * p.top_k;
+    float *ow_row = p.weight + (size_t)t * p.top_k;
+    // the k-th choice is kept by lane k (top_k <= 32) and written once at the end: reading the
+    // weights back from memory would cost a round trip per choice
+    float my_w = 0.f;
+    int my_i = 0;
+    for (int k = 0; k < p.top_k; k++) {
+        // lane-local best (first index wins among equals: j ascending means index ascending)
+        float bv = -2.f;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < ROUTER_MAX_PER_LANE; j++)
+            if (v[j] > bv) { bv = v[j]; bi = lane + 32 * j; }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+#pragma unroll
+        for (int j = 0; j < ROUTER_MAX_PER_LANE; j++)
+            if (lane + 32 * j == bi) v[j] = -1.f;
+        if (lane == k) { my_i = bi; my_w = bv; }
+        tsum += bv;  // sum of the chosen probabilities, in descending order (every lane the same)
+    }
+    if (lane < p.top_k) {
+        oi_row[lane] = my_i;
+        ow_row[lane] = rbf(my_w / tsum);  // renormalised in fp32, then bf16
+    }
+}
+
 // The gated RMSNorm of one (token, head) row of `dim` <= 128 values by one warp (the CPU reference
 // is cpu::norm::gated_rms_norm): element i = lane + 32 j (j < 4) of the row;
 //   ss  = the lane's fp32 fma over its j in order, then warp_sum (xor butterfly)

@@ -716,7 +716,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NORM_BLOCKS) gemv
 // groups of G issued before their adds; the order of the adds does not depend on G, so neither do
 // the bits). gdn_out_proj's last block takes G = 32 (the real model's heads in one L2 round trip),
 // gdn_out_reduce G = 16 (32 held 101 registers and cut its occupancy: 64 sequences 186 -> 139 us
-// per step with 16, H200, docs/PERF.md twentieth session).
+// per step with 16, H200, docs/PERF-2026-12-early.md twentieth session).
 template <int G>
 __device__ __forceinline__ float gdn_out_sum(const OrnithGdnOutParams &p, int t, int r) {
     const float *pp = p.part + (size_t)t * p.out + r;

@@ -1,5 +1,6 @@
-// MoE prefill, grouped by expert: counting sort of (token, slot) assignments, SwiGLU + FP8
-// requantisation (compressed-tensors semantics) and the weighted combine. The expert GEMMs are
+// MoE grouped by expert: counting sort of (token, slot) assignments (prefill chunks and decode
+// groups; a decode group's with its router top-k in one launch), SwiGLU + FP8 requantisation
+// (compressed-tensors semantics) and the weighted combine of prefill. The expert GEMMs are
 // gemm_fp8 in grouped mode (gemm.cu); the router is moe_router_topk (moe.cu).
 #include "common.cuh"
 
@@ -41,8 +42,8 @@ __device__ __forceinline__ int ms_exclusive_scan(int v, int *tot) {
 // experts in one thread took ~5 us, most of the kernel). The order of the assignments inside
 // an expert's group follows the atomics and is not fixed: every consumer's result per
 // assignment is independent of its place in the group.
-extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_sort(const OrnithMoeSortParams p) {
-    pdl_entry();
+// (moe_sort_block: the body, called by the block's MS_THREADS threads after their PDL wait.)
+__device__ __forceinline__ void moe_sort_block(const OrnithMoeSortParams &p) {
     __shared__ int cnt[MS_MAX_EXPERTS];
     __shared__ int cur[MS_MAX_EXPERTS];
     __shared__ int tot[MS_THREADS / 32];
@@ -79,6 +80,23 @@ extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_sort(const OrnithMo
         p.row_of[a] = pos;
         if (p.row_assign) p.row_assign[pos] = a;
     }
+}
+extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_sort(const OrnithMoeSortParams p) {
+    pdl_entry();
+    moe_sort_block(p);
+}
+
+// A decode group's router top-k and moe_sort of its idx in one block (OrnithMoeRouteParams; at
+// most MS_THREADS / 32 tokens, one per warp): warp w runs common.cuh's router_topk_warp on token w
+// (moe_router_topk's bits), then, past a barrier that makes the block's idx writes visible to all
+// its threads, moe_sort_block (moe_sort's). Separately, the sort was one more launch waiting on the
+// top-k's grid: ~2.2 us per MoE layer in an 8-sequence step's graph (H100, docs/PERF.md).
+extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_route_sort(const OrnithMoeRouteParams p) {
+    pdl_entry();
+    const int warp = threadIdx.x >> 5;
+    if (warp < p.router.tokens) router_topk_warp(p.router, warp, threadIdx.x & 31);
+    __syncthreads();
+    moe_sort_block(p.sort);
 }
 
 // SwiGLU + per-row FP8 quantisation with compressed-tensors semantics, one warp per row

@@ -539,6 +539,13 @@ typedef struct OrnithMoeSortParams {
     int32_t experts;
 } OrnithMoeSortParams;
 
+/* A decode group's router top-k (moe_router_topk's, one warp per token) and moe_sort of the idx it
+ * writes (sort.idx = router.idx) in one block of 1,024 threads: router.tokens <= 32. */
+typedef struct OrnithMoeRouteParams {
+    OrnithRouterParams router;
+    OrnithMoeSortParams sort;
+} OrnithMoeRouteParams;
+
 /* MoE prefill combine, per token t and column c (ys: expert-sorted down outputs [tokens*top_k, hidden]):
  *   routed = bf16( sum_j float(bf16( ys[row_of[t*top_k + j], c] * weight[t, j] )) )   (slot order, fp32 sum)
  *   shared = bf16( bf16(sigmoid(gate_logit[t * gate_stride])) * shared_y[t, c] )

@@ -953,6 +953,28 @@ impl Default for OrnithMoeSortParams {
 }
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
+pub struct OrnithMoeRouteParams {
+    pub router: OrnithRouterParams,
+    pub sort: OrnithMoeSortParams,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of OrnithMoeRouteParams"][::std::mem::size_of::<OrnithMoeRouteParams>() - 112usize];
+    ["Alignment of OrnithMoeRouteParams"][::std::mem::align_of::<OrnithMoeRouteParams>() - 8usize];
+    ["Offset of field: OrnithMoeRouteParams::router"][::std::mem::offset_of!(OrnithMoeRouteParams, router) - 0usize];
+    ["Offset of field: OrnithMoeRouteParams::sort"][::std::mem::offset_of!(OrnithMoeRouteParams, sort) - 40usize];
+};
+impl Default for OrnithMoeRouteParams {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
 pub struct OrnithMoeCombinePrefillParams {
     pub ys: *const u16,
     pub row_of: *const i32,

@@ -36,7 +36,7 @@ mod load;
 mod ops;
 pub mod plan;
 
-use crate::cuda::moe::combine_params;
+use crate::cuda::moe::{combine_params, router_params};
 use crate::cuda::nvfp4::Fp4W;
 use crate::cuda::CudaContext;
 use crate::engine::{Capacity, PoolRequest};
@@ -48,7 +48,7 @@ use half::bf16;
 use model_spec::{ExpertLayout, Precision};
 use ops::{at, use_prefill, Ptr, XIn};
 use ornith_kernels::bindings::*;
-use plan::{MemoryPlan, ScratchSizes, ATTN_ROWS, CHUNK, GROUPED_MOE_ROWS};
+use plan::{MemoryPlan, ScratchSizes, ATTN_ROWS, CHUNK, GROUPED_MOE_ROWS, ROUTE_SORT_TOKENS};
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -1003,13 +1003,23 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// The decode group's expert groups (`moe_sort` of the router's `idx`) when `grouped`, else
-    /// null lists (the per-(token, slot) grid): each block row's expert and range, row assignments.
-    fn decode_groups(&self, grouped: bool, n: usize, k: usize, e: usize) -> Result<[*const i32; 2]> {
-        if !grouped {
-            return Ok([std::ptr::null(); 2]);
+    /// The router's top-k of `n` rows of router logits (the scratch's `rlog`) into `idx` and
+    /// `wt`, and when `grouped` (a decode group of GROUPED_MOE_ROWS rows or more) their expert
+    /// groups with the grouped decode products' lists (`moe_sort`), whose addresses it returns
+    /// (else null lists: the per-(token, slot) grid, or a prefill chunk's own sort). The one
+    /// place that fuses them: up to `ROUTE_SORT_TOKENS` rows both in one launch (`moe_route_sort`,
+    /// the same bits), more as `moe_router_topk` then `moe_sort`.
+    fn route(&self, n: usize, k: usize, e: usize, grouped: bool) -> Result<[*const i32; 2]> {
+        let s = &self.s;
+        let (rl, rw, idx, wt) = (at(self, &s.rlog, 0), self.sz.rlog_w, at(self, &s.idx, 0), at(self, &s.wt, 0));
+        if !grouped || n > ROUTE_SORT_TOKENS {
+            self.cx.k_router(rl, idx, wt, n, e, k, rw)?;
+            return if grouped { self.sort_by_expert(n, k, e, true) } else { Ok([std::ptr::null(); 2]) };
         }
-        self.sort_by_expert(n, k, e, true)
+        let router = router_params(rl, idx, wt, n, e, k, rw)?;
+        let sort = self.sort_params(n, k, e, true);
+        self.cx.k_route_sort(OrnithMoeRouteParams { router, sort })?;
+        Ok([sort.row_info as _, sort.row_assign as _])
     }
 
     /// `moe_sort` of the router's `idx` for `n` rows into the scratch: group and tile offsets, each
@@ -1017,22 +1027,27 @@ impl CudaBackend {
     /// `lists` each block row's expert and range and each sorted row's assignment (the grouped
     /// decode products'). Returns those lists' addresses (null without `lists`) as `decode_groups` does.
     fn sort_by_expert(&self, n: usize, k: usize, e: usize, lists: bool) -> Result<[*const i32; 2]> {
+        let p = self.sort_params(n, k, e, lists);
+        self.cx.k_moe_sort(p)?;
+        Ok([p.row_info as _, p.row_assign as _])
+    }
+
+    /// `moe_sort`'s parameters over the scratch (the lists null without `lists`).
+    fn sort_params(&self, n: usize, k: usize, e: usize, lists: bool) -> OrnithMoeSortParams {
         let s = &self.s;
         let list = |b: &CudaSlice<i32>| if lists { at(self, b, 0) } else { 0 };
-        let (ri, ra) = (list(&s.row_info), list(&s.row_assign));
-        self.cx.k_moe_sort(OrnithMoeSortParams {
+        OrnithMoeSortParams {
             idx: at(self, &s.idx, 0) as _,
             group_offsets: at(self, &s.group_offsets, 0) as _,
             tile_offsets: at(self, &s.tile_offsets, 0) as _,
             row_token: at(self, &s.row_token, 0) as _,
             row_of: at(self, &s.row_of, 0) as _,
-            row_assign: ra as _,
-            row_info: ri as _,
+            row_assign: list(&s.row_assign) as _,
+            row_info: list(&s.row_info) as _,
             tokens: n as i32,
             top_k: k as i32,
             experts: e as i32,
-        })?;
-        Ok(if lists { [ri as _, ra as _] } else { [std::ptr::null(); 2] })
+        }
     }
 
     /// The prefill MoE's combine of `n` rows (`cpu::moe::moe`'s cast points) from the expert-sorted
@@ -1093,14 +1108,13 @@ impl CudaBackend {
             let fusable = !prefill && n < GROUPED_MOE_ROWS;
             let (x, fold) = self.norm_rows_for(h, norm, r0, n, fusable)?;
             self.lin(&w.gate, "mlp.gate", x, rl, rw, n, prefill)?;
-            self.cx.k_router(rl, at(self, &s.idx, 0), at(self, &s.wt, 0), n, e, k, rw)?;
+            let grouped = !prefill && n >= GROUPED_MOE_ROWS;
+            let [ri, ra] = self.route(n, k, e, grouped)?;
             let out = at(self, &h.delta, r0 * hs);
             if prefill {
                 self.moe_grouped_nvfp4(e, (gu, dn), (sgu, sdn), x.bf, n, out)?;
                 continue;
             }
-            let grouped = n >= GROUPED_MOE_ROWS;
-            let [ri, ra] = self.decode_groups(grouped, n, k, e)?;
             let gu_params = OrnithMoeGemvNvfp4Params {
                 x: x.bf as _,
                 idx: at(self, &s.idx, 0) as _,
@@ -1500,7 +1514,10 @@ impl Backend for CudaBackend {
             let (xq, xs) = x.q8.unwrap_or((0, 0));
             // Router logits in columns 0..E, the shared-expert gate logit in column E (one Linear).
             self.lin(&w.gate, "mlp.gate", x, rl, rw, n, prefill)?;
-            self.cx.k_router(rl, at(self, &s.idx, 0), at(self, &s.wt, 0), n, e, k, rw)?;
+            // Decode group: expert GEMVs per (token, slot); from GROUPED_MOE_ROWS rows on grouped by
+            // expert (each expert's weights read once per step), with the same bits per row.
+            let grouped = !prefill && n >= GROUPED_MOE_ROWS;
+            let groups = self.route(n, k, e, grouped)?;
             if prefill {
                 let sh = SharedExpert {
                     gu: at(self, &sgu.w, 0),
@@ -1511,10 +1528,6 @@ impl Backend for CudaBackend {
                 self.moe_grouped(&w.experts, sh, (xq, xs), n, at(self, &h.delta, r0 * hs))?;
                 continue;
             }
-            // Decode group: expert GEMVs per (token, slot); from GROUPED_MOE_ROWS rows on grouped by
-            // expert (each expert's weights read once per step), with the same bits per row.
-            let grouped = n >= GROUPED_MOE_ROWS;
-            let groups = self.decode_groups(grouped, n, k, e)?;
             let gu_params = OrnithMoeGemvParams {
                 xq: xq as _,
                 xs: xs as _,

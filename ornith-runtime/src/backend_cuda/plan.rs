@@ -58,6 +58,14 @@ pub fn desc_len(rows: usize, width: usize) -> usize {
 /// (`moe_gemv_grouped`: bit-identical to the per-(token, slot) GEMV, each expert's weights read
 /// once per step instead of once per token routed to it).
 pub const GROUPED_MOE_ROWS: usize = 4;
+/// Grouped decode groups of at most this many rows run their router top-k and expert sort as one
+/// launch (`moe_route_sort`, the same bits as `moe_router_topk` then `moe_sort`). H100, 2K, one
+/// graph per step (docs/PERF.md, thirty-third session): at 8 sequences the step went 6,481 ->
+/// 6,437 us (decode 1,224.7 -> 1,235.8 tok/s); with the limit at 16, 16 sequences gained nothing
+/// measurable (1,659.3 -> 1,663.4); at 32 the one block was slower (14,088 -> 14,237 us: 32
+/// top-k warps on one SM against one each on 32 SMs).
+pub const ROUTE_SORT_TOKENS: usize = 8;
+const _: () = assert!(ROUTE_SORT_TOKENS <= crate::cuda::moe::ROUTE_SORT_MAX);
 /// Query rows of one decode attention launch: the kernel's most (the split partials scale with
 /// it: 4.2 MiB per row at the 35B shapes). A decode group of up to 64 sequences is one launch: in
 /// launches of 8 the 64-sequence step spent 2.4 ms in 160 attention launches at 2K (H200,

@@ -87,8 +87,8 @@ impl CudaContext {
         let bytes = channels * (8 + 12) + t * channels * 4;
         let l = Launch::new("conv1d_silu", (channels.div_ceil(256) as u32, rows, 1), 256, bytes as u64);
         // A decode group's blocks load their weights and states before the wait (gdn.cu), so they
-        // take the PDL attribute; one sequence's launch does not (H200, docs/PERF.md twentieth
-        // session: 8 sequences 1,435 -> 1,450 tok/s with it, batch 1 386 -> 380).
+        // take the PDL attribute; one sequence's launch does not (H200, twentieth session in
+        // docs/PERF-2026-12-early.md: 8 sequences 1,435 -> 1,450 tok/s with it, batch 1 386 -> 380).
         self.launch(if slots.is_some() { l.weights_first() } else { l }, p)
     }
 
@@ -122,7 +122,7 @@ impl CudaContext {
         let states = if p.slot.is_null() { 1 } else { t };
         let bytes = states * hv * 128 * 128 * 4 * 2 + t * ((2 * hk * 128 + hv * 128) * 2 + 4 * hv + hv * 128 * 2);
         // The blocks load their states before the wait (gdn.cu): the PDL attribute (H200, batch 1
-        // 381 -> 386 tok/s; docs/PERF.md twentieth session).
+        // 381 -> 386 tok/s; docs/PERF-2026-12-early.md twentieth session).
         self.launch(Launch::new("gdn_recurrent", (hv as u32, 4, states as u32), 128, bytes as u64).weights_first(), p)
     }
 

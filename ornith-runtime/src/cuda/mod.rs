@@ -191,7 +191,7 @@ const KERNELS: [(Module, &[&str]); 11] = [
     ),
     (Module::GdnChunk, &["gdn_chunk_prep", "gdn_chunk_scan"]),
     (Module::FlashAttn, &["flash_attn_prefill"]),
-    (Module::MoePrefill, &["moe_sort", "swiglu_quant_ct", "moe_combine_prefill"]),
+    (Module::MoePrefill, &["moe_sort", "moe_route_sort", "swiglu_quant_ct", "moe_combine_prefill"]),
     (Module::Nvfp4, &["nvfp4_dequant"]),
 ];
 
@@ -420,6 +420,7 @@ kernel_params!(
     OrnithSampleParams,
     OrnithGemmParams,
     OrnithMoeSortParams,
+    OrnithMoeRouteParams,
     OrnithMoeCombinePrefillParams,
     OrnithFlashAttnParams
 );

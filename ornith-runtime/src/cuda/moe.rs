@@ -191,6 +191,55 @@ impl MoePrefillScratch {
     }
 }
 
+/// Most tokens of one `moe_route_sort` launch: one warp of its 1,024-thread block each.
+pub(crate) const ROUTE_SORT_MAX: usize = 32;
+
+/// `moe_router_topk`'s parameters, its assumptions checked.
+pub(crate) fn router_params(
+    logits: Ptr,
+    idx: Ptr,
+    weight: Ptr,
+    t: usize,
+    experts: usize,
+    top_k: usize,
+    stride: usize,
+) -> Result<OrnithRouterParams> {
+    ensure!(
+        t > 0 && experts <= 256 && (1..=32).contains(&top_k) && top_k <= experts && stride >= experts,
+        "router: experts {experts} <= 256, 1 <= top_k {top_k} <= min(32, experts), stride {stride}"
+    );
+    Ok(OrnithRouterParams {
+        logits: logits as _,
+        idx: idx as _,
+        weight: weight as _,
+        tokens: i32of("tokens", t)?,
+        experts: experts as i32,
+        top_k: top_k as i32,
+        logit_stride: i32of("router stride", stride)?,
+    })
+}
+/// The router top-k's bytes: the logits read, idx and weights written.
+fn router_bytes(p: &OrnithRouterParams) -> u64 {
+    (p.tokens as usize * (p.experts as usize * 2 + p.top_k as usize * 8)) as u64
+}
+/// `moe_sort`'s assumptions checked; its bytes (idx read, the sorted lists and offsets written).
+fn sort_bytes(p: &OrnithMoeSortParams) -> Result<u64> {
+    ensure!(
+        p.tokens > 0 && p.top_k > 0 && (1..=1024).contains(&p.experts),
+        "moe_sort: {} tokens, top_k {}, {} experts",
+        p.tokens,
+        p.top_k,
+        p.experts
+    );
+    ensure!(
+        (p.row_info as Ptr).is_multiple_of(16),
+        "moe_sort: row_info must be 16-byte aligned (one int4 per block row)"
+    );
+    let n = (p.tokens * p.top_k) as usize;
+    let rows = if p.row_info.is_null() { 0 } else { (p.experts as usize).min(n) * 16 };
+    Ok((n * 12 + (p.experts as usize + 1) * 8 + rows) as u64)
+}
+
 /// Rows per block of `swiglu_quant_ct`, one warp each (`SQ_ROWS` in moe_prefill.cu).
 const SWIGLU_CT_ROWS: usize = 8;
 impl CudaContext {
@@ -206,39 +255,41 @@ impl CudaContext {
         top_k: usize,
         stride: usize,
     ) -> Result<()> {
-        ensure!(
-            t > 0 && experts <= 256 && (1..=32).contains(&top_k) && top_k <= experts && stride >= experts,
-            "router: experts {experts} <= 256, 1 <= top_k {top_k} <= min(32, experts), stride {stride}"
-        );
-        let p = OrnithRouterParams {
-            logits: logits as _,
-            idx: idx as _,
-            weight: weight as _,
-            tokens: i32of("tokens", t)?,
-            experts: experts as i32,
-            top_k: top_k as i32,
-            logit_stride: i32of("router stride", stride)?,
-        };
-        self.launch(Launch::new("moe_router_topk", (t as u32, 1, 1), 32, (t * (experts * 2 + top_k * 8)) as u64), p)
+        let p = router_params(logits, idx, weight, t, experts, top_k, stride)?;
+        self.launch(Launch::new("moe_router_topk", (t as u32, 1, 1), 32, router_bytes(&p)), p)
     }
 
     /// `moe_sort` (one block): counting sort of the `tokens · top_k` assignments of `p.idx` by
     /// expert (see `OrnithMoeSortParams`).
     pub(crate) fn k_moe_sort(&self, p: OrnithMoeSortParams) -> Result<()> {
+        let bytes = sort_bytes(&p)?;
+        self.launch(Launch::new("moe_sort", (1, 1, 1), 1024, bytes), p)
+    }
+
+    /// `moe_route_sort` (one block): [`Self::k_router`]'s top-k of at most [`ROUTE_SORT_MAX`]
+    /// tokens, then [`Self::k_moe_sort`] of the idx it wrote, in one launch (the same bits as the
+    /// two). `p.sort.idx` must be `p.router.idx` and the shapes agree.
+    pub(crate) fn k_route_sort(&self, p: OrnithMoeRouteParams) -> Result<()> {
+        let (r, s) = (&p.router, &p.sort);
         ensure!(
-            p.tokens > 0 && p.top_k > 0 && (1..=1024).contains(&p.experts),
-            "moe_sort: {} tokens, top_k {}, {} experts",
-            p.tokens,
-            p.top_k,
-            p.experts
+            (1..=ROUTE_SORT_MAX as i32).contains(&r.tokens),
+            "moe_route_sort: {} tokens (one warp each, at most {ROUTE_SORT_MAX})",
+            r.tokens
         );
         ensure!(
-            (p.row_info as Ptr).is_multiple_of(16),
-            "moe_sort: row_info must be 16-byte aligned (one int4 per block row)"
+            s.idx == r.idx as *const i32 && (s.tokens, s.top_k, s.experts) == (r.tokens, r.top_k, r.experts),
+            "moe_route_sort: the sort must read the router's idx with its shape"
         );
-        let n = (p.tokens * p.top_k) as usize;
-        let rows = if p.row_info.is_null() { 0 } else { (p.experts as usize).min(n) * 16 };
-        self.launch(Launch::new("moe_sort", (1, 1, 1), 1024, (n * 12 + (p.experts as usize + 1) * 8 + rows) as u64), p)
+        let bytes = router_bytes(&router_params(
+            r.logits as Ptr,
+            r.idx as Ptr,
+            r.weight as Ptr,
+            r.tokens as usize,
+            r.experts as usize,
+            r.top_k as usize,
+            r.logit_stride as usize,
+        )?) + sort_bytes(s)?;
+        self.launch(Launch::new("moe_route_sort", (1, 1, 1), 1024, bytes), p)
     }
 
     /// `a = bf16(bf16(silu(g)) · u)` per row of `gate_up [rows, 2·inter]`, then FP8 per row
@@ -361,18 +412,49 @@ impl CudaContext {
     /// row's expert and range (`row_info`).
     pub fn moe_groups(&self, idx: &CudaSlice<i32>, tokens: usize, top_k: usize, experts: usize) -> Result<MoeGroups> {
         need("moe_groups idx", idx, tokens * top_k)?;
+        let g = self.groups_for(tokens * top_k, experts)?;
+        self.k_moe_sort(g.sort_params(self, idx, tokens, top_k, experts)?)?;
+        Ok(g)
+    }
+
+    /// [`Self::k_route_sort`] on buffers: the router's top-k of `tokens` rows of `logits` (row
+    /// stride `stride`) into `idx` and `weight`, and their expert groups as [`Self::moe_groups`]
+    /// makes them, in one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_route_groups(
+        &self,
+        logits: &Bf,
+        idx: &mut CudaSlice<i32>,
+        weight: &mut CudaSlice<f32>,
+        tokens: usize,
+        experts: usize,
+        top_k: usize,
+        stride: usize,
+    ) -> Result<MoeGroups> {
+        ensure!(tokens > 0, "moe_route_groups: no tokens");
+        need("router logits", logits, (tokens - 1) * stride + experts)?;
+        need("router idx", idx, tokens * top_k)?;
+        need("router weight", weight, tokens * top_k)?;
+        let g = self.groups_for(tokens * top_k, experts)?;
+        let (i, w) = (self.addr(idx), self.addr(weight));
+        self.k_route_sort(OrnithMoeRouteParams {
+            router: router_params(self.addr(logits), i, w, tokens, experts, top_k, stride)?,
+            sort: g.sort_params(self, idx, tokens, top_k, experts)?,
+        })?;
+        Ok(g)
+    }
+
+    /// New buffers for the expert groups of `n` assignments over `experts` experts.
+    fn groups_for(&self, n: usize, experts: usize) -> Result<MoeGroups> {
         ensure!((1..=1024).contains(&experts), "moe_groups: {experts} experts");
-        let n = tokens * top_k;
-        let g = MoeGroups {
+        Ok(MoeGroups {
             group_offsets: self.alloc(experts + 1)?,
             tile_offsets: self.alloc(experts + 1)?,
             row_token: self.alloc(n)?,
             row_of: self.alloc(n)?,
             row_assign: self.alloc(n)?,
             row_info: self.alloc(4 * experts.min(n))?,
-        };
-        self.k_moe_sort(g.sort_params(self, idx, tokens, top_k, experts)?)?;
-        Ok(g)
+        })
     }
 
     /// [`Self::k_swiglu`] on buffers.

@@ -1,6 +1,8 @@
 //! The MoE decode kernels (moe.cu, moe_prefill.cu's `moe_sort`, the expert products of gemv.cu):
 //! each stage and the whole chain against the CPU reference.
 use super::*;
+use crate::cuda::moe::MoeGroups;
+use crate::cuda::CudaContext;
 
 /// The expert down product with the SwiGLU prologue (`moe_gemv_fp8_swiglu`: each block quantises
 /// its (token, slot) row of SwiGLU(gate|up) itself) gives the bits of `swiglu_quant` followed by
@@ -116,40 +118,7 @@ fn moe_sort_matches_reference() {
         // Again over a poisoned row_info: every row up to min(experts, assignments) is written.
         g.row_info = c.upload(&vec![-7i32; 4 * e.min(tokens * k)]).unwrap();
         c.k_moe_sort(g.sort_params(&c, &didx, tokens, k, e).unwrap()).unwrap();
-        let dl = |b: &cudarc::driver::CudaSlice<i32>| c.download(b).unwrap();
-        let (go, to, tok, of, asg, info) = (
-            dl(&g.group_offsets),
-            dl(&g.tile_offsets),
-            dl(&g.row_token),
-            dl(&g.row_of),
-            dl(&g.row_assign),
-            dl(&g.row_info),
-        );
-        let mut cnt = vec![0usize; e];
-        for &x in &idx {
-            cnt[x as usize] += 1;
-        }
-        let (mut off, mut toff, mut rows) = (0usize, 0usize, Vec::new());
-        for ex in 0..e {
-            assert_eq!(go[ex] as usize, off, "group offset of expert {ex} ({tokens} x {k}, {e} experts)");
-            assert_eq!(to[ex] as usize, toff, "tile offset of expert {ex} ({tokens} x {k}, {e} experts)");
-            let mut got: Vec<i32> = asg[off..off + cnt[ex]].to_vec();
-            got.sort_unstable();
-            let want: Vec<i32> = (0..idx.len() as i32).filter(|&a| idx[a as usize] == ex as i32).collect();
-            assert_eq!(got, want, "assignments of expert {ex} ({tokens} x {k}, {e} experts)");
-            if cnt[ex] > 0 {
-                rows.extend([ex as i32, off as i32, cnt[ex] as i32, 0]);
-            }
-            off += cnt[ex];
-            toff += cnt[ex].div_ceil(64);
-        }
-        assert_eq!((go[e] as usize, to[e] as usize), (off, toff), "totals ({tokens} x {k}, {e} experts)");
-        rows.resize(4 * e.min(tokens * k), 0);
-        assert_eq!(info, rows, "row_info ({tokens} x {k}, {e} experts)");
-        for (pos, &a) in asg.iter().enumerate() {
-            assert_eq!(of[a as usize] as usize, pos, "row_of of assignment {a}");
-            assert_eq!(tok[pos], a / k as i32, "row_token of row {pos}");
-        }
+        check_groups(&c, &g, &idx, tokens, k, e);
     }
     let idx: Vec<i32> = (0..64).map(|_| r.random_range(0..256)).collect();
     let didx = c.upload(&idx).unwrap();
@@ -157,6 +126,98 @@ fn moe_sort_matches_reference() {
     let p = g.sort_params(&c, &didx, 8, 8, 256).unwrap();
     let us = time_it(&c, || c.k_moe_sort(p).unwrap());
     eprintln!("PERF moe_sort 8 tokens x top-8 of 256 experts: {:.2} us", us * 1e6);
+}
+
+/// `moe_route_sort` (a decode group's router top-k and expert sort in one launch) against
+/// `moe_router_topk` then `moe_sort` on the same logits: idx and weights bit for bit, the groups
+/// checked as `moe_sort_matches_reference` checks them (over the idx both wrote). 4 to 32 tokens
+/// (one warp each, 32 the launch's most) at the model's 256 experts and top-8, with a stride of
+/// E + 1 (the shared-expert gate's column), and odd shapes; logits with ties (bf16 steps of 1/8).
+/// PERF lines against the two launches at 8 tokens.
+#[test]
+#[ignore]
+fn moe_route_sort_matches_router_and_sort() {
+    let c = ctx();
+    let mut r = rng(72);
+    for (tokens, k, e) in [(4, 8, 256), (8, 8, 256), (32, 8, 256), (13, 8, 256), (5, 3, 7), (32, 2, 33), (1, 1, 1)] {
+        let stride = e + 1;
+        let logits: Vec<u16> = if tokens == 13 {
+            (0..tokens * stride).map(|_| bf16::from_f32(r.random_range(0..24) as f32 / 8.0).to_bits()).collect()
+        } else {
+            bfv(&mut r, tokens * stride, 3.0)
+        };
+        let dl = c.upload(&logits).unwrap();
+        let mut idx = c.upload(&vec![-1i32; tokens * k]).unwrap();
+        let mut wt = c.upload(&vec![f32::NAN; tokens * k]).unwrap();
+        c.moe_router(&dl, &mut idx, &mut wt, tokens, e, k, stride).unwrap();
+        let (want_idx, want_wt) = (c.download(&idx).unwrap(), c.download(&wt).unwrap());
+        let mut idx2 = c.upload(&vec![-1i32; tokens * k]).unwrap();
+        let mut wt2 = c.upload(&vec![f32::NAN; tokens * k]).unwrap();
+        let g = c.moe_route_groups(&dl, &mut idx2, &mut wt2, tokens, e, k, stride).unwrap();
+        let (got_idx, got_wt) = (c.download(&idx2).unwrap(), c.download(&wt2).unwrap());
+        let name = format!("{tokens} tokens, top-{k} of {e}");
+        assert_eq!(got_idx, want_idx, "moe_route_sort idx ({name})");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got_wt), bits(&want_wt), "moe_route_sort weights ({name})");
+        check_groups(&c, &g, &got_idx, tokens, k, e);
+    }
+    let logits = bfv(&mut r, 8 * 257, 3.0);
+    let dl = c.upload(&logits).unwrap();
+    let (mut idx, mut wt) = (c.alloc::<i32>(64).unwrap(), c.alloc::<f32>(64).unwrap());
+    let g = c.moe_route_groups(&dl, &mut idx, &mut wt, 8, 256, 8, 257).unwrap();
+    let (di, dw) = (c.addr(&idx), c.addr(&wt));
+    let sort = g.sort_params(&c, &idx, 8, 8, 256).unwrap();
+    let router = crate::cuda::moe::router_params(c.addr(&dl), di, dw, 8, 256, 8, 257).unwrap();
+    let fused =
+        time_it(&c, || c.k_route_sort(ornith_kernels::bindings::OrnithMoeRouteParams { router, sort }).unwrap());
+    let two = time_it(&c, || {
+        c.k_router(c.addr(&dl), di, dw, 8, 256, 8, 257).unwrap();
+        c.k_moe_sort(sort).unwrap()
+    });
+    eprintln!(
+        "PERF moe_route_sort 8 tokens x top-8 of 256 experts: {:.2} us (moe_router_topk + moe_sort: {:.2} us)",
+        fused * 1e6,
+        two * 1e6
+    );
+}
+
+/// `moe_sort`'s outputs `g` for the assignments `idx` (`tokens · k` over `e` experts) against a
+/// counting sort on the host (see `moe_sort_matches_reference`).
+fn check_groups(c: &CudaContext, g: &MoeGroups, idx: &[i32], tokens: usize, k: usize, e: usize) {
+    let dl = |b: &cudarc::driver::CudaSlice<i32>| c.download(b).unwrap();
+    let (go, to, tok, of, asg, info) = (
+        dl(&g.group_offsets),
+        dl(&g.tile_offsets),
+        dl(&g.row_token),
+        dl(&g.row_of),
+        dl(&g.row_assign),
+        dl(&g.row_info),
+    );
+    let mut cnt = vec![0usize; e];
+    for &x in idx {
+        cnt[x as usize] += 1;
+    }
+    let (mut off, mut toff, mut rows) = (0usize, 0usize, Vec::new());
+    for ex in 0..e {
+        assert_eq!(go[ex] as usize, off, "group offset of expert {ex} ({tokens} x {k}, {e} experts)");
+        assert_eq!(to[ex] as usize, toff, "tile offset of expert {ex} ({tokens} x {k}, {e} experts)");
+        let mut got: Vec<i32> = asg[off..off + cnt[ex]].to_vec();
+        got.sort_unstable();
+        let want: Vec<i32> = (0..idx.len() as i32).filter(|&a| idx[a as usize] == ex as i32).collect();
+        assert_eq!(got, want, "assignments of expert {ex} ({tokens} x {k}, {e} experts)");
+        if cnt[ex] > 0 {
+            rows.extend([ex as i32, off as i32, cnt[ex] as i32, 0]);
+        }
+        off += cnt[ex];
+        toff += cnt[ex].div_ceil(64);
+    }
+    assert_eq!((go[e] as usize, to[e] as usize), (off, toff), "totals ({tokens} x {k}, {e} experts)");
+    rows.resize(4 * e.min(tokens * k), 0);
+    assert_eq!(info, rows, "row_info ({tokens} x {k}, {e} experts)");
+    for (pos, &a) in asg.iter().enumerate() {
+        assert_eq!(of[a as usize] as usize, pos, "row_of of assignment {a}");
+        assert_eq!(tok[pos], a / k as i32, "row_token of row {pos}");
+    }
 }
 
 /// The whole MoE decode chain on the device (router -> gate_up -> SwiGLU+FP8 -> down -> combine),
