@@ -277,7 +277,7 @@ impl CudaContext {
             r.tokens
         );
         ensure!(
-            s.idx == r.idx as *const i32 && (s.tokens, s.top_k, s.experts) == (r.tokens, r.top_k, r.experts),
+            std::ptr::eq(s.idx, r.idx) && (s.tokens, s.top_k, s.experts) == (r.tokens, r.top_k, r.experts),
             "moe_route_sort: the sort must read the router's idx with its shape"
         );
         let bytes = router_bytes(&router_params(
