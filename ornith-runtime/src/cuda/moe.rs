@@ -399,11 +399,27 @@ impl CudaContext {
         top_k: usize,
         stride: usize,
     ) -> Result<()> {
+        let (l, i, w) = self.router_buffers(logits, idx, weight, tokens, experts, top_k, stride)?;
+        self.k_router(l, i, w, tokens, experts, top_k, stride)
+    }
+
+    /// The router's buffers checked against its shape: the addresses of logits, idx and weight.
+    #[allow(clippy::too_many_arguments)]
+    fn router_buffers(
+        &self,
+        logits: &Bf,
+        idx: &CudaSlice<i32>,
+        weight: &CudaSlice<f32>,
+        tokens: usize,
+        experts: usize,
+        top_k: usize,
+        stride: usize,
+    ) -> Result<(Ptr, Ptr, Ptr)> {
         ensure!(tokens > 0, "router: no tokens");
         need("router logits", logits, (tokens - 1) * stride + experts)?;
         need("router idx", idx, tokens * top_k)?;
         need("router weight", weight, tokens * top_k)?;
-        self.k_router(self.addr(logits), self.addr(idx), self.addr(weight), tokens, experts, top_k, stride)
+        Ok((self.addr(logits), self.addr(idx), self.addr(weight)))
     }
 
     /// `moe_sort` ([`Self::k_moe_sort`]) of a decode group's router output `idx [tokens, top_k]`
@@ -431,14 +447,10 @@ impl CudaContext {
         top_k: usize,
         stride: usize,
     ) -> Result<MoeGroups> {
-        ensure!(tokens > 0, "moe_route_groups: no tokens");
-        need("router logits", logits, (tokens - 1) * stride + experts)?;
-        need("router idx", idx, tokens * top_k)?;
-        need("router weight", weight, tokens * top_k)?;
+        let (l, i, w) = self.router_buffers(logits, idx, weight, tokens, experts, top_k, stride)?;
         let g = self.groups_for(tokens * top_k, experts)?;
-        let (i, w) = (self.addr(idx), self.addr(weight));
         self.k_route_sort(OrnithMoeRouteParams {
-            router: router_params(self.addr(logits), i, w, tokens, experts, top_k, stride)?,
+            router: router_params(l, i, w, tokens, experts, top_k, stride)?,
             sort: g.sort_params(self, idx, tokens, top_k, experts)?,
         })?;
         Ok(g)
