@@ -1025,7 +1025,7 @@ impl CudaBackend {
     /// `moe_sort` of the router's `idx` for `n` rows into the scratch: group and tile offsets, each
     /// sorted row's token and each assignment's sorted row (the grouped GEMMs' inputs), and with
     /// `lists` each block row's expert and range and each sorted row's assignment (the grouped
-    /// decode products'). Returns those lists' addresses (null without `lists`) as `decode_groups` does.
+    /// decode products'). Returns those lists' addresses (null without `lists`) as `route` does.
     fn sort_by_expert(&self, n: usize, k: usize, e: usize, lists: bool) -> Result<[*const i32; 2]> {
         let p = self.sort_params(n, k, e, lists);
         self.cx.k_moe_sort(p)?;
