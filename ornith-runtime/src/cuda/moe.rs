@@ -194,7 +194,7 @@ impl MoePrefillScratch {
 /// Most tokens of one `moe_route_sort` launch: one warp of its 1,024-thread block each.
 pub(crate) const ROUTE_SORT_MAX: usize = 32;
 
-/// `moe_router_topk`'s parameters, its assumptions checked.
+/// `moe_router_topk`'s parameters (its assumptions are checked by `router_bytes`, in the launchers).
 pub(crate) fn router_params(
     logits: Ptr,
     idx: Ptr,
@@ -204,23 +204,24 @@ pub(crate) fn router_params(
     top_k: usize,
     stride: usize,
 ) -> Result<OrnithRouterParams> {
-    ensure!(
-        t > 0 && experts <= 256 && (1..=32).contains(&top_k) && top_k <= experts && stride >= experts,
-        "router: experts {experts} <= 256, 1 <= top_k {top_k} <= min(32, experts), stride {stride}"
-    );
     Ok(OrnithRouterParams {
         logits: logits as _,
         idx: idx as _,
         weight: weight as _,
         tokens: i32of("tokens", t)?,
-        experts: experts as i32,
-        top_k: top_k as i32,
+        experts: i32of("experts", experts)?,
+        top_k: i32of("top_k", top_k)?,
         logit_stride: i32of("router stride", stride)?,
     })
 }
-/// The router top-k's bytes: the logits read, idx and weights written.
-fn router_bytes(p: &OrnithRouterParams) -> u64 {
-    (p.tokens as usize * (p.experts as usize * 2 + p.top_k as usize * 8)) as u64
+/// The router top-k's assumptions checked; its bytes (the logits read, idx and weights written).
+fn router_bytes(p: &OrnithRouterParams) -> Result<u64> {
+    let (t, experts, top_k, stride) = (p.tokens, p.experts, p.top_k, p.logit_stride);
+    ensure!(
+        t > 0 && experts <= 256 && (1..=32).contains(&top_k) && top_k <= experts && stride >= experts,
+        "router: experts {experts} <= 256, 1 <= top_k {top_k} <= min(32, experts), stride {stride}"
+    );
+    Ok((t as usize * (experts as usize * 2 + top_k as usize * 8)) as u64)
 }
 /// `moe_sort`'s assumptions checked; its bytes (idx read, the sorted lists and offsets written).
 fn sort_bytes(p: &OrnithMoeSortParams) -> Result<u64> {
@@ -256,7 +257,8 @@ impl CudaContext {
         stride: usize,
     ) -> Result<()> {
         let p = router_params(logits, idx, weight, t, experts, top_k, stride)?;
-        self.launch(Launch::new("moe_router_topk", (t as u32, 1, 1), 32, router_bytes(&p)), p)
+        let bytes = router_bytes(&p)?;
+        self.launch(Launch::new("moe_router_topk", (t as u32, 1, 1), 32, bytes), p)
     }
 
     /// `moe_sort` (one block): counting sort of the `tokens · top_k` assignments of `p.idx` by
@@ -280,15 +282,7 @@ impl CudaContext {
             std::ptr::eq(s.idx, r.idx) && (s.tokens, s.top_k, s.experts) == (r.tokens, r.top_k, r.experts),
             "moe_route_sort: the sort must read the router's idx with its shape"
         );
-        let bytes = router_bytes(&router_params(
-            r.logits as Ptr,
-            r.idx as Ptr,
-            r.weight as Ptr,
-            r.tokens as usize,
-            r.experts as usize,
-            r.top_k as usize,
-            r.logit_stride as usize,
-        )?) + sort_bytes(s)?;
+        let bytes = router_bytes(r)? + sort_bytes(s)?;
         self.launch(Launch::new("moe_route_sort", (1, 1, 1), 1024, bytes), p)
     }
 
