@@ -1,6 +1,7 @@
 // Sampling on the device: greedy (argmax_bf16) and temperature / min-p / top-k / top-p
-// (sample_prep, sample_hist, sample_select, sample_draw), bit-identical to ornith-runtime's
-// `sampling::sample`.
+// (sample_prep, sample_hist, sample_select, sample_draw; with min-p off and a top-k of at most
+// ORNITH_SAMPLE_TOPK_MAX, sample_topk_block and sample_select_topk in place of the first three),
+// bit-identical to ornith-runtime's `sampling::sample`.
 #include "common.cuh"
 
 // One block of 1024 threads per row: argmax, first index among equal maxima, NaN and +-inf skipped.
@@ -288,6 +289,214 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) sample_select(const
     __syncthreads();
     if (t == 0) {
         p.sel[2 * r] = s_kept;
+        p.sel[2 * r + 1] = (uint64_t)thr | ((uint64_t)kmax << 16) | (1ull << 32);
+    }
+}
+
+// ---- Top-k of at most ORNITH_SAMPLE_TOPK_MAX with min-p off: candidate lists, no histogram ----
+// The histogram path above spends its time in sample_hist's atomics (a row's 248K logits land on
+// a few thousand bins). When every row has 1 <= top_k <= TOPK_MAX and min_p == 0 (the launcher's
+// rule), two kernels replace prep, hist and select:
+//   sample_topk_block  block b of row r: T_b = the k-th largest key of its slice (counted with
+//                      multiplicity; every key when the slice has fewer than k), and the list of
+//                      its distinct keys >= T_b with their counts (at most k entries).
+//   sample_select_topk one block per row: T = the k-th largest key of the union of the lists;
+//                      the distinct keys >= T with their summed counts (at most k); then the
+//                      weights, top-p and the kept mass as sample_select computes them.
+// Why the lists suffice: a key K >= T (T the row's true k-th largest) has fewer than k keys above
+// it in the row, so fewer than k in any slice, so K >= T_b and every slice lists all of its K;
+// the union therefore counts every key >= T exactly, and its k-th largest is T. Why min-p off:
+// the histogram counts only keys of nonzero weight; with min_p == 0 a key's weight is zero
+// exactly when trunc(exp_det(x) * 2^40) == 0, and x = (v - vmax) * inv_t is monotone in the key
+// while {x : exp_det(x) >= 2^-40} is an up-set (every f32 in [-28, 0] checked: the cut is
+// between -27.725887 and -27.725885; sampling.rs `weight_cut_is_monotone`), so the keys of
+// nonzero weight are the largest ones. When at least k keys survive, the survivors' k-th largest
+// is T; when fewer do, both paths keep every survivor. (exp_det itself is not monotone to the
+// last ulp elsewhere, so a min-p cut could leave a hole: min-p rows take the histogram path.)
+// The lists live in the histogram's memory: row r, block b's list is hist[(r * blocks + b) *
+// TOPK_MAX ..] as key << 16 | count, its length in part_max[r * blocks + b].
+
+// Counts `bin` (skipped when < 0) into a shared histogram, one atomic per distinct bin of the warp.
+__device__ __forceinline__ void count_bin(uint32_t *cnt, int bin, uint32_t n, int lane) {
+    const uint32_t tag = bin >= 0 ? (uint32_t)bin : 0x10000u + lane;
+    const uint32_t same = __match_any_sync(0xffffffffu, tag);
+    if (bin >= 0 && lane == __ffs(same) - 1) atomicAdd(&cnt[bin], n * __popc(same));
+}
+// Over a 256-bin count histogram ranked from the top bin down: the bin where the running count
+// first reaches `need` (thread t looks at bin 255 - t). Writes *s_bin and *s_above (the count in
+// the bins above it) when found; leaves them otherwise (fewer than `need` in all). 256 threads.
+__device__ __forceinline__ void kth_bin(const uint32_t *cnt, uint32_t need, uint64_t *sh, int *s_bin,
+                                        uint32_t *s_above) {
+    const uint32_t c = cnt[255 - threadIdx.x];
+    uint64_t all;
+    const uint64_t before = block_exclusive_u64<SAMPLE_THREADS>(c, sh, &all);
+    if (before < need && before + c >= need) {
+        *s_bin = 255 - (int)threadIdx.x;
+        *s_above = (uint32_t)before;
+    }
+    __syncthreads();
+}
+
+// Grid (blocks, rows), 256 threads: block b's candidate list (above).
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_topk_block(const OrnithSampleParams p) {
+    pdl_entry();
+    static_assert(SAMPLE_THREADS == 256, "one thread per histogram bin");
+    __shared__ uint32_t cnt[256];
+    __shared__ uint64_t sh[SAMPLE_THREADS / 32];
+    __shared__ int s_hb, s_lb, s_keys[ORNITH_SAMPLE_TOPK_MAX];
+    __shared__ uint32_t s_above, s_above2, s_n;
+    const int b = blockIdx.x, r = blockIdx.y, t = threadIdx.x, lane = t & 31;
+    if (b == 0 && t == 0) {
+        p.done[r] = 0;
+        p.idx[r] = -2;  // overwritten by sample_draw; -2 left over would be an internal error
+    }
+    const uint32_t k = p.row[r].top_k;  // 1 ..= ORNITH_SAMPLE_TOPK_MAX (the launcher's rule)
+    const uint16_t *row = p.logits + (size_t)(p.logit_row ? p.logit_row[r] : r) * p.stride;
+    const int base = b * ORNITH_SAMPLE_SLICE, end = min(p.n, base + ORNITH_SAMPLE_SLICE);
+    int key[SAMPLE_PER_THREAD];
+#pragma unroll
+    for (int e = 0; e < SAMPLE_PER_THREAD; e++) {
+        const int i = base + e * SAMPLE_THREADS + t;
+        key[e] = i < end ? key_of(row[i]) : -1;
+    }
+    // T_b's high byte, then its low byte among the keys of that high byte.
+    cnt[t] = 0;
+    if (t == 0) { s_hb = -1; s_lb = -1; s_n = 0; }
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < SAMPLE_PER_THREAD; e++) count_bin(cnt, key[e] >= 0 ? key[e] >> 8 : -1, 1, lane);
+    __syncthreads();
+    kth_bin(cnt, k, sh, &s_hb, &s_above);
+    const int hb = s_hb;
+    int thr = -1;  // -1: fewer than k keys in the slice, every one listed
+    if (hb >= 0) {
+        cnt[t] = 0;
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < SAMPLE_PER_THREAD; e++) count_bin(cnt, key[e] >> 8 == hb ? key[e] & 255 : -1, 1, lane);
+        __syncthreads();
+        kth_bin(cnt, k - s_above, sh, &s_lb, &s_above2);
+        thr = hb << 8 | s_lb;
+    }
+    // The keys above T_b: fewer than k of them.
+#pragma unroll
+    for (int e = 0; e < SAMPLE_PER_THREAD; e++)
+        if (key[e] > thr) s_keys[atomicAdd(&s_n, 1u)] = key[e];
+    __syncthreads();
+    if (t < 32) {
+        const int mine = lane < (int)s_n ? s_keys[lane] : -1;
+        const uint32_t same = __match_any_sync(0xffffffffu, mine >= 0 ? (uint32_t)mine : 0x10000u + lane);
+        const int lead = mine >= 0 && lane == __ffs(same) - 1;
+        int rank = 0;  // distinct keys larger than this one
+        for (int j = 0; j < 32; j++) {
+            const int kj = __shfl_sync(0xffffffffu, mine, j), lj = __shfl_sync(0xffffffffu, lead, j);
+            rank += lj && kj > mine;
+        }
+        const uint32_t distinct = __popc(__ballot_sync(0xffffffffu, lead));
+        const size_t at = (size_t)r * p.blocks + b;
+        uint32_t *list = p.hist + at * ORNITH_SAMPLE_TOPK_MAX;
+        if (lead) list[rank] = (uint32_t)mine << 16 | __popc(same);
+        if (lane == 0) {
+            uint32_t len = distinct;
+            if (thr >= 0) list[len++] = (uint32_t)thr << 16 | (cnt[s_lb] & 0xffffu);  // T_b and its count
+            p.part_max[at] = len;
+        }
+    }
+}
+
+// Grid (rows), 256 threads: T from the union of the row's lists, then sample_select's thresholds
+// over the (at most k) distinct keys >= T, in a 64-slot table (open addressing).
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_select_topk(const OrnithSampleParams p) {
+    pdl_entry();
+    __shared__ uint32_t cnt[256], tkey[64], tcnt[64], s_key[32], s_cnt[32], u_key[32], u_cnt[32];
+    __shared__ uint64_t sh[SAMPLE_THREADS / 32];
+    __shared__ int s_hb, s_lb;
+    __shared__ uint32_t s_above, s_above2;
+    const int r = blockIdx.x, t = threadIdx.x, lane = t & 31;
+    const OrnithSampleRow rp = p.row[r];
+    const uint32_t *lists = p.hist + (size_t)r * p.blocks * ORNITH_SAMPLE_TOPK_MAX;
+    const uint32_t *len = p.part_max + (size_t)r * p.blocks;
+    const int entries = p.blocks * ORNITH_SAMPLE_TOPK_MAX;
+    constexpr uint32_t EMPTY = 0xffffffffu;
+    cnt[t] = 0;
+    if (t < 64) { tkey[t] = EMPTY; tcnt[t] = 0; }
+    if (t == 0) { s_hb = -1; s_lb = -1; }
+    __syncthreads();
+    for (int i = t; i < entries; i += SAMPLE_THREADS)
+        if ((uint32_t)(i % ORNITH_SAMPLE_TOPK_MAX) < len[i / ORNITH_SAMPLE_TOPK_MAX]) atomicAdd(&cnt[lists[i] >> 24], lists[i] & 0xffffu);
+    __syncthreads();
+    kth_bin(cnt, rp.top_k, sh, &s_hb, &s_above);
+    const int hb = s_hb;
+    uint32_t thr_k = 0;  // fewer than k finite logits in the row: every key
+    if (hb >= 0) {
+        cnt[t] = 0;
+        __syncthreads();
+        for (int i = t; i < entries; i += SAMPLE_THREADS)
+            if ((uint32_t)(i % ORNITH_SAMPLE_TOPK_MAX) < len[i / ORNITH_SAMPLE_TOPK_MAX] && (int)(lists[i] >> 24) == hb)
+                atomicAdd(&cnt[(lists[i] >> 16) & 255], lists[i] & 0xffffu);
+        __syncthreads();
+        kth_bin(cnt, rp.top_k - s_above, sh, &s_lb, &s_above2);
+        thr_k = (uint32_t)(hb << 8 | s_lb);
+    }
+    // The distinct keys >= T (at most k <= 32 of 64 slots) with their counts summed over blocks.
+    for (int i = t; i < entries; i += SAMPLE_THREADS) {
+        if ((uint32_t)(i % ORNITH_SAMPLE_TOPK_MAX) >= len[i / ORNITH_SAMPLE_TOPK_MAX]) continue;
+        const uint32_t e = lists[i], key = e >> 16;
+        if (key < thr_k) continue;
+        uint32_t s = (key * 0x9e3779b1u) >> 26;
+        for (;;) {
+            const uint32_t old = atomicCAS(&tkey[s], EMPTY, key);
+            if (old == EMPTY || old == key) break;
+            s = (s + 1) & 63;
+        }
+        atomicAdd(&tcnt[s], e & 0xffffu);
+    }
+    __syncthreads();
+    if (t >= 32) return;
+    // Compact the table, then rank into descending key order.
+    const uint32_t a = tkey[lane], a2 = tkey[lane + 32];
+    const uint32_t ma = __ballot_sync(0xffffffffu, a != EMPTY), mb = __ballot_sync(0xffffffffu, a2 != EMPTY);
+    const uint32_t below = (1u << lane) - 1;
+    const int nd = __popc(ma) + __popc(mb);
+    if (a != EMPTY) { u_key[__popc(ma & below)] = a; u_cnt[__popc(ma & below)] = tcnt[lane]; }
+    if (a2 != EMPTY) { u_key[__popc(ma) + __popc(mb & below)] = a2; u_cnt[__popc(ma) + __popc(mb & below)] = tcnt[lane + 32]; }
+    __syncwarp();
+    if (lane < nd) {
+        int rank = 0;
+        for (int j = 0; j < nd; j++) rank += u_key[j] > u_key[lane];
+        s_key[rank] = u_key[lane];
+        s_cnt[rank] = u_cnt[lane];
+    }
+    __syncwarp();
+    if (nd == 0) {  // no finite logit
+        if (lane == 0) {
+            p.sel[2 * r] = 0;
+            p.sel[2 * r + 1] = 0;
+        }
+        return;
+    }
+    const uint32_t kmax = s_key[0], key = lane < nd ? s_key[lane] : 0;
+    const float vmax = value_of_key(kmax);
+    const uint64_t w = lane < nd ? weight_of(key, vmax, rp) : 0, m = lane < nd ? (uint64_t)s_cnt[lane] * w : 0;
+    uint64_t total = m, above = m;  // warp sum; inclusive prefix in descending key order
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint64_t u = __shfl_up_sync(0xffffffffu, above, o);
+        if (lane >= o) above += u;
+    }
+    above -= m;
+    uint32_t thr = thr_k;
+    if (rp.top_p < 1.f) {
+        const bool keep = w != 0 && __ull2double_rn(above) < __dmul_rn((double)rp.top_p, __ull2double_rn(total));
+        thr = __reduce_min_sync(0xffffffffu, keep ? key : 0xffffffffu);
+    }
+    uint64_t kept = lane < nd && key >= thr ? m : 0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) kept += __shfl_xor_sync(0xffffffffu, kept, o);
+    if (lane == 0) {
+        p.sel[2 * r] = kept;
         p.sel[2 * r + 1] = (uint64_t)thr | ((uint64_t)kmax << 16) | (1ull << 32);
     }
 }

@@ -420,9 +420,15 @@ typedef struct OrnithArgmaxParams {
  * except sample_select (grid rows, 1024 threads): sample_prep (zero the row's histogram, block
  * maxima), sample_hist (histogram of surviving keys), sample_select (thresholds), sample_draw
  * (block sums; the last block to finish draws). idx[r] = -1 when row r has no finite logit.
+ * When every row has min_p == 0 and 1 <= top_k <= ORNITH_SAMPLE_TOPK_MAX (and blocks *
+ * ORNITH_SAMPLE_TOPK_MAX <= ORNITH_SAMPLE_BINS), sample_topk_block (grid (blocks, rows): each
+ * block's distinct keys >= its own k-th largest, with counts, in hist; their number in part_max)
+ * and sample_select_topk (grid rows, 256 threads) replace the first three: the same sel, drawn
+ * the same way (sample.cu states why the lists suffice).
  * Row r reads logits row logit_row[r] (r when logit_row is NULL). */
 #define ORNITH_SAMPLE_SLICE 2048
 #define ORNITH_SAMPLE_BINS 65536
+#define ORNITH_SAMPLE_TOPK_MAX 32
 typedef struct OrnithSampleRow {
     float inv_t;   /* 1 / temperature, rounded once on the host */
     float min_p;   /* 0: off */
@@ -434,11 +440,11 @@ typedef struct OrnithSampleRow {
 typedef struct OrnithSampleParams {
     const uint16_t *logits;     /* [rows, stride] bf16; columns 0..n are candidates */
     const OrnithSampleRow *row; /* [rows] */
-    uint32_t *hist;             /* [rows, ORNITH_SAMPLE_BINS] counts */
-    uint32_t *part_max;         /* [rows, blocks] 1 + the block's largest key (0: none) */
+    uint32_t *hist;             /* [rows, ORNITH_SAMPLE_BINS] counts (top-k lists: [rows, blocks, TOPK_MAX]) */
+    uint32_t *part_max;         /* [rows, blocks] 1 + the block's largest key (0: none); top-k: list lengths */
     uint64_t *part_sum;         /* [rows, blocks] kept mass of each block */
     uint64_t *sel;              /* [rows, 2] kept mass K; threshold key | vmax key << 16 | valid << 32 */
-    uint32_t *done;             /* [rows] blocks of sample_draw finished (reset by sample_prep) */
+    uint32_t *done;             /* [rows] blocks of sample_draw finished (reset by sample_prep / sample_topk_block) */
     int32_t *idx;               /* [rows] the sampled id, or -1 (no finite logit) */
     int32_t rows;
     int32_t n;

@@ -19,6 +19,7 @@ pub const ORNITH_ATT_COMBINE_CHUNKS: u32 = 4;
 pub const ORNITH_ATT_MAX_ROWS: u32 = 64;
 pub const ORNITH_SAMPLE_SLICE: u32 = 2048;
 pub const ORNITH_SAMPLE_BINS: u32 = 65536;
+pub const ORNITH_SAMPLE_TOPK_MAX: u32 = 32;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct OrnithEmbedParams {

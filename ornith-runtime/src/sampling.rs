@@ -464,6 +464,33 @@ mod tests {
         assert!((exp_det(-27.7) * WEIGHT_SCALE) as u64 >= 1);
     }
 
+    /// With min-p off a key's integer weight is zero exactly below one cut: the set of f32 `x`
+    /// with `trunc(exp_det(x) · 2^40) >= 1` is an up-set. The device sampler's candidate lists
+    /// (`sample_topk_block` in kernels/cuda/sample.cu) rely on it: the keys of nonzero weight are
+    /// the largest ones. Every f32 in [-28, -26] is checked here (the cut lies at -27.725886);
+    /// above -26, exp(x) > 5.6 · 2^-40 and the error bound above keeps exp_det over 2^-40. (A scan
+    /// of every f32 in [-28, 0] gave the same cut once; exp_det is not monotone to the last ulp
+    /// elsewhere — 2,983 single-ulp steps down, near -0.25 for one — so a min-p cut inside the
+    /// range could leave a hole, and min-p rows keep the histogram path.)
+    #[test]
+    fn weight_cut_is_monotone() {
+        let weight = |x: f32| (exp_det(x) * WEIGHT_SCALE) as u64;
+        let (lo, hi) = ((-28.0f32).to_bits(), (-26.0f32).to_bits());
+        let mut first_nonzero = None;
+        // Negative f32 bits decrease as the value grows: from -28 up to -26.
+        for b in (hi..=lo).rev() {
+            let x = f32::from_bits(b);
+            match (weight(x) >= 1, first_nonzero) {
+                (true, None) => first_nonzero = Some(x),
+                (false, Some(f)) => panic!("weight 0 at {x:e}, above the first nonzero weight at {f:e}"),
+                _ => {}
+            }
+        }
+        let f = first_nonzero.expect("a nonzero weight below -26");
+        assert!(f > -27.73 && f < -27.72, "the cut moved: {f:e}");
+        assert!((-26.0f64).exp() > 5.6 / (1u64 << 40) as f64);
+    }
+
     #[test]
     fn keys_order_like_values() {
         let mut finite: Vec<u16> = (0..=u16::MAX).filter(|&b| key_of(b).is_some()).collect();

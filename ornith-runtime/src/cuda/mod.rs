@@ -184,7 +184,19 @@ const KERNELS: [(Module, &[&str]); 11] = [
     (Module::Moe, &["moe_router_topk", "swiglu_quant", "swiglu_bf16", "moe_combine"]),
     (Module::Gdn, &["conv1d_silu", "conv1d_silu_chunk", "gdn_recurrent", "gated_rmsnorm"]),
     (Module::Attention, &["qk_norm_rope", "attn_decode_split", "attn_decode_combine"]),
-    (Module::Sample, &["argmax_bf16", "apply_penalties", "sample_prep", "sample_hist", "sample_select", "sample_draw"]),
+    (
+        Module::Sample,
+        &[
+            "argmax_bf16",
+            "apply_penalties",
+            "sample_prep",
+            "sample_hist",
+            "sample_select",
+            "sample_topk_block",
+            "sample_select_topk",
+            "sample_draw",
+        ],
+    ),
     (
         Module::Gemm,
         &["gemm_fp8", "gemm_bf16", "gemm_fp8_grouped", "gemm_nvfp4", "gemm_nvfp4_grouped", "quantize_fp8_ct"],

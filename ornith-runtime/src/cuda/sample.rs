@@ -10,6 +10,13 @@
 //! maxima), `sample_hist` (histogram of the keys that keep a nonzero weight), `sample_select`
 //! (top-k and top-p thresholds from the histogram, one block per row), `sample_draw` (per-block
 //! kept mass; the last block to finish walks the slice that holds the target).
+//!
+//! When every row has min-p off and a top-k of 1 to [`TOPK_MAX`] (the checkpoint's default,
+//! top-k 20, among them: [`topk_lists`]), three launches: `sample_topk_block` (each 2,048-logit
+//! block's distinct keys at or above its own k-th largest, with counts) and `sample_select_topk`
+//! (the row's k-th largest key from those lists, then the same thresholds) in place of the first
+//! three — no histogram to clear or fill — and the same `sample_draw`. `sample.cu` proves the
+//! lists hold every key the histogram path keeps; the ids are the same bits either way.
 use super::{i32of, need, CudaContext, Launch, Ptr};
 use crate::engine::SamplingParams;
 use crate::sampling::{draw_bits, PenaltyState, Prepared, PreparedPenalties};
@@ -21,6 +28,8 @@ type Bf = CudaSlice<u16>;
 
 const SLICE: usize = ORNITH_SAMPLE_SLICE as usize;
 const BINS: usize = ORNITH_SAMPLE_BINS as usize;
+/// The largest top-k the candidate-list kernels take.
+pub const TOPK_MAX: usize = ORNITH_SAMPLE_TOPK_MAX as usize;
 /// `OrnithSampleRow` as u32 words: inv_t, min_p, top_p, top_k, bits (lo, hi).
 const ROW_WORDS: usize = 6;
 const _: () = assert!(std::mem::size_of::<OrnithSampleRow>() == ROW_WORDS * 4);
@@ -78,14 +87,20 @@ impl SampleScratch {
     }
 }
 
+/// Whether rows of `n` candidates with these parameters take the candidate-list kernels
+/// (`sample_topk_block`, `sample_select_topk`): every row's min-p off and top-k in
+/// `1..=TOPK_MAX` (as prepared for the device), and the lists fit the histogram's memory.
+pub fn topk_lists(n: usize, rows: &[Prepared]) -> bool {
+    blocks_for(n) * TOPK_MAX <= BINS && rows.iter().all(|p| p.min_p == 0.0 && (1..=TOPK_MAX as u32).contains(&p.top_k))
+}
+
 fn i32of_rows(r: usize) -> Result<i32> {
     i32::try_from(r).map_err(|_| anyhow::anyhow!("sample: logits row {r} does not fit the kernel's int32"))
 }
 
 /// The device words of one row's parameters.
-fn row_words(p: &SamplingParams, step: u64) -> [u32; ROW_WORDS] {
-    let pr = Prepared::new(p);
-    let z = draw_bits(p.seed, step);
+fn row_words(pr: &Prepared, seed: u64, step: u64) -> [u32; ROW_WORDS] {
+    let z = draw_bits(seed, step);
     [pr.inv_t.to_bits(), pr.min_p.to_bits(), pr.top_p.to_bits(), pr.top_k, z as u32, (z >> 32) as u32]
 }
 
@@ -109,7 +124,9 @@ impl CudaContext {
         ensure!(last * stride + n <= logits.len(), "sample: logits buffer too small for row {last}");
         i32of_rows(last)?;
         ensure!(rows.iter().all(|(_, p, _)| !crate::sampling::is_greedy(p)), "sample: greedy rows go to argmax");
-        let words: Vec<u32> = rows.iter().flat_map(|(_, p, step)| row_words(p, *step)).collect();
+        let prepared: Vec<Prepared> = rows.iter().map(|(_, p, _)| Prepared::new(p)).collect();
+        let words: Vec<u32> =
+            rows.iter().zip(&prepared).flat_map(|((_, p, step), pr)| row_words(pr, p.seed, *step)).collect();
         self.stream().memcpy_htod(&words, &mut s.row)?;
         let lr: Vec<i32> = rows.iter().map(|x| x.0 as i32).collect();
         self.stream().memcpy_htod(&lr, &mut s.logit_row)?;
@@ -130,10 +147,17 @@ impl CudaContext {
             logit_row: self.addr(&s.logit_row) as _,
         };
         let grid = (blocks as u32, r as u32, 1);
-        let (logit_bytes, hist_bytes) = ((r * n * 2) as u64, (r * BINS * 4) as u64);
-        self.launch(Launch::new("sample_prep", grid, 256, logit_bytes + hist_bytes), p)?;
-        self.launch(Launch::new("sample_hist", grid, 256, logit_bytes + hist_bytes), p)?;
-        self.launch(Launch::new("sample_select", (r as u32, 1, 1), 1024, hist_bytes), p)?;
+        let logit_bytes = (r * n * 2) as u64;
+        if topk_lists(n, &prepared) {
+            let list_bytes = (r * blocks * (TOPK_MAX + 1) * 4) as u64;
+            self.launch(Launch::new("sample_topk_block", grid, 256, logit_bytes + list_bytes), p)?;
+            self.launch(Launch::new("sample_select_topk", (r as u32, 1, 1), 256, list_bytes), p)?;
+        } else {
+            let hist_bytes = (r * BINS * 4) as u64;
+            self.launch(Launch::new("sample_prep", grid, 256, logit_bytes + hist_bytes), p)?;
+            self.launch(Launch::new("sample_hist", grid, 256, logit_bytes + hist_bytes), p)?;
+            self.launch(Launch::new("sample_select", (r as u32, 1, 1), 1024, hist_bytes), p)?;
+        }
         self.launch(Launch::new("sample_draw", grid, 256, logit_bytes), p)
     }
 
@@ -279,7 +303,13 @@ mod tests {
             p(0.6, 40, 0.5, 0.02, 6),
             p(2.0, 0, 0.999, 0.0, 7),
             p(1.0, 5, 0.01, 0.0, 8),
+            p(0.05, 32, 1.0, 0.0, 9), // top-k TOPK_MAX; at spread 12 keys of zero weight inside it
+            p(1.0, 32, 0.9, 0.0, 10), // top-k TOPK_MAX with top-p
+            p(0.8, 20, 0.95, 0.1, 11), // the default's top-k with min-p: the histogram path
         ];
+        // Both paths are exercised: the candidate lists where min-p is off and top-k <= TOPK_MAX.
+        let lists: Vec<bool> = params.iter().map(|q| topk_lists(248_077, &[Prepared::new(q)])).collect();
+        assert_eq!(lists, [true, false, false, true, false, false, false, true, true, true, false]);
         let mut checked = 0;
         for &(n, stride) in &[(7usize, 7usize), (1000, 1000), (2049, 2056), (4096, 4096), (248_077, 248_320)] {
             let mut s = SampleScratch::new(&c, 3, stride).unwrap();
@@ -308,21 +338,55 @@ mod tests {
                 assert_eq!(got[i], want, "row {i} of 3 (logits row {lr}), n {n}");
             }
         }
-        // A row with no finite logit is an error, as on the CPU.
+        // Rows of heavy ties (the k-th largest key shared by hundreds of logits, or by all of
+        // them), every parameter set, through both paths.
+        let (n, stride) = (248_077usize, 248_320usize);
+        let mut s = SampleScratch::new(&c, 1, stride).unwrap();
+        let rounded: Vec<u16> = (0..stride).map(|_| bf16::from_f32(normal(&mut r).round()).to_bits()).collect();
+        let mut flat = vec![bf16::from_f32(1.0).to_bits(); stride];
+        flat[5] = 0x7fc0;
+        for l in [&rounded, &flat] {
+            let dl = c.upload(l).unwrap();
+            for q in &params {
+                for step in [0u64, 3] {
+                    c.sample_rows(&dl, stride, n, &[(0, *q, step)], &mut s).unwrap();
+                    let want = sampling::sample(&l[..n], q, step).unwrap();
+                    assert_eq!(c.sampled_ids(&s, 1).unwrap()[0], want, "tie-heavy row, {q:?}, step {step}");
+                    checked += 1;
+                }
+            }
+        }
+        // A row with no finite logit is an error, as on the CPU (both paths).
         let bad = vec![0x7fc0u16; 3000];
         let mut s = SampleScratch::new(&c, 1, 3000).unwrap();
-        c.sample_rows(&c.upload(&bad).unwrap(), 3000, 3000, &[(0, params[0], 0)], &mut s).unwrap();
-        assert!(c.sampled_ids(&s, 1).is_err());
+        for q in [params[0], params[1]] {
+            c.sample_rows(&c.upload(&bad).unwrap(), 3000, 3000, &[(0, q, 0)], &mut s).unwrap();
+            assert!(c.sampled_ids(&s, 1).is_err());
+        }
         eprintln!("sample_matches_reference: {checked} draws identical to the CPU reference");
 
-        // PERF: the real vocabulary, default sampling and top-p only.
+        // PERF: the real vocabulary, 1 and 64 rows: default sampling (the candidate lists), the
+        // same with top-k 40 (the histogram path), top-p only.
         let (n, stride) = (248_077, 248_320);
-        let l = row(&mut r, n, stride, 3.0);
+        let l: Vec<u16> = (0..64).flat_map(|_| row(&mut r, n, stride, 3.0)).collect();
         let dl = c.upload(&l).unwrap();
-        let mut s = SampleScratch::new(&c, 1, stride).unwrap();
-        for (name, q) in [("default (T 1, top-k 20, top-p 0.95)", params[0]), ("top-p 0.8, T 0.7", params[1])] {
-            let t = time_it(&c, || c.sample_rows(&dl, stride, n, &[(0, q, 3)], &mut s).unwrap());
-            eprintln!("PERF sample over {n} bf16 logits, {name}: {:.2} us", t * 1e6);
+        let mut s = SampleScratch::new(&c, 64, stride).unwrap();
+        let cases = [
+            ("default (T 1, top-k 20, top-p 0.95; lists)", params[0]),
+            ("T 1, top-k 40, top-p 0.95 (histogram)", p(1.0, 40, 0.95, 0.0, 1)),
+            ("top-p 0.8, T 0.7 (histogram)", params[1]),
+        ];
+        for rows in [1usize, 64] {
+            for (name, q) in cases {
+                let req: Vec<(usize, SamplingParams, u64)> = (0..rows).map(|i| (i, q, 3)).collect();
+                let t = time_it(&c, || c.sample_rows(&dl, stride, n, &req, &mut s).unwrap());
+                eprintln!("PERF sample {rows} rows of {n} bf16 logits, {name}: {:.2} us", t * 1e6);
+                let got = c.sampled_ids(&s, rows).unwrap();
+                for (i, g) in got.iter().enumerate() {
+                    let want = sampling::sample(&l[i * stride..i * stride + n], &q, 3).unwrap();
+                    assert_eq!(*g, want, "row {i} of {rows}, {name}");
+                }
+            }
         }
     }
 
