@@ -502,13 +502,17 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_select_topk(
 }
 
 // Grid (blocks, rows): each block's kept mass in its slice; the last block to finish finds the
-// block where the running sum passes the target and walks that slice in id order.
+// block where the running sum passes the target — the first block j whose exclusive prefix sum
+// plus its own mass exceeds the target (else the last block), from a block-wide prefix sum over
+// the blocks' masses, 256 at a time (one thread walking them read them one dependent L2 round
+// trip after another) — and walks that slice in id order.
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_draw(const OrnithSampleParams p) {
     pdl_entry();
     __shared__ uint64_t sh[SAMPLE_THREADS / 32];
     __shared__ int s_last, s_block;
     __shared__ uint64_t s_before;
     const int b = blockIdx.x, r = blockIdx.y, t = threadIdx.x;
+    if (t == 0) s_block = -1;
     const uint64_t info = p.sel[2 * r + 1];
     if (!(info >> 32)) {  // no finite logit
         if (b == 0 && t == 0) p.idx[r] = -1;
@@ -539,19 +543,22 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_draw(const O
     if (!s_last) return;
     // The last block: every block's sum is visible (each fenced before counting itself).
     const uint64_t target = __umul64hi(rp.bits, kept);
-    if (t == 0) {
-        const volatile uint64_t *ps = p.part_sum + (size_t)r * p.blocks;
-        uint64_t acc = 0;
-        int j = 0;
-        for (; j < p.blocks - 1; j++) {
-            const uint64_t s = ps[j];
-            if (acc + s > target) break;
-            acc += s;
+    const uint64_t *ps = p.part_sum + (size_t)r * p.blocks;
+    uint64_t base = 0;
+    for (int j0 = 0; j0 < p.blocks; j0 += SAMPLE_THREADS) {  // uniform: every thread sees s_block
+        const int j = j0 + t;
+        const uint64_t s = j < p.blocks ? __ldcg(ps + j) : 0;
+        uint64_t chunk;
+        const uint64_t before = base + block_exclusive_u64<SAMPLE_THREADS>(s, sh, &chunk);
+        // Exactly one block qualifies: prefixes only grow, and a block of zero mass never holds it.
+        if (j < p.blocks && before <= target && (target < before + s || j == p.blocks - 1)) {
+            s_block = j;
+            s_before = before;
         }
-        s_block = j;
-        s_before = acc;
+        base += chunk;
+        __syncthreads();
+        if (s_block >= 0) break;
     }
-    __syncthreads();
     const int lo2 = s_block * ORNITH_SAMPLE_SLICE + t * SAMPLE_PER_THREAD;
     uint64_t w2[SAMPLE_PER_THREAD];
     uint64_t mine2 = 0;
