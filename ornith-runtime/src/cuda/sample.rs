@@ -390,6 +390,123 @@ mod tests {
         }
     }
 
+    /// The candidate-list kernels' algorithm, step by step on the host (`sample_topk_block`:
+    /// each 2,048-logit block's distinct keys at or above its own k-th largest, with counts;
+    /// `sample_select_topk`: the k-th largest key of their union, the distinct keys at or above it
+    /// summed over blocks, weights, top-p, kept mass; then `sample_draw`'s walk), against
+    /// `sampling::sample` on rows built to stress the proof in `sample.cu`: ties at the k-th key
+    /// within and across blocks, every block holding the same top keys, keys of zero weight inside
+    /// the top k (low temperatures), fewer finite logits than k, NaN and inf. Runs in CI (no GPU):
+    /// the device test (`sample_matches_reference`) checks the kernels against the same reference.
+    #[test]
+    fn candidate_lists_keep_what_the_histogram_keeps() {
+        use crate::sampling::{draw_bits, draw_target, key_of, top_p_keeps, value_of_key};
+        fn kth(keys: impl Iterator<Item = (u16, u64)>, k: u64) -> Option<u16> {
+            let mut v: Vec<(u16, u64)> = keys.collect();
+            v.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
+            let mut seen = 0;
+            v.into_iter()
+                .find(|&(_, c)| {
+                    seen += c;
+                    seen >= k
+                })
+                .map(|(key, _)| key)
+        }
+        fn lists_sample(l: &[u16], q: &SamplingParams, step: u64) -> Option<u32> {
+            let pr = Prepared::new(q);
+            let k = pr.top_k as u64;
+            // sample_topk_block: each block's list of (key, count), keys >= its k-th largest.
+            let mut union: Vec<(u16, u64)> = Vec::new();
+            for blk in l.chunks(SLICE) {
+                let keys: Vec<u16> = blk.iter().filter_map(|&b| key_of(b)).collect();
+                let t_b = kth(keys.iter().map(|&x| (x, 1)), k).unwrap_or(0);
+                let mut list: Vec<(u16, u64)> = Vec::new();
+                for &x in keys.iter().filter(|&&x| x >= t_b) {
+                    match list.iter_mut().find(|e| e.0 == x) {
+                        Some(e) => e.1 += 1,
+                        None => list.push((x, 1)),
+                    }
+                }
+                assert!(list.len() <= k as usize, "a block lists at most k distinct keys");
+                union.extend(list);
+            }
+            // sample_select_topk: T, then the distinct keys >= T with their counts summed.
+            let t = kth(union.iter().copied(), k).unwrap_or(0);
+            let mut keys: Vec<(u16, u64)> = Vec::new();
+            for &(x, c) in union.iter().filter(|e| e.0 >= t) {
+                match keys.iter_mut().find(|e| e.0 == x) {
+                    Some(e) => e.1 += c,
+                    None => keys.push((x, c)),
+                }
+            }
+            assert!(keys.len() <= k as usize, "at most k distinct keys at or above T");
+            keys.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
+            let vmax = value_of_key(keys.first()?.0);
+            let m: Vec<u64> = keys.iter().map(|&(x, c)| c * pr.weight(x, vmax)).collect();
+            let total: u64 = m.iter().sum();
+            let mut thr = t;
+            if pr.top_p < 1.0 {
+                let mut above = 0;
+                thr = u16::MAX;
+                for (i, &(x, _)) in keys.iter().enumerate() {
+                    if m[i] > 0 && top_p_keeps(above, pr.top_p, total) {
+                        thr = x;
+                    }
+                    above += m[i];
+                }
+            }
+            let kept: u64 = keys.iter().zip(&m).filter(|(e, _)| e.0 >= thr).map(|(_, &w)| w).sum();
+            // sample_draw: the first id (ascending) whose running kept mass passes the target.
+            let target = draw_target(draw_bits(q.seed, step), kept);
+            let mut acc = 0;
+            for (i, &b) in l.iter().enumerate() {
+                match key_of(b) {
+                    Some(x) if x >= thr => acc += pr.weight(x, vmax),
+                    _ => continue,
+                }
+                if acc > target {
+                    return Some(i as u32);
+                }
+            }
+            unreachable!("the kept mass exceeds the target")
+        }
+        let mut r = rng(0x11575);
+        let n = 3 * SLICE + 517;
+        let b = |v: f32| bf16::from_f32(v).to_bits();
+        let mut rows: Vec<Vec<u16>> = Vec::new();
+        for spread in [0.5f32, 3.0, 12.0] {
+            rows.push(row(&mut r, n, n, spread));
+        }
+        rows.push((0..n).map(|_| b(normal(&mut r).round())).collect()); // hundreds tie at the k-th key
+        rows.push((0..n).map(|i| b((i % 40) as f32 * 0.25)).collect()); // every block: the same top keys
+        rows.push((0..n).map(|i| b(if i % 997 == 0 { 2.0 } else { -3.0 })).collect()); // top keys across blocks
+        let mut few = vec![0x7fc0u16; n]; // fewer finite logits than any k > 5
+        for i in [3, 2100, 4500, 4501, 6000] {
+            few[i] = b(r.random_range(-2.0f32..2.0));
+        }
+        rows.push(few);
+        let params = [
+            p(1.0, 20, 0.95, 0.0, 1),
+            p(0.05, 32, 1.0, 0.0, 2),
+            p(0.02, 20, 0.9, 0.0, 3),
+            p(1.0, 1, 1.0, 0.0, 4),
+            p(0.7, 8, 0.5, 0.0, 5),
+            p(1.3, 32, 0.999, 0.0, 6),
+        ];
+        let mut checked = 0;
+        for l in &rows {
+            for q in &params {
+                assert!(topk_lists(n, &[Prepared::new(q)]));
+                for step in 0..12 {
+                    let want = sampling::sample(l, q, step).ok();
+                    assert_eq!(lists_sample(l, q, step), want, "{q:?}, step {step}");
+                    checked += 1;
+                }
+            }
+        }
+        assert_eq!(checked, rows.len() * params.len() * 12);
+    }
+
     /// The device sampler's empirical distribution is the softmax of the scaled logits over
     /// the kept set (chi-square over 20,000 seeded draws).
     #[test]
