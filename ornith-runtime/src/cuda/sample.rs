@@ -412,6 +412,13 @@ mod tests {
                 })
                 .map(|(key, _)| key)
         }
+        // Adds `c` to key `x`'s count in a list of distinct keys.
+        fn tally(list: &mut Vec<(u16, u64)>, x: u16, c: u64) {
+            match list.iter_mut().find(|e| e.0 == x) {
+                Some(e) => e.1 += c,
+                None => list.push((x, c)),
+            }
+        }
         fn lists_sample(l: &[u16], q: &SamplingParams, step: u64) -> Option<u32> {
             let pr = Prepared::new(q);
             let k = pr.top_k as u64;
@@ -422,10 +429,7 @@ mod tests {
                 let t_b = kth(keys.iter().map(|&x| (x, 1)), k).unwrap_or(0);
                 let mut list: Vec<(u16, u64)> = Vec::new();
                 for &x in keys.iter().filter(|&&x| x >= t_b) {
-                    match list.iter_mut().find(|e| e.0 == x) {
-                        Some(e) => e.1 += 1,
-                        None => list.push((x, 1)),
-                    }
+                    tally(&mut list, x, 1);
                 }
                 assert!(list.len() <= k as usize, "a block lists at most k distinct keys");
                 union.extend(list);
@@ -434,10 +438,7 @@ mod tests {
             let t = kth(union.iter().copied(), k).unwrap_or(0);
             let mut keys: Vec<(u16, u64)> = Vec::new();
             for &(x, c) in union.iter().filter(|e| e.0 >= t) {
-                match keys.iter_mut().find(|e| e.0 == x) {
-                    Some(e) => e.1 += c,
-                    None => keys.push((x, c)),
-                }
+                tally(&mut keys, x, c);
             }
             assert!(keys.len() <= k as usize, "at most k distinct keys at or above T");
             keys.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
