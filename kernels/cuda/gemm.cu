@@ -5,7 +5,13 @@
 // cp.async, 8 warps as 2 (rows) x 4 (outputs), each warp BM/2 x 32 = BM/32 x 4 mma tiles.
 // BM = 128 for the plain GEMMs (3 x 32 KiB = 96 KiB dynamic shared memory, one block per SM);
 // BM = 64 (72 KiB, two blocks per SM) for the grouped MoE GEMMs, where a 2,048-token chunk gives
-// each of 256 experts ~64 rows, so 128-row tiles would run half empty. (BF16 ran 64-row tiles at
+// each of 256 experts ~64 rows, so 128-row tiles would run half empty; the _grouped_128 forms
+// (BM = 128, one block per SM, tile offsets of 128-row tiles from moe_sort) serve MoE segments of
+// 128 rows or more per expert on average (cuda::gemm::grouped_tile_rows: the 8,192-row steps of
+// `run` / `batch`), where a warp's 4 row tiles share each converted or dequantised weight
+// fragment: per HMMA the loop issues ~2/3 of the 64-row form's instructions (FP8 on sm_90, SASS)
+// and ~3/5 (NVFP4: the dequantisation is per weight, the HMMA per weight and row). A row's sums do
+// not depend on the tile height (the same stages, the same order), so both forms give the same bits. (BF16 ran 64-row tiles at
 // two blocks per SM until the harness's run 4, tests/peer/gemm_variants: 128-row tiles at one
 // block took the GDN input projection from 430 to 373 us, out_proj 140 -> 121, the router 48 -> 37.) FP8 uses m16n8k32.e4m3 and BF16 m16n8k16.bf16: both consume 32
 // bytes of K per mma with the same byte layout of fragments, so one kernel body serves both.
@@ -57,6 +63,7 @@
 #define GB_STAGES 3
 #define GB_THREADS 256
 #define GB_GROUPED_M 64  // rows per tile of the grouped GEMM (MS_TILE in moe_prefill.cu)
+#define GB_GROUPED_WIDE_M 128  // rows per tile of the _grouped_128 GEMMs (MS_TILE_WIDE)
 #define GB_BF16_M 128    // rows per tile of gemm_bf16 (cuda::gemm::gemm_rows)
 
 __device__ __forceinline__ uint32_t swz(int row, int chunk) { return (uint32_t)(row * GB_K + ((chunk ^ (row & 7)) << 4)); }
@@ -112,13 +119,18 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
     };
 
     // The load cursor: tile lt, k-tile lk, and this thread's source rows of tile lt. Each thread
-    // copies MI chunks of A and 4 of B per stage: chunk id = tid + 256 * i, row = id / 8,
-    // chunk = id % 8.
+    // copies MI chunks of A and 4 of B per stage: chunk i is 16-byte chunk tid % 8 of row
+    // tid / 8 + 32 i. Rows 32 apart share row & 7, so every chunk of the thread has the same
+    // swizzled column: its shared address is ld_off + 32 i rows into the stage's A or B tile. A
+    // chunk is copied while kb + ld_kc < its limit (kbytes, or 0 for a row past the tile's end),
+    // from its row's start + kb (the row's start itself, zero-filled, otherwise).
     int lt = blockIdx.x, lk = 0;
+    const int ld_row = tid >> 3, ld_kc = (tid & 7) << 4;
+    const uint32_t ld_off = swz(ld_row, tid & 7);
     const uint8_t *W = nullptr;
     const uint8_t *a_src[MI];
     const uint8_t *w_src[4];
-    bool a_ok[MI], w_ok[4];
+    int a_lim[MI], w_lim[4];
     // FP4: this thread's weights per stage: one group of 16 (chunks 2q, 2q + 1 of a stage's 8,
     // q = tid % 4: 8 code bytes and one scale byte) in each of rows tid / 4 and tid / 4 + 64, so a
     // group's table lookup serves both its chunks; their codes, scales and table of the stage in
@@ -135,17 +147,19 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
         W = (const uint8_t *)p.w + (size_t)g * p.out * p.in * ES;
 #pragma unroll
         for (int i = 0; i < MI; i++) {
-            int id = tid + GB_THREADS * i, gr = row0 + (id >> 3);
-            a_ok[i] = gr < row_end;
-            int ar = a_ok[i] ? (p.a_rows ? p.a_rows[gr] : gr) : 0;
-            a_src[i] = A + (size_t)ar * a_pitch + ((id & 7) << 4);
+            const int gr = row0 + ld_row + 32 * i;
+            const bool ok = gr < row_end;
+            const int ar = ok ? (p.a_rows ? p.a_rows[gr] : gr) : 0;
+            a_src[i] = A + (size_t)ar * a_pitch + ld_kc;
+            a_lim[i] = ok ? kbytes : 0;
         }
         if (!FP4)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                int id = tid + GB_THREADS * i, gn = n0 + (id >> 3);
-                w_ok[i] = gn < p.out;
-                w_src[i] = W + (size_t)(w_ok[i] ? gn : 0) * w_pitch + ((id & 7) << 4);
+                const int gn = n0 + ld_row + 32 * i;
+                const bool ok = gn < p.out;
+                w_src[i] = W + (size_t)(ok ? gn : 0) * w_pitch + ld_kc;
+                w_lim[i] = ok ? kbytes : 0;
             }
         if (FP4) {
             const uint8_t *codes = (const uint8_t *)p.w + (size_t)g * p.out * (p.in / 2);
@@ -169,20 +183,18 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
     auto issue = [&](int stage) -> bool {
         bool fetched = false;
         if (lt < total) {
-            const uint32_t sa = sbase + stage * STAGE_BYTES, sb = sa + BM * GB_K;
-            const int kb = lk * GB_K;
+            const uint32_t sa = sbase + stage * STAGE_BYTES + ld_off, sb = sa + BM * GB_K;
+            const int kb = lk * GB_K, kc = kb + ld_kc;  // in % 16 == 0 elements: chunks are all-in or all-out
 #pragma unroll
             for (int i = 0; i < MI; i++) {
-                int id = tid + GB_THREADS * i, r = id >> 3, c = id & 7;
-                bool in = a_ok[i] && kb + (c << 4) < kbytes;  // in % 16 == 0 elements: chunks are all-in or all-out
-                cp_async16(sa + swz(r, c), in ? a_src[i] + kb : A, in ? 16 : 0);
+                const bool in = kc < a_lim[i];
+                cp_async16(sa + 32 * GB_K * i, a_src[i] + (in ? kb : 0), in ? 16 : 0);
             }
             if (!FP4)
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    int id = tid + GB_THREADS * i, r = id >> 3, c = id & 7;
-                    bool in = w_ok[i] && kb + (c << 4) < kbytes;
-                    cp_async16(sb + swz(r, c), in ? w_src[i] + kb : W, in ? 16 : 0);
+                    const bool in = kc < w_lim[i];
+                    cp_async16(sb + 32 * GB_K * i, w_src[i] + (in ? kb : 0), in ? 16 : 0);
                 }
             if (FP4) {  // codes and scale bytes of k-tile lk (zeros past the row or the matrix: weight 0: entry 0 is all zeros)
 #pragma unroll
@@ -321,9 +333,12 @@ extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_fp8(const Ornit
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_BF16_M>(p); }
 // The grouped MoE GEMM (p.group_offsets set; tiles of GB_GROUPED_M rows, see moe_sort).
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_fp8_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, GB_GROUPED_M>(p); }
+// The grouped MoE GEMM in 128-row tiles (p.tile_offsets: moe_sort's second array).
+extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_fp8_grouped_128(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, GB_GROUPED_WIDE_M>(p); }
 // NVFP4A16 weights, bf16 activations: plain and grouped (the same tiles as gemm_bf16 / gemm_fp8_grouped).
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_nvfp4(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, 128, true>(p); }
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_nvfp4_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_GROUPED_M, true>(p); }
+extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_nvfp4_grouped_128(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_GROUPED_WIDE_M, true>(p); }
 
 // Per-row FP8 activation quantisation with compressed-tensors semantics (the CPU reference
 // `cpu::fp8::quantize_act_row`), the input of gemm_fp8 in prefill:

@@ -497,9 +497,11 @@ typedef struct OrnithFp4Entry {
  * % 8 == 0 (BF16). w [groups, out, in], w_scale [groups, out].
  * Persistent blocks (1-D grid, any size): block b computes tiles b, b + gridDim.x, ...
  * Plain: group_offsets == NULL, rows 0..rows, ceil(rows/128) x ceil(out/128) tiles.
- * Grouped (MoE experts, gemm_fp8_grouped): output rows group_offsets[g]..group_offsets[g+1] use
- * group g's weights; tile_offsets[g] = sum_{g' < g} ceil(count_g' / 64) row tiles, times
- * ceil(out/128) column tiles. Both arrays have groups + 1 entries and live on the device. */
+ * Grouped (MoE experts, gemm_fp8_grouped and the others named _grouped): output rows
+ * group_offsets[g]..group_offsets[g+1] use group g's weights; tile_offsets[g] = sum_{g' < g}
+ * ceil(count_g' / BM) row tiles of the kernel's BM rows (64; 128 for the _grouped_128 forms: pass
+ * moe_sort's tile_offsets + groups + 1), times ceil(out/128) column tiles. Both arrays have
+ * groups + 1 entries and live on the device. A row's sums are the same in either tile height. */
 typedef struct OrnithGemmParams {
     const void *a;
     const float *a_scale;
@@ -525,7 +527,8 @@ typedef struct OrnithGemmParams {
 
 /* MoE prefill: counting sort of the (token, slot) assignments by expert, one block.
  * idx [tokens, top_k] expert ids. Writes group_offsets [experts + 1] (exclusive prefix of counts),
- * tile_offsets [experts + 1] (prefix of ceil(count / 64): gemm_fp8_grouped's tiles), row_token [tokens * top_k] (token of each
+ * tile_offsets [2 (experts + 1)] (prefix of ceil(count / 64), gemm_fp8_grouped's row tiles, then
+ * from entry experts + 1 the prefix of ceil(count / 128), the _grouped_128 forms'), row_token [tokens * top_k] (token of each
  * expert-sorted row), row_of [tokens * top_k] (sorted row of assignment t * top_k + j).
  * Rows within one expert are in no particular order (each row is computed independently). */
 typedef struct OrnithMoeSortParams {

@@ -36,6 +36,7 @@ mod load;
 mod ops;
 pub mod plan;
 
+use crate::cuda::gemm::grouped_tile_rows;
 use crate::cuda::moe::{combine_params, router_params};
 use crate::cuda::nvfp4::Fp4W;
 use crate::cuda::CudaContext;
@@ -953,41 +954,48 @@ impl CudaBackend {
         let (go, to, rt) = (at(self, &s.group_offsets, 0), at(self, &s.tile_offsets, 0), at(self, &s.row_token, 0));
         let (gu, aq, asc, ys) = (at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), at(self, &s.ys, 0));
         self.sort_by_expert(n, k, e, false)?;
-        self.cx.k_gemm_grouped(OrnithGemmParams {
-            a: x.0 as _,
-            a_scale: x.1 as _,
-            a_rows: rt as _,
-            w: at(self, &ex.gu, 0) as _,
-            w_scale: at(self, gus, 0) as _,
-            y: gu as _,
-            group_offsets: go as _,
-            tile_offsets: to as _,
-            rows: nk as i32,
-            in_: hs as i32,
-            out: (2 * inter) as i32,
-            a_stride: hs as i32,
-            y_stride: (2 * inter) as i32,
-            groups: e as i32,
-            ..Default::default()
-        })?;
+        let tiles = grouped_tile_rows(nk, e);
+        self.cx.k_gemm_grouped(
+            OrnithGemmParams {
+                a: x.0 as _,
+                a_scale: x.1 as _,
+                a_rows: rt as _,
+                w: at(self, &ex.gu, 0) as _,
+                w_scale: at(self, gus, 0) as _,
+                y: gu as _,
+                group_offsets: go as _,
+                tile_offsets: to as _,
+                rows: nk as i32,
+                in_: hs as i32,
+                out: (2 * inter) as i32,
+                a_stride: hs as i32,
+                y_stride: (2 * inter) as i32,
+                groups: e as i32,
+                ..Default::default()
+            },
+            tiles,
+        )?;
         self.cx.k_swiglu_ct(gu, aq, asc, nk, inter)?;
-        self.cx.k_gemm_grouped(OrnithGemmParams {
-            a: aq as _,
-            a_scale: asc as _,
-            a_rows: std::ptr::null(),
-            w: at(self, &ex.dn, 0) as _,
-            w_scale: at(self, dns, 0) as _,
-            y: ys as _,
-            group_offsets: go as _,
-            tile_offsets: to as _,
-            rows: nk as i32,
-            in_: inter as i32,
-            out: hs as i32,
-            a_stride: inter as i32,
-            y_stride: hs as i32,
-            groups: e as i32,
-            ..Default::default()
-        })?;
+        self.cx.k_gemm_grouped(
+            OrnithGemmParams {
+                a: aq as _,
+                a_scale: asc as _,
+                a_rows: std::ptr::null(),
+                w: at(self, &ex.dn, 0) as _,
+                w_scale: at(self, dns, 0) as _,
+                y: ys as _,
+                group_offsets: go as _,
+                tile_offsets: to as _,
+                rows: nk as i32,
+                in_: inter as i32,
+                out: hs as i32,
+                a_stride: inter as i32,
+                y_stride: hs as i32,
+                groups: e as i32,
+                ..Default::default()
+            },
+            tiles,
+        )?;
         // Shared expert: rows nk .. nk + n of the slot scratch (sized for n·(k + 1) rows).
         let (sgu, saq, sas, sy) = (
             gu + (2 * nk * 2 * inter) as u64,
@@ -1215,9 +1223,10 @@ impl CudaBackend {
             tab_rows: w.tab_rows as i32,
             ..Default::default()
         };
-        self.cx.k_gemm_nvfp4_grouped(grouped(x, rt, gu, g, hs, 2 * inter))?;
+        let tiles = grouped_tile_rows(nk, e);
+        self.cx.k_gemm_nvfp4_grouped(grouped(x, rt, gu, g, hs, 2 * inter), tiles)?;
         self.cx.k_swiglu_bf16(g, a, nk, inter)?;
-        self.cx.k_gemm_nvfp4_grouped(grouped(a, 0, dn, ys, inter, hs))?;
+        self.cx.k_gemm_nvfp4_grouped(grouped(a, 0, dn, ys, inter, hs), tiles)?;
         // Shared expert: rows nk .. nk + n of the slot scratch (sized for n·(k + 1) rows; bf16).
         let (sg, sa, sy) = (g + (2 * nk * 2 * inter) as u64, a + (2 * nk * inter) as u64, ys + (2 * nk * hs) as u64);
         self.cx.k_gemm_nvfp4(x, sgu, sg, n, hs, 2 * inter, hs, 2 * inter)?;
@@ -1265,7 +1274,7 @@ impl Scratch {
             amax: cx.alloc(rows)?,
             amax_rows: cx.alloc(rows)?,
             group_offsets: cx.alloc(d.num_experts + 1)?,
-            tile_offsets: cx.alloc(d.num_experts + 1)?,
+            tile_offsets: cx.alloc(2 * (d.num_experts + 1))?,
             row_token: cx.alloc(m * d.num_experts_per_tok)?,
             row_of: cx.alloc(m * d.num_experts_per_tok)?,
             row_assign: cx.alloc(m * d.num_experts_per_tok)?,

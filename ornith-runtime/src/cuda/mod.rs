@@ -199,7 +199,16 @@ const KERNELS: [(Module, &[&str]); 11] = [
     ),
     (
         Module::Gemm,
-        &["gemm_fp8", "gemm_bf16", "gemm_fp8_grouped", "gemm_nvfp4", "gemm_nvfp4_grouped", "quantize_fp8_ct"],
+        &[
+            "gemm_fp8",
+            "gemm_bf16",
+            "gemm_fp8_grouped",
+            "gemm_fp8_grouped_128",
+            "gemm_nvfp4",
+            "gemm_nvfp4_grouped",
+            "gemm_nvfp4_grouped_128",
+            "quantize_fp8_ct",
+        ],
     ),
     (Module::GdnChunk, &["gdn_chunk_prep", "gdn_chunk_scan"]),
     (Module::FlashAttn, &["flash_attn_prefill"]),

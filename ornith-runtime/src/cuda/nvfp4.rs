@@ -7,7 +7,7 @@
 //! (`ornith_kernels.h` states the math).
 //!
 //! One launcher per kernel (see [`super`]), then the slice-based wrappers the kernel tests call.
-use super::gemm::{gemm_rows, gemm_smem, GEMM_GROUPED_ROWS, GEMM_TILE};
+use super::gemm::{gemm_rows, gemm_smem, grouped_form, GEMM_GROUPED_ROWS, GEMM_TILE};
 use super::moe::MoeGroups;
 use super::{aligned, i32of, need, CudaContext, Launch, Ptr};
 use anyhow::{ensure, Result};
@@ -335,17 +335,19 @@ impl CudaContext {
         self.launch(Launch::new("gemm_nvfp4", grid, 256, bytes as u64).smem(gemm_smem("gemm_nvfp4")), p)
     }
 
-    /// Grouped NVFP4A16 GEMM over the expert-sorted rows of `p` (`moe_sort`'s groups; tiles as
-    /// `k_gemm_grouped`). Bytes count every expert's weights once.
-    pub(crate) fn k_gemm_nvfp4_grouped(&self, p: OrnithGemmParams) -> Result<()> {
+    /// Grouped NVFP4A16 GEMM over the expert-sorted rows of `p` (`moe_sort`'s groups; tiles of
+    /// `tile_rows` as `k_gemm_grouped`: `gemm_nvfp4_grouped` or `gemm_nvfp4_grouped_128`). Bytes
+    /// count every expert's weights once.
+    pub(crate) fn k_gemm_nvfp4_grouped(&self, p: OrnithGemmParams, tile_rows: usize) -> Result<()> {
         let w = Self::gemm_nvfp4_checks(&p)?;
         ensure!(!p.group_offsets.is_null() && !p.tile_offsets.is_null(), "gemm_nvfp4_grouped needs moe_sort's groups");
         let (rows, in_, out, g) = (p.rows as usize, p.in_ as usize, p.out as usize, p.groups as usize);
         ensure!(out.is_multiple_of(w.tab_rows), "gemm_nvfp4_grouped: {} rows per table for {out} rows", w.tab_rows);
         i32of("gemm_nvfp4_grouped tiles", (rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows)) * out.div_ceil(GEMM_TILE))?;
         let bytes = g * fp4_bytes(in_, out, out / w.tab_rows) + rows * (in_ + out) * 2;
-        let grid = self.gemm_grid("gemm_nvfp4_grouped", None);
-        self.launch(Launch::new("gemm_nvfp4_grouped", grid, 256, bytes as u64).smem(gemm_smem("gemm_nvfp4_grouped")), p)
+        let (name, p) = grouped_form("gemm_nvfp4_grouped", "gemm_nvfp4_grouped_128", tile_rows, p)?;
+        let grid = self.gemm_grid(name, None);
+        self.launch(Launch::new(name, grid, 256, bytes as u64).smem(gemm_smem(name)), p)
     }
 
     /// `y` (bf16 `[out, in]`) = the dequantised weight (nvfp4.cu).

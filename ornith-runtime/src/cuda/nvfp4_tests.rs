@@ -306,10 +306,17 @@ fn gemm_nvfp4_matches_reference() {
             });
         }
     }
-    // Grouped: 2048 tokens x top-8 over 256 experts at the real shapes, and a small case.
-    for (tokens, experts, top_k, inp, out, mats) in
-        [(2048, 256, 8, 2048, 1024, 2), (40, 8, 2, 64, 64, 2), (40, 8, 2, 32, 64, 1)]
-    {
+    // Grouped: 2048 tokens x top-8 over 256 experts at the real shapes (64 rows per expert), small
+    // cases (one with up to 3 partial 128-row tiles per expert), and an 8,192-token step at the
+    // real shapes (256 rows per expert: the 128-row form's case; no CPU reference at that size).
+    // Each in 64-row tiles against the reference and in 128-row tiles bit for bit against those.
+    for (tokens, experts, top_k, inp, out, mats) in [
+        (2048, 256, 8, 2048, 1024, 2),
+        (40, 8, 2, 64, 64, 2),
+        (40, 8, 2, 32, 64, 1),
+        (300, 8, 4, 64, 64, 2),
+        (8192, 256, 8, 2048, 1024, 2),
+    ] {
         let hs: Vec<Fp4Host> = (0..experts).map(|_| Fp4Host::random(&mut r, mats, out / mats, inp)).collect();
         let all = Fp4Host {
             w: hs.iter().flat_map(|h| h.w.clone()).collect(),
@@ -323,7 +330,8 @@ fn gemm_nvfp4_matches_reference() {
         let (dx, didx, dw) = (c.upload(&x).unwrap(), c.upload(&idx).unwrap(), all.upload(&c));
         let g = c.moe_groups(&didx, tokens, top_k, experts).unwrap();
         let n = tokens * top_k;
-        let y = c.upload(&vec![POISON; n * out]).unwrap();
+        let poison = vec![POISON; n * out];
+        let mut y = c.upload(&poison).unwrap();
         let p = ornith_kernels::bindings::OrnithGemmParams {
             a: c.addr(&dx) as _,
             a_rows: c.addr(&g.row_token) as _,
@@ -342,30 +350,41 @@ fn gemm_nvfp4_matches_reference() {
             tab_rows: (out / mats) as i32,
             ..Default::default()
         };
-        c.k_gemm_nvfp4_grouped(p).unwrap();
+        c.k_gemm_nvfp4_grouped(p, 64).unwrap();
         let (got, rt, go) =
             (c.download(&y).unwrap(), c.download(&g.row_token).unwrap(), c.download(&g.group_offsets).unwrap());
         let name = format!("gemm_nvfp4_grouped {tokens} tokens top-{top_k} of {experts} {inp}x{out}");
-        let mut want = vec![0f64; n * out];
-        for e in 0..experts {
-            let (a0, a1) = (go[e] as usize, go[e + 1] as usize);
-            if a0 == a1 {
-                continue;
+        if tokens < 8192 {
+            let mut want = vec![0f64; n * out];
+            for e in 0..experts {
+                let (a0, a1) = (go[e] as usize, go[e + 1] as usize);
+                if a0 == a1 {
+                    continue;
+                }
+                let xe: Vec<bf16> = (a0..a1).flat_map(|row| bv(&x[rt[row] as usize * inp..][..inp])).collect();
+                let ye = hs[e].apply(&xe, a1 - a0, 0, out);
+                want[a0 * out..a1 * out].copy_from_slice(&wf(&ye));
             }
-            let xe: Vec<bf16> = (a0..a1).flat_map(|row| bv(&x[rt[row] as usize * inp..][..inp])).collect();
-            let ye = hs[e].apply(&xe, a1 - a0, 0, out);
-            want[a0 * out..a1 * out].copy_from_slice(&wf(&ye));
+            close(&name, &got, &want);
         }
-        close(&name, &got, &want);
-        same_bits_with_few_blocks(&mut c, &name, &got, |c| {
-            c.k_gemm_nvfp4_grouped(p).unwrap();
-            c.download(&y).unwrap()
-        });
+        for tiles in [64, 128] {
+            let name = format!("{name}, {tiles}-row tiles");
+            let mut run = |c: &CudaContext| {
+                c.stream().memcpy_htod(&poison, &mut y).unwrap();
+                c.k_gemm_nvfp4_grouped(p, tiles).unwrap();
+                c.download(&y).unwrap()
+            };
+            assert!(run(&c) == got, "{name}: not the 64-row tiles' bits");
+            same_bits_with_few_blocks(&mut c, &name, &got, run);
+        }
         if tokens >= 2048 {
             let bytes = (experts * super::nvfp4::fp4_bytes(inp, out, mats) + n * (inp + out) * 2) as f64;
-            perf(&c, &format!("{name} ({:.1} GFLOP)", 2.0 * (n * inp * out) as f64 / 1e9), bytes, || {
-                c.k_gemm_nvfp4_grouped(p).unwrap()
-            });
+            for tiles in [64, 128] {
+                let flops = 2.0 * (n * inp * out) as f64;
+                perf(&c, &format!("{name}, {tiles}-row tiles ({:.1} GFLOP)", flops / 1e9), bytes, || {
+                    c.k_gemm_nvfp4_grouped(p, tiles).unwrap()
+                });
+            }
         }
     }
 }
