@@ -5,13 +5,15 @@
 // cp.async, 8 warps as 2 (rows) x 4 (outputs), each warp BM/2 x 32 = BM/32 x 4 mma tiles.
 // BM = 128 for the plain GEMMs (3 x 32 KiB = 96 KiB dynamic shared memory, one block per SM);
 // BM = 64 (72 KiB, two blocks per SM) for the grouped MoE GEMMs, where a 2,048-token chunk gives
-// each of 256 experts ~64 rows, so 128-row tiles would run half empty; the _grouped_128 forms
-// (BM = 128, one block per SM, tile offsets of 128-row tiles from moe_sort) serve MoE segments of
-// 128 rows or more per expert on average (cuda::gemm::grouped_tile_rows: the 8,192-row steps of
-// `run` / `batch`), where a warp's 4 row tiles share each converted or dequantised weight
-// fragment: per HMMA the loop issues ~2/3 of the 64-row form's instructions (FP8 on sm_90, SASS)
-// and ~3/5 (NVFP4: the dequantisation is per weight, the HMMA per weight and row). A row's sums do
-// not depend on the tile height (the same stages, the same order), so both forms give the same bits. (BF16 ran 64-row tiles at
+// each of 256 experts ~64 rows, so 128-row tiles would run half empty. gemm_nvfp4_grouped_128
+// (BM = 128, one block per SM, tile offsets of 128-row tiles from moe_sort) serves NVFP4 MoE
+// segments of 128 rows or more per expert on average (cuda::gemm::grouped_tile_rows: the 8,192-row
+// steps of `run` / `batch`): a weight is dequantised once per tile, so per HMMA the stage issues
+// ~3/5 of the 64-row form's instructions (sm_90 SASS), and at 8,192 tokens x top-8 of 256 the
+// gate|up product took 1,559 against 1,735 us (H100). The same form for FP8 ran slower than two
+// 64-row blocks per SM at 8,192 tokens too (the MoE block 2.68 against 2.50 ms, H100), so FP8 keeps
+// 64-row tiles. A row's sums do not depend on the tile height (the same stages in the same order),
+// so both NVFP4 forms give the same bits (gemm_nvfp4_matches_reference). (BF16 ran 64-row tiles at
 // two blocks per SM until the harness's run 4, tests/peer/gemm_variants: 128-row tiles at one
 // block took the GDN input projection from 430 to 373 us, out_proj 140 -> 121, the router 48 -> 37.) FP8 uses m16n8k32.e4m3 and BF16 m16n8k16.bf16: both consume 32
 // bytes of K per mma with the same byte layout of fragments, so one kernel body serves both.
@@ -63,7 +65,7 @@
 #define GB_STAGES 3
 #define GB_THREADS 256
 #define GB_GROUPED_M 64  // rows per tile of the grouped GEMM (MS_TILE in moe_prefill.cu)
-#define GB_GROUPED_WIDE_M 128  // rows per tile of the _grouped_128 GEMMs (MS_TILE_WIDE)
+#define GB_GROUPED_WIDE_M 128  // rows per tile of gemm_nvfp4_grouped_128 (MS_TILE_WIDE)
 #define GB_BF16_M 128    // rows per tile of gemm_bf16 (cuda::gemm::gemm_rows)
 
 __device__ __forceinline__ uint32_t swz(int row, int chunk) { return (uint32_t)(row * GB_K + ((chunk ^ (row & 7)) << 4)); }
@@ -333,11 +335,10 @@ extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_fp8(const Ornit
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_BF16_M>(p); }
 // The grouped MoE GEMM (p.group_offsets set; tiles of GB_GROUPED_M rows, see moe_sort).
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_fp8_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, GB_GROUPED_M>(p); }
-// The grouped MoE GEMM in 128-row tiles (p.tile_offsets: moe_sort's second array).
-extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_fp8_grouped_128(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, GB_GROUPED_WIDE_M>(p); }
 // NVFP4A16 weights, bf16 activations: plain and grouped (the same tiles as gemm_bf16 / gemm_fp8_grouped).
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_nvfp4(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, 128, true>(p); }
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_nvfp4_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_GROUPED_M, true>(p); }
+// The grouped NVFP4 GEMM in 128-row tiles (p.tile_offsets: moe_sort's second array).
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_nvfp4_grouped_128(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_GROUPED_WIDE_M, true>(p); }
 
 // Per-row FP8 activation quantisation with compressed-tensors semantics (the CPU reference

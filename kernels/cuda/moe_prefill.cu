@@ -7,7 +7,7 @@
 #define MS_THREADS 1024
 #define MS_MAX_EXPERTS 1024
 #define MS_TILE 64       // rows per tile of gemm_fp8_grouped (GB_GROUPED_M in gemm.cu)
-#define MS_TILE_WIDE 128 // rows per tile of the _grouped_128 GEMMs (GB_GROUPED_WIDE_M)
+#define MS_TILE_WIDE 128 // rows per tile of gemm_nvfp4_grouped_128 (GB_GROUPED_WIDE_M in gemm.cu)
 
 // Exclusive prefix sum of v over the block's threads in thread order (MS_THREADS threads = 32
 // warps): a shuffle scan in each warp, then one over the warp totals. Every thread calls it.

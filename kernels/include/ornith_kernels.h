@@ -499,7 +499,7 @@ typedef struct OrnithFp4Entry {
  * Plain: group_offsets == NULL, rows 0..rows, ceil(rows/128) x ceil(out/128) tiles.
  * Grouped (MoE experts, gemm_fp8_grouped and the others named _grouped): output rows
  * group_offsets[g]..group_offsets[g+1] use group g's weights; tile_offsets[g] = sum_{g' < g}
- * ceil(count_g' / BM) row tiles of the kernel's BM rows (64; 128 for the _grouped_128 forms: pass
+ * ceil(count_g' / BM) row tiles of the kernel's BM rows (64; 128 for gemm_nvfp4_grouped_128: pass
  * moe_sort's tile_offsets + groups + 1), times ceil(out/128) column tiles. Both arrays have
  * groups + 1 entries and live on the device. A row's sums are the same in either tile height. */
 typedef struct OrnithGemmParams {
@@ -528,7 +528,7 @@ typedef struct OrnithGemmParams {
 /* MoE prefill: counting sort of the (token, slot) assignments by expert, one block.
  * idx [tokens, top_k] expert ids. Writes group_offsets [experts + 1] (exclusive prefix of counts),
  * tile_offsets [2 (experts + 1)] (prefix of ceil(count / 64), gemm_fp8_grouped's row tiles, then
- * from entry experts + 1 the prefix of ceil(count / 128), the _grouped_128 forms'), row_token [tokens * top_k] (token of each
+ * from entry experts + 1 the prefix of ceil(count / 128), gemm_nvfp4_grouped_128's), row_token [tokens * top_k] (token of each
  * expert-sorted row), row_of [tokens * top_k] (sorted row of assignment t * top_k + j).
  * Rows within one expert are in no particular order (each row is computed independently). */
 typedef struct OrnithMoeSortParams {

@@ -19,18 +19,11 @@ type Bf = CudaSlice<u16>;
 pub const GEMM_TILE: usize = 128;
 
 /// The persistent GEMM kernels of gemm.cu (their grid: [`CudaContext::gemm_grid`]).
-pub(crate) const GEMM_KERNELS: [&str; 7] = [
-    "gemm_fp8",
-    "gemm_bf16",
-    "gemm_fp8_grouped",
-    "gemm_fp8_grouped_128",
-    "gemm_nvfp4",
-    "gemm_nvfp4_grouped",
-    "gemm_nvfp4_grouped_128",
-];
+pub(crate) const GEMM_KERNELS: [&str; 6] =
+    ["gemm_fp8", "gemm_bf16", "gemm_fp8_grouped", "gemm_nvfp4", "gemm_nvfp4_grouped", "gemm_nvfp4_grouped_128"];
 
 /// Rows per tile of GEMM kernel `name` (gemm.cu: 64 for the grouped GEMMs (`GB_GROUPED_M`), 128
-/// for the plain ones, `gemm_bf16`'s `GB_BF16_M` included, and the `_grouped_128` forms).
+/// for the plain ones, `gemm_bf16`'s `GB_BF16_M` included, and `gemm_nvfp4_grouped_128`).
 pub(crate) fn gemm_rows(name: &str) -> usize {
     if name.ends_with("_grouped") {
         GEMM_GROUPED_ROWS
@@ -46,38 +39,21 @@ pub(crate) fn gemm_smem(name: &str) -> u32 {
 
 /// Rows per tile of the grouped MoE GEMM `gemm_fp8_grouped` (`GB_GROUPED_M`, `MS_TILE`).
 pub const GEMM_GROUPED_ROWS: usize = 64;
-/// Rows per tile of the `_grouped_128` forms (`GB_GROUPED_WIDE_M`, `MS_TILE_WIDE`).
+/// Rows per tile of `gemm_nvfp4_grouped_128` (`GB_GROUPED_WIDE_M`, `MS_TILE_WIDE`).
 pub const GEMM_GROUPED_WIDE_ROWS: usize = 128;
 
-/// The row-tile height of the grouped MoE GEMMs over `rows` expert-sorted rows of `groups`
-/// experts: 128-row tiles (one block per SM, a weight fragment shared by twice the rows) once the
-/// experts average 128 rows or more — a `run` / `batch` step of 8,192 rows at top-8 of 256 gives
-/// 256 — else 64 (a 2,048-row chunk gives 64, and 128-row tiles would run half empty). Both
-/// heights give the same bits (gemm.cu), so this choice does not touch batch invariance.
+/// The row-tile height of the grouped NVFP4 MoE GEMM over `rows` expert-sorted rows of `groups`
+/// experts: 128-row tiles (one block per SM, each dequantised weight used by twice the rows) once
+/// the experts average 128 rows or more — a `run` / `batch` step of 8,192 rows at top-8 of 256
+/// gives 256, where the gate|up product took 1,559 against 1,735 us (H100) — else 64 (at a 2,048-row
+/// chunk's 64 the 128-row form took 628 against 557 us). The grouped FP8 GEMM keeps 64-row tiles
+/// at every size (gemm.cu). Both heights give the same bits, so this choice does not touch batch
+/// invariance.
 pub fn grouped_tile_rows(rows: usize, groups: usize) -> usize {
     if rows >= GEMM_GROUPED_WIDE_ROWS * groups.max(1) {
         GEMM_GROUPED_WIDE_ROWS
     } else {
         GEMM_GROUPED_ROWS
-    }
-}
-
-/// The grouped GEMM `base` (`gemm_fp8_grouped`, `gemm_nvfp4_grouped`) in `tile_rows`-row tiles:
-/// its name and `p` with moe_sort's tile offsets for that height (the second array for 128).
-pub(crate) fn grouped_form(
-    base: &'static str,
-    wide: &'static str,
-    tile_rows: usize,
-    mut p: OrnithGemmParams,
-) -> Result<(&'static str, OrnithGemmParams)> {
-    match tile_rows {
-        GEMM_GROUPED_ROWS => Ok((base, p)),
-        GEMM_GROUPED_WIDE_ROWS => {
-            // moe_sort writes tile_offsets [2 (groups + 1)]: the 128-row prefix is the second half.
-            p.tile_offsets = p.tile_offsets.wrapping_add(p.groups as usize + 1);
-            Ok((wide, p))
-        }
-        r => anyhow::bail!("{base}: {r}-row tiles (64 or 128)"),
     }
 }
 
@@ -207,11 +183,10 @@ impl CudaContext {
     }
 
     /// Grouped FP8 GEMM over the expert-sorted rows of `p` (`p.groups` experts, `moe_sort`'s
-    /// `group_offsets` / `tile_offsets`): row tiles of `tile_rows` (64: `gemm_fp8_grouped`, 128:
-    /// `gemm_fp8_grouped_128`; [`grouped_tile_rows`]) rows, each expert's last one partial,
+    /// `group_offsets` / `tile_offsets`): row tiles of 64 rows (each expert's last one partial),
     /// counted on the device, taken by the resident blocks. Bytes count every expert's weights
     /// once (all are read when the chunk is long).
-    pub(crate) fn k_gemm_grouped(&self, p: OrnithGemmParams, tile_rows: usize) -> Result<()> {
+    pub(crate) fn k_gemm_grouped(&self, p: OrnithGemmParams) -> Result<()> {
         ensure!(
             p.rows > 0 && p.out > 0 && p.in_ > 0 && p.in_ % 16 == 0 && p.groups > 0,
             "gemm_grouped: rows {}, in {} (a multiple of 16), out {}, groups {}",
@@ -229,9 +204,8 @@ impl CudaContext {
         // Tile indices (row tiles x column tiles) inside int32.
         i32of("gemm_grouped tiles", (rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows)) * out.div_ceil(GEMM_TILE))?;
         let bytes = g * (out * in_ + out * 4) + rows * (in_ + 4 + out * 2);
-        let (name, p) = grouped_form("gemm_fp8_grouped", "gemm_fp8_grouped_128", tile_rows, p)?;
-        let grid = self.gemm_grid(name, None);
-        self.launch(Launch::new(name, grid, 256, bytes as u64).smem(gemm_smem(name)), p)
+        let grid = self.gemm_grid("gemm_fp8_grouped", None);
+        self.launch(Launch::new("gemm_fp8_grouped", grid, 256, bytes as u64).smem(gemm_smem("gemm_fp8_grouped")), p)
     }
 
     /// Per-row FP8 quantisation with compressed-tensors semantics (`cpu::fp8::quantize_act_row`)

@@ -203,7 +203,6 @@ const KERNELS: [(Module, &[&str]); 11] = [
             "gemm_fp8",
             "gemm_bf16",
             "gemm_fp8_grouped",
-            "gemm_fp8_grouped_128",
             "gemm_nvfp4",
             "gemm_nvfp4_grouped",
             "gemm_nvfp4_grouped_128",

@@ -152,9 +152,6 @@ pub struct MoePrefillScratch {
     saq: CudaSlice<u8>,
     sas: CudaSlice<f32>,
     shared_y: Bf,
-    /// The grouped GEMMs' row-tile height: `None` chooses as the backend does
-    /// ([`super::gemm::grouped_tile_rows`]); the tests set 64 or 128 to compare the two forms.
-    pub tile_rows: Option<usize>,
 }
 
 impl MoePrefillScratch {
@@ -192,7 +189,6 @@ impl MoePrefillScratch {
             saq: c.alloc(tokens * shared_inter)?,
             sas: c.alloc(tokens)?,
             shared_y: c.alloc(tokens * hidden)?,
-            tile_rows: None,
         })
     }
 }
@@ -558,48 +554,41 @@ impl CudaContext {
             experts: e as i32,
         })?;
         // Grouped gate_up: row r (expert-sorted) reads token row_token[r] of xq.
-        let tiles = s.tile_rows.unwrap_or(super::gemm::grouped_tile_rows(n, e));
-        self.k_gemm_grouped(
-            OrnithGemmParams {
-                a: xq as _,
-                a_scale: xs as _,
-                a_rows: rt as _,
-                w: self.addr(a.w_gate_up) as _,
-                w_scale: self.addr(a.ws_gate_up) as _,
-                y: self.addr(&s.gate_up) as _,
-                group_offsets: go as _,
-                tile_offsets: to as _,
-                rows: i32of("rows", n)?,
-                in_: d as i32,
-                out: i32of("2 * inter", 2 * i)?,
-                a_stride: d as i32,
-                y_stride: (2 * i) as i32,
-                groups: e as i32,
-                ..Default::default()
-            },
-            tiles,
-        )?;
+        self.k_gemm_grouped(OrnithGemmParams {
+            a: xq as _,
+            a_scale: xs as _,
+            a_rows: rt as _,
+            w: self.addr(a.w_gate_up) as _,
+            w_scale: self.addr(a.ws_gate_up) as _,
+            y: self.addr(&s.gate_up) as _,
+            group_offsets: go as _,
+            tile_offsets: to as _,
+            rows: i32of("rows", n)?,
+            in_: d as i32,
+            out: i32of("2 * inter", 2 * i)?,
+            a_stride: d as i32,
+            y_stride: (2 * i) as i32,
+            groups: e as i32,
+            ..Default::default()
+        })?;
         self.k_swiglu_ct(self.addr(&s.gate_up), self.addr(&s.aq), self.addr(&s.as_), n, i)?;
-        self.k_gemm_grouped(
-            OrnithGemmParams {
-                a: self.addr(&s.aq) as _,
-                a_scale: self.addr(&s.as_) as _,
-                a_rows: std::ptr::null(),
-                w: self.addr(a.w_down) as _,
-                w_scale: self.addr(a.ws_down) as _,
-                y: self.addr(&s.down) as _,
-                group_offsets: go as _,
-                tile_offsets: to as _,
-                rows: n as i32,
-                in_: i as i32,
-                out: d as i32,
-                a_stride: i as i32,
-                y_stride: d as i32,
-                groups: e as i32,
-                ..Default::default()
-            },
-            tiles,
-        )?;
+        self.k_gemm_grouped(OrnithGemmParams {
+            a: self.addr(&s.aq) as _,
+            a_scale: self.addr(&s.as_) as _,
+            a_rows: std::ptr::null(),
+            w: self.addr(a.w_down) as _,
+            w_scale: self.addr(a.ws_down) as _,
+            y: self.addr(&s.down) as _,
+            group_offsets: go as _,
+            tile_offsets: to as _,
+            rows: n as i32,
+            in_: i as i32,
+            out: d as i32,
+            a_stride: i as i32,
+            y_stride: d as i32,
+            groups: e as i32,
+            ..Default::default()
+        })?;
         // Shared expert on every token.
         let (sgu, saq, sas, sy) =
             (self.addr(&s.shared_gu), self.addr(&s.saq), self.addr(&s.sas), self.addr(&s.shared_y));

@@ -7,7 +7,7 @@
 //! (`ornith_kernels.h` states the math).
 //!
 //! One launcher per kernel (see [`super`]), then the slice-based wrappers the kernel tests call.
-use super::gemm::{gemm_rows, gemm_smem, grouped_form, GEMM_GROUPED_ROWS, GEMM_TILE};
+use super::gemm::{gemm_rows, gemm_smem, GEMM_GROUPED_ROWS, GEMM_GROUPED_WIDE_ROWS, GEMM_TILE};
 use super::moe::MoeGroups;
 use super::{aligned, i32of, need, CudaContext, Launch, Ptr};
 use anyhow::{ensure, Result};
@@ -335,17 +335,26 @@ impl CudaContext {
         self.launch(Launch::new("gemm_nvfp4", grid, 256, bytes as u64).smem(gemm_smem("gemm_nvfp4")), p)
     }
 
-    /// Grouped NVFP4A16 GEMM over the expert-sorted rows of `p` (`moe_sort`'s groups; tiles of
-    /// `tile_rows` as `k_gemm_grouped`: `gemm_nvfp4_grouped` or `gemm_nvfp4_grouped_128`). Bytes
-    /// count every expert's weights once.
-    pub(crate) fn k_gemm_nvfp4_grouped(&self, p: OrnithGemmParams, tile_rows: usize) -> Result<()> {
+    /// Grouped NVFP4A16 GEMM over the expert-sorted rows of `p` (`moe_sort`'s groups and both of
+    /// its tile-offset arrays): `gemm_nvfp4_grouped` in 64-row tiles as `k_gemm_grouped`, or
+    /// `gemm_nvfp4_grouped_128` in 128-row tiles (`tile_rows`, chosen by
+    /// [`super::gemm::grouped_tile_rows`]; the same bits). Bytes count every expert's weights once.
+    pub(crate) fn k_gemm_nvfp4_grouped(&self, mut p: OrnithGemmParams, tile_rows: usize) -> Result<()> {
         let w = Self::gemm_nvfp4_checks(&p)?;
         ensure!(!p.group_offsets.is_null() && !p.tile_offsets.is_null(), "gemm_nvfp4_grouped needs moe_sort's groups");
         let (rows, in_, out, g) = (p.rows as usize, p.in_ as usize, p.out as usize, p.groups as usize);
         ensure!(out.is_multiple_of(w.tab_rows), "gemm_nvfp4_grouped: {} rows per table for {out} rows", w.tab_rows);
         i32of("gemm_nvfp4_grouped tiles", (rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows)) * out.div_ceil(GEMM_TILE))?;
         let bytes = g * fp4_bytes(in_, out, out / w.tab_rows) + rows * (in_ + out) * 2;
-        let (name, p) = grouped_form("gemm_nvfp4_grouped", "gemm_nvfp4_grouped_128", tile_rows, p)?;
+        let name = match tile_rows {
+            GEMM_GROUPED_ROWS => "gemm_nvfp4_grouped",
+            GEMM_GROUPED_WIDE_ROWS => {
+                // moe_sort's tile_offsets [2 (groups + 1)]: the 128-row tiles' prefix is the second half.
+                p.tile_offsets = p.tile_offsets.wrapping_add(g + 1);
+                "gemm_nvfp4_grouped_128"
+            }
+            r => anyhow::bail!("gemm_nvfp4_grouped: {r}-row tiles (64 or 128)"),
+        };
         let grid = self.gemm_grid(name, None);
         self.launch(Launch::new(name, grid, 256, bytes as u64).smem(gemm_smem(name)), p)
     }

@@ -496,8 +496,7 @@ fn moe_prefill_matches_reference() {
     let mut c = ctx();
     let mut r = rng(25);
     let (d, inter, sinter, k) = (2048, 512, 512, 8);
-    // (16, 300): 150 rows per expert, where the backend takes 128-row grouped tiles.
-    for (e, t) in [(64, 1), (64, 37), (256, 300), (16, 300)] {
+    for (e, t) in [(64, 1), (64, 37), (256, 300)] {
         let x = bfv(&mut r, t * d, 2.0);
         let router = bfv(&mut r, (e + 1) * d, 0.05);
         let wgu = fp8v(&mut r, e * 2 * inter * d);
@@ -541,16 +540,6 @@ fn moe_prefill_matches_reference() {
             c.moe_prefill(&args, &mut scratch, &mut out).unwrap();
             c.download(&out).unwrap()
         });
-        // The grouped GEMMs in either row-tile height: the same bits.
-        for tiles in [64, 128] {
-            scratch.tile_rows = Some(tiles);
-            c.stream().memcpy_htod(&vec![POISON; t * d], &mut out).unwrap();
-            c.moe_prefill(&args, &mut scratch, &mut out).unwrap();
-            assert!(
-                c.download(&out).unwrap() == got,
-                "moe_prefill e{e} t{t}: {tiles}-row grouped tiles changed the result"
-            );
-        }
 
         // Router: logits and top-k.
         let mut logits = vec![bf16::ZERO; t * e];
@@ -632,15 +621,12 @@ fn moe_prefill_matches_reference() {
         };
         let mut scratch = MoePrefillScratch::new(&c, t, d, e, k, inter, sinter).unwrap();
         let mut out = c.alloc::<u16>(t * d).unwrap();
-        for tiles in [64, 128] {
-            scratch.tile_rows = Some(tiles);
-            let s = time_it(&c, || c.moe_prefill(&args, &mut scratch, &mut out).unwrap());
-            let flops = 2.0 * t as f64 * d as f64 * ((k * 3 * inter + 3 * sinter) as f64 + (e + 1) as f64);
-            eprintln!(
-                "PERF moe_prefill {t} tokens, 256 experts top-8 + shared, {tiles}-row grouped tiles: {:.3} ms, {:.0} TFLOP/s",
-                s * 1e3,
-                flops / s / 1e12
-            );
-        }
+        let s = time_it(&c, || c.moe_prefill(&args, &mut scratch, &mut out).unwrap());
+        let flops = 2.0 * t as f64 * d as f64 * ((k * 3 * inter + 3 * sinter) as f64 + (e + 1) as f64);
+        eprintln!(
+            "PERF moe_prefill {t} tokens, 256 experts top-8 + shared: {:.3} ms, {:.0} TFLOP/s",
+            s * 1e3,
+            flops / s / 1e12
+        );
     }
 }
