@@ -15,14 +15,17 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_quant(const OrnithSwigl
     swiglu_q8_row(p.gate_up + (size_t)r * 2 * p.inter, p.inter, p.q8 + (size_t)r * p.inter, p.scale + r, sh);
 }
 
-// SwiGLU into bf16 rows (NVFP4A16 experts take bf16 activations): grid (ceil(inter / 256), rows),
-// out[r, i] = bf16(bf16(silu(g)) * u) — swiglu_quant's value before its quantisation.
+// SwiGLU into bf16 rows (NVFP4A16 experts take bf16 activations): one thread per output element
+// e = r * inter + i over a 1-D grid (a prefill step's rows: 65,536 at 8,192 tokens x top-8, past
+// grid.y's 65,535), out[r, i] = bf16(bf16(silu(g)) * u) — swiglu_quant's value before its
+// quantisation.
 extern "C" __global__ void __launch_bounds__(256) swiglu_bf16(const OrnithSwigluParams p) {
     pdl_entry();
-    const int r = blockIdx.y, i = blockIdx.x * 256 + threadIdx.x;
-    if (i >= p.inter) return;
-    const uint16_t *gu = p.gate_up + (size_t)r * 2 * p.inter;
-    p.out[(size_t)r * p.inter + i] = f2bf(swiglu_val(gu[i], gu[p.inter + i]));
+    const size_t e = (size_t)blockIdx.x * 256 + threadIdx.x;
+    if (e >= (size_t)p.rows * p.inter) return;
+    const size_t r = e / p.inter, i = e % p.inter;
+    const uint16_t *gu = p.gate_up + r * 2 * p.inter;
+    p.out[e] = f2bf(swiglu_val(gu[i], gu[p.inter + i]));
 }
 
 // grid (ceil(hidden / 256), tokens): routed + gated shared expert (and the residual fold, fold

@@ -306,10 +306,15 @@ impl CudaContext {
     /// NVFP4A16 experts' input, decode and prefill alike).
     pub(crate) fn k_swiglu_bf16(&self, gu: Ptr, out: Ptr, rows: usize, inter: usize) -> Result<()> {
         ensure!(rows > 0 && inter > 0, "swiglu_bf16: {rows} rows of {inter}");
-        ensure!(rows <= 65535, "swiglu_bf16: {rows} rows exceed grid.y");
-        let p =
-            OrnithSwigluParams { gate_up: gu as _, out: out as _, rows: rows as i32, inter: i32of("inter", inter)? };
-        let grid = (inter.div_ceil(256) as u32, rows as u32, 1);
+        let blocks = (rows * inter).div_ceil(256);
+        ensure!(blocks <= i32::MAX as usize, "swiglu_bf16: {rows} rows of {inter} need {blocks} blocks");
+        let p = OrnithSwigluParams {
+            gate_up: gu as _,
+            out: out as _,
+            rows: i32of("rows", rows)?,
+            inter: i32of("inter", inter)?,
+        };
+        let grid = (blocks as u32, 1, 1);
         self.launch(Launch::new("swiglu_bf16", grid, 256, (rows * inter * 6) as u64), p)
     }
 

@@ -396,7 +396,8 @@ fn gemm_nvfp4_matches_reference() {
 fn swiglu_bf16_matches_reference() {
     let c = ctx();
     let mut r = rng(45);
-    for (rows, inter) in [(1, 512), (9, 512), (37, 300)] {
+    // 65,543 rows: more than grid.y holds (an 8,192-token prefill step at top-8 has 65,536).
+    for (rows, inter) in [(1, 512), (9, 512), (37, 300), (65_543, 40)] {
         let gu = bfv(&mut r, rows * 2 * inter, 1.0);
         let want: Vec<f64> = (0..rows * inter)
             .map(|k| {
