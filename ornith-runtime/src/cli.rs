@@ -103,8 +103,9 @@ pub struct Args {
     /// counted), prefill chunks (of 2,048 tokens) up to this many rows, at least one per step.
     /// More rows prefill faster (the CUDA MoE runs up to 8,192 prefill rows at once, with fuller
     /// expert tiles) but hold running sequences longer per step. Default: 8,192 for `run` and `batch` on the CUDA
-    /// backend (throughput), 2,048 for `serve` (a step is every stream's gap between tokens) and
-    /// on the CPU backend.
+    /// backend (throughput), 2,048 for `serve` (a step is every stream's gap between tokens; 8,192
+    /// on CUDA in a step where no sequence decodes, which holds no stream back) and on the CPU
+    /// backend. Given, it bounds every step.
     #[arg(long, env = "ORNITH_MAX_BATCH_TOKENS", value_parser = clap::value_parser!(u64).range(1..=1048576), global = true, value_name = "TOKENS")]
     pub max_batch_tokens: Option<u64>,
     /// Write results in input order, holding finished ones back until those before them are
@@ -167,6 +168,19 @@ pub fn step_rows(max_batch_tokens: Option<u64>, throughput: bool, cuda: bool) ->
     match max_batch_tokens {
         Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
         None if throughput && cuda => THROUGHPUT_STEP_ROWS,
+        None => LATENCY_STEP_ROWS,
+    }
+}
+
+/// Prefill rows of a step in which no sequence decodes: `--max-batch-tokens` where given (it
+/// bounds every step); otherwise [`THROUGHPUT_STEP_ROWS`] on the CUDA backend whatever the front
+/// end — such a step holds no running sequence back, and 8,192-row steps brought a 32,768-token
+/// prompt's first token in 1.33 s against 1.46 s in 2,048-row steps (H100, docs/PERF.md) — and
+/// [`LATENCY_STEP_ROWS`] on the CPU backend.
+pub fn idle_step_rows(max_batch_tokens: Option<u64>, cuda: bool) -> usize {
+    match max_batch_tokens {
+        Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+        None if cuda => THROUGHPUT_STEP_ROWS,
         None => LATENCY_STEP_ROWS,
     }
 }
@@ -259,6 +273,13 @@ mod tests {
         assert_eq!(c.args.max_batch_tokens, Some(4096));
         for (throughput, cuda) in [(true, true), (false, true), (true, false), (false, false)] {
             assert_eq!(step_rows(Some(4096), throughput, cuda), 4096);
+            assert_eq!(idle_step_rows(Some(4096), cuda), 4096);
+        }
+        // A step with no decode row: 8,192 on CUDA for every front end, 2,048 on the CPU; never
+        // below the front end's own step.
+        assert_eq!((idle_step_rows(None, true), idle_step_rows(None, false)), (8192, 2048));
+        for (throughput, cuda) in [(true, true), (false, true), (true, false), (false, false)] {
+            assert!(idle_step_rows(None, cuda) >= step_rows(None, throughput, cuda));
         }
         assert!(Cli::try_parse_from(["ornith", "--max-batch-tokens", "0"]).is_err());
     }

@@ -7,7 +7,7 @@ use ornith_runtime::backend_cpu::{available_memory, check_host_memory, plan_pool
 use ornith_runtime::chat::ChatTemplate;
 #[cfg(feature = "cuda")]
 use ornith_runtime::cli::Backend as BackendChoice;
-use ornith_runtime::cli::{default_seqs, step_rows, Args};
+use ornith_runtime::cli::{default_seqs, idle_step_rows, step_rows, Args};
 use ornith_runtime::engine::{Capacity, PoolRequest, Runner};
 use ornith_runtime::graph::KV_BLOCK;
 use ornith_runtime::protocol::{PromptRenderer, TextCodec};
@@ -48,12 +48,23 @@ fn nvidia_driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
-/// The loaded backend: the runner, the longest sequence one request may have and the rows per
-/// engine step (`cli::step_rows`: the backend chosen decides the default).
+/// The loaded backend: the runner, the longest sequence one request may have and the prefill
+/// rows per engine step (`cli::step_rows`, and `cli::idle_step_rows` for a step with no decode
+/// row: the backend chosen decides the defaults).
 pub struct Built {
     pub runner: Box<dyn Runner>,
     pub max_context: usize,
     pub step_rows: usize,
+    pub idle_step_rows: usize,
+}
+
+/// The startup line's step sizes: "steps of N rows", and the idle step's when it differs.
+fn steps_line(step: usize, idle: usize) -> String {
+    if idle == step {
+        format!("steps of {step} rows")
+    } else {
+        format!("steps of {step} rows ({idle} while none decodes)")
+    }
 }
 
 /// Opens the checkpoint (re-validated; its fingerprint must be the compiled one), plans the
@@ -77,36 +88,41 @@ pub fn build_runner(args: &Args, throughput: bool) -> anyhow::Result<Built> {
     );
     #[cfg(feature = "cuda")]
     if let Some(cx) = cuda_context(args)? {
-        let req = PoolRequest { max_batch_tokens: step_rows(args.max_batch_tokens, throughput, true), ..req };
+        // The plan sizes the step scratch for the longest step (the idle one).
+        let (step, idle) =
+            (step_rows(args.max_batch_tokens, throughput, true), idle_step_rows(args.max_batch_tokens, true));
+        let req = PoolRequest { max_batch_tokens: idle, ..req };
         let b_name = cx.device_name().to_string();
         let (b, cap) = ornith_runtime::backend_cuda::CudaBackend::new(cx, &ck, &compiled::DIMS, &req, args.quiet)?;
         if !args.quiet {
             eprintln!(
-                "ornith: using the CUDA backend on '{b_name}': {} sequences at once, K/V pool {} tokens, context {} tokens, steps of {} rows, {}",
+                "ornith: using the CUDA backend on '{b_name}': {} sequences at once, K/V pool {} tokens, context {} tokens, {}, {}",
                 cap.slots,
                 cap.blocks * KV_BLOCK,
                 req.max_context,
-                req.max_batch_tokens,
+                steps_line(step, idle),
                 cache_line(&cap)
             );
         }
         let r = compiled::Compiled::load(b, &ck, &cap).with_context(|| format!("loading {}", dir.display()))?;
-        return Ok(Built { runner: Box::new(r), max_context: req.max_context, step_rows: req.max_batch_tokens });
+        return Ok(Built { runner: Box::new(r), max_context: req.max_context, step_rows: step, idle_step_rows: idle });
     }
+    let (step, idle) = (req.max_batch_tokens, idle_step_rows(args.max_batch_tokens, false));
+    let req = PoolRequest { max_batch_tokens: idle, ..req };
     let cap = plan_cpu_pools(&ck, &req)?;
     if !args.quiet {
         eprintln!(
-            "ornith: {} sequences at once on the CPU, K/V pool {} tokens, context {} tokens, steps of {} rows, {}",
+            "ornith: {} sequences at once on the CPU, K/V pool {} tokens, context {} tokens, {}, {}",
             cap.slots,
             cap.blocks * KV_BLOCK,
             req.max_context,
-            req.max_batch_tokens,
+            steps_line(step, idle),
             cache_line(&cap)
         );
     }
     let r =
         compiled::Compiled::load(CpuBackend::new(), &ck, &cap).with_context(|| format!("loading {}", dir.display()))?;
-    Ok(Built { runner: Box::new(r), max_context: req.max_context, step_rows: req.max_batch_tokens })
+    Ok(Built { runner: Box::new(r), max_context: req.max_context, step_rows: step, idle_step_rows: idle })
 }
 
 fn cache_line(cap: &Capacity) -> String {

@@ -65,12 +65,17 @@ fn load_all(args: &Args, throughput: bool) -> anyhow::Result<Loaded> {
         (frontend.join(), gen, t_weights)
     });
     let ((tok, tpl), t_frontend) = frontend.unwrap_or_else(|p| std::panic::resume_unwind(p))?;
-    let load::Built { runner, max_context, step_rows } = gen?;
+    let load::Built { runner, max_context, step_rows, idle_step_rows } = gen?;
     let (codec, renderer): (Box<dyn TextCodec + Send + Sync>, Box<dyn PromptRenderer + Send + Sync>) =
         (Box::new(tok), Box::new(tpl));
     eos_fallback(&mut defaults, codec.as_ref());
     // Only ids the tokenizer can decode are ever sampled (the lm_head has padding rows).
-    let cfg = EngineConfig { max_batch_tokens: step_rows, max_context, sample_vocab: codec.vocab_size() };
+    let cfg = EngineConfig {
+        max_batch_tokens: step_rows,
+        idle_batch_tokens: idle_step_rows,
+        max_context,
+        sample_vocab: codec.vocab_size(),
+    };
     let engine =
         Engine::new(runner, cfg).map_err(|e| anyhow::anyhow!("{}: {e:#}", dir.join("tokenizer.json").display()))?;
     if !args.quiet {

@@ -29,8 +29,14 @@ fn runner(slots: usize, blocks: usize) -> compiled::Compiled<CpuBackend> {
 const CTX: usize = 4096;
 
 fn engine(slots: usize, blocks: usize, max_batch_tokens: usize) -> Engine {
+    engine_idle(slots, blocks, max_batch_tokens, max_batch_tokens)
+}
+
+/// [`engine`] whose steps with no decode row take `idle_batch_tokens` prefill rows.
+fn engine_idle(slots: usize, blocks: usize, max_batch_tokens: usize, idle_batch_tokens: usize) -> Engine {
     let r = runner(slots, blocks);
-    let cfg = EngineConfig { max_batch_tokens, max_context: CTX, sample_vocab: compiled::DIMS.vocab_size };
+    let cfg =
+        EngineConfig { max_batch_tokens, idle_batch_tokens, max_context: CTX, sample_vocab: compiled::DIMS.vocab_size };
     Engine::new(Box::new(r), cfg).unwrap()
 }
 
@@ -425,4 +431,46 @@ fn decode_rows_leave_the_prefill_budget_whole() {
     for (i, r) in reqs.iter().enumerate() {
         assert_eq!(toks[&(i as u64)], alone(r, 2 * c), "request {i}");
     }
+}
+
+/// A step with no decode row takes `idle_batch_tokens` prefill rows (`serve` on CUDA: 8,192 where
+/// 2,048 is the budget beside decoding streams), one with a decode row `max_batch_tokens`: a lone
+/// two-chunk prompt is prefilled in one step, a second one that arrives while the first decodes
+/// one chunk per step. Every request gives the tokens it gives alone in one-chunk steps, and an
+/// idle budget below `max_batch_tokens` is refused.
+#[test]
+fn a_step_with_no_decode_row_takes_the_idle_budget() {
+    let c = PREFILL_CHUNK;
+    let reqs = [plain(prompt(c + 100, 50), 3, sampled(3)), plain(prompt(c + 50, 51), 3, SamplingParams::greedy())];
+    let mut e = engine_idle(2, 2 * CTX / KV_BLOCK, c, 2 * c);
+    let mut toks: HashMap<u64, Vec<u32>> = HashMap::new();
+    e.submit(0, reqs[0].clone()).unwrap();
+    let before = e.stats();
+    keep_tokens(&mut toks, e.step());
+    let after = e.stats();
+    assert_eq!(after.prefill_rows - before.prefill_rows, (c + 100) as u64, "the lone prompt in one step");
+    assert_eq!(toks[&0].len(), 1, "request 0 sampled its first token: it decodes from now on");
+    e.submit(1, reqs[1].clone()).unwrap();
+    for want in [c, 50] {
+        let before = e.stats();
+        keep_tokens(&mut toks, e.step());
+        let after = e.stats();
+        assert_eq!(after.decode_rows - before.decode_rows, 1, "request 0's decode row");
+        assert_eq!(after.prefill_rows - before.prefill_rows, want as u64, "request 1 beside a decode row");
+    }
+    let (rest, errs) = drain(&mut e);
+    assert!(errs.is_empty(), "{errs:?}");
+    for (id, t) in rest {
+        toks.entry(id).or_default().extend(t);
+    }
+    for (i, r) in reqs.iter().enumerate() {
+        assert_eq!(toks[&(i as u64)], alone(r, c), "request {i}");
+    }
+    let cfg = EngineConfig {
+        max_batch_tokens: c,
+        idle_batch_tokens: c - 1,
+        max_context: CTX,
+        sample_vocab: compiled::DIMS.vocab_size,
+    };
+    assert!(Engine::new(Box::new(runner(1, CTX / KV_BLOCK)), cfg).is_err(), "an idle budget below the step's");
 }

@@ -36,7 +36,12 @@ fn engine(slots: usize, blocks: usize, snapshots: usize) -> Engine {
 
 /// An engine over `cap` with steps of `max_batch_tokens` rows and requests of up to `max_context`.
 fn engine_with(cap: Capacity, max_batch_tokens: usize, max_context: usize) -> Engine {
-    let cfg = EngineConfig { max_batch_tokens, max_context, sample_vocab: compiled::DIMS.vocab_size };
+    let cfg = EngineConfig {
+        max_batch_tokens,
+        idle_batch_tokens: max_batch_tokens,
+        max_context,
+        sample_vocab: compiled::DIMS.vocab_size,
+    };
     Engine::new(Box::new(runner(cap)), cfg).unwrap()
 }
 

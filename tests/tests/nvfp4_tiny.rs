@@ -27,7 +27,12 @@ fn tiny_nvfp4_answers_a_jsonl_request_on_the_cpu() {
     let cap = Capacity { slots: 2, blocks: 4, snapshots: 0 };
     let runner = tiny::Compiled::load(CpuBackend::new(), &ck, &cap).unwrap();
     let (tok, tpl) = adapters::load_frontend_parts(dir.path()).unwrap();
-    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: 1024, sample_vocab: tok.vocab_size() };
+    let cfg = EngineConfig {
+        max_batch_tokens: 2048,
+        idle_batch_tokens: 2048,
+        max_context: 1024,
+        sample_vocab: tok.vocab_size(),
+    };
     let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let mut o = ServeOptions::new("tiny-nvfp4", GenerationDefaults::from_model_dir(dir.path()).unwrap());
     o.quiet = true;

@@ -51,7 +51,7 @@ fn run_timed(
     let mut runner = ScriptRunner::new(ctx, slots);
     runner.step_time = step_time;
     let calls = runner.calls.clone();
-    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: ctx, sample_vocab: 259 };
+    let cfg = EngineConfig { max_batch_tokens: 2048, idle_batch_tokens: 2048, max_context: ctx, sample_vocab: 259 };
     let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let mut out = Vec::new();
     protocol::serve(std::io::BufReader::new(input), &mut out, engine, &ByteCodec, &ChatMl, o).unwrap();
@@ -67,7 +67,7 @@ fn run_timed(
 /// Serves `lines` on an engine over `runner` (contexts of `ctx`); returns the output lines and
 /// the run's stats.
 fn serve_lines(runner: ScriptRunner, ctx: usize, lines: &[Value]) -> (Vec<Value>, protocol::ServeStats) {
-    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: ctx, sample_vocab: 259 };
+    let cfg = EngineConfig { max_batch_tokens: 2048, idle_batch_tokens: 2048, max_context: ctx, sample_vocab: 259 };
     let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let input: String = lines.iter().map(|l| l.to_string() + "\n").collect();
     let mut out = Vec::new();
@@ -366,7 +366,7 @@ fn penalties_reach_the_engine_and_bad_ones_are_refused() {
     // The model card's recommended settings carry a presence penalty (1.5 for thinking, general).
     let runner = ScriptRunner::new(512, 1);
     let seen = runner.penalties.clone();
-    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
+    let cfg = EngineConfig { max_batch_tokens: 2048, idle_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
     let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let input = [
         r#"{"messages": [{"role": "user", "content": "SAY:a"}], "presence_penalty": 1.5, "repetition_penalty": 1.05}"#,
@@ -1064,7 +1064,7 @@ fn run_batch(
 ) -> (Vec<Value>, protocol::ServeStats) {
     let mut runner = ScriptRunner::new(512, 2);
     runner.step_time = step;
-    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
+    let cfg = EngineConfig { max_batch_tokens: 2048, idle_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
     let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let mut o = opts();
     o.ordered = false;
@@ -1194,7 +1194,7 @@ fn a_prompt_being_prepared_holds_up_no_other_line() {
     ]
     .join("\n");
     let runner = ScriptRunner::new(512, 2);
-    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
+    let cfg = EngineConfig { max_batch_tokens: 2048, idle_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
     let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let mut o = opts();
     o.ordered = false;
@@ -1235,7 +1235,7 @@ fn batch_stop_leaves_a_line_being_prepared_unanswered() {
     });
     let mut runner = ScriptRunner::new(512, 2);
     runner.step_time = std::time::Duration::from_millis(5);
-    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
+    let cfg = EngineConfig { max_batch_tokens: 2048, idle_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
     let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let mut o = opts();
     o.ordered = false;

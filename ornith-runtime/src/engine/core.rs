@@ -10,7 +10,9 @@
 //! 3. **Prefill chunks**, oldest sequence first, while the step's prefill rows stay within
 //!    `max_batch_tokens` (decode rows are not counted: they run as their own group; the first
 //!    chunk of a step is always taken, so prefill always progresses and a running sequence
-//!    waits at most one chunk). A chunk ends at the next absolute multiple of
+//!    waits at most one chunk) — or within `idle_batch_tokens` when the step has no decode row:
+//!    then no running sequence waits on the step, and a longer one (the CUDA MoE over several
+//!    chunks at once) brings the first token sooner. A chunk ends at the next absolute multiple of
 //!    [`PREFILL_CHUNK`] or at the prompt's end: the same chunks for a prompt whatever else runs.
 //!    A sequence takes further chunks of its prompt while the step holds them, up to a boundary
 //!    where the prefix cache may keep a snapshot (the state there exists only between steps);
@@ -113,6 +115,9 @@ pub struct SubmitError {
 pub struct EngineConfig {
     /// Prefill rows per step, beside one decode row of every running sequence (see the module doc).
     pub max_batch_tokens: usize,
+    /// Prefill rows of a step with no decode row (at least `max_batch_tokens`): `serve` on CUDA
+    /// takes the throughput front ends' longer step there (`cli::idle_step_rows`).
+    pub idle_batch_tokens: usize,
     /// Longest sequence (prompt + output) one request may have.
     pub max_context: usize,
     /// Ids `0..sample_vocab` are sampled (the tokenizer's; the lm_head has padding rows).
@@ -199,6 +204,12 @@ impl Engine {
     pub fn new(runner: Box<dyn Runner>, cfg: EngineConfig) -> anyhow::Result<Self> {
         let cap = runner.capacity();
         anyhow::ensure!(cfg.max_batch_tokens >= 1, "--max-batch-tokens must be at least 1");
+        anyhow::ensure!(
+            cfg.idle_batch_tokens >= cfg.max_batch_tokens,
+            "the prefill rows of a step with no decode row ({}) must be at least --max-batch-tokens ({})",
+            cfg.idle_batch_tokens,
+            cfg.max_batch_tokens
+        );
         anyhow::ensure!(
             cfg.sample_vocab > 0 && cfg.sample_vocab <= runner.vocab_size(),
             "the tokenizer has {} tokens but the lm_head has {} rows: a tokenizer with more tokens than the model's logits cannot be served",
@@ -480,7 +491,8 @@ impl Engine {
             }
         }
         // Prefill rows of the step: `max_batch_tokens` whatever the decode rows (they run as their
-        // own group, not in the prefill's MoE segment).
+        // own group, not in the prefill's MoE segment); `idle_batch_tokens` when there are none.
+        let budget = if decode_rows == 0 { self.cfg.idle_batch_tokens } else { self.cfg.max_batch_tokens };
         let mut used = 0usize;
         let mut took_chunk = false;
         for (i, s) in self.running.iter().enumerate() {
@@ -489,15 +501,13 @@ impl Engine {
             }
             let next_end = |p: usize| ((p / PREFILL_CHUNK + 1) * PREFILL_CHUNK).min(s.req.prompt.len());
             let mut end = next_end(s.pos);
-            if took_chunk && used + end - s.pos > self.cfg.max_batch_tokens {
+            if took_chunk && used + end - s.pos > budget {
                 break;
             }
             // More chunks of the same prompt while the step holds them and the boundary between
             // is not one where the prefix cache may keep a snapshot (the state there is gone once
             // the step runs past it).
-            while end < s.req.prompt.len()
-                && used + next_end(end) - s.pos <= self.cfg.max_batch_tokens
-                && !self.snapshot_boundary(s, end)
+            while end < s.req.prompt.len() && used + next_end(end) - s.pos <= budget && !self.snapshot_boundary(s, end)
             {
                 end = next_end(end);
             }

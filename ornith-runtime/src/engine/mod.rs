@@ -125,8 +125,9 @@ pub struct PoolRequest {
     /// `--prefix-cache-bytes`: bytes of recurrent-state snapshots (None: what the plan chooses,
     /// at most [`DEFAULT_PREFIX_CACHE_BYTES`]; 0 disables the prefix cache).
     pub prefix_cache: Option<u64>,
-    /// `--max-batch-tokens`: the prefill rows of one step. The CUDA backend runs each MoE block
-    /// over up to that many prefill rows at once (several chunks, of one sequence or of
+    /// The prefill rows of the longest step (`--max-batch-tokens`, or the longer step the engine
+    /// takes when no sequence decodes: `cli::idle_step_rows`). The CUDA backend runs each MoE
+    /// block over up to that many prefill rows at once (several chunks, of one sequence or of
     /// several: fuller expert tiles) and sizes that scratch for them
     /// (`backend_cuda::plan::moe_rows`).
     pub max_batch_tokens: usize,

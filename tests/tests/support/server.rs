@@ -59,7 +59,7 @@ pub async fn server_with_codec(
     f: impl FnOnce(&mut ServerOptions),
 ) -> Server {
     let ctx = runner.ctx;
-    let cfg = EngineConfig { max_batch_tokens: 2048, max_context: ctx, sample_vocab: 259 };
+    let cfg = EngineConfig { max_batch_tokens: 2048, idle_batch_tokens: 2048, max_context: ctx, sample_vocab: 259 };
     let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let defaults = GenerationDefaults {
         temperature: 0.0,
