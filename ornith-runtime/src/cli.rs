@@ -172,17 +172,13 @@ pub fn step_rows(max_batch_tokens: Option<u64>, throughput: bool, cuda: bool) ->
     }
 }
 
-/// Prefill rows of a step in which no sequence decodes: `--max-batch-tokens` where given (it
-/// bounds every step); otherwise [`THROUGHPUT_STEP_ROWS`] on the CUDA backend whatever the front
-/// end — such a step holds no running sequence back, and 8,192-row steps brought a 32,768-token
-/// prompt's first token in 1.33 s against 1.46 s in 2,048-row steps (H100, docs/PERF.md) — and
-/// [`LATENCY_STEP_ROWS`] on the CPU backend.
+/// Prefill rows of a step in which no sequence decodes: the throughput front ends' step whatever
+/// the front end — `--max-batch-tokens` where given (it bounds every step), otherwise
+/// [`THROUGHPUT_STEP_ROWS`] on the CUDA backend and [`LATENCY_STEP_ROWS`] on the CPU. Such a step
+/// holds no running sequence back, and 8,192-row steps brought a 32,768-token prompt's first token
+/// in 1.33 s against 1.46 s in 2,048-row steps (H100, docs/PERF.md).
 pub fn idle_step_rows(max_batch_tokens: Option<u64>, cuda: bool) -> usize {
-    match max_batch_tokens {
-        Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
-        None if cuda => THROUGHPUT_STEP_ROWS,
-        None => LATENCY_STEP_ROWS,
-    }
+    step_rows(max_batch_tokens, true, cuda)
 }
 
 /// Sequences at once the CUDA backend's plan chooses for the throughput front ends (`run`,

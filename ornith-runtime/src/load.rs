@@ -73,13 +73,17 @@ fn steps_line(step: usize, idle: usize) -> String {
 pub fn build_runner(args: &Args, throughput: bool) -> anyhow::Result<Built> {
     let dir = model_dir(args)?;
     let ck = Checkpoint::open(&dir, compiled::FINGERPRINT)?;
+    // (step, idle step) on a backend: the plan sizes the step scratch for the longer, idle one.
+    let steps =
+        |cuda| (step_rows(args.max_batch_tokens, throughput, cuda), idle_step_rows(args.max_batch_tokens, cuda));
+    let (step, idle) = steps(false);
     let req = PoolRequest {
         max_seqs: args.max_seqs.map(|n| n as usize),
         default_seqs: default_seqs(throughput),
         kv_budget: args.kv_budget,
         max_context: context_for(args)?,
         prefix_cache: args.prefix_cache_bytes,
-        max_batch_tokens: step_rows(args.max_batch_tokens, throughput, false),
+        max_batch_tokens: idle,
     };
     #[cfg(not(feature = "cuda"))]
     anyhow::ensure!(
@@ -88,9 +92,7 @@ pub fn build_runner(args: &Args, throughput: bool) -> anyhow::Result<Built> {
     );
     #[cfg(feature = "cuda")]
     if let Some(cx) = cuda_context(args)? {
-        // The plan sizes the step scratch for the longest step (the idle one).
-        let (step, idle) =
-            (step_rows(args.max_batch_tokens, throughput, true), idle_step_rows(args.max_batch_tokens, true));
+        let (step, idle) = steps(true);
         let req = PoolRequest { max_batch_tokens: idle, ..req };
         let b_name = cx.device_name().to_string();
         let (b, cap) = ornith_runtime::backend_cuda::CudaBackend::new(cx, &ck, &compiled::DIMS, &req, args.quiet)?;
@@ -107,8 +109,6 @@ pub fn build_runner(args: &Args, throughput: bool) -> anyhow::Result<Built> {
         let r = compiled::Compiled::load(b, &ck, &cap).with_context(|| format!("loading {}", dir.display()))?;
         return Ok(Built { runner: Box::new(r), max_context: req.max_context, step_rows: step, idle_step_rows: idle });
     }
-    let (step, idle) = (req.max_batch_tokens, idle_step_rows(args.max_batch_tokens, false));
-    let req = PoolRequest { max_batch_tokens: idle, ..req };
     let cap = plan_cpu_pools(&ck, &req)?;
     if !args.quiet {
         eprintln!(
