@@ -523,7 +523,10 @@ async fn a_prompt_being_prepared_holds_up_no_other_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_cancelled_while_its_prompt_is_prepared_never_starts() {
     // The client goes away while its prompt is encoded: the router drops the prompt when it
-    // comes back, the engine never sees the request, and its place is free for the next one.
+    // comes back, the engine never sees the request, and its place is then free for the next
+    // one. The place is held until the prompt comes back (the work of preparing it is still
+    // going on, and `--max-queue` bounds that work too), so the next request waits for the
+    // router to give it back: polled, not slept on, since that is the router thread's business.
     let gate = std::sync::Arc::new(Gate::default());
     let runner = support::ScriptRunner::new(512, 1);
     let s = server_with_codec(runner, Box::new(GatedCodec(gate.clone())), |o| o.max_queue = 0).await;
@@ -536,7 +539,9 @@ async fn a_request_cancelled_while_its_prompt_is_prepared_never_starts() {
     pending.abort();
     let _ = pending.await;
     tokio::time::sleep(Duration::from_millis(300)).await; // the server sees the connection close
+    assert_eq!(metric(&s.metrics().await, "ornith_requests_in_flight"), 1.0, "the place went before the prompt");
     gate.open();
+    s.wait_for("ornith_requests_in_flight", 0.0).await;
     short_request_runs(&s).await;
     let stats = s.stop().await;
     assert_eq!((stats.finished, stats.cancelled), (1, 0), "the cancelled request reached the engine: {stats:?}");

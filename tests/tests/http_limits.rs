@@ -14,25 +14,6 @@ use support::server::*;
 use support::ScriptRunner;
 
 /// The metrics now.
-async fn metrics(s: &Server) -> Vec<(String, f64)> {
-    let (st, text) = s.get("/metrics").await;
-    assert_eq!(st, 200, "{text}");
-    parse_metrics(&text)
-}
-
-/// Polls `/metrics` until `key` reads `want` (the engine thread publishes after each step).
-async fn wait_for(s: &Server, key: &str, want: f64) {
-    let t = Instant::now();
-    loop {
-        let v = metric(&metrics(s).await, key);
-        if v == want {
-            return;
-        }
-        assert!(t.elapsed() < Duration::from_secs(10), "{key} stayed {v}, not {want}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// A POST whose status, `Retry-After` header and JSON body come back.
 async fn post_raw(s: &Server, path: &str, body: &Value) -> (u16, Option<String>, Value) {
     let r = s.client.post(format!("{}{path}", s.base)).body(body.to_string()).send().await.unwrap();
@@ -46,7 +27,7 @@ async fn post_raw(s: &Server, path: &str, body: &Value) -> (u16, Option<String>,
 async fn a_full_queue_answers_429_with_retry_after_then_drains() {
     // One slot and two places to wait: three generation requests in the server at most.
     let s = server_opts(8192, 1, Duration::from_millis(5), |o| o.max_queue = 2).await;
-    assert_eq!(metric(&metrics(&s).await, "ornith_requests_in_flight_limit"), 3.0);
+    assert_eq!(metric(&s.metrics().await, "ornith_requests_in_flight_limit"), 3.0);
     // Ten endless streams at once: exactly three get in, the rest are refused at once.
     let url = format!("{}/v1/chat/completions", s.base);
     let sends = (0..10).map(|_| s.client.post(&url).body(endless(true).to_string()).send());
@@ -70,9 +51,9 @@ async fn a_full_queue_answers_429_with_retry_after_then_drains() {
     // One runs, two wait in the engine for its slot. `running` counts a request once it has
     // sampled a token, so the first may still be in its prefill when the queue reads 2: wait for
     // both, then read them together.
-    wait_for(&s, "ornith_queue_depth", 2.0).await;
-    wait_for(&s, "ornith_requests_running", 1.0).await;
-    let m = metrics(&s).await;
+    s.wait_for("ornith_queue_depth", 2.0).await;
+    s.wait_for("ornith_requests_running", 1.0).await;
+    let m = s.metrics().await;
     assert_eq!(metric(&m, "ornith_requests_in_flight"), 3.0);
     assert_eq!(metric(&m, "ornith_queue_depth"), 2.0);
     assert_eq!(metric(&m, "ornith_requests_running"), 1.0);
@@ -107,12 +88,12 @@ async fn a_full_queue_answers_429_with_retry_after_then_drains() {
     assert_eq!(s.get("/health").await.0, 200);
     // Drain: the clients go away, their places come back, requests are accepted again.
     drop(open);
-    wait_for(&s, "ornith_requests_in_flight", 0.0).await;
-    wait_for(&s, "ornith_queue_depth", 0.0).await;
+    s.wait_for("ornith_requests_in_flight", 0.0).await;
+    s.wait_for("ornith_queue_depth", 0.0).await;
     short_request_runs(&s).await;
     let (st, b) = s.post("/v1/messages", msg).await;
     assert_eq!(st, 200, "{b}");
-    let m = metrics(&s).await;
+    let m = s.metrics().await;
     let refused_chat = "ornith_http_requests_total{endpoint=\"/v1/chat/completions\",status=\"429\"}";
     assert_eq!(metric(&m, refused_chat), 8.0);
     assert_eq!(metric(&m, "ornith_http_requests_total{endpoint=\"/v1/messages\",status=\"429\"}"), 2.0);
@@ -131,7 +112,7 @@ async fn max_queue_zero_admits_only_what_the_slots_run() {
     let (st, retry, body) = post_raw(&s, "/v1/chat/completions", &endless(false)).await;
     assert_eq!((st, retry.as_deref()), (429, Some("1")), "{body}");
     drop(a);
-    wait_for(&s, "ornith_requests_in_flight", 1.0).await;
+    s.wait_for("ornith_requests_in_flight", 1.0).await;
     short_request_runs(&s).await;
     drop(b);
     s.stop().await;
@@ -146,13 +127,13 @@ async fn n_choices_take_n_places() {
     two["n"] = json!(2);
     let a = s.client.post(&url).body(two.to_string()).send().await.unwrap();
     assert_eq!(a.status().as_u16(), 200);
-    wait_for(&s, "ornith_requests_in_flight", 2.0).await;
+    s.wait_for("ornith_requests_in_flight", 2.0).await;
     let mut three = endless(false);
     three["n"] = json!(3);
     let (st, retry, body) = post_raw(&s, "/v1/chat/completions", &three).await;
     assert_eq!((st, retry.as_deref()), (429, Some("1")), "two choices free, three asked: {body}");
     drop(a);
-    wait_for(&s, "ornith_requests_in_flight", 0.0).await;
+    s.wait_for("ornith_requests_in_flight", 0.0).await;
     // More choices than the bound: all three places, and it runs.
     let (st, b) = s.post("/v1/chat/completions", json!({"messages": user("SAY:ok"), "n": 5})).await;
     assert_eq!((st, b["choices"].as_array().map(Vec::len)), (200, Some(5)), "{b}");
@@ -165,7 +146,7 @@ async fn inter_token_histogram_counts_every_gap() {
     let (st, b) = s.post("/v1/chat/completions", json!({"messages": user("SAY:hello"), "max_tokens": 5})).await;
     assert_eq!(st, 200, "{b}");
     assert_eq!(b["usage"]["completion_tokens"], 5);
-    let m = metrics(&s).await;
+    let m = s.metrics().await;
     // Five tokens, four gaps, each one 20 ms step (give or take the router's scheduling).
     assert_eq!(metric(&m, "ornith_inter_token_seconds_count"), 4.0);
     assert_eq!(metric(&m, "ornith_inter_token_seconds_bucket{le=\"+Inf\"}"), 4.0);
@@ -179,7 +160,7 @@ async fn inter_token_histogram_counts_every_gap() {
 async fn prefix_cache_figures_reach_metrics() {
     let runner = ScriptRunner::new(8192, 1).with_snapshots(4);
     let s = server_on(runner, |_| {}).await;
-    let m = metrics(&s).await;
+    let m = s.metrics().await;
     assert_eq!(metric(&m, "ornith_prefix_cache_snapshots_capacity"), 4.0);
     assert_eq!(metric(&m, "ornith_prefix_cache_snapshots"), 0.0);
     assert_eq!(metric(&m, "ornith_prefix_cache_hits_total"), 0.0);
@@ -188,7 +169,7 @@ async fn prefix_cache_figures_reach_metrics() {
     let req = json!({"messages": user(&long), "max_tokens": 3});
     let (st, first) = s.post("/v1/chat/completions", req.clone()).await;
     assert_eq!(st, 200, "{first}");
-    let m = metrics(&s).await;
+    let m = s.metrics().await;
     assert_eq!(metric(&m, "ornith_prefix_cache_misses_total"), 1.0);
     assert_eq!(metric(&m, "ornith_prefix_cache_hits_total"), 0.0);
     assert_eq!(metric(&m, "ornith_prefix_cache_chunks"), 2.0);
@@ -198,7 +179,7 @@ async fn prefix_cache_figures_reach_metrics() {
     let (st, second) = s.post("/v1/chat/completions", req).await;
     assert_eq!(st, 200, "{second}");
     assert_eq!(first["choices"][0]["message"]["content"], second["choices"][0]["message"]["content"]);
-    let m = metrics(&s).await;
+    let m = s.metrics().await;
     assert_eq!(metric(&m, "ornith_prefix_cache_hits_total"), 1.0);
     assert_eq!(metric(&m, "ornith_prefix_cache_misses_total"), 1.0);
     assert_eq!(metric(&m, "ornith_prompt_tokens_cached_total"), 4096.0);

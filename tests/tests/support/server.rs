@@ -113,6 +113,27 @@ impl Server {
         (r.status().as_u16(), r.text().await.unwrap())
     }
 
+    /// The `/metrics` samples.
+    pub async fn metrics(&self) -> Vec<(String, f64)> {
+        let (st, text) = self.get("/metrics").await;
+        assert_eq!(st, 200, "{text}");
+        parse_metrics(&text)
+    }
+
+    /// Polls `/metrics` (up to 10 s) until `key` reads `want`: the engine thread publishes after
+    /// each step, the router gives places back when it has handled a request's end.
+    pub async fn wait_for(&self, key: &str, want: f64) {
+        let t = Instant::now();
+        loop {
+            let v = metric(&self.metrics().await, key);
+            if v == want {
+                return;
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "{key} stayed {v}, not {want}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Stops the server; the engine's counters.
     pub async fn stop(mut self) -> ornith_runtime::engine::EngineStats {
         let _ = self.stop.take().unwrap().send(());
