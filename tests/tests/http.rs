@@ -423,16 +423,13 @@ async fn a_client_that_disconnects_frees_its_slot() {
     let c = s.client.clone();
     let url = format!("{}/v1/chat/completions", s.base);
     let pending = tokio::spawn(async move { c.post(url).body(endless(false).to_string()).send().await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    s.wait_for("ornith_requests_running", 1.0).await;
     pending.abort();
     let _ = pending.await;
     short_request_runs(&s).await;
-    // Nothing left in the engine.
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let (_, text) = s.get("/metrics").await;
-    let m = parse_metrics(&text);
-    assert_eq!(metric(&m, "ornith_requests_running"), 0.0, "{text}");
-    assert_eq!(metric(&m, "ornith_requests_waiting"), 0.0, "{text}");
+    // Nothing left in the engine (published after the engine's next step).
+    s.wait_for("ornith_requests_running", 0.0).await;
+    s.wait_for("ornith_requests_waiting", 0.0).await;
     let stats = s.stop().await;
     assert_eq!(stats.cancelled, 2, "{stats:?}");
     assert_eq!(stats.finished, 2);
