@@ -18,9 +18,19 @@ type Bf = CudaSlice<u16>;
 /// GEMM tile (rows x outputs) of the plain GEMMs (`gemm.cu`: BM = GB_N = 128).
 pub const GEMM_TILE: usize = 128;
 
+/// The entry points of gemm.cu's module: the persistent GEMMs first, then the quantiser.
+pub(crate) const MODULE_KERNELS: [&str; 7] = [
+    "gemm_fp8",
+    "gemm_bf16",
+    "gemm_fp8_grouped",
+    "gemm_nvfp4",
+    "gemm_nvfp4_grouped",
+    "gemm_nvfp4_grouped_128",
+    "quantize_fp8_ct",
+];
+
 /// The persistent GEMM kernels of gemm.cu (their grid: [`CudaContext::gemm_grid`]).
-pub(crate) const GEMM_KERNELS: [&str; 6] =
-    ["gemm_fp8", "gemm_bf16", "gemm_fp8_grouped", "gemm_nvfp4", "gemm_nvfp4_grouped", "gemm_nvfp4_grouped_128"];
+pub(crate) const GEMM_KERNELS: &[&str] = MODULE_KERNELS.split_at(6).0;
 
 /// Rows per tile of GEMM kernel `name` (gemm.cu: 64 for the grouped GEMMs (`GB_GROUPED_M`), 128
 /// for the plain ones, `gemm_bf16`'s `GB_BF16_M` included, and `gemm_nvfp4_grouped_128`).

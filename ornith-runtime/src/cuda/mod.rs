@@ -197,18 +197,7 @@ const KERNELS: [(Module, &[&str]); 11] = [
             "sample_draw",
         ],
     ),
-    (
-        Module::Gemm,
-        &[
-            "gemm_fp8",
-            "gemm_bf16",
-            "gemm_fp8_grouped",
-            "gemm_nvfp4",
-            "gemm_nvfp4_grouped",
-            "gemm_nvfp4_grouped_128",
-            "quantize_fp8_ct",
-        ],
-    ),
+    (Module::Gemm, &gemm::MODULE_KERNELS),
     (Module::GdnChunk, &["gdn_chunk_prep", "gdn_chunk_scan"]),
     (Module::FlashAttn, &["flash_attn_prefill"]),
     (Module::MoePrefill, &["moe_sort", "moe_route_sort", "swiglu_quant_ct", "moe_combine_prefill"]),
@@ -564,7 +553,7 @@ impl CudaContext {
         let wide_wave = sms * per_sm("gemv_bf16_wide", GEMV_BLOCK, 0)?.min(per_sm("gemv_fp8_wide", GEMV_BLOCK, 0)?);
         let nvfp4_wide_wave = sms * per_sm("gemv_nvfp4_wide", GEMV_BLOCK, 0)?;
         let mut gemm_blocks = HashMap::new();
-        for n in gemm::GEMM_KERNELS {
+        for &n in gemm::GEMM_KERNELS {
             gemm_blocks.insert(n, sms * per_sm(n, 256, gemm::gemm_smem(n))?);
         }
         let wide_part = unsafe { stream.alloc::<f32>(WIDE_SPLIT_ROWS * WIDE_TOKENS) }?;
