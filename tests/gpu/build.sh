@@ -8,7 +8,8 @@
 #   bench_full    ornith-bench for the full preset
 #   ornith_full   the ornith binary for the full preset (the sampled-request soak)
 #   xtask         to synthesise the real-data checkpoints on the device
-#   with NVFP4=1 also test_shallow_nvfp4 and bench_full_nvfp4 (the NVFP4A16 export of those presets)
+#   with NVFP4=1 also test_shallow_nvfp4, bench_full_nvfp4 and ornith_full_nvfp4 (the NVFP4A16
+#   export of those presets; ornith_full_nvfp4 for the batch file through the NVFP4A16 user path)
 # Usage: tests/gpu/build.sh NAME        then, on the device: bash tests/gpu/run_h200.sh NAME
 # The specs come from headers-only checkpoints (sparse files, seconds); their fingerprints equal
 # those of the real-data checkpoints synthesised on the device with the same preset.
@@ -47,6 +48,8 @@ if [ "${NVFP4:-0}" = 1 ]; then
 cp "$(ORNITH_SPEC=$specs/shallow-nvfp4.spec.json test_exe -p ornith-runtime --test cuda_model)" "$out/test_shallow_nvfp4"
 ORNITH_SPEC=$specs/full-nvfp4.spec.json cargo build -q --release -p ornith-runtime --bin ornith-bench
 cp "${CARGO_TARGET_DIR:-target}/release/ornith-bench" "$out/bench_full_nvfp4"
+ORNITH_SPEC=$specs/full-nvfp4.spec.json cargo build -q --release -p ornith-runtime --bin ornith
+cp "${CARGO_TARGET_DIR:-target}/release/ornith" "$out/ornith_full_nvfp4"
 fi
 ORNITH_SPEC=$specs/full.spec.json cargo build -q --release -p ornith-runtime --bin ornith-bench
 cp "${CARGO_TARGET_DIR:-target}/release/ornith-bench" "$out/bench_full"

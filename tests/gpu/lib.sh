@@ -4,6 +4,11 @@
 # unxz_to FILE.xz DEST: one xz-compressed binary, executable. synth_full: the full preset's FP8
 # checkpoint at $C/full, synthesised once per machine (reused while it stays warm); non-zero, with
 # a line saying why, when it cannot (no xtask among the build's binaries, or the synthesis failed).
+# synth_full_nvfp4: the same for the full preset's NVFP4A16 export at $C/full-nvfp4 (the two take
+# 75 GB together: delete one before the other on a 64 GB disk). bench NAME BIN MODEL ARGS...: one
+# ornith-bench run (--gen 16 unless ARGS say otherwise; 100 s at most, BENCH_TIMEOUT to change),
+# JSON to /tmp/bench_NAME.json, stderr to $OUT/bench_NAME.err, and its table rows and errors
+# printed with the seconds since the last step ($t0, which it resets).
 unxz_to() {
     python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' "$1" "$2"
     chmod +x "$2"
@@ -14,12 +19,23 @@ unpack_builds() {
     for f in "$src"/*.xz; do unxz_to "$f" "$G/$(basename "$f" .xz)"; done
     echo "commit $(cat "$src/COMMIT" 2>/dev/null)"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 }
-synth_full() {
-    local t0=$SECONDS
-    if [ -f "$C/full/config.json" ]; then echo "synth full: reusing $C/full"; return 0; fi
-    if [ ! -x "$G/xtask" ]; then echo "synth full: no xtask in $src (carry the build's xtask.xz)"; return 1; fi
-    "$G/xtask" synth --preset full --out "$C/full" > "$OUT/synth_full.log" 2>&1
+synth_preset() {  # DIR QUANT: the full preset in that export at $C/DIR, once per machine
+    local t0=$SECONDS dir=$C/$1
+    if [ -f "$dir/config.json" ]; then echo "synth $1: reusing $dir"; return 0; fi
+    if [ ! -x "$G/xtask" ]; then echo "synth $1: no xtask in $src (carry the build's xtask.xz)"; return 1; fi
+    "$G/xtask" synth --preset full --quant "$2" --out "$dir" > "$OUT/synth_$1.log" 2>&1
     local rc=$?
-    echo "synth full rc=$rc $((SECONDS - t0))s"
+    echo "synth $1 rc=$rc $((SECONDS - t0))s"
     return $rc
+}
+synth_full() { synth_preset full fp8; }
+synth_full_nvfp4() { synth_preset full-nvfp4 nvfp4a16; }
+bench() {
+    local n=$1 b=$2 m=$3
+    shift 3
+    timeout "${BENCH_TIMEOUT:-100}" "$b" --model "$m" --gen 16 "$@" > "/tmp/bench_$n.json" 2> "$OUT/bench_$n.err"
+    echo "bench $n $* rc=$? $((SECONDS - ${t0:-0}))s"
+    t0=$SECONDS
+    grep -E "^ +[0-9]+ +[0-9.]+ +[0-9]+ +[0-9.]+ " "$OUT/bench_$n.err" | cut -c1-110
+    grep -E "error" "$OUT/bench_$n.err" | head -2
 }
