@@ -427,9 +427,10 @@ async fn a_client_that_disconnects_frees_its_slot() {
     pending.abort();
     let _ = pending.await;
     short_request_runs(&s).await;
-    // Nothing left in the engine (published after the engine's next step).
+    // Nothing left in the engine (published after the engine's next step); both counted.
     s.wait_for("ornith_requests_running", 0.0).await;
     s.wait_for("ornith_requests_waiting", 0.0).await;
+    assert_eq!(metric(&s.metrics().await, "ornith_requests_cancelled_total"), 2.0);
     let stats = s.stop().await;
     assert_eq!(stats.cancelled, 2, "{stats:?}");
     assert_eq!(stats.finished, 2);
@@ -437,13 +438,20 @@ async fn a_client_that_disconnects_frees_its_slot() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_concurrent_streams_interleave() {
-    let s = server(512, 2, Duration::from_millis(3)).await;
+    // Both prompts wait at the gate until both are being prepared, so that the two requests reach
+    // the engine together however the test's threads are scheduled; 10 ms steps give the streams
+    // ~240 ms side by side. (The script is what follows `SAY:`, so the marker before it is not
+    // said.)
+    let gate = std::sync::Arc::new(Gate::default());
+    let mut runner = support::ScriptRunner::new(512, 2);
+    runner.step_time = Duration::from_millis(10);
+    let s = server_with_codec(runner, Box::new(GatedCodec(gate.clone())), |_| {}).await;
     let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     for (who, text) in [("a", "one two three four five"), ("b", "six seven eight nine ten")] {
         let (c, url, log) = (s.client.clone(), format!("{}/v1/chat/completions", s.base), log.clone());
-        let body =
-            json!({"messages": user(&format!("SAY:{text}")), "stream": true, NO_THINK: {"enable_thinking": false}});
+        let body = json!({"messages": user(&format!("{HOLD} SAY:{text}")), "stream": true,
+                          NO_THINK: {"enable_thinking": false}});
         tasks.push(tokio::spawn(async move {
             let r = c.post(url).body(body.to_string()).send().await.unwrap();
             let mut all = String::new();
@@ -465,6 +473,8 @@ async fn two_concurrent_streams_interleave() {
             assert_eq!(content, text);
         }));
     }
+    gate.until_waiting(2).await;
+    gate.open();
     for t in tasks {
         t.await.unwrap();
     }
@@ -523,7 +533,8 @@ async fn a_request_cancelled_while_its_prompt_is_prepared_never_starts() {
     // comes back, the engine never sees the request, and its place is then free for the next
     // one. The place is held until the prompt comes back (the work of preparing it is still
     // going on, and `--max-queue` bounds that work too), so the next request waits for the
-    // router to give it back: polled, not slept on, since that is the router thread's business.
+    // router to give it back. Each step waits on what the server reports (the cancellation
+    // counted, the place back), not on sleeps that a loaded machine may outrun.
     let gate = std::sync::Arc::new(Gate::default());
     let runner = support::ScriptRunner::new(512, 1);
     let s = server_with_codec(runner, Box::new(GatedCodec(gate.clone())), |o| o.max_queue = 0).await;
@@ -535,7 +546,7 @@ async fn a_request_cancelled_while_its_prompt_is_prepared_never_starts() {
     gate.until_waiting(1).await;
     pending.abort();
     let _ = pending.await;
-    tokio::time::sleep(Duration::from_millis(300)).await; // the server sees the connection close
+    s.wait_for("ornith_requests_cancelled_total", 1.0).await; // the router saw the client go
     assert_eq!(metric(&s.metrics().await, "ornith_requests_in_flight"), 1.0, "the place went before the prompt");
     gate.open();
     s.wait_for("ornith_requests_in_flight", 0.0).await;

@@ -815,7 +815,8 @@ fn a_short_request_after_a_long_one_is_answered_first() {
     let short = r#"{"custom_id": "short", "prompt": "SAY:hi"}"#;
     let mut o = opts();
     o.ordered = false;
-    let ms = std::time::Duration::from_millis(2);
+    // 5 ms steps: the short one must only start within the long one's ~750 ms.
+    let ms = std::time::Duration::from_millis(5);
     let (lines, _) = run_timed(Cursor::new(format!("{long}\n{short}\n")), &o, 1024, 2, ms);
     let (res, _) = results(&lines);
     let ids: Vec<&str> = res.iter().map(|r| r["custom_id"].as_str().unwrap()).collect();
@@ -842,7 +843,8 @@ fn chunk_lines_of_concurrent_streams_interleave_by_custom_id() {
     let input = format!("{}\n{}\n", line("s1", "one two three four five"), line("s2", "six seven eight nine ten"));
     let mut o = opts();
     o.ordered = false;
-    let (lines, _) = run_timed(Cursor::new(input), &o, 1024, 2, std::time::Duration::from_millis(2));
+    // 10 ms steps: the two ~24-token streams overlap unless one starts ~240 ms after the other.
+    let (lines, _) = run_timed(Cursor::new(input), &o, 1024, 2, std::time::Duration::from_millis(10));
     let chunks: Vec<&Value> = lines.iter().filter(|l| !is_result(l)).collect();
     let owners: Vec<&str> = chunks.iter().map(|c| c["custom_id"].as_str().unwrap()).collect();
     let switches = owners.windows(2).filter(|w| w[0] != w[1]).count();
@@ -1062,17 +1064,83 @@ fn run_batch(
     ctl: protocol::BatchControl,
     step: std::time::Duration,
 ) -> (Vec<Value>, protocol::ServeStats) {
+    let mut out = Vec::new();
+    let stats = run_batch_into(input, ctl, step, &ByteCodec, &mut out);
+    (parse_lines(&out), stats)
+}
+
+/// The same over `codec`, written into `out`: two sequence slots, `step` per engine step.
+fn run_batch_into(
+    input: &str,
+    ctl: protocol::BatchControl,
+    step: std::time::Duration,
+    codec: &(dyn TextCodec + Sync),
+    out: &mut dyn std::io::Write,
+) -> protocol::ServeStats {
     let mut runner = ScriptRunner::new(512, 2);
     runner.step_time = step;
     let cfg = EngineConfig { max_batch_tokens: 2048, idle_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
     let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let mut o = opts();
     o.ordered = false;
-    let mut out = Vec::new();
     let input = std::io::BufReader::new(Cursor::new(input.to_string().into_bytes()));
-    let stats = protocol::serve_with(input, &mut out, engine, &ByteCodec, &ChatMl, &o, ctl).unwrap();
-    let lines = String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    (lines, stats)
+    protocol::serve_with(input, out, engine, codec, &ChatMl, &o, ctl).unwrap()
+}
+
+fn parse_lines(out: &[u8]) -> Vec<Value> {
+    std::str::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// The output of a stopped `ornith batch` run: once `chunks` stream chunk lines of each of
+/// `requests` requests have been written — each of them has generated, as the serve loop has seen —
+/// it raises `signal` on `stop`; once a result line follows that (the loop has answered what it
+/// cancelled, so it has stopped), it opens `gate`. Stops that wait on what the loop wrote, not on
+/// sleeps that a loaded machine may outrun.
+struct StopsWhenGenerating {
+    out: Vec<u8>,
+    read: usize,
+    stop: std::sync::Arc<std::sync::atomic::AtomicI32>,
+    signal: i32,
+    requests: usize,
+    chunks: usize,
+    seen: std::collections::HashMap<String, usize>,
+    gate: Option<std::sync::Arc<support::Gate>>,
+}
+
+impl StopsWhenGenerating {
+    fn new(stop: &std::sync::Arc<std::sync::atomic::AtomicI32>, signal: i32, requests: usize, chunks: usize) -> Self {
+        let (out, read, stop, seen, gate) = (Vec::new(), 0, stop.clone(), Default::default(), None);
+        StopsWhenGenerating { out, read, stop, signal, requests, chunks, seen, gate }
+    }
+    fn raised(&self) -> bool {
+        self.stop.load(std::sync::atomic::Ordering::SeqCst) != 0
+    }
+}
+
+impl std::io::Write for StopsWhenGenerating {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.out.extend_from_slice(buf);
+        while let Some(n) = self.out[self.read..].iter().position(|&b| b == b'\n') {
+            let line: Value = serde_json::from_slice(&self.out[self.read..self.read + n]).unwrap();
+            self.read += n + 1;
+            if is_result(&line) {
+                if self.raised() {
+                    if let Some(g) = self.gate.take() {
+                        g.open();
+                    }
+                }
+                continue;
+            }
+            *self.seen.entry(line["custom_id"].as_str().unwrap().to_string()).or_default() += 1;
+            if !self.raised() && self.seen.values().filter(|&&c| c >= self.chunks).count() >= self.requests {
+                self.stop.store(self.signal, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 #[test]
@@ -1101,22 +1169,19 @@ fn batch_skips_what_is_done_and_still_flags_a_later_duplicate() {
 
 #[test]
 fn batch_stop_cancels_what_generates_and_leaves_the_rest_unanswered() {
-    // Two long requests generate (2 slots), two more wait; stop after a few steps.
+    // Two long requests generate (2 slots), two more wait; stopped once each of the two has
+    // streamed 10 chunk lines (by then the other two, read at once, have long been queued).
     let long = |id: &str| {
         format!(
-            r#"{{"custom_id":"{id}","messages":[{{"role":"user","content":"SAY:"}}],"max_tokens":400,"ignore_eos":true}}"#
+            r#"{{"custom_id":"{id}","messages":[{{"role":"user","content":"SAY:"}}],"max_tokens":400,"ignore_eos":true,"stream":true}}"#
         )
     };
     let input = [long("p"), long("q"), long("r"), long("s")].join("\n");
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
-    let flag = stop.clone();
-    let t = std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(150));
-        flag.store(15, std::sync::atomic::Ordering::SeqCst);
-    });
-    let ctl = protocol::BatchControl { stop, results_only: true, ..Default::default() };
-    let (lines, stats) = run_batch(&input, ctl, std::time::Duration::from_millis(5));
-    t.join().unwrap();
+    let mut w = StopsWhenGenerating::new(&stop, 15, 2, 10);
+    let ctl = protocol::BatchControl { stop, results_only: false, ..Default::default() };
+    let stats = run_batch_into(&input, ctl, std::time::Duration::from_millis(5), &ByteCodec, &mut w);
+    let lines: Vec<Value> = parse_lines(&w.out).into_iter().filter(is_result).collect();
     assert_eq!(stats.stopped_by, Some(15));
     assert_eq!((stats.cancelled, stats.not_run), (2, 2), "{stats:?}");
     assert_eq!(lines.len(), 2, "{lines:?}");
@@ -1216,38 +1281,26 @@ fn a_prompt_being_prepared_holds_up_no_other_line() {
 fn batch_stop_leaves_a_line_being_prepared_unanswered() {
     // `ornith batch` stopped while line 1's prompt is still being encoded and line 2 generates:
     // line 2 is cancelled, line 1 gets no line (a resume runs it) and never reaches the engine.
+    // The stop comes once line 2 has streamed two chunk lines; line 1's encoding is let go once
+    // the loop has answered line 2, i.e. after it stopped.
     let gate = std::sync::Arc::new(support::Gate::default());
     open_later(&gate);
     let input = [
         format!(r#"{{"custom_id":"held","messages":[{{"role":"user","content":"SAY:{}"}}]}}"#, support::HOLD),
-        r#"{"custom_id":"long","messages":[{"role":"user","content":"SAY:"}],"max_tokens":400,"ignore_eos":true}"#
+        r#"{"custom_id":"long","messages":[{"role":"user","content":"SAY:"}],"max_tokens":400,"ignore_eos":true,"stream":true}"#
             .to_string(),
     ]
     .join("\n");
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
-    let (flag, g) = (stop.clone(), gate.clone());
-    let t = std::thread::spawn(move || {
-        g.wait_for(1);
-        std::thread::sleep(std::time::Duration::from_millis(100)); // line 2 generates
-        flag.store(2, std::sync::atomic::Ordering::SeqCst);
-        std::thread::sleep(std::time::Duration::from_millis(200)); // the loop has stopped
-        g.open();
-    });
-    let mut runner = ScriptRunner::new(512, 2);
-    runner.step_time = std::time::Duration::from_millis(5);
-    let cfg = EngineConfig { max_batch_tokens: 2048, idle_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
-    let engine = Engine::new(Box::new(runner), cfg).unwrap();
-    let mut o = opts();
-    o.ordered = false;
-    let ctl = protocol::BatchControl { stop, results_only: true, ..Default::default() };
-    let mut out = Vec::new();
+    let mut w = StopsWhenGenerating::new(&stop, 2, 1, 2);
+    w.gate = Some(gate.clone());
+    let ctl = protocol::BatchControl { stop, results_only: false, ..Default::default() };
     let codec = support::GatedCodec(gate.clone());
-    let input = std::io::BufReader::new(Cursor::new(input.into_bytes()));
-    let stats = protocol::serve_with(input, &mut out, engine, &codec, &ChatMl, &o, ctl).unwrap();
-    t.join().unwrap();
+    let stats = run_batch_into(&input, ctl, std::time::Duration::from_millis(5), &codec, &mut w);
+    assert!(w.gate.is_none(), "the loop did not answer the cancelled line");
     assert_eq!(stats.stopped_by, Some(2));
     assert_eq!((stats.lines, stats.cancelled, stats.not_run), (2, 1, 1), "{stats:?}");
-    let lines: Vec<Value> = String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<Value> = parse_lines(&w.out).into_iter().filter(is_result).collect();
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert_eq!((lines[0]["custom_id"].as_str(), lines[0]["error"]["code"].as_str()), (Some("long"), Some("cancelled")));
     assert_eq!(stats.engine.cancelled, 1, "the held request never reached the engine: {stats:?}");

@@ -63,6 +63,7 @@ pub struct Metrics {
     prompt_tokens: AtomicU64,
     cached_tokens: AtomicU64,
     generation_tokens: AtomicU64,
+    cancelled: AtomicU64,
     running: AtomicI64,
     waiting: AtomicI64,
     ttft: Mutex<Histogram<{ TTFT_BUCKETS.len() }>>,
@@ -76,6 +77,7 @@ impl Default for Metrics {
             prompt_tokens: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
+            cancelled: AtomicU64::new(0),
             running: AtomicI64::new(0),
             waiting: AtomicI64::new(0),
             ttft: Mutex::new(Histogram::new(&TTFT_BUCKETS)),
@@ -110,6 +112,11 @@ impl Metrics {
     }
     pub fn generated(&self, tokens: u64) {
         self.generation_tokens.fetch_add(tokens, Ordering::Relaxed);
+    }
+    /// A request's client went away before the request ended (while its prompt was being
+    /// prepared, or once it was in the engine); it is cancelled.
+    pub fn client_left(&self) {
+        self.cancelled.fetch_add(1, Ordering::Relaxed);
     }
     /// A request left the engine (finished, failed or cancelled), `running` if it had sampled.
     pub fn left(&self, running: bool) {
@@ -150,6 +157,12 @@ impl Metrics {
             "ornith_generation_tokens_total",
             "Tokens sampled.",
             self.generation_tokens.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut s,
+            "ornith_requests_cancelled_total",
+            "Generation requests cancelled because their client went away before they ended.",
+            self.cancelled.load(Ordering::Relaxed),
         );
         gauge(
             &mut s,

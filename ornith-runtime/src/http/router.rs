@@ -353,7 +353,8 @@ fn route(
                         let prompt_tokens = live.prompt_len();
                         let chunks = live.take_chunks();
                         if tx.send(Out::Accepted { prompt_tokens }).is_err() {
-                            continue; // the client left already
+                            metrics.client_left(); // the client left already (its cancel comes next)
+                            continue;
                         }
                         if !chunks.is_empty() {
                             let _ = tx.send(Out::Chunks(chunks));
@@ -376,8 +377,11 @@ fn route(
             }
             Msg::Cancel(id) => {
                 if preparing.contains(&id) {
-                    cancelled.insert(id);
+                    if cancelled.insert(id) {
+                        metrics.client_left();
+                    }
                 } else if let Some(o) = open.remove(&id) {
+                    metrics.client_left();
                     for eid in &o.ids {
                         client.cancel(*eid);
                         owner.remove(eid);
@@ -449,6 +453,7 @@ fn route(
                 gone = gone || o.tx.is_closed();
                 if gone {
                     // The client went away between two tokens.
+                    metrics.client_left();
                     let o = open.remove(&rid).expect("present above");
                     for eid in &o.ids {
                         client.cancel(*eid);
