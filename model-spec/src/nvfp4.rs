@@ -141,6 +141,11 @@ mod tests {
 
     #[test]
     fn scale_table_is_group_scale_of_every_byte() {
+        // Values worked out by hand (E4M3: bias 7, 3 mantissa bits): 0x38 = 2^0 = 1, 0x7E = 448,
+        // 0x01 = 2^-9 (the smallest subnormal), 0x00 = 0, 0x7F = NaN; divided by the global scale.
+        let t = scale_table(4.0);
+        assert_eq!((t[0x38], t[0x7E], t[0x01], t[0x00], t[0xB8]), (0.25, 112.0, 2f32.powi(-11), 0.0, -0.25));
+        assert!(t[0x7F].is_nan() && t[0xFF].is_nan());
         for gs in [1.0f32, 2688.0, 0.37, 1e-3] {
             let t = scale_table(gs);
             for b in 0..=255u8 {

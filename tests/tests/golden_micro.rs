@@ -56,12 +56,14 @@ impl Golden {
         assert_eq!(t.dtype(), safetensors::Dtype::I64);
         t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect()
     }
-    /// (max, mean) |bf16 oracle − fp32 oracle| for `what` ("prefill_logits", ...).
+    /// (max, mean) |bf16 oracle − fp32 oracle| for `what` ("prefill_logits", ...), within
+    /// [`LOGIT_GAP_CAP`].
     fn gap(&self, what: &str) -> Gap {
-        Gap::from_meta(&self.meta["oracle_gap_bf16_vs_fp32"][what])
+        Gap::from_meta(&self.meta["oracle_gap_bf16_vs_fp32"][what]).capped(what, LOGIT_GAP_CAP)
     }
     fn hidden_gap(&self, layer: usize) -> Gap {
-        Gap::from_meta(&self.meta["oracle_gap_bf16_vs_fp32"]["hidden_after_layer"][layer.to_string()])
+        let g = Gap::from_meta(&self.meta["oracle_gap_bf16_vs_fp32"]["hidden_after_layer"][layer.to_string()]);
+        g.capped(&format!("hidden_after_layer {layer}"), HIDDEN_GAP_CAP)
     }
 }
 
@@ -71,10 +73,24 @@ struct Gap {
     mean: f32,
 }
 
+/// Fixed ceilings on the oracle gaps read from meta.json, which set the tests' bounds: goldens
+/// regenerated with a noisier oracle must not loosen every check unseen. (Recorded: logits max
+/// 0.71–1.88, mean 0.05–0.17; hidden states max 0.10–0.96, mean 0.007–0.10.)
+const LOGIT_GAP_CAP: Gap = Gap { max: 2.0, mean: 0.2 };
+const HIDDEN_GAP_CAP: Gap = Gap { max: 1.0, mean: 0.12 };
+
 impl Gap {
     /// `{"max_abs": …, "mean_abs": …}` as the generator writes it.
     fn from_meta(g: &Value) -> Gap {
         Gap { max: g["max_abs"].as_f64().unwrap() as f32, mean: g["mean_abs"].as_f64().unwrap() as f32 }
+    }
+    /// Itself, after checking that it is within `cap`.
+    fn capped(self, what: &str, cap: Gap) -> Gap {
+        assert!(
+            self.max <= cap.max && self.mean <= cap.mean,
+            "meta.json's oracle gap for {what} {self:?} exceeds the fixed cap {cap:?}: regenerate the goldens or explain"
+        );
+        self
     }
 }
 
@@ -241,6 +257,8 @@ fn micro_fp8_engine_arithmetic_stays_within_oracle_noise() {
             "{what}: {ours:?} outside the oracle's bf16-vs-fp32 gap {gap:?}"
         );
     }
+    // Not greedy-identical: exact E4M3 products move logits within that noise, and the oracle's
+    // step 11 has a margin of 0.125 (9.3125 against 9.1875), which this arithmetic flips.
 }
 
 /// prefill(T) then n single-token decode steps gives the logits of prefill(T + n): the chunked
@@ -268,7 +286,9 @@ fn prefill_then_decode_equals_longer_prefill() {
         let want = &full[(t + n - 1) * vocab..];
         let d = diff(&last, want);
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        // 4 bf16 ulps of the largest logit (2^-8 relative each).
+        // 4 bf16 ulps of the largest logit (2^-8 relative each). The scale is the code's own
+        // output, so it is capped: the micro model's logits stay below 16 (about 15 today).
+        assert!(scale < 16.0, "T={t} n={n}: max |logit| {scale} (the micro model's are below 16)");
         assert!(d.max <= 4.0 * scale / 256.0, "T={t} n={n}: {d:?} (max |logit| {scale})");
         assert_eq!(argmax(&last), argmax(want), "T={t} n={n}");
         assert_eq!(st.pos, st2.pos);

@@ -392,8 +392,8 @@ async fn api_key_is_required_when_set() {
     let r = s.client.post(url("/v1/messages")).header("x-api-key", "s3cret").body(msg).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 200);
     assert_eq!(s.client.get(url("/health")).send().await.unwrap().status().as_u16(), 200);
-    let (_, text) = s.get("/metrics").await;
-    assert!(text.contains("error"), "metrics need the key too: {text}");
+    let (st, text) = s.get("/metrics").await;
+    assert_eq!(st, 401, "metrics need the key too: {text}");
     s.stop().await;
 }
 

@@ -1201,7 +1201,8 @@ fn batch_stop_cancels_what_generates_and_leaves_the_rest_unanswered() {
 // ------------------------------------------------------- prompts prepared off the main thread
 
 /// The output of a run, which opens `gate` once it has written a result line of `custom_id`
-/// (and says whether it did).
+/// (and says whether it did, i.e. found the gate still shut then — not opened by
+/// [`open_later`]'s backstop).
 struct OpensGate {
     out: Vec<u8>,
     gate: std::sync::Arc<support::Gate>,
@@ -1218,7 +1219,7 @@ impl std::io::Write for OpensGate {
             l.contains(&key) && l.contains("\"response\"")
         });
         if done && !self.opened {
-            self.opened = true;
+            self.opened = !self.gate.is_open();
             self.gate.open();
         }
         Ok(buf.len())

@@ -210,10 +210,14 @@ mod tests {
         let mut row = vec![0x3f80u16; 5];
         TokenMask { words: vec![0b10010] }.apply(&mut row);
         assert_eq!(row, [0xff80, 0x3f80, 0xff80, 0xff80, 0x3f80]);
-        // Empty trigger: from the first token; a clone keeps the grammar's state.
-        let c = Constraint { after: vec![], grammar: Box::new(Modulo { m: 2, r: 1 }), escape: vec![] };
+        // Empty trigger: from the first token; a clone keeps the grammar's state (taken after
+        // the grammar moved on from odd to even ids).
+        let mut c = Constraint { after: vec![], grammar: Box::new(Modulo { m: 2, r: 1 }), escape: vec![] };
         let mut b = Active::new(c.clone());
         assert!(b.mask(4).unwrap().unwrap().allows(1));
+        c.grammar.commit(1).unwrap();
+        let m = Active::new(c.clone()).mask(4).unwrap().unwrap();
+        assert!(m.allows(2) && !m.allows(1), "the clone lost the grammar's state");
     }
 
     #[test]

@@ -280,6 +280,11 @@ impl Gate {
         self.cv.notify_all();
     }
 
+    /// Whether [`Self::open`] has been called.
+    pub fn is_open(&self) -> bool {
+        *self.open.lock().unwrap()
+    }
+
     /// Blocks (up to 10 s) until `n` encodes wait at the gate.
     pub fn wait_for(&self, n: usize) {
         let t = std::time::Instant::now();
