@@ -307,6 +307,15 @@ fn nvfp4_stored_values_are_the_generated_rows_quantised() {
                     model_spec::nvfp4::quantize_row(&row, global, &mut p, &mut s);
                     assert_eq!(p, packed[r * n_in / 2..][..n_in / 2], "{} row {r}", t.name);
                     assert_eq!(s, scales[r * n_in / 16..][..n_in / 16], "{} row {r} scales", t.name);
+                    // Each group's scale is its amax / 6 to E4M3's precision (3 mantissa bits:
+                    // within 2^-4 relative, or its smallest subnormal step 2^-9 / global) — not
+                    // merely one under which the codes fit.
+                    for (g, chunk) in row.chunks_exact(16).enumerate() {
+                        let want = chunk.iter().fold(0f32, |m, v| m.max(v.abs())) / 6.0;
+                        let gs = model_spec::nvfp4::group_scale(s[g], global);
+                        let tol = want / 16.0 + 2f32.powi(-9) / global;
+                        assert!((gs - want).abs() <= tol, "{} row {r} group {g}: scale {gs}, amax / 6 {want}", t.name);
+                    }
                     let deq = model_spec::nvfp4::dequantize(&p, &s, global, 1, n_in);
                     for (j, (&w, d)) in row.iter().zip(&deq).enumerate() {
                         let gs = model_spec::nvfp4::group_scale(s[j / 16], global);
