@@ -13,6 +13,7 @@
 
 pub mod anthropic;
 mod auth;
+mod body;
 pub mod metrics;
 pub mod queue;
 pub mod responses;
@@ -173,7 +174,6 @@ pub fn app(
         quiet: opts.quiet,
     };
     let (threads, router) = router::spawn(engine, codec, renderer, cfg, metrics.clone())?;
-    let limit = opts.max_body_bytes;
     let admission = Admission::new(router.pool_usage().slots_total.saturating_add(opts.max_queue));
     let state = Arc::new(AppState { router, opts, metrics, admission, created: now_unix() });
     let app = Router::new()
@@ -186,8 +186,9 @@ pub fn app(
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(state.clone(), body::limit_body))
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_key))
-        .layer(DefaultBodyLimit::max(limit))
+        .layer(DefaultBodyLimit::disable())
         .with_state(state);
     Ok((app, threads))
 }
@@ -205,15 +206,8 @@ type St = State<Arc<AppState>>;
 
 /// The JSON object of a request body, and a model name that is ours.
 fn json_body(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
-    let body = body.map_err(|r| {
-        let code = if r.status() == StatusCode::PAYLOAD_TOO_LARGE { "request_too_large" } else { "invalid_request" };
-        let msg = if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            format!("the request body is larger than {} bytes (--max-line-bytes)", st.opts.max_body_bytes)
-        } else {
-            r.body_text()
-        };
-        ApiError::new(r.status(), code, msg)
-    })?;
+    // The size limit is enforced before the handler (`body::limit_body`).
+    let body = body.map_err(|r| ApiError::new(r.status(), "invalid_request", r.body_text()))?;
     let v: Value = serde_json::from_slice(&body)
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid_json", format!("malformed JSON: {e}")))?;
     if !v.is_object() {
