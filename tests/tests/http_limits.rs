@@ -13,7 +13,6 @@ mod support;
 use support::server::*;
 use support::ScriptRunner;
 
-/// The metrics now.
 /// A POST whose status, `Retry-After` header and JSON body come back.
 async fn post_raw(s: &Server, path: &str, body: &Value) -> (u16, Option<String>, Value) {
     let r = s.client.post(format!("{}{path}", s.base)).body(body.to_string()).send().await.unwrap();

@@ -3,7 +3,7 @@
 
 use std::io::{Cursor, Read};
 
-use ornith_runtime::engine::{Engine, EngineConfig, Penalties, SamplingParams};
+use ornith_runtime::engine::{Engine, Penalties, SamplingParams};
 use ornith_runtime::protocol::{self, GenerationDefaults, ServeOptions, TextCodec};
 use serde_json::{json, Map, Value};
 
@@ -51,15 +51,11 @@ fn run_timed(
     let mut runner = ScriptRunner::new(ctx, slots);
     runner.step_time = step_time;
     let calls = runner.calls.clone();
-    let cfg = EngineConfig { max_batch_tokens: 2048, idle_batch_tokens: 2048, max_context: ctx, sample_vocab: 259 };
+    let cfg = support::script_config(ctx);
     let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let mut out = Vec::new();
     protocol::serve(std::io::BufReader::new(input), &mut out, engine, &ByteCodec, &ChatMl, o).unwrap();
-    let text = String::from_utf8(out).unwrap();
-    let lines = text
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("stdout line is not JSON ({e}): {l}")))
-        .collect();
+    let lines = parse_lines(&out);
     let calls = calls.lock().unwrap().clone();
     (lines, calls)
 }
@@ -67,14 +63,14 @@ fn run_timed(
 /// Serves `lines` on an engine over `runner` (contexts of `ctx`); returns the output lines and
 /// the run's stats.
 fn serve_lines(runner: ScriptRunner, ctx: usize, lines: &[Value]) -> (Vec<Value>, protocol::ServeStats) {
-    let cfg = EngineConfig { max_batch_tokens: 2048, idle_batch_tokens: 2048, max_context: ctx, sample_vocab: 259 };
+    let cfg = support::script_config(ctx);
     let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let input: String = lines.iter().map(|l| l.to_string() + "\n").collect();
     let mut out = Vec::new();
     let stats =
         protocol::serve(std::io::BufReader::new(Cursor::new(input)), &mut out, engine, &ByteCodec, &ChatMl, &opts())
             .unwrap();
-    let lines = String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines = parse_lines(&out);
     (lines, stats)
 }
 
@@ -366,7 +362,7 @@ fn penalties_reach_the_engine_and_bad_ones_are_refused() {
     // The model card's recommended settings carry a presence penalty (1.5 for thinking, general).
     let runner = ScriptRunner::new(512, 1);
     let seen = runner.penalties.clone();
-    let cfg = EngineConfig { max_batch_tokens: 2048, idle_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
+    let cfg = support::script_config(512);
     let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let input = [
         r#"{"messages": [{"role": "user", "content": "SAY:a"}], "presence_penalty": 1.5, "repetition_penalty": 1.05}"#,
@@ -379,7 +375,7 @@ fn penalties_reach_the_engine_and_bad_ones_are_refused() {
     let mut out = Vec::new();
     protocol::serve(std::io::BufReader::new(Cursor::new(input)), &mut out, engine, &ByteCodec, &ChatMl, &opts())
         .unwrap();
-    let lines: Vec<Value> = String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines = parse_lines(&out);
     let (res, _) = results(&lines);
     assert_eq!(res.len(), 5);
     for r in &res[..3] {
@@ -884,7 +880,7 @@ fn tokenize_counts_text_and_chat() {
     let mut out = Vec::new();
     let n = protocol::tokenize(Cursor::new(input), &mut out, &ByteCodec, &ChatMl, 1 << 20).unwrap();
     assert_eq!(n, 4);
-    let lines: Vec<Value> = String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines = parse_lines(&out);
     assert_eq!(lines[0], json!({"ids": [104, 195, 169, 108, 108, 111], "count": 6}));
     let rendered = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n";
     let ids = ByteCodec.encode(rendered).unwrap();
@@ -1079,7 +1075,7 @@ fn run_batch_into(
 ) -> protocol::ServeStats {
     let mut runner = ScriptRunner::new(512, 2);
     runner.step_time = step;
-    let cfg = EngineConfig { max_batch_tokens: 2048, idle_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
+    let cfg = support::script_config(512);
     let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let mut o = opts();
     o.ordered = false;
@@ -1087,8 +1083,13 @@ fn run_batch_into(
     protocol::serve_with(input, out, engine, codec, &ChatMl, &o, ctl).unwrap()
 }
 
+/// The JSON lines a run wrote.
 fn parse_lines(out: &[u8]) -> Vec<Value> {
-    std::str::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    std::str::from_utf8(out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("stdout line is not JSON ({e}): {l}")))
+        .collect()
 }
 
 /// The output of a stopped `ornith batch` run: once `chunks` stream chunk lines of each of
@@ -1260,7 +1261,7 @@ fn a_prompt_being_prepared_holds_up_no_other_line() {
     ]
     .join("\n");
     let runner = ScriptRunner::new(512, 2);
-    let cfg = EngineConfig { max_batch_tokens: 2048, idle_batch_tokens: 2048, max_context: 512, sample_vocab: 259 };
+    let cfg = support::script_config(512);
     let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let mut o = opts();
     o.ordered = false;
@@ -1270,8 +1271,7 @@ fn a_prompt_being_prepared_holds_up_no_other_line() {
     let stats = protocol::serve(input, &mut w, engine, &codec, &ChatMl, &o).unwrap();
     assert!(w.opened, "line 2 was not answered while line 1's prompt was being made");
     assert_eq!((stats.ok, stats.errors), (2, 0), "{stats:?}");
-    let lines: Vec<Value> =
-        String::from_utf8(w.out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines = parse_lines(&w.out);
     let (res, chunks) = results(&lines);
     assert_eq!(res.iter().map(|r| r["custom_id"].as_str().unwrap()).collect::<Vec<_>>(), ["quick", "held"]);
     assert_eq!(stream_concat(&chunks[0], "quick").1, "one two");

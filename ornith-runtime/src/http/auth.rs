@@ -26,7 +26,7 @@ pub(super) async fn require_key(State(st): St, req: axum::extract::Request, next
     if path == "/health" || given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
         return next.run(req).await;
     }
-    let api = if path.starts_with("/v1/messages") { Api::Anthropic } else { Api::OpenAi };
+    let api = Api::of_path(&path);
     let what = if given.is_some() { "a wrong API key" } else { "no API key" };
     let e = ApiError::new(
         StatusCode::UNAUTHORIZED,

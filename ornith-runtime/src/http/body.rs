@@ -38,7 +38,7 @@ fn endpoint(path: &str) -> (&'static str, Api) {
         "/metrics",
     ];
     let name = KNOWN.iter().copied().find(|&k| k == path).unwrap_or("other");
-    (name, if path.starts_with("/v1/messages") { Api::Anthropic } else { Api::OpenAi })
+    (name, Api::of_path(path))
 }
 
 /// Reads the request body within `--max-line-bytes` and hands it on; a larger one is answered

@@ -85,6 +85,18 @@ enum Api {
     Anthropic,
 }
 
+impl Api {
+    /// The shape of errors answered before a handler runs (or where none matched): Anthropic's
+    /// under `/v1/messages`, OpenAI's elsewhere.
+    fn of_path(path: &str) -> Api {
+        if path.starts_with("/v1/messages") {
+            Api::Anthropic
+        } else {
+            Api::OpenAi
+        }
+    }
+}
+
 /// An error response.
 #[derive(Debug)]
 pub struct ApiError {
@@ -501,6 +513,6 @@ async fn metrics_text(State(st): St) -> Response {
 
 async fn not_found(State(st): St, uri: axum::http::Uri) -> Response {
     let e = ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no endpoint {}", uri.path()));
-    let api = if uri.path().starts_with("/v1/messages") { Api::Anthropic } else { Api::OpenAi };
+    let api = Api::of_path(uri.path());
     respond(&st, "other", api, Err(e))
 }

@@ -6,11 +6,17 @@ pub mod server;
 
 use std::sync::{Arc, Mutex};
 
-use ornith_runtime::engine::{Capacity, Penalties, Runner, SamplingParams};
+use ornith_runtime::engine::{Capacity, EngineConfig, Penalties, Runner, SamplingParams};
 use ornith_runtime::graph::{Batch, RowSample, Sampled, KV_BLOCK};
 use ornith_runtime::logprobs::TokenLogprobs;
 use ornith_runtime::protocol::{PromptRenderer, TextCodec, TokenStream};
 use serde_json::{json, Map, Value};
+
+/// The engine configuration of the front-end tests: a [`ScriptRunner`]'s 259 ids sampled,
+/// contexts of `ctx`, 2,048-row steps (with or without decode rows).
+pub fn script_config(ctx: usize) -> EngineConfig {
+    EngineConfig { max_batch_tokens: 2048, idle_batch_tokens: 2048, max_context: ctx, sample_vocab: 259 }
+}
 
 pub const IM_END: u32 = 256;
 pub const ENDOFTEXT: u32 = 257;

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use ornith_runtime::engine::{Engine, EngineConfig};
+use ornith_runtime::engine::Engine;
 use ornith_runtime::http::{self, ServerOptions};
 use ornith_runtime::protocol::GenerationDefaults;
 use serde_json::{json, Value};
@@ -59,7 +59,7 @@ pub async fn server_with_codec(
     f: impl FnOnce(&mut ServerOptions),
 ) -> Server {
     let ctx = runner.ctx;
-    let cfg = EngineConfig { max_batch_tokens: 2048, idle_batch_tokens: 2048, max_context: ctx, sample_vocab: 259 };
+    let cfg = super::script_config(ctx);
     let engine = Engine::new(Box::new(runner), cfg).unwrap();
     let defaults = GenerationDefaults {
         temperature: 0.0,
