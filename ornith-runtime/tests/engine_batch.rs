@@ -34,10 +34,12 @@ fn engine(slots: usize, blocks: usize, max_batch_tokens: usize) -> Engine {
 
 /// [`engine`] whose steps with no decode row take `idle_batch_tokens` prefill rows.
 fn engine_idle(slots: usize, blocks: usize, max_batch_tokens: usize, idle_batch_tokens: usize) -> Engine {
-    let r = runner(slots, blocks);
-    let cfg =
-        EngineConfig { max_batch_tokens, idle_batch_tokens, max_context: CTX, sample_vocab: compiled::DIMS.vocab_size };
-    Engine::new(Box::new(r), cfg).unwrap()
+    Engine::new(Box::new(runner(slots, blocks)), config(max_batch_tokens, idle_batch_tokens)).unwrap()
+}
+
+/// Contexts of [`CTX`], the model's vocabulary sampled, the given step budgets.
+fn config(max_batch_tokens: usize, idle_batch_tokens: usize) -> EngineConfig {
+    EngineConfig { max_batch_tokens, idle_batch_tokens, max_context: CTX, sample_vocab: compiled::DIMS.vocab_size }
 }
 
 /// The tokens `r` gives alone: a one-slot engine with `max_batch_tokens` prefill rows per step.
@@ -476,11 +478,6 @@ fn a_step_with_no_decode_row_takes_the_idle_budget() {
     for (i, r) in reqs.iter().enumerate() {
         assert_eq!(toks[&(i as u64)], alone(r, c), "request {i}");
     }
-    let cfg = EngineConfig {
-        max_batch_tokens: c,
-        idle_batch_tokens: c - 1,
-        max_context: CTX,
-        sample_vocab: compiled::DIMS.vocab_size,
-    };
-    assert!(Engine::new(Box::new(runner(1, CTX / KV_BLOCK)), cfg).is_err(), "an idle budget below the step's");
+    let refused = Engine::new(Box::new(runner(1, CTX / KV_BLOCK)), config(c, c - 1));
+    assert!(refused.is_err(), "an idle budget below the step's");
 }
