@@ -98,12 +98,8 @@ pub fn build_runner(args: &Args, throughput: bool) -> anyhow::Result<Built> {
         let (b, cap) = ornith_runtime::backend_cuda::CudaBackend::new(cx, &ck, &compiled::DIMS, &req, args.quiet)?;
         if !args.quiet {
             eprintln!(
-                "ornith: using the CUDA backend on '{b_name}': {} sequences at once, K/V pool {} tokens, context {} tokens, {}, {}",
-                cap.slots,
-                cap.blocks * KV_BLOCK,
-                req.max_context,
-                steps_line(step, idle),
-                cache_line(&cap)
+                "{}",
+                startup_line(&format!("on the CUDA backend ('{b_name}')"), &cap, req.max_context, step, idle)
             );
         }
         let r = compiled::Compiled::load(b, &ck, &cap).with_context(|| format!("loading {}", dir.display()))?;
@@ -111,18 +107,22 @@ pub fn build_runner(args: &Args, throughput: bool) -> anyhow::Result<Built> {
     }
     let cap = plan_cpu_pools(&ck, &req)?;
     if !args.quiet {
-        eprintln!(
-            "ornith: {} sequences at once on the CPU, K/V pool {} tokens, context {} tokens, {}, {}",
-            cap.slots,
-            cap.blocks * KV_BLOCK,
-            req.max_context,
-            steps_line(step, idle),
-            cache_line(&cap)
-        );
+        eprintln!("{}", startup_line("on the CPU", &cap, req.max_context, step, idle));
     }
     let r =
         compiled::Compiled::load(CpuBackend::new(), &ck, &cap).with_context(|| format!("loading {}", dir.display()))?;
     Ok(Built { runner: Box::new(r), max_context: req.max_context, step_rows: step, idle_step_rows: idle })
+}
+
+/// The one line `run` / `batch` / `serve` print to stderr once the pools are planned.
+fn startup_line(backend: &str, cap: &Capacity, max_context: usize, step: usize, idle: usize) -> String {
+    format!(
+        "ornith: {} sequences at once {backend}, K/V pool {} tokens, context {max_context} tokens, {}, {}",
+        cap.slots,
+        cap.blocks * KV_BLOCK,
+        steps_line(step, idle),
+        cache_line(cap)
+    )
 }
 
 fn cache_line(cap: &Capacity) -> String {

@@ -3,7 +3,10 @@ tools and records the result in tests/fixtures/synth_roundtrip.json:
 
 1. compressed-tensors' decompressor (the `float-quantized` compressor with the scheme parsed from our
    config.json) dequantises every FP8 Linear; the result must equal `bf16(e4m3 · weight_scale)`
-   computed independently here, for every element of every FP8 weight.
+   computed independently here, for every element of every FP8 weight, and the sha256 of each
+   result (BF16 bytes, little-endian, row-major) is recorded, so that tests/tests/synth_roundtrip.rs
+   can recompute it in Rust from a freshly synthesised checkpoint (the generator's bytes and our
+   reading of the E4M3 codes and per-channel scales, both checked against the vendor's values).
 2. transformers loads the directory as a compressed-tensors checkpoint (decompressing on load) and
    runs a forward pass with finite logits.
 
@@ -12,6 +15,7 @@ Usage (from the repo root, with the venv of tests/generators/requirements.txt):
     python tests/generators/roundtrip_synth.py /tmp/ornith-tiny
 """
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -39,6 +43,7 @@ def main():
     for name, shard in index.items():
         by_shard.setdefault(shard, []).append(name)
     checked = mismatched = elements = 0
+    digests = {}
     for shard, names in sorted(by_shard.items()):
         with safe_open(str(ckpt / shard), "pt") as f:
             keys = set(names)
@@ -54,6 +59,8 @@ def main():
                 elements += w.numel()
                 if not torch.equal(out, ours):
                     mismatched += 1
+                assert out.dtype == torch.bfloat16, out.dtype
+                digests[module] = hashlib.sha256(out.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()
     assert checked > 0
 
     from transformers import AutoModelForImageTextToText
@@ -77,11 +84,12 @@ def main():
         "elements_checked": elements,
         "fp8_linears_mismatched": mismatched,
         "dequantised_equals_bf16_of_e4m3_times_scale": mismatched == 0,
+        "dequantised_sha256_bf16": digests,
         "transformers_load_and_forward": {"class": type(model).__name__, "logits_shape": list(logits.shape), "finite": finite},
     }
     out = Path(__file__).resolve().parents[1] / "fixtures" / "synth_roundtrip.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "dequantised_sha256_bf16"}, indent=2))
     assert mismatched == 0 and finite
 
 

@@ -1,34 +1,65 @@
-//! The vendor's decompressor read our synthetic tiny checkpoint back with identical dequantised
-//! values (tests/generators/roundtrip_synth.py, recorded in tests/fixtures/synth_roundtrip.json).
-//! This test ties that record to the current generator: the number of FP8 Linears it checked is
-//! the number the tiny preset has now, and none mismatched.
+//! The vendor's decompressor read our synthetic tiny checkpoints back with identical dequantised
+//! values (tests/generators/roundtrip_synth.py and roundtrip_synth_nvfp4.py, recorded in
+//! tests/fixtures/synth_roundtrip.json and synth_roundtrip_nvfp4.json as the sha256 of each
+//! Linear's dequantised BF16 weight). These tests synthesise the tiny preset now, dequantise every
+//! quantised Linear in Rust and compare the digests: a change to the generator's bytes, or a
+//! reading of codes, scales or packing that differs from compressed-tensors', fails here.
 
 use std::path::PathBuf;
 
-#[test]
-fn vendor_decompressor_record_matches_current_tiny_preset() {
+use half::bf16;
+use sha2::{Digest, Sha256};
+
+fn record(name: &str) -> serde_json::Value {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let rec: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(root.join("fixtures/synth_roundtrip.json")).unwrap()).unwrap();
+    serde_json::from_slice(&std::fs::read(root.join("fixtures").join(name)).unwrap()).unwrap()
+}
+
+fn sha256_bf16(w: &[bf16]) -> String {
+    let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+    format!("{:x}", Sha256::digest(&bytes))
+}
+
+/// compressed-tensors' `float-quantized` decompression of a per-channel FP8 Linear:
+/// w[o, i] = bf16(e4m3(code[o, i]) * scale[o]), the product in f32 (exact: a 4-bit by 8-bit
+/// significand) and one round to the scale's dtype, bf16.
+#[test]
+fn vendor_fp8_decompressor_reads_our_synthetic_checkpoint_identically() {
+    let rec = record("synth_roundtrip.json");
     assert_eq!(rec["fp8_linears_mismatched"], 0);
     assert_eq!(rec["dequantised_equals_bf16_of_e4m3_times_scale"], true);
     assert_eq!(rec["transformers_load_and_forward"]["finite"], true);
+    let want = rec["dequantised_sha256_bf16"].as_object().unwrap();
 
     let dir = tempfile::tempdir().unwrap();
-    xtask::synth::synth(
-        dir.path(),
-        xtask::synth::SynthOptions {
-            preset: xtask::synth::Preset::Tiny,
-            seed: xtask::synth::DEFAULT_SEED,
-            quant: xtask::synth::Quant::Fp8,
-            contents: xtask::synth::Contents::HeadersOnly,
-            progress: false,
-        },
-    )
-    .unwrap();
+    let opts = xtask::synth::SynthOptions::new(xtask::synth::Preset::Tiny, xtask::synth::DEFAULT_SEED);
+    assert_eq!(opts.quant, xtask::synth::Quant::Fp8);
+    xtask::synth::synth(dir.path(), opts).unwrap();
     let spec = model_spec::load_checkpoint(dir.path()).unwrap();
-    let fp8 = spec.tensors.values().filter(|t| t.dtype == model_spec::DType::F8_E4M3).count();
-    assert_eq!(rec["fp8_linears_checked"].as_u64(), Some(fp8 as u64));
+    let ck = ornith_runtime::weights::Checkpoint::open(dir.path(), &spec.fingerprint).unwrap();
+    let mut checked = 0;
+    for (name, t) in &spec.tensors {
+        if t.dtype != model_spec::DType::F8_E4M3 {
+            continue;
+        }
+        let module = name.strip_suffix(".weight").unwrap_or_else(|| panic!("FP8 tensor {name} is not a weight"));
+        let (out, inn) = (t.shape[0], t.shape[1]);
+        let codes = ck.tensor(name, &[model_spec::DType::F8_E4M3], &[out, inn]).unwrap();
+        let scale = ck.tensor(&format!("{module}.weight_scale"), &[model_spec::DType::BF16], &[out, 1]).unwrap();
+        let w: Vec<bf16> = codes
+            .bytes
+            .chunks_exact(inn)
+            .zip(scale.bytes.chunks_exact(2))
+            .flat_map(|(row, s)| {
+                let s = bf16::from_le_bytes([s[0], s[1]]).to_f32();
+                row.iter().map(move |&c| bf16::from_f32(model_spec::fp8::e4m3_to_f32(c) * s))
+            })
+            .collect();
+        assert_eq!(Some(sha256_bf16(&w).as_str()), want.get(module).and_then(|v| v.as_str()), "{module}");
+        checked += 1;
+    }
+    assert_eq!(checked, want.len());
+    assert_eq!(rec["fp8_linears_checked"].as_u64(), Some(checked as u64));
 }
 
 /// `cargo xtask synth --quant nvfp4a16` read back by compressed-tensors' NVFP4 decompressor
@@ -37,10 +68,7 @@ fn vendor_decompressor_record_matches_current_tiny_preset() {
 /// synthesised now gives the same bytes for every NVFP4 Linear, and model-spec accepts it.
 #[test]
 fn vendor_nvfp4_decompressor_reads_our_synthetic_checkpoint_identically() {
-    use sha2::{Digest, Sha256};
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let rec: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(root.join("fixtures/synth_roundtrip_nvfp4.json")).unwrap()).unwrap();
+    let rec = record("synth_roundtrip_nvfp4.json");
     assert_eq!(rec["transformers_load_and_forward"]["finite"], true);
     let want = rec["dequantised_sha256_bf16"].as_object().unwrap();
 
@@ -60,9 +88,7 @@ fn vendor_nvfp4_decompressor_reads_our_synthetic_checkpoint_identically() {
         let gs = ck.tensor(&gname, &[model_spec::DType::F32], &[1]).unwrap();
         let global = f32::from_le_bytes(gs.bytes.try_into().unwrap());
         let w = model_spec::nvfp4::dequantize(packed.bytes, scale.bytes, global, out, inn);
-        let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let got = format!("{:x}", Sha256::digest(&bytes));
-        assert_eq!(Some(got.as_str()), want.get(module).and_then(|v| v.as_str()), "{module}");
+        assert_eq!(Some(sha256_bf16(&w).as_str()), want.get(module).and_then(|v| v.as_str()), "{module}");
         checked += 1;
     }
     assert_eq!(checked, want.len());
