@@ -294,3 +294,74 @@ fn prefill_then_decode_equals_longer_prefill() {
         assert_eq!(st.pos, st2.pos);
     }
 }
+
+/// The oracle at length (tests/generators/golden_long.py: micro-bf16 on a 16,421-token prompt,
+/// 32 decode steps). What only length exercises: RoPE at positions up to 16K (the fp32 angle),
+/// softmax and P·V over 16K cached keys, the Gated DeltaNet state through 257 chunks and the conv
+/// state across them, and the prompt prefilled in 2,048-token pieces as the engine's steps split
+/// it (each piece continuing from the state and cache the last one left). The kept rows (every
+/// 512th and the last 32), each layer's hidden states at them and the teacher-forced steps must
+/// sit within the oracle's own bf16-vs-fp32 noise measured on the same rows; at each step our
+/// greedy token must be one the oracle scores within that noise of its maximum (its own top-two
+/// margins go down to one bf16 ulp, 0.0625, so exact identity is not a property of the model).
+#[test]
+fn micro_bf16_matches_transformers_at_16k_tokens() {
+    const PIECE: usize = 2048;
+    let g = Golden::open("micro-bf16-long");
+    let b = CpuBackend::new();
+    let ck = Checkpoint::open(&root().join("fixtures").join("micro-bf16"), bf16::FINGERPRINT).unwrap();
+    let model = bf16::Model::load(&b, &ck).unwrap();
+    let (vocab, hidden, layers) = (bf16::DIMS.vocab_size, bf16::DIMS.hidden_size, bf16::DIMS.num_hidden_layers);
+    let prompt = g.ids("prompt_ids");
+    let rows: Vec<usize> = g.ids("rows").iter().map(|&r| r as usize).collect();
+    let greedy = g.ids("greedy_tokens");
+    assert_eq!(prompt.len(), 16_421);
+    assert_eq!(*rows.last().unwrap(), prompt.len() - 1);
+
+    let mut st = bf16::Model::new_state(&b, prompt.len() + greedy.len()).unwrap();
+    let (mut logits, mut taps) = (Vec::new(), vec![Vec::new(); layers]);
+    for (p, piece) in prompt.chunks(PIECE).enumerate() {
+        let keep: Vec<usize> = rows.iter().filter(|&&r| r / PIECE == p).map(|&r| r - p * PIECE).collect();
+        let mut tap = |i: usize, h: &_| {
+            let h = b.act_to_host(h).unwrap();
+            for &r in &keep {
+                taps[i].extend_from_slice(&h[r * hidden..(r + 1) * hidden]);
+            }
+        };
+        let l = b.logits_to_host(&model.prefill(&b, &mut st, piece, true, &mut tap).unwrap()).unwrap();
+        for &r in &keep {
+            logits.extend_from_slice(&l[r * vocab..(r + 1) * vocab]);
+        }
+    }
+    assert_eq!(st.pos, prompt.len());
+    let prefill = diff(&logits, &g.f32("prefill_logits"));
+    let hidden_gaps: Vec<Gap> =
+        (0..layers).map(|i| diff(&taps[i], &g.f32(&format!("hidden_after_layer_{i}")))).collect();
+
+    // Teacher-forced decode on the oracle's greedy tokens; step 0 is the last prompt row.
+    let oracle_steps = g.f32("step_logits");
+    let mut step_logits = logits[(rows.len() - 1) * vocab..].to_vec();
+    for &tok in &greedy[..greedy.len() - 1] {
+        step_logits.extend(b.logits_to_host(&model.decode_step(&b, &mut st, tok).unwrap()).unwrap());
+    }
+    let steps = diff(&step_logits, &oracle_steps);
+    eprintln!("16K: hidden {hidden_gaps:?}, prefill {prefill:?}, steps {steps:?}");
+
+    for (i, h) in hidden_gaps.iter().enumerate() {
+        assert_within_oracle_noise(&format!("16K: layer {i} hidden states"), *h, g.hidden_gap(i));
+    }
+    assert_within_oracle_noise("16K: prefill logits", prefill, g.gap("prefill_logits"));
+    let step_gap = g.gap("step_logits_teacher_forced");
+    assert_within_oracle_noise("16K: decode logits", steps, step_gap);
+    for s in 0..greedy.len() {
+        let (ours, theirs) = (&step_logits[s * vocab..(s + 1) * vocab], &oracle_steps[s * vocab..(s + 1) * vocab]);
+        let (o, want) = (argmax(ours) as usize, greedy[s] as usize);
+        assert!(
+            theirs[o] >= theirs[want] - step_gap.max,
+            "16K step {s}: our greedy token {o} has oracle logit {} against its choice {want} at {} (noise {})",
+            theirs[o],
+            theirs[want],
+            step_gap.max
+        );
+    }
+}
