@@ -284,6 +284,7 @@ fn cuda_matches_cpu_at_length() {
             cpu_top = cpu_top.max((c2[i] - c[i]).abs() as f64);
         }
         rows.push((end - 1, dist(&g, &c)));
+        eprintln!("  to {end}: {:.1} s", t0.elapsed().as_secs_f64());
         (g_last, c_last) = (g, c);
     }
     eprintln!(
