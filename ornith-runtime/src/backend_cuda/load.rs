@@ -312,22 +312,27 @@ impl CudaBackend {
         let mut dns = self.cx.alloc::<u8>(e * hi / 16)?;
         let (mut gt, mut dt) = (Vec::with_capacity(e * 2 * TAB_BYTES), Vec::with_capacity(e * TAB_BYTES));
         let stream = self.cx.stream().clone();
-        for x in 0..e {
-            let m = |p: &str| format!("{module}.{x}.{p}");
-            let g = fp4_parts(ck, &m("gate_proj"), inter, hidden)?;
-            let u = fp4_parts(ck, &m("up_proj"), inter, hidden)?;
-            let d = fp4_parts(ck, &m("down_proj"), hidden, inter)?;
-            let (c, sc) = (ih / 2, ih / 16);
-            stream.memcpy_htod(&g.codes, &mut gu.slice_mut(2 * x * c..(2 * x + 1) * c))?;
-            stream.memcpy_htod(&u.codes, &mut gu.slice_mut((2 * x + 1) * c..(2 * x + 2) * c))?;
-            stream.memcpy_htod(g.scales, &mut gus.slice_mut(2 * x * sc..(2 * x + 1) * sc))?;
-            stream.memcpy_htod(u.scales, &mut gus.slice_mut((2 * x + 1) * sc..(2 * x + 2) * sc))?;
-            stream.memcpy_htod(&d.codes, &mut dn.slice_mut(x * hi / 2..(x + 1) * hi / 2))?;
-            stream.memcpy_htod(d.scales, &mut dns.slice_mut(x * hi / 16..(x + 1) * hi / 16))?;
-            gt.extend(g.table);
-            gt.extend(u.table);
-            dt.extend(d.table);
-            self.progress.lock().unwrap_or_else(|e| e.into_inner()).add((3 * ih * 9 / 16) as u64);
+        // The host side of each expert (its codes put in the kernels' order, its three scale
+        // tables) is prepared on every core, FP4_EXPERT_BATCH experts at a time (at the 35B
+        // shapes 1.5 MB of codes each, so ~96 MB held at once): the FP8 experts are copied as
+        // stored, these are rewritten first, and one expert at a time the NVFP4A16 load took
+        // 12.1 s against FP8's 5.7 s (H100 host, c44e53a). The uploads stay in expert order on
+        // the one stream.
+        for first in (0..e).step_by(FP4_EXPERT_BATCH) {
+            let batch = fp4_expert_parts(ck, module, first..(first + FP4_EXPERT_BATCH).min(e), inter, hidden)?;
+            for (x, [g, u, d]) in (first..).zip(batch) {
+                let (c, sc) = (ih / 2, ih / 16);
+                stream.memcpy_htod(&g.codes, &mut gu.slice_mut(2 * x * c..(2 * x + 1) * c))?;
+                stream.memcpy_htod(&u.codes, &mut gu.slice_mut((2 * x + 1) * c..(2 * x + 2) * c))?;
+                stream.memcpy_htod(g.scales, &mut gus.slice_mut(2 * x * sc..(2 * x + 1) * sc))?;
+                stream.memcpy_htod(u.scales, &mut gus.slice_mut((2 * x + 1) * sc..(2 * x + 2) * sc))?;
+                stream.memcpy_htod(&d.codes, &mut dn.slice_mut(x * hi / 2..(x + 1) * hi / 2))?;
+                stream.memcpy_htod(d.scales, &mut dns.slice_mut(x * hi / 16..(x + 1) * hi / 16))?;
+                gt.extend(g.table);
+                gt.extend(u.table);
+                dt.extend(d.table);
+                self.progress.lock().unwrap_or_else(|e| e.into_inner()).add((3 * ih * 9 / 16) as u64);
+            }
         }
         Ok(CudaExperts {
             gu,
@@ -356,6 +361,33 @@ impl CudaBackend {
 
 /// One NVFP4A16 Linear `[out, in]`: its codes in the kernels' order (`fp4_device_codes`), its E4M3
 /// group scales (borrowed from the shard mmap), and the dequantisation table of its global scale.
+/// Experts whose NVFP4 host parts are prepared at once (`experts_nvfp4`).
+const FP4_EXPERT_BATCH: usize = 64;
+
+/// [`fp4_parts`] of the gate, up and down projections of experts `experts` of `module`, prepared
+/// on every core, in expert order.
+fn fp4_expert_parts<'a>(
+    ck: &'a Checkpoint,
+    module: &str,
+    experts: std::ops::Range<usize>,
+    inter: usize,
+    hidden: usize,
+) -> Result<Vec<[Fp4Parts<'a>; 3]>> {
+    use rayon::prelude::*;
+    experts
+        .into_par_iter()
+        .map(|x| {
+            let m = |p: &str| format!("{module}.{x}.{p}");
+            Ok([
+                fp4_parts(ck, &m("gate_proj"), inter, hidden)?,
+                fp4_parts(ck, &m("up_proj"), inter, hidden)?,
+                fp4_parts(ck, &m("down_proj"), hidden, inter)?,
+            ])
+        })
+        .collect()
+}
+
+#[derive(Debug, PartialEq)]
 pub(super) struct Fp4Parts<'a> {
     codes: Vec<u8>,
     scales: &'a [u8],
@@ -495,6 +527,34 @@ mod tests {
     fn fixture(name: &str) -> ModelSpec {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name);
         model_spec::load_checkpoint(&dir).expect("fixture checkpoint")
+    }
+
+    /// The experts' NVFP4 parts prepared in parallel batches are each expert's parts as
+    /// `fp4_parts` makes them one at a time, in expert order (micro-nvfp4: the vendor's export,
+    /// 16 experts of 32 x 64).
+    #[test]
+    fn parallel_expert_parts_equal_serial_ones_in_order() {
+        let spec = fixture("micro-nvfp4");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/micro-nvfp4");
+        let ck = Checkpoint::open(&dir, &spec.fingerprint).unwrap();
+        let module = "model.language_model.layers.1.mlp.experts";
+        let (inter, hidden) = (32, 64);
+        let serial: Vec<[Fp4Parts; 3]> = (0..16)
+            .map(|x| {
+                let m = |p: &str| format!("{module}.{x}.{p}");
+                [
+                    fp4_parts(&ck, &m("gate_proj"), inter, hidden).unwrap(),
+                    fp4_parts(&ck, &m("up_proj"), inter, hidden).unwrap(),
+                    fp4_parts(&ck, &m("down_proj"), hidden, inter).unwrap(),
+                ]
+            })
+            .collect();
+        let mut batched = fp4_expert_parts(&ck, module, 0..5, inter, hidden).unwrap();
+        batched.extend(fp4_expert_parts(&ck, module, 5..16, inter, hidden).unwrap());
+        assert_eq!(batched, serial);
+        // The experts differ, so an order swap would show.
+        assert_ne!(serial[0][0].codes, serial[1][0].codes);
+        assert!(fp4_expert_parts(&ck, module, 15..17, inter, hidden).is_err(), "expert 16 does not exist");
     }
 
     #[test]
