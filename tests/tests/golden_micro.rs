@@ -304,6 +304,10 @@ fn prefill_then_decode_equals_longer_prefill() {
 /// sit within the oracle's own bf16-vs-fp32 noise measured on the same rows; at each step our
 /// greedy token must be one the oracle scores within that noise of its maximum (its own top-two
 /// margins go down to one bf16 ulp, 0.0625, so exact identity is not a property of the model).
+/// Recorded (this generator's golden): prefill rows mean |Δ| 0.0099 against the bound 0.030; the
+/// steps 0.0188 against 0.0246 — steps 0–20 at 0.003–0.01 each, from step 21 on 0.02–0.12 (further
+/// from both oracle runs than they are from each other), a discrete divergence that persists in
+/// the recurrent and K/V state, as an expert-routing near-tie resolved the other way would.
 #[test]
 fn micro_bf16_matches_transformers_at_16k_tokens() {
     const PIECE: usize = 2048;
