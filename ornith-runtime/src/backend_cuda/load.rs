@@ -359,8 +359,6 @@ impl CudaBackend {
     }
 }
 
-/// One NVFP4A16 Linear `[out, in]`: its codes in the kernels' order (`fp4_device_codes`), its E4M3
-/// group scales (borrowed from the shard mmap), and the dequantisation table of its global scale.
 /// Experts whose NVFP4 host parts are prepared at once (`experts_nvfp4`).
 const FP4_EXPERT_BATCH: usize = 64;
 
@@ -387,6 +385,8 @@ fn fp4_expert_parts<'a>(
         .collect()
 }
 
+/// One NVFP4A16 Linear `[out, in]`: its codes in the kernels' order (`fp4_device_codes`), its E4M3
+/// group scales (borrowed from the shard mmap), and the dequantisation table of its global scale.
 #[derive(Debug, PartialEq)]
 pub(super) struct Fp4Parts<'a> {
     codes: Vec<u8>,
