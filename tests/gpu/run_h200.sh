@@ -25,6 +25,9 @@
 # FILE_STEPS="default 2048": the batch file once per `--max-batch-tokens` value, `default` for none
 # (the binary's defaults: on CUDA 8,192-row steps and up to 256 sequences; the default here).
 # FILE_SEQS="64": pass `--max-seqs` too (each FILE_STEPS value once per FILE_SEQS value).
+# PHASE=long (about 4 minutes per export): cuda_matches_cpu_at_length on the shallow preset at
+# LONG tokens (default 16,421; ~200 s, nearly all the CPU reference), and on its NVFP4A16 export
+# too when the build has test_shallow_nvfp4 (build.sh with NVFP4=1).
 # PHASE=prefix: 1–2, then the full preset's prefix-cache identity test and tests/gpu/prefix_cache.py
 # (a growing agent conversation and a shared-system-prompt batch file, with and without the cache).
 # Logs and JSON go to $OUT; a short table to stdout.
@@ -66,6 +69,19 @@ if [ "$phase" = prefill ]; then
     t0=$SECONDS
     timeout 200 python3 "$(dirname "$0")/long_prompt.py" "$G/ornith_full" "$C/full" "$OUT/long_prompt.json" "${LONG:-261000}"
     echo "long prompt rc=$? $((SECONDS - t0))s"
+    exit 0
+fi
+if [ "$phase" = long ]; then
+    for q in fp8 nvfp4; do
+        bin=$G/test_shallow; [ $q = nvfp4 ] && bin=$G/test_shallow_nvfp4
+        [ -x "$bin" ] || continue
+        t0=$SECONDS
+        "$G/xtask" synth --preset shallow --quant $( [ $q = nvfp4 ] && echo nvfp4a16 || echo fp8 ) --out "$C/shallow-$q" > "$OUT/synth_shallow_$q.log" 2>&1; echo "synth shallow $q rc=$? $((SECONDS - t0))s"
+        ORNITH_TEST_MODEL=$C/shallow-$q ORNITH_LONG=${LONG:-16421} timeout 300 "$bin" --ignored --nocapture --test-threads=1 cuda_matches_cpu_at_length > "$OUT/test_long_$q.log" 2>&1
+        echo "cuda_matches_cpu_at_length $q rc=$? $((SECONDS - t0))s"
+        grep -E "prefill in pieces|two piece cuts|^row|decode:|panicked|test result" "$OUT/test_long_$q.log" | cut -c1-300
+        rm -rf "$C/shallow-$q"
+    done
     exit 0
 fi
 # The model-level checks on the shallow preset's NVFP4A16 export (build.sh with NVFP4=1). Not
