@@ -26,7 +26,7 @@
 # (the binary's defaults: on CUDA 8,192-row steps and up to 256 sequences; the default here).
 # FILE_SEQS="64": pass `--max-seqs` too (each FILE_STEPS value once per FILE_SEQS value).
 # PHASE=long (about 4 minutes per export): cuda_matches_cpu_at_length on the shallow preset at
-# LONG tokens (default 16,421; ~200 s, nearly all the CPU reference), and on its NVFP4A16 export
+# LONG tokens (default 16,421; ~220 s, nearly all the CPU reference), and on its NVFP4A16 export
 # too when the build has test_shallow_nvfp4 (build.sh with NVFP4=1).
 # PHASE=prefix: 1–2, then the full preset's prefix-cache identity test and tests/gpu/prefix_cache.py
 # (a growing agent conversation and a shared-system-prompt batch file, with and without the cache).
