@@ -19,6 +19,9 @@ pub mod nvfp4;
 pub mod quant;
 pub mod report;
 
+#[cfg(test)]
+pub(crate) mod sweep;
+
 pub use build::{load_checkpoint, text_prefix_of};
 pub use error::{Result, SpecError};
 
