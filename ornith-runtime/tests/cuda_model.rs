@@ -142,6 +142,59 @@ fn tie_cap(ck: &Checkpoint) -> f64 {
 /// towards the CPU's runners-up far more often than the model's noise explains.
 const MAX_TIES: usize = 14;
 
+/// One backend's side of a comparison: the backend, the model on it and a sequence's state.
+struct Side<'a, B: Backend> {
+    b: &'a B,
+    m: &'a compiled::Model<B>,
+    st: &'a mut compiled::State<B>,
+}
+
+impl<B: Backend> Side<'_, B> {
+    /// The logits after one decode step of `tok`.
+    fn step(&mut self, tok: u32) -> Vec<f32> {
+        self.b.logits_to_host(&self.m.decode_step(self.b, self.st, tok).unwrap()).unwrap()
+    }
+}
+
+/// What [`teacher_forced`] saw: the steps' worst relative L2, the greedy differences accepted as
+/// ties (step, how far below its own maximum the CPU ranks CUDA's token) and the CPU's tokens.
+struct Forced {
+    worst: f64,
+    ties: Vec<(usize, f64)>,
+    tokens: Vec<usize>,
+}
+
+/// `steps` greedy decode steps on both backends, teacher-forced on the CPU's token, from the
+/// logits each produced last (`g_last`, `c_last`): at every step CUDA's greedy token is the CPU's
+/// or a tie (the CPU ranks it at most `tie` below its own), and once both have consumed the
+/// CPU's token CUDA's logits are finite and within relative L2 `tol` of the CPU's.
+fn teacher_forced(
+    gpu: &mut Side<CudaBackend>,
+    cpu: &mut Side<CpuBackend>,
+    (mut g_last, mut c_last): (Vec<f32>, Vec<f32>),
+    steps: usize,
+    tol: f64,
+    tie: f64,
+) -> Forced {
+    let mut f = Forced { worst: 0.0, ties: Vec::new(), tokens: Vec::new() };
+    for step in 0..steps {
+        let (gt, ct) = (argmax(&g_last), argmax(&c_last));
+        if gt != ct {
+            let short = (c_last[ct] - c_last[gt]) as f64;
+            assert!(short <= tie, "greedy token differs at decode step {step}: CUDA {gt}, CPU {ct}; the CPU ranks CUDA's token {short:.4} below its own, beyond the tie threshold {tie:.4}");
+            f.ties.push((step, short));
+        }
+        f.tokens.push(ct);
+        g_last = gpu.step(ct as u32);
+        c_last = cpu.step(ct as u32);
+        assert!(g_last.iter().all(|v| v.is_finite()), "decode step {step}: non-finite CUDA logits");
+        let (rel, mx) = dist(&g_last, &c_last);
+        f.worst = f.worst.max(rel);
+        assert!(rel <= tol, "decode step {step}: relative L2 {rel:.2e} (max |d| {mx:.3e}) > {tol:.2e}");
+    }
+    f
+}
+
 #[test]
 #[ignore]
 fn cuda_matches_cpu() {
@@ -211,27 +264,20 @@ fn cuda_matches_cpu() {
         "the tie threshold computed from the CPU's own orderings, {tie:.4}, exceeds its cap {cap} (recorded 0.3125 FP8, 0.4062 NVFP4A16)"
     );
     let last = |v: &[f32]| v[v.len() - d.vocab_size..].to_vec();
-    let (mut g_last, mut c_last) = (last(&gl), last(&cl));
-    let mut worst = 0f64;
-    let (mut tokens, mut ties) = (Vec::new(), Vec::new());
-    for step in 0..64 {
-        let (gt, ct) = (argmax(&g_last), argmax(&c_last));
-        if gt != ct {
-            let short = (c_last[ct] - c_last[gt]) as f64;
-            assert!(short <= tie, "greedy token differs at decode step {step}: CUDA {gt}, CPU {ct}; the CPU ranks CUDA's token {short:.4} below its own, beyond the tie threshold {tie:.4}");
-            ties.push((step, short));
-        }
-        tokens.push(ct);
-        g_last = gpu.logits_to_host(&gm.decode_step(&gpu, &mut gs, ct as u32).unwrap()).unwrap();
-        c_last = cpu.logits_to_host(&cm.decode_step(&cpu, &mut cs, ct as u32).unwrap()).unwrap();
-        assert!(g_last.iter().all(|v| v.is_finite()), "decode step {step}: non-finite CUDA logits");
-        let (rel, mx) = dist(&g_last, &c_last);
-        worst = worst.max(rel);
-        assert!(rel <= tol, "decode step {step}: relative L2 {rel:.2e} (max |d| {mx:.3e}) > {tol:.2e}");
-    }
+    let f = teacher_forced(
+        &mut Side { b: &gpu, m: &gm, st: &mut gs },
+        &mut Side { b: &cpu, m: &cm, st: &mut cs },
+        (last(&gl), last(&cl)),
+        64,
+        tol,
+        tie,
+    );
+    let ties = f.ties;
     eprintln!(
-        "decode: 64 teacher-forced greedy steps, worst relative L2 {worst:.3e}; {} of 64 tokens identical, ties within {tie:.4} at (step, gap) {ties:?}; tokens {tokens:?}",
-        64 - ties.len()
+        "decode: 64 teacher-forced greedy steps, worst relative L2 {:.3e}; {} of 64 tokens identical, ties within {tie:.4} at (step, gap) {ties:?}; tokens {:?}",
+        f.worst,
+        64 - ties.len(),
+        f.tokens
     );
     assert!(ties.len() <= MAX_TIES, "{} of 64 greedy tokens differ as ties, more than {MAX_TIES}", ties.len());
 }
@@ -241,6 +287,7 @@ fn cuda_matches_cpu() {
 /// (the CPU's two piece cuts 5.337e-2 apart) and tie threshold 0.1875 (H100, 2026-12-06, 38b476d;
 /// CUDA's worst row 5.31e-2, one exact tie in 16 steps); each cap 12% above. Other lengths and the
 /// NVFP4A16 export (not yet recorded at length) take `cuda_matches_cpu`'s caps.
+const LONG_DEFAULT: usize = 16_421;
 const LONG_REL_L2_CAP: f64 = 0.12;
 const LONG_TIE_CAP: f64 = 0.21;
 
@@ -255,8 +302,10 @@ const LONG_TIE_CAP: f64 = 0.21;
 #[test]
 #[ignore]
 fn cuda_matches_cpu_at_length() {
-    let n: usize =
-        std::env::var("ORNITH_LONG").ok().map(|v| v.parse().expect("ORNITH_LONG: a token count")).unwrap_or(16_421);
+    let n: usize = std::env::var("ORNITH_LONG")
+        .ok()
+        .map(|v| v.parse().expect("ORNITH_LONG: a token count"))
+        .unwrap_or(LONG_DEFAULT);
     assert!(n > PREFILL_CHUNK, "ORNITH_LONG {n}: at least two pieces of {PREFILL_CHUNK}");
     const STEPS: usize = 16;
     let dir = model_dir();
@@ -287,17 +336,16 @@ fn cuda_matches_cpu_at_length() {
         let c2 =
             cpu.logits_to_host(&cm.prefill(&cpu, &mut cs2, &ids[cut..end], false, &mut |_, _| {}).unwrap()).unwrap();
         assert!(g.iter().all(|v| v.is_finite()), "row {}: non-finite CUDA logits", end - 1);
-        cpu_gap = cpu_gap.max(dist(&c2, &c).0);
+        let ((rel, mx), own) = (dist(&g, &c), dist(&c2, &c).0);
+        cpu_gap = cpu_gap.max(own);
         for i in top_indices(&c, 8) {
             cpu_top = cpu_top.max((c2[i] - c[i]).abs() as f64);
         }
-        rows.push((end - 1, dist(&g, &c)));
+        rows.push((end - 1, rel, mx));
         eprintln!(
-            "  to {end}: {:.1} s; row {}: CUDA vs CPU {:.3e}, CPU at two cuts {:.3e}",
+            "  to {end}: {:.1} s; row {}: CUDA vs CPU {rel:.3e} (max |d| {mx:.3e}), CPU at two cuts {own:.3e}",
             t0.elapsed().as_secs_f64(),
-            end - 1,
-            dist(&g, &c).0,
-            dist(&c2, &c).0
+            end - 1
         );
         (g_last, c_last) = (g, c);
     }
@@ -308,41 +356,30 @@ fn cuda_matches_cpu_at_length() {
     let tol = REL_L2.max(2.0 * cpu_gap);
     let tie = 2.0 * cpu_top;
     eprintln!("CPU at two piece cuts: worst relative L2 {cpu_gap:.3e}, at the 8 largest logits {cpu_top:.4}; tolerance {tol:.3e}, tie threshold {tie:.4}");
-    let recorded = n == 16_421 && tie_cap(&ck) == TIE_CAP;
+    let recorded = n == LONG_DEFAULT && tie_cap(&ck) == TIE_CAP;
     let (tol_cap, tie_max) = if recorded { (LONG_REL_L2_CAP, LONG_TIE_CAP) } else { (REL_L2_CAP, tie_cap(&ck)) };
     assert!(
         tol <= tol_cap,
         "the tolerance computed from the CPU's two piece cuts, {tol:.3e}, exceeds its cap {tol_cap:.2e}"
     );
     assert!(tie <= tie_max, "the tie threshold from the CPU's two piece cuts, {tie:.4}, exceeds its cap {tie_max}");
-    for &(row, (rel, mx)) in &rows {
-        eprintln!("row {row}: relative L2 {rel:.3e}, max |d| {mx:.3e}");
+    for &(row, rel, mx) in &rows {
         assert!(rel <= tol, "prefill row {row}: relative L2 {rel:.2e} (max |d| {mx:.3e}) > {tol:.2e}");
     }
 
-    // Teacher-forced on the CPU's greedy tokens, as cuda_matches_cpu; step 0 is the last prompt row.
-    let mut ties = Vec::new();
-    for step in 0..STEPS {
-        assert!(g_last.iter().all(|v| v.is_finite()), "decode step {step}: non-finite CUDA logits");
-        let (rel, mx) = dist(&g_last, &c_last);
-        assert!(
-            rel <= tol,
-            "decode step {step} at position {}: relative L2 {rel:.2e} (max |d| {mx:.3e}) > {tol:.2e}",
-            n + step
-        );
-        let (gt, ct) = (argmax(&g_last), argmax(&c_last));
-        if gt != ct {
-            let short = (c_last[ct] - c_last[gt]) as f64;
-            assert!(short <= tie, "greedy token differs at decode step {step}: CUDA {gt}, CPU {ct}, {short:.4} below the CPU's, beyond the tie threshold {tie:.4}");
-            ties.push((step, short));
-        }
-        if step + 1 < STEPS {
-            g_last = gpu.logits_to_host(&gm.decode_step(&gpu, &mut gs, ct as u32).unwrap()).unwrap();
-            c_last = cpu.logits_to_host(&cm.decode_step(&cpu, &mut cs, ct as u32).unwrap()).unwrap();
-        }
-    }
+    // Teacher-forced on the CPU's greedy tokens, as cuda_matches_cpu, from the last prompt row.
+    let f = teacher_forced(
+        &mut Side { b: &gpu, m: &gm, st: &mut gs },
+        &mut Side { b: &cpu, m: &cm, st: &mut cs },
+        (g_last, c_last),
+        STEPS,
+        tol,
+        tie,
+    );
+    let ties = f.ties;
     eprintln!(
-        "decode: {STEPS} teacher-forced steps from position {n}, ties {ties:?}; {:.1} s in all",
+        "decode: {STEPS} teacher-forced steps from position {n}, worst relative L2 {:.3e}, ties {ties:?}; {:.1} s in all",
+        f.worst,
         t0.elapsed().as_secs_f64()
     );
     assert!(ties.len() <= STEPS / 4, "{} of {STEPS} greedy tokens differ as ties", ties.len());
