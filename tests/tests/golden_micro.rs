@@ -8,6 +8,7 @@
 //! token, which no cross-token op touches, in the FP8 fixture) it must be exact.
 
 use ornith_runtime::backend_cpu::{CpuBackend, Fp8Arith};
+use ornith_runtime::engine::PREFILL_CHUNK;
 use ornith_runtime::graph::Backend;
 use ornith_runtime::weights::Checkpoint;
 use serde_json::Value;
@@ -310,7 +311,7 @@ fn prefill_then_decode_equals_longer_prefill() {
 /// the recurrent and K/V state, as an expert-routing near-tie resolved the other way would.
 #[test]
 fn micro_bf16_matches_transformers_at_16k_tokens() {
-    const PIECE: usize = 2048;
+    const PIECE: usize = PREFILL_CHUNK;
     let g = Golden::open("micro-bf16-long");
     let b = CpuBackend::new();
     let ck = Checkpoint::open(&root().join("fixtures").join("micro-bf16"), bf16::FINGERPRINT).unwrap();

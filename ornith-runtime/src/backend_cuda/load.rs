@@ -524,9 +524,12 @@ mod tests {
         }
     }
 
+    fn fixture_dir(name: &str) -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name)
+    }
+
     fn fixture(name: &str) -> ModelSpec {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name);
-        model_spec::load_checkpoint(&dir).expect("fixture checkpoint")
+        model_spec::load_checkpoint(&fixture_dir(name)).expect("fixture checkpoint")
     }
 
     /// The experts' NVFP4 parts prepared in parallel batches are each expert's parts as
@@ -534,9 +537,7 @@ mod tests {
     /// 16 experts of 32 x 64).
     #[test]
     fn parallel_expert_parts_equal_serial_ones_in_order() {
-        let spec = fixture("micro-nvfp4");
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/micro-nvfp4");
-        let ck = Checkpoint::open(&dir, &spec.fingerprint).unwrap();
+        let ck = Checkpoint::open(&fixture_dir("micro-nvfp4"), &fixture("micro-nvfp4").fingerprint).unwrap();
         let module = "model.language_model.layers.1.mlp.experts";
         let (inter, hidden) = (32, 64);
         let serial: Vec<[Fp4Parts; 3]> = (0..16)
