@@ -46,15 +46,12 @@ fn vendor_fp8_decompressor_reads_our_synthetic_checkpoint_identically() {
         let (out, inn) = (t.shape[0], t.shape[1]);
         let codes = ck.tensor(name, &[model_spec::DType::F8_E4M3], &[out, inn]).unwrap();
         let scale = ck.tensor(&format!("{module}.weight_scale"), &[model_spec::DType::BF16], &[out, 1]).unwrap();
-        let w: Vec<bf16> = codes
-            .bytes
-            .chunks_exact(inn)
-            .zip(scale.bytes.chunks_exact(2))
-            .flat_map(|(row, s)| {
-                let s = bf16::from_le_bytes([s[0], s[1]]).to_f32();
-                row.iter().map(move |&c| bf16::from_f32(model_spec::fp8::e4m3_to_f32(c) * s))
-            })
-            .collect();
+        let mut f = vec![0f32; inn];
+        let mut w: Vec<bf16> = Vec::with_capacity(out * inn);
+        for (row, s) in codes.bytes.chunks_exact(inn).zip(ornith_runtime::weights::to_f32(&scale)) {
+            ornith_runtime::cpu::fp8::dequantize_row(row, s, &mut f);
+            w.extend(f.iter().map(|&v| bf16::from_f32(v)));
+        }
         assert_eq!(Some(sha256_bf16(&w).as_str()), want.get(module).and_then(|v| v.as_str()), "{module}");
         checked += 1;
     }
@@ -86,7 +83,7 @@ fn vendor_nvfp4_decompressor_reads_our_synthetic_checkpoint_identically() {
         let (sname, gname) = (format!("{module}.weight_scale"), format!("{module}.weight_global_scale"));
         let scale = ck.tensor(&sname, &[model_spec::DType::F8_E4M3], &[out, inn / 16]).unwrap();
         let gs = ck.tensor(&gname, &[model_spec::DType::F32], &[1]).unwrap();
-        let global = f32::from_le_bytes(gs.bytes.try_into().unwrap());
+        let global = ornith_runtime::weights::to_f32(&gs)[0];
         let w = model_spec::nvfp4::dequantize(packed.bytes, scale.bytes, global, out, inn);
         assert_eq!(Some(sha256_bf16(&w).as_str()), want.get(module).and_then(|v| v.as_str()), "{module}");
         checked += 1;
