@@ -23,7 +23,7 @@ pub(super) async fn require_key(State(st): St, req: axum::extract::Request, next
     let h = req.headers();
     let bearer = h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
     let given = h.get("x-api-key").and_then(|v| v.to_str().ok()).or(bearer);
-    if path == "/health" || given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
+    if path == super::paths::HEALTH || given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
         return next.run(req).await;
     }
     let api = Api::of_path(&path);

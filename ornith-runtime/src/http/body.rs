@@ -27,17 +27,7 @@ pub const DRAIN_TIME: Duration = Duration::from_secs(10);
 
 /// The endpoint a path is counted under in `ornith_http_requests_total`, and its error shape.
 fn endpoint(path: &str) -> (&'static str, Api) {
-    const KNOWN: [&str; 8] = [
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/responses",
-        "/v1/messages",
-        "/v1/messages/count_tokens",
-        "/v1/models",
-        "/health",
-        "/metrics",
-    ];
-    let name = KNOWN.iter().copied().find(|&k| k == path).unwrap_or("other");
+    let name = super::paths::ALL.iter().copied().find(|&k| k == path).unwrap_or("other");
     (name, Api::of_path(path))
 }
 

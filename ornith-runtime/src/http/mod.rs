@@ -78,6 +78,21 @@ struct AppState {
     created: u64,
 }
 
+/// The served paths, named once: the router's table, the handlers' request counts and the
+/// body limit's endpoint names (`ornith_http_requests_total{endpoint=...}`) all read these.
+mod paths {
+    pub const CHAT: &str = "/v1/chat/completions";
+    pub const COMPLETIONS: &str = "/v1/completions";
+    pub const RESPONSES: &str = "/v1/responses";
+    pub const MESSAGES: &str = "/v1/messages";
+    pub const COUNT_TOKENS: &str = "/v1/messages/count_tokens";
+    pub const MODELS: &str = "/v1/models";
+    pub const HEALTH: &str = "/health";
+    pub const METRICS: &str = "/metrics";
+    /// Every served path (a request anywhere else is counted under "other").
+    pub const ALL: [&str; 8] = [CHAT, COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS, MODELS, HEALTH, METRICS];
+}
+
 /// Which API's error shape a handler answers with.
 #[derive(Clone, Copy, PartialEq)]
 enum Api {
@@ -89,7 +104,7 @@ impl Api {
     /// The shape of errors answered before a handler runs (or where none matched): Anthropic's
     /// under `/v1/messages`, OpenAI's elsewhere.
     fn of_path(path: &str) -> Api {
-        if path.starts_with("/v1/messages") {
+        if path.starts_with(paths::MESSAGES) {
             Api::Anthropic
         } else {
             Api::OpenAi
@@ -189,14 +204,14 @@ pub fn app(
     let admission = Admission::new(router.pool_usage().slots_total.saturating_add(opts.max_queue));
     let state = Arc::new(AppState { router, opts, metrics, admission, created: now_unix() });
     let app = Router::new()
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/completions", post(completions))
-        .route("/v1/responses", post(responses_endpoint))
-        .route("/v1/messages", post(messages))
-        .route("/v1/messages/count_tokens", post(count_tokens))
-        .route("/v1/models", get(models))
-        .route("/health", get(health))
-        .route("/metrics", get(metrics_text))
+        .route(paths::CHAT, post(chat_completions))
+        .route(paths::COMPLETIONS, post(completions))
+        .route(paths::RESPONSES, post(responses_endpoint))
+        .route(paths::MESSAGES, post(messages))
+        .route(paths::COUNT_TOKENS, post(count_tokens))
+        .route(paths::MODELS, get(models))
+        .route(paths::HEALTH, get(health))
+        .route(paths::METRICS, get(metrics_text))
         .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(state.clone(), body::limit_body))
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_key))
@@ -317,13 +332,13 @@ fn respond(st: &AppState, endpoint: &'static str, api: Api, r: Result<Response, 
 }
 
 async fn chat_completions(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
-    let r = openai(&st, "/v1/chat/completions", body).await;
-    respond(&st, "/v1/chat/completions", Api::OpenAi, r)
+    let r = openai(&st, paths::CHAT, body).await;
+    respond(&st, paths::CHAT, Api::OpenAi, r)
 }
 
 async fn completions(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
-    let r = openai(&st, "/v1/completions", body).await;
-    respond(&st, "/v1/completions", Api::OpenAi, r)
+    let r = openai(&st, paths::COMPLETIONS, body).await;
+    respond(&st, paths::COMPLETIONS, Api::OpenAi, r)
 }
 
 async fn openai(st: &AppState, url: &'static str, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
@@ -336,7 +351,7 @@ async fn openai(st: &AppState, url: &'static str, body: Result<Bytes, BytesRejec
     if !stream {
         return Ok(json_response(StatusCode::OK, &finish(rx, guard).await?));
     }
-    let chat = url == "/v1/chat/completions";
+    let chat = url == paths::CHAT;
     let data = |v: &Value| format!("data: {v}\n\n");
     Ok(event_stream(rx, guard, String::new(), None, move |out| {
         let text = match out {
@@ -355,7 +370,7 @@ async fn openai(st: &AppState, url: &'static str, body: Result<Bytes, BytesRejec
 
 async fn messages(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
     let r = anthropic_messages(&st, body).await;
-    respond(&st, "/v1/messages", Api::Anthropic, r)
+    respond(&st, paths::MESSAGES, Api::Anthropic, r)
 }
 
 fn anthropic_request(st: &AppState, id: u64, body: Value, counting: bool) -> Result<request::Request, ApiError> {
@@ -365,7 +380,7 @@ fn anthropic_request(st: &AppState, id: u64, body: Value, counting: bool) -> Res
             eprintln!("[ornith] request {id}: warning: {w}");
         }
     }
-    parse_request(st, id, "/v1/chat/completions", chat)
+    parse_request(st, id, paths::CHAT, chat)
 }
 
 async fn anthropic_messages(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
@@ -449,7 +464,7 @@ where
 
 async fn responses_endpoint(State(st): St, body: Result<Bytes, BytesRejection>) -> Response {
     let r = openai_responses(&st, body).await;
-    respond(&st, "/v1/responses", Api::OpenAi, r)
+    respond(&st, paths::RESPONSES, Api::OpenAi, r)
 }
 
 async fn openai_responses(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
@@ -461,7 +476,7 @@ async fn openai_responses(st: &AppState, body: Result<Bytes, BytesRejection>) ->
             eprintln!("[ornith] request {id}: warning: {w}");
         }
     }
-    let req = parse_request(st, id, "/v1/chat/completions", chat)?;
+    let req = parse_request(st, id, paths::CHAT, chat)?;
     let stream = req.stream;
     let resp_id = format!("resp_{:016x}{id:08x}", st.opts.run_id);
     let echo = responses::Echo::new(resp_id, now_unix(), &st.opts.model_name, &body);
@@ -490,25 +505,25 @@ async fn count_tokens(State(st): St, body: Result<Bytes, BytesRejection>) -> Res
         Ok(json_response(StatusCode::OK, &json!({"input_tokens": n})))
     }
     .await;
-    respond(&st, "/v1/messages/count_tokens", Api::Anthropic, r)
+    respond(&st, paths::COUNT_TOKENS, Api::Anthropic, r)
 }
 
 async fn models(State(st): St) -> Response {
     let w = st.router.window;
     let m = json!({"id": st.opts.model_name, "object": "model", "created": st.created, "owned_by": "ornith",
                    "max_model_len": w, "context_length": w});
-    respond(&st, "/v1/models", Api::OpenAi, Ok(json_response(StatusCode::OK, &json!({"object": "list", "data": [m]}))))
+    respond(&st, paths::MODELS, Api::OpenAi, Ok(json_response(StatusCode::OK, &json!({"object": "list", "data": [m]}))))
 }
 
 async fn health(State(st): St) -> Response {
-    respond(&st, "/health", Api::OpenAi, Ok(json_response(StatusCode::OK, &json!({"status": "ok"}))))
+    respond(&st, paths::HEALTH, Api::OpenAi, Ok(json_response(StatusCode::OK, &json!({"status": "ok"}))))
 }
 
 async fn metrics_text(State(st): St) -> Response {
     let queue = QueueUsage { in_flight: st.admission.held(), limit: st.admission.limit() };
     let text = st.metrics.render(&st.router.gauges(), queue);
     let r = (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response();
-    respond(&st, "/metrics", Api::OpenAi, Ok(r))
+    respond(&st, paths::METRICS, Api::OpenAi, Ok(r))
 }
 
 async fn not_found(State(st): St, uri: axum::http::Uri) -> Response {
