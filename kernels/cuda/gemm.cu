@@ -56,6 +56,13 @@
 // FADD, and is 617 with 32; the kernel is bound by instruction issue (ncu, H200: 2.5 instructions
 // per cycle per SM, stalls "not selected" and "math pipe throttle" first).
 // On sm_121 (native E4M3) mma_e4m3_split is mma_e4m3.
+//
+// Not kept, twice: skipping the ldmatrix and mma of a tile's 16-row fragments past its last row
+// (an expert's tail tile holds a few rows). A warp-uniform break per fragment (GEMM harness, run 3)
+// and, in this kernel, a count of live fragments per warp with the stage's loop skipped or the
+// fragments' mma predicated (thirty-eighth session, H100: moe_prefill 0.826 -> 0.888 ms, plain
+// gemm_nvfp4 319 -> 345 us with no tail at all) both lost: the loop is issue-bound and the control
+// flow costs ptxas the overlap of one k-step's ldmatrix with the previous one's mma.
 #include "common.cuh"
 #include "fp4.cuh"
 #include "mma.cuh"
