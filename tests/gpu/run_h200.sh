@@ -90,7 +90,7 @@ fi
 nvfp4_shallow() {
     t0=$SECONDS
     "$G/xtask" synth --preset shallow --quant nvfp4a16 --out "$C/shallow-nvfp4" > "$OUT/synth_shallow_nvfp4.log" 2>&1; echo "synth shallow nvfp4 rc=$? $((SECONDS - t0))s"
-    ORNITH_TEST_MODEL=$C/shallow-nvfp4 timeout 240 "$G/test_shallow_nvfp4" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu batch_invariance cuda_penalties > "$OUT/test_shallow_nvfp4.log" 2>&1
+    ORNITH_TEST_MODEL=$C/shallow-nvfp4 timeout 240 "$G/test_shallow_nvfp4" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu batch_invariance cuda_penalties --skip cuda_matches_cpu_at_length > "$OUT/test_shallow_nvfp4.log" 2>&1
     echo "test_shallow_nvfp4 rc=$? $((SECONDS - t0))s"
     grep -E "^OP|CPU chunked|prefill:|decode|batch invariance|panicked|test result" "$OUT/test_shallow_nvfp4.log" | cut -c1-330
     rm -rf "$C/shallow-nvfp4"
@@ -105,7 +105,7 @@ timeout 240 "$G/kernels" --ignored --test-threads=1 --nocapture > "$OUT/kernels.
 grep -E "PERF|panicked|test result|identical to the CPU" "$OUT/kernels.log" | cut -c1-220
 t0=$SECONDS
 "$G/xtask" synth --preset shallow --out "$C/shallow" > "$OUT/synth_shallow.log" 2>&1; echo "synth shallow rc=$? $((SECONDS - t0))s"
-ORNITH_TEST_MODEL=$C/shallow timeout 210 "$G/test_shallow" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager decode_graph_ablation cuda_matches_cpu cuda_ops_vs_cpu batch_invariance prefix_cache_resume cuda_penalties > "$OUT/test_shallow.log" 2>&1
+ORNITH_TEST_MODEL=$C/shallow timeout 210 "$G/test_shallow" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager decode_graph_ablation cuda_matches_cpu cuda_ops_vs_cpu batch_invariance prefix_cache_resume cuda_penalties --skip cuda_matches_cpu_at_length > "$OUT/test_shallow.log" 2>&1
 echo "test_shallow rc=$? $((SECONDS - t0))s"
 grep -E "^OP|CPU chunked|prefill:|decode|batch invariance|prefix cache|panicked|test result" "$OUT/test_shallow.log" | cut -c1-330
 rm -rf "$C/shallow"
