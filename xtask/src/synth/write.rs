@@ -1,5 +1,12 @@
 //! Streams a [`Plan`]'s shards to disk, tensor by tensor, one row batch at a time: memory stays
-//! at one batch buffer (≤ ~8 MiB of f32 plus its encoded bytes) plus one FP8 weight's scales.
+//! at one batch buffer (≤ ~8 MiB of f32 plus its encoded bytes), the encoded batches on their way
+//! to the writer thread (at most [`IN_FLIGHT`]) and one FP8 weight's scales.
+//!
+//! Generation and writing overlap: a shard's bytes go to a writer thread through a bounded
+//! channel while the next batch is generated on every core, and the shards are synced to disk
+//! once, after the last one is written (before the caller stamps the checkpoint), not one by one
+//! — so the disk flushes one shard while the next is generated. (Before, the generator waited for
+//! each batch's write and each shard's sync; the bytes written are the same.)
 
 use super::init::{rows_of, Init, TensorKey};
 use super::plan::{Kind, Plan, PlannedTensor, ShardPlan};
@@ -10,8 +17,9 @@ use model_spec::fp8::quantize_weight_row;
 use model_spec::DType;
 use rayon::prelude::*;
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{self, BufWriter, Write};
 use std::path::Path;
+use std::sync::mpsc::{sync_channel, SyncSender};
 
 /// What goes into the shard files.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +33,8 @@ pub enum Contents {
 
 /// Target f32 elements per generated row batch.
 const BATCH_ELEMS: usize = 2 << 20;
+/// Encoded batches queued for the writer thread at most (the generator waits beyond that).
+const IN_FLIGHT: usize = 4;
 
 /// Writes every shard of `plan` into `dir`.
 pub fn write_shards(plan: &Plan, dir: &Path, contents: Contents, progress: bool) -> Result<()> {
@@ -43,15 +53,38 @@ pub fn write_shards(plan: &Plan, dir: &Path, contents: Contents, progress: bool)
     // The encoded scales of the FP8 or NVFP4 weight written last, reused for its `.weight_scale`
     // when that follows.
     let mut pending: Option<(String, Vec<u8>)> = None;
+    let mut written = Vec::with_capacity(plan.shards.len());
     for shard in &plan.shards {
         let path = dir.join(&shard.file);
-        write_shard(plan.seed, shard, &path, contents, &bar, &mut pending)
+        let file = write_shard(plan.seed, shard, &path, contents, &bar, &mut pending)
             .with_context(|| format!("writing {}", path.display()))?;
+        written.push((path, file));
     }
     bar.finish_and_clear();
+    if contents == Contents::Data {
+        for (path, file) in written {
+            file.sync_all().with_context(|| format!("syncing {}", path.display()))?;
+        }
+    }
     Ok(())
 }
 
+/// The producer's end of a shard's writer thread: each `write` hands the writer an owned copy of
+/// the bytes (one encoded batch per call here). A closed channel means the writer stopped on an
+/// error, which the join reports.
+struct ToWriter(SyncSender<Vec<u8>>);
+
+impl Write for ToWriter {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.send(buf.to_vec()).map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the shard writer stopped"))?;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Writes one shard; returns its file, written but not yet synced.
 fn write_shard(
     seed: u64,
     shard: &ShardPlan,
@@ -59,33 +92,47 @@ fn write_shard(
     contents: Contents,
     bar: &ProgressBar,
     pending: &mut Option<(String, Vec<u8>)>,
-) -> Result<()> {
+) -> Result<File> {
     let file = File::create(path)?;
     let mut w = BufWriter::with_capacity(8 << 20, file);
     w.write_all(&(shard.header.len() as u64).to_le_bytes())?;
     w.write_all(&shard.header)?;
-    match contents {
-        Contents::HeadersOnly => {
-            let file = w.into_inner().map_err(|e| e.into_error())?;
-            file.set_len(shard.file_len())?;
-        }
-        Contents::Data => {
+    if contents == Contents::HeadersOnly {
+        let file = w.into_inner().map_err(|e| e.into_error())?;
+        file.set_len(shard.file_len())?;
+        return Ok(file);
+    }
+    let (tx, rx) = sync_channel::<Vec<u8>>(IN_FLIGHT);
+    std::thread::scope(|sc| {
+        let writer = sc.spawn(move || -> io::Result<File> {
+            for batch in rx {
+                w.write_all(&batch)?;
+            }
+            w.into_inner().map_err(|e| e.into_error())
+        });
+        let mut to_writer = ToWriter(tx);
+        let produced = (|| -> Result<()> {
             let mut written = 0u64;
             for t in &shard.tensors {
                 if t.data_offsets.0 != written {
                     bail!("plan error: {} starts at {} but {} bytes were written", t.name, t.data_offsets.0, written);
                 }
-                let n = write_tensor(seed, t, &mut w, bar, pending)?;
+                let n = write_tensor(seed, t, &mut to_writer, bar, pending)?;
                 if n != t.nbytes() {
                     bail!("plan error: {} should be {} bytes but {} were written", t.name, t.nbytes(), n);
                 }
                 written += n;
             }
-            let file = w.into_inner().map_err(|e| e.into_error())?;
-            file.sync_all()?;
-        }
-    }
-    Ok(())
+            Ok(())
+        })();
+        drop(to_writer); // closes the channel: the writer drains what is queued and stops
+        let file = writer.join().map_err(|_| anyhow::anyhow!("the shard writer panicked"))?;
+        // A write error stops the writer first and the producer then fails on the closed
+        // channel: the writer's error is the one that says what happened.
+        let file = file?;
+        produced?;
+        Ok(file)
+    })
 }
 
 /// Generates rows `[r0, r0 + out.len() / row_len)` of a tensor in parallel.
@@ -243,4 +290,26 @@ fn encode(dtype: DType, src: &[f32], out: &mut Vec<u8>) -> Result<()> {
         other => bail!("dense tensors are BF16 or F32, not {other}"),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::plan::{plan_quant, Quant};
+    use crate::synth::preset::Preset;
+
+    /// A shard whose writes fail (`/dev/full`: every write is ENOSPC) reports the writer's own
+    /// error, not the producer's closed channel, and does not hang.
+    #[test]
+    fn a_failing_write_reports_the_disk_error() {
+        let plan = plan_quant(Preset::Tiny, 1, Quant::Fp8);
+        let shard = &plan.shards[0];
+        assert!(shard.file_len() > 16 << 20, "the shard must outgrow the writer's 8 MiB buffer");
+        let mut pending = None;
+        let err =
+            write_shard(plan.seed, shard, Path::new("/dev/full"), Contents::Data, &ProgressBar::hidden(), &mut pending)
+                .expect_err("writing to /dev/full must fail");
+        let io = err.downcast_ref::<io::Error>().unwrap_or_else(|| panic!("not an io::Error: {err:#}"));
+        assert_eq!(io.raw_os_error(), Some(28), "want ENOSPC (the disk's error), got {io}");
+    }
 }
