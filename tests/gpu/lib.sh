@@ -1,7 +1,8 @@
 # Shared by the H200 scripts (run_h200.sh, variants.sh): sourced, never run.
 # unpack_builds NAME: sets src (.gpu/NAME), G (the unpacked binaries), C (checkpoints), OUT (logs;
 # $OUT if set), unpacks every .gpu/NAME/*.xz into $G and prints the build's commit and the GPU.
-# unxz_to FILE.xz DEST: one xz-compressed binary, executable. synth_full: the full preset's FP8
+# unxz_to FILE.xz DEST: one xz-compressed binary, executable. synth_at PRESET Q DIR: a preset in
+# export Q (fp8 or nvfp4) synthesised at DIR, logged and timed. synth_full: the full preset's FP8
 # checkpoint at $C/full, synthesised once per machine (reused while it stays warm); non-zero, with
 # a line saying why, when it cannot (no xtask among the build's binaries, or the synthesis failed).
 # synth_full_nvfp4: the same for the full preset's NVFP4A16 export at $C/full-nvfp4 (the two take
@@ -19,17 +20,24 @@ unpack_builds() {
     for f in "$src"/*.xz; do unxz_to "$f" "$G/$(basename "$f" .xz)"; done
     echo "commit $(cat "$src/COMMIT" 2>/dev/null)"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 }
-synth_preset() {  # DIR QUANT: the full preset in that export at $C/DIR, once per machine
-    local t0=$SECONDS dir=$C/$1
-    if [ -f "$dir/config.json" ]; then echo "synth $1: reusing $dir"; return 0; fi
-    if [ ! -x "$G/xtask" ]; then echo "synth $1: no xtask in $src (carry the build's xtask.xz)"; return 1; fi
-    "$G/xtask" synth --preset full --quant "$2" --out "$dir" > "$OUT/synth_$1.log" 2>&1
+synth_at() {  # PRESET Q DIR: that preset in export Q (fp8 or nvfp4) synthesised at DIR now; its log
+    # $OUT/synth_<DIR's name>.log, a line "synth <DIR's name> rc=... ...s"; xtask's status
+    local t0=$SECONDS quant=fp8 name
+    name=$(basename "$3")
+    [ "$2" = nvfp4 ] && quant=nvfp4a16
+    "$G/xtask" synth --preset "$1" --quant "$quant" --out "$3" > "$OUT/synth_$name.log" 2>&1
     local rc=$?
-    echo "synth $1 rc=$rc $((SECONDS - t0))s"
+    echo "synth $name rc=$rc $((SECONDS - t0))s"
     return $rc
 }
+synth_preset() {  # DIR Q: the full preset in export Q (fp8 or nvfp4) at $C/DIR, once per machine
+    local dir=$C/$1
+    if [ -f "$dir/config.json" ]; then echo "synth $1: reusing $dir"; return 0; fi
+    if [ ! -x "$G/xtask" ]; then echo "synth $1: no xtask in $src (carry the build's xtask.xz)"; return 1; fi
+    synth_at full "$2" "$dir"
+}
 synth_full() { synth_preset full fp8; }
-synth_full_nvfp4() { synth_preset full-nvfp4 nvfp4a16; }
+synth_full_nvfp4() { synth_preset full-nvfp4 nvfp4; }
 bench() {
     local n=$1 b=$2 m=$3
     shift 3

@@ -75,8 +75,8 @@ if [ "$phase" = long ]; then
     for q in fp8 nvfp4; do
         bin=$G/test_shallow; [ $q = nvfp4 ] && bin=$G/test_shallow_nvfp4
         [ -x "$bin" ] || continue
+        synth_at shallow $q "$C/shallow-$q"
         t0=$SECONDS
-        "$G/xtask" synth --preset shallow --quant $( [ $q = nvfp4 ] && echo nvfp4a16 || echo fp8 ) --out "$C/shallow-$q" > "$OUT/synth_shallow_$q.log" 2>&1; echo "synth shallow $q rc=$? $((SECONDS - t0))s"
         ORNITH_TEST_MODEL=$C/shallow-$q ORNITH_LONG=${LONG:-16421} timeout 300 "$bin" --ignored --nocapture --test-threads=1 cuda_matches_cpu_at_length > "$OUT/test_long_$q.log" 2>&1
         echo "cuda_matches_cpu_at_length $q rc=$? $((SECONDS - t0))s"
         grep -E "prefill in pieces|two piece cuts|^  to|decode:|panicked|test result" "$OUT/test_long_$q.log" | cut -c1-300
@@ -88,8 +88,8 @@ fi
 # cuda_ops_vs_cpu: its per-op bounds and row-0 bit-exactness are the FP8 export's (E4M3 x E4M3 sums
 # are mostly exact in fp32; NVFP4A16's bf16 x bf16 sums are not), see docs/TESTING.md.
 nvfp4_shallow() {
+    synth_at shallow nvfp4 "$C/shallow-nvfp4"
     t0=$SECONDS
-    "$G/xtask" synth --preset shallow --quant nvfp4a16 --out "$C/shallow-nvfp4" > "$OUT/synth_shallow_nvfp4.log" 2>&1; echo "synth shallow nvfp4 rc=$? $((SECONDS - t0))s"
     ORNITH_TEST_MODEL=$C/shallow-nvfp4 timeout 240 "$G/test_shallow_nvfp4" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu batch_invariance cuda_penalties --skip cuda_matches_cpu_at_length > "$OUT/test_shallow_nvfp4.log" 2>&1
     echo "test_shallow_nvfp4 rc=$? $((SECONDS - t0))s"
     grep -E "^OP|CPU chunked|prefill:|decode|batch invariance|panicked|test result" "$OUT/test_shallow_nvfp4.log" | cut -c1-330
@@ -103,8 +103,8 @@ if [ "$phase" != full ] && [ "$phase" != bench ] && [ "$phase" != nvfp4-bench ];
 t0=$SECONDS
 timeout 240 "$G/kernels" --ignored --test-threads=1 --nocapture > "$OUT/kernels.log" 2>&1; echo "kernels rc=$? $((SECONDS - t0))s"
 grep -E "PERF|panicked|test result|identical to the CPU" "$OUT/kernels.log" | cut -c1-220
+synth_at shallow fp8 "$C/shallow"
 t0=$SECONDS
-"$G/xtask" synth --preset shallow --out "$C/shallow" > "$OUT/synth_shallow.log" 2>&1; echo "synth shallow rc=$? $((SECONDS - t0))s"
 ORNITH_TEST_MODEL=$C/shallow timeout 210 "$G/test_shallow" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager decode_graph_ablation cuda_matches_cpu cuda_ops_vs_cpu batch_invariance prefix_cache_resume cuda_penalties --skip cuda_matches_cpu_at_length > "$OUT/test_shallow.log" 2>&1
 echo "test_shallow rc=$? $((SECONDS - t0))s"
 grep -E "^OP|CPU chunked|prefill:|decode|batch invariance|prefix cache|panicked|test result" "$OUT/test_shallow.log" | cut -c1-330
@@ -118,10 +118,9 @@ if [ "$phase" = nvfp4-bench ]; then
     # The full preset's FP8 export and its NVFP4A16 export benched in one call (PROMPTS, BATCH),
     # one checkpoint on disk at a time.
     for q in ${QUANTS:-fp8 nvfp4}; do
-        t0=$SECONDS
         dir=$C/full-$q; bin=$G/bench_full; [ $q = nvfp4 ] && bin=$G/bench_full_nvfp4
         rm -rf "$C"/full*
-        "$G/xtask" synth --preset full --quant $( [ $q = nvfp4 ] && echo nvfp4a16 || echo fp8 ) --out "$dir" > "$OUT/synth_full_$q.log" 2>&1; echo "synth full $q rc=$? $((SECONDS - t0))s"
+        synth_at full $q "$dir"
         t0=$SECONDS
         timeout 240 "$bin" --model "$dir" --prompts "$prompts" --gen 64 --budget-s 100 --batch "$batch" > "$OUT/bench_$q.json" 2> "$OUT/bench_$q.err"
         echo "bench $q rc=$? $((SECONDS - t0))s"
