@@ -181,6 +181,148 @@ fn moe_route_sort_matches_router_and_sort() {
     );
 }
 
+/// The router products with the routing in their grid (`gemv_bf16_route`, `gemv_bf16_norm_route`)
+/// against the launches they replace on the same inputs: the logits bit for bit against
+/// `gemv_bf16` (or `gemv_bf16_norm`), idx and weights against `moe_router_topk` on those logits,
+/// and with the sort the groups checked as `moe_sort_matches_reference` checks them. The model's
+/// router (2,048 -> 256 + 1 rows, top-8) at 1 row through the norm prologue, 1 to 3 rows without
+/// the sort (the per-slot products' groups), 4 to 8 with it; odd shapes (7 and 33 experts, a
+/// 256-wide hidden). Each case launches twice over poisoned outputs: the second launch routes
+/// too (the last block reset the counter). PERF lines against the two launches at 1 and 8 rows.
+#[test]
+#[ignore]
+fn gemv_bf16_route_matches_product_and_routing() {
+    use ornith_kernels::bindings::{OrnithMoeRouteParams, OrnithNormIn};
+    let c = ctx();
+    let mut r = rng(73);
+    let eps = 1e-6f32;
+    let cases = [
+        (1, 8, 256, 2048, true),
+        (1, 8, 256, 2048, false),
+        (3, 8, 256, 2048, false),
+        (4, 8, 256, 2048, false),
+        (8, 8, 256, 2048, false),
+        (5, 3, 7, 256, false),
+        (8, 2, 33, 256, false),
+        (1, 2, 33, 256, true),
+    ];
+    for (tokens, k, e, hidden, norm) in cases {
+        let sort = tokens >= 4;
+        let (out, stride) = (e + 1, e + 1);
+        let name = format!("{tokens} rows, top-{k} of {e}, hidden {hidden}, norm {norm}, sort {sort}");
+        let w = bfv(&mut r, out * hidden, 0.05);
+        let dw = c.upload(&w).unwrap();
+        // Input rows: the norm prologue's residual row, or rows of bf16 activations.
+        let (res, wn) = (bfv(&mut r, hidden, 4.0), bfv(&mut r, hidden, 0.5));
+        let (dres, dwn) = (c.upload(&res).unwrap(), c.upload(&wn).unwrap());
+        let nm = OrnithNormIn { res: c.addr(&dres) as _, add: std::ptr::null(), weight: c.addr(&dwn) as _, eps };
+        let x = bfv(&mut r, tokens * hidden, 2.0);
+        let dx = c.upload(&x).unwrap();
+        // The reference: the product, then the top-k (and the sort) as launches of their own.
+        let want_l = c.upload(&vec![POISON; tokens * stride]).unwrap();
+        let (wl, dwp) = (c.addr(&want_l), c.addr(&dw));
+        if norm {
+            c.k_gemv_bf16_norm(nm, dwp, wl, hidden, out, stride, out, None).unwrap();
+        } else {
+            c.k_gemv_bf16(c.addr(&dx), dwp, wl, tokens, hidden, out, hidden, stride, out, None).unwrap();
+        }
+        let mut want_i = c.upload(&vec![-1i32; tokens * k]).unwrap();
+        let mut want_w = c.upload(&vec![f32::NAN; tokens * k]).unwrap();
+        c.moe_router(&want_l, &mut want_i, &mut want_w, tokens, e, k, stride).unwrap();
+        let (want_l, want_i, want_w) =
+            (c.download(&want_l).unwrap(), c.download(&want_i).unwrap(), c.download(&want_w).unwrap());
+        for launch in 0..2 {
+            let got_l = c.upload(&vec![POISON; tokens * stride]).unwrap();
+            let idx = c.upload(&vec![-1i32; tokens * k]).unwrap();
+            let wt = c.upload(&vec![f32::NAN; tokens * k]).unwrap();
+            let n = tokens * k;
+            let poison = |len: usize| c.upload(&vec![-7i32; len]).unwrap();
+            let g = MoeGroups {
+                group_offsets: poison(e + 1),
+                tile_offsets: poison(2 * (e + 1)),
+                row_token: poison(n),
+                row_of: poison(n),
+                row_assign: poison(n),
+                row_info: poison(4 * e.min(n)),
+            };
+            let route = OrnithMoeRouteParams {
+                router: crate::cuda::moe::router_params(
+                    c.addr(&got_l),
+                    c.addr(&idx),
+                    c.addr(&wt),
+                    tokens,
+                    e,
+                    k,
+                    stride,
+                )
+                .unwrap(),
+                sort: g.sort_params(&c, &idx, tokens, k, e).unwrap(),
+            };
+            let gl = c.addr(&got_l);
+            if norm {
+                c.k_gemv_bf16_norm_route(nm, dwp, gl, (hidden, out), (stride, out), route, sort).unwrap();
+            } else {
+                c.k_gemv_bf16_route(c.addr(&dx), dwp, gl, (tokens, hidden, out), (hidden, stride, out), route, sort)
+                    .unwrap();
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(
+                c.download(&got_l).unwrap() == want_l,
+                "router logits differ from the plain product ({name}, launch {launch})"
+            );
+            assert_eq!(c.download(&idx).unwrap(), want_i, "route tail idx ({name}, launch {launch})");
+            assert_eq!(bits(&c.download(&wt).unwrap()), bits(&want_w), "route tail weights ({name}, launch {launch})");
+            if sort {
+                check_groups(&c, &g, &want_i, tokens, k, e);
+            } else {
+                assert!(
+                    c.download(&g.group_offsets).unwrap().iter().all(|&v| v == -7),
+                    "route tail sorted without `sort` ({name})"
+                );
+            }
+        }
+    }
+    // PERF: the fused launch against the product then the top-k (1 row, norm) / route_sort (8 rows).
+    let hidden = 2048;
+    let w = c.upload(&bfv(&mut r, 257 * hidden, 0.05)).unwrap();
+    let x = c.upload(&bfv(&mut r, 8 * hidden, 2.0)).unwrap();
+    let (res, wn) = (c.upload(&bfv(&mut r, hidden, 4.0)).unwrap(), c.upload(&bfv(&mut r, hidden, 0.5)).unwrap());
+    let nm = OrnithNormIn { res: c.addr(&res) as _, add: std::ptr::null(), weight: c.addr(&wn) as _, eps };
+    let (l, idx, wt) = (c.alloc::<u16>(8 * 257).unwrap(), c.alloc::<i32>(64).unwrap(), c.alloc::<f32>(64).unwrap());
+    let g = c.moe_groups(&idx, 8, 8, 256).unwrap();
+    let (lp, ip, wp, wq, xp) = (c.addr(&l), c.addr(&idx), c.addr(&wt), c.addr(&w), c.addr(&x));
+    for t in [1usize, 8] {
+        let route = OrnithMoeRouteParams {
+            router: crate::cuda::moe::router_params(lp, ip, wp, t, 256, 8, 257).unwrap(),
+            sort: g.sort_params(&c, &idx, t, 8, 256).unwrap(),
+        };
+        let (fused, two) = if t == 1 {
+            (
+                time_it(&c, || c.k_gemv_bf16_norm_route(nm, wq, lp, (hidden, 257), (257, 257), route, false).unwrap()),
+                time_it(&c, || {
+                    c.k_gemv_bf16_norm(nm, wq, lp, hidden, 257, 257, 257, None).unwrap();
+                    c.k_router(lp, ip, wp, 1, 256, 8, 257).unwrap()
+                }),
+            )
+        } else {
+            (
+                time_it(&c, || {
+                    c.k_gemv_bf16_route(xp, wq, lp, (8, hidden, 257), (hidden, 257, 257), route, true).unwrap()
+                }),
+                time_it(&c, || {
+                    c.k_gemv_bf16(xp, wq, lp, 8, hidden, 257, hidden, 257, 257, None).unwrap();
+                    c.k_route_sort(route).unwrap()
+                }),
+            )
+        };
+        eprintln!(
+            "PERF router product + routing, {t} rows of 2048 -> 257, top-8 of 256: {:.2} us in one launch, {:.2} us in two",
+            fused * 1e6,
+            two * 1e6
+        );
+    }
+}
+
 /// `moe_sort`'s outputs `g` for the assignments `idx` (`tokens · k` over `e` experts) against a
 /// counting sort on the host (see `moe_sort_matches_reference`).
 fn check_groups(c: &CudaContext, g: &MoeGroups, idx: &[i32], tokens: usize, k: usize, e: usize) {
