@@ -130,17 +130,15 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-
 // The router's top-k of token t by one warp (lane = its lane): softmax over the experts' logits
 // (fp32), the top_k largest probabilities (ties: the lower expert index), renormalised to sum 1
 // and rounded to bf16; writes idx[t, 0..top_k) and weight[t, 0..top_k). moe_router_topk runs one
-// warp per token, moe_route_sort (moe_prefill.cu) and the router products' routing tail (gemv.cu's
-// route_tail) the warps of their blocks, so all give these bits. CG: the logits read through L2
-// (ld.global.cg: other blocks of the same grid wrote them; common.cuh's last_to_arrive).
-template <bool CG = false> __device__ __forceinline__ void router_topk_warp(const OrnithRouterParams &p, int t, int lane) {
+// warp per token, moe_route_sort (moe_prefill.cu) the warps of its block, so both give these bits.
+__device__ __forceinline__ void router_topk_warp(const OrnithRouterParams &p, int t, int lane) {
     const uint16_t *lg = p.logits + (size_t)t * p.logit_stride;
     float v[ROUTER_MAX_PER_LANE];
     float mx = -INFINITY;
 #pragma unroll
     for (int j = 0; j < ROUTER_MAX_PER_LANE; j++) {
         int e = lane + 32 * j;
-        v[j] = e < p.experts ? bf2f(CG ? __ldcg(lg + e) : lg[e]) : -INFINITY;
+        v[j] = e < p.experts ? bf2f(lg[e]) : -INFINITY;
         mx = fmaxf(mx, v[j]);
     }
     mx = warp_max(mx);

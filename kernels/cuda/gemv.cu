@@ -38,7 +38,6 @@
 #include "common.cuh"
 #include "fp4.cuh"
 #include "mma.cuh"
-#include "moe_sort.cuh"
 
 #define TC_WARPS 8
 // Blocks per SM: the narrow build 4 (32 warps, <= 64 registers), the wide one 2 (<= 128).
@@ -682,37 +681,6 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NORM_BLOCKS) gemv
     pdl_launch_dependents();
     gemv_tc_norm<true>(p.w, p.ws, p.y, p.in, p.out, p.y_stride, p.split_out, p.norm, p.fold);
 }
-// The routing tail of the router's decode products (OrnithGemvRouteParams): the grid's last block
-// to arrive (common.cuh's last_to_arrive: its stores and everyone's ordered before it reads the
-// logits through L2) runs the top-k of row w in warp w (router_topk_warp, moe_router_topk's bits)
-// and, with `sort`, moe_sort_block over the block's 256 threads (moe_sort's outputs; the block's
-// own idx writes are visible to it past the barrier). Separately, the top-k (and the sort) was one
-// more launch per MoE layer whose blocks waited for this grid and whose completion the expert
-// products waited for: in the graph of a decode step (H100, docs/PERF.md) moe_router_topk cost
-// ~3.1 us per layer at one sequence and moe_route_sort ~6.4 us at 8 sequences.
-__device__ __forceinline__ void route_tail(const OrnithGemvRouteParams &p) {
-    if (!last_to_arrive(p.ticket, gridDim.x * gridDim.y)) return;
-    const int warp = threadIdx.x >> 5;
-    if (warp < p.route.router.tokens) router_topk_warp<true>(p.route.router, warp, threadIdx.x & 31);
-    if (!p.sort) return;
-    __syncthreads();
-    moe_sort_block<TC_WARPS * 32>(p.route.sort);
-}
-// gemv_bf16 and gemv_bf16_norm of the router (the same builds and bits), then route_tail.
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NARROW_BLOCKS) gemv_bf16_route(const OrnithGemvRouteParams p) {
-    pdl_launch_dependents();
-    const OrnithGemvBf16Params &g = p.gemv;
-    gemv_tc<false, TC_NARROW>(reinterpret_cast<const uint8_t *>(g.w), nullptr, reinterpret_cast<const uint8_t *>(g.x), nullptr,
-                              g.y, g.tokens, g.in, g.out, g.x_stride, g.y_stride, g.split_out, g.fold);
-    route_tail(p);
-}
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, TC_NORM_BLOCKS) gemv_bf16_norm_route(const OrnithGemvRouteParams p) {
-    pdl_launch_dependents();
-    const OrnithGemvBf16Params &g = p.gemv;
-    gemv_tc_norm<false>(reinterpret_cast<const uint8_t *>(g.w), nullptr, g.y, g.in, g.out, g.y_stride, g.split_out, g.norm, g.fold);
-    route_tail(p);
-}
-
 // gemv_fp8 of one bf16 row (OrnithGemvFp8Params.xb) that every block quantises itself after its
 // first weight loads, with quantize_fp8_rows' code (common.cuh's quant_row_256: the same codes
 // and scale, so the bits of quantize_fp8_rows then gemv_fp8), without that launch. The decode

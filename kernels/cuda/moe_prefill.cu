@@ -3,14 +3,92 @@
 // (compressed-tensors semantics) and the weighted combine of prefill. The expert GEMMs are
 // gemm_fp8 in grouped mode (gemm.cu); the router is moe_router_topk (moe.cu).
 #include "common.cuh"
-#include "moe_sort.cuh"
 
-#define MS_THREADS 1024  // moe_sort, moe_route_sort: one block; thread e owns expert e (<= 1,024)
+#define MS_THREADS 1024
+#define MS_MAX_EXPERTS 1024
+#define MS_TILE 64       // rows per tile of gemm_fp8_grouped (GB_GROUPED_M in gemm.cu)
+#define MS_TILE_WIDE 128 // rows per tile of gemm_nvfp4_grouped_128 (GB_GROUPED_WIDE_M in gemm.cu)
 
-// One block: moe_sort.cuh's moe_sort_block.
+// Exclusive prefix sum of v over the block's threads in thread order (MS_THREADS threads = 32
+// warps): a shuffle scan in each warp, then one over the warp totals. Every thread calls it.
+__device__ __forceinline__ int ms_exclusive_scan(int v, int *tot) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) tot[w] = x;
+    __syncthreads();
+    if (w == 0) {
+        int t = tot[lane];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, t, o);
+            if (lane >= o) t += y;
+        }
+        tot[lane] = t;  // inclusive over warps 0..lane
+    }
+    __syncthreads();
+    const int r = (w > 0 ? tot[w - 1] : 0) + x - v;
+    __syncthreads();  // tot is reused by the next scan
+    return r;
+}
+
+// One block: histogram, prefix sums, scatter (see OrnithMoeSortParams). Thread e owns expert e
+// (experts <= MS_THREADS): its group offset, tile offset and place among the experts with
+// assignments (its row_info row) are
+// exclusive prefix sums over the experts before it (parallel scans; a serial loop over 256
+// experts in one thread took ~5 us, most of the kernel). The order of the assignments inside
+// an expert's group follows the atomics and is not fixed: every consumer's result per
+// assignment is independent of its place in the group.
+// (moe_sort_block: the body, called by the block's MS_THREADS threads after their PDL wait.)
+__device__ __forceinline__ void moe_sort_block(const OrnithMoeSortParams &p) {
+    __shared__ int cnt[MS_MAX_EXPERTS];
+    __shared__ int cur[MS_MAX_EXPERTS];
+    __shared__ int tot[MS_THREADS / 32];
+    __shared__ int nact;
+    const int n = p.tokens * p.top_k;
+    for (int e = threadIdx.x; e < p.experts; e += MS_THREADS) cnt[e] = 0;
+    __syncthreads();
+    for (int a = threadIdx.x; a < n; a += MS_THREADS) atomicAdd(&cnt[p.idx[a]], 1);
+    __syncthreads();
+    const int e = threadIdx.x;
+    const bool own = e < p.experts;
+    const int c = own ? cnt[e] : 0, tiles = (c + MS_TILE - 1) / MS_TILE, active = c > 0 ? 1 : 0;
+    const int wide = (c + MS_TILE_WIDE - 1) / MS_TILE_WIDE;
+    const int off = ms_exclusive_scan(c, tot);
+    const int toff = ms_exclusive_scan(tiles, tot);
+    const int woff = ms_exclusive_scan(wide, tot);
+    const int na = ms_exclusive_scan(active, tot);
+    if (own) {
+        p.group_offsets[e] = off;
+        p.tile_offsets[e] = toff;
+        p.tile_offsets[p.experts + 1 + e] = woff;
+        cur[e] = off;
+        if (p.row_info && active) reinterpret_cast<int4 *>(p.row_info)[na] = make_int4(e, off, c, 0);
+    }
+    if (e == p.experts - 1) {
+        p.group_offsets[p.experts] = off + c;
+        p.tile_offsets[p.experts] = toff + tiles;
+        p.tile_offsets[2 * p.experts + 1] = woff + wide;
+        nact = na + active;
+    }
+    __syncthreads();
+    if (p.row_info)
+        for (int y = nact + threadIdx.x; y < min(p.experts, n); y += MS_THREADS)
+            reinterpret_cast<int4 *>(p.row_info)[y] = make_int4(0, 0, 0, 0);
+    for (int a = threadIdx.x; a < n; a += MS_THREADS) {
+        int pos = atomicAdd(&cur[p.idx[a]], 1);
+        p.row_token[pos] = a / p.top_k;
+        p.row_of[a] = pos;
+        if (p.row_assign) p.row_assign[pos] = a;
+    }
+}
 extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_sort(const OrnithMoeSortParams p) {
     pdl_entry();
-    moe_sort_block<MS_THREADS>(p);
+    moe_sort_block(p);
 }
 
 // A decode group's router top-k and moe_sort of its idx in one block (OrnithMoeRouteParams; at
@@ -23,7 +101,7 @@ extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_route_sort(const Or
     const int warp = threadIdx.x >> 5;
     if (warp < p.router.tokens) router_topk_warp(p.router, warp, threadIdx.x & 31);
     __syncthreads();
-    moe_sort_block<MS_THREADS>(p.sort);
+    moe_sort_block(p.sort);
 }
 
 // SwiGLU + per-row FP8 quantisation with compressed-tensors semantics, one warp per row

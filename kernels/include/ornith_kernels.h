@@ -555,20 +555,6 @@ typedef struct OrnithMoeRouteParams {
     OrnithMoeSortParams sort;
 } OrnithMoeRouteParams;
 
-/* The router's decode product with the routing in its grid (gemv.cu: gemv_bf16_route for up to 8
- * rows, gemv_bf16_norm_route for one row with the norm prologue): `gemv` as gemv_bf16 /
- * gemv_bf16_norm compute it (the router logits, y = route.router.logits), then the grid's last
- * block to arrive at `ticket` (one counter, zero between launches: that block resets it) runs
- * moe_router_topk's top-k of every row (route.router: tokens <= 8, one warp each) and, when `sort`
- * is non-zero, moe_sort of the idx it wrote (route.sort, experts <= 256: one thread each) — the
- * bits of the product, moe_router_topk and moe_sort launched one after another. */
-typedef struct OrnithGemvRouteParams {
-    OrnithGemvBf16Params gemv;
-    OrnithMoeRouteParams route;
-    uint32_t *ticket;
-    int32_t sort;
-} OrnithGemvRouteParams;
-
 /* MoE prefill combine, per token t and column c (ys: expert-sorted down outputs [tokens*top_k, hidden]):
  *   routed = bf16( sum_j float(bf16( ys[row_of[t*top_k + j], c] * weight[t, j] )) )   (slot order, fp32 sum)
  *   shared = bf16( bf16(sigmoid(gate_logit[t * gate_stride])) * shared_y[t, c] )

@@ -976,33 +976,6 @@ impl Default for OrnithMoeRouteParams {
 }
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
-pub struct OrnithGemvRouteParams {
-    pub gemv: OrnithGemvBf16Params,
-    pub route: OrnithMoeRouteParams,
-    pub ticket: *mut u32,
-    pub sort: i32,
-}
-#[allow(clippy::unnecessary_operation, clippy::identity_op)]
-const _: () = {
-    ["Size of OrnithGemvRouteParams"][::std::mem::size_of::<OrnithGemvRouteParams>() - 232usize];
-    ["Alignment of OrnithGemvRouteParams"][::std::mem::align_of::<OrnithGemvRouteParams>() - 8usize];
-    ["Offset of field: OrnithGemvRouteParams::gemv"][::std::mem::offset_of!(OrnithGemvRouteParams, gemv) - 0usize];
-    ["Offset of field: OrnithGemvRouteParams::route"][::std::mem::offset_of!(OrnithGemvRouteParams, route) - 104usize];
-    ["Offset of field: OrnithGemvRouteParams::ticket"]
-        [::std::mem::offset_of!(OrnithGemvRouteParams, ticket) - 216usize];
-    ["Offset of field: OrnithGemvRouteParams::sort"][::std::mem::offset_of!(OrnithGemvRouteParams, sort) - 224usize];
-};
-impl Default for OrnithGemvRouteParams {
-    fn default() -> Self {
-        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
-        unsafe {
-            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
-            s.assume_init()
-        }
-    }
-}
-#[repr(C)]
-#[derive(Debug, Copy, Clone)]
 pub struct OrnithMoeCombinePrefillParams {
     pub ys: *const u16,
     pub row_of: *const i32,

@@ -38,7 +38,6 @@ mod ops;
 pub mod plan;
 
 use crate::cuda::gemm::grouped_tile_rows;
-use crate::cuda::gemv::{ROUTE_TAIL_EXPERTS, ROUTE_TAIL_ROWS};
 use crate::cuda::moe::{combine_params, router_params};
 use crate::cuda::nvfp4::Fp4W;
 use crate::cuda::CudaContext;

@@ -42,10 +42,12 @@ impl CudaBackend {
             let fusable = !prefill && n < GROUPED_MOE_ROWS && R::KIND != Precision::Nvfp4;
             let (x, fold) = self.norm_rows_for(h, norm, r0, n, fusable)?;
             let (xq, xs) = x.q8.unwrap_or((0, 0));
+            // Router logits in columns 0..E, the shared-expert gate logit in column E (one Linear).
+            self.lin(&w.gate, "mlp.gate", x, rl, rw, n, prefill)?;
             // Decode group: expert GEMVs per (token, slot); from GROUPED_MOE_ROWS rows on grouped by
             // expert (each expert's weights read once per step), with the same bits per row.
             let grouped = !prefill && n >= GROUPED_MOE_ROWS;
-            let groups = self.route(&w.gate, x, (n, k, e), prefill, grouped)?;
+            let groups = self.route(n, k, e, grouped)?;
             if prefill {
                 let sh = SharedExpert {
                     gu: at(self, &sgu.w, 0),
@@ -197,51 +199,15 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// The router (`mlp.gate`, the router's E rows and the shared-expert gate's row as one Linear)
-    /// over `n` rows of `x` into the scratch's `rlog` (router logits in columns 0..E, the gate
-    /// logit in column E), its top-k of those rows into `idx` and `wt`, and when `grouped` (a
-    /// decode group of GROUPED_MOE_ROWS rows or more) their expert groups with the grouped decode
-    /// products' lists (`moe_sort`), whose addresses it returns (else null lists: the
-    /// per-(token, slot) grid, or a prefill chunk's own sort). `(n, k, e)`: rows, top-k, experts.
-    /// The one place that fuses them, the same bits every way: a decode group of up to
-    /// `ROUTE_TAIL_ROWS` rows with a BF16 router (and for the sort at most `ROUTE_TAIL_EXPERTS`
-    /// experts) all in the product's grid (`gemv_bf16_route`, `gemv_bf16_norm_route`); else the
-    /// product, then up to `ROUTE_SORT_TOKENS` rows' top-k and sort in one launch
-    /// (`moe_route_sort`), more as `moe_router_topk` then `moe_sort`.
-    fn route<R: Prec>(
-        &self,
-        gate: &CudaLinear<R>,
-        x: XIn,
-        (n, k, e): (usize, usize, usize),
-        prefill: bool,
-        grouped: bool,
-    ) -> Result<[*const i32; 2]> {
+    /// The router's top-k of `n` rows of router logits (the scratch's `rlog`) into `idx` and
+    /// `wt`, and when `grouped` (a decode group of GROUPED_MOE_ROWS rows or more) their expert
+    /// groups with the grouped decode products' lists (`moe_sort`), whose addresses it returns
+    /// (else null lists: the per-(token, slot) grid, or a prefill chunk's own sort). The one
+    /// place that fuses them: up to `ROUTE_SORT_TOKENS` rows both in one launch (`moe_route_sort`,
+    /// the same bits), more as `moe_router_topk` then `moe_sort`.
+    fn route(&self, n: usize, k: usize, e: usize, grouped: bool) -> Result<[*const i32; 2]> {
         let s = &self.s;
         let (rl, rw, idx, wt) = (at(self, &s.rlog, 0), self.sz.rlog_w, at(self, &s.idx, 0), at(self, &s.wt, 0));
-        let wr = gate.dev("mlp.gate")?.all(self);
-        let bf16_router = wr.scale.is_none() && wr.fp4.is_none();
-        if !prefill && bf16_router && n <= ROUTE_TAIL_ROWS && (!grouped || e <= ROUTE_TAIL_EXPERTS) {
-            let route = OrnithMoeRouteParams {
-                router: router_params(rl, idx, wt, n, e, k, rw)?,
-                sort: self.sort_params(n, k, e, true),
-            };
-            let (io, split) = ((wr.in_features, wr.out_features), (rw, wr.split_rows));
-            match x.norm {
-                Some(nm) => self.cx.k_gemv_bf16_norm_route(nm, wr.w, rl, io, split, route, grouped)?,
-                None => self.cx.k_gemv_bf16_route(
-                    x.bf,
-                    wr.w,
-                    rl,
-                    (n, io.0, io.1),
-                    (x.stride, rw, wr.split_rows),
-                    route,
-                    grouped,
-                )?,
-            }
-            let lists = [route.sort.row_info as *const i32, route.sort.row_assign as *const i32];
-            return Ok(if grouped { lists } else { [std::ptr::null(); 2] });
-        }
-        self.lin(gate, "mlp.gate", x, rl, rw, n, prefill)?;
         if !grouped || n > ROUTE_SORT_TOKENS {
             self.cx.k_router(rl, idx, wt, n, e, k, rw)?;
             return if grouped { self.sort_by_expert(n, k, e, true) } else { Ok([std::ptr::null(); 2]) };
@@ -337,8 +303,9 @@ impl CudaBackend {
             // Fusable as the FP8 MoE's: the BF16 router, the per-slot expert gate|up, the combine folds.
             let fusable = !prefill && n < GROUPED_MOE_ROWS;
             let (x, fold) = self.norm_rows_for(h, norm, r0, n, fusable)?;
+            self.lin(&w.gate, "mlp.gate", x, rl, rw, n, prefill)?;
             let grouped = !prefill && n >= GROUPED_MOE_ROWS;
-            let [ri, ra] = self.route(&w.gate, x, (n, k, e), prefill, grouped)?;
+            let [ri, ra] = self.route(n, k, e, grouped)?;
             let out = at(self, &h.delta, r0 * hs);
             if prefill {
                 self.moe_grouped_nvfp4(e, (gu, dn), (sgu, sdn), x.bf, n, out)?;

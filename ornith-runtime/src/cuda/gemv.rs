@@ -19,12 +19,6 @@ type Bf = CudaSlice<u16>;
 /// The largest hidden size the norm prologue takes (the header's).
 pub(crate) const NORM_MAX_HIDDEN: usize = ORNITH_NORM_MAX_HIDDEN as usize;
 
-/// Most rows of a router product with the routing in its grid (`gemv_bf16_route`: the narrow
-/// build's one pass of 8 tokens; the tail's top-k one warp of the block per row).
-pub(crate) const ROUTE_TAIL_ROWS: usize = 8;
-/// Most experts the routing tail sorts: one thread of its block each.
-pub(crate) const ROUTE_TAIL_EXPERTS: usize = super::GEMV_BLOCK as usize;
-
 /// Bytes a norm prologue reads: the residual row, the pending delta, the weight.
 pub(super) fn norm_bytes(n: &OrnithNormIn, hidden: usize) -> usize {
     hidden * 2 * (2 + usize::from(!n.add.is_null()))
@@ -334,120 +328,6 @@ impl CudaContext {
         );
         ensure!(n.eps.is_finite() && n.eps >= 0.0, "norm prologue: eps {}", n.eps);
         Ok((in_ * elem) as u32)
-    }
-
-    /// The routing tail's parameters over a router product `gemv` (its logits `gemv.y`):
-    /// `route.router` must read those logits with the product's rows and stride, at most
-    /// [`ROUTE_TAIL_ROWS`] rows (one warp each); with `sort`, `route.sort` must sort the idx the
-    /// top-k writes, at most [`ROUTE_TAIL_EXPERTS`] experts (one thread each). The counter is the
-    /// staged products' (`wide_ticket`: one launch's at a time, zero between launches). Returns
-    /// the parameters and the tail's bytes.
-    fn route_tail_params(
-        &self,
-        gemv: OrnithGemvBf16Params,
-        route: OrnithMoeRouteParams,
-        sort: bool,
-    ) -> Result<(OrnithGemvRouteParams, u64)> {
-        let (r, s) = (&route.router, &route.sort);
-        ensure!(
-            (1..=ROUTE_TAIL_ROWS as i32).contains(&r.tokens) && r.tokens == gemv.tokens,
-            "router product: {} routed rows of {} (1 ..= {ROUTE_TAIL_ROWS}, one warp each)",
-            r.tokens,
-            gemv.tokens
-        );
-        ensure!(
-            std::ptr::eq(r.logits, gemv.y) && r.logit_stride == gemv.y_stride && r.experts <= gemv.out,
-            "router product: the top-k must read the product's logits (its rows and stride)"
-        );
-        let mut bytes = super::moe::router_bytes(r)?;
-        if sort {
-            ensure!(
-                std::ptr::eq(s.idx, r.idx) && (s.tokens, s.top_k, s.experts) == (r.tokens, r.top_k, r.experts),
-                "router product: the sort must read the top-k's idx with its shape"
-            );
-            ensure!(
-                s.experts as usize <= ROUTE_TAIL_EXPERTS,
-                "router product: {} experts to sort (at most {ROUTE_TAIL_EXPERTS}, one thread each)",
-                s.experts
-            );
-            bytes += super::moe::sort_bytes(s)?;
-        }
-        let ticket = self.addr(&self.wide_ticket) as _;
-        Ok((OrnithGemvRouteParams { gemv, route, ticket, sort: i32::from(sort) }, bytes))
-    }
-
-    /// [`Self::k_gemv_bf16`] of the router (`t <= ROUTE_TAIL_ROWS` rows, the narrow build: the
-    /// same bits) with the routing in its last block (`gemv_bf16_route`): `route.router`'s top-k
-    /// of the logits it writes to `y`, and with `sort` `route.sort`'s expert sort of that top-k —
-    /// the bits of the product, `moe_router_topk` and `moe_sort` (or `moe_route_sort`) launched
-    /// in turn, one launch instead of two.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn k_gemv_bf16_route(
-        &self,
-        x: Ptr,
-        w: Ptr,
-        y: Ptr,
-        (t, in_, out): (usize, usize, usize),
-        (xs, ys, split): (usize, usize, usize),
-        route: OrnithMoeRouteParams,
-        sort: bool,
-    ) -> Result<()> {
-        Self::gemv_checks(x, w, t, in_, out, xs, ys, 8)?;
-        ensure!(split >= out, "gemv_bf16_route: split rows {split} < out {out}");
-        let (name, grid) = super::gemv_tc_launch(false, in_ * 2, out, split, t, self.wide_wave);
-        ensure!(
-            name == "gemv_bf16" && !super::gemv_staged(in_ * 2, split, t),
-            "gemv_bf16_route: {t} rows take {name}, not the narrow build"
-        );
-        let gemv = OrnithGemvBf16Params {
-            x: x as _,
-            w: w as _,
-            y: y as _,
-            tokens: t as i32,
-            in_: in_ as i32,
-            out: out as i32,
-            x_stride: xs as i32,
-            y_stride: ys as i32,
-            split_out: i32of("gemv split rows", split)?,
-            ..Default::default()
-        };
-        let (p, tail) = self.route_tail_params(gemv, route, sort)?;
-        let bytes = (out * in_ * 2 + t * (in_ + out) * 2) as u64 + tail;
-        self.launch(Launch::new("gemv_bf16_route", grid, super::GEMV_BLOCK, bytes).weights_first(), p)
-    }
-
-    /// [`Self::k_gemv_bf16_norm`] of the router (one row, its norm in the prologue) with the
-    /// routing in its last block (`gemv_bf16_norm_route`), as [`Self::k_gemv_bf16_route`].
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn k_gemv_bf16_norm_route(
-        &self,
-        norm: OrnithNormIn,
-        w: Ptr,
-        y: Ptr,
-        (in_, out): (usize, usize),
-        (ys, split): (usize, usize),
-        route: OrnithMoeRouteParams,
-        sort: bool,
-    ) -> Result<()> {
-        let smem = Self::norm_checks(&norm, in_, 2)?;
-        Self::gemv_checks(norm.res as Ptr, w, 1, in_, out, in_, ys, 8)?;
-        ensure!(split >= out, "gemv_bf16_norm_route: split rows {split} < out {out}");
-        let gemv = OrnithGemvBf16Params {
-            w: w as _,
-            y: y as _,
-            tokens: 1,
-            in_: in_ as i32,
-            out: out as i32,
-            x_stride: in_ as i32,
-            y_stride: ys as i32,
-            split_out: i32of("gemv split rows", split)?,
-            norm,
-            ..Default::default()
-        };
-        let (p, tail) = self.route_tail_params(gemv, route, sort)?;
-        let bytes = (out * in_ * 2 + norm_bytes(&norm, in_) + out * 2) as u64 + tail;
-        let grid = (super::gemv_tc_blocks(in_ * 2, out, split), 1, 1);
-        self.launch(Launch::new("gemv_bf16_norm_route", grid, super::GEMV_BLOCK, bytes).smem(smem).weights_first(), p)
     }
 
     /// `gemv_bf16` of one row whose input is the norm of a residual row, computed by every block

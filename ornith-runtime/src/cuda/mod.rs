@@ -166,8 +166,6 @@ const KERNELS: [(Module, &[&str]); 11] = [
             "gemv_bf16_norm",
             "gemv_fp8_norm",
             "gemv_fp8_quant",
-            "gemv_bf16_route",
-            "gemv_bf16_norm_route",
             "gdn_out_proj",
             "gdn_out_reduce",
             "moe_gemv_fp8",
@@ -432,7 +430,6 @@ kernel_params!(
     OrnithGemmParams,
     OrnithMoeSortParams,
     OrnithMoeRouteParams,
-    OrnithGemvRouteParams,
     OrnithMoeCombinePrefillParams,
     OrnithFlashAttnParams
 );

@@ -217,7 +217,7 @@ pub(crate) fn router_params(
     })
 }
 /// The router top-k's assumptions checked; its bytes (the logits read, idx and weights written).
-pub(super) fn router_bytes(p: &OrnithRouterParams) -> Result<u64> {
+fn router_bytes(p: &OrnithRouterParams) -> Result<u64> {
     let (t, experts, top_k, stride) = (p.tokens, p.experts, p.top_k, p.logit_stride);
     ensure!(
         t > 0 && experts <= 256 && (1..=32).contains(&top_k) && top_k <= experts && stride >= experts,
@@ -226,7 +226,7 @@ pub(super) fn router_bytes(p: &OrnithRouterParams) -> Result<u64> {
     Ok((t as usize * (experts as usize * 2 + top_k as usize * 8)) as u64)
 }
 /// `moe_sort`'s assumptions checked; its bytes (idx read, the sorted lists and offsets written).
-pub(super) fn sort_bytes(p: &OrnithMoeSortParams) -> Result<u64> {
+fn sort_bytes(p: &OrnithMoeSortParams) -> Result<u64> {
     ensure!(
         p.tokens > 0 && p.top_k > 0 && (1..=1024).contains(&p.experts),
         "moe_sort: {} tokens, top_k {}, {} experts",
