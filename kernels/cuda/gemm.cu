@@ -62,7 +62,13 @@
 // and, in this kernel, a count of live fragments per warp with the stage's loop skipped or the
 // fragments' mma predicated (thirty-eighth session, H100: moe_prefill 0.826 -> 0.888 ms, plain
 // gemm_nvfp4 319 -> 345 us with no tail at all) both lost: the loop is issue-bound and the control
-// flow costs ptxas the overlap of one k-step's ldmatrix with the previous one's mma.
+// flow costs ptxas the overlap of one k-step's ldmatrix with the previous one's mma. A third form,
+// the tail tile as a second, separately scheduled loop body over half the warp's fragments (no
+// predicate in either body; thirty-ninth session, H100, two alternating runs), was mixed: the
+// grouped NVFP4 gate|up at 2,048 tokens 557 -> 580 us in 64-row tiles, 627 -> 587 in 128-row
+// tiles, at 8,192 1,722 -> 1,811 / 1,549 -> 1,564; moe_prefill 0.825 -> 0.824 ms (2,048) and
+// 2.49 -> 2.55 (8,192) — no gain where the model runs it (64-row tiles for FP8, 128-row NVFP4
+// tiles only at 8,192 rows). Not kept (tests/peer/results/h100-2026-12-06-f/next_tail_body.patch).
 #include "common.cuh"
 #include "fp4.cuh"
 #include "mma.cuh"
