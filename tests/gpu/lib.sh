@@ -1,6 +1,7 @@
 # Shared by the H200 scripts (run_h200.sh, variants.sh): sourced, never run.
 # unpack_builds NAME: sets src (.gpu/NAME), G (the unpacked binaries), C (checkpoints), OUT (logs;
 # $OUT if set), unpacks every .gpu/NAME/*.xz into $G and prints the build's commit and the GPU.
+# unpack_as VAR NAME: the same for a second build, its directory in VAR and G unchanged.
 # unxz_to FILE.xz DEST: one xz-compressed binary, executable. synth_at PRESET Q DIR: a preset in
 # export Q (fp8 or nvfp4) synthesised at DIR, logged and timed. synth_full: the full preset's FP8
 # checkpoint at $C/full, synthesised once per machine (reused while it stays warm); non-zero, with
@@ -19,6 +20,13 @@ unpack_builds() {
     mkdir -p "$G" "$C" "$OUT"
     for f in "$src"/*.xz; do unxz_to "$f" "$G/$(basename "$f" .xz)"; done
     echo "commit $(cat "$src/COMMIT" 2>/dev/null)"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+}
+unpack_as() {  # VAR NAME: unpack_builds NAME and set VAR to its binaries' directory, G left as it
+    # was (scripts comparing builds: `unpack_builds base; unpack_as NEW new` keeps $G the base's)
+    local keep=${G-}
+    unpack_builds "$2"
+    printf -v "$1" '%s' "$G"
+    G=$keep
 }
 synth_at() {  # PRESET Q DIR: that preset in export Q (fp8 or nvfp4) synthesised at DIR now; its log
     # $OUT/synth_<DIR's name>.log, a line "synth <DIR's name> rc=... ...s"; xtask's status
