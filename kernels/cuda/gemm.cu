@@ -57,12 +57,12 @@
 // per cycle per SM, stalls "not selected" and "math pipe throttle" first).
 // On sm_121 (native E4M3) mma_e4m3_split is mma_e4m3.
 //
-// Not kept, twice: skipping the ldmatrix and mma of a tile's 16-row fragments past its last row
-// (an expert's tail tile holds a few rows). A warp-uniform break per fragment (GEMM harness, run 3)
+// Not kept, three times: skipping the ldmatrix and mma of a tile's 16-row fragments past its last
+// row (an expert's tail tile holds a few rows). A warp-uniform break per fragment (GEMM harness, run 3)
 // and, in this kernel, a count of live fragments per warp with the stage's loop skipped or the
 // fragments' mma predicated (thirty-eighth session, H100: moe_prefill 0.826 -> 0.888 ms, plain
 // gemm_nvfp4 319 -> 345 us with no tail at all) both lost: the loop is issue-bound and the control
-// flow costs ptxas the overlap of one k-step's ldmatrix with the previous one's mma. A third form,
+// flow costs ptxas the overlap of one k-step's ldmatrix with the previous one's mma. The third form,
 // the tail tile as a second, separately scheduled loop body over half the warp's fragments (no
 // predicate in either body; thirty-ninth session, H100, two alternating runs), was mixed: the
 // grouped NVFP4 gate|up at 2,048 tokens 557 -> 580 us in 64-row tiles, 627 -> 587 in 128-row

@@ -4,7 +4,7 @@
 #   1. every CUDA kernel test (vs the CPU reference; PERF lines);
 #   2. shallow preset: the decode graph against eager launches, CUDA against the CPU backend,
 #      batch invariance (1..256 sequences per step, graph and eager, a mixed decode + prefill step);
-#   3. full preset (37.7 GB synthesised here, 83 s on an H100 host at 1509185): ornith-bench at 512 / 2K / 8K / 32K / 128K,
+#   3. full preset (37.7 GB synthesised here, 55-63 s on an H100 host at d364933): ornith-bench at 512 / 2K / 8K / 32K / 128K,
 #      then batched decode of 1, 2, 4, ..., 64, 128, 255 sequences of 2K-token prompts (BATCH);
 #   4. 64 sampled requests through the real binary (tests/gpu/soak_full.py), then the
 #      transformers + fla peer on the same checkpoint (tests/peer/run_h200.sh) if carried;
