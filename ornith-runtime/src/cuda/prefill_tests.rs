@@ -46,6 +46,15 @@ fn ulp(v: f64) -> f64 {
 /// Elementwise check of a bf16 output against a reference that went through the same cast points:
 /// |got - want| <= ulps * ulp(want) + abs_rms * rms(want) for every element, no NaN/unwritten
 /// element, and ||got - want|| / ||want|| <= rel_l2. Returns (max |d| / rms, rel_l2).
+/// FNV-1a of a result's bits, printed beside the error figures so that two builds' outputs can be
+/// compared bit for bit from their logs (a kernel change meant to keep every bit).
+fn digest(v: &[u16]) -> u64 {
+    v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        let h = (h ^ u64::from(x & 0xff)).wrapping_mul(0x0100_0000_01b3);
+        (h ^ u64::from(x >> 8)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 fn check(name: &str, got: &[u16], want: &[f64], ulps: f64, abs_rms: f64, rel_l2: f64) -> (f64, f64) {
     assert_eq!(got.len(), want.len(), "{name}: length");
     let rms = (want.iter().map(|w| w * w).sum::<f64>() / want.len() as f64).sqrt();
@@ -125,7 +134,7 @@ fn gemm_fp8_matches_reference() {
         let want: Vec<f64> = want.iter().map(|v| v.to_f64()).collect();
         let (worst, rel) =
             check(&format!("gemm_fp8 t{t} {inp}->{out}"), &got, &want, 1.0, 2f64.powi(-10), 2f64.powi(-9));
-        eprintln!("gemm_fp8 t{t} {inp}->{out}: max |d|/rms {worst:.2e}, rel L2 {rel:.2e}");
+        eprintln!("gemm_fp8 t{t} {inp}->{out}: max |d|/rms {worst:.2e}, rel L2 {rel:.2e}, bits {:016x}", digest(&got));
         for tt in 0..t.saturating_sub(1) {
             assert!(
                 gy[tt * ys + out..(tt + 1) * ys].iter().all(|&v| v == POISON),
@@ -173,7 +182,7 @@ fn gemm_bf16_matches_reference() {
         let want: Vec<f64> = want.iter().map(|v| v.to_f64()).collect();
         let (worst, rel) =
             check(&format!("gemm_bf16 t{t} {inp}->{out}"), &gy, &want, 1.0, 2f64.powi(-10), 2f64.powi(-9));
-        eprintln!("gemm_bf16 t{t} {inp}->{out}: max |d|/rms {worst:.2e}, rel L2 {rel:.2e}");
+        eprintln!("gemm_bf16 t{t} {inp}->{out}: max |d|/rms {worst:.2e}, rel L2 {rel:.2e}, bits {:016x}", digest(&gy));
     }
     for (t, inp, out) in [(2048, 2048, 8192), (2048, 2048, 257), (2048, 2048, 32768)] {
         let (dx, dw) = (c.upload(&vec![0x3c00u16; t * inp]).unwrap(), c.upload(&vec![0x3a00u16; out * inp]).unwrap());
@@ -587,7 +596,7 @@ fn moe_prefill_matches_reference() {
         moe(&x, t, d, &wts, &mut want);
         let want: Vec<f64> = want.iter().map(|v| v.to_f64()).collect();
         let (worst, rel) = check(&format!("moe_prefill e{e} t{t}"), &got, &want, 3.0, 2f64.powi(-7), 2f64.powi(-7));
-        eprintln!("moe_prefill e{e} t{t}: max |d|/rms {worst:.2e}, rel L2 {rel:.2e}");
+        eprintln!("moe_prefill e{e} t{t}: max |d|/rms {worst:.2e}, rel L2 {rel:.2e}, bits {:016x}", digest(&got));
     }
     // Timing at the real shape: 256 experts, top-8, one 2,048-token chunk and a step of 8,192
     // tokens (more rows per expert: fuller 64-row tiles).
