@@ -43,9 +43,6 @@ fn ulp(v: f64) -> f64 {
     2f64.powi(v.abs().max(1e-30).log2().floor() as i32 - 7)
 }
 
-/// Elementwise check of a bf16 output against a reference that went through the same cast points:
-/// |got - want| <= ulps * ulp(want) + abs_rms * rms(want) for every element, no NaN/unwritten
-/// element, and ||got - want|| / ||want|| <= rel_l2. Returns (max |d| / rms, rel_l2).
 /// FNV-1a of a result's bits, printed beside the error figures so that two builds' outputs can be
 /// compared bit for bit from their logs (a kernel change meant to keep every bit).
 fn digest(v: &[u16]) -> u64 {
@@ -55,6 +52,9 @@ fn digest(v: &[u16]) -> u64 {
     })
 }
 
+/// Elementwise check of a bf16 output against a reference that went through the same cast points:
+/// |got - want| <= ulps * ulp(want) + abs_rms * rms(want) for every element, no NaN/unwritten
+/// element, and ||got - want|| / ||want|| <= rel_l2. Returns (max |d| / rms, rel_l2).
 fn check(name: &str, got: &[u16], want: &[f64], ulps: f64, abs_rms: f64, rel_l2: f64) -> (f64, f64) {
     assert_eq!(got.len(), want.len(), "{name}: length");
     let rms = (want.iter().map(|w| w * w).sum::<f64>() / want.len() as f64).sqrt();
