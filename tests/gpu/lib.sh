@@ -10,7 +10,9 @@
 # 75 GB together: delete one before the other on a 64 GB disk). bench NAME BIN MODEL ARGS...: one
 # ornith-bench run (--gen 16 unless ARGS say otherwise; 100 s at most, BENCH_TIMEOUT to change),
 # JSON to /tmp/bench_NAME.json, stderr to $OUT/bench_NAME.err, and its table rows and errors
-# printed with the seconds since the last step ($t0, which it resets).
+# printed with the seconds since the last step ($t0, which it resets). shallow_checks BIN: a
+# variant's quick model checks (graph = eager, CUDA vs CPU, batch invariance) on the shallow FP8
+# preset, synthesised for them and removed after.
 unxz_to() {
     python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' "$1" "$2"
     chmod +x "$2"
@@ -43,6 +45,19 @@ synth_preset() {  # DIR Q: the full preset in export Q (fp8 or nvfp4) at $C/DIR,
     if [ -f "$dir/config.json" ]; then echo "synth $1: reusing $dir"; return 0; fi
     if [ ! -x "$G/xtask" ]; then echo "synth $1: no xtask in $src (carry the build's xtask.xz)"; return 1; fi
     synth_at full "$2" "$dir"
+}
+shallow_checks() {  # BIN: the test_shallow build to run; log $OUT/test_shallow_fp8.log, a line
+    # "test_shallow fp8 rc=... ...s" and its summary lines; returns the tests' status
+    synth_at shallow fp8 "$C/shallow-fp8" || return 1
+    local t0=$SECONDS rc
+    ORNITH_TEST_MODEL=$C/shallow-fp8 timeout 170 "$1" --ignored --nocapture --test-threads=1 \
+        cuda_decode_graph_matches_eager cuda_matches_cpu batch_invariance --skip cuda_matches_cpu_at_length \
+        > "$OUT/test_shallow_fp8.log" 2>&1
+    rc=$?
+    echo "test_shallow fp8 rc=$rc $((SECONDS - t0))s"
+    grep -E "prefill:|batch invariance: (1|8|256) |mixed|panicked|test result" "$OUT/test_shallow_fp8.log" | cut -c1-200
+    rm -rf "$C/shallow-fp8"
+    return $rc
 }
 synth_full() { synth_preset full fp8; }
 synth_full_nvfp4() { synth_preset full-nvfp4 nvfp4; }

@@ -23,11 +23,7 @@ if [ "${KT:-0}" = 1 ]; then
   done
   for v in base cvt cvt2; do grep -E "max \|d\|" "$OUT/kernels_${v}.log" | md5sum | sed "s/-/$v error lines/"; done
 fi
-synth_at shallow fp8 "$C/shallow-fp8"; t0=$SECONDS
-ORNITH_TEST_MODEL=$C/shallow-fp8 timeout 170 "$G/test_shallow" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu batch_invariance --skip cuda_matches_cpu_at_length > "$OUT/test_shallow_fp8.log" 2>&1
-echo "test_shallow fp8 rc=$? $((SECONDS - t0))s"
-grep -E "prefill:|batch invariance: (1|8|256) |mixed|panicked|test result" "$OUT/test_shallow_fp8.log" | cut -c1-200
-rm -rf "$C/shallow-fp8"
+shallow_checks "$G/test_shallow"
 synth_full || exit 1
 t0=$SECONDS
 for r in 1 2; do

@@ -23,10 +23,6 @@ if true; then
   for v in cvt2 base; do grep -oE "^(gemm_fp8|gemm_bf16|moe_prefill) [^:]*: .*bits [0-9a-f]+" "$OUT/kernels_${v}.log" | sed 's/: max.*bits/:/' > "$OUT/bits_$v.txt"; done
   wc -l "$OUT"/bits_*.txt; diff "$OUT/bits_base.txt" "$OUT/bits_cvt2.txt" && echo "BITS IDENTICAL (cvt2 = base)"
 fi
-synth_at shallow fp8 "$C/shallow-fp8"; t0=$SECONDS
-ORNITH_TEST_MODEL=$C/shallow-fp8 timeout 170 "$G/test_shallow" --ignored --nocapture --test-threads=1 cuda_decode_graph_matches_eager cuda_matches_cpu batch_invariance --skip cuda_matches_cpu_at_length > "$OUT/test_shallow_fp8.log" 2>&1
-echo "test_shallow fp8 rc=$? $((SECONDS - t0))s"
-grep -E "prefill:|batch invariance: (1|8|256) |mixed|panicked|test result" "$OUT/test_shallow_fp8.log" | cut -c1-200
-rm -rf "$C/shallow-fp8"
+shallow_checks "$G/test_shallow"
 echo "total ${SECONDS}s"
 cp "$0" "$OUT/" 2>/dev/null; (cd "$OUT" && tar cJf logs.tar.xz *.log *.err 2>/dev/null && rm -f *.log *.err)
