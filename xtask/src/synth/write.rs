@@ -6,7 +6,9 @@
 //! channel while the next batch is generated on every core, and the shards are synced to disk
 //! once, after the last one is written (before the caller stamps the checkpoint), not one by one
 //! — so the disk flushes one shard while the next is generated. (Before, the generator waited for
-//! each batch's write and each shard's sync; the bytes written are the same.)
+//! each batch's write and each shard's sync; the bytes written are the same.) A batch's buffer
+//! travels to the writer and back ([`ToWriter`]): its bytes are never copied on the way to the
+//! file (the writer's small buffer only gathers the header and small tensors).
 
 use super::init::{rows_of, Init, TensorKey};
 use super::plan::{Kind, Plan, PlannedTensor, ShardPlan};
@@ -19,7 +21,7 @@ use rayon::prelude::*;
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
 use std::path::Path;
-use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 
 /// What goes into the shard files.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +37,9 @@ pub enum Contents {
 const BATCH_ELEMS: usize = 2 << 20;
 /// Encoded batches queued for the writer thread at most (the generator waits beyond that).
 const IN_FLIGHT: usize = 4;
+/// The shard writer's buffer: writes at least this long go to the file directly (every row batch
+/// of a large tensor); shorter ones (the header, norms, scales) are gathered.
+const WRITE_BUF: usize = 256 << 10;
 
 /// Writes every shard of `plan` into `dir`.
 pub fn write_shards(plan: &Plan, dir: &Path, contents: Contents, progress: bool) -> Result<()> {
@@ -69,18 +74,26 @@ pub fn write_shards(plan: &Plan, dir: &Path, contents: Contents, progress: bool)
     Ok(())
 }
 
-/// The producer's end of a shard's writer thread: each `write` hands the writer an owned copy of
-/// the bytes (one encoded batch per call here). A closed channel means the writer stopped on an
+/// The producer's end of a shard's writer thread: [`ToWriter::send`] hands the writer a filled
+/// buffer and returns one to fill next — one the writer has written and sent back (its old
+/// contents still in it: the caller sets its length and writes every byte), or a new empty one —
+/// so the bytes are not copied on the way. A closed channel means the writer stopped on an
 /// error, which the join reports.
-struct ToWriter(SyncSender<Vec<u8>>);
+struct ToWriter {
+    tx: SyncSender<Vec<u8>>,
+    back: Receiver<Vec<u8>>,
+}
 
-impl Write for ToWriter {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.0.send(buf.to_vec()).map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the shard writer stopped"))?;
-        Ok(buf.len())
+impl ToWriter {
+    fn send(&mut self, buf: Vec<u8>) -> io::Result<Vec<u8>> {
+        let cap = buf.capacity();
+        self.tx.send(buf).map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the shard writer stopped"))?;
+        Ok(self.buffer(cap))
     }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
+
+    /// A buffer to fill: a returned one if any, else a new one of `cap` bytes' capacity.
+    fn buffer(&mut self, cap: usize) -> Vec<u8> {
+        self.back.try_recv().unwrap_or_else(|_| Vec::with_capacity(cap))
     }
 }
 
@@ -94,7 +107,7 @@ fn write_shard(
     pending: &mut Option<(String, Vec<u8>)>,
 ) -> Result<File> {
     let file = File::create(path)?;
-    let mut w = BufWriter::with_capacity(8 << 20, file);
+    let mut w = BufWriter::with_capacity(WRITE_BUF, file);
     w.write_all(&(shard.header.len() as u64).to_le_bytes())?;
     w.write_all(&shard.header)?;
     if contents == Contents::HeadersOnly {
@@ -103,14 +116,17 @@ fn write_shard(
         return Ok(file);
     }
     let (tx, rx) = sync_channel::<Vec<u8>>(IN_FLIGHT);
+    // Written buffers on their way back (never more than exist: the writer does not block on it).
+    let (back_tx, back) = sync_channel::<Vec<u8>>(IN_FLIGHT + 2);
     std::thread::scope(|sc| {
         let writer = sc.spawn(move || -> io::Result<File> {
             for batch in rx {
                 w.write_all(&batch)?;
+                let _ = back_tx.try_send(batch); // full or closed: the buffer is dropped
             }
             w.into_inner().map_err(|e| e.into_error())
         });
-        let mut to_writer = ToWriter(tx);
+        let mut to_writer = ToWriter { tx, back };
         let produced = (|| -> Result<()> {
             let mut written = 0u64;
             for t in &shard.tensors {
@@ -143,7 +159,7 @@ fn gen_rows(key: TensorKey, init: Init, r0: usize, row_len: usize, out: &mut [f3
 fn write_tensor(
     seed: u64,
     t: &PlannedTensor,
-    w: &mut impl Write,
+    w: &mut ToWriter,
     bar: &ProgressBar,
     pending: &mut Option<(String, Vec<u8>)>,
 ) -> Result<u64> {
@@ -153,7 +169,7 @@ fn write_tensor(
     }
     let batch_rows = (BATCH_ELEMS / row_len).clamp(1, rows.max(1));
     let mut f = vec![0f32; batch_rows * row_len];
-    let mut bytes: Vec<u8> = Vec::with_capacity(batch_rows * row_len * 4);
+    let mut bytes = w.buffer(batch_rows * row_len * 4);
     let mut total = 0u64;
     match &t.kind {
         Kind::Dense(init) => {
@@ -164,9 +180,10 @@ fn write_tensor(
                 gen_rows(key, *init, r0, row_len, buf);
                 bytes.clear();
                 encode(t.dtype, buf, &mut bytes)?;
-                w.write_all(&bytes)?;
-                total += bytes.len() as u64;
-                bar.inc(bytes.len() as u64);
+                let len = bytes.len() as u64;
+                bytes = w.send(bytes)?;
+                total += len;
+                bar.inc(len);
             }
         }
         Kind::Fp8Weight(init) => {
@@ -184,9 +201,10 @@ fn write_tensor(
                     .zip(s.par_iter_mut())
                     .for_each(|((q, row), s)| *s = quantize_weight_row(row, q));
                 scales.extend_from_slice(&s);
-                w.write_all(&bytes)?;
-                total += bytes.len() as u64;
-                bar.inc(bytes.len() as u64);
+                let len = bytes.len() as u64;
+                bytes = w.send(bytes)?;
+                total += len;
+                bar.inc(len);
             }
             *pending = Some((t.name.clone(), scales.iter().flat_map(|s| s.to_le_bytes()).collect()));
         }
@@ -208,9 +226,10 @@ fn write_tensor(
                     .zip(s.par_chunks_mut(n_in / g))
                     .for_each(|((p, row), s)| model_spec::nvfp4::quantize_row(row, global, p, s));
                 scales.extend_from_slice(&s);
-                w.write_all(&bytes)?;
-                total += bytes.len() as u64;
-                bar.inc(bytes.len() as u64);
+                let len = bytes.len() as u64;
+                bytes = w.send(bytes)?;
+                total += len;
+                bar.inc(len);
             }
             *pending = Some((t.name.clone(), scales));
         }
@@ -232,9 +251,10 @@ fn write_tensor(
                     b.len()
                 );
             }
-            w.write_all(&b)?;
-            total += b.len() as u64;
-            bar.inc(b.len() as u64);
+            let len = b.len() as u64;
+            w.send(b)?;
+            total += len;
+            bar.inc(len);
         }
     }
     Ok(total)
@@ -304,7 +324,7 @@ mod tests {
     fn a_failing_write_reports_the_disk_error() {
         let plan = plan_quant(Preset::Tiny, 1, Quant::Fp8);
         let shard = &plan.shards[0];
-        assert!(shard.file_len() > 16 << 20, "the shard must outgrow the writer's 8 MiB buffer");
+        assert!(shard.file_len() > 16 << 20, "the shard must be more than a few of the writer's batches");
         let mut pending = None;
         let err =
             write_shard(plan.seed, shard, Path::new("/dev/full"), Contents::Data, &ProgressBar::hidden(), &mut pending)
