@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# NOTE: never ran — the device budget ran out after six refused starts (forty-first session).
+# NOTE: never ran — the device budget ran out after six refused starts (forty-first session); step 1b (ncu) added after.
 # Forty-first session, call 2. k_p2 / c41p2 = HEAD + BF16 (and NVFP4A16) prefill GEMM fragments
 # promoted every second 64-element stage instead of every stage (GB_BF16_PROMOTE 2); k_baseb / b40base = HEAD.
 # In priority order, with time guards (little device time left):
@@ -21,6 +21,18 @@ for v in p2 base; do
   grep -E "PERF (gemm_bf16|gemm_fp8 2048x2048 -> 8192|moe_prefill)|panicked|test result" "$OUT/kernels_${v}.log" | sed 's/.*PERF/PERF/' | cut -c1-120
   grep -E "^(gemm_bf16|moe_prefill)[^:]*: max" "$OUT/kernels_${v}.log" | cut -c1-160
 done
+# 1b. Nsight Compute on gemm_bf16 and gemm_fp8 in HEAD's kernel tests (16 launches each; the longest,
+# a 2048-row PERF shape, is summarised): what bounds the loop — issue, a stall, shared memory or L2
+NCU=${NCU:-/usr/local/cuda/bin/ncu}
+if [ -x "$NCU" ]; then
+  for k in gemm_bf16 gemm_fp8; do
+    timeout 150 "$NCU" --kernel-name "$k" --launch-count 16 --section SpeedOfLight --section Occupancy --section SchedulerStats \
+      --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      "$KB/kernels" --ignored --test-threads=1 --exact "cuda::prefill_tests::${k}_matches_reference" > "$OUT/ncu_$k.txt" 2>&1
+    echo "ncu $k rc=$?"
+    python3 tests/peer/results/h100-2026-12-07/ncu_longest.py "$OUT/ncu_$k.txt"
+  done
+fi
 t0=$SECONDS
 timeout 90 "$KP/kernels" --ignored --test-threads=1 --nocapture gemm moe --skip gemm_fp8_matches_reference --skip moe_prefill_matches_reference --skip gemm_bf16_matches_reference > "$OUT/kernels_p2_gemm_moe.log" 2>&1; echo "kernels p2 gemm+moe rc=$? $((SECONDS - t0))s"
 grep -E "panicked|FAILED|test result|PERF gemm_nvfp4" "$OUT/kernels_p2_gemm_moe.log" | sed 's/.*PERF/PERF/' | cut -c1-200 | head -20
@@ -33,6 +45,6 @@ if [ $SECONDS -lt 110 ] && synth_full; then
 fi
 echo "at ${SECONDS}s"
 [ $SECONDS -lt 140 ] && shallow_checks "$G/test_shallow"
-[ $SECONDS -lt 175 ] && { ( nvcc -O3 -arch=sm_90 -o /tmp/rope_bin .gpu/rope/rope.cu && timeout 60 python3 .gpu/rope/rope.py 262144 ) > "$OUT/rope.txt" 2>&1; head -8 "$OUT/rope.txt"; }
+[ $SECONDS -lt 175 ] && { ( nvcc -O3 -arch=sm_90 -o /tmp/rope_bin tests/peer/results/h100-2026-12-07/rope.cu && timeout 60 python3 tests/peer/results/h100-2026-12-07/rope.py 262144 ) > "$OUT/rope.txt" 2>&1; head -8 "$OUT/rope.txt"; }
 echo "total ${SECONDS}s"
 cp "$0" "$OUT/" 2>/dev/null; (cd "$OUT" && tar cJf logs.tar.xz *.log *.err *.txt 2>/dev/null; rm -f *.log *.err)
