@@ -21,12 +21,14 @@ for v in p2 base; do
   grep -E "PERF (gemm_bf16|gemm_fp8 2048x2048 -> 8192|moe_prefill)|panicked|test result" "$OUT/kernels_${v}.log" | sed 's/.*PERF/PERF/' | cut -c1-120
   grep -E "^(gemm_bf16|moe_prefill)[^:]*: max" "$OUT/kernels_${v}.log" | cut -c1-160
 done
-# 1b. Nsight Compute on gemm_bf16 and gemm_fp8 in HEAD's kernel tests (16 launches each; the longest,
-# a 2048-row PERF shape, is summarised): what bounds the loop — issue, a stall, shared memory or L2
+# 1b. Nsight Compute on gemm_bf16 and gemm_fp8 in HEAD's kernel tests: the first PERF launch
+# (2048x2048 -> 8192, after 3 launches per checked shape: 5 shapes for gemm_bf16, 7 for gemm_fp8)
+# — what bounds the loop: issue, a stall, shared memory or L2
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
 if [ -x "$NCU" ]; then
-  for k in gemm_bf16 gemm_fp8; do
-    timeout 150 "$NCU" --kernel-name "$k" --launch-count 16 --section SpeedOfLight --section Occupancy --section SchedulerStats \
+  for k in gemm_bf16:15 gemm_fp8:21; do
+    skip=${k#*:}; k=${k%:*}
+    timeout 150 "$NCU" --kernel-name "$k" --launch-skip "$skip" --launch-count 1 --section SpeedOfLight --section Occupancy --section SchedulerStats \
       --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       "$KB/kernels" --ignored --test-threads=1 --exact "cuda::prefill_tests::${k}_matches_reference" > "$OUT/ncu_$k.txt" 2>&1
     echo "ncu $k rc=$?"
