@@ -1,6 +1,7 @@
 //! Streams a [`Plan`]'s shards to disk, tensor by tensor, one row batch at a time: memory stays
 //! at one batch buffer (≤ ~8 MiB of f32 plus its encoded bytes), the encoded batches on their way
-//! to the writer thread (at most [`IN_FLIGHT`]) and one FP8 weight's scales.
+//! to the writer thread (at most [`IN_FLIGHT`]), as many written ones waiting to be filled again
+//! (two more at most) and one FP8 weight's scales.
 //!
 //! Generation and writing overlap: a shard's bytes go to a writer thread through a bounded
 //! channel while the next batch is generated on every core, and the shards are synced to disk
