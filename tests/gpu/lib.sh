@@ -12,7 +12,8 @@
 # JSON to /tmp/bench_NAME.json, stderr to $OUT/bench_NAME.err, and its table rows and errors
 # printed with the seconds since the last step ($t0, which it resets). shallow_checks BIN: a
 # variant's quick model checks (graph = eager, CUDA vs CPU, batch invariance) on the shallow FP8
-# preset, synthesised for them and removed after.
+# preset, synthesised for them and removed after. kernel_tests V BIN TEST...: named kernel tests
+# of a build, their PERF lines and output digests; same_bits A B: two such runs' digests compared.
 unxz_to() {
     python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' "$1" "$2"
     chmod +x "$2"
@@ -58,6 +59,27 @@ shallow_checks() {  # BIN: the test_shallow build to run; log $OUT/test_shallow_
     grep -E "prefill:|batch invariance: (1|8|256) |mixed|panicked|test result" "$OUT/test_shallow_fp8.log" | cut -c1-200
     rm -rf "$C/shallow-fp8"
     return $rc
+}
+kernel_tests() {  # V BIN TEST...: a kernel-test build's tests by name (--ignored, one thread, 120 s
+    # at most), log $OUT/kernels_V.log; prints "kernels V rc=... ...s", the PERF and result lines,
+    # and writes the outputs' digests ("name: bits") to $OUT/bits_V.txt; returns the tests' status
+    local v=$1 bin=$2 t0=$SECONDS rc
+    shift 2
+    timeout 120 "$bin" --ignored --test-threads=1 --nocapture "$@" > "$OUT/kernels_$v.log" 2>&1
+    rc=$?
+    echo "kernels $v rc=$rc $((SECONDS - t0))s"
+    grep -E "PERF |panicked|test result" "$OUT/kernels_$v.log" | sed 's/.*PERF/PERF/' | cut -c1-120
+    # (a test's first line follows libtest's "test NAME ... ")
+    sed 's/^test [^ ]* \.\.\. //' "$OUT/kernels_$v.log" | grep -oE "^[a-z_0-9]+ [^:]*: .*bits [0-9a-f]+" \
+        | sed 's/: .*bits/:/' > "$OUT/bits_$v.txt"
+    return $rc
+}
+same_bits() {  # A B: whether kernel_tests A and B wrote the same digests (and at least one)
+    if [ -s "$OUT/bits_$1.txt" ] && cmp -s "$OUT/bits_$1.txt" "$OUT/bits_$2.txt"; then
+        echo "BITS IDENTICAL ($2 = $1, $(wc -l < "$OUT/bits_$1.txt") outputs)"
+    else
+        echo "BITS DIFFER ($2 vs $1)"; diff "$OUT/bits_$1.txt" "$OUT/bits_$2.txt" | head -8; return 1
+    fi
 }
 synth_full() { synth_preset full fp8; }
 synth_full_nvfp4() { synth_preset full-nvfp4 nvfp4; }
