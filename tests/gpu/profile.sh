@@ -36,31 +36,5 @@ for job in "$@"; do
     "$NCU" --import "$OUT/ncu_$i.ncu-rep" --page raw --csv --print-units base > "$OUT/ncu_$i.csv" 2>/dev/null
     # The report itself (MBs) only with KEEP_REP=1: the device tool brings back a limited number of files.
     [ "${KEEP_REP:-0}" = 1 ] || rm -f "$OUT/ncu_$i.ncu-rep" "$OUT/ncu_$i.bench.json"
-    # One line per profiled launch: name, grid, duration, DRAM and L1 throughput (% of peak),
-    # achieved occupancy, instructions executed per cycle per SM, then the four largest stall
-    # reasons (warps stalled per issued instruction).
-    python3 - "$OUT/ncu_$i.csv" <<'EOF'
-import csv, sys
-rows = list(csv.reader(open(sys.argv[1])))
-if len(rows) < 3:
-    sys.exit("profile: no profiled launches")
-head = rows[0]
-def col(r, name):
-    return r[head.index(name)] if name in head else "?"
-stall = [h for h in head if "issue_stalled_" in h and h.endswith("_per_issue_active.ratio")]
-for r in rows[2:]:
-    def f(name):
-        v = col(r, name).replace(",", "")
-        try:
-            return float(v)
-        except ValueError:
-            return float("nan")
-    top = sorted(stall, key=lambda h: -f(h))[:4]
-    names = " ".join(f"{h.split('issue_stalled_')[1].split('_per_issue')[0]} {f(h):.2f}" for h in top)
-    print(f"{col(r, 'Kernel Name')[:26]:26} grid {col(r, 'Grid Size'):>14} {f('gpu__time_duration.sum') / 1e3:8.1f} us"
-          f"  DRAM {f('gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed'):5.1f}%"
-          f"  L1 {f('l1tex__throughput.avg.pct_of_peak_sustained_active'):5.1f}%"
-          f"  occ {f('sm__warps_active.avg.pct_of_peak_sustained_active'):5.1f}%"
-          f"  IPC {f('sm__inst_executed.avg.per_cycle_active'):4.2f}  | {names}")
-EOF
+    python3 "$(dirname "$0")/ncu_summary.py" "$OUT/ncu_$i.csv"
 done

@@ -21,20 +21,11 @@ for v in p2 base; do
   grep -E "PERF (gemm_bf16|gemm_fp8 2048x2048 -> 8192|moe_prefill)|panicked|test result" "$OUT/kernels_${v}.log" | sed 's/.*PERF/PERF/' | cut -c1-120
   grep -E "^(gemm_bf16|moe_prefill)[^:]*: max" "$OUT/kernels_${v}.log" | cut -c1-160
 done
-# 1b. Nsight Compute on gemm_bf16 and gemm_fp8 in HEAD's kernel tests: the first PERF launch
-# (2048x2048 -> 8192, after 3 launches per checked shape: 5 shapes for gemm_bf16, 7 for gemm_fp8)
-# — what bounds the loop: issue, a stall, shared memory or L2
-NCU=${NCU:-/usr/local/cuda/bin/ncu}
-if [ -x "$NCU" ]; then
-  for k in gemm_bf16:15 gemm_fp8:21; do
-    skip=${k#*:}; k=${k%:*}
-    timeout 150 "$NCU" --kernel-name "$k" --launch-skip "$skip" --launch-count 1 --section SpeedOfLight --section Occupancy --section SchedulerStats \
-      --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-      "$KB/kernels" --ignored --test-threads=1 --exact "cuda::prefill_tests::${k}_matches_reference" > "$OUT/ncu_$k.txt" 2>&1
-    echo "ncu $k rc=$?"
-    python3 tests/peer/results/h100-2026-12-07/ncu_longest.py "$OUT/ncu_$k.txt"
-  done
-fi
+# 1b. Nsight Compute on HEAD's gemm_bf16 and gemm_fp8 kernel tests, the first PERF launch of each
+# (2048x2048 -> 8192, after 3 launches per checked shape: 5 shapes for gemm_bf16, 7 for gemm_fp8):
+# what bounds the loop — issue, a stall, shared memory or L2
+bash tests/gpu/profile_kernels.sh k_baseb cuda::prefill_tests::gemm_bf16_matches_reference,gemm_bf16,15 \
+    cuda::prefill_tests::gemm_fp8_matches_reference,gemm_fp8,21
 t0=$SECONDS
 timeout 90 "$KP/kernels" --ignored --test-threads=1 --nocapture gemm moe --skip gemm_fp8_matches_reference --skip moe_prefill_matches_reference --skip gemm_bf16_matches_reference > "$OUT/kernels_p2_gemm_moe.log" 2>&1; echo "kernels p2 gemm+moe rc=$? $((SECONDS - t0))s"
 grep -E "panicked|FAILED|test result|PERF gemm_nvfp4" "$OUT/kernels_p2_gemm_moe.log" | sed 's/.*PERF/PERF/' | cut -c1-200 | head -20
