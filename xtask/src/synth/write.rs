@@ -172,6 +172,13 @@ fn write_tensor(
     let mut f = vec![0f32; batch_rows * row_len];
     let mut bytes = w.buffer(batch_rows * row_len * 4);
     let mut total = 0u64;
+    // Hands a filled buffer to the writer, counts its bytes, returns the buffer to fill next.
+    let mut put = |b: Vec<u8>| -> io::Result<Vec<u8>> {
+        let n = b.len() as u64;
+        total += n;
+        bar.inc(n);
+        w.send(b)
+    };
     match &t.kind {
         Kind::Dense(init) => {
             let key = TensorKey::new(seed, &t.name);
@@ -181,10 +188,7 @@ fn write_tensor(
                 gen_rows(key, *init, r0, row_len, buf);
                 bytes.clear();
                 encode(t.dtype, buf, &mut bytes)?;
-                let len = bytes.len() as u64;
-                bytes = w.send(bytes)?;
-                total += len;
-                bar.inc(len);
+                bytes = put(bytes)?;
             }
         }
         Kind::Fp8Weight(init) => {
@@ -202,10 +206,7 @@ fn write_tensor(
                     .zip(s.par_iter_mut())
                     .for_each(|((q, row), s)| *s = quantize_weight_row(row, q));
                 scales.extend_from_slice(&s);
-                let len = bytes.len() as u64;
-                bytes = w.send(bytes)?;
-                total += len;
-                bar.inc(len);
+                bytes = put(bytes)?;
             }
             *pending = Some((t.name.clone(), scales.iter().flat_map(|s| s.to_le_bytes()).collect()));
         }
@@ -227,10 +228,7 @@ fn write_tensor(
                     .zip(s.par_chunks_mut(n_in / g))
                     .for_each(|((p, row), s)| model_spec::nvfp4::quantize_row(row, global, p, s));
                 scales.extend_from_slice(&s);
-                let len = bytes.len() as u64;
-                bytes = w.send(bytes)?;
-                total += len;
-                bar.inc(len);
+                bytes = put(bytes)?;
             }
             *pending = Some((t.name.clone(), scales));
         }
@@ -252,10 +250,7 @@ fn write_tensor(
                     b.len()
                 );
             }
-            let len = b.len() as u64;
-            w.send(b)?;
-            total += len;
-            bar.inc(len);
+            put(b)?;
         }
     }
     Ok(total)
