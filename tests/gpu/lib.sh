@@ -14,6 +14,8 @@
 # variant's quick model checks (graph = eager, CUDA vs CPU, batch invariance) on the shallow FP8
 # preset, synthesised for them and removed after. kernel_tests V BIN TEST...: named kernel tests
 # of a build, their PERF lines and output digests; same_bits A B: two such runs' digests compared.
+# ncu_export BASE: an Nsight Compute report's details page, metrics and summary ($NCU set).
+GPU_SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)  # this folder, absolute (for its helpers)
 unxz_to() {
     python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' "$1" "$2"
     chmod +x "$2"
@@ -80,6 +82,14 @@ same_bits() {  # A B: whether kernel_tests A and B wrote the same digests (and a
     else
         echo "BITS DIFFER ($2 vs $1)"; diff "$OUT/bits_$1.txt" "$OUT/bits_$2.txt" | head -8; return 1
     fi
+}
+ncu_export() {  # BASE: an ncu report BASE.ncu-rep written out as BASE.txt (the details page) and
+    # BASE.csv (every metric), the report removed unless KEEP_REP=1 (the device tool brings back a
+    # limited number of files), and a line per profiled launch on stdout (ncu_summary.py)
+    "$NCU" --import "$1.ncu-rep" --page details --print-units base > "$1.txt" 2>&1
+    "$NCU" --import "$1.ncu-rep" --page raw --csv --print-units base > "$1.csv" 2>/dev/null
+    [ "${KEEP_REP:-0}" = 1 ] || rm -f "$1.ncu-rep"
+    python3 "$GPU_SCRIPTS/ncu_summary.py" "$1.csv"
 }
 synth_full() { synth_preset full fp8; }
 synth_full_nvfp4() { synth_preset full-nvfp4 nvfp4; }

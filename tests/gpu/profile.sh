@@ -32,9 +32,6 @@ for job in "$@"; do
         --force-overwrite -o "$OUT/ncu_$i" "$G/bench_full" --model "$C/full" "${bench_args[@]}" \
         > "$OUT/ncu_$i.bench.json" 2> "$OUT/ncu_$i.log"
     echo "job $i ($job) rc=$? $((SECONDS - t0))s"
-    "$NCU" --import "$OUT/ncu_$i.ncu-rep" --page details --print-units base > "$OUT/ncu_$i.txt" 2>&1
-    "$NCU" --import "$OUT/ncu_$i.ncu-rep" --page raw --csv --print-units base > "$OUT/ncu_$i.csv" 2>/dev/null
-    # The report itself (MBs) only with KEEP_REP=1: the device tool brings back a limited number of files.
-    [ "${KEEP_REP:-0}" = 1 ] || rm -f "$OUT/ncu_$i.ncu-rep" "$OUT/ncu_$i.bench.json"
-    python3 "$(dirname "$0")/ncu_summary.py" "$OUT/ncu_$i.csv"
+    [ "${KEEP_REP:-0}" = 1 ] || rm -f "$OUT/ncu_$i.bench.json"
+    ncu_export "$OUT/ncu_$i"
 done

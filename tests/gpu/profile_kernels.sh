@@ -30,8 +30,5 @@ for job in "$@"; do
         --force-overwrite -o "$OUT/ncuk_$i" "$G/kernels" --ignored --exact --test-threads=1 "$test" \
         > "$OUT/ncuk_$i.log" 2>&1
     echo "job $i ($kernel in $test, skip ${skip:-0}) rc=$? $((SECONDS - t0))s"
-    "$NCU" --import "$OUT/ncuk_$i.ncu-rep" --page details --print-units base > "$OUT/ncuk_$i.txt" 2>&1
-    "$NCU" --import "$OUT/ncuk_$i.ncu-rep" --page raw --csv --print-units base > "$OUT/ncuk_$i.csv" 2>/dev/null
-    [ "${KEEP_REP:-0}" = 1 ] || rm -f "$OUT/ncuk_$i.ncu-rep"
-    python3 "$(dirname "$0")/ncu_summary.py" "$OUT/ncuk_$i.csv"
+    ncu_export "$OUT/ncuk_$i"
 done

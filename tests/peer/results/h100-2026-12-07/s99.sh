@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# NOTE: never ran — the device budget ran out after six refused starts (forty-first session); step 1b (ncu) added after.
+# NOTE: never ran — the device budget ran out after six refused starts (forty-first session); step 1b (ncu) and
+# lib.sh's kernel_tests for its test runs came after.
 # Forty-first session, call 2. k_p2 / c41p2 = HEAD + BF16 (and NVFP4A16) prefill GEMM fragments
 # promoted every second 64-element stage instead of every stage (GB_BF16_PROMOTE 2); k_baseb / b40base = HEAD.
 # In priority order, with time guards (little device time left):
@@ -16,19 +17,17 @@ unpack_as KB k_baseb; unpack_as KP k_p2
 T="gemm_fp8_matches_reference moe_prefill_matches_reference gemm_bf16_matches_reference"
 for v in p2 base; do
   bin=$KB/kernels; [ $v = p2 ] && bin=$KP/kernels
-  t0=$SECONDS
-  timeout 60 "$bin" --ignored --test-threads=1 --nocapture $T > "$OUT/kernels_${v}.log" 2>&1; echo "kernels $v rc=$? $((SECONDS - t0))s"
-  grep -E "PERF (gemm_bf16|gemm_fp8 2048x2048 -> 8192|moe_prefill)|panicked|test result" "$OUT/kernels_${v}.log" | sed 's/.*PERF/PERF/' | cut -c1-120
-  grep -E "^(gemm_bf16|moe_prefill)[^:]*: max" "$OUT/kernels_${v}.log" | cut -c1-160
+  # shellcheck disable=SC2086
+  kernel_tests $v "$bin" $T
+  grep -oE "(gemm_bf16|moe_prefill) [^:]*: max [^,]*, rel L2 [^,]*" "$OUT/kernels_${v}.log"  # the error figures
 done
 # 1b. Nsight Compute on HEAD's gemm_bf16 and gemm_fp8 kernel tests, the first PERF launch of each
 # (2048x2048 -> 8192, after 3 launches per checked shape: 5 shapes for gemm_bf16, 7 for gemm_fp8):
 # what bounds the loop — issue, a stall, shared memory or L2
 bash tests/gpu/profile_kernels.sh k_baseb cuda::prefill_tests::gemm_bf16_matches_reference,gemm_bf16,15 \
     cuda::prefill_tests::gemm_fp8_matches_reference,gemm_fp8,21
-t0=$SECONDS
-timeout 90 "$KP/kernels" --ignored --test-threads=1 --nocapture gemm moe --skip gemm_fp8_matches_reference --skip moe_prefill_matches_reference --skip gemm_bf16_matches_reference > "$OUT/kernels_p2_gemm_moe.log" 2>&1; echo "kernels p2 gemm+moe rc=$? $((SECONDS - t0))s"
-grep -E "panicked|FAILED|test result|PERF gemm_nvfp4" "$OUT/kernels_p2_gemm_moe.log" | sed 's/.*PERF/PERF/' | cut -c1-200 | head -20
+kernel_tests p2_gemm_moe "$KP/kernels" gemm moe --skip gemm_fp8_matches_reference --skip moe_prefill_matches_reference \
+    --skip gemm_bf16_matches_reference
 if [ $SECONDS -lt 110 ] && synth_full; then
   t0=$SECONDS
   BENCH_TIMEOUT=60 bench base_1 "$GB/bench_full" "$C/full" --prompts 2048,32768 --max-batch-tokens 8192
