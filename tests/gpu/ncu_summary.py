@@ -16,6 +16,18 @@ def col(r, name):
     return r[head.index(name)] if name in head else "?"
 
 
+def extra(r, f):
+    """The tensor pipe's busiest figure and shared-memory bank conflicts, where collected."""
+    out = ""
+    tensor = [h for h in head if "pipe_tensor" in h and "pct_of_peak" in h]
+    if tensor:
+        out += f"  tensor {max(f(h) for h in tensor):5.1f}%"
+    banks = [h for h in head if "bank_conflicts" in h and h.endswith(".sum")]
+    if banks:
+        out += f"  bank conflicts {sum(f(h) for h in banks):.3g}"
+    return out
+
+
 stall = [h for h in head if "issue_stalled_" in h and h.endswith("_per_issue_active.ratio")]
 for r in rows[2:]:
     def f(name):
@@ -33,4 +45,4 @@ for r in rows[2:]:
           f"  L1 {f('l1tex__throughput.avg.pct_of_peak_sustained_active'):5.1f}%"
           f"  issue {f('smsp__issue_active.avg.pct_of_peak_sustained_active'):5.1f}%"
           f"  occ {f('sm__warps_active.avg.pct_of_peak_sustained_active'):5.1f}%"
-          f"  IPC {f('sm__inst_executed.avg.per_cycle_active'):4.2f}  | {names}")
+          f"  IPC {f('sm__inst_executed.avg.per_cycle_active'):4.2f}{extra(r, f)}  | {names}")

@@ -19,7 +19,8 @@ NCU=${NCU:-/usr/local/cuda/bin/ncu}
 [ -x "$NCU" ] || { echo "profile_kernels: no Nsight Compute at $NCU"; exit 1; }
 [ -x "$G/kernels" ] || { echo "profile_kernels: no kernels binary in .gpu/$name"; exit 1; }
 sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats
- --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis"
+ --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats
+ --section MemoryWorkloadAnalysis_Tables"
 i=0
 for job in "$@"; do
     i=$((i + 1))
