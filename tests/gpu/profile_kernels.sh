@@ -21,6 +21,7 @@ NCU=${NCU:-/usr/local/cuda/bin/ncu}
 sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats
  --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats
  --section MemoryWorkloadAnalysis_Tables"
+tag=${NCU_TAG:-ncuk}  # the files' prefix (NCU_TAG: several runs into one $OUT)
 i=0
 for job in "$@"; do
     i=$((i + 1))
@@ -28,8 +29,8 @@ for job in "$@"; do
     t0=$SECONDS
     # shellcheck disable=SC2086
     timeout 200 "$NCU" --kernel-name "$kernel" --launch-skip "${skip:-0}" --launch-count "${count:-1}" $sections \
-        --force-overwrite -o "$OUT/ncuk_$i" "$G/kernels" --ignored --exact --test-threads=1 "$test" \
-        > "$OUT/ncuk_$i.log" 2>&1
+        --force-overwrite -o "$OUT/${tag}_$i" "$G/kernels" --ignored --exact --test-threads=1 "$test" \
+        > "$OUT/${tag}_$i.log" 2>&1
     echo "job $i ($kernel in $test, skip ${skip:-0}) rc=$? $((SECONDS - t0))s"
-    ncu_export "$OUT/ncuk_$i"
+    ncu_export "$OUT/${tag}_$i"
 done
