@@ -28,7 +28,7 @@ for job in "$@"; do
     IFS=, read -r test kernel skip count <<< "$job"
     t0=$SECONDS
     # shellcheck disable=SC2086
-    timeout 200 "$NCU" --kernel-name "$kernel" --launch-skip "${skip:-0}" --launch-count "${count:-1}" $sections \
+    timeout "${NCU_TIMEOUT:-200}" "$NCU" --kernel-name "$kernel" --launch-skip "${skip:-0}" --launch-count "${count:-1}" $sections \
         --force-overwrite -o "$OUT/${tag}_$i" "$G/kernels" --ignored --exact --test-threads=1 "$test" \
         > "$OUT/${tag}_$i.log" 2>&1
     echo "job $i ($kernel in $test, skip ${skip:-0}) rc=$? $((SECONDS - t0))s"
