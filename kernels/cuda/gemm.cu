@@ -2,7 +2,8 @@
 // grouped by MoE expert (see OrnithGemmParams).
 //
 // Tile: BM rows x 128 outputs x 128 bytes of K per stage (128 E4M3 codes or 64 bf16), 3 stages of
-// cp.async, 8 warps as 2 (rows) x 4 (outputs), each warp BM/2 x 32 = BM/32 x 4 mma tiles.
+// cp.async, 8 warps as 2 (rows) x 4 (outputs), each warp BM/2 x 32 = BM/32 x 4 mma tiles
+// (gemm_body; gemm_bf16 has a body of its own in 64 x 64 warp tiles, gemm_bf16_body below).
 // BM = 128 for the plain GEMMs (3 x 32 KiB = 96 KiB dynamic shared memory, one block per SM);
 // BM = 64 (72 KiB, two blocks per SM) for the grouped MoE GEMMs, where a 2,048-token chunk gives
 // each of 256 experts ~64 rows, so 128-row tiles would run half empty. gemm_nvfp4_grouped_128
@@ -341,11 +342,156 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
     cp_wait<0>();
 }
 
+// gemm_bf16: 128 x 128 tiles, 4 warps as 2 x 2, each 64 x 64 (4 x 8 mma tiles), 3 stages of
+// 128 bytes of K (96 KiB: two blocks per SM on sm_90, one on sm_121). A stage's 64-element K slice
+// is consumed fragment by fragment: its 4 chained mma from a zero start, then added to the running
+// sum — per fragment the same operations in the same order as gemm_body's per-stage promotion
+// (Accumulation, above), so the same bits; with one fragment's partial live at a time instead of
+// the warp's 16, the warp's B fragments of the whole stage fit in registers beside 64 x 64
+// accumulators (255 registers, no spills, sm_90 and sm_121). Per HMMA a stage issues 0.25
+// ldmatrix (0.375 in gemm_body's 64 x 32 warp tiles) and ~4.3 instructions (~7). H200, kernel
+// tests: 2048 x 2048 -> 8192 234.4 -> 197.6 us, -> 32768 909 -> 770 us (the router's -> 257,
+// 48 tiles, 38.2 -> 41.5 us); the same body in 128 x 256 tiles (8 warps, 2 stages, one block per
+// SM) gained nothing (237.6 us; the router 70.7). Under ncu the loop's first stall is the fixed
+// latency of the chained HMMA ("wait", 1.8 of 5.1 cycles per instruction), with 1.9 warps per
+// scheduler; HEAD's form was not L2-bound (31% of L2 throughput, 35% of issue slots).
+#define GBB_THREADS 128
+__device__ __forceinline__ void gemm_bf16_body(const OrnithGemmParams &p) {
+    constexpr int RS = GBB_THREADS / 8;  // rows between a thread's copied chunks
+    constexpr int CH = GB_BF16_M / RS;   // a thread's A (and B) chunks per stage
+    constexpr int STAGE_BYTES = 2 * GB_BF16_M * GB_K;
+    extern __shared__ __align__(128) uint8_t smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp >> 1, wn = warp & 1;
+    const int col_tiles = (p.out + GB_N - 1) / GB_N, row_tiles = (p.rows + GB_BF16_M - 1) / GB_BF16_M;
+    const int total = row_tiles * col_tiles;
+    const size_t a_pitch = (size_t)p.a_stride * 2, w_pitch = (size_t)p.in * 2;
+    const int kbytes = p.in * 2, ktiles = (kbytes + GB_K - 1) / GB_K;
+    const int ld_row = tid >> 3, ld_kc = (tid & 7) << 4;
+    const uint32_t ld_off = swz(ld_row, tid & 7);
+    // The load cursor (tile lt, k-tile lk) as in gemm_body; this thread copies chunk tid % 8 of
+    // rows tid / 8 + 16 i (i < 8) of A and of W per stage: all in one swizzled column, at ld_off.
+    int lt = blockIdx.x, lk = 0;
+    const uint8_t *a_src = nullptr, *w_src = nullptr;
+    uint32_t a_ok = 0, w_ok = 0;  // bit i: chunk i's row is inside the matrix
+    auto set_load_tile = [&](int t) {
+        const int row0 = (t % row_tiles) * GB_BF16_M, n0 = (t / row_tiles) * GB_N;
+        a_src = (const uint8_t *)p.a + (size_t)(row0 + ld_row) * a_pitch + ld_kc;
+        w_src = (const uint8_t *)p.w + (size_t)(n0 + ld_row) * w_pitch + ld_kc;
+        a_ok = w_ok = 0;
+#pragma unroll
+        for (int i = 0; i < CH; i++) {
+            a_ok |= (uint32_t)(row0 + ld_row + RS * i < p.rows) << i;
+            w_ok |= (uint32_t)(n0 + ld_row + RS * i < p.out) << i;
+        }
+    };
+    if (lt < total) set_load_tile(lt);
+    const uint32_t sbase = smem_u32(smem);
+    auto issue = [&](int stage) {
+        if (lt < total) {
+            const uint32_t sa = sbase + stage * STAGE_BYTES + ld_off, sb = sa + GB_BF16_M * GB_K;
+            const int kb = lk * GB_K;
+            const bool kin = kb + ld_kc < kbytes;  // in % 8 == 0: chunks are all-in or all-out
+#pragma unroll
+            for (int i = 0; i < CH; i++) {
+                const bool in = kin && ((a_ok >> i) & 1);
+                cp_async16(sa + RS * GB_K * i, in ? a_src + RS * i * a_pitch + kb : p.a, in ? 16 : 0);
+            }
+#pragma unroll
+            for (int i = 0; i < CH; i++) {
+                const bool in = kin && ((w_ok >> i) & 1);
+                cp_async16(sb + RS * GB_K * i, in ? w_src + RS * i * w_pitch + kb : p.w, in ? 16 : 0);
+            }
+            if (++lk == ktiles) {
+                lk = 0;
+                lt += gridDim.x;
+                if (lt < total) set_load_tile(lt);
+            }
+        }
+        cp_commit();
+    };
+    float acc[4][8][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+#pragma unroll
+    for (int s = 0; s < GB_STAGES - 1; s++) issue(s);
+    int ct = blockIdx.x, ck = 0, stage = 0;  // the compute cursor: tile, k-tile, buffer
+    while (ct < total) {
+        cp_wait<GB_STAGES - 2>();
+        __syncthreads();
+        issue(stage == 0 ? GB_STAGES - 1 : stage - 1);  // last read before this barrier
+        const uint32_t sa = sbase + stage * STAGE_BYTES, sb = sa + GB_BF16_M * GB_K;
+        // The stage's B fragments (4 k-steps x 8 column tiles), then per row tile its A fragments
+        // and, per column tile, the 4 chained mma and the promotion.
+        uint32_t bfr[4][8][2];
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+            for (int nj = 0; nj < 8; nj += 2) {
+                int r = wn * 64 + nj * 8 + (lane >> 4) * 8 + (lane & 7);
+                ldsm_x4(sb + swz(r, 2 * ks + ((lane >> 3) & 1)), bfr[ks][nj][0], bfr[ks][nj][1], bfr[ks][nj + 1][0],
+                        bfr[ks][nj + 1][1]);
+            }
+#pragma unroll
+        for (int mi = 0; mi < 4; mi++) {
+            uint32_t af[4][4];
+#pragma unroll
+            for (int ks = 0; ks < 4; ks++) {
+                int r = wm * 64 + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                ldsm_x4(sa + swz(r, 2 * ks + (lane >> 4)), af[ks][0], af[ks][1], af[ks][2], af[ks][3]);
+            }
+#pragma unroll
+            for (int nj = 0; nj < 8; nj++) {
+                float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int ks = 0; ks < 4; ks++) mma_bf16(part, af[ks], bfr[ks][nj]);
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[mi][nj][e] += part[e];
+            }
+        }
+        stage = stage + 1 == GB_STAGES ? 0 : stage + 1;
+        if (++ck < ktiles) continue;
+        // Epilogue of tile ct: y = bf16(acc), pairs as one word where y allows it.
+        const int row0 = (ct % row_tiles) * GB_BF16_M, n0 = (ct / row_tiles) * GB_N;
+        const int gq = lane >> 2, tq = lane & 3;
+        const bool pairs = (p.y_stride & 1) == 0 && ((uintptr_t)p.y & 3) == 0;
+#pragma unroll
+        for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = row0 + wm * 64 + mi * 16 + gq + h * 8;
+                if (r >= p.rows) continue;
+                uint16_t *yr = p.y + (size_t)r * p.y_stride;
+#pragma unroll
+                for (int nj = 0; nj < 8; nj++) {
+                    const int o = n0 + wn * 64 + nj * 8 + tq * 2;
+                    const float v0 = acc[mi][nj][h * 2], v1 = acc[mi][nj][h * 2 + 1];
+                    if (pairs && o + 1 < p.out) {
+                        *reinterpret_cast<uint32_t *>(yr + o) = (uint32_t)f2bf(v0) | ((uint32_t)f2bf(v1) << 16);
+                    } else {
+                        if (o < p.out) yr[o] = f2bf(v0);
+                        if (o + 1 < p.out) yr[o + 1] = f2bf(v1);
+                    }
+                }
+            }
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+        ck = 0;
+        ct += gridDim.x;
+    }
+    cp_wait<0>();
+}
+
 // Blocks per SM each kernel is built for (the second __launch_bounds__ argument; the launcher sizes
 // the persistent grid from the occupancy the driver reports): two for the 64-row tiles (within 128
-// registers, no spills), one for the 128-row tiles.
+// registers, no spills), one for gemm_body's 128-row tiles, two for gemm_bf16's 4-warp blocks
+// (255 registers; two fit the shared memory of sm_90, one that of sm_121).
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_fp8(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, 128>(p); }
-extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_BF16_M>(p); }
+extern "C" __global__ void __launch_bounds__(GBB_THREADS, 2) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_bf16_body(p); }
 // The grouped MoE GEMM (p.group_offsets set; tiles of GB_GROUPED_M rows, see moe_sort).
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_fp8_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, GB_GROUPED_M>(p); }
 // NVFP4A16 weights, bf16 activations: plain and grouped (the same tiles as gemm_bf16 / gemm_fp8_grouped).

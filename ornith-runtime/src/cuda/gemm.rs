@@ -18,6 +18,16 @@ type Bf = CudaSlice<u16>;
 /// GEMM tile (rows x outputs) of the plain GEMMs (`gemm.cu`: BM = GB_N = 128).
 pub const GEMM_TILE: usize = 128;
 
+/// Threads per block of GEMM kernel `name` (gemm.cu: `GBB_THREADS` = 128 for `gemm_bf16`, four
+/// warps of 64 x 64; `GB_THREADS` = 256 for the others, eight warps of BM/2 x 32).
+pub(crate) fn gemm_threads(name: &str) -> u32 {
+    if name == "gemm_bf16" {
+        128
+    } else {
+        256
+    }
+}
+
 /// The entry points of gemm.cu's module: the persistent GEMMs first, then the quantiser.
 pub(crate) const MODULE_KERNELS: [&str; 7] = [
     "gemm_fp8",
@@ -189,7 +199,8 @@ impl CudaContext {
         };
         let bytes = out * in_ * 2 + rows * (in_ + out) * 2;
         let grid = self.gemm_grid("gemm_bf16", Some(out.div_ceil(GEMM_TILE) * rows.div_ceil(gemm_rows("gemm_bf16"))));
-        self.launch(Launch::new("gemm_bf16", grid, 256, bytes as u64).smem(gemm_smem("gemm_bf16")), p)
+        let threads = gemm_threads("gemm_bf16");
+        self.launch(Launch::new("gemm_bf16", grid, threads, bytes as u64).smem(gemm_smem("gemm_bf16")), p)
     }
 
     /// Grouped FP8 GEMM over the expert-sorted rows of `p` (`p.groups` experts, `moe_sort`'s

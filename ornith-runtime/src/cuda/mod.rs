@@ -554,7 +554,7 @@ impl CudaContext {
         let nvfp4_wide_wave = sms * per_sm("gemv_nvfp4_wide", GEMV_BLOCK, 0)?;
         let mut gemm_blocks = HashMap::new();
         for &n in gemm::GEMM_KERNELS {
-            gemm_blocks.insert(n, sms * per_sm(n, 256, gemm::gemm_smem(n))?);
+            gemm_blocks.insert(n, sms * per_sm(n, gemm::gemm_threads(n), gemm::gemm_smem(n))?);
         }
         let wide_part = unsafe { stream.alloc::<f32>(WIDE_SPLIT_ROWS * WIDE_TOKENS) }?;
         let wide_ticket = stream.alloc_zeros::<u32>(WIDE_TICKETS as usize)?;
