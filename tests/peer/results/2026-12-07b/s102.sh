@@ -32,7 +32,7 @@ if [ $SECONDS -lt 260 ] && synth_full; then
   done
   grep -h -E "^ +(gemm_bf16|gemm_fp8|gemm_fp8_grouped) " "$OUT"/bench_c42_1.err "$OUT"/bench_g4_1.err | cut -c1-100
   echo "at ${SECONDS}s"
-  [ $SECONDS -lt 470 ] && timeout 110 python3 tests/gpu/batch_file.py "$G/ornith_full" "$C/full" /tmp/batch_fp8.jsonl 256
+  [ $SECONDS -lt 420 ] && timeout 100 python3 tests/gpu/batch_file.py "$G/ornith_full" "$C/full" /tmp/batch_fp8.jsonl 256
 fi
 echo "total ${SECONDS}s"
 cp "$0" "$OUT/" 2>/dev/null
