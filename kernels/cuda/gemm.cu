@@ -3,7 +3,8 @@
 //
 // Tile: BM rows x 128 outputs x 128 bytes of K per stage (128 E4M3 codes or 64 bf16), 3 stages of
 // cp.async, 8 warps as 2 (rows) x 4 (outputs), each warp BM/2 x 32 = BM/32 x 4 mma tiles
-// (gemm_body; gemm_bf16 has a body of its own in 64 x 64 warp tiles, gemm_bf16_body below).
+// (gemm_body; gemm_bf16 and gemm_fp8_grouped have bodies of their own in 4 warps of 64 x 64 and
+// 64 x 32, gemm_bf16_body and gemm_fp8_grouped_body below).
 // BM = 128 for the plain GEMMs (3 x 32 KiB = 96 KiB dynamic shared memory, one block per SM);
 // BM = 64 (72 KiB, two blocks per SM) for the grouped MoE GEMMs, where a 2,048-token chunk gives
 // each of 256 experts ~64 rows, so 128-row tiles would run half empty. gemm_nvfp4_grouped_128
@@ -486,14 +487,171 @@ __device__ __forceinline__ void gemm_bf16_body(const OrnithGemmParams &p) {
     cp_wait<0>();
 }
 
+// gemm_fp8_grouped: 64 x 128 tiles (GB_GROUPED_M rows of one expert), 4 warps side by side, each
+// 64 x 32 (4 x 4 mma tiles), 3 stages (72 KiB: two blocks per SM on sm_90 — 206 registers — one
+// on sm_121). As in gemm_bf16_body a stage is consumed fragment by fragment: the stage's B
+// fragments unpacked once and kept (sm_90: f16 pairs, E4m3B), each row tile's A fragments unpacked
+// once, then per fragment the stage's chained mma in mma_e4m3_split's order and the add into the
+// running sum — the same operations in the same order as gemm_body<true, 64>, so the same bits.
+// E4M3 unpacks per HMMA: 1.5 (2 in gemm_body's 32 x 32 warp tiles, where ncu found the ALU —
+// the unpacks — the busiest pipe and "math pipe throttle" the first stall); ~5.7 instructions per
+// HMMA against ~8.6 (sm_90 SASS). H100, same call: moe_prefill 2K 0.826 -> 0.807 ms, 8K 2.490 ->
+// 2.426; in the model gemm_fp8_grouped per 32K prefill 280.8 -> 268.1 ms.
+#define GBG_THREADS 128
+__device__ __forceinline__ void gemm_fp8_grouped_body(const OrnithGemmParams &p) {
+    constexpr int BM = GB_GROUPED_M, RS = GBG_THREADS / 8;  // rows between a thread's chunks
+    constexpr int CA = BM / RS, CB = GB_N / RS;              // a thread's A and W chunks per stage
+    constexpr int STAGE_BYTES = (BM + GB_N) * GB_K;
+    extern __shared__ __align__(128) uint8_t smem[];
+    const int tid = threadIdx.x, lane = tid & 31, wn = tid >> 5;
+    const int col_tiles = (p.out + GB_N - 1) / GB_N;
+    const int total = p.tile_offsets[p.groups] * col_tiles;
+    const uint8_t *A = (const uint8_t *)p.a;
+    const size_t a_pitch = (size_t)p.a_stride, w_pitch = (size_t)p.in;
+    const int kbytes = p.in, ktiles = (kbytes + GB_K - 1) / GB_K;
+    auto resolve = [&](int t, int &g, int &row0, int &row_end, int &n0) {
+        const int tile = t / col_tiles;
+        n0 = (t % col_tiles) * GB_N;
+        int lo = 0, hi = p.groups - 1;  // largest g with tile_offsets[g] <= tile
+        while (lo < hi) {
+            int mid = (lo + hi + 1) >> 1;
+            if (p.tile_offsets[mid] <= tile) lo = mid; else hi = mid - 1;
+        }
+        g = lo;
+        row0 = p.group_offsets[g] + (tile - p.tile_offsets[g]) * BM;
+        row_end = p.group_offsets[g + 1];
+    };
+    const int ld_row = tid >> 3, ld_kc = (tid & 7) << 4;
+    const uint32_t ld_off = swz(ld_row, tid & 7);
+    int lt = blockIdx.x, lk = 0;
+    const uint8_t *a_src[CA];
+    const uint8_t *w_src = nullptr;
+    uint32_t a_ok = 0, w_ok = 0;
+    auto set_load_tile = [&](int t) {
+        int g, row0, row_end, n0;
+        resolve(t, g, row0, row_end, n0);
+        const uint8_t *W = (const uint8_t *)p.w + (size_t)g * p.out * p.in;
+        a_ok = w_ok = 0;
+#pragma unroll
+        for (int i = 0; i < CA; i++) {
+            const int gr = row0 + ld_row + RS * i;
+            const bool ok = gr < row_end;
+            a_src[i] = A + (size_t)(ok ? (p.a_rows ? p.a_rows[gr] : gr) : 0) * a_pitch + ld_kc;
+            a_ok |= (uint32_t)ok << i;
+        }
+        w_src = W + (size_t)(n0 + ld_row) * w_pitch + ld_kc;
+#pragma unroll
+        for (int i = 0; i < CB; i++) w_ok |= (uint32_t)(n0 + ld_row + RS * i < p.out) << i;
+    };
+    if (lt < total) set_load_tile(lt);
+    const uint32_t sbase = smem_u32(smem);
+    auto issue = [&](int stage) {
+        if (lt < total) {
+            const uint32_t sa = sbase + stage * STAGE_BYTES + ld_off, sb = sa + BM * GB_K;
+            const int kb = lk * GB_K;
+            const bool kin = kb + ld_kc < kbytes;
+#pragma unroll
+            for (int i = 0; i < CA; i++) {
+                const bool in = kin && ((a_ok >> i) & 1);
+                cp_async16(sa + RS * GB_K * i, in ? a_src[i] + kb : p.a, in ? 16 : 0);
+            }
+#pragma unroll
+            for (int i = 0; i < CB; i++) {
+                const bool in = kin && ((w_ok >> i) & 1);
+                cp_async16(sb + RS * GB_K * i, in ? w_src + RS * i * w_pitch + kb : p.w, in ? 16 : 0);
+            }
+            if (++lk == ktiles) {
+                lk = 0;
+                lt += gridDim.x;
+                if (lt < total) set_load_tile(lt);
+            }
+        }
+        cp_commit();
+    };
+    float acc[4][4][4];
+    zero_frags(acc);
+#pragma unroll
+    for (int s = 0; s < GB_STAGES - 1; s++) issue(s);
+    int ct = blockIdx.x, ck = 0, stage = 0;
+    while (ct < total) {
+        cp_wait<GB_STAGES - 2>();
+        __syncthreads();
+        issue(stage == 0 ? GB_STAGES - 1 : stage - 1);
+        const uint32_t sa = sbase + stage * STAGE_BYTES, sb = sa + BM * GB_K;
+        E4m3B bfr[4][4];
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+            for (int nj = 0; nj < 4; nj += 2) {
+                int r = wn * 32 + nj * 8 + (lane >> 4) * 8 + (lane & 7);
+                uint32_t b0, b1, b2, b3;
+                ldsm_x4(sb + swz(r, 2 * ks + ((lane >> 3) & 1)), b0, b1, b2, b3);
+                bfr[ks][nj] = e4m3_b(b0, b1);
+                bfr[ks][nj + 1] = e4m3_b(b2, b3);
+            }
+#pragma unroll
+        for (int mi = 0; mi < 4; mi++) {
+            E4m3A af[4];
+#pragma unroll
+            for (int ks = 0; ks < 4; ks++) {
+                int r = mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                uint32_t a0, a1, a2, a3;
+                ldsm_x4(sa + swz(r, 2 * ks + (lane >> 4)), a0, a1, a2, a3);
+                af[ks] = e4m3_a(a0, a1, a2, a3);
+            }
+#pragma unroll
+            for (int nj = 0; nj < 4; nj++) {
+                float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int ks = 0; ks < 4; ks++) mma_e4m3_pre(part, af[ks], bfr[ks][nj]);
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[mi][nj][e] += part[e];
+            }
+        }
+        stage = stage + 1 == GB_STAGES ? 0 : stage + 1;
+        if (++ck < ktiles) continue;
+        int g, row0, row_end, n0;
+        resolve(ct, g, row0, row_end, n0);
+        const float *ws = p.w_scale + (size_t)g * p.out;
+        const int gq = lane >> 2, tq = lane & 3;
+        const bool pairs = (p.y_stride & 1) == 0 && ((uintptr_t)p.y & 3) == 0;
+#pragma unroll
+        for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = row0 + mi * 16 + gq + h * 8;
+                if (r >= row_end) continue;
+                const float sx = p.a_scale[p.a_rows ? p.a_rows[r] : r];
+                uint16_t *yr = p.y + (size_t)r * p.y_stride;
+#pragma unroll
+                for (int nj = 0; nj < 4; nj++) {
+                    const int o = n0 + wn * 32 + nj * 8 + tq * 2;
+                    float v0 = acc[mi][nj][h * 2], v1 = acc[mi][nj][h * 2 + 1];
+                    if (o < p.out) v0 = v0 * sx * ws[o];
+                    if (o + 1 < p.out) v1 = v1 * sx * ws[o + 1];
+                    if (pairs && o + 1 < p.out) {
+                        *reinterpret_cast<uint32_t *>(yr + o) = (uint32_t)f2bf(v0) | ((uint32_t)f2bf(v1) << 16);
+                    } else {
+                        if (o < p.out) yr[o] = f2bf(v0);
+                        if (o + 1 < p.out) yr[o + 1] = f2bf(v1);
+                    }
+                }
+            }
+        zero_frags(acc);
+        ck = 0;
+        ct += gridDim.x;
+    }
+    cp_wait<0>();
+}
+
 // Blocks per SM each kernel is built for (the second __launch_bounds__ argument; the launcher sizes
 // the persistent grid from the occupancy the driver reports): two for the 64-row tiles (within 128
-// registers, no spills), one for gemm_body's 128-row tiles, two for gemm_bf16's 4-warp blocks
-// (255 registers; two fit the shared memory of sm_90, one that of sm_121).
+// registers, no spills), one for gemm_body's 128-row tiles, two for the 4-warp blocks of gemm_bf16
+// (255 registers) and gemm_fp8_grouped (206): two fit the shared memory of sm_90, one that of sm_121.
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_fp8(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, 128>(p); }
 extern "C" __global__ void __launch_bounds__(GBB_THREADS, 2) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_bf16_body(p); }
 // The grouped MoE GEMM (p.group_offsets set; tiles of GB_GROUPED_M rows, see moe_sort).
-extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_fp8_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, GB_GROUPED_M>(p); }
+extern "C" __global__ void __launch_bounds__(GBG_THREADS, 2) gemm_fp8_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_fp8_grouped_body(p); }
 // NVFP4A16 weights, bf16 activations: plain and grouped (the same tiles as gemm_bf16 / gemm_fp8_grouped).
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_nvfp4(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, 128, true>(p); }
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_nvfp4_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_GROUPED_M, true>(p); }

@@ -82,6 +82,34 @@ __device__ __forceinline__ void mma_e4m3_split(float *c, const E4m3A &a, uint32_
     mma_e4m3(c, a.raw, b);
 #endif
 }
+// B (the other operand of mma_e4m3_split) unpacked once, for every row tile of a stage, and
+// c += A B in mma_e4m3_split's order from both operands unpacked (the same sums).
+struct E4m3B {
+#if __CUDA_ARCH__ == 900
+    uint32_t lo[2], hi[2];
+#else
+    uint32_t raw[2];
+#endif
+};
+__device__ __forceinline__ E4m3B e4m3_b(uint32_t b0, uint32_t b1) {
+    E4m3B b;
+#if __CUDA_ARCH__ == 900
+    e4m3_split(b0, b.lo[0], b.hi[0]);
+    e4m3_split(b1, b.lo[1], b.hi[1]);
+#else
+    b.raw[0] = b0, b.raw[1] = b1;
+#endif
+    return b;
+}
+// c += A B in mma_e4m3_split's order (sm_90: the low halves' f16 mma, then the high halves').
+__device__ __forceinline__ void mma_e4m3_pre(float *c, const E4m3A &a, const E4m3B &b) {
+#if __CUDA_ARCH__ == 900
+    mma_f16(c, a.lo, b.lo);
+    mma_f16(c, a.hi, b.hi);
+#else
+    mma_e4m3(c, a.raw, b.raw);
+#endif
+}
 __device__ __forceinline__ void mma_bf16(float *c, const uint32_t *a, const uint32_t *b) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])

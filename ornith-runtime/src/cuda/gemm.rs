@@ -18,10 +18,11 @@ type Bf = CudaSlice<u16>;
 /// GEMM tile (rows x outputs) of the plain GEMMs (`gemm.cu`: BM = GB_N = 128).
 pub const GEMM_TILE: usize = 128;
 
-/// Threads per block of GEMM kernel `name` (gemm.cu: `GBB_THREADS` = 128 for `gemm_bf16`, four
-/// warps of 64 x 64; `GB_THREADS` = 256 for the others, eight warps of BM/2 x 32).
+/// Threads per block of GEMM kernel `name` (gemm.cu: 128 for `gemm_bf16` and `gemm_fp8_grouped`,
+/// four warps of 64 x 64 (`GBB_THREADS`) and 64 x 32 (`GBG_THREADS`); `GB_THREADS` = 256 for the
+/// others, eight warps of BM/2 x 32).
 pub(crate) fn gemm_threads(name: &str) -> u32 {
-    if name == "gemm_bf16" {
+    if name == "gemm_bf16" || name == "gemm_fp8_grouped" {
         128
     } else {
         256
@@ -226,7 +227,11 @@ impl CudaContext {
         i32of("gemm_grouped tiles", (rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows)) * out.div_ceil(GEMM_TILE))?;
         let bytes = g * (out * in_ + out * 4) + rows * (in_ + 4 + out * 2);
         let grid = self.gemm_grid("gemm_fp8_grouped", None);
-        self.launch(Launch::new("gemm_fp8_grouped", grid, 256, bytes as u64).smem(gemm_smem("gemm_fp8_grouped")), p)
+        self.launch(
+            Launch::new("gemm_fp8_grouped", grid, gemm_threads("gemm_fp8_grouped"), bytes as u64)
+                .smem(gemm_smem("gemm_fp8_grouped")),
+            p,
+        )
     }
 
     /// Per-row FP8 quantisation with compressed-tensors semantics (`cpu::fp8::quantize_act_row`)
