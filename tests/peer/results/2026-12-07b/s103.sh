@@ -9,11 +9,11 @@ unpack_builds c42b
 exec > >(tee "$L/summary.txt") 2>&1
 shallow_checks "$G/test_shallow"
 echo "at ${SECONDS}s"
-if [ $SECONDS -lt 120 ] && synth_full; then
+if [ $SECONDS -lt 90 ] && synth_full; then
   t0=$SECONDS
   BENCH_TIMEOUT=40 bench fp8 "$G/bench_full" "$C/full" --prompts 2048,32768 --max-batch-tokens 8192
   rm -rf "$C/full"
-  if [ $SECONDS -lt 190 ] && synth_full_nvfp4; then
+  if [ $SECONDS -lt 100 ] && synth_full_nvfp4; then
     t0=$SECONDS
     BENCH_TIMEOUT=40 bench nvfp4 "$G/bench_full_nvfp4" "$C/full-nvfp4" --prompts 2048,32768 --max-batch-tokens 8192
   fi
