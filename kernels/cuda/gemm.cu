@@ -55,8 +55,9 @@
 // stage is 8 chained mma per fragment (as a BF16 stage is 4) promoted once. mma_e4m3 as ptxas
 // lowers it added every 32 products into the fragment with an fadd of its own (4 per mma): a
 // grouped stage's loop body (sm_90 SASS, barrier to branch) was 793 instructions, 160 of them
-// FADD, and is 617 with 32; the kernel is bound by instruction issue (ncu, H200: 2.5 instructions
-// per cycle per SM, stalls "not selected" and "math pipe throttle" first).
+// FADD, and 617 with 32; that kernel was bound by instruction issue (ncu, H200: 2.5 instructions
+// per cycle per SM, stalls "not selected" and "math pipe throttle" first), later by the ALU's
+// E4M3 unpacks (2 per HMMA in its 32 x 32 warp tiles), hence gemm_fp8_grouped_body below.
 // On sm_121 (native E4M3) mma_e4m3_split is mma_e4m3.
 //
 // Not kept, three times: skipping the ldmatrix and mma of a tile's 16-row fragments past its last
