@@ -86,14 +86,43 @@
 
 __device__ __forceinline__ uint32_t swz(int row, int chunk) { return (uint32_t)(row * GB_K + ((chunk ^ (row & 7)) << 4)); }
 
-// A warp's accumulator fragments (MI row tiles x 4 column tiles x 4 floats) set to 0.
-template <int MI> __device__ __forceinline__ void zero_frags(float (&f)[MI][4][4]) {
+// A warp's accumulator fragments (MI row tiles x NJ column tiles x 4 floats) set to 0.
+template <int MI, int NJ> __device__ __forceinline__ void zero_frags(float (&f)[MI][NJ][4]) {
 #pragma unroll
     for (int i = 0; i < MI; i++)
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < NJ; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) f[i][j][e] = 0.f;
+}
+
+// Grouped tile t (outputs first: column tile t % col_tiles of row tile t / col_tiles) -> its
+// expert g (the largest with tile_offsets[g] <= its row tile), rows [row0, row_end) of the
+// expert-sorted rows, first output n0; BM rows per tile (see moe_sort).
+template <int BM>
+__device__ __forceinline__ void grouped_tile(const OrnithGemmParams &p, int col_tiles, int t, int &g, int &row0,
+                                             int &row_end, int &n0) {
+    const int tile = t / col_tiles;
+    n0 = (t % col_tiles) * GB_N;
+    int lo = 0, hi = p.groups - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (p.tile_offsets[mid] <= tile) lo = mid; else hi = mid - 1;
+    }
+    g = lo;
+    row0 = p.group_offsets[g] + (tile - p.tile_offsets[g]) * BM;
+    row_end = p.group_offsets[g + 1];
+}
+
+// Outputs o and o + 1 of row yr as bf16: one 32-bit store where `pairs` (y's stride and address
+// allow it) and both are inside `out`, else each one inside `out` alone.
+__device__ __forceinline__ void store_bf16_pair(uint16_t *yr, int o, int out, bool pairs, float v0, float v1) {
+    if (pairs && o + 1 < out) {
+        *reinterpret_cast<uint32_t *>(yr + o) = (uint32_t)f2bf(v0) | ((uint32_t)f2bf(v1) << 16);
+    } else {
+        if (o < out) yr[o] = f2bf(v0);
+        if (o + 1 < out) yr[o + 1] = f2bf(v1);
+    }
 }
 
 // Element size in bytes: 1 (E4M3) or 2 (bf16; FP4 weights are dequantised to bf16).
@@ -118,16 +147,7 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
     // Tile t -> group g, output rows [row0, row_end), first output n0 (see the header comment).
     auto resolve = [&](int t, int &g, int &row0, int &row_end, int &n0) {
         if (grouped) {
-            const int tile = t / col_tiles;
-            n0 = (t % col_tiles) * GB_N;
-            int lo = 0, hi = p.groups - 1;  // largest g with tile_offsets[g] <= tile
-            while (lo < hi) {
-                int mid = (lo + hi + 1) >> 1;
-                if (p.tile_offsets[mid] <= tile) lo = mid; else hi = mid - 1;
-            }
-            g = lo;
-            row0 = p.group_offsets[g] + (tile - p.tile_offsets[g]) * BM;
-            row_end = p.group_offsets[g + 1];
+            grouped_tile<BM>(p, col_tiles, t, g, row0, row_end, n0);
         } else {
             g = 0;
             row0 = (t % row_tiles) * BM;
@@ -328,12 +348,7 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
                         if (o < p.out) v0 = v0 * sx * ws[o];
                         if (o + 1 < p.out) v1 = v1 * sx * ws[o + 1];
                     }
-                    if (pairs && o + 1 < p.out) {
-                        *reinterpret_cast<uint32_t *>(yr + o) = (uint32_t)f2bf(v0) | ((uint32_t)f2bf(v1) << 16);
-                    } else {
-                        if (o < p.out) yr[o] = f2bf(v0);
-                        if (o + 1 < p.out) yr[o + 1] = f2bf(v1);
-                    }
+                    store_bf16_pair(yr, o, p.out, pairs, v0, v1);
                 }
             }
         }
@@ -413,10 +428,7 @@ __device__ __forceinline__ void gemm_bf16_body(const OrnithGemmParams &p) {
         cp_commit();
     };
     float acc[4][8][4];
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int j = 0; j < 8; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+    zero_frags(acc);
 #pragma unroll
     for (int s = 0; s < GB_STAGES - 1; s++) issue(s);
     int ct = blockIdx.x, ck = 0, stage = 0;  // the compute cursor: tile, k-tile, buffer
@@ -470,18 +482,10 @@ __device__ __forceinline__ void gemm_bf16_body(const OrnithGemmParams &p) {
                 for (int nj = 0; nj < 8; nj++) {
                     const int o = n0 + wn * 64 + nj * 8 + tq * 2;
                     const float v0 = acc[mi][nj][h * 2], v1 = acc[mi][nj][h * 2 + 1];
-                    if (pairs && o + 1 < p.out) {
-                        *reinterpret_cast<uint32_t *>(yr + o) = (uint32_t)f2bf(v0) | ((uint32_t)f2bf(v1) << 16);
-                    } else {
-                        if (o < p.out) yr[o] = f2bf(v0);
-                        if (o + 1 < p.out) yr[o + 1] = f2bf(v1);
-                    }
+                    store_bf16_pair(yr, o, p.out, pairs, v0, v1);
                 }
             }
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-#pragma unroll
-            for (int j = 0; j < 8; j++) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+        zero_frags(acc);
         ck = 0;
         ct += gridDim.x;
     }
@@ -510,18 +514,6 @@ __device__ __forceinline__ void gemm_fp8_grouped_body(const OrnithGemmParams &p)
     const uint8_t *A = (const uint8_t *)p.a;
     const size_t a_pitch = (size_t)p.a_stride, w_pitch = (size_t)p.in;
     const int kbytes = p.in, ktiles = (kbytes + GB_K - 1) / GB_K;
-    auto resolve = [&](int t, int &g, int &row0, int &row_end, int &n0) {
-        const int tile = t / col_tiles;
-        n0 = (t % col_tiles) * GB_N;
-        int lo = 0, hi = p.groups - 1;  // largest g with tile_offsets[g] <= tile
-        while (lo < hi) {
-            int mid = (lo + hi + 1) >> 1;
-            if (p.tile_offsets[mid] <= tile) lo = mid; else hi = mid - 1;
-        }
-        g = lo;
-        row0 = p.group_offsets[g] + (tile - p.tile_offsets[g]) * BM;
-        row_end = p.group_offsets[g + 1];
-    };
     const int ld_row = tid >> 3, ld_kc = (tid & 7) << 4;
     const uint32_t ld_off = swz(ld_row, tid & 7);
     int lt = blockIdx.x, lk = 0;
@@ -530,7 +522,7 @@ __device__ __forceinline__ void gemm_fp8_grouped_body(const OrnithGemmParams &p)
     uint32_t a_ok = 0, w_ok = 0;
     auto set_load_tile = [&](int t) {
         int g, row0, row_end, n0;
-        resolve(t, g, row0, row_end, n0);
+        grouped_tile<BM>(p, col_tiles, t, g, row0, row_end, n0);
         const uint8_t *W = (const uint8_t *)p.w + (size_t)g * p.out * p.in;
         a_ok = w_ok = 0;
 #pragma unroll
@@ -612,7 +604,7 @@ __device__ __forceinline__ void gemm_fp8_grouped_body(const OrnithGemmParams &p)
         stage = stage + 1 == GB_STAGES ? 0 : stage + 1;
         if (++ck < ktiles) continue;
         int g, row0, row_end, n0;
-        resolve(ct, g, row0, row_end, n0);
+        grouped_tile<BM>(p, col_tiles, ct, g, row0, row_end, n0);
         const float *ws = p.w_scale + (size_t)g * p.out;
         const int gq = lane >> 2, tq = lane & 3;
         const bool pairs = (p.y_stride & 1) == 0 && ((uintptr_t)p.y & 3) == 0;
@@ -630,12 +622,7 @@ __device__ __forceinline__ void gemm_fp8_grouped_body(const OrnithGemmParams &p)
                     float v0 = acc[mi][nj][h * 2], v1 = acc[mi][nj][h * 2 + 1];
                     if (o < p.out) v0 = v0 * sx * ws[o];
                     if (o + 1 < p.out) v1 = v1 * sx * ws[o + 1];
-                    if (pairs && o + 1 < p.out) {
-                        *reinterpret_cast<uint32_t *>(yr + o) = (uint32_t)f2bf(v0) | ((uint32_t)f2bf(v1) << 16);
-                    } else {
-                        if (o < p.out) yr[o] = f2bf(v0);
-                        if (o + 1 < p.out) yr[o + 1] = f2bf(v1);
-                    }
+                    store_bf16_pair(yr, o, p.out, pairs, v0, v1);
                 }
             }
         zero_frags(acc);
