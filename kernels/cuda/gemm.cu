@@ -3,16 +3,17 @@
 //
 // Tile: BM rows x 128 outputs x 128 bytes of K per stage (128 E4M3 codes or 64 bf16), 3 stages of
 // cp.async, 8 warps as 2 (rows) x 4 (outputs), each warp BM/2 x 32 = BM/32 x 4 mma tiles
-// (gemm_body; gemm_bf16 and gemm_fp8_grouped have bodies of their own in 4 warps of 64 x 64 and
-// 64 x 32, gemm_bf16_body and gemm_fp8_grouped_body below).
+// (gemm_body; gemm_bf16, gemm_fp8_grouped and gemm_nvfp4_grouped_128 have bodies of their own in
+// 4 warps of 64 x 64, 64 x 32 and 64 x 64: gemm_bf16_body, gemm_fp8_grouped_body and
+// gemm_nvfp4_body below).
 // BM = 128 for the plain GEMMs (3 x 32 KiB = 96 KiB dynamic shared memory, one block per SM);
 // BM = 64 (72 KiB, two blocks per SM) for the grouped MoE GEMMs, where a 2,048-token chunk gives
 // each of 256 experts ~64 rows, so 128-row tiles would run half empty. gemm_nvfp4_grouped_128
-// (BM = 128, one block per SM, tile offsets of 128-row tiles from moe_sort) serves NVFP4 MoE
-// segments of 128 rows or more per expert on average (cuda::gemm::grouped_tile_rows: the 8,192-row
-// steps of `run` / `batch`): a weight is dequantised once per tile, so per HMMA the stage issues
-// ~3/5 of the 64-row form's instructions (sm_90 SASS), and at 8,192 tokens x top-8 of 256 the
-// gate|up product took 1,559 against 1,735 us (H100). The same form for FP8 ran slower than two
+// (128-row tiles, tile offsets of 128-row tiles from moe_sort) serves NVFP4 MoE segments of 128
+// rows or more per expert on average (cuda::gemm::grouped_tile_rows: the 8,192-row steps of `run`
+// / `batch`): a weight is dequantised once per tile, so per HMMA the stage issues ~3/5 of the
+// 64-row form's instructions (sm_90 SASS), and at 8,192 tokens x top-8 of 256 the gate|up product
+// took 1,559 against 1,735 us in gemm_body's form (H100). The same form for FP8 ran slower than two
 // 64-row blocks per SM at 8,192 tokens too (the MoE block 2.68 against 2.50 ms, H100), so FP8 keeps
 // 64-row tiles. A row's sums do not depend on the tile height (the same stages in the same order),
 // so both NVFP4 forms give the same bits (gemm_nvfp4_matches_reference). (BF16 ran 64-row tiles at
@@ -39,7 +40,7 @@
 // (fp4.cuh, bit-identical to the CPU's dequantisation), then the BF16 mma as above. Each thread
 // fetches its 2 groups of 16 weights (8 code bytes and a scale byte each) for the stage it issues
 // before the mma of the current stage and dequantises and stores them after it, so the loads land
-// under the mma.
+// under the mma (gemm_body; gemm_nvfp4_body stages the raw bytes in shared memory instead).
 //
 // Accumulation: each stage's 128-byte K slice (128 E4M3 codes or 64 bf16) is accumulated in a
 // fresh fp32 fragment, then added to the running fp32 sum (IEEE, round to nearest). The tensor
@@ -632,19 +633,245 @@ __device__ __forceinline__ void gemm_fp8_grouped_body(const OrnithGemmParams &p)
     cp_wait<0>();
 }
 
+// gemm_nvfp4_grouped_128: the grouped NVFP4 GEMM in 128-row tiles (GB_GROUPED_WIDE_M rows of one
+// expert), 4 warps as 2 x 2, each 64 x 64 as in gemm_bf16_body, a stage consumed fragment by
+// fragment (4 chained bf16 mma from zero, then the add: the same operations in the same order as
+// gemm_body's promotion, so the same bits as gemm_body<false, 128, true>, which this kernel ran,
+// and as the 64-row gemm_nvfp4_grouped). The weight stage goes through shared memory twice: its raw
+// bytes (thread t's output row t of the tile: 32 code bytes, 4 scale bytes) arrive by cp.async one
+// stage ahead of A's, and the thread dequantises stage kt + 1 from shared memory after the mma of
+// stage kt (fp4.cuh; its own copies, visible to it after the wait) into the other of two bf16 B
+// buffers, so no code or scale register lives across the mma loop: that leaves the registers to
+// the 64 x 64 warp tiles (255, no spills on sm_90; sm_121 spills 48 bytes). Shared memory: A 3 x 16
+// KiB, B 2 x 16 KiB, raw 3 x 5.5 KiB (96.5 KiB: two blocks per SM on sm_90, one on sm_121).
+// H100, kernel tests, 8,192 tokens top-8 of 256 (2048 -> 1024): 1,532 -> 1,487 us (same call;
+// 1,551 -> 1,429 / 1,471 in an earlier one); in the model, NVFP4A16 prefill of 32K prompts in
+// 8,192-token steps 22,491 -> 22,790 tok/s (two runs each). Not kept for the 64-row and plain NVFP4
+// GEMMs (forty-third session): in 64 x 32 warp tiles (4 warps, 230 registers, 8 warps per SM against
+// gemm_body's 16) the 64-row grouped form ran 570-582 against 566 us with the dequantisation after
+// the mma and 594 with it between the row tiles' mma; the plain form won with many tiles (2048 x
+// 2048 -> 8192: 314 -> 295 us) and lost with few (512 x 4096 -> 2048, 64 tiles: 79 -> 105 us).
+// A stage's scale bytes start at row * in / 16 + 4 kt, which `in % 32 == 0` aligns to 2 bytes only:
+// one or two 4-byte copies from the aligned word below them (zero-filled past the K extent), recombined.
+#define GBF_THREADS 128
+#define GBF_RAW (GB_N * (32 + 12))  // one raw stage: per row 32 code bytes, 2 scale words, a table word
+#define GBF_SMEM (GB_STAGES * GB_GROUPED_WIDE_M * GB_K + 2 * GB_N * GB_K + GB_STAGES * GBF_RAW)
+__device__ __forceinline__ void gemm_nvfp4_body(const OrnithGemmParams &p) {
+    constexpr int BM = GB_GROUPED_WIDE_M, RS = GBF_THREADS / 8, CA = BM / RS;  // rows between a thread's A chunks; chunks
+    constexpr int A_BYTES = BM * GB_K, B_BYTES = GB_N * GB_K;
+    constexpr int B_OFF = GB_STAGES * A_BYTES, RAW_OFF = B_OFF + 2 * B_BYTES;
+    // A raw stage, each part row after row (consecutive threads, consecutive words: no bank
+    // conflicts): codes of groups 0-1 and of groups 2-3 (16 bytes each), the two scale words, the
+    // table word (table index << 1 | the scale bytes' offset / 2 in the first word).
+    constexpr int RAW_SC0 = GB_N * 32, RAW_SC1 = RAW_SC0 + GB_N * 4, RAW_TAB = RAW_SC1 + GB_N * 4;
+    static_assert(GBF_SMEM == RAW_OFF + GB_STAGES * GBF_RAW && GBF_SMEM <= 99 * 1024, "shared memory");
+    extern __shared__ __align__(128) uint8_t smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp >> 1, wn = warp & 1;
+    const int col_tiles = (p.out + GB_N - 1) / GB_N;
+    const int total = p.tile_offsets[p.groups] * col_tiles;
+    const size_t a_pitch = (size_t)p.a_stride * 2;
+    const int kbytes = p.in * 2, ktiles = (kbytes + GB_K - 1) / GB_K;  // 64 weights per stage
+    const uint32_t sbase = smem_u32(smem);
+
+    // A's cursor (tile lt, k-tile lk): chunk tid % 8 of rows tid / 8 + RS i, as in gemm_bf16_body,
+    // from the source rows (a_rows) of the tile's expert-sorted rows.
+    const int ld_row = tid >> 3, ld_kc = (tid & 7) << 4;
+    const uint32_t ld_off = swz(ld_row, tid & 7);
+    int lt = blockIdx.x, lk = 0;
+    uint32_t a_row[CA];  // chunk i's source row
+    uint32_t a_ok = 0;   // bit i: chunk i's row is inside the tile's group
+    auto set_a_tile = [&](int t) {
+        int g, row0, row_end, n0;
+        grouped_tile<BM>(p, col_tiles, t, g, row0, row_end, n0);
+        a_ok = 0;
+#pragma unroll
+        for (int i = 0; i < CA; i++) {
+            const int gr = row0 + ld_row + RS * i;
+            const bool ok = gr < row_end;
+            a_ok |= (uint32_t)ok << i;
+            a_row[i] = ok ? (p.a_rows ? p.a_rows[gr] : gr) : 0;
+        }
+    };
+    auto issue_a = [&](int stage) {
+        if (lt >= total) return;
+        const uint32_t sa = sbase + stage * A_BYTES + ld_off;
+        const int kb = lk * GB_K;
+        const bool kin = kb + ld_kc < kbytes;
+#pragma unroll
+        for (int i = 0; i < CA; i++) {
+            const bool in = kin && ((a_ok >> i) & 1);
+            cp_async16(sa + RS * GB_K * i, in ? (const uint8_t *)p.a + (size_t)a_row[i] * a_pitch + ld_kc + kb : p.a, in ? 16 : 0);
+        }
+        if (++lk == ktiles) {
+            lk = 0;
+            lt += gridDim.x;
+            if (lt < total) set_a_tile(lt);
+        }
+    };
+
+    // The raw cursor (tile rt, k-tile rk), one (tile, k-tile) pair ahead of A's: this thread's
+    // output row n0 + tid of the tile — its codes, scale bytes and scale table.
+    int rt = blockIdx.x, rk = 0;
+    const uint8_t *c_src = nullptr, *s_src = nullptr;
+    uint32_t r_tab = 0;
+    bool r_ok = false;
+    auto set_raw_tile = [&](int t) {
+        int g, row0, row_end, n0;
+        grouped_tile<BM>(p, col_tiles, t, g, row0, row_end, n0);
+        const int o = n0 + tid;
+        r_ok = o < p.out;
+        const size_t row = (size_t)g * p.out + (r_ok ? o : 0);
+        c_src = (const uint8_t *)p.w + row * (p.in / 2);
+        s_src = p.w_group_scale + row * (p.in / 16);
+        r_tab = (uint32_t)(g * (p.out / p.tab_rows) + (r_ok ? o : 0) / p.tab_rows);
+    };
+    auto raw_word = [&](int buf, int part) -> uint32_t & {
+        return *reinterpret_cast<uint32_t *>(smem + RAW_OFF + buf * GBF_RAW + part + tid * 4);
+    };
+    auto issue_raw = [&](int buf) {
+        if (rt >= total) {  // table 0 for the dequantisation past the last pair (its result unread)
+            raw_word(buf, RAW_TAB) = 0u;
+            return;
+        }
+        const uint32_t dr = sbase + RAW_OFF + buf * GBF_RAW;
+        const int k0 = rk * 64;                              // the stage's first weight
+        const int nb = r_ok ? min(4, (p.in - k0) >> 4) : 0;  // its groups inside the row: 4, 2 or 0
+#pragma unroll
+        for (int j = 0; j < 2; j++) {  // codes of groups 2j, 2j + 1; zeros past K (code 0, scale 0: weight 0)
+            const bool in = nb > 2 * j;
+            cp_async16(dr + j * GB_N * 16 + tid * 16, in ? c_src + k0 / 2 + 16 * j : p.w, in ? 16 : 0);
+        }
+        const uint8_t *sa = s_src + rk * 4;
+        const int off = (int)((uintptr_t)sa & 3);  // 0 or 2
+        cp_async4(dr + RAW_SC0 + tid * 4, sa - off, nb ? min(4, off + nb) : 0);
+        if (off + nb > 4) cp_async4(dr + RAW_SC1 + tid * 4, sa - off + 4, off + nb - 4);
+        raw_word(buf, RAW_TAB) = r_tab << 1 | (uint32_t)(off >> 1);
+        if (++rk == ktiles) {
+            rk = 0;
+            rt += gridDim.x;
+            if (rt < total) set_raw_tile(rt);
+        }
+    };
+    // Raw stage buf -> B buffer bb: row tid's 64 weights as bf16, chunk i (8 weights) from code
+    // word i, group i / 2's scale byte and the row's table.
+    auto dequant = [&](int buf, int bb) {
+        const uint32_t t = raw_word(buf, RAW_TAB), s0 = raw_word(buf, RAW_SC0);
+        const uint32_t sc = (t & 1) ? __byte_perm(s0, raw_word(buf, RAW_SC1), 0x5432) : s0;  // group 0 lowest
+        uint8_t *sb = smem + B_OFF + bb * B_BYTES;
+#pragma unroll
+        for (int jp = 0; jp < 2; jp++) {
+            const uint4 c = *reinterpret_cast<const uint4 *>(smem + RAW_OFF + buf * GBF_RAW + jp * GB_N * 16 + tid * 16);
+            const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * jp + h;
+                const Fp4Lut l = fp4_entry(p.w_tab, (t >> 1) * 256 + ((sc >> (8 * j)) & 0xFFu));
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    uint32_t q[4];
+                    fp4_word(w[2 * h + e], l, q);
+                    *reinterpret_cast<uint4 *>(sb + swz(tid, 2 * j + e)) = make_uint4(q[0], q[1], q[2], q[3]);
+                }
+            }
+        }
+    };
+
+    float acc[4][8][4];
+    zero_frags(acc);
+    if (blockIdx.x >= total) return;
+    set_a_tile(lt);
+    set_raw_tile(rt);
+    // Commit group j: A of pair j and the raw bytes of pair j + 1 (group 0 also pair 0's).
+    issue_a(0);
+    issue_raw(0);
+    issue_raw(1);
+    cp_commit();
+    issue_a(1);
+    issue_raw(2);
+    cp_commit();
+    cp_wait<1>();
+    __syncthreads();  // (orders the wait before dequant's loads for the compiler: cp_wait has no memory clobber)
+    dequant(0, 0);
+    int ct = blockIdx.x, ck = 0, stage = 0, bb = 0;  // the compute cursor: tile, k-tile, A and raw buffer, B buffer
+    while (ct < total) {
+        cp_wait<GB_STAGES - 2>();  // group of this pair: its A, the next pair's raw bytes
+        __syncthreads();           // B[bb] stored by every thread; A, B and raw buffers read before are free
+        issue_a(stage == 0 ? GB_STAGES - 1 : stage - 1);
+        issue_raw(stage);  // pair + 3 into the buffer of pair, dequantised in the previous iteration
+        cp_commit();
+        const uint32_t sa = sbase + stage * A_BYTES, sb = sbase + B_OFF + bb * B_BYTES;
+        uint32_t bfr[4][8][2];
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+            for (int nj = 0; nj < 8; nj += 2) {
+                int r = wn * 64 + nj * 8 + (lane >> 4) * 8 + (lane & 7);
+                ldsm_x4(sb + swz(r, 2 * ks + ((lane >> 3) & 1)), bfr[ks][nj][0], bfr[ks][nj][1], bfr[ks][nj + 1][0],
+                        bfr[ks][nj + 1][1]);
+            }
+#pragma unroll
+        for (int mi = 0; mi < 4; mi++) {
+            uint32_t af[4][4];
+#pragma unroll
+            for (int ks = 0; ks < 4; ks++) {
+                int r = wm * 64 + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                ldsm_x4(sa + swz(r, 2 * ks + (lane >> 4)), af[ks][0], af[ks][1], af[ks][2], af[ks][3]);
+            }
+#pragma unroll
+            for (int nj = 0; nj < 8; nj++) {
+                float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int ks = 0; ks < 4; ks++) mma_bf16(part, af[ks], bfr[ks][nj]);
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[mi][nj][e] += part[e];
+            }
+        }
+        // The next pair's weights (landed with this pair's group) into the other B buffer; past the
+        // block's last pair this writes a buffer nobody reads (issue_raw left a valid table).
+        stage = stage == GB_STAGES - 1 ? 0 : stage + 1;
+        bb ^= 1;
+        dequant(stage, bb);
+        if (++ck < ktiles) continue;
+        // Epilogue of tile ct: y = bf16(acc), pairs as one word where y allows it.
+        int g, row0, row_end, n0;
+        grouped_tile<BM>(p, col_tiles, ct, g, row0, row_end, n0);
+        const int gq = lane >> 2, tq = lane & 3;
+        const bool pairs = (p.y_stride & 1) == 0 && ((uintptr_t)p.y & 3) == 0;
+#pragma unroll
+        for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = row0 + wm * 64 + mi * 16 + gq + h * 8;
+                if (r >= row_end) continue;
+                uint16_t *yr = p.y + (size_t)r * p.y_stride;
+#pragma unroll
+                for (int nj = 0; nj < 8; nj++) {
+                    const int o = n0 + wn * 64 + nj * 8 + tq * 2;
+                    store_bf16_pair(yr, o, p.out, pairs, acc[mi][nj][h * 2], acc[mi][nj][h * 2 + 1]);
+                }
+            }
+        zero_frags(acc);
+        ck = 0;
+        ct += gridDim.x;
+    }
+    cp_wait<0>();
+}
+
 // Blocks per SM each kernel is built for (the second __launch_bounds__ argument; the launcher sizes
 // the persistent grid from the occupancy the driver reports): two for the 64-row tiles (within 128
 // registers, no spills), one for gemm_body's 128-row tiles, two for the 4-warp blocks of gemm_bf16
-// (255 registers) and gemm_fp8_grouped (206): two fit the shared memory of sm_90, one that of sm_121.
+// (255 registers), gemm_fp8_grouped (206) and gemm_nvfp4_grouped_128 (255): two fit the shared
+// memory of sm_90, one that of sm_121.
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_fp8(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, 128>(p); }
 extern "C" __global__ void __launch_bounds__(GBB_THREADS, 2) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_bf16_body(p); }
 // The grouped MoE GEMM (p.group_offsets set; tiles of GB_GROUPED_M rows, see moe_sort).
 extern "C" __global__ void __launch_bounds__(GBG_THREADS, 2) gemm_fp8_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_fp8_grouped_body(p); }
-// NVFP4A16 weights, bf16 activations: plain and grouped (the same tiles as gemm_bf16 / gemm_fp8_grouped).
+// NVFP4A16 weights, bf16 activations: plain (128-row tiles) and grouped (64-row tiles) in gemm_body.
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_nvfp4(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, 128, true>(p); }
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_nvfp4_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_GROUPED_M, true>(p); }
 // The grouped NVFP4 GEMM in 128-row tiles (p.tile_offsets: moe_sort's second array).
-extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_nvfp4_grouped_128(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_GROUPED_WIDE_M, true>(p); }
+extern "C" __global__ void __launch_bounds__(GBF_THREADS, 2) gemm_nvfp4_grouped_128(const OrnithGemmParams p) { pdl_entry(); gemm_nvfp4_body(p); }
 
 // Per-row FP8 activation quantisation with compressed-tensors semantics (the CPU reference
 // `cpu::fp8::quantize_act_row`), the input of gemm_fp8 in prefill:

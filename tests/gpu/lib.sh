@@ -10,9 +10,9 @@
 # 75 GB together: delete one before the other on a 64 GB disk). bench NAME BIN MODEL ARGS...: one
 # ornith-bench run (--gen 16 unless ARGS say otherwise; 100 s at most, BENCH_TIMEOUT to change),
 # JSON to /tmp/bench_NAME.json, stderr to $OUT/bench_NAME.err, and its table rows and errors
-# printed with the seconds since the last step ($t0, which it resets). shallow_checks BIN: a
-# variant's quick model checks (graph = eager, CUDA vs CPU, batch invariance) on the shallow FP8
-# preset, synthesised for them and removed after. kernel_tests V BIN TEST...: named kernel tests
+# printed with the seconds since the last step ($t0, which it resets). shallow_checks BIN [Q]: a
+# variant's quick model checks (graph = eager, CUDA vs CPU, batch invariance) on the shallow
+# preset's FP8 (or Q = nvfp4: NVFP4A16) export, synthesised for them and removed after. kernel_tests V BIN TEST...: named kernel tests
 # of a build, their PERF lines and output digests; same_bits A B: two such runs' digests compared.
 # ncu_export BASE: an Nsight Compute report's details page, metrics and summary ($NCU set).
 GPU_SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)  # this folder, absolute (for its helpers)
@@ -49,17 +49,19 @@ synth_preset() {  # DIR Q: the full preset in export Q (fp8 or nvfp4) at $C/DIR,
     if [ ! -x "$G/xtask" ]; then echo "synth $1: no xtask in $src (carry the build's xtask.xz)"; return 1; fi
     synth_at full "$2" "$dir"
 }
-shallow_checks() {  # BIN: the test_shallow build to run; log $OUT/test_shallow_fp8.log, a line
-    # "test_shallow fp8 rc=... ...s" and its summary lines; returns the tests' status
-    synth_at shallow fp8 "$C/shallow-fp8" || return 1
+shallow_checks() {  # BIN [Q]: the test_shallow build to run on the shallow preset's export Q (fp8,
+    # the default, or nvfp4: test_shallow_nvfp4); log $OUT/test_shallow_Q.log, a line
+    # "test_shallow Q rc=... ...s" and its summary lines; returns the tests' status
+    local q=${2:-fp8}
+    synth_at shallow "$q" "$C/shallow-$q" || return 1
     local t0=$SECONDS rc
-    ORNITH_TEST_MODEL=$C/shallow-fp8 timeout 170 "$1" --ignored --nocapture --test-threads=1 \
+    ORNITH_TEST_MODEL=$C/shallow-$q timeout 170 "$1" --ignored --nocapture --test-threads=1 \
         cuda_decode_graph_matches_eager cuda_matches_cpu batch_invariance --skip cuda_matches_cpu_at_length \
-        > "$OUT/test_shallow_fp8.log" 2>&1
+        > "$OUT/test_shallow_$q.log" 2>&1
     rc=$?
-    echo "test_shallow fp8 rc=$rc $((SECONDS - t0))s"
-    grep -E "prefill:|batch invariance: (1|8|256) |mixed|panicked|test result" "$OUT/test_shallow_fp8.log" | cut -c1-200
-    rm -rf "$C/shallow-fp8"
+    echo "test_shallow $q rc=$rc $((SECONDS - t0))s"
+    grep -E "prefill:|batch invariance: (1|8|256) |mixed|panicked|test result" "$OUT/test_shallow_$q.log" | cut -c1-200
+    rm -rf "$C/shallow-$q"
     return $rc
 }
 kernel_tests() {  # V BIN TEST...: a kernel-test build's tests by name (--ignored, one thread, 120 s

@@ -18,14 +18,13 @@ type Bf = CudaSlice<u16>;
 /// GEMM tile (rows x outputs) of the plain GEMMs (`gemm.cu`: BM = GB_N = 128).
 pub const GEMM_TILE: usize = 128;
 
-/// Threads per block of GEMM kernel `name` (gemm.cu: 128 for `gemm_bf16` and `gemm_fp8_grouped`,
-/// four warps of 64 x 64 (`GBB_THREADS`) and 64 x 32 (`GBG_THREADS`); `GB_THREADS` = 256 for the
-/// others, eight warps of BM/2 x 32).
+/// Threads per block of GEMM kernel `name` (gemm.cu): 128 for `gemm_bf16`, `gemm_fp8_grouped` and
+/// `gemm_nvfp4_grouped_128`, four warps of 64 x 64 (`GBB_THREADS`, `GBF_THREADS`) or 64 x 32
+/// (`GBG_THREADS`); `GB_THREADS` = 256 for the others, eight warps of BM/2 x 32.
 pub(crate) fn gemm_threads(name: &str) -> u32 {
-    if name == "gemm_bf16" || name == "gemm_fp8_grouped" {
-        128
-    } else {
-        256
+    match name {
+        "gemm_bf16" | "gemm_fp8_grouped" | "gemm_nvfp4_grouped_128" => 128,
+        _ => 256,
     }
 }
 
@@ -53,9 +52,16 @@ pub(crate) fn gemm_rows(name: &str) -> usize {
     }
 }
 
-/// Dynamic shared memory of GEMM kernel `name`: 3 stages of (rows + 128) x 128 bytes.
+/// Dynamic shared memory of GEMM kernel `name`: 3 stages of (rows + 128) x 128 bytes;
+/// `gemm_nvfp4_grouped_128` (`GBF_SMEM`) 3 stages of 128 x 128 bytes of A, 2 dequantised weight
+/// tiles of 128 x 128 bytes and 3 raw weight stages of 128 x (32 + 12) bytes (codes, scale words,
+/// table words).
 pub(crate) fn gemm_smem(name: &str) -> u32 {
-    (3 * (gemm_rows(name) + GEMM_TILE) * 128) as u32
+    if name == "gemm_nvfp4_grouped_128" {
+        (3 * GEMM_GROUPED_WIDE_ROWS * 128 + 2 * GEMM_TILE * 128 + 3 * GEMM_TILE * (32 + 12)) as u32
+    } else {
+        (3 * (gemm_rows(name) + GEMM_TILE) * 128) as u32
+    }
 }
 
 /// Rows per tile of the grouped MoE GEMM `gemm_fp8_grouped` (`GB_GROUPED_M`, `MS_TILE`).
@@ -64,10 +70,10 @@ pub const GEMM_GROUPED_ROWS: usize = 64;
 pub const GEMM_GROUPED_WIDE_ROWS: usize = 128;
 
 /// The row-tile height of the grouped NVFP4 MoE GEMM over `rows` expert-sorted rows of `groups`
-/// experts: 128-row tiles (one block per SM, each dequantised weight used by twice the rows) once
-/// the experts average 128 rows or more — a `run` / `batch` step of 8,192 rows at top-8 of 256
-/// gives 256, where the gate|up product took 1,559 against 1,735 us (H100) — else 64 (at a 2,048-row
-/// chunk's 64 the 128-row form took 628 against 557 us). The grouped FP8 GEMM keeps 64-row tiles
+/// experts: 128-row tiles (`gemm_nvfp4_grouped_128`, each dequantised weight used by twice the
+/// rows) once the experts average 128 rows or more — a `run` / `batch` step of 8,192 rows at top-8
+/// of 256 gives 256, where the gate|up product took 1,487 against 1,734 us (H100) — else 64 (at a
+/// 2,048-row chunk's 64 the 128-row form took 595 against 557 us). The grouped FP8 GEMM keeps 64-row tiles
 /// at every size (gemm.cu). Both heights give the same bits, so this choice does not touch batch
 /// invariance.
 pub fn grouped_tile_rows(rows: usize, groups: usize) -> usize {
@@ -169,7 +175,10 @@ impl CudaContext {
         };
         let bytes = out * in_ + out * 4 + rows * (in_ + 4 + out * 2);
         let grid = self.gemm_grid("gemm_fp8", Some(out.div_ceil(GEMM_TILE) * rows.div_ceil(gemm_rows("gemm_fp8"))));
-        self.launch(Launch::new("gemm_fp8", grid, 256, bytes as u64).smem(gemm_smem("gemm_fp8")), p)
+        self.launch(
+            Launch::new("gemm_fp8", grid, gemm_threads("gemm_fp8"), bytes as u64).smem(gemm_smem("gemm_fp8")),
+            p,
+        )
     }
 
     /// Plain BF16 GEMM: `y[r, o] = bf16(Σ_i a[r,i]·w[o,i])`, fp32 accumulation.

@@ -7,7 +7,7 @@
 //! (`ornith_kernels.h` states the math).
 //!
 //! One launcher per kernel (see [`super`]), then the slice-based wrappers the kernel tests call.
-use super::gemm::{gemm_rows, gemm_smem, GEMM_GROUPED_ROWS, GEMM_GROUPED_WIDE_ROWS, GEMM_TILE};
+use super::gemm::{gemm_rows, gemm_smem, gemm_threads, GEMM_GROUPED_ROWS, GEMM_GROUPED_WIDE_ROWS, GEMM_TILE};
 use super::moe::MoeGroups;
 use super::{aligned, i32of, need, CudaContext, Launch, Ptr};
 use anyhow::{ensure, Result};
@@ -332,7 +332,10 @@ impl CudaContext {
         Self::gemm_nvfp4_checks(&p)?;
         let bytes = fp4_bytes(in_, out, tables(&w, out)) + rows * (in_ + out) * 2;
         let grid = self.gemm_grid("gemm_nvfp4", Some(out.div_ceil(GEMM_TILE) * rows.div_ceil(gemm_rows("gemm_nvfp4"))));
-        self.launch(Launch::new("gemm_nvfp4", grid, 256, bytes as u64).smem(gemm_smem("gemm_nvfp4")), p)
+        self.launch(
+            Launch::new("gemm_nvfp4", grid, gemm_threads("gemm_nvfp4"), bytes as u64).smem(gemm_smem("gemm_nvfp4")),
+            p,
+        )
     }
 
     /// Grouped NVFP4A16 GEMM over the expert-sorted rows of `p` (`moe_sort`'s groups and both of
@@ -356,7 +359,7 @@ impl CudaContext {
             r => anyhow::bail!("gemm_nvfp4_grouped: {r}-row tiles (64 or 128)"),
         };
         let grid = self.gemm_grid(name, None);
-        self.launch(Launch::new(name, grid, 256, bytes as u64).smem(gemm_smem(name)), p)
+        self.launch(Launch::new(name, grid, gemm_threads(name), bytes as u64).smem(gemm_smem(name)), p)
     }
 
     /// `y` (bf16 `[out, in]`) = the dequantised weight (nvfp4.cu).

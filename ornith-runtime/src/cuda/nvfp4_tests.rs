@@ -7,7 +7,9 @@
 //! fp32 summation order (`close`), and the decode forms are batch invariant (a token alone gives
 //! the same bits as in a group; per-slot and grouped MoE give the same bits).
 use super::nvfp4::{Fp4Buf, MoeNvfp4Args};
-use super::test_util::{bfv, check_combine_epilogue, check_fold, ctx, rng, same_bits_with_few_blocks, POISON, R};
+use super::test_util::{
+    bfv, check_combine_epilogue, check_fold, ctx, digest, rng, same_bits_with_few_blocks, POISON, R,
+};
 use super::tests::{close, perf};
 use super::{CudaContext, Ptr};
 use crate::cpu::linear::linear_nvfp4;
@@ -81,6 +83,18 @@ impl Fp4Host {
             tab_rows: self.tab_rows,
         }
     }
+}
+
+/// `digest` of a grouped product's rows in an order that does not depend on moe_sort's atomics
+/// (which order the rows inside an expert's group): each group's rows sorted.
+fn grouped_digest(y: &[u16], group_offsets: &[i32], out: usize) -> u64 {
+    let mut v = Vec::with_capacity(y.len());
+    for w in group_offsets.windows(2) {
+        let mut rows: Vec<&[u16]> = y[w[0] as usize * out..w[1] as usize * out].chunks(out).collect();
+        rows.sort_unstable();
+        rows.iter().for_each(|r| v.extend_from_slice(r));
+    }
+    digest(&v)
 }
 
 fn bv(b: &[u16]) -> Vec<bf16> {
@@ -294,6 +308,7 @@ fn gemm_nvfp4_matches_reference() {
         let name = format!("gemm_nvfp4 {rows}x{inp}x{out}");
         let got = c.download(&y).unwrap();
         close(&name, &got, &want);
+        eprintln!("{name}: bits {:016x}", digest(&got));
         same_bits_with_few_blocks(&mut c, &name, &got, |c| {
             c.gemm_nvfp4(&dx, &dw, &mut y, rows, inp, out, inp, out).unwrap();
             c.download(&y).unwrap()
@@ -367,6 +382,7 @@ fn gemm_nvfp4_matches_reference() {
             }
             close(&name, &got, &want);
         }
+        eprintln!("{name}: bits {:016x}", grouped_digest(&got, &go, out));
         for tiles in [64, 128] {
             let name = format!("{name}, {tiles}-row tiles");
             let mut run = |c: &CudaContext| {

@@ -4,7 +4,7 @@
 use super::attention::*;
 use super::gdn::*;
 use super::moe::*;
-use super::test_util::{ctx, page, reversed_table, rng, same_bits_with_few_blocks, time_it, KVB, POISON, R};
+use super::test_util::{ctx, digest, page, reversed_table, rng, same_bits_with_few_blocks, time_it, KVB, POISON, R};
 use crate::cpu::attention::{attention, output_gate};
 use crate::cpu::conv::conv_silu;
 use crate::cpu::fp8::quantize_act_row;
@@ -41,15 +41,6 @@ fn fp8_pattern(n: usize, seed: u64) -> Vec<u8> {
 /// Spacing of bf16 numbers at |v| (one ulp).
 fn ulp(v: f64) -> f64 {
     2f64.powi(v.abs().max(1e-30).log2().floor() as i32 - 7)
-}
-
-/// FNV-1a of a result's bits, printed beside the error figures so that two builds' outputs can be
-/// compared bit for bit from their logs (a kernel change meant to keep every bit).
-fn digest(v: &[u16]) -> u64 {
-    v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
-        let h = (h ^ u64::from(x & 0xff)).wrapping_mul(0x0100_0000_01b3);
-        (h ^ u64::from(x >> 8)).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 /// Elementwise check of a bf16 output against a reference that went through the same cast points:

@@ -170,3 +170,12 @@ pub(super) fn check_combine_epilogue(
         );
     }
 }
+
+/// FNV-1a of a result's bits, printed beside the error figures so that two builds' outputs can be
+/// compared bit for bit from their logs (a kernel change meant to keep every bit).
+pub(super) fn digest(v: &[u16]) -> u64 {
+    v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        let h = (h ^ u64::from(x & 0xff)).wrapping_mul(0x0100_0000_01b3);
+        (h ^ u64::from(x >> 8)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
