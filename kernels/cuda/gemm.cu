@@ -360,6 +360,59 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
     cp_wait<0>();
 }
 
+// One stage of a 4-warp bf16 tile in 64 x 64 warp tiles (gemm_bf16_body, gemm_nvfp4_body), A at
+// sa and B at sb (GB_K-byte swizzled rows): warp (wm, wn)'s B fragments of the stage's 4 k-steps x
+// 8 column tiles, then per row tile its A fragments and, per column tile, the 4 chained mma from a
+// zero start and the add into acc (the promotion, see Accumulation).
+__device__ __forceinline__ void bf16_stage_64x64(uint32_t sa, uint32_t sb, int wm, int wn, int lane, float (&acc)[4][8][4]) {
+    uint32_t bfr[4][8][2];
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+        for (int nj = 0; nj < 8; nj += 2) {
+            int r = wn * 64 + nj * 8 + (lane >> 4) * 8 + (lane & 7);
+            ldsm_x4(sb + swz(r, 2 * ks + ((lane >> 3) & 1)), bfr[ks][nj][0], bfr[ks][nj][1], bfr[ks][nj + 1][0], bfr[ks][nj + 1][1]);
+        }
+#pragma unroll
+    for (int mi = 0; mi < 4; mi++) {
+        uint32_t af[4][4];
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++) {
+            int r = wm * 64 + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            ldsm_x4(sa + swz(r, 2 * ks + (lane >> 4)), af[ks][0], af[ks][1], af[ks][2], af[ks][3]);
+        }
+#pragma unroll
+        for (int nj = 0; nj < 8; nj++) {
+            float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int ks = 0; ks < 4; ks++) mma_bf16(part, af[ks], bfr[ks][nj]);
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[mi][nj][e] += part[e];
+        }
+    }
+}
+
+// Epilogue of a 64 x 64 warp tile: y = bf16(acc) for rows row0 + 64 wm .. (those before row_end)
+// and outputs n0 + 64 wn .., pairs as one word where y allows it.
+__device__ __forceinline__ void store_64x64(const OrnithGemmParams &p, const float (&acc)[4][8][4], int row0, int row_end, int n0,
+                                            int wm, int wn, int lane) {
+    const int gq = lane >> 2, tq = lane & 3;
+    const bool pairs = (p.y_stride & 1) == 0 && ((uintptr_t)p.y & 3) == 0;
+#pragma unroll
+    for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = row0 + wm * 64 + mi * 16 + gq + h * 8;
+            if (r >= row_end) continue;
+            uint16_t *yr = p.y + (size_t)r * p.y_stride;
+#pragma unroll
+            for (int nj = 0; nj < 8; nj++) {
+                const int o = n0 + wn * 64 + nj * 8 + tq * 2;
+                store_bf16_pair(yr, o, p.out, pairs, acc[mi][nj][h * 2], acc[mi][nj][h * 2 + 1]);
+            }
+        }
+}
+
 // gemm_bf16: 128 x 128 tiles, 4 warps as 2 x 2, each 64 x 64 (4 x 8 mma tiles), 3 stages of
 // 128 bytes of K (96 KiB: two blocks per SM on sm_90, one on sm_121). A stage's 64-element K slice
 // is consumed fragment by fragment: its 4 chained mma from a zero start, then added to the running
@@ -438,54 +491,10 @@ __device__ __forceinline__ void gemm_bf16_body(const OrnithGemmParams &p) {
         __syncthreads();
         issue(stage == 0 ? GB_STAGES - 1 : stage - 1);  // last read before this barrier
         const uint32_t sa = sbase + stage * STAGE_BYTES, sb = sa + GB_BF16_M * GB_K;
-        // The stage's B fragments (4 k-steps x 8 column tiles), then per row tile its A fragments
-        // and, per column tile, the 4 chained mma and the promotion.
-        uint32_t bfr[4][8][2];
-#pragma unroll
-        for (int ks = 0; ks < 4; ks++)
-#pragma unroll
-            for (int nj = 0; nj < 8; nj += 2) {
-                int r = wn * 64 + nj * 8 + (lane >> 4) * 8 + (lane & 7);
-                ldsm_x4(sb + swz(r, 2 * ks + ((lane >> 3) & 1)), bfr[ks][nj][0], bfr[ks][nj][1], bfr[ks][nj + 1][0],
-                        bfr[ks][nj + 1][1]);
-            }
-#pragma unroll
-        for (int mi = 0; mi < 4; mi++) {
-            uint32_t af[4][4];
-#pragma unroll
-            for (int ks = 0; ks < 4; ks++) {
-                int r = wm * 64 + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                ldsm_x4(sa + swz(r, 2 * ks + (lane >> 4)), af[ks][0], af[ks][1], af[ks][2], af[ks][3]);
-            }
-#pragma unroll
-            for (int nj = 0; nj < 8; nj++) {
-                float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int ks = 0; ks < 4; ks++) mma_bf16(part, af[ks], bfr[ks][nj]);
-#pragma unroll
-                for (int e = 0; e < 4; e++) acc[mi][nj][e] += part[e];
-            }
-        }
+        bf16_stage_64x64(sa, sb, wm, wn, lane, acc);
         stage = stage + 1 == GB_STAGES ? 0 : stage + 1;
         if (++ck < ktiles) continue;
-        // Epilogue of tile ct: y = bf16(acc), pairs as one word where y allows it.
-        const int row0 = (ct % row_tiles) * GB_BF16_M, n0 = (ct / row_tiles) * GB_N;
-        const int gq = lane >> 2, tq = lane & 3;
-        const bool pairs = (p.y_stride & 1) == 0 && ((uintptr_t)p.y & 3) == 0;
-#pragma unroll
-        for (int mi = 0; mi < 4; mi++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = row0 + wm * 64 + mi * 16 + gq + h * 8;
-                if (r >= p.rows) continue;
-                uint16_t *yr = p.y + (size_t)r * p.y_stride;
-#pragma unroll
-                for (int nj = 0; nj < 8; nj++) {
-                    const int o = n0 + wn * 64 + nj * 8 + tq * 2;
-                    const float v0 = acc[mi][nj][h * 2], v1 = acc[mi][nj][h * 2 + 1];
-                    store_bf16_pair(yr, o, p.out, pairs, v0, v1);
-                }
-            }
+        store_64x64(p, acc, (ct % row_tiles) * GB_BF16_M, p.rows, (ct / row_tiles) * GB_N, wm, wn, lane);
         zero_frags(acc);
         ck = 0;
         ct += gridDim.x;
@@ -801,56 +810,16 @@ __device__ __forceinline__ void gemm_nvfp4_body(const OrnithGemmParams &p) {
         issue_raw(stage);  // pair + 3 into the buffer of pair, dequantised in the previous iteration
         cp_commit();
         const uint32_t sa = sbase + stage * A_BYTES, sb = sbase + B_OFF + bb * B_BYTES;
-        uint32_t bfr[4][8][2];
-#pragma unroll
-        for (int ks = 0; ks < 4; ks++)
-#pragma unroll
-            for (int nj = 0; nj < 8; nj += 2) {
-                int r = wn * 64 + nj * 8 + (lane >> 4) * 8 + (lane & 7);
-                ldsm_x4(sb + swz(r, 2 * ks + ((lane >> 3) & 1)), bfr[ks][nj][0], bfr[ks][nj][1], bfr[ks][nj + 1][0],
-                        bfr[ks][nj + 1][1]);
-            }
-#pragma unroll
-        for (int mi = 0; mi < 4; mi++) {
-            uint32_t af[4][4];
-#pragma unroll
-            for (int ks = 0; ks < 4; ks++) {
-                int r = wm * 64 + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                ldsm_x4(sa + swz(r, 2 * ks + (lane >> 4)), af[ks][0], af[ks][1], af[ks][2], af[ks][3]);
-            }
-#pragma unroll
-            for (int nj = 0; nj < 8; nj++) {
-                float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int ks = 0; ks < 4; ks++) mma_bf16(part, af[ks], bfr[ks][nj]);
-#pragma unroll
-                for (int e = 0; e < 4; e++) acc[mi][nj][e] += part[e];
-            }
-        }
+        bf16_stage_64x64(sa, sb, wm, wn, lane, acc);
         // The next pair's weights (landed with this pair's group) into the other B buffer; past the
         // block's last pair this writes a buffer nobody reads (issue_raw left a valid table).
         stage = stage == GB_STAGES - 1 ? 0 : stage + 1;
         bb ^= 1;
         dequant(stage, bb);
         if (++ck < ktiles) continue;
-        // Epilogue of tile ct: y = bf16(acc), pairs as one word where y allows it.
         int g, row0, row_end, n0;
         grouped_tile<BM>(p, col_tiles, ct, g, row0, row_end, n0);
-        const int gq = lane >> 2, tq = lane & 3;
-        const bool pairs = (p.y_stride & 1) == 0 && ((uintptr_t)p.y & 3) == 0;
-#pragma unroll
-        for (int mi = 0; mi < 4; mi++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = row0 + wm * 64 + mi * 16 + gq + h * 8;
-                if (r >= row_end) continue;
-                uint16_t *yr = p.y + (size_t)r * p.y_stride;
-#pragma unroll
-                for (int nj = 0; nj < 8; nj++) {
-                    const int o = n0 + wn * 64 + nj * 8 + tq * 2;
-                    store_bf16_pair(yr, o, p.out, pairs, acc[mi][nj][h * 2], acc[mi][nj][h * 2 + 1]);
-                }
-            }
+        store_64x64(p, acc, row0, row_end, n0, wm, wn, lane);
         zero_frags(acc);
         ck = 0;
         ct += gridDim.x;
