@@ -21,6 +21,10 @@ NCU=${NCU:-/usr/local/cuda/bin/ncu}
 sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats
  --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats
  --section MemoryWorkloadAnalysis_Tables"
+# NCU_SOURCE=1: per-instruction stall sampling too (SourceCounters), exported as ${tag}_<i>.sass.csv
+# (the source page, SASS) and summarised by ncu_sass_summary.py (stall samples by opcode, the
+# hottest instructions).
+[ "${NCU_SOURCE:-0}" = 1 ] && sections="$sections --section SourceCounters"
 tag=${NCU_TAG:-ncuk}  # the files' prefix (NCU_TAG: several runs into one $OUT)
 i=0
 for job in "$@"; do
@@ -32,5 +36,9 @@ for job in "$@"; do
         --force-overwrite -o "$OUT/${tag}_$i" "$G/kernels" --ignored --exact --test-threads=1 "$test" \
         > "$OUT/${tag}_$i.log" 2>&1
     echo "job $i ($kernel in $test, skip ${skip:-0}) rc=$? $((SECONDS - t0))s"
+    if [ "${NCU_SOURCE:-0}" = 1 ]; then
+        "$NCU" --import "$OUT/${tag}_$i.ncu-rep" --page source --csv --print-source sass > "$OUT/${tag}_$i.sass.csv" 2>&1
+        python3 "$GPU_SCRIPTS/ncu_sass_summary.py" "$OUT/${tag}_$i.sass.csv"
+    fi
     ncu_export "$OUT/${tag}_$i"
 done
