@@ -754,8 +754,8 @@ __device__ __forceinline__ void gemm_nvfp4_body(const OrnithGemmParams &p) {
         const uint8_t *sa = s_src + rk * 4;
         const int off = (int)((uintptr_t)sa & 3);  // 0 or 2
         cp_async4(dr + RAW_SC0 + tid * 4, sa - off, nb ? min(4, off + nb) : 0);
-        // Bytes 2-3 of the second word are the stage's last two groups: zeros when they are past K
-        // (a stale byte could be a NaN scale, and NaN x 0 would reach the sums).
+        // With off = 2 the second word's bytes 0-1 are groups 2-3: zeros when they are past K (a
+        // stale byte could be a NaN scale, and NaN x 0 would reach the sums).
         if (off) cp_async4(dr + RAW_SC1 + tid * 4, off + nb > 4 ? sa - off + 4 : sa - off, max(0, off + nb - 4));
         raw_word(buf, RAW_TAB) = r_tab << 1 | (uint32_t)(off >> 1);
         if (++rk == ktiles) {
