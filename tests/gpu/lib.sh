@@ -12,8 +12,9 @@
 # JSON to /tmp/bench_NAME.json, stderr to $OUT/bench_NAME.err, and its table rows and errors
 # printed with the seconds since the last step ($t0, which it resets). shallow_checks BIN [Q]: a
 # variant's quick model checks (graph = eager, CUDA vs CPU, batch invariance) on the shallow
-# preset's FP8 (or Q = nvfp4: NVFP4A16) export, synthesised for them and removed after. kernel_tests V BIN TEST...: named kernel tests
-# of a build, their PERF lines and output digests; same_bits A B: two such runs' digests compared.
+# preset's FP8 (or Q = nvfp4: NVFP4A16) export, synthesised for them and removed after.
+# kernel_tests V BIN TEST...: named kernel tests of a build, their PERF lines and output digests;
+# same_bits A B: two such runs' digests compared.
 # ncu_export BASE: an Nsight Compute report's details page, metrics and summary ($NCU set).
 GPU_SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)  # this folder, absolute (for its helpers)
 unxz_to() {

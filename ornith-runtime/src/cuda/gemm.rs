@@ -73,9 +73,9 @@ pub const GEMM_GROUPED_WIDE_ROWS: usize = 128;
 /// experts: 128-row tiles (`gemm_nvfp4_grouped_128`, each dequantised weight used by twice the
 /// rows) once the experts average 128 rows or more — a `run` / `batch` step of 8,192 rows at top-8
 /// of 256 gives 256, where the gate|up product took 1,487 against 1,734 us (H100) — else 64 (at a
-/// 2,048-row chunk's 64 the 128-row form took 595 against 557 us). The grouped FP8 GEMM keeps 64-row tiles
-/// at every size (gemm.cu). Both heights give the same bits, so this choice does not touch batch
-/// invariance.
+/// 2,048-row chunk's 64 the 128-row form took 595 against 557 us). The grouped FP8 GEMM keeps
+/// 64-row tiles at every size (gemm.cu). Both heights give the same bits, so this choice does not
+/// touch batch invariance.
 pub fn grouped_tile_rows(rows: usize, groups: usize) -> usize {
     if rows >= GEMM_GROUPED_WIDE_ROWS * groups.max(1) {
         GEMM_GROUPED_WIDE_ROWS
