@@ -3,20 +3,21 @@
 //
 // Tile: BM rows x 128 outputs x 128 bytes of K per stage (128 E4M3 codes or 64 bf16), 3 stages of
 // cp.async, 8 warps as 2 (rows) x 4 (outputs), each warp BM/2 x 32 = BM/32 x 4 mma tiles
-// (gemm_body; gemm_bf16, gemm_fp8_grouped and gemm_nvfp4_grouped_128 have bodies of their own in
-// 4 warps of 64 x 64, 64 x 32 and 64 x 64: gemm_bf16_body, gemm_fp8_grouped_body and
-// gemm_nvfp4_body below).
+// (gemm_body; gemm_bf16, gemm_fp8_grouped and gemm_nvfp4_grouped_96 / _128 have bodies of their
+// own in 4 warps of 64 x 64, 64 x 32 and 48 x 64 / 64 x 64: gemm_bf16_body, gemm_fp8_grouped_body
+// and gemm_nvfp4_body below).
 // BM = 128 for the plain GEMMs (3 x 32 KiB = 96 KiB dynamic shared memory, one block per SM);
 // BM = 64 (72 KiB, two blocks per SM) for the grouped MoE GEMMs, where a 2,048-token chunk gives
-// each of 256 experts ~64 rows, so 128-row tiles would run half empty. gemm_nvfp4_grouped_128
-// (128-row tiles, tile offsets of 128-row tiles from moe_sort) serves NVFP4 MoE segments of 128
-// rows or more per expert on average (cuda::gemm::grouped_tile_rows: the 8,192-row steps of `run`
-// / `batch`): a weight is dequantised once per tile, so per HMMA the stage issues ~3/5 of the
-// 64-row form's instructions (sm_90 SASS), and at 8,192 tokens x top-8 of 256 the gate|up product
-// took 1,559 against 1,735 us in gemm_body's form (H100). The same form for FP8 ran slower than two
-// 64-row blocks per SM at 8,192 tokens too (the MoE block 2.68 against 2.50 ms, H100), so FP8 keeps
-// 64-row tiles. A row's sums do not depend on the tile height (the same stages in the same order),
-// so both NVFP4 forms give the same bits (gemm_nvfp4_matches_reference). (BF16 ran 64-row tiles at
+// each of 256 experts ~64 rows, so 128-row tiles would run half empty. The NVFP4 MoE also has
+// 96- and 128-row tiles (gemm_nvfp4_grouped_96 / _128, tile offsets of each height from moe_sort;
+// cuda::gemm::grouped_tile_rows picks the height from the rows per expert): a weight is
+// dequantised once per tile, so per HMMA the stage issues ~3/5 of the 64-row form's instructions
+// (sm_90 SASS); at 8,192 tokens x top-8 of 256 the gate|up product took 1,559 against 1,735 us in
+// gemm_body's form (H100), and at 2,048 tokens 487 us in 96-row tiles against 554 in 64-row ones.
+// The 128-row form for FP8 ran slower than two 64-row blocks per SM at 8,192 tokens too (the MoE
+// block 2.68 against 2.50 ms, H100), so FP8 keeps 64-row tiles. A row's sums do not depend on the
+// tile height (the same stages in the same order), so every NVFP4 form gives the same bits
+// (gemm_nvfp4_matches_reference). (BF16 ran 64-row tiles at
 // two blocks per SM until the harness's run 4, tests/peer/gemm_variants: 128-row tiles at one
 // block took the GDN input projection from 430 to 373 us, out_proj 140 -> 121, the router 48 -> 37.) FP8 uses m16n8k32.e4m3 and BF16 m16n8k16.bf16: both consume 32
 // bytes of K per mma with the same byte layout of fragments, so one kernel body serves both.
@@ -81,8 +82,7 @@
 #define GB_K 128  // bytes
 #define GB_STAGES 3
 #define GB_THREADS 256
-#define GB_GROUPED_M 64  // rows per tile of the grouped GEMM (MS_TILE in moe_prefill.cu)
-#define GB_GROUPED_WIDE_M 128  // rows per tile of gemm_nvfp4_grouped_128 (MS_TILE_WIDE)
+#define GB_GROUPED_M ORNITH_GROUPED_ROWS  // rows per tile of the 64-row grouped GEMMs (moe_sort's first prefix)
 #define GB_BF16_M 128    // rows per tile of gemm_bf16 (cuda::gemm::gemm_rows)
 
 __device__ __forceinline__ uint32_t swz(int row, int chunk) { return (uint32_t)(row * GB_K + ((chunk ^ (row & 7)) << 4)); }
@@ -360,11 +360,13 @@ template <bool FP8, int BM, bool FP4 = false> __device__ __forceinline__ void ge
     cp_wait<0>();
 }
 
-// One stage of a 4-warp bf16 tile in 64 x 64 warp tiles (gemm_bf16_body, gemm_nvfp4_body), A at
-// sa and B at sb (GB_K-byte swizzled rows): warp (wm, wn)'s B fragments of the stage's 4 k-steps x
-// 8 column tiles, then per row tile its A fragments and, per column tile, the 4 chained mma from a
-// zero start and the add into acc (the promotion, see Accumulation).
-__device__ __forceinline__ void bf16_stage_64x64(uint32_t sa, uint32_t sb, int wm, int wn, int lane, float (&acc)[4][8][4]) {
+// One stage of a 4-warp bf16 tile in 16 MI x 64 warp tiles (gemm_bf16_body, gemm_nvfp4_body<128>:
+// MI = 4, 64 x 64; gemm_nvfp4_body<96>: MI = 3), A at sa and B at sb (GB_K-byte swizzled rows):
+// warp (wm, wn)'s B fragments of the stage's 4 k-steps x 8 column tiles, then per row tile its A
+// fragments and, per column tile, the 4 chained mma from a zero start and the add into acc (the
+// promotion, see Accumulation).
+template <int MI>
+__device__ __forceinline__ void bf16_stage_x64(uint32_t sa, uint32_t sb, int wm, int wn, int lane, float (&acc)[MI][8][4]) {
     uint32_t bfr[4][8][2];
 #pragma unroll
     for (int ks = 0; ks < 4; ks++)
@@ -374,11 +376,11 @@ __device__ __forceinline__ void bf16_stage_64x64(uint32_t sa, uint32_t sb, int w
             ldsm_x4(sb + swz(r, 2 * ks + ((lane >> 3) & 1)), bfr[ks][nj][0], bfr[ks][nj][1], bfr[ks][nj + 1][0], bfr[ks][nj + 1][1]);
         }
 #pragma unroll
-    for (int mi = 0; mi < 4; mi++) {
+    for (int mi = 0; mi < MI; mi++) {
         uint32_t af[4][4];
 #pragma unroll
         for (int ks = 0; ks < 4; ks++) {
-            int r = wm * 64 + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            int r = wm * (16 * MI) + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
             ldsm_x4(sa + swz(r, 2 * ks + (lane >> 4)), af[ks][0], af[ks][1], af[ks][2], af[ks][3]);
         }
 #pragma unroll
@@ -392,17 +394,18 @@ __device__ __forceinline__ void bf16_stage_64x64(uint32_t sa, uint32_t sb, int w
     }
 }
 
-// Epilogue of a 64 x 64 warp tile: y = bf16(acc) for rows row0 + 64 wm .. (those before row_end)
-// and outputs n0 + 64 wn .., pairs as one word where y allows it.
-__device__ __forceinline__ void store_64x64(const OrnithGemmParams &p, const float (&acc)[4][8][4], int row0, int row_end, int n0,
-                                            int wm, int wn, int lane) {
+// Epilogue of a 16 MI x 64 warp tile: y = bf16(acc) for rows row0 + 16 MI wm .. (those before
+// row_end) and outputs n0 + 64 wn .., pairs as one word where y allows it.
+template <int MI>
+__device__ __forceinline__ void store_x64(const OrnithGemmParams &p, const float (&acc)[MI][8][4], int row0, int row_end, int n0,
+                                          int wm, int wn, int lane) {
     const int gq = lane >> 2, tq = lane & 3;
     const bool pairs = (p.y_stride & 1) == 0 && ((uintptr_t)p.y & 3) == 0;
 #pragma unroll
-    for (int mi = 0; mi < 4; mi++)
+    for (int mi = 0; mi < MI; mi++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int r = row0 + wm * 64 + mi * 16 + gq + h * 8;
+            const int r = row0 + wm * (16 * MI) + mi * 16 + gq + h * 8;
             if (r >= row_end) continue;
             uint16_t *yr = p.y + (size_t)r * p.y_stride;
 #pragma unroll
@@ -491,10 +494,10 @@ __device__ __forceinline__ void gemm_bf16_body(const OrnithGemmParams &p) {
         __syncthreads();
         issue(stage == 0 ? GB_STAGES - 1 : stage - 1);  // last read before this barrier
         const uint32_t sa = sbase + stage * STAGE_BYTES, sb = sa + GB_BF16_M * GB_K;
-        bf16_stage_64x64(sa, sb, wm, wn, lane, acc);
+        bf16_stage_x64(sa, sb, wm, wn, lane, acc);
         stage = stage + 1 == GB_STAGES ? 0 : stage + 1;
         if (++ck < ktiles) continue;
-        store_64x64(p, acc, (ct % row_tiles) * GB_BF16_M, p.rows, (ct / row_tiles) * GB_N, wm, wn, lane);
+        store_x64(p, acc, (ct % row_tiles) * GB_BF16_M, p.rows, (ct / row_tiles) * GB_N, wm, wn, lane);
         zero_frags(acc);
         ck = 0;
         ct += gridDim.x;
@@ -642,8 +645,9 @@ __device__ __forceinline__ void gemm_fp8_grouped_body(const OrnithGemmParams &p)
     cp_wait<0>();
 }
 
-// gemm_nvfp4_grouped_128: the grouped NVFP4 GEMM in 128-row tiles (GB_GROUPED_WIDE_M rows of one
-// expert), 4 warps as 2 x 2, each 64 x 64 as in gemm_bf16_body, a stage consumed fragment by
+// gemm_nvfp4_grouped_128 / _96: the grouped NVFP4 GEMM in 128- or 96-row tiles (BM rows of one
+// expert: ORNITH_GROUPED_WIDE_ROWS, ORNITH_GROUPED_MID_ROWS), 4 warps as 2 x 2, each 64 x 64 as in
+// gemm_bf16_body (48 x 64 in 96-row tiles), a stage consumed fragment by
 // fragment (4 chained bf16 mma from zero, then the add: the same operations in the same order as
 // gemm_body's promotion, so the same bits as gemm_body<false, 128, true>, which this kernel ran,
 // and as the 64-row gemm_nvfp4_grouped). The weight stage goes through shared memory twice: its raw
@@ -652,7 +656,11 @@ __device__ __forceinline__ void gemm_fp8_grouped_body(const OrnithGemmParams &p)
 // stage kt (fp4.cuh; its own copies, visible to it after the wait) into the other of two bf16 B
 // buffers, so no code or scale register lives across the mma loop: that leaves the registers to
 // the 64 x 64 warp tiles (255, no spills on sm_90; sm_121 spills 48 bytes). Shared memory: A 3 x 16
-// KiB, B 2 x 16 KiB, raw 3 x 5.5 KiB (96.5 KiB: two blocks per SM on sm_90, one on sm_121).
+// KiB, B 2 x 16 KiB, raw 3 x 5.5 KiB (96.5 KiB: two blocks per SM on sm_90, one on sm_121; in
+// 96-row tiles A is 3 x 12 KiB, 84.5 KiB in all, 255 registers and no spills on sm_90 and sm_121).
+// Why 96 rows: a 2,048-token chunk gives each expert ~64 rows, spread (Poisson-like) so that about
+// half the experts take a second, mostly empty 64-row tile, whose weights are dequantised again;
+// in 96-row tiles nearly every expert takes one (cuda::gemm::grouped_tile_rows).
 // H100, kernel tests, 8,192 tokens top-8 of 256 (2048 -> 1024): 1,532 -> 1,487 us (same call;
 // 1,551 -> 1,429 / 1,471 in an earlier one); in the model, NVFP4A16 prefill of 32K prompts in
 // 8,192-token steps 22,491 -> 22,790 tok/s (two runs each). Not kept for the 64-row and plain NVFP4
@@ -664,16 +672,17 @@ __device__ __forceinline__ void gemm_fp8_grouped_body(const OrnithGemmParams &p)
 // one or two 4-byte copies from the aligned word below them (zero-filled past the K extent), recombined.
 #define GBF_THREADS 128
 #define GBF_RAW (GB_N * (32 + 12))  // one raw stage: per row 32 code bytes, 2 scale words, a table word
-#define GBF_SMEM (GB_STAGES * GB_GROUPED_WIDE_M * GB_K + 2 * GB_N * GB_K + GB_STAGES * GBF_RAW)
-__device__ __forceinline__ void gemm_nvfp4_body(const OrnithGemmParams &p) {
-    constexpr int BM = GB_GROUPED_WIDE_M, RS = GBF_THREADS / 8, CA = BM / RS;  // rows between a thread's A chunks; chunks
+#define GBF_SMEM(BM) (GB_STAGES * (BM) * GB_K + 2 * GB_N * GB_K + GB_STAGES * GBF_RAW)
+template <int BM> __device__ __forceinline__ void gemm_nvfp4_body(const OrnithGemmParams &p) {
+    static_assert(BM == ORNITH_GROUPED_MID_ROWS || BM == ORNITH_GROUPED_WIDE_ROWS, "moe_sort's tile heights");
+    constexpr int MI = BM / 32, RS = GBF_THREADS / 8, CA = BM / RS;  // mma row tiles per warp; rows between a thread's A chunks; chunks
     constexpr int A_BYTES = BM * GB_K, B_BYTES = GB_N * GB_K;
     constexpr int B_OFF = GB_STAGES * A_BYTES, RAW_OFF = B_OFF + 2 * B_BYTES;
     // A raw stage, each part row after row (consecutive threads, consecutive words: no bank
     // conflicts): codes of groups 0-1 and of groups 2-3 (16 bytes each), the two scale words, the
     // table word (table index << 1 | the scale bytes' offset / 2 in the first word).
     constexpr int RAW_SC0 = GB_N * 32, RAW_SC1 = RAW_SC0 + GB_N * 4, RAW_TAB = RAW_SC1 + GB_N * 4;
-    static_assert(GBF_SMEM == RAW_OFF + GB_STAGES * GBF_RAW && GBF_SMEM <= 99 * 1024, "shared memory");
+    static_assert(GBF_SMEM(BM) == RAW_OFF + GB_STAGES * GBF_RAW && GBF_SMEM(BM) <= 99 * 1024, "shared memory");
     extern __shared__ __align__(128) uint8_t smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp >> 1, wn = warp & 1;
@@ -788,7 +797,7 @@ __device__ __forceinline__ void gemm_nvfp4_body(const OrnithGemmParams &p) {
         }
     };
 
-    float acc[4][8][4];
+    float acc[MI][8][4];
     zero_frags(acc);
     if (blockIdx.x >= total) return;
     set_a_tile(lt);
@@ -812,7 +821,7 @@ __device__ __forceinline__ void gemm_nvfp4_body(const OrnithGemmParams &p) {
         issue_raw(stage);  // pair + 3 into the buffer of pair, dequantised in the previous iteration
         cp_commit();
         const uint32_t sa = sbase + stage * A_BYTES, sb = sbase + B_OFF + bb * B_BYTES;
-        bf16_stage_64x64(sa, sb, wm, wn, lane, acc);
+        bf16_stage_x64(sa, sb, wm, wn, lane, acc);
         // The next pair's weights (landed with this pair's group) into the other B buffer; past the
         // block's last pair this writes a buffer nobody reads (issue_raw left a valid table).
         stage = stage == GB_STAGES - 1 ? 0 : stage + 1;
@@ -821,7 +830,7 @@ __device__ __forceinline__ void gemm_nvfp4_body(const OrnithGemmParams &p) {
         if (++ck < ktiles) continue;
         int g, row0, row_end, n0;
         grouped_tile<BM>(p, col_tiles, ct, g, row0, row_end, n0);
-        store_64x64(p, acc, row0, row_end, n0, wm, wn, lane);
+        store_x64(p, acc, row0, row_end, n0, wm, wn, lane);
         zero_frags(acc);
         ck = 0;
         ct += gridDim.x;
@@ -841,8 +850,9 @@ extern "C" __global__ void __launch_bounds__(GBG_THREADS, 2) gemm_fp8_grouped(co
 // NVFP4A16 weights, bf16 activations: plain (128-row tiles) and grouped (64-row tiles) in gemm_body.
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_nvfp4(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, 128, true>(p); }
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_nvfp4_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_GROUPED_M, true>(p); }
-// The grouped NVFP4 GEMM in 128-row tiles (p.tile_offsets: moe_sort's second array).
-extern "C" __global__ void __launch_bounds__(GBF_THREADS, 2) gemm_nvfp4_grouped_128(const OrnithGemmParams p) { pdl_entry(); gemm_nvfp4_body(p); }
+// The grouped NVFP4 GEMM in 96- and 128-row tiles (p.tile_offsets: moe_sort's second or third prefix).
+extern "C" __global__ void __launch_bounds__(GBF_THREADS, 2) gemm_nvfp4_grouped_96(const OrnithGemmParams p) { pdl_entry(); gemm_nvfp4_body<ORNITH_GROUPED_MID_ROWS>(p); }
+extern "C" __global__ void __launch_bounds__(GBF_THREADS, 2) gemm_nvfp4_grouped_128(const OrnithGemmParams p) { pdl_entry(); gemm_nvfp4_body<ORNITH_GROUPED_WIDE_ROWS>(p); }
 
 // Per-row FP8 activation quantisation with compressed-tensors semantics (the CPU reference
 // `cpu::fp8::quantize_act_row`), the input of gemm_fp8 in prefill:

@@ -6,8 +6,6 @@
 
 #define MS_THREADS 1024
 #define MS_MAX_EXPERTS 1024
-#define MS_TILE 64       // rows per tile of gemm_fp8_grouped (GB_GROUPED_M in gemm.cu)
-#define MS_TILE_WIDE 128 // rows per tile of gemm_nvfp4_grouped_128 (GB_GROUPED_WIDE_M in gemm.cu)
 
 // Exclusive prefix sum of v over the block's threads in thread order (MS_THREADS threads = 32
 // warps): a shuffle scan in each warp, then one over the warp totals. Every thread calls it.
@@ -56,23 +54,30 @@ __device__ __forceinline__ void moe_sort_block(const OrnithMoeSortParams &p) {
     __syncthreads();
     const int e = threadIdx.x;
     const bool own = e < p.experts;
-    const int c = own ? cnt[e] : 0, tiles = (c + MS_TILE - 1) / MS_TILE, active = c > 0 ? 1 : 0;
-    const int wide = (c + MS_TILE_WIDE - 1) / MS_TILE_WIDE;
+    const int c = own ? cnt[e] : 0, active = c > 0 ? 1 : 0;
+    const int tiles = (c + ORNITH_GROUPED_ROWS - 1) / ORNITH_GROUPED_ROWS;
+    // The 96- and 128-row tiles' counts in one scan, 16 bits each: their sums stay below 2^16
+    // (tokens * top_k < 2^22 rows over <= MS_MAX_EXPERTS experts, checked by the launcher).
+    const int wide = (c + ORNITH_GROUPED_MID_ROWS - 1) / ORNITH_GROUPED_MID_ROWS |
+                     (c + ORNITH_GROUPED_WIDE_ROWS - 1) / ORNITH_GROUPED_WIDE_ROWS << 16;
     const int off = ms_exclusive_scan(c, tot);
     const int toff = ms_exclusive_scan(tiles, tot);
     const int woff = ms_exclusive_scan(wide, tot);
     const int na = ms_exclusive_scan(active, tot);
+    int32_t *mid = p.tile_offsets + p.experts + 1, *wid = mid + p.experts + 1;
     if (own) {
         p.group_offsets[e] = off;
         p.tile_offsets[e] = toff;
-        p.tile_offsets[p.experts + 1 + e] = woff;
+        mid[e] = woff & 0xffff;
+        wid[e] = woff >> 16;
         cur[e] = off;
         if (p.row_info && active) reinterpret_cast<int4 *>(p.row_info)[na] = make_int4(e, off, c, 0);
     }
     if (e == p.experts - 1) {
         p.group_offsets[p.experts] = off + c;
         p.tile_offsets[p.experts] = toff + tiles;
-        p.tile_offsets[2 * p.experts + 1] = woff + wide;
+        mid[p.experts] = (woff + wide) & 0xffff;
+        wid[p.experts] = (woff + wide) >> 16;
         nact = na + active;
     }
     __syncthreads();

@@ -499,9 +499,16 @@ typedef struct OrnithFp4Entry {
  * Plain: group_offsets == NULL, rows 0..rows, ceil(rows/128) x ceil(out/128) tiles.
  * Grouped (MoE experts, gemm_fp8_grouped and the others named _grouped): output rows
  * group_offsets[g]..group_offsets[g+1] use group g's weights; tile_offsets[g] = sum_{g' < g}
- * ceil(count_g' / BM) row tiles of the kernel's BM rows (64; 128 for gemm_nvfp4_grouped_128: pass
- * moe_sort's tile_offsets + groups + 1), times ceil(out/128) column tiles. Both arrays have
+ * ceil(count_g' / BM) row tiles of the kernel's BM rows (64; 96 for gemm_nvfp4_grouped_96: pass
+ * moe_sort's tile_offsets + groups + 1; 128 for gemm_nvfp4_grouped_128: tile_offsets + 2 (groups + 1)),
+ * times ceil(out/128) column tiles. Both arrays have
  * groups + 1 entries and live on the device. A row's sums are the same in either tile height. */
+/* Rows per tile of the grouped GEMMs (moe_sort writes one tile-offset prefix per height):
+ * ORNITH_GROUPED_ROWS for gemm_fp8_grouped and gemm_nvfp4_grouped, ORNITH_GROUPED_MID_ROWS for
+ * gemm_nvfp4_grouped_96, ORNITH_GROUPED_WIDE_ROWS for gemm_nvfp4_grouped_128. */
+#define ORNITH_GROUPED_ROWS 64
+#define ORNITH_GROUPED_MID_ROWS 96
+#define ORNITH_GROUPED_WIDE_ROWS 128
 typedef struct OrnithGemmParams {
     const void *a;
     const float *a_scale;
@@ -527,8 +534,10 @@ typedef struct OrnithGemmParams {
 
 /* MoE prefill: counting sort of the (token, slot) assignments by expert, one block.
  * idx [tokens, top_k] expert ids. Writes group_offsets [experts + 1] (exclusive prefix of counts),
- * tile_offsets [2 (experts + 1)] (prefix of ceil(count / 64), gemm_fp8_grouped's row tiles, then
- * from entry experts + 1 the prefix of ceil(count / 128), gemm_nvfp4_grouped_128's), row_token [tokens * top_k] (token of each
+ * tile_offsets [3 (experts + 1)] (prefix of ceil(count / 64), gemm_fp8_grouped's row tiles, then
+ * from entry experts + 1 the prefix of ceil(count / 96), gemm_nvfp4_grouped_96's, and from entry
+ * 2 (experts + 1) that of ceil(count / 128), gemm_nvfp4_grouped_128's; tokens * top_k < 2^22),
+ * row_token [tokens * top_k] (token of each
  * expert-sorted row), row_of [tokens * top_k] (sorted row of assignment t * top_k + j).
  * Rows within one expert are in no particular order (each row is computed independently). */
 typedef struct OrnithMoeSortParams {

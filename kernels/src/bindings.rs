@@ -20,6 +20,9 @@ pub const ORNITH_ATT_MAX_ROWS: u32 = 64;
 pub const ORNITH_SAMPLE_SLICE: u32 = 2048;
 pub const ORNITH_SAMPLE_BINS: u32 = 65536;
 pub const ORNITH_SAMPLE_TOPK_MAX: u32 = 32;
+pub const ORNITH_GROUPED_ROWS: u32 = 64;
+pub const ORNITH_GROUPED_MID_ROWS: u32 = 96;
+pub const ORNITH_GROUPED_WIDE_ROWS: u32 = 128;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct OrnithEmbedParams {

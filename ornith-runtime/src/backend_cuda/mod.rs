@@ -960,7 +960,7 @@ impl Scratch {
             amax: cx.alloc(rows)?,
             amax_rows: cx.alloc(rows)?,
             group_offsets: cx.alloc(d.num_experts + 1)?,
-            tile_offsets: cx.alloc(2 * (d.num_experts + 1))?,
+            tile_offsets: cx.alloc(3 * (d.num_experts + 1))?,
             row_token: cx.alloc(m * d.num_experts_per_tok)?,
             row_of: cx.alloc(m * d.num_experts_per_tok)?,
             row_assign: cx.alloc(m * d.num_experts_per_tok)?,

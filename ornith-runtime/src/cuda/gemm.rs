@@ -18,69 +18,93 @@ type Bf = CudaSlice<u16>;
 /// GEMM tile (rows x outputs) of the plain GEMMs (`gemm.cu`: BM = GB_N = 128).
 pub const GEMM_TILE: usize = 128;
 
-/// Threads per block of GEMM kernel `name` (gemm.cu): 128 for `gemm_bf16`, `gemm_fp8_grouped` and
-/// `gemm_nvfp4_grouped_128`, four warps of 64 x 64 (`GBB_THREADS`, `GBF_THREADS`) or 64 x 32
-/// (`GBG_THREADS`); `GB_THREADS` = 256 for the others, eight warps of BM/2 x 32.
+/// Threads per block of GEMM kernel `name` (gemm.cu): 128 for `gemm_bf16`, `gemm_fp8_grouped`,
+/// `gemm_nvfp4_grouped_96` and `_128`, four warps of 64 x 64 or 48 x 64 (`GBB_THREADS`,
+/// `GBF_THREADS`) or 64 x 32 (`GBG_THREADS`); `GB_THREADS` = 256 for the others, eight warps of
+/// BM/2 x 32.
 pub(crate) fn gemm_threads(name: &str) -> u32 {
     match name {
-        "gemm_bf16" | "gemm_fp8_grouped" | "gemm_nvfp4_grouped_128" => 128,
+        "gemm_bf16" | "gemm_fp8_grouped" | "gemm_nvfp4_grouped_96" | "gemm_nvfp4_grouped_128" => 128,
         _ => 256,
     }
 }
 
 /// The entry points of gemm.cu's module: the persistent GEMMs first, then the quantiser.
-pub(crate) const MODULE_KERNELS: [&str; 7] = [
+pub(crate) const MODULE_KERNELS: [&str; 8] = [
     "gemm_fp8",
     "gemm_bf16",
     "gemm_fp8_grouped",
     "gemm_nvfp4",
     "gemm_nvfp4_grouped",
+    "gemm_nvfp4_grouped_96",
     "gemm_nvfp4_grouped_128",
     "quantize_fp8_ct",
 ];
 
 /// The persistent GEMM kernels of gemm.cu (their grid: [`CudaContext::gemm_grid`]).
-pub(crate) const GEMM_KERNELS: &[&str] = MODULE_KERNELS.split_at(6).0;
+pub(crate) const GEMM_KERNELS: &[&str] = MODULE_KERNELS.split_at(7).0;
 
-/// Rows per tile of GEMM kernel `name` (gemm.cu: 64 for the grouped GEMMs (`GB_GROUPED_M`), 128
-/// for the plain ones, `gemm_bf16`'s `GB_BF16_M` included, and `gemm_nvfp4_grouped_128`).
+/// Rows per tile of GEMM kernel `name` (gemm.cu): 64 for the 64-row grouped GEMMs
+/// (`ORNITH_GROUPED_ROWS`), 96 and 128 for `gemm_nvfp4_grouped_96` / `_128`, 128 for the plain ones
+/// (`gemm_bf16`'s `GB_BF16_M` included).
 pub(crate) fn gemm_rows(name: &str) -> usize {
-    if name.ends_with("_grouped") {
-        GEMM_GROUPED_ROWS
-    } else {
-        GEMM_TILE
+    match name {
+        "gemm_nvfp4_grouped_96" => GEMM_GROUPED_MID_ROWS,
+        "gemm_nvfp4_grouped_128" => GEMM_GROUPED_WIDE_ROWS,
+        n if n.ends_with("_grouped") => GEMM_GROUPED_ROWS,
+        _ => GEMM_TILE,
     }
 }
 
 /// Dynamic shared memory of GEMM kernel `name`: 3 stages of (rows + 128) x 128 bytes;
-/// `gemm_nvfp4_grouped_128` (`GBF_SMEM`) 3 stages of 128 x 128 bytes of A, 2 dequantised weight
-/// tiles of 128 x 128 bytes and 3 raw weight stages of 128 x (32 + 12) bytes (codes, scale words,
-/// table words).
+/// `gemm_nvfp4_grouped_96` / `_128` (`GBF_SMEM(BM)`) 3 stages of rows x 128 bytes of A, 2
+/// dequantised weight tiles of 128 x 128 bytes and 3 raw weight stages of 128 x (32 + 12) bytes
+/// (codes, scale words, table words).
 pub(crate) fn gemm_smem(name: &str) -> u32 {
-    if name == "gemm_nvfp4_grouped_128" {
-        (3 * GEMM_GROUPED_WIDE_ROWS * 128 + 2 * GEMM_TILE * 128 + 3 * GEMM_TILE * (32 + 12)) as u32
+    let rows = gemm_rows(name);
+    if matches!(name, "gemm_nvfp4_grouped_96" | "gemm_nvfp4_grouped_128") {
+        (3 * rows * 128 + 2 * GEMM_TILE * 128 + 3 * GEMM_TILE * (32 + 12)) as u32
     } else {
-        (3 * (gemm_rows(name) + GEMM_TILE) * 128) as u32
+        (3 * (rows + GEMM_TILE) * 128) as u32
     }
 }
 
-/// Rows per tile of the grouped MoE GEMM `gemm_fp8_grouped` (`GB_GROUPED_M`, `MS_TILE`).
-pub const GEMM_GROUPED_ROWS: usize = 64;
-/// Rows per tile of `gemm_nvfp4_grouped_128` (`GB_GROUPED_WIDE_M`, `MS_TILE_WIDE`).
-pub const GEMM_GROUPED_WIDE_ROWS: usize = 128;
+/// Rows per tile of the 64-row grouped MoE GEMMs (`gemm_fp8_grouped`, `gemm_nvfp4_grouped`):
+/// `moe_sort`'s first tile-offset prefix.
+pub const GEMM_GROUPED_ROWS: usize = ORNITH_GROUPED_ROWS as usize;
+/// Rows per tile of `gemm_nvfp4_grouped_96` (`moe_sort`'s second prefix).
+pub const GEMM_GROUPED_MID_ROWS: usize = ORNITH_GROUPED_MID_ROWS as usize;
+/// Rows per tile of `gemm_nvfp4_grouped_128` (`moe_sort`'s third prefix).
+pub const GEMM_GROUPED_WIDE_ROWS: usize = ORNITH_GROUPED_WIDE_ROWS as usize;
 
 /// The row-tile height of the grouped NVFP4 MoE GEMM over `rows` expert-sorted rows of `groups`
-/// experts: 128-row tiles (`gemm_nvfp4_grouped_128`, each dequantised weight used by twice the
-/// rows) once the experts average 128 rows or more — a `run` / `batch` step of 8,192 rows at top-8
-/// of 256 gives 256, where the gate|up product took 1,487 against 1,734 us (H100) — else 64 (at a
-/// 2,048-row chunk's 64 the 128-row form took 595 against 557 us). The grouped FP8 GEMM keeps
-/// 64-row tiles at every size (gemm.cu). Both heights give the same bits, so this choice does not
-/// touch batch invariance.
+/// experts. A weight tile is dequantised once per row tile, so taller tiles spend fewer
+/// instructions per HMMA, while each expert's last tile runs partly empty; with the rows spread
+/// over the experts (Poisson-like under uniform routing) the expected empty rows decide. H100
+/// kernel tests (gate|up 2048 -> 1024, top-8 of 256; us in 64- / 96- / 128-row tiles):
+///
+/// | tokens (rows per expert) | 64 | 96 | 128 |
+/// |---|---|---|---|
+/// | 1,024 (32) | **391** | 496 | 612 |
+/// | 2,048 (64) | 554 | **487** | 624 |
+/// | 3,072 (96) | 787 | 724 | **627** |
+/// | 4,096 (128) | 929 | 960 | **883** |
+/// | 8,192 (256) | 1,734 | **1,469** | 1,529 |
+///
+/// Each height's times fit ~6.0 / 5.1 / 4.8 us per expected padded row per expert (a Poisson
+/// model of the counts), whose minimum moves from 64 to 96 rows at an average of ~60 rows per
+/// expert and to 128 at ~92; past ~132 the 96- and 128-row forms stay within ~2% of each other,
+/// and in the model at 8,192-token steps (256 rows per expert) the 96-row tiles lost 0.7% of the
+/// NVFP4A16 32K prefill (22,777 -> 22,625 tok/s, H100). So: 64-row tiles below 60 rows per expert,
+/// 96 below 92, else 128 (NVFP4A16 2K prefill in 96-row tiles: 24,000 -> 25,258 tok/s). The
+/// grouped FP8 GEMM keeps 64-row tiles at every size (gemm.cu). Every height gives the same bits,
+/// so this choice does not touch batch invariance.
 pub fn grouped_tile_rows(rows: usize, groups: usize) -> usize {
-    if rows >= GEMM_GROUPED_WIDE_ROWS * groups.max(1) {
-        GEMM_GROUPED_WIDE_ROWS
-    } else {
-        GEMM_GROUPED_ROWS
+    let g = groups.max(1);
+    match rows {
+        r if r < 60 * g => GEMM_GROUPED_ROWS,
+        r if r < 92 * g => GEMM_GROUPED_MID_ROWS,
+        _ => GEMM_GROUPED_WIDE_ROWS,
     }
 }
 
@@ -318,5 +342,26 @@ impl CudaContext {
         need("quantize_fp8_ct q8", q8, rows * cols)?;
         need("quantize_fp8_ct scale", scale, rows)?;
         self.k_quant_ct(self.addr(x), self.addr(q8), self.addr(scale), rows, cols)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The heights `grouped_tile_rows` picks at the measured averages (top-8 of 256 experts), at
+    /// its boundaries, and for no experts.
+    #[test]
+    fn grouped_tile_rows_follows_the_measured_table() {
+        let pick = |tokens: usize| grouped_tile_rows(tokens * 8, 256);
+        assert_eq!([pick(1024), pick(2048), pick(3072), pick(4096), pick(8192)], [64, 96, 128, 128, 128]);
+        assert_eq!([grouped_tile_rows(59, 1), grouped_tile_rows(60, 1)], [64, 96]);
+        assert_eq!([grouped_tile_rows(91, 1), grouped_tile_rows(92, 1)], [96, 128]);
+        assert_eq!(grouped_tile_rows(100, 0), 128);
+        for r in [0, 1, 1000, 1 << 20] {
+            assert!(
+                [GEMM_GROUPED_ROWS, GEMM_GROUPED_MID_ROWS, GEMM_GROUPED_WIDE_ROWS].contains(&grouped_tile_rows(r, 7))
+            );
+        }
     }
 }

@@ -79,7 +79,7 @@ impl MoeGroups {
         experts: usize,
     ) -> Result<OrnithMoeSortParams> {
         need("moe_sort group_offsets", &self.group_offsets, experts + 1)?;
-        need("moe_sort tile_offsets (64- and 128-row tiles)", &self.tile_offsets, 2 * (experts + 1))?;
+        need("moe_sort tile_offsets (64-, 96- and 128-row tiles)", &self.tile_offsets, 3 * (experts + 1))?;
         Ok(OrnithMoeSortParams {
             idx: cx.addr(idx) as _,
             group_offsets: cx.addr(&self.group_offsets) as _,
@@ -178,7 +178,7 @@ impl MoePrefillScratch {
             xq: c.alloc(tokens * hidden)?,
             xs: c.alloc(tokens)?,
             group_offsets: c.alloc(experts + 1)?,
-            tile_offsets: c.alloc(2 * (experts + 1))?,
+            tile_offsets: c.alloc(3 * (experts + 1))?,
             row_token: c.alloc(n)?,
             row_of: c.alloc(n)?,
             gate_up: c.alloc(n * 2 * inter)?,
@@ -238,9 +238,11 @@ fn sort_bytes(p: &OrnithMoeSortParams) -> Result<u64> {
         (p.row_info as Ptr).is_multiple_of(16),
         "moe_sort: row_info must be 16-byte aligned (one int4 per block row)"
     );
-    let n = (p.tokens * p.top_k) as usize;
+    let n = p.tokens as usize * p.top_k as usize;
+    // The 96- and 128-row tile counts share one 32-bit scan, 16 bits each (moe_prefill.cu).
+    ensure!(n < 1 << 22, "moe_sort: {n} assignments (fewer than 2^22)");
     let rows = if p.row_info.is_null() { 0 } else { (p.experts as usize).min(n) * 16 };
-    Ok((n * 12 + (p.experts as usize + 1) * 8 + rows) as u64)
+    Ok((n * 12 + (p.experts as usize + 1) * 16 + rows) as u64)
 }
 
 /// Rows per block of `swiglu_quant_ct`, one warp each (`SQ_ROWS` in moe_prefill.cu).
@@ -462,7 +464,7 @@ impl CudaContext {
         ensure!((1..=1024).contains(&experts), "moe_groups: {experts} experts");
         Ok(MoeGroups {
             group_offsets: self.alloc(experts + 1)?,
-            tile_offsets: self.alloc(2 * (experts + 1))?,
+            tile_offsets: self.alloc(3 * (experts + 1))?,
             row_token: self.alloc(n)?,
             row_of: self.alloc(n)?,
             row_assign: self.alloc(n)?,

@@ -7,7 +7,9 @@
 //! (`ornith_kernels.h` states the math).
 //!
 //! One launcher per kernel (see [`super`]), then the slice-based wrappers the kernel tests call.
-use super::gemm::{gemm_rows, gemm_smem, gemm_threads, GEMM_GROUPED_ROWS, GEMM_GROUPED_WIDE_ROWS, GEMM_TILE};
+use super::gemm::{
+    gemm_rows, gemm_smem, gemm_threads, GEMM_GROUPED_MID_ROWS, GEMM_GROUPED_ROWS, GEMM_GROUPED_WIDE_ROWS, GEMM_TILE,
+};
 use super::moe::MoeGroups;
 use super::{aligned, i32of, need, CudaContext, Launch, Ptr};
 use anyhow::{ensure, Result};
@@ -338,9 +340,9 @@ impl CudaContext {
         )
     }
 
-    /// Grouped NVFP4A16 GEMM over the expert-sorted rows of `p` (`moe_sort`'s groups and both of
-    /// its tile-offset arrays): `gemm_nvfp4_grouped` in 64-row tiles as `k_gemm_grouped`, or
-    /// `gemm_nvfp4_grouped_128` in 128-row tiles (`tile_rows`, chosen by
+    /// Grouped NVFP4A16 GEMM over the expert-sorted rows of `p` (`moe_sort`'s groups and its three
+    /// tile-offset prefixes): `gemm_nvfp4_grouped` in 64-row tiles as `k_gemm_grouped`, or
+    /// `gemm_nvfp4_grouped_96` / `_128` in 96- / 128-row tiles (`tile_rows`, chosen by
     /// [`super::gemm::grouped_tile_rows`]; the same bits). Bytes count every expert's weights once.
     pub(crate) fn k_gemm_nvfp4_grouped(&self, mut p: OrnithGemmParams, tile_rows: usize) -> Result<()> {
         let w = Self::gemm_nvfp4_checks(&p)?;
@@ -351,12 +353,16 @@ impl CudaContext {
         let bytes = g * fp4_bytes(in_, out, out / w.tab_rows) + rows * (in_ + out) * 2;
         let name = match tile_rows {
             GEMM_GROUPED_ROWS => "gemm_nvfp4_grouped",
-            GEMM_GROUPED_WIDE_ROWS => {
-                // moe_sort's tile_offsets [2 (groups + 1)]: the 128-row tiles' prefix is the second half.
+            // moe_sort's tile_offsets [3 (groups + 1)]: the 64-, 96- and 128-row tiles' prefixes.
+            GEMM_GROUPED_MID_ROWS => {
                 p.tile_offsets = p.tile_offsets.wrapping_add(g + 1);
+                "gemm_nvfp4_grouped_96"
+            }
+            GEMM_GROUPED_WIDE_ROWS => {
+                p.tile_offsets = p.tile_offsets.wrapping_add(2 * (g + 1));
                 "gemm_nvfp4_grouped_128"
             }
-            r => anyhow::bail!("gemm_nvfp4_grouped: {r}-row tiles (64 or 128)"),
+            r => anyhow::bail!("gemm_nvfp4_grouped: {r}-row tiles (64, 96 or 128)"),
         };
         let grid = self.gemm_grid(name, None);
         self.launch(Launch::new(name, grid, gemm_threads(name), bytes as u64).smem(gemm_smem(name)), p)

@@ -322,14 +322,18 @@ fn gemm_nvfp4_matches_reference() {
         }
     }
     // Grouped: 2048 tokens x top-8 over 256 experts at the real shapes (64 rows per expert), small
-    // cases (one with up to 3 partial 128-row tiles per expert), and an 8,192-token step at the
-    // real shapes (256 rows per expert: the 128-row form's case; no CPU reference at that size).
-    // Each in 64-row tiles against the reference and in 128-row tiles bit for bit against those.
+    // cases (one with up to 3 partial 128-row tiles per expert), and 1,024- to 8,192-token steps at
+    // the real shapes (32 to 256 rows per expert: where grouped_tile_rows changes height; no CPU
+    // reference at those sizes). Each in 64-row tiles against the reference and in 96- and
+    // 128-row tiles bit for bit against those; the real shapes' speed in every height.
     for (tokens, experts, top_k, inp, out, mats) in [
         (2048, 256, 8, 2048, 1024, 2),
         (40, 8, 2, 64, 64, 2),
         (40, 8, 2, 32, 64, 1),
         (300, 8, 4, 64, 64, 2),
+        (1024, 256, 8, 2048, 1024, 2),
+        (3072, 256, 8, 2048, 1024, 2),
+        (4096, 256, 8, 2048, 1024, 2),
         (8192, 256, 8, 2048, 1024, 2),
     ] {
         let hs: Vec<Fp4Host> = (0..experts).map(|_| Fp4Host::random(&mut r, mats, out / mats, inp)).collect();
@@ -369,7 +373,7 @@ fn gemm_nvfp4_matches_reference() {
         let (got, rt, go) =
             (c.download(&y).unwrap(), c.download(&g.row_token).unwrap(), c.download(&g.group_offsets).unwrap());
         let name = format!("gemm_nvfp4_grouped {tokens} tokens top-{top_k} of {experts} {inp}x{out}");
-        if tokens < 8192 {
+        if tokens <= 2048 {
             let mut want = vec![0f64; n * out];
             for e in 0..experts {
                 let (a0, a1) = (go[e] as usize, go[e + 1] as usize);
@@ -383,7 +387,7 @@ fn gemm_nvfp4_matches_reference() {
             close(&name, &got, &want);
         }
         eprintln!("{name}: bits {:016x}", grouped_digest(&got, &go, out));
-        for tiles in [64, 128] {
+        for tiles in [64, 96, 128] {
             let name = format!("{name}, {tiles}-row tiles");
             let mut run = |c: &CudaContext| {
                 c.stream().memcpy_htod(&poison, &mut y).unwrap();
@@ -393,9 +397,9 @@ fn gemm_nvfp4_matches_reference() {
             assert!(run(&c) == got, "{name}: not the 64-row tiles' bits");
             same_bits_with_few_blocks(&mut c, &name, &got, run);
         }
-        if tokens >= 2048 {
+        if tokens >= 1024 {
             let bytes = (experts * super::nvfp4::fp4_bytes(inp, out, mats) + n * (inp + out) * 2) as f64;
-            for tiles in [64, 128] {
+            for tiles in [64, 96, 128] {
                 let flops = 2.0 * (n * inp * out) as f64;
                 perf(&c, &format!("{name}, {tiles}-row tiles ({:.1} GFLOP)", flops / 1e9), bytes, || {
                     c.k_gemm_nvfp4_grouped(p, tiles).unwrap()

@@ -94,8 +94,8 @@ fn swiglu_prologue_matches_swiglu_quant() {
     }
 }
 
-/// `moe_sort` against a counting sort on the host: each expert's group offset and 64-row tile
-/// offset (prefix sums over the experts) and the grouped block rows' `row_info` (the experts with
+/// `moe_sort` against a counting sort on the host: each expert's group offset and 64-, 96- and
+/// 128-row tile offsets (prefix sums over the experts; the last two share a packed scan) and the grouped block rows' `row_info` (the experts with
 /// assignments, ascending, each with its first sorted row and count; then zero rows up to
 /// min(experts, assignments)) exactly; the scatter as sets (the order inside a group follows the atomics):
 /// group e holds exactly the assignments routed to e, row_of inverts row_assign, row_token is
@@ -106,9 +106,17 @@ fn swiglu_prologue_matches_swiglu_quant() {
 fn moe_sort_matches_reference() {
     let c = ctx();
     let mut r = rng(71);
-    for (tokens, k, e) in
-        [(1, 8, 256), (8, 8, 256), (64, 8, 256), (300, 8, 256), (5, 3, 7), (40, 2, 33), (100, 8, 1024), (2048, 8, 64)]
-    {
+    for (tokens, k, e) in [
+        (1, 8, 256),
+        (8, 8, 256),
+        (64, 8, 256),
+        (300, 8, 256),
+        (5, 3, 7),
+        (40, 2, 33),
+        (100, 8, 1024),
+        (2048, 8, 64),
+        (8192, 8, 256),
+    ] {
         // Skewed routing: a few hot experts (groups of more than 64 rows), the rest uniform.
         let idx: Vec<i32> = (0..tokens * k)
             .map(|_| if r.random_range(0..4) == 0 { r.random_range(0..e.min(3)) } else { r.random_range(0..e) } as i32)
@@ -197,10 +205,15 @@ fn check_groups(c: &CudaContext, g: &MoeGroups, idx: &[i32], tokens: usize, k: u
     for &x in idx {
         cnt[x as usize] += 1;
     }
-    let (mut off, mut toff, mut rows) = (0usize, 0usize, Vec::new());
+    // The tile-offset prefixes of the 64-, 96- and 128-row tiles, one after the other.
+    let heights = [64, 96, 128];
+    let (mut off, mut toff, mut rows) = (0usize, [0usize; 3], Vec::new());
     for ex in 0..e {
         assert_eq!(go[ex] as usize, off, "group offset of expert {ex} ({tokens} x {k}, {e} experts)");
-        assert_eq!(to[ex] as usize, toff, "tile offset of expert {ex} ({tokens} x {k}, {e} experts)");
+        for (h, &bm) in heights.iter().enumerate() {
+            let got = to[h * (e + 1) + ex] as usize;
+            assert_eq!(got, toff[h], "{bm}-row tile offset of expert {ex} ({tokens} x {k}, {e} experts)");
+        }
         let mut got: Vec<i32> = asg[off..off + cnt[ex]].to_vec();
         got.sort_unstable();
         let want: Vec<i32> = (0..idx.len() as i32).filter(|&a| idx[a as usize] == ex as i32).collect();
@@ -209,9 +222,13 @@ fn check_groups(c: &CudaContext, g: &MoeGroups, idx: &[i32], tokens: usize, k: u
             rows.extend([ex as i32, off as i32, cnt[ex] as i32, 0]);
         }
         off += cnt[ex];
-        toff += cnt[ex].div_ceil(64);
+        for (t, &bm) in toff.iter_mut().zip(&heights) {
+            *t += cnt[ex].div_ceil(bm);
+        }
     }
-    assert_eq!((go[e] as usize, to[e] as usize), (off, toff), "totals ({tokens} x {k}, {e} experts)");
+    assert_eq!(go[e] as usize, off, "rows ({tokens} x {k}, {e} experts)");
+    let totals: Vec<usize> = (0..3).map(|h| to[h * (e + 1) + e] as usize).collect();
+    assert_eq!(totals, toff, "tile totals ({tokens} x {k}, {e} experts)");
     rows.resize(4 * e.min(tokens * k), 0);
     assert_eq!(info, rows, "row_info ({tokens} x {k}, {e} experts)");
     for (pos, &a) in asg.iter().enumerate() {
