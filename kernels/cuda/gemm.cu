@@ -78,12 +78,12 @@
 #include "fp4.cuh"
 #include "mma.cuh"
 
-#define GB_N 128
-#define GB_K 128  // bytes
-#define GB_STAGES 3
+#define GB_N ORNITH_GEMM_N
+#define GB_K ORNITH_GEMM_K  // bytes
+#define GB_STAGES ORNITH_GEMM_STAGES
 #define GB_THREADS 256
 #define GB_GROUPED_M ORNITH_GROUPED_ROWS  // rows per tile of the 64-row grouped GEMMs (moe_sort's first prefix)
-#define GB_BF16_M 128    // rows per tile of gemm_bf16 (cuda::gemm::gemm_rows)
+#define GB_BF16_M ORNITH_GEMM_N  // rows per tile of gemm_bf16 (cuda::gemm::gemm_rows)
 
 __device__ __forceinline__ uint32_t swz(int row, int chunk) { return (uint32_t)(row * GB_K + ((chunk ^ (row & 7)) << 4)); }
 
@@ -671,7 +671,7 @@ __device__ __forceinline__ void gemm_fp8_grouped_body(const OrnithGemmParams &p)
 // A stage's scale bytes start at row * in / 16 + 4 kt, which `in % 32 == 0` aligns to 2 bytes only:
 // one or two 4-byte copies from the aligned word below them (zero-filled past the K extent), recombined.
 #define GBF_THREADS 128
-#define GBF_RAW (GB_N * (32 + 12))  // one raw stage: per row 32 code bytes, 2 scale words, a table word
+#define GBF_RAW (GB_N * ORNITH_GEMM_FP4_RAW_ROW)  // one raw stage: per row 32 code bytes, 2 scale words, a table word
 #define GBF_SMEM(BM) (GB_STAGES * (BM) * GB_K + 2 * GB_N * GB_K + GB_STAGES * GBF_RAW)
 template <int BM> __device__ __forceinline__ void gemm_nvfp4_body(const OrnithGemmParams &p) {
     static_assert(BM == ORNITH_GROUPED_MID_ROWS || BM == ORNITH_GROUPED_WIDE_ROWS, "moe_sort's tile heights");
@@ -682,6 +682,7 @@ template <int BM> __device__ __forceinline__ void gemm_nvfp4_body(const OrnithGe
     // conflicts): codes of groups 0-1 and of groups 2-3 (16 bytes each), the two scale words, the
     // table word (table index << 1 | the scale bytes' offset / 2 in the first word).
     constexpr int RAW_SC0 = GB_N * 32, RAW_SC1 = RAW_SC0 + GB_N * 4, RAW_TAB = RAW_SC1 + GB_N * 4;
+    static_assert(RAW_TAB + GB_N * 4 == GBF_RAW, "the raw stage's parts fill ORNITH_GEMM_FP4_RAW_ROW bytes per row");
     static_assert(GBF_SMEM(BM) == RAW_OFF + GB_STAGES * GBF_RAW && GBF_SMEM(BM) <= 99 * 1024, "shared memory");
     extern __shared__ __align__(128) uint8_t smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -843,12 +844,12 @@ template <int BM> __device__ __forceinline__ void gemm_nvfp4_body(const OrnithGe
 // registers, no spills), one for gemm_body's 128-row tiles, two for the 4-warp blocks of gemm_bf16
 // (255 registers), gemm_fp8_grouped (206) and gemm_nvfp4_grouped_128 (255): two fit the shared
 // memory of sm_90, one that of sm_121.
-extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_fp8(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, 128>(p); }
+extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_fp8(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, ORNITH_GEMM_N>(p); }
 extern "C" __global__ void __launch_bounds__(GBB_THREADS, 2) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_bf16_body(p); }
 // The grouped MoE GEMM (p.group_offsets set; tiles of GB_GROUPED_M rows, see moe_sort).
 extern "C" __global__ void __launch_bounds__(GBG_THREADS, 2) gemm_fp8_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_fp8_grouped_body(p); }
 // NVFP4A16 weights, bf16 activations: plain (128-row tiles) and grouped (64-row tiles) in gemm_body.
-extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_nvfp4(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, 128, true>(p); }
+extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_nvfp4(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, ORNITH_GEMM_N, true>(p); }
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_nvfp4_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_GROUPED_M, true>(p); }
 // The grouped NVFP4 GEMM in 96- and 128-row tiles (p.tile_offsets: moe_sort's second or third prefix).
 extern "C" __global__ void __launch_bounds__(GBF_THREADS, 2) gemm_nvfp4_grouped_96(const OrnithGemmParams p) { pdl_entry(); gemm_nvfp4_body<ORNITH_GROUPED_MID_ROWS>(p); }

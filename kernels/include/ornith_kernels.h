@@ -503,6 +503,16 @@ typedef struct OrnithFp4Entry {
  * moe_sort's tile_offsets + groups + 1; 128 for gemm_nvfp4_grouped_128: tile_offsets + 2 (groups + 1)),
  * times ceil(out/128) column tiles. Both arrays have
  * groups + 1 entries and live on the device. A row's sums are the same in either tile height. */
+/* Prefill GEMM geometry (gemm.cu): tiles of ORNITH_GEMM_N outputs (and rows, in the plain GEMMs)
+ * by ORNITH_GEMM_K bytes of K per stage, ORNITH_GEMM_STAGES cp.async stages of A and weight tiles;
+ * the grouped NVFP4 forms' raw weight stage holds ORNITH_GEMM_FP4_RAW_ROW bytes per output row (32
+ * code bytes, two scale words, a table word). Their dynamic shared memory is the stages of A and
+ * weights (gemm_body, gemm_bf16, gemm_fp8_grouped), or of A, two dequantised weight tiles and the raw
+ * stages (gemm_nvfp4_grouped_96 / _128); cuda::gemm::gemm_smem computes it from these. */
+#define ORNITH_GEMM_N 128
+#define ORNITH_GEMM_K 128
+#define ORNITH_GEMM_STAGES 3
+#define ORNITH_GEMM_FP4_RAW_ROW (32 + 12)
 /* Rows per tile of the grouped GEMMs (moe_sort writes one tile-offset prefix per height):
  * ORNITH_GROUPED_ROWS for gemm_fp8_grouped and gemm_nvfp4_grouped, ORNITH_GROUPED_MID_ROWS for
  * gemm_nvfp4_grouped_96, ORNITH_GROUPED_WIDE_ROWS for gemm_nvfp4_grouped_128. */

@@ -15,8 +15,9 @@ use ornith_kernels::bindings::*;
 
 type Bf = CudaSlice<u16>;
 
-/// GEMM tile (rows x outputs) of the plain GEMMs (`gemm.cu`: BM = GB_N = 128).
-pub const GEMM_TILE: usize = 128;
+/// GEMM tile (rows x outputs) of the plain GEMMs, and outputs per tile of every GEMM
+/// (`ORNITH_GEMM_N`).
+pub const GEMM_TILE: usize = ORNITH_GEMM_N as usize;
 
 /// Threads per block of GEMM kernel `name` (gemm.cu): 128 for `gemm_bf16`, `gemm_fp8_grouped`,
 /// `gemm_nvfp4_grouped_96` and `_128`, four warps of 64 x 64 or 48 x 64 (`GBB_THREADS`,
@@ -56,17 +57,18 @@ pub(crate) fn gemm_rows(name: &str) -> usize {
     }
 }
 
-/// Dynamic shared memory of GEMM kernel `name`: 3 stages of (rows + 128) x 128 bytes;
-/// `gemm_nvfp4_grouped_96` / `_128` (`GBF_SMEM(BM)`) 3 stages of rows x 128 bytes of A, 2
-/// dequantised weight tiles of 128 x 128 bytes and 3 raw weight stages of 128 x (32 + 12) bytes
-/// (codes, scale words, table words).
+/// Dynamic shared memory of GEMM kernel `name` (ornith_kernels.h's GEMM geometry): the stages of
+/// (rows + 128) x 128 bytes; `gemm_nvfp4_grouped_96` / `_128` (`GBF_SMEM(BM)`) the stages of rows
+/// x 128 bytes of A, 2 dequantised weight tiles of 128 x 128 bytes and the raw weight stages of
+/// 128 x (32 + 12) bytes (codes, scale words, table words).
 pub(crate) fn gemm_smem(name: &str) -> u32 {
-    let rows = gemm_rows(name);
-    if matches!(name, "gemm_nvfp4_grouped_96" | "gemm_nvfp4_grouped_128") {
-        (3 * rows * 128 + 2 * GEMM_TILE * 128 + 3 * GEMM_TILE * (32 + 12)) as u32
+    let (rows, k, stages) = (gemm_rows(name), ORNITH_GEMM_K as usize, ORNITH_GEMM_STAGES as usize);
+    let bytes = if matches!(name, "gemm_nvfp4_grouped_96" | "gemm_nvfp4_grouped_128") {
+        stages * rows * k + 2 * GEMM_TILE * k + stages * GEMM_TILE * ORNITH_GEMM_FP4_RAW_ROW as usize
     } else {
-        (3 * (rows + GEMM_TILE) * 128) as u32
-    }
+        stages * (rows + GEMM_TILE) * k
+    };
+    bytes as u32
 }
 
 /// Rows per tile of the 64-row grouped MoE GEMMs (`gemm_fp8_grouped`, `gemm_nvfp4_grouped`):
@@ -348,6 +350,22 @@ impl CudaContext {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each GEMM's dynamic shared memory as gemm.cu states it (its static_asserts check the NVFP4
+    /// forms' layout), within the 99 KiB a block may take on sm_121.
+    #[test]
+    fn gemm_smem_is_the_kernels_layout() {
+        let kib = |n: &str| gemm_smem(n) as f64 / 1024.0;
+        assert_eq!(kib("gemm_fp8"), 96.0);
+        assert_eq!(kib("gemm_bf16"), 96.0);
+        assert_eq!(kib("gemm_fp8_grouped"), 72.0);
+        assert_eq!(kib("gemm_nvfp4_grouped"), 72.0);
+        assert_eq!(kib("gemm_nvfp4_grouped_96"), 84.5);
+        assert_eq!(kib("gemm_nvfp4_grouped_128"), 96.5);
+        for n in GEMM_KERNELS {
+            assert!(gemm_smem(n) <= 99 * 1024, "{n}");
+        }
+    }
 
     /// The heights `grouped_tile_rows` picks at the measured averages (top-8 of 256 experts), at
     /// its boundaries, and for no experts.
