@@ -56,8 +56,9 @@ __device__ __forceinline__ void moe_sort_block(const OrnithMoeSortParams &p) {
     const bool own = e < p.experts;
     const int c = own ? cnt[e] : 0, active = c > 0 ? 1 : 0;
     const int tiles = (c + ORNITH_GROUPED_ROWS - 1) / ORNITH_GROUPED_ROWS;
-    // The 96- and 128-row tiles' counts in one scan, 16 bits each: their sums stay below 2^16
-    // (tokens * top_k < 2^22 rows over <= MS_MAX_EXPERTS experts, checked by the launcher).
+    // The 96- and 128-row tiles' counts in one scan, 16 bits each: with tokens * top_k < 2^21 rows
+    // over <= MS_MAX_EXPERTS experts (checked by the launcher) the 96-row sum stays below 2^16 and
+    // the 128-row one below 2^15, so the packed int never overflows.
     const int wide = (c + ORNITH_GROUPED_MID_ROWS - 1) / ORNITH_GROUPED_MID_ROWS |
                      (c + ORNITH_GROUPED_WIDE_ROWS - 1) / ORNITH_GROUPED_WIDE_ROWS << 16;
     const int off = ms_exclusive_scan(c, tot);

@@ -546,7 +546,7 @@ typedef struct OrnithGemmParams {
  * idx [tokens, top_k] expert ids. Writes group_offsets [experts + 1] (exclusive prefix of counts),
  * tile_offsets [3 (experts + 1)] (prefix of ceil(count / 64), gemm_fp8_grouped's row tiles, then
  * from entry experts + 1 the prefix of ceil(count / 96), gemm_nvfp4_grouped_96's, and from entry
- * 2 (experts + 1) that of ceil(count / 128), gemm_nvfp4_grouped_128's; tokens * top_k < 2^22),
+ * 2 (experts + 1) that of ceil(count / 128), gemm_nvfp4_grouped_128's; tokens * top_k < 2^21),
  * row_token [tokens * top_k] (token of each
  * expert-sorted row), row_of [tokens * top_k] (sorted row of assignment t * top_k + j).
  * Rows within one expert are in no particular order (each row is computed independently). */

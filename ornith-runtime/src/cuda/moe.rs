@@ -239,8 +239,9 @@ fn sort_bytes(p: &OrnithMoeSortParams) -> Result<u64> {
         "moe_sort: row_info must be 16-byte aligned (one int4 per block row)"
     );
     let n = p.tokens as usize * p.top_k as usize;
-    // The 96- and 128-row tile counts share one 32-bit scan, 16 bits each (moe_prefill.cu).
-    ensure!(n < 1 << 22, "moe_sort: {n} assignments (fewer than 2^22)");
+    // The 96- and 128-row tile counts share one 32-bit scan, 16 bits each (moe_prefill.cu): below
+    // 2^21 assignments over at most 1,024 experts neither sum reaches its field's sign bit.
+    ensure!(n < 1 << 21, "moe_sort: {n} assignments (fewer than 2^21)");
     let rows = if p.row_info.is_null() { 0 } else { (p.experts as usize).min(n) * 16 };
     Ok((n * 12 + (p.experts as usize + 1) * 16 + rows) as u64)
 }
