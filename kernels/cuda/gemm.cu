@@ -842,8 +842,8 @@ template <int BM> __device__ __forceinline__ void gemm_nvfp4_body(const OrnithGe
 // Blocks per SM each kernel is built for (the second __launch_bounds__ argument; the launcher sizes
 // the persistent grid from the occupancy the driver reports): two for the 64-row tiles (within 128
 // registers, no spills), one for gemm_body's 128-row tiles, two for the 4-warp blocks of gemm_bf16
-// (255 registers), gemm_fp8_grouped (206) and gemm_nvfp4_grouped_128 (255): two fit the shared
-// memory of sm_90, one that of sm_121.
+// (255 registers), gemm_fp8_grouped (206), gemm_nvfp4_grouped_96 and _128 (255): two fit the
+// shared memory of sm_90, one that of sm_121.
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_fp8(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, ORNITH_GEMM_N>(p); }
 extern "C" __global__ void __launch_bounds__(GBB_THREADS, 2) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_bf16_body(p); }
 // The grouped MoE GEMM (p.group_offsets set; tiles of GB_GROUPED_M rows, see moe_sort).

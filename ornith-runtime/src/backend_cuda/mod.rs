@@ -37,7 +37,7 @@ mod moe;
 mod ops;
 pub mod plan;
 
-use crate::cuda::gemm::grouped_tile_rows;
+use crate::cuda::gemm::{grouped_tile_rows, tile_offsets_len};
 use crate::cuda::moe::{combine_params, router_params};
 use crate::cuda::nvfp4::Fp4W;
 use crate::cuda::CudaContext;
@@ -960,7 +960,7 @@ impl Scratch {
             amax: cx.alloc(rows)?,
             amax_rows: cx.alloc(rows)?,
             group_offsets: cx.alloc(d.num_experts + 1)?,
-            tile_offsets: cx.alloc(3 * (d.num_experts + 1))?,
+            tile_offsets: cx.alloc(tile_offsets_len(d.num_experts))?,
             row_token: cx.alloc(m * d.num_experts_per_tok)?,
             row_of: cx.alloc(m * d.num_experts_per_tok)?,
             row_assign: cx.alloc(m * d.num_experts_per_tok)?,

@@ -205,7 +205,7 @@ impl ScratchSizes {
                 + m * self.rlog_w
                 + m * self.slots * 2 * d.moe_intermediate_size
                 + m * self.slots * d.hidden_size);
-        // idx + wt, the MoE's group offsets and three tile offset arrays (64-, 96- and 128-row tiles),
+        // idx + wt, the MoE's group offsets and tile offsets (a prefix per tile height),
         // row_token, row_of, row_assign and the grouped block rows' row_info (4 per expert).
         // (gdn_work: fp32, counted below; the greedy sampler's rows: per slot, `step_bytes_per_slot`.)
         let f4 = 4
@@ -214,7 +214,8 @@ impl ScratchSizes {
                 + self.part_o
                 + self.part_ml
                 + m * d.num_experts_per_tok * 2
-                + 4 * (d.num_experts + 1)
+                + (d.num_experts + 1)
+                + crate::cuda::gemm::tile_offsets_len(d.num_experts)
                 + 3 * m * d.num_experts_per_tok
                 + 4 * d.num_experts);
         (bf + self.xq + self.aq + f4 + 4 * self.gdn_work) as u64

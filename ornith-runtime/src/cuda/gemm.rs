@@ -79,6 +79,22 @@ pub const GEMM_GROUPED_MID_ROWS: usize = ORNITH_GROUPED_MID_ROWS as usize;
 /// Rows per tile of `gemm_nvfp4_grouped_128` (`moe_sort`'s third prefix).
 pub const GEMM_GROUPED_WIDE_ROWS: usize = ORNITH_GROUPED_WIDE_ROWS as usize;
 
+/// The grouped GEMMs' tile heights in the order of `moe_sort`'s tile-offset prefixes: the prefix
+/// of `GROUPED_TILE_HEIGHTS[i]`-row tiles is `tile_offsets[i (groups + 1) ..][..groups + 1]`.
+pub const GROUPED_TILE_HEIGHTS: [usize; 3] = [GEMM_GROUPED_ROWS, GEMM_GROUPED_MID_ROWS, GEMM_GROUPED_WIDE_ROWS];
+
+/// Length of `moe_sort`'s `tile_offsets` for `groups` experts: one prefix of `groups + 1` entries
+/// per tile height.
+pub const fn tile_offsets_len(groups: usize) -> usize {
+    GROUPED_TILE_HEIGHTS.len() * (groups + 1)
+}
+
+/// The place of `tile_rows` in [`GROUPED_TILE_HEIGHTS`] (None for a height moe_sort does not
+/// count): its prefix starts at `tile_offsets[place * (groups + 1)]`.
+pub fn grouped_height_index(tile_rows: usize) -> Option<usize> {
+    GROUPED_TILE_HEIGHTS.iter().position(|&h| h == tile_rows)
+}
+
 /// The row-tile height of the grouped NVFP4 MoE GEMM over `rows` expert-sorted rows of `groups`
 /// experts. A weight tile is dequantised once per row tile, so taller tiles spend fewer
 /// instructions per HMMA, while each expert's last tile runs partly empty; with the rows spread
@@ -376,6 +392,9 @@ mod tests {
         assert_eq!([grouped_tile_rows(59, 1), grouped_tile_rows(60, 1)], [64, 96]);
         assert_eq!([grouped_tile_rows(91, 1), grouped_tile_rows(92, 1)], [96, 128]);
         assert_eq!(grouped_tile_rows(100, 0), 128);
+        // moe_sort's layout: a prefix of experts + 1 entries per height, 64 / 96 / 128 in order.
+        assert_eq!(tile_offsets_len(256), 3 * 257);
+        assert_eq!([64, 96, 128, 80].map(grouped_height_index), [Some(0), Some(1), Some(2), None]);
         for r in [0, 1, 1000, 1 << 20] {
             assert!(
                 [GEMM_GROUPED_ROWS, GEMM_GROUPED_MID_ROWS, GEMM_GROUPED_WIDE_ROWS].contains(&grouped_tile_rows(r, 7))

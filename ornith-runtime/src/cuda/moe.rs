@@ -10,6 +10,7 @@
 //! tables and slots) and convert slices to addresses. The math is in
 //! `kernels/include/ornith_kernels.h`; bf16 tensors are `CudaSlice<u16>` (bit patterns), FP8
 //! E4M3 codes `CudaSlice<u8>`.
+use super::gemm::tile_offsets_len;
 use super::{aligned, i32of, need, CudaContext, Launch, Ptr};
 use anyhow::{ensure, Result};
 use cudarc::driver::CudaSlice;
@@ -79,7 +80,7 @@ impl MoeGroups {
         experts: usize,
     ) -> Result<OrnithMoeSortParams> {
         need("moe_sort group_offsets", &self.group_offsets, experts + 1)?;
-        need("moe_sort tile_offsets (64-, 96- and 128-row tiles)", &self.tile_offsets, 3 * (experts + 1))?;
+        need("moe_sort tile_offsets (a prefix per tile height)", &self.tile_offsets, tile_offsets_len(experts))?;
         Ok(OrnithMoeSortParams {
             idx: cx.addr(idx) as _,
             group_offsets: cx.addr(&self.group_offsets) as _,
@@ -178,7 +179,7 @@ impl MoePrefillScratch {
             xq: c.alloc(tokens * hidden)?,
             xs: c.alloc(tokens)?,
             group_offsets: c.alloc(experts + 1)?,
-            tile_offsets: c.alloc(3 * (experts + 1))?,
+            tile_offsets: c.alloc(tile_offsets_len(experts))?,
             row_token: c.alloc(n)?,
             row_of: c.alloc(n)?,
             gate_up: c.alloc(n * 2 * inter)?,
@@ -465,7 +466,7 @@ impl CudaContext {
         ensure!((1..=1024).contains(&experts), "moe_groups: {experts} experts");
         Ok(MoeGroups {
             group_offsets: self.alloc(experts + 1)?,
-            tile_offsets: self.alloc(3 * (experts + 1))?,
+            tile_offsets: self.alloc(tile_offsets_len(experts))?,
             row_token: self.alloc(n)?,
             row_of: self.alloc(n)?,
             row_assign: self.alloc(n)?,

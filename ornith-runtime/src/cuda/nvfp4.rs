@@ -8,7 +8,7 @@
 //!
 //! One launcher per kernel (see [`super`]), then the slice-based wrappers the kernel tests call.
 use super::gemm::{
-    gemm_rows, gemm_smem, gemm_threads, GEMM_GROUPED_MID_ROWS, GEMM_GROUPED_ROWS, GEMM_GROUPED_WIDE_ROWS, GEMM_TILE,
+    gemm_rows, gemm_smem, gemm_threads, grouped_height_index, GEMM_GROUPED_ROWS, GEMM_TILE, GROUPED_TILE_HEIGHTS,
 };
 use super::moe::MoeGroups;
 use super::{aligned, i32of, need, CudaContext, Launch, Ptr};
@@ -351,19 +351,15 @@ impl CudaContext {
         ensure!(out.is_multiple_of(w.tab_rows), "gemm_nvfp4_grouped: {} rows per table for {out} rows", w.tab_rows);
         i32of("gemm_nvfp4_grouped tiles", (rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows)) * out.div_ceil(GEMM_TILE))?;
         let bytes = g * fp4_bytes(in_, out, out / w.tab_rows) + rows * (in_ + out) * 2;
-        let name = match tile_rows {
-            GEMM_GROUPED_ROWS => "gemm_nvfp4_grouped",
-            // moe_sort's tile_offsets [3 (groups + 1)]: the 64-, 96- and 128-row tiles' prefixes.
-            GEMM_GROUPED_MID_ROWS => {
-                p.tile_offsets = p.tile_offsets.wrapping_add(g + 1);
-                "gemm_nvfp4_grouped_96"
-            }
-            GEMM_GROUPED_WIDE_ROWS => {
-                p.tile_offsets = p.tile_offsets.wrapping_add(2 * (g + 1));
-                "gemm_nvfp4_grouped_128"
-            }
-            r => anyhow::bail!("gemm_nvfp4_grouped: {r}-row tiles (64, 96 or 128)"),
+        // One kernel per tile height, in GROUPED_TILE_HEIGHTS' order; its tiles are counted by
+        // moe_sort's prefix of that height.
+        const KERNELS: [&str; GROUPED_TILE_HEIGHTS.len()] =
+            ["gemm_nvfp4_grouped", "gemm_nvfp4_grouped_96", "gemm_nvfp4_grouped_128"];
+        let Some(h) = grouped_height_index(tile_rows) else {
+            anyhow::bail!("gemm_nvfp4_grouped: {tile_rows}-row tiles (64, 96 or 128)")
         };
+        let name = KERNELS[h];
+        p.tile_offsets = p.tile_offsets.wrapping_add(h * (g + 1));
         let grid = self.gemm_grid(name, None);
         self.launch(Launch::new(name, grid, gemm_threads(name), bytes as u64).smem(gemm_smem(name)), p)
     }

@@ -95,7 +95,8 @@ fn swiglu_prologue_matches_swiglu_quant() {
 }
 
 /// `moe_sort` against a counting sort on the host: each expert's group offset and 64-, 96- and
-/// 128-row tile offsets (prefix sums over the experts; the last two share a packed scan) and the grouped block rows' `row_info` (the experts with
+/// 128-row tile offsets (prefix sums over the experts; the last two share a packed scan) and the
+/// grouped block rows' `row_info` (the experts with
 /// assignments, ascending, each with its first sorted row and count; then zero rows up to
 /// min(experts, assignments)) exactly; the scatter as sets (the order inside a group follows the atomics):
 /// group e holds exactly the assignments routed to e, row_of inverts row_assign, row_token is
@@ -207,6 +208,7 @@ fn check_groups(c: &CudaContext, g: &MoeGroups, idx: &[i32], tokens: usize, k: u
     }
     // The tile-offset prefixes of the 64-, 96- and 128-row tiles, one after the other.
     let heights = [64, 96, 128];
+    assert_eq!(heights, crate::cuda::gemm::GROUPED_TILE_HEIGHTS, "moe_sort's prefix order");
     let (mut off, mut toff, mut rows) = (0usize, [0usize; 3], Vec::new());
     for ex in 0..e {
         assert_eq!(go[ex] as usize, off, "group offset of expert {ex} ({tokens} x {k}, {e} experts)");
