@@ -60,7 +60,7 @@ pub fn desc_len(rows: usize, width: usize) -> usize {
 pub const GROUPED_MOE_ROWS: usize = 4;
 /// Grouped decode groups of at most this many rows run their router top-k and expert sort as one
 /// launch (`moe_route_sort`, the same bits as `moe_router_topk` then `moe_sort`). H100, 2K, one
-/// graph per step (docs/PERF.md, thirty-third session): at 8 sequences the step went 6,481 ->
+/// graph per step (docs/PERF-2026-12-late.md, thirty-third session): at 8 sequences the step went 6,481 ->
 /// 6,437 us (decode 1,224.7 -> 1,235.8 tok/s); with the limit at 16, 16 sequences gained nothing
 /// measurable (1,659.3 -> 1,663.4); at 32 the one block was slower (14,088 -> 14,237 us: 32
 /// top-k warps on one SM against one each on 32 SMs).
