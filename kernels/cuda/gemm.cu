@@ -505,7 +505,7 @@ __device__ __forceinline__ void gemm_bf16_body(const OrnithGemmParams &p) {
     cp_wait<0>();
 }
 
-// gemm_fp8_grouped: 64 x 128 tiles (GB_GROUPED_M rows of one expert), 4 warps side by side, each
+// gemm_fp8_grouped: 64 x 128 tiles (ORNITH_GROUPED_ROWS rows of one expert), 4 warps side by side, each
 // 64 x 32 (4 x 4 mma tiles), 3 stages (72 KiB: two blocks per SM on sm_90 — 206 registers — one
 // on sm_121). As in gemm_bf16_body a stage is consumed fragment by fragment: the stage's B
 // fragments unpacked once and kept (sm_90: f16 pairs, E4m3B), each row tile's A fragments unpacked
@@ -515,9 +515,15 @@ __device__ __forceinline__ void gemm_bf16_body(const OrnithGemmParams &p) {
 // the unpacks — the busiest pipe and "math pipe throttle" the first stall); ~5.7 instructions per
 // HMMA against ~8.6 (sm_90 SASS). H100, same call: moe_prefill 2K 0.826 -> 0.807 ms, 8K 2.490 ->
 // 2.426; in the model gemm_fp8_grouped per 32K prefill 280.8 -> 268.1 ms.
+// gemm_fp8_grouped_96: the same body in 96-row tiles (4 warps of 96 x 32: MI = 6; 84 KiB; 255
+// registers, 4 bytes spilled on sm_90 and sm_121), for a 2,048-token chunk's ~64 rows per expert,
+// which 64-row tiles cover in ~1.5 tiles (cuda::gemm::grouped_fp8_tile_rows). H100, the MoE
+// block's kernel test in 64 / 96-row tiles: 1,024 tokens 0.563 / 0.667 ms, 2,048 0.788 / 0.762,
+// 3,072 1.061 / 1.128, 8,192 2.385 / 2.347; FP8 2K prefill 29,234 / 29,492 -> 29,512 / 29,688 tok/s.
 #define GBG_THREADS 128
-__device__ __forceinline__ void gemm_fp8_grouped_body(const OrnithGemmParams &p) {
-    constexpr int BM = GB_GROUPED_M, RS = GBG_THREADS / 8;  // rows between a thread's chunks
+template <int BM> __device__ __forceinline__ void gemm_fp8_grouped_body(const OrnithGemmParams &p) {
+    static_assert(BM == ORNITH_GROUPED_ROWS || BM == ORNITH_GROUPED_MID_ROWS, "moe_sort's tile heights");
+    constexpr int MI = BM / 16, RS = GBG_THREADS / 8;        // mma row tiles per warp; rows between a thread's chunks
     constexpr int CA = BM / RS, CB = GB_N / RS;              // a thread's A and W chunks per stage
     constexpr int STAGE_BYTES = (BM + GB_N) * GB_K;
     extern __shared__ __align__(128) uint8_t smem[];
@@ -574,7 +580,7 @@ __device__ __forceinline__ void gemm_fp8_grouped_body(const OrnithGemmParams &p)
         }
         cp_commit();
     };
-    float acc[4][4][4];
+    float acc[MI][4][4];
     zero_frags(acc);
 #pragma unroll
     for (int s = 0; s < GB_STAGES - 1; s++) issue(s);
@@ -596,7 +602,7 @@ __device__ __forceinline__ void gemm_fp8_grouped_body(const OrnithGemmParams &p)
                 bfr[ks][nj + 1] = e4m3_b(b2, b3);
             }
 #pragma unroll
-        for (int mi = 0; mi < 4; mi++) {
+        for (int mi = 0; mi < MI; mi++) {
             E4m3A af[4];
 #pragma unroll
             for (int ks = 0; ks < 4; ks++) {
@@ -622,7 +628,7 @@ __device__ __forceinline__ void gemm_fp8_grouped_body(const OrnithGemmParams &p)
         const int gq = lane >> 2, tq = lane & 3;
         const bool pairs = (p.y_stride & 1) == 0 && ((uintptr_t)p.y & 3) == 0;
 #pragma unroll
-        for (int mi = 0; mi < 4; mi++)
+        for (int mi = 0; mi < MI; mi++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int r = row0 + mi * 16 + gq + h * 8;
@@ -847,7 +853,8 @@ template <int BM> __device__ __forceinline__ void gemm_nvfp4_body(const OrnithGe
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_fp8(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, ORNITH_GEMM_N>(p); }
 extern "C" __global__ void __launch_bounds__(GBB_THREADS, 2) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_bf16_body(p); }
 // The grouped MoE GEMM (p.group_offsets set; tiles of GB_GROUPED_M rows, see moe_sort).
-extern "C" __global__ void __launch_bounds__(GBG_THREADS, 2) gemm_fp8_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_fp8_grouped_body(p); }
+extern "C" __global__ void __launch_bounds__(GBG_THREADS, 2) gemm_fp8_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_fp8_grouped_body<ORNITH_GROUPED_ROWS>(p); }
+extern "C" __global__ void __launch_bounds__(GBG_THREADS, 2) gemm_fp8_grouped_96(const OrnithGemmParams p) { pdl_entry(); gemm_fp8_grouped_body<ORNITH_GROUPED_MID_ROWS>(p); }
 // NVFP4A16 weights, bf16 activations: plain (128-row tiles) and grouped (64-row tiles) in gemm_body.
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_nvfp4(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, ORNITH_GEMM_N, true>(p); }
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 2) gemm_nvfp4_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_body<false, GB_GROUPED_M, true>(p); }

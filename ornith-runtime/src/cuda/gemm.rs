@@ -19,22 +19,27 @@ type Bf = CudaSlice<u16>;
 /// (`ORNITH_GEMM_N`).
 pub const GEMM_TILE: usize = ORNITH_GEMM_N as usize;
 
-/// Threads per block of GEMM kernel `name` (gemm.cu): 128 for `gemm_bf16`, `gemm_fp8_grouped`,
-/// `gemm_nvfp4_grouped_96` and `_128`, four warps of 64 x 64 or 48 x 64 (`GBB_THREADS`,
-/// `GBF_THREADS`) or 64 x 32 (`GBG_THREADS`); `GB_THREADS` = 256 for the others, eight warps of
-/// BM/2 x 32.
+/// Threads per block of GEMM kernel `name` (gemm.cu): 128 for `gemm_bf16`, `gemm_fp8_grouped`
+/// and `_96`, `gemm_nvfp4_grouped_96` and `_128`, four warps of 64 x 64 or 48 x 64 (`GBB_THREADS`,
+/// `GBF_THREADS`) or 64 / 96 x 32 (`GBG_THREADS`); `GB_THREADS` = 256 for the others, eight warps
+/// of BM/2 x 32.
 pub(crate) fn gemm_threads(name: &str) -> u32 {
     match name {
-        "gemm_bf16" | "gemm_fp8_grouped" | "gemm_nvfp4_grouped_96" | "gemm_nvfp4_grouped_128" => 128,
+        "gemm_bf16"
+        | "gemm_fp8_grouped"
+        | "gemm_fp8_grouped_96"
+        | "gemm_nvfp4_grouped_96"
+        | "gemm_nvfp4_grouped_128" => 128,
         _ => 256,
     }
 }
 
 /// The entry points of gemm.cu's module: the persistent GEMMs first, then the quantiser.
-pub(crate) const MODULE_KERNELS: [&str; 8] = [
+pub(crate) const MODULE_KERNELS: [&str; 9] = [
     "gemm_fp8",
     "gemm_bf16",
     "gemm_fp8_grouped",
+    "gemm_fp8_grouped_96",
     "gemm_nvfp4",
     "gemm_nvfp4_grouped",
     "gemm_nvfp4_grouped_96",
@@ -43,14 +48,14 @@ pub(crate) const MODULE_KERNELS: [&str; 8] = [
 ];
 
 /// The persistent GEMM kernels of gemm.cu (their grid: [`CudaContext::gemm_grid`]).
-pub(crate) const GEMM_KERNELS: &[&str] = MODULE_KERNELS.split_at(7).0;
+pub(crate) const GEMM_KERNELS: &[&str] = MODULE_KERNELS.split_at(8).0;
 
 /// Rows per tile of GEMM kernel `name` (gemm.cu): 64 for the 64-row grouped GEMMs
-/// (`ORNITH_GROUPED_ROWS`), 96 and 128 for `gemm_nvfp4_grouped_96` / `_128`, 128 for the plain ones
-/// (`gemm_bf16`'s `GB_BF16_M` included).
+/// (`ORNITH_GROUPED_ROWS`), 96 for `gemm_fp8_grouped_96` and `gemm_nvfp4_grouped_96`, 128 for
+/// `gemm_nvfp4_grouped_128` and the plain ones (`gemm_bf16`'s `GB_BF16_M` included).
 pub(crate) fn gemm_rows(name: &str) -> usize {
     match name {
-        "gemm_nvfp4_grouped_96" => GEMM_GROUPED_MID_ROWS,
+        "gemm_fp8_grouped_96" | "gemm_nvfp4_grouped_96" => GEMM_GROUPED_MID_ROWS,
         "gemm_nvfp4_grouped_128" => GEMM_GROUPED_WIDE_ROWS,
         n if n.ends_with("_grouped") => GEMM_GROUPED_ROWS,
         _ => GEMM_TILE,
@@ -74,7 +79,7 @@ pub(crate) fn gemm_smem(name: &str) -> u32 {
 /// Rows per tile of the 64-row grouped MoE GEMMs (`gemm_fp8_grouped`, `gemm_nvfp4_grouped`):
 /// `moe_sort`'s first tile-offset prefix.
 pub const GEMM_GROUPED_ROWS: usize = ORNITH_GROUPED_ROWS as usize;
-/// Rows per tile of `gemm_nvfp4_grouped_96` (`moe_sort`'s second prefix).
+/// Rows per tile of `gemm_fp8_grouped_96` and `gemm_nvfp4_grouped_96` (`moe_sort`'s second prefix).
 pub const GEMM_GROUPED_MID_ROWS: usize = ORNITH_GROUPED_MID_ROWS as usize;
 /// Rows per tile of `gemm_nvfp4_grouped_128` (`moe_sort`'s third prefix).
 pub const GEMM_GROUPED_WIDE_ROWS: usize = ORNITH_GROUPED_WIDE_ROWS as usize;
@@ -123,6 +128,22 @@ pub fn grouped_tile_rows(rows: usize, groups: usize) -> usize {
         r if r < 60 * g => GEMM_GROUPED_ROWS,
         r if r < 92 * g => GEMM_GROUPED_MID_ROWS,
         _ => GEMM_GROUPED_WIDE_ROWS,
+    }
+}
+
+/// The row-tile height of the grouped FP8 MoE GEMM over `rows` expert-sorted rows of `groups`
+/// experts: `gemm_fp8_grouped_96` from 60 to 92 rows per expert (a 2,048-token chunk's 64: one
+/// 96-row tile per expert where 64-row tiles take ~1.5, the second mostly empty), else 64. The same
+/// bits in either height. H100, the MoE block in 64 / 96-row tiles: 32 rows per expert 0.563 /
+/// 0.667 ms, 64 rows 0.788 / 0.762, 96 rows 1.061 / 1.128; at 256 rows 96 was 1.6% faster (2.385 /
+/// 2.347), not taken until the model shows it (at those sizes the NVFP4 96-row tiles lost in the
+/// model where their kernel test gained).
+pub fn grouped_fp8_tile_rows(rows: usize, groups: usize) -> usize {
+    let g = groups.max(1);
+    if (60 * g..92 * g).contains(&rows) {
+        GEMM_GROUPED_MID_ROWS
+    } else {
+        GEMM_GROUPED_ROWS
     }
 }
 
@@ -256,10 +277,11 @@ impl CudaContext {
     }
 
     /// Grouped FP8 GEMM over the expert-sorted rows of `p` (`p.groups` experts, `moe_sort`'s
-    /// `group_offsets` / `tile_offsets`): row tiles of 64 rows (each expert's last one partial),
+    /// `group_offsets` / `tile_offsets`): row tiles of `tile_rows` rows (64: `gemm_fp8_grouped`, or
+    /// 96: `gemm_fp8_grouped_96`, [`grouped_fp8_tile_rows`]; each expert's last one partial),
     /// counted on the device, taken by the resident blocks. Bytes count every expert's weights
     /// once (all are read when the chunk is long).
-    pub(crate) fn k_gemm_grouped(&self, p: OrnithGemmParams) -> Result<()> {
+    pub(crate) fn k_gemm_grouped(&self, mut p: OrnithGemmParams, tile_rows: usize) -> Result<()> {
         ensure!(
             p.rows > 0 && p.out > 0 && p.in_ > 0 && p.in_ % 16 == 0 && p.groups > 0,
             "gemm_grouped: rows {}, in {} (a multiple of 16), out {}, groups {}",
@@ -277,12 +299,16 @@ impl CudaContext {
         // Tile indices (row tiles x column tiles) inside int32.
         i32of("gemm_grouped tiles", (rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows)) * out.div_ceil(GEMM_TILE))?;
         let bytes = g * (out * in_ + out * 4) + rows * (in_ + 4 + out * 2);
-        let grid = self.gemm_grid("gemm_fp8_grouped", None);
-        self.launch(
-            Launch::new("gemm_fp8_grouped", grid, gemm_threads("gemm_fp8_grouped"), bytes as u64)
-                .smem(gemm_smem("gemm_fp8_grouped")),
-            p,
-        )
+        // One kernel per tile height, in GROUPED_TILE_HEIGHTS' order (FP8: the first two); its tiles
+        // are counted by moe_sort's prefix of that height.
+        const KERNELS: [&str; 2] = ["gemm_fp8_grouped", "gemm_fp8_grouped_96"];
+        let Some(h) = grouped_height_index(tile_rows).filter(|&h| h < KERNELS.len()) else {
+            anyhow::bail!("gemm_grouped: {tile_rows}-row tiles (64 or 96)")
+        };
+        let name = KERNELS[h];
+        p.tile_offsets = p.tile_offsets.wrapping_add(h * (g + 1));
+        let grid = self.gemm_grid(name, None);
+        self.launch(Launch::new(name, grid, gemm_threads(name), bytes as u64).smem(gemm_smem(name)), p)
     }
 
     /// Per-row FP8 quantisation with compressed-tensors semantics (`cpu::fp8::quantize_act_row`)
@@ -375,6 +401,7 @@ mod tests {
         assert_eq!(kib("gemm_fp8"), 96.0);
         assert_eq!(kib("gemm_bf16"), 96.0);
         assert_eq!(kib("gemm_fp8_grouped"), 72.0);
+        assert_eq!(kib("gemm_fp8_grouped_96"), 84.0);
         assert_eq!(kib("gemm_nvfp4_grouped"), 72.0);
         assert_eq!(kib("gemm_nvfp4_grouped_96"), 84.5);
         assert_eq!(kib("gemm_nvfp4_grouped_128"), 96.5);
@@ -383,8 +410,8 @@ mod tests {
         }
     }
 
-    /// The heights `grouped_tile_rows` picks at the measured averages (top-8 of 256 experts), at
-    /// its boundaries, and for no experts.
+    /// The heights `grouped_tile_rows` and `grouped_fp8_tile_rows` pick at the measured averages
+    /// (top-8 of 256 experts), at their boundaries, and for no experts.
     #[test]
     fn grouped_tile_rows_follows_the_measured_table() {
         let pick = |tokens: usize| grouped_tile_rows(tokens * 8, 256);
@@ -395,6 +422,12 @@ mod tests {
         // moe_sort's layout: a prefix of experts + 1 entries per height, 64 / 96 / 128 in order.
         assert_eq!(tile_offsets_len(256), 3 * 257);
         assert_eq!([64, 96, 128, 80].map(grouped_height_index), [Some(0), Some(1), Some(2), None]);
+        let fp8 = |tokens: usize| grouped_fp8_tile_rows(tokens * 8, 256);
+        assert_eq!([fp8(1024), fp8(2048), fp8(3072), fp8(8192)], [64, 96, 64, 64]);
+        assert_eq!(
+            [grouped_fp8_tile_rows(59, 1), grouped_fp8_tile_rows(60, 1), grouped_fp8_tile_rows(92, 1)],
+            [64, 96, 64]
+        );
         for r in [0, 1, 1000, 1 << 20] {
             assert!(
                 [GEMM_GROUPED_ROWS, GEMM_GROUPED_MID_ROWS, GEMM_GROUPED_WIDE_ROWS].contains(&grouped_tile_rows(r, 7))

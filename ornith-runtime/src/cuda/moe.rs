@@ -524,6 +524,18 @@ impl CudaContext {
     /// counting sort by expert, grouped FP8 gate_up GEMM, SwiGLU + requantisation, grouped down
     /// GEMM, the shared expert, and the weighted combine into `out [tokens, hidden]`.
     pub fn moe_prefill(&self, a: &MoePrefillArgs, s: &mut MoePrefillScratch, out: &mut Bf) -> Result<()> {
+        let tiles = super::gemm::grouped_fp8_tile_rows(a.tokens * a.top_k, a.experts);
+        self.moe_prefill_tiles(a, s, out, tiles)
+    }
+
+    /// [`Self::moe_prefill`] with the grouped GEMMs in `tiles`-row tiles (64 or 96; the same bits).
+    pub fn moe_prefill_tiles(
+        &self,
+        a: &MoePrefillArgs,
+        s: &mut MoePrefillScratch,
+        out: &mut Bf,
+        tiles: usize,
+    ) -> Result<()> {
         let (t, d, e, k, i, si) = (a.tokens, a.hidden, a.experts, a.top_k, a.inter, a.shared_inter);
         ensure!(t > 0 && t <= s.tokens, "moe_prefill: tokens {t} must be in 1..={} (scratch size)", s.tokens);
         ensure!(
@@ -563,41 +575,47 @@ impl CudaContext {
             experts: e as i32,
         })?;
         // Grouped gate_up: row r (expert-sorted) reads token row_token[r] of xq.
-        self.k_gemm_grouped(OrnithGemmParams {
-            a: xq as _,
-            a_scale: xs as _,
-            a_rows: rt as _,
-            w: self.addr(a.w_gate_up) as _,
-            w_scale: self.addr(a.ws_gate_up) as _,
-            y: self.addr(&s.gate_up) as _,
-            group_offsets: go as _,
-            tile_offsets: to as _,
-            rows: i32of("rows", n)?,
-            in_: d as i32,
-            out: i32of("2 * inter", 2 * i)?,
-            a_stride: d as i32,
-            y_stride: (2 * i) as i32,
-            groups: e as i32,
-            ..Default::default()
-        })?;
+        self.k_gemm_grouped(
+            OrnithGemmParams {
+                a: xq as _,
+                a_scale: xs as _,
+                a_rows: rt as _,
+                w: self.addr(a.w_gate_up) as _,
+                w_scale: self.addr(a.ws_gate_up) as _,
+                y: self.addr(&s.gate_up) as _,
+                group_offsets: go as _,
+                tile_offsets: to as _,
+                rows: i32of("rows", n)?,
+                in_: d as i32,
+                out: i32of("2 * inter", 2 * i)?,
+                a_stride: d as i32,
+                y_stride: (2 * i) as i32,
+                groups: e as i32,
+                ..Default::default()
+            },
+            tiles,
+        )?;
         self.k_swiglu_ct(self.addr(&s.gate_up), self.addr(&s.aq), self.addr(&s.as_), n, i)?;
-        self.k_gemm_grouped(OrnithGemmParams {
-            a: self.addr(&s.aq) as _,
-            a_scale: self.addr(&s.as_) as _,
-            a_rows: std::ptr::null(),
-            w: self.addr(a.w_down) as _,
-            w_scale: self.addr(a.ws_down) as _,
-            y: self.addr(&s.down) as _,
-            group_offsets: go as _,
-            tile_offsets: to as _,
-            rows: n as i32,
-            in_: i as i32,
-            out: d as i32,
-            a_stride: i as i32,
-            y_stride: d as i32,
-            groups: e as i32,
-            ..Default::default()
-        })?;
+        self.k_gemm_grouped(
+            OrnithGemmParams {
+                a: self.addr(&s.aq) as _,
+                a_scale: self.addr(&s.as_) as _,
+                a_rows: std::ptr::null(),
+                w: self.addr(a.w_down) as _,
+                w_scale: self.addr(a.ws_down) as _,
+                y: self.addr(&s.down) as _,
+                group_offsets: go as _,
+                tile_offsets: to as _,
+                rows: n as i32,
+                in_: i as i32,
+                out: d as i32,
+                a_stride: i as i32,
+                y_stride: d as i32,
+                groups: e as i32,
+                ..Default::default()
+            },
+            tiles,
+        )?;
         // Shared expert on every token.
         let (sgu, saq, sas, sy) =
             (self.addr(&s.shared_gu), self.addr(&s.saq), self.addr(&s.sas), self.addr(&s.shared_y));

@@ -496,7 +496,7 @@ fn moe_prefill_matches_reference() {
     let mut c = ctx();
     let mut r = rng(25);
     let (d, inter, sinter, k) = (2048, 512, 512, 8);
-    for (e, t) in [(64, 1), (64, 37), (256, 300)] {
+    for (e, t) in [(64, 1), (64, 37), (256, 300), (32, 256)] {
         let x = bfv(&mut r, t * d, 2.0);
         let router = bfv(&mut r, (e + 1) * d, 0.05);
         let wgu = fp8v(&mut r, e * 2 * inter * d);
@@ -540,6 +540,17 @@ fn moe_prefill_matches_reference() {
             c.moe_prefill(&args, &mut scratch, &mut out).unwrap();
             c.download(&out).unwrap()
         });
+        // Either tile height of the grouped GEMMs (moe_prefill picks one by rows per expert).
+        for tiles in [64, 96] {
+            let name = format!("moe_prefill e{e} t{t}, {tiles}-row tiles");
+            let mut run = |c: &super::CudaContext| {
+                c.stream().memcpy_htod(&vec![POISON; t * d], &mut out).unwrap();
+                c.moe_prefill_tiles(&args, &mut scratch, &mut out, tiles).unwrap();
+                c.download(&out).unwrap()
+            };
+            assert!(run(&c) == got, "{name}: other bits than moe_prefill's");
+            same_bits_with_few_blocks(&mut c, &name, &got, run);
+        }
 
         // Router: logits and top-k.
         let mut logits = vec![bf16::ZERO; t * e];
@@ -589,8 +600,8 @@ fn moe_prefill_matches_reference() {
         let (worst, rel) = check(&format!("moe_prefill e{e} t{t}"), &got, &want, 3.0, 2f64.powi(-7), 2f64.powi(-7));
         eprintln!("moe_prefill e{e} t{t}: max |d|/rms {worst:.2e}, rel L2 {rel:.2e}, bits {:016x}", digest(&got));
     }
-    // Timing at the real shape: 256 experts, top-8, one 2,048-token chunk and a step of 8,192
-    // tokens (more rows per expert: fuller 64-row tiles).
+    // Timing at the real shape: 256 experts, top-8, 1,024 to 8,192 tokens (32 to 256 rows per
+    // expert), the grouped GEMMs in 64- and 96-row tiles.
     let e = 256;
     let drouter = c.upload(&bits(&bfv(&mut r, (e + 1) * d, 0.05))).unwrap();
     let (dwgu, dwgus) =
@@ -599,7 +610,7 @@ fn moe_prefill_matches_reference() {
     let (dsgu, dsgus) =
         (c.upload(&fp8_pattern(2 * sinter * d, 5)).unwrap(), c.upload(&vec![2e-4f32; 2 * sinter]).unwrap());
     let (dsdn, dsdns) = (c.upload(&fp8_pattern(d * sinter, 6)).unwrap(), c.upload(&vec![2e-4f32; d]).unwrap());
-    for t in [2048, 8192] {
+    for t in [1024, 2048, 3072, 8192] {
         let dx = c.upload(&bits(&bfv(&mut r, t * d, 2.0))).unwrap();
         let args = MoePrefillArgs {
             x: &dx,
@@ -621,12 +632,14 @@ fn moe_prefill_matches_reference() {
         };
         let mut scratch = MoePrefillScratch::new(&c, t, d, e, k, inter, sinter).unwrap();
         let mut out = c.alloc::<u16>(t * d).unwrap();
-        let s = time_it(&c, || c.moe_prefill(&args, &mut scratch, &mut out).unwrap());
-        let flops = 2.0 * t as f64 * d as f64 * ((k * 3 * inter + 3 * sinter) as f64 + (e + 1) as f64);
-        eprintln!(
-            "PERF moe_prefill {t} tokens, 256 experts top-8 + shared: {:.3} ms, {:.0} TFLOP/s",
-            s * 1e3,
-            flops / s / 1e12
-        );
+        for tiles in [64, 96] {
+            let s = time_it(&c, || c.moe_prefill_tiles(&args, &mut scratch, &mut out, tiles).unwrap());
+            let flops = 2.0 * t as f64 * d as f64 * ((k * 3 * inter + 3 * sinter) as f64 + (e + 1) as f64);
+            eprintln!(
+                "PERF moe_prefill {t} tokens, 256 experts top-8 + shared, {tiles}-row tiles: {:.3} ms, {:.0} TFLOP/s",
+                s * 1e3,
+                flops / s / 1e12
+            );
+        }
     }
 }
