@@ -38,7 +38,7 @@ mod ops;
 pub mod plan;
 
 use crate::cuda::gemm::{grouped_fp8_tile_rows, grouped_tile_rows, tile_offsets_len};
-use crate::cuda::moe::{combine_params, router_params};
+use crate::cuda::moe::{combine_params, router_params, Fp8ExpertFfn};
 use crate::cuda::nvfp4::Fp4W;
 use crate::cuda::CudaContext;
 use crate::engine::{Capacity, PoolRequest};

@@ -149,47 +149,27 @@ impl CudaBackend {
         let (go, to, rt) = (at(self, &s.group_offsets, 0), at(self, &s.tile_offsets, 0), at(self, &s.row_token, 0));
         let (gu, aq, asc, ys) = (at(self, &s.gu, 0), at(self, &s.aq, 0), at(self, &s.asc, 0), at(self, &s.ys, 0));
         self.sort_by_expert(n, k, e, false)?;
-        let tiles = grouped_fp8_tile_rows(nk, e);
-        self.cx.k_gemm_grouped(
-            OrnithGemmParams {
-                a: x.0 as _,
-                a_scale: x.1 as _,
-                a_rows: rt as _,
-                w: at(self, &ex.gu, 0) as _,
-                w_scale: at(self, gus, 0) as _,
-                y: gu as _,
-                group_offsets: go as _,
-                tile_offsets: to as _,
-                rows: nk as i32,
-                in_: hs as i32,
-                out: (2 * inter) as i32,
-                a_stride: hs as i32,
-                y_stride: (2 * inter) as i32,
-                groups: e as i32,
-                ..Default::default()
+        self.cx.k_experts_fp8(
+            &Fp8ExpertFfn {
+                x: x.0,
+                x_scale: x.1,
+                row_token: rt,
+                w_gate_up: at(self, &ex.gu, 0),
+                ws_gate_up: at(self, gus, 0),
+                w_down: at(self, &ex.dn, 0),
+                ws_down: at(self, dns, 0),
+                gate_up: gu,
+                aq,
+                a_scale: asc,
+                y: ys,
+                group_offsets: go,
+                tile_offsets: to,
+                rows: nk,
+                hidden: hs,
+                inter,
+                experts: e,
             },
-            tiles,
-        )?;
-        self.cx.k_swiglu_ct(gu, aq, asc, nk, inter)?;
-        self.cx.k_gemm_grouped(
-            OrnithGemmParams {
-                a: aq as _,
-                a_scale: asc as _,
-                a_rows: std::ptr::null(),
-                w: at(self, &ex.dn, 0) as _,
-                w_scale: at(self, dns, 0) as _,
-                y: ys as _,
-                group_offsets: go as _,
-                tile_offsets: to as _,
-                rows: nk as i32,
-                in_: inter as i32,
-                out: hs as i32,
-                a_stride: inter as i32,
-                y_stride: hs as i32,
-                groups: e as i32,
-                ..Default::default()
-            },
-            tiles,
+            grouped_fp8_tile_rows(nk, e),
         )?;
         // Shared expert: rows nk .. nk + n of the slot scratch (sized for n·(k + 1) rows).
         let (sgu, saq, sas, sy) = (

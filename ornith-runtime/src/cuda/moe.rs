@@ -574,45 +574,26 @@ impl CudaContext {
             top_k: k as i32,
             experts: e as i32,
         })?;
-        // Grouped gate_up: row r (expert-sorted) reads token row_token[r] of xq.
-        self.k_gemm_grouped(
-            OrnithGemmParams {
-                a: xq as _,
-                a_scale: xs as _,
-                a_rows: rt as _,
-                w: self.addr(a.w_gate_up) as _,
-                w_scale: self.addr(a.ws_gate_up) as _,
-                y: self.addr(&s.gate_up) as _,
-                group_offsets: go as _,
-                tile_offsets: to as _,
-                rows: i32of("rows", n)?,
-                in_: d as i32,
-                out: i32of("2 * inter", 2 * i)?,
-                a_stride: d as i32,
-                y_stride: (2 * i) as i32,
-                groups: e as i32,
-                ..Default::default()
-            },
-            tiles,
-        )?;
-        self.k_swiglu_ct(self.addr(&s.gate_up), self.addr(&s.aq), self.addr(&s.as_), n, i)?;
-        self.k_gemm_grouped(
-            OrnithGemmParams {
-                a: self.addr(&s.aq) as _,
-                a_scale: self.addr(&s.as_) as _,
-                a_rows: std::ptr::null(),
-                w: self.addr(a.w_down) as _,
-                w_scale: self.addr(a.ws_down) as _,
-                y: self.addr(&s.down) as _,
-                group_offsets: go as _,
-                tile_offsets: to as _,
-                rows: n as i32,
-                in_: i as i32,
-                out: d as i32,
-                a_stride: i as i32,
-                y_stride: d as i32,
-                groups: e as i32,
-                ..Default::default()
+        // Grouped gate_up (row r, expert-sorted, reads token row_token[r] of xq), SwiGLU, down.
+        self.k_experts_fp8(
+            &Fp8ExpertFfn {
+                x: xq,
+                x_scale: xs,
+                row_token: rt,
+                w_gate_up: self.addr(a.w_gate_up),
+                ws_gate_up: self.addr(a.ws_gate_up),
+                w_down: self.addr(a.w_down),
+                ws_down: self.addr(a.ws_down),
+                gate_up: self.addr(&s.gate_up),
+                aq: self.addr(&s.aq),
+                a_scale: self.addr(&s.as_),
+                y: self.addr(&s.down),
+                group_offsets: go,
+                tile_offsets: to,
+                rows: n,
+                hidden: d,
+                inter: i,
+                experts: e,
             },
             tiles,
         )?;
@@ -636,5 +617,65 @@ impl CudaContext {
             hidden: d as i32,
             gate_stride: (e + 1) as i32,
         })
+    }
+}
+
+/// Addresses of the routed experts' FFN over `rows` expert-sorted rows (moe_sort's
+/// `group_offsets` / `tile_offsets` for `experts` groups): row r reads row `row_token[r]` of the
+/// FP8 activations `x` (per-row scales `x_scale`); gate|up `[E, 2I, H]` and down `[E, H, I]` E4M3
+/// with per-channel scales; `gate_up [rows, 2I]` bf16, `aq` / `a_scale` its requantised SwiGLU,
+/// `y [rows, H]` bf16.
+pub(crate) struct Fp8ExpertFfn {
+    pub x: Ptr,
+    pub x_scale: Ptr,
+    pub row_token: Ptr,
+    pub w_gate_up: Ptr,
+    pub ws_gate_up: Ptr,
+    pub w_down: Ptr,
+    pub ws_down: Ptr,
+    pub gate_up: Ptr,
+    pub aq: Ptr,
+    pub a_scale: Ptr,
+    pub y: Ptr,
+    pub group_offsets: Ptr,
+    pub tile_offsets: Ptr,
+    pub rows: usize,
+    pub hidden: usize,
+    pub inter: usize,
+    pub experts: usize,
+}
+
+impl CudaContext {
+    /// The routed experts of a prefill step (FP8): the grouped gate|up GEMM, SwiGLU +
+    /// requantisation, the grouped down GEMM, both GEMMs in `tiles`-row tiles (64 or 96,
+    /// [`super::gemm::grouped_fp8_tile_rows`]; the same bits). Shared by the engine's MoE
+    /// (`backend_cuda::moe`) and [`Self::moe_prefill`].
+    pub(crate) fn k_experts_fp8(&self, f: &Fp8ExpertFfn, tiles: usize) -> Result<()> {
+        let grouped = |a: Ptr, a_scale: Ptr, a_rows: Ptr, w: Ptr, w_scale: Ptr, y: Ptr, in_: usize, out: usize| {
+            self.k_gemm_grouped(
+                OrnithGemmParams {
+                    a: a as _,
+                    a_scale: a_scale as _,
+                    a_rows: a_rows as _,
+                    w: w as _,
+                    w_scale: w_scale as _,
+                    y: y as _,
+                    group_offsets: f.group_offsets as _,
+                    tile_offsets: f.tile_offsets as _,
+                    rows: i32of("rows", f.rows)?,
+                    in_: i32of("in", in_)?,
+                    out: i32of("out", out)?,
+                    a_stride: in_ as i32,
+                    y_stride: out as i32,
+                    groups: i32of("experts", f.experts)?,
+                    ..Default::default()
+                },
+                tiles,
+            )
+        };
+        let (h, i) = (f.hidden, f.inter);
+        grouped(f.x, f.x_scale, f.row_token, f.w_gate_up, f.ws_gate_up, f.gate_up, h, 2 * i)?;
+        self.k_swiglu_ct(f.gate_up, f.aq, f.a_scale, f.rows, i)?;
+        grouped(f.aq, f.a_scale, 0, f.w_down, f.ws_down, f.y, i, h)
     }
 }
