@@ -120,8 +120,8 @@ pub fn grouped_height_index(tile_rows: usize) -> Option<usize> {
 /// and in the model at 8,192-token steps (256 rows per expert) the 96-row tiles lost 0.7% of the
 /// NVFP4A16 32K prefill (22,777 -> 22,625 tok/s, H100). So: 64-row tiles below 60 rows per expert,
 /// 96 below 92, else 128 (NVFP4A16 2K prefill in 96-row tiles: 24,000 -> 25,258 tok/s). The
-/// grouped FP8 GEMM keeps 64-row tiles at every size (gemm.cu). Every height gives the same bits,
-/// so this choice does not touch batch invariance.
+/// grouped FP8 GEMM takes the 96-row band only ([`grouped_fp8_tile_rows`]). Every height gives the
+/// same bits, so this choice does not touch batch invariance.
 pub fn grouped_tile_rows(rows: usize, groups: usize) -> usize {
     let g = groups.max(1);
     match rows {
@@ -139,11 +139,10 @@ pub fn grouped_tile_rows(rows: usize, groups: usize) -> usize {
 /// 2.347), not taken until the model shows it (at those sizes the NVFP4 96-row tiles lost in the
 /// model where their kernel test gained).
 pub fn grouped_fp8_tile_rows(rows: usize, groups: usize) -> usize {
-    let g = groups.max(1);
-    if (60 * g..92 * g).contains(&rows) {
-        GEMM_GROUPED_MID_ROWS
-    } else {
-        GEMM_GROUPED_ROWS
+    // The band is grouped_tile_rows' 96-row band (one place for its bounds); no 128-row FP8 form.
+    match grouped_tile_rows(rows, groups) {
+        GEMM_GROUPED_MID_ROWS => GEMM_GROUPED_MID_ROWS,
+        _ => GEMM_GROUPED_ROWS,
     }
 }
 
