@@ -42,10 +42,12 @@ extern "C" __global__ void __launch_bounds__(256) conv1d_silu(const OrnithConvPa
 }
 
 // Prefill form of conv1d_silu: token-parallel, bit-identical to it (y and the final state).
-//   grid  (ceil(channels / 256), ceil(tokens / CONV_TT)), block 256 (threadIdx = channel in block).
+//   grid  (ceil(channels / (256 cpt)), ceil(tokens / CONV_TT)), block 256, cpt channels per thread:
+//   2 where channels and x_stride are even and x, y, state 4-byte aligned (the launcher's choice,
+//   read back here as gridDim.x * 256 < channels), else 1.
 //   x [tokens, x_stride] bf16 (first `channels` columns), w [channels, 4], state [3, channels]
 //   (oldest first), y [tokens, channels]; OrnithConvParams as conv1d_silu.
-// Thread (channel c, token block b) computes tokens t0 = b*CONV_TT .. t0+CONV_TT-1 (clipped to
+// Thread (channels c.., token block b) computes tokens t0 = b*CONV_TT .. t0+CONV_TT-1 (clipped to
 // `tokens`) with ext = [state ; x] (ext[i] = state[i] for i < 3, x[i-3] after):
 //   acc     = w0*ext[t] ; acc = fma(w1, ext[t+1], acc) ; fma(w2, ext[t+2], .) ; fma(w3, ext[t+3] = x[t], .)
 //   y[t, c] = bf16(silu(bf16(acc)))
@@ -53,57 +55,88 @@ extern "C" __global__ void __launch_bounds__(256) conv1d_silu(const OrnithConvPa
 // fp32, so the sums are the sequential kernel's bit for bit). Its window starts at x rows t0-3..t0-1
 // (b > 0; CONV_TT >= 3 so these are inside x) or at the old state (b = 0). All CONV_TT x rows are
 // loaded into registers before the first y store (without __restrict__ the compiler may not move
-// loads past stores), so each thread has CONV_TT loads in flight; a warp reads 32 consecutive
-// channels of a row (coalesced). x is read once, plus 3 rows per block for the window (L2 hits).
-// State: only the b = 0 blocks read the old state, and the same thread (same channel) writes the
-// new one after reading it: state' = ext[tokens .. tokens+2] (x rows tokens-3..tokens-1, or old
-// state rows for chunks shorter than 3 tokens). No other block touches the state, so no race.
+// loads past stores), so each thread has CONV_TT loads in flight; a warp reads 32 cpt consecutive
+// channels of a row (coalesced: with 2 a warp's load is a whole 128-byte line, with 1 half of one,
+// and a 2,048-token chunk's conv streamed at ~1.4 TB/s, H200). x is read once, plus 3 rows per
+// block for the window (L2 hits). State: only the b = 0 blocks read the old state, and the same
+// thread (same channels) writes the new one after reading it: state' = ext[tokens .. tokens+2] (x
+// rows tokens-3..tokens-1, or old state rows for chunks shorter than 3 tokens). No other block
+// touches the state, so no race.
 #define CONV_TT 32
-extern "C" __global__ void __launch_bounds__(256) conv1d_silu_chunk(const OrnithConvParams p) {
-    pdl_entry();
-    const int c = blockIdx.x * 256 + threadIdx.x;
+template <int CPT> struct ConvVec;
+template <> struct ConvVec<1> {
+    typedef uint16_t T;
+    __device__ static float get(T v, int) { return bf2f(v); }
+    __device__ static T make(const uint16_t (&h)[1]) { return h[0]; }
+};
+template <> struct ConvVec<2> {
+    typedef uint32_t T;
+    __device__ static float get(T v, int k) { return bf2f((uint16_t)(v >> (16 * k))); }
+    __device__ static T make(const uint16_t (&h)[2]) { return (uint32_t)h[0] | (uint32_t)h[1] << 16; }
+};
+template <int CPT> __device__ __forceinline__ void conv_chunk_body(const OrnithConvParams &p) {
+    typedef typename ConvVec<CPT>::T V;
+    const int c = (blockIdx.x * 256 + threadIdx.x) * CPT;  // first of this thread's channels
     if (c >= p.channels) return;
     const int t0 = blockIdx.y * CONV_TT;
     const int n = min(CONV_TT, p.tokens - t0);  // same for the whole block: the guards below do not diverge
-    const size_t xs = (size_t)p.x_stride, ch = (size_t)p.channels;
-    const uint16_t *xc = p.x + c;
-    const float w0 = bf2f(p.w[c * 4 + 0]), w1 = bf2f(p.w[c * 4 + 1]), w2 = bf2f(p.w[c * 4 + 2]),
-                w3 = bf2f(p.w[c * 4 + 3]);
-    uint16_t old0 = 0, old1 = 0, old2 = 0;
-    float s0, s1, s2;
-    if (blockIdx.y == 0) {
-        old0 = p.state[c];
-        old1 = p.state[ch + c];
-        old2 = p.state[2 * ch + c];
-        s0 = bf2f(old0); s1 = bf2f(old1); s2 = bf2f(old2);
-    } else {
-        s0 = bf2f(xc[(size_t)(t0 - 3) * xs]);
-        s1 = bf2f(xc[(size_t)(t0 - 2) * xs]);
-        s2 = bf2f(xc[(size_t)(t0 - 1) * xs]);
-    }
-    uint16_t xv[CONV_TT];
+    const size_t xs = (size_t)p.x_stride / CPT, ch = (size_t)p.channels / CPT;  // in units of V
+    const V *xc = reinterpret_cast<const V *>(p.x) + c / CPT;
+    V *yc = reinterpret_cast<V *>(p.y) + c / CPT;
+    V *sc = reinterpret_cast<V *>(p.state) + c / CPT;
+    float w[CPT][4], s[CPT][3];
 #pragma unroll
-    for (int i = 0; i < CONV_TT; i++) xv[i] = i < n ? xc[(size_t)(t0 + i) * xs] : (uint16_t)0;
+    for (int k = 0; k < CPT; k++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) w[k][j] = bf2f(p.w[(c + k) * 4 + j]);
+    V old[3] = {0, 0, 0};
+#pragma unroll
+    for (int j = 0; j < 3; j++) {
+        V v;
+        if (blockIdx.y == 0) {
+            v = old[j] = sc[j * ch];
+        } else {
+            v = xc[(size_t)(t0 - 3 + j) * xs];
+        }
+#pragma unroll
+        for (int k = 0; k < CPT; k++) s[k][j] = ConvVec<CPT>::get(v, k);
+    }
+    V xv[CONV_TT];
+#pragma unroll
+    for (int i = 0; i < CONV_TT; i++) xv[i] = i < n ? xc[(size_t)(t0 + i) * xs] : (V)0;
 #pragma unroll
     for (int i = 0; i < CONV_TT; i++) {
         if (i < n) {
-            const float x = bf2f(xv[i]);
-            float acc = w0 * s0;
-            acc = fmaf(w1, s1, acc);
-            acc = fmaf(w2, s2, acc);
-            acc = fmaf(w3, x, acc);
-            p.y[(size_t)(t0 + i) * ch + c] = f2bf(silu_f(rbf(acc)));
-            s0 = s1; s1 = s2; s2 = x;
+            uint16_t out[CPT];
+#pragma unroll
+            for (int k = 0; k < CPT; k++) {
+                const float x = ConvVec<CPT>::get(xv[i], k);
+                float acc = w[k][0] * s[k][0];
+                acc = fmaf(w[k][1], s[k][1], acc);
+                acc = fmaf(w[k][2], s[k][2], acc);
+                acc = fmaf(w[k][3], x, acc);
+                out[k] = f2bf(silu_f(rbf(acc)));
+                s[k][0] = s[k][1]; s[k][1] = s[k][2]; s[k][2] = x;
+            }
+            yc[(size_t)(t0 + i) * ch] = ConvVec<CPT>::make(out);
         }
     }
     if (blockIdx.y == 0) {
 #pragma unroll
         for (int j = 0; j < 3; j++) {
             const int e = p.tokens + j;  // ext index of new state row j
-            const uint16_t v = e == 0 ? old0 : e == 1 ? old1 : e == 2 ? old2 : xc[(size_t)(e - 3) * xs];
-            p.state[j * ch + c] = f2bf(bf2f(v));  // conv1d_silu's float -> bf16 store (identity, NaN as it does)
+            const V v = e == 0 ? old[0] : e == 1 ? old[1] : e == 2 ? old[2] : xc[(size_t)(e - 3) * xs];
+            uint16_t h[CPT];
+#pragma unroll
+            for (int k = 0; k < CPT; k++) h[k] = f2bf(ConvVec<CPT>::get(v, k));  // conv1d_silu's float -> bf16 store (identity, NaN as it does)
+            sc[j * ch] = ConvVec<CPT>::make(h);
         }
     }
+}
+extern "C" __global__ void __launch_bounds__(256) conv1d_silu_chunk(const OrnithConvParams p) {
+    pdl_entry();
+    if ((int)gridDim.x * 256 < p.channels) conv_chunk_body<2>(p);
+    else conv_chunk_body<1>(p);
 }
 
 #define GDN_D 128    // dk = dv

@@ -34,7 +34,7 @@
 // No L2 prefetch of the whole tile: a warp's tile is up to 16 rows x its whole slice (64 KB for the
 // lm_head), and the resident warps' prefetches together overflow L2, so lines were evicted before
 // use and read twice (H200, lm_head 2048 -> 248,320: 399 us with the prefetch, 302 us without;
-// docs/PERF.md, fifth session).
+// docs/PERF-2026-11.md, fifth session).
 #include "common.cuh"
 #include "fp4.cuh"
 #include "mma.cuh"
@@ -47,7 +47,7 @@
 // dense Linears at 2048; the MoE expert products at MOE_TARGET_WARPS per expert (or slot), since
 // their grids hold many experts and a block of one 256-byte round per warp spends more on its
 // set-up (the expert's index, its assignments) than on its loads. Measured on the H200 (expert
-// gate|up and down, 1 / 8 / 64 tokens, docs/PERF.md fifth session): target 256 with MOE_U = 2
+// gate|up and down, 1 / 8 / 64 tokens, docs/PERF-2026-11.md, fifth session): target 256 with MOE_U = 2
 // takes a layer's expert products from 21.4 to 16.9 us at 1 token and from 359 to 280 us at 64.
 #define TC_TARGET_WARPS 2048
 #define MOE_TARGET_WARPS 256

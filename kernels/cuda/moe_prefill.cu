@@ -6,6 +6,7 @@
 
 #define MS_THREADS 1024
 #define MS_MAX_EXPERTS 1024
+static_assert(ORNITH_MOE_SORT_STAGE_MAX <= 65536, "staged assignments are 16-bit");
 
 // Exclusive prefix sum of v over the block's threads in thread order (MS_THREADS threads = 32
 // warps): a shuffle scan in each warp, then one over the warp totals. Every thread calls it.
@@ -41,8 +42,9 @@ __device__ __forceinline__ int ms_exclusive_scan(int v, int *tot) {
 // experts in one thread took ~5 us, most of the kernel). The order of the assignments inside
 // an expert's group follows the atomics and is not fixed: every consumer's result per
 // assignment is independent of its place in the group.
-// (moe_sort_block: the body, called by the block's MS_THREADS threads after their PDL wait.)
-__device__ __forceinline__ void moe_sort_block(const OrnithMoeSortParams &p) {
+// (moe_sort_block: the body, called by the block's MS_THREADS threads after their PDL wait;
+// `staged`: shared memory for the tokens * top_k sorted rows' assignments (16 bits each), or null.)
+__device__ __forceinline__ void moe_sort_block(const OrnithMoeSortParams &p, uint16_t *staged) {
     __shared__ int cnt[MS_MAX_EXPERTS];
     __shared__ int cur[MS_MAX_EXPERTS];
     __shared__ int tot[MS_THREADS / 32];
@@ -85,6 +87,24 @@ __device__ __forceinline__ void moe_sort_block(const OrnithMoeSortParams &p) {
     if (p.row_info)
         for (int y = nact + threadIdx.x; y < min(p.experts, n); y += MS_THREADS)
             reinterpret_cast<int4 *>(p.row_info)[y] = make_int4(0, 0, 0, 0);
+    if (staged) {
+        // Sorted rows staged in shared memory, then written in row order: the scatter's stores of
+        // row_token (and row_assign) hit a new 32-byte sector each, and one SM issuing a 2,048-token
+        // chunk's 16,384 of them took ~24 us (H200; 41.5 -> 15.9 us staged, H100 kernel test). A
+        // decode group's few hundred rows keep the direct scatter and no shared memory.
+        for (int a = threadIdx.x; a < n; a += MS_THREADS) {
+            const int pos = atomicAdd(&cur[p.idx[a]], 1);
+            staged[pos] = (uint16_t)a;
+            p.row_of[a] = pos;
+        }
+        __syncthreads();
+        for (int pos = threadIdx.x; pos < n; pos += MS_THREADS) {
+            const int a = staged[pos];
+            p.row_token[pos] = a / p.top_k;
+            if (p.row_assign) p.row_assign[pos] = a;
+        }
+        return;
+    }
     for (int a = threadIdx.x; a < n; a += MS_THREADS) {
         int pos = atomicAdd(&cur[p.idx[a]], 1);
         p.row_token[pos] = a / p.top_k;
@@ -94,20 +114,23 @@ __device__ __forceinline__ void moe_sort_block(const OrnithMoeSortParams &p) {
 }
 extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_sort(const OrnithMoeSortParams p) {
     pdl_entry();
-    moe_sort_block(p);
+    extern __shared__ __align__(16) uint16_t ms_staged[];  // the assignment of each sorted row
+    const int n = p.tokens * p.top_k;
+    moe_sort_block(p, n >= ORNITH_MOE_SORT_STAGE_MIN && n <= ORNITH_MOE_SORT_STAGE_MAX ? ms_staged : nullptr);
 }
 
 // A decode group's router top-k and moe_sort of its idx in one block (OrnithMoeRouteParams; at
 // most MS_THREADS / 32 tokens, one per warp): warp w runs common.cuh's router_topk_warp on token w
 // (moe_router_topk's bits), then, past a barrier that makes the block's idx writes visible to all
 // its threads, moe_sort_block (moe_sort's). Separately, the sort was one more launch waiting on the
-// top-k's grid: ~2.2 us per MoE layer in an 8-sequence step's graph (H100, docs/PERF.md).
+// top-k's grid: ~2.2 us per MoE layer in an 8-sequence step's graph (H100, docs/PERF-2026-12-late.md,
+// thirty-third session).
 extern "C" __global__ void __launch_bounds__(MS_THREADS) moe_route_sort(const OrnithMoeRouteParams p) {
     pdl_entry();
     const int warp = threadIdx.x >> 5;
     if (warp < p.router.tokens) router_topk_warp(p.router, warp, threadIdx.x & 31);
     __syncthreads();
-    moe_sort_block(p.sort);
+    moe_sort_block(p.sort, nullptr);  // a decode group's <= 256 rows: scattered directly
 }
 
 // SwiGLU + per-row FP8 quantisation with compressed-tensors semantics, one warp per row

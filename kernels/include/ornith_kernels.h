@@ -549,7 +549,12 @@ typedef struct OrnithGemmParams {
  * 2 (experts + 1) that of ceil(count / 128), gemm_nvfp4_grouped_128's; tokens * top_k < 2^21),
  * row_token [tokens * top_k] (token of each
  * expert-sorted row), row_of [tokens * top_k] (sorted row of assignment t * top_k + j).
- * Rows within one expert are in no particular order (each row is computed independently). */
+ * Rows within one expert are in no particular order (each row is computed independently).
+ * With ORNITH_MOE_SORT_STAGE_MIN <= tokens * top_k <= ORNITH_MOE_SORT_STAGE_MAX the kernel stages
+ * the sorted rows in 2 * ORNITH_MOE_SORT_STAGE_MAX bytes of dynamic shared memory (the launcher's)
+ * and writes row_token / row_assign in row order; otherwise it scatters them directly. */
+#define ORNITH_MOE_SORT_STAGE_MIN 2048
+#define ORNITH_MOE_SORT_STAGE_MAX 16384
 typedef struct OrnithMoeSortParams {
     const int32_t *idx;
     int32_t *group_offsets;

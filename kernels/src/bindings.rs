@@ -27,6 +27,8 @@ pub const ORNITH_GEMM_FP4_RAW_ROW: u32 = 44;
 pub const ORNITH_GROUPED_ROWS: u32 = 64;
 pub const ORNITH_GROUPED_MID_ROWS: u32 = 96;
 pub const ORNITH_GROUPED_WIDE_ROWS: u32 = 128;
+pub const ORNITH_MOE_SORT_STAGE_MIN: u32 = 2048;
+pub const ORNITH_MOE_SORT_STAGE_MAX: u32 = 16384;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct OrnithEmbedParams {

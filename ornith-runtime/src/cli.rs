@@ -176,7 +176,7 @@ pub fn step_rows(max_batch_tokens: Option<u64>, throughput: bool, cuda: bool) ->
 /// the front end — `--max-batch-tokens` where given (it bounds every step), otherwise
 /// [`THROUGHPUT_STEP_ROWS`] on the CUDA backend and [`LATENCY_STEP_ROWS`] on the CPU. Such a step
 /// holds no running sequence back, and 8,192-row steps brought a 32,768-token prompt's first token
-/// in 1.33 s against 1.46 s in 2,048-row steps (H100, docs/PERF.md).
+/// in 1.33 s against 1.46 s in 2,048-row steps (H100, docs/DESIGN.md).
 pub fn idle_step_rows(max_batch_tokens: Option<u64>, cuda: bool) -> usize {
     step_rows(max_batch_tokens, true, cuda)
 }

@@ -69,7 +69,7 @@ const _: () = assert!(ROUTE_SORT_TOKENS <= crate::cuda::moe::ROUTE_SORT_MAX);
 /// Query rows of one decode attention launch: the kernel's most (the split partials scale with
 /// it: 4.2 MiB per row at the 35B shapes). A decode group of up to 64 sequences is one launch: in
 /// launches of 8 the 64-sequence step spent 2.4 ms in 160 attention launches at 2K (H200,
-/// docs/PERF.md).
+/// docs/DESIGN.md).
 pub const ATTN_ROWS: usize = crate::cuda::attention::ATT_MAX_ROWS;
 /// Most sequence splits of one attention launch, and the shortest split.
 pub const MAX_SPLITS: usize = 256;

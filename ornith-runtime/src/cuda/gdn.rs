@@ -193,7 +193,14 @@ impl CudaContext {
             slot: std::ptr::null(),
             state_stride: 0,
         };
-        let grid = (channels.div_ceil(256) as u32, t.div_ceil(CONV_TT) as u32, 1);
+        // Two channels per thread (4-byte loads and stores: a warp reads whole 128-byte lines)
+        // where channels and stride are even and x, y, state 4-byte aligned; else one. The kernel
+        // reads the choice back from the grid's width.
+        let pairs = channels.is_multiple_of(2)
+            && x_stride.is_multiple_of(2)
+            && [x, y, state].iter().all(|a| a.is_multiple_of(4));
+        let per_block = if pairs { 512 } else { 256 };
+        let grid = (channels.div_ceil(per_block) as u32, t.div_ceil(CONV_TT) as u32, 1);
         self.launch(Launch::new("conv1d_silu_chunk", grid, 256, (channels * (8 + 12) + t * channels * 4) as u64), p)
     }
 

@@ -271,7 +271,11 @@ impl CudaContext {
     /// expert (see `OrnithMoeSortParams`).
     pub(crate) fn k_moe_sort(&self, p: OrnithMoeSortParams) -> Result<()> {
         let bytes = sort_bytes(&p)?;
-        self.launch(Launch::new("moe_sort", (1, 1, 1), 1024, bytes), p)
+        // the staged write-out's shared memory (the kernel stages for the same sizes)
+        let n = p.tokens as u32 * p.top_k as u32;
+        let staged = (ORNITH_MOE_SORT_STAGE_MIN..=ORNITH_MOE_SORT_STAGE_MAX).contains(&n);
+        let smem = if staged { 2 * ORNITH_MOE_SORT_STAGE_MAX } else { 0 };
+        self.launch(Launch::new("moe_sort", (1, 1, 1), 1024, bytes).smem(smem), p)
     }
 
     /// `moe_route_sort` (one block): [`Self::k_router`]'s top-k of at most [`ROUTE_SORT_MAX`]

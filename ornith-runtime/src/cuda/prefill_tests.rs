@@ -194,8 +194,9 @@ fn gemm_bf16_matches_reference() {
 /// Token-parallel conv + SiLU (`conv1d_silu_chunk`) against the sequential kernel `conv1d_silu`:
 /// y and the final state must be identical bit for bit (same fp32 operations in the same order),
 /// over token counts below, at and around the 32-token block (1, 2, 3 take the short-chunk state
-/// path), odd channel counts (partial 256-channel blocks), strided x with NaN padding, and a random
-/// start state. Against the CPU reference `cpu::conv::conv_silu`: the state exactly (it is a copy
+/// path), odd channel counts and strides (one channel per thread, partial 256-channel blocks), even
+/// ones (two channels per thread, partial 512-channel blocks), strided x with NaN padding, and a
+/// random start state. Against the CPU reference `cpu::conv::conv_silu`: the state exactly (it is a copy
 /// of inputs); y within the decode conv test's tolerance (tests.rs `close`: |d| <= (|want| +
 /// rms) / 128, L2 4e-3; written here as 1 ulp(want) + rms/128, which is no looser since
 /// ulp(want) <= |want| / 128). Why it holds: every bf16 x bf16 product is exact in fp32 and both
@@ -209,7 +210,10 @@ fn conv1d_chunk_matches_reference() {
     // (tokens, channels, x_stride)
     for (t, ch, xs) in [
         (1, 257, 260),
+        (1, 1000, 1002),
         (2, 8192, 12352),
+        (5, 1000, 1002),
+        (40, 514, 520),
         (3, 100, 100),
         (5, 1000, 1003),
         (17, 8192, 12352),

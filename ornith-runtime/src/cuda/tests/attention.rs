@@ -201,6 +201,78 @@ fn attention_decode_matches_reference() {
     }
 }
 
+/// `qk_norm_rope` over a prefill chunk (2,048 tokens at positions 0.. and 6,000..; the decode test
+/// above runs at most 3 tokens): q and the paged k, v cache rows against the CPU reference as in
+/// `attention_decode_matches_reference`; the outputs' digest (bits, to compare builds) and the
+/// chunk's time (PERF).
+#[test]
+#[ignore]
+fn qk_norm_rope_chunk_matches_reference() {
+    let c = ctx();
+    let mut r = rng(12);
+    let (qh, kvh, d, rot, theta, tokens) = (16usize, 2usize, 256usize, 64usize, 1e7f32, 2048usize);
+    let row = kvh * d;
+    for pos0 in [0usize, 6000] {
+        let need = (pos0 + tokens).div_ceil(KVB);
+        let table = reversed_table(need);
+        let fill = bfv(&mut r, (need + 1) * KVB * row, 1.0);
+        let qg = bfv(&mut r, tokens * qh * 2 * d, 2.0);
+        let k = bfv(&mut r, tokens * row, 2.0);
+        let v = bfv(&mut r, tokens * row, 2.0);
+        let (qn, kn) = (bfv(&mut r, d, 0.5), bfv(&mut r, d, 0.5));
+        let (dqg, dk, dv, dqn, dkn) = (
+            c.upload(&qg).unwrap(),
+            c.upload(&k).unwrap(),
+            c.upload(&v).unwrap(),
+            c.upload(&qn).unwrap(),
+            c.upload(&kn).unwrap(),
+        );
+        let dtable = c.upload(&table).unwrap();
+        let (mut dkc, mut dvc) = (c.upload(&fill).unwrap(), c.upload(&fill).unwrap());
+        let mut q = c.upload(&vec![POISON; tokens * qh * d]).unwrap();
+        let a = QkRopeArgs {
+            qg: &dqg,
+            k: &dk,
+            v: &dv,
+            q_norm: &dqn,
+            k_norm: &dkn,
+            tokens,
+            pos0,
+            q_heads: qh,
+            kv_heads: kvh,
+            head_dim: d,
+            rot,
+            theta,
+            eps: 1e-6,
+            pos_dev: None,
+            table: &dtable,
+            table_stride: 0,
+        };
+        c.qk_norm_rope(&a, &mut q, &mut dkc, &mut dvc).unwrap();
+        let (mut q_raw, mut gate) = (vec![bf16::ZERO; tokens * qh * d], vec![bf16::ZERO; tokens * qh * d]);
+        split_q_gate(&bv(&qg), tokens, qh, d, &mut q_raw, &mut gate);
+        let mut want_q = vec![bf16::ZERO; tokens * qh * d];
+        rms_norm(&q_raw, &bv(&qn), d, 1e-6, &mut want_q);
+        apply_rope(&mut want_q, tokens, qh, d, rot, pos0, theta);
+        let mut kr = vec![bf16::ZERO; tokens * row];
+        rms_norm(&bv(&k), &bv(&kn), d, 1e-6, &mut kr);
+        apply_rope(&mut kr, tokens, kvh, d, rot, pos0, theta);
+        let (gq, pk, pv) = (c.download(&q).unwrap(), c.download(&dkc).unwrap(), c.download(&dvc).unwrap());
+        close(&format!("q rope chunk pos {pos0}"), &gq, &wf(&want_q));
+        // the chunk's rows through the table; every other cache row untouched
+        let (mut kc, mut vc) = (unpage(&fill, row, &table, pos0 + tokens), unpage(&fill, row, &table, pos0 + tokens));
+        let gk = unpage(&pk, row, &table, pos0 + tokens);
+        close(&format!("k cache chunk pos {pos0}"), &gk[pos0 * row..], &wf(&kr));
+        kc[pos0 * row..].copy_from_slice(&gk[pos0 * row..]);
+        vc[pos0 * row..].copy_from_slice(&v);
+        assert_eq!(pk, page(&kc, row, &table, &fill), "k cache: rows outside the chunk untouched");
+        assert_eq!(pv, page(&vc, row, &table, &fill), "v cache (paged)");
+        eprintln!("qk_norm_rope chunk pos {pos0}: bits {:016x}", digest(&gq) ^ digest(&pk).rotate_left(1));
+        let s = time_it(&c, || c.qk_norm_rope(&a, &mut q, &mut dkc, &mut dvc).unwrap());
+        eprintln!("PERF qk_norm_rope {tokens} tokens at {pos0}, 16 + 2 heads x 256: {:.2} us", s * 1e6);
+    }
+}
+
 /// The decode attention (`attn_decode_split` + `attn_decode_combine`) over a decode group of
 /// sequences of different lengths in one launch, in the captured decode graph's form: positions
 /// read from the device, each row's split length derived from its own length over a grid of 256

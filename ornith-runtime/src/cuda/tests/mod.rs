@@ -9,7 +9,8 @@ use super::attention::*;
 use super::gdn::*;
 use super::gemv::*;
 use super::test_util::{
-    bfv, check_combine_epilogue, check_fold, ctx, page, reversed_table, rng, time_cold, time_it, unpage, KVB, POISON, R,
+    bfv, check_combine_epilogue, check_fold, ctx, digest, page, reversed_table, rng, time_cold, time_it, unpage, KVB,
+    POISON, R,
 };
 use crate::cpu::attention::{apply_rope, attention, split_q_gate};
 use crate::cpu::conv::conv_silu;

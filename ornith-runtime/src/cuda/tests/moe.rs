@@ -101,7 +101,7 @@ fn swiglu_prologue_matches_swiglu_quant() {
 /// min(experts, assignments)) exactly; the scatter as sets (the order inside a group follows the atomics):
 /// group e holds exactly the assignments routed to e, row_of inverts row_assign, row_token is
 /// the assignment's token. Expert counts below, at and above a warp, including 1,024 (one
-/// thread each) and groups larger than a tile; PERF line for a decode group of 8 tokens.
+/// thread each) and groups larger than a tile; PERF lines for 8, 2,048 and 8,192 tokens.
 #[test]
 #[ignore]
 fn moe_sort_matches_reference() {
@@ -129,12 +129,16 @@ fn moe_sort_matches_reference() {
         c.k_moe_sort(g.sort_params(&c, &didx, tokens, k, e).unwrap()).unwrap();
         check_groups(&c, &g, &idx, tokens, k, e);
     }
-    let idx: Vec<i32> = (0..64).map(|_| r.random_range(0..256)).collect();
-    let didx = c.upload(&idx).unwrap();
-    let g = c.moe_groups(&didx, 8, 8, 256).unwrap();
-    let p = g.sort_params(&c, &didx, 8, 8, 256).unwrap();
-    let us = time_it(&c, || c.k_moe_sort(p).unwrap());
-    eprintln!("PERF moe_sort 8 tokens x top-8 of 256 experts: {:.2} us", us * 1e6);
+    // A decode group, a prefill chunk (sorted rows staged in shared memory) and an 8,192-row step
+    // (scattered directly), uniform routing.
+    for tokens in [8, 2048, 8192] {
+        let idx: Vec<i32> = (0..tokens * 8).map(|_| r.random_range(0..256)).collect();
+        let didx = c.upload(&idx).unwrap();
+        let g = c.moe_groups(&didx, tokens, 8, 256).unwrap();
+        let p = g.sort_params(&c, &didx, tokens, 8, 256).unwrap();
+        let us = time_it(&c, || c.k_moe_sort(p).unwrap());
+        eprintln!("PERF moe_sort {tokens} tokens x top-8 of 256 experts: {:.2} us", us * 1e6);
+    }
 }
 
 /// `moe_route_sort` (a decode group's router top-k and expert sort in one launch) against
