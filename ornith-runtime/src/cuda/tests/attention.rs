@@ -1,6 +1,27 @@
 //! Decode attention (attention.cu) against the CPU reference, one sequence and groups.
 use super::*;
 
+/// The CPU reference of `qk_norm_rope` for the shapes in `a` (host positions pos0..): q split from
+/// its gate, per-head zero-centred RMSNorm, then rotate-half RoPE, on q and k. Returns (q, gate, k).
+fn qk_rope_reference(
+    a: &QkRopeArgs,
+    qg: &[u16],
+    k: &[u16],
+    qn: &[u16],
+    kn: &[u16],
+) -> (Vec<bf16>, Vec<bf16>, Vec<bf16>) {
+    let (t, qh, kvh, d) = (a.tokens, a.q_heads, a.kv_heads, a.head_dim);
+    let (mut q_raw, mut gate) = (vec![bf16::ZERO; t * qh * d], vec![bf16::ZERO; t * qh * d]);
+    split_q_gate(&bv(qg), t, qh, d, &mut q_raw, &mut gate);
+    let mut q = vec![bf16::ZERO; t * qh * d];
+    rms_norm(&q_raw, &bv(qn), d, a.eps, &mut q);
+    apply_rope(&mut q, t, qh, d, a.rot, a.pos0, a.theta);
+    let mut kr = vec![bf16::ZERO; t * kvh * d];
+    rms_norm(&bv(k), &bv(kn), d, a.eps, &mut kr);
+    apply_rope(&mut kr, t, kvh, d, a.rot, a.pos0, a.theta);
+    (q, gate, kr)
+}
+
 /// Decode attention over a paged cache. `qk_norm_rope` = `cpu::attention::split_q_gate`,
 /// `cpu::norm::rms_norm` per head (zero-centred) and `cpu::attention::apply_rope` (bf16 cos/sin
 /// and products) on q and k, k and v written through a reversed block table to the cache rows of
@@ -68,15 +89,7 @@ fn attention_decode_matches_reference() {
             table_stride: 0,
         };
         c.qk_norm_rope(&a, &mut q, &mut dkc, &mut dvc).unwrap();
-        // CPU reference q/k: per-head zero-centred RMSNorm, then rotate-half RoPE.
-        let (mut q_raw, mut gate) = (vec![bf16::ZERO; tokens * qh * d], vec![bf16::ZERO; tokens * qh * d]);
-        split_q_gate(&bv(&qg), tokens, qh, d, &mut q_raw, &mut gate);
-        let mut want_q = vec![bf16::ZERO; tokens * qh * d];
-        rms_norm(&q_raw, &bv(&qn), d, 1e-6, &mut want_q);
-        apply_rope(&mut want_q, tokens, qh, d, rot, pos0, theta);
-        let mut kr = vec![bf16::ZERO; tokens * row];
-        rms_norm(&bv(&k), &bv(&kn), d, 1e-6, &mut kr);
-        apply_rope(&mut kr, tokens, kvh, d, rot, pos0, theta);
+        let (want_q, gate, kr) = qk_rope_reference(&a, &qg, &k, &qn, &kn);
         kc[pos0 * row..(pos0 + tokens) * row].copy_from_slice(&bits(&kr));
         vc[pos0 * row..(pos0 + tokens) * row].copy_from_slice(&v);
         let gq = c.download(&q).unwrap();
@@ -249,14 +262,7 @@ fn qk_norm_rope_chunk_matches_reference() {
             table_stride: 0,
         };
         c.qk_norm_rope(&a, &mut q, &mut dkc, &mut dvc).unwrap();
-        let (mut q_raw, mut gate) = (vec![bf16::ZERO; tokens * qh * d], vec![bf16::ZERO; tokens * qh * d]);
-        split_q_gate(&bv(&qg), tokens, qh, d, &mut q_raw, &mut gate);
-        let mut want_q = vec![bf16::ZERO; tokens * qh * d];
-        rms_norm(&q_raw, &bv(&qn), d, 1e-6, &mut want_q);
-        apply_rope(&mut want_q, tokens, qh, d, rot, pos0, theta);
-        let mut kr = vec![bf16::ZERO; tokens * row];
-        rms_norm(&bv(&k), &bv(&kn), d, 1e-6, &mut kr);
-        apply_rope(&mut kr, tokens, kvh, d, rot, pos0, theta);
+        let (want_q, _, kr) = qk_rope_reference(&a, &qg, &k, &qn, &kn);
         let (gq, pk, pv) = (c.download(&q).unwrap(), c.download(&dkc).unwrap(), c.download(&dvc).unwrap());
         close(&format!("q rope chunk pos {pos0}"), &gq, &wf(&want_q));
         // the chunk's rows through the table; every other cache row untouched
