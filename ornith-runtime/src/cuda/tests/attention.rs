@@ -1,25 +1,68 @@
 //! Decode attention (attention.cu) against the CPU reference, one sequence and groups.
 use super::*;
+use crate::cuda::CudaContext;
 
-/// The CPU reference of `qk_norm_rope` for the shapes in `a` (host positions pos0..): q split from
-/// its gate, per-head zero-centred RMSNorm, then rotate-half RoPE, on q and k. Returns (q, gate, k).
-fn qk_rope_reference(
-    a: &QkRopeArgs,
-    qg: &[u16],
-    k: &[u16],
-    qn: &[u16],
-    kn: &[u16],
-) -> (Vec<bf16>, Vec<bf16>, Vec<bf16>) {
-    let (t, qh, kvh, d) = (a.tokens, a.q_heads, a.kv_heads, a.head_dim);
-    let (mut q_raw, mut gate) = (vec![bf16::ZERO; t * qh * d], vec![bf16::ZERO; t * qh * d]);
-    split_q_gate(&bv(qg), t, qh, d, &mut q_raw, &mut gate);
-    let mut q = vec![bf16::ZERO; t * qh * d];
-    rms_norm(&q_raw, &bv(qn), d, a.eps, &mut q);
-    apply_rope(&mut q, t, qh, d, a.rot, a.pos0, a.theta);
-    let mut kr = vec![bf16::ZERO; t * kvh * d];
-    rms_norm(&bv(k), &bv(kn), d, a.eps, &mut kr);
-    apply_rope(&mut kr, t, kvh, d, a.rot, a.pos0, a.theta);
-    (q, gate, kr)
+/// Random `qk_norm_rope` inputs of `tokens` rows (q|gate, k, v, q_norm, k_norm, drawn in that
+/// order) on the host and the device, the 16:2 x 256 shapes with 64 rotary dims and theta 1e7.
+struct QkInputs {
+    tokens: usize,
+    host: [Vec<u16>; 5],
+    dev: [cudarc::driver::CudaSlice<u16>; 5],
+}
+
+const QK_SHAPE: (usize, usize, usize, usize, f32) = (16, 2, 256, 64, 1e7);
+
+impl QkInputs {
+    fn new(c: &CudaContext, r: &mut R, tokens: usize) -> Self {
+        let (qh, kvh, d, _, _) = QK_SHAPE;
+        let host = [
+            bfv(r, tokens * qh * 2 * d, 2.0),
+            bfv(r, tokens * kvh * d, 2.0),
+            bfv(r, tokens * kvh * d, 2.0),
+            bfv(r, d, 0.5),
+            bfv(r, d, 0.5),
+        ];
+        let dev = host.clone().map(|h| c.upload(&h).unwrap());
+        QkInputs { tokens, host, dev }
+    }
+    /// Host positions pos0.. through `table`.
+    fn args<'a>(&'a self, table: &'a cudarc::driver::CudaSlice<i32>, pos0: usize) -> QkRopeArgs<'a> {
+        let (qh, kvh, d, rot, theta) = QK_SHAPE;
+        let [qg, k, v, q_norm, k_norm] = &self.dev;
+        QkRopeArgs {
+            qg,
+            k,
+            v,
+            q_norm,
+            k_norm,
+            tokens: self.tokens,
+            pos0,
+            q_heads: qh,
+            kv_heads: kvh,
+            head_dim: d,
+            rot,
+            theta,
+            eps: 1e-6,
+            pos_dev: None,
+            table,
+            table_stride: 0,
+        }
+    }
+    /// The CPU reference for `a` (host positions): q split from its gate, per-head zero-centred
+    /// RMSNorm, then rotate-half RoPE, on q and k. Returns (q, gate, k).
+    fn reference(&self, a: &QkRopeArgs) -> (Vec<bf16>, Vec<bf16>, Vec<bf16>) {
+        let (t, qh, kvh, d) = (a.tokens, a.q_heads, a.kv_heads, a.head_dim);
+        let [qg, k, _, qn, kn] = &self.host;
+        let (mut q_raw, mut gate) = (vec![bf16::ZERO; t * qh * d], vec![bf16::ZERO; t * qh * d]);
+        split_q_gate(&bv(qg), t, qh, d, &mut q_raw, &mut gate);
+        let mut q = vec![bf16::ZERO; t * qh * d];
+        rms_norm(&q_raw, &bv(qn), d, a.eps, &mut q);
+        apply_rope(&mut q, t, qh, d, a.rot, a.pos0, a.theta);
+        let mut kr = vec![bf16::ZERO; t * kvh * d];
+        rms_norm(&bv(k), &bv(kn), d, a.eps, &mut kr);
+        apply_rope(&mut kr, t, kvh, d, a.rot, a.pos0, a.theta);
+        (q, gate, kr)
+    }
 }
 
 /// Decode attention over a paged cache. `qk_norm_rope` = `cpu::attention::split_q_gate`,
@@ -41,7 +84,7 @@ fn qk_rope_reference(
 fn attention_decode_matches_reference() {
     let c = ctx();
     let mut r = rng(10);
-    let (qh, kvh, d, rot, theta) = (16usize, 2usize, 256usize, 64usize, 1e7f32);
+    let (qh, kvh, d, _, _) = QK_SHAPE;
     let row = kvh * d;
     for (pos0, tokens, split) in
         [(0usize, 1usize, 64usize), (37, 1, 16), (1000, 1, 64), (300, 3, 128), (4095, 1, 64), (254, 3, 16)]
@@ -54,44 +97,17 @@ fn attention_decode_matches_reference() {
         let mut kc = bfv(&mut r, max_seq * row, 1.0);
         let mut vc = bfv(&mut r, max_seq * row, 1.0);
         let (kfill, vfill) = (bfv(&mut r, cache_len, 1.0), bfv(&mut r, cache_len, 1.0));
-        let qg = bfv(&mut r, tokens * qh * 2 * d, 2.0);
-        let k = bfv(&mut r, tokens * row, 2.0);
-        let v = bfv(&mut r, tokens * row, 2.0);
-        let qn = bfv(&mut r, d, 0.5);
-        let kn = bfv(&mut r, d, 0.5);
-        let (dqg, dk, dv, dqn, dkn) = (
-            c.upload(&qg).unwrap(),
-            c.upload(&k).unwrap(),
-            c.upload(&v).unwrap(),
-            c.upload(&qn).unwrap(),
-            c.upload(&kn).unwrap(),
-        );
+        let inp = QkInputs::new(&c, &mut r, tokens);
+        let v = &inp.host[2];
         let dtable = c.upload(&table).unwrap();
         let mut dkc = c.upload(&page(&kc, row, &table, &kfill)).unwrap();
         let mut dvc = c.upload(&page(&vc, row, &table, &vfill)).unwrap();
         let mut q = c.upload(&vec![POISON; tokens * qh * d]).unwrap();
-        let a = QkRopeArgs {
-            qg: &dqg,
-            k: &dk,
-            v: &dv,
-            q_norm: &dqn,
-            k_norm: &dkn,
-            tokens,
-            pos0,
-            q_heads: qh,
-            kv_heads: kvh,
-            head_dim: d,
-            rot,
-            theta,
-            eps: 1e-6,
-            pos_dev: None,
-            table: &dtable,
-            table_stride: 0,
-        };
+        let a = inp.args(&dtable, pos0);
         c.qk_norm_rope(&a, &mut q, &mut dkc, &mut dvc).unwrap();
-        let (want_q, gate, kr) = qk_rope_reference(&a, &qg, &k, &qn, &kn);
+        let (want_q, gate, kr) = inp.reference(&a);
         kc[pos0 * row..(pos0 + tokens) * row].copy_from_slice(&bits(&kr));
-        vc[pos0 * row..(pos0 + tokens) * row].copy_from_slice(&v);
+        vc[pos0 * row..(pos0 + tokens) * row].copy_from_slice(v);
         let gq = c.download(&q).unwrap();
         close(&format!("q rope pos {pos0}"), &gq, &wf(&want_q));
         let (pk, pv) = (c.download(&dkc).unwrap(), c.download(&dvc).unwrap());
@@ -119,7 +135,7 @@ fn attention_decode_matches_reference() {
         let mut out = c.upload(&vec![POISON; tokens * qh * d]).unwrap();
         let aa = AttnArgs {
             q: &q,
-            qg: &dqg,
+            qg: &inp.dev[0],
             k_cache: &dkc,
             v_cache: &dvc,
             tokens,
@@ -223,46 +239,20 @@ fn attention_decode_matches_reference() {
 fn qk_norm_rope_chunk_matches_reference() {
     let c = ctx();
     let mut r = rng(12);
-    let (qh, kvh, d, rot, theta, tokens) = (16usize, 2usize, 256usize, 64usize, 1e7f32, 2048usize);
+    let ((qh, kvh, d, _, _), tokens) = (QK_SHAPE, 2048usize);
     let row = kvh * d;
     for pos0 in [0usize, 6000] {
         let need = (pos0 + tokens).div_ceil(KVB);
         let table = reversed_table(need);
         let fill = bfv(&mut r, (need + 1) * KVB * row, 1.0);
-        let qg = bfv(&mut r, tokens * qh * 2 * d, 2.0);
-        let k = bfv(&mut r, tokens * row, 2.0);
-        let v = bfv(&mut r, tokens * row, 2.0);
-        let (qn, kn) = (bfv(&mut r, d, 0.5), bfv(&mut r, d, 0.5));
-        let (dqg, dk, dv, dqn, dkn) = (
-            c.upload(&qg).unwrap(),
-            c.upload(&k).unwrap(),
-            c.upload(&v).unwrap(),
-            c.upload(&qn).unwrap(),
-            c.upload(&kn).unwrap(),
-        );
+        let inp = QkInputs::new(&c, &mut r, tokens);
+        let v = &inp.host[2];
         let dtable = c.upload(&table).unwrap();
         let (mut dkc, mut dvc) = (c.upload(&fill).unwrap(), c.upload(&fill).unwrap());
         let mut q = c.upload(&vec![POISON; tokens * qh * d]).unwrap();
-        let a = QkRopeArgs {
-            qg: &dqg,
-            k: &dk,
-            v: &dv,
-            q_norm: &dqn,
-            k_norm: &dkn,
-            tokens,
-            pos0,
-            q_heads: qh,
-            kv_heads: kvh,
-            head_dim: d,
-            rot,
-            theta,
-            eps: 1e-6,
-            pos_dev: None,
-            table: &dtable,
-            table_stride: 0,
-        };
+        let a = inp.args(&dtable, pos0);
         c.qk_norm_rope(&a, &mut q, &mut dkc, &mut dvc).unwrap();
-        let (want_q, _, kr) = qk_rope_reference(&a, &qg, &k, &qn, &kn);
+        let (want_q, _, kr) = inp.reference(&a);
         let (gq, pk, pv) = (c.download(&q).unwrap(), c.download(&dkc).unwrap(), c.download(&dvc).unwrap());
         close(&format!("q rope chunk pos {pos0}"), &gq, &wf(&want_q));
         // the chunk's rows through the table; every other cache row untouched
@@ -270,7 +260,7 @@ fn qk_norm_rope_chunk_matches_reference() {
         let gk = unpage(&pk, row, &table, pos0 + tokens);
         close(&format!("k cache chunk pos {pos0}"), &gk[pos0 * row..], &wf(&kr));
         kc[pos0 * row..].copy_from_slice(&gk[pos0 * row..]);
-        vc[pos0 * row..].copy_from_slice(&v);
+        vc[pos0 * row..].copy_from_slice(v);
         assert_eq!(pk, page(&kc, row, &table, &fill), "k cache: rows outside the chunk untouched");
         assert_eq!(pv, page(&vc, row, &table, &fill), "v cache (paged)");
         eprintln!("qk_norm_rope chunk pos {pos0}: bits {:016x}", digest(&gq) ^ digest(&pk).rotate_left(1));
