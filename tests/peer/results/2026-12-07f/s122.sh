@@ -12,7 +12,7 @@ unpack_builds x45
 unpack_as FN ffin47
 unpack_as K kfin47
 exec > >(tee "$OUT/summary.txt") 2>&1
-kernel_tests kf "$K/kernels" moe_sort moe_route_sort moe_prefill conv1d_chunk | grep -E "PERF (moe_sort|moe_route|conv)|rc=|result"
+kernel_tests kf "$K/kernels" moe_sort moe_route_sort moe_prefill conv1d_chunk attention_decode qk_norm_rope_chunk | grep -E "PERF|rc=|result"
 echo "at ${SECONDS}s"
 synth_at shallow fp8 "$C/shallow-fp8"
 t1=$SECONDS
