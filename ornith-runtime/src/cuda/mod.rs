@@ -92,8 +92,8 @@ pub enum Pdl {
     All,
 }
 
-/// The mode a context starts in (measured on the H200 by `ornith-bench`'s PDL columns,
-/// docs/PERF.md).
+/// The mode a context starts in (measured on the H200 by `ornith-bench`'s PDL columns, from
+/// docs/PERF-2026-11.md's seventh session on).
 pub const DEFAULT_PDL: Pdl = Pdl::Weights;
 
 impl Pdl {
@@ -497,8 +497,8 @@ impl CudaContext {
 
     /// [`Self::new`], telling `note` when loading the modules takes long: the driver compiles the
     /// PTX for the GPU at the first start after an install or a driver update (about 25 s on the
-    /// H200's host, nearly all of it `gemv`; docs/PERF.md) and serves later starts from its
-    /// compute cache (`~/.nv/ComputeCache`) in well under a second.
+    /// H200's host, nearly all of it `gemv`; docs/PERF-2026-12-early.md, twelfth session) and
+    /// serves later starts from its compute cache (`~/.nv/ComputeCache`) in well under a second.
     pub fn with_notes(ordinal: usize, note: impl Fn(&str) + Send + Sync + 'static) -> Result<Self> {
         let ctx = std::panic::catch_unwind(|| DriverContext::new(ordinal))
             .map_err(|_| anyhow!("cannot load the CUDA driver library (libcuda.so): is an NVIDIA driver installed?"))?

@@ -19,7 +19,8 @@
 //! event-timed profile (whose brackets add a few µs per launch to the fixed part).
 //!
 //! The bandwidth: 273 GB/s is the GB10's specification; 231–240 GB/s is what others measure it
-//! streaming (docs/PERF.md); `ornith-bench --spark-gb-s` defaults to 240.
+//! streaming (docs/DESIGN.md, "The DGX Spark estimate's bandwidth", with the sources);
+//! `ornith-bench --spark-gb-s` defaults to 240.
 use super::profile::KernelSummary;
 
 /// A step's Spark estimate (see the module doc).
