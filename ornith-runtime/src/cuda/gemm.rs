@@ -280,7 +280,7 @@ impl CudaContext {
     /// 96: `gemm_fp8_grouped_96`, [`grouped_fp8_tile_rows`]; each expert's last one partial),
     /// counted on the device, taken by the resident blocks. Bytes count every expert's weights
     /// once (all are read when the chunk is long).
-    pub(crate) fn k_gemm_grouped(&self, mut p: OrnithGemmParams, tile_rows: usize) -> Result<()> {
+    pub(crate) fn k_gemm_grouped(&self, p: OrnithGemmParams, tile_rows: usize) -> Result<()> {
         ensure!(
             p.rows > 0 && p.out > 0 && p.in_ > 0 && p.in_ % 16 == 0 && p.groups > 0,
             "gemm_grouped: rows {}, in {} (a multiple of 16), out {}, groups {}",
@@ -298,16 +298,27 @@ impl CudaContext {
         // Tile indices (row tiles x column tiles) inside int32.
         i32of("gemm_grouped tiles", (rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows)) * out.div_ceil(GEMM_TILE))?;
         let bytes = g * (out * in_ + out * 4) + rows * (in_ + 4 + out * 2);
-        // One kernel per tile height, in GROUPED_TILE_HEIGHTS' order (FP8: the first two); its tiles
-        // are counted by moe_sort's prefix of that height.
-        const KERNELS: [&str; 2] = ["gemm_fp8_grouped", "gemm_fp8_grouped_96"];
-        let Some(h) = grouped_height_index(tile_rows).filter(|&h| h < KERNELS.len()) else {
-            anyhow::bail!("gemm_grouped: {tile_rows}-row tiles (64 or 96)")
+        self.launch_grouped(&["gemm_fp8_grouped", "gemm_fp8_grouped_96"], tile_rows, p, bytes as u64)
+    }
+
+    /// Launches the grouped GEMM for `tile_rows`-row tiles: `kernels` holds one kernel per tile
+    /// height, in [`GROUPED_TILE_HEIGHTS`]' order (a prefix of it: the heights the precision has);
+    /// the chosen kernel counts its tiles in moe_sort's prefix of that height (`p.tile_offsets`
+    /// advanced to it, see [`tile_offsets_len`]).
+    pub(crate) fn launch_grouped(
+        &self,
+        kernels: &[&'static str],
+        tile_rows: usize,
+        mut p: OrnithGemmParams,
+        bytes: u64,
+    ) -> Result<()> {
+        let Some(h) = grouped_height_index(tile_rows).filter(|&h| h < kernels.len()) else {
+            anyhow::bail!("{}: {tile_rows}-row tiles (one of {:?})", kernels[0], &GROUPED_TILE_HEIGHTS[..kernels.len()])
         };
-        let name = KERNELS[h];
-        p.tile_offsets = p.tile_offsets.wrapping_add(h * (g + 1));
+        let name = kernels[h];
+        p.tile_offsets = p.tile_offsets.wrapping_add(h * (p.groups as usize + 1));
         let grid = self.gemm_grid(name, None);
-        self.launch(Launch::new(name, grid, gemm_threads(name), bytes as u64).smem(gemm_smem(name)), p)
+        self.launch(Launch::new(name, grid, gemm_threads(name), bytes).smem(gemm_smem(name)), p)
     }
 
     /// Per-row FP8 quantisation with compressed-tensors semantics (`cpu::fp8::quantize_act_row`)

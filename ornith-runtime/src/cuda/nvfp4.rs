@@ -7,9 +7,7 @@
 //! (`ornith_kernels.h` states the math).
 //!
 //! One launcher per kernel (see [`super`]), then the slice-based wrappers the kernel tests call.
-use super::gemm::{
-    gemm_rows, gemm_smem, gemm_threads, grouped_height_index, GEMM_GROUPED_ROWS, GEMM_TILE, GROUPED_TILE_HEIGHTS,
-};
+use super::gemm::{gemm_rows, gemm_smem, gemm_threads, GEMM_GROUPED_ROWS, GEMM_TILE, GROUPED_TILE_HEIGHTS};
 use super::moe::MoeGroups;
 use super::{aligned, i32of, need, CudaContext, Launch, Ptr};
 use anyhow::{ensure, Result};
@@ -344,24 +342,16 @@ impl CudaContext {
     /// tile-offset prefixes): `gemm_nvfp4_grouped` in 64-row tiles as `k_gemm_grouped`, or
     /// `gemm_nvfp4_grouped_96` / `_128` in 96- / 128-row tiles (`tile_rows`, chosen by
     /// [`super::gemm::grouped_tile_rows`]; the same bits). Bytes count every expert's weights once.
-    pub(crate) fn k_gemm_nvfp4_grouped(&self, mut p: OrnithGemmParams, tile_rows: usize) -> Result<()> {
+    pub(crate) fn k_gemm_nvfp4_grouped(&self, p: OrnithGemmParams, tile_rows: usize) -> Result<()> {
         let w = Self::gemm_nvfp4_checks(&p)?;
         ensure!(!p.group_offsets.is_null() && !p.tile_offsets.is_null(), "gemm_nvfp4_grouped needs moe_sort's groups");
         let (rows, in_, out, g) = (p.rows as usize, p.in_ as usize, p.out as usize, p.groups as usize);
         ensure!(out.is_multiple_of(w.tab_rows), "gemm_nvfp4_grouped: {} rows per table for {out} rows", w.tab_rows);
         i32of("gemm_nvfp4_grouped tiles", (rows.div_ceil(GEMM_GROUPED_ROWS) + g.min(rows)) * out.div_ceil(GEMM_TILE))?;
         let bytes = g * fp4_bytes(in_, out, out / w.tab_rows) + rows * (in_ + out) * 2;
-        // One kernel per tile height, in GROUPED_TILE_HEIGHTS' order; its tiles are counted by
-        // moe_sort's prefix of that height.
         const KERNELS: [&str; GROUPED_TILE_HEIGHTS.len()] =
             ["gemm_nvfp4_grouped", "gemm_nvfp4_grouped_96", "gemm_nvfp4_grouped_128"];
-        let Some(h) = grouped_height_index(tile_rows) else {
-            anyhow::bail!("gemm_nvfp4_grouped: {tile_rows}-row tiles (64, 96 or 128)")
-        };
-        let name = KERNELS[h];
-        p.tile_offsets = p.tile_offsets.wrapping_add(h * (g + 1));
-        let grid = self.gemm_grid(name, None);
-        self.launch(Launch::new(name, grid, gemm_threads(name), bytes as u64).smem(gemm_smem(name)), p)
+        self.launch_grouped(&KERNELS, tile_rows, p, bytes as u64)
     }
 
     /// `y` (bf16 `[out, in]`) = the dequantised weight (nvfp4.cu).
