@@ -101,6 +101,17 @@ pub fn stamped_digest(ptx: &str) -> Option<&str> {
     ptx.lines().next()?.strip_prefix(STAMP_PREFIX).map(str::trim)
 }
 
+/// The file name of a cubin assembled from `ptx(arch, module)` (`cargo xtask cubin`), which
+/// `ORNITH_CUBIN_DIR` serves to the runtime in place of the driver's JIT of that PTX (a test
+/// machine's first start JITs every module, ~100 s on the device hosts): arch, module stem and the
+/// first 16 hex digits of the sha256 of the PTX text itself, so a cubin is only ever found for the
+/// exact PTX it was assembled from.
+pub fn cubin_name(arch: Arch, module: Module) -> String {
+    let d = Sha256::digest(ptx(arch, module).as_bytes());
+    let hex: String = d.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    format!("{}-{}-{hex}.cubin", arch.name(), module.stem())
+}
+
 /// `kernels/cuda/*.cu`, sorted.
 pub fn cuda_sources(kernels_dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(kernels_dir.join("cuda"))?
@@ -216,6 +227,23 @@ mod tests {
             }
         }
         assert!(entries >= 2 * Module::ALL.len(), "found only {entries} entry points");
+    }
+
+    /// Cubin names are `<arch>-<stem>-<16 hex digits>.cubin`, the digests distinct across the PTX texts.
+    #[test]
+    fn cubin_names_are_per_ptx() {
+        let mut names = std::collections::HashSet::new();
+        for a in Arch::ALL {
+            for m in Module::ALL {
+                let n = cubin_name(a, m);
+                let hex = n
+                    .strip_prefix(&format!("{}-{}-", a.name(), m.stem()))
+                    .and_then(|r| r.strip_suffix(".cubin"))
+                    .unwrap_or_else(|| panic!("{n}: not <arch>-<stem>-<digest>.cubin"));
+                assert!(hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()), "{n}: digest");
+                assert!(names.insert(hex.to_string()), "{a:?} {m:?}: two PTX texts with one digest");
+            }
+        }
     }
 
     /// The digest changes with any byte of the sources.

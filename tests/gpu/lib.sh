@@ -1,6 +1,9 @@
 # Shared by the H200 scripts (run_h200.sh, variants.sh): sourced, never run.
 # unpack_builds NAME: sets src (.gpu/NAME), G (the unpacked binaries), C (checkpoints), OUT (logs;
-# $OUT if set), unpacks every .gpu/NAME/*.xz into $G and prints the build's commit and the GPU.
+# $OUT if set), unpacks every .gpu/NAME/*.xz into $G and prints the build's commit and the GPU; a
+# build's cubins (cubin_sm_90.tar, `cargo xtask cubin`) go to /tmp/ornith-cubin, shared by every
+# build (named by their PTX's digest), and ORNITH_CUBIN_DIR points there, so no binary JIT-compiles
+# a module whose cubin came with its build (JIT=1 before sourcing: none used, the driver JITs all).
 # unpack_as VAR NAME: the same for a second build, its directory in VAR and G unchanged.
 # unxz_to FILE.xz DEST: one xz-compressed binary, executable. synth_at PRESET Q DIR: a preset in
 # export Q (fp8 or nvfp4) synthesised at DIR, logged and timed. synth_full: the full preset's FP8
@@ -25,6 +28,10 @@ unpack_builds() {
     src=.gpu/$1; G=/tmp/ornith-gpu/$1; C=/tmp/ornith-ck; OUT=${OUT:-/tmp/ornith-out}
     mkdir -p "$G" "$C" "$OUT"
     for f in "$src"/*.xz; do unxz_to "$f" "$G/$(basename "$f" .xz)"; done
+    if [ -f "$G/cubin_sm_90.tar" ] && [ "${JIT:-0}" != 1 ]; then
+        mkdir -p /tmp/ornith-cubin && tar xf "$G/cubin_sm_90.tar" -C /tmp/ornith-cubin
+        export ORNITH_CUBIN_DIR=/tmp/ornith-cubin
+    fi
     echo "commit $(cat "$src/COMMIT" 2>/dev/null)"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 }
 unpack_as() {  # VAR NAME: unpack_builds NAME and set VAR to its binaries' directory, G left as it

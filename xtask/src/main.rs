@@ -51,6 +51,14 @@ enum Cmd {
     Tokenizer { dir: PathBuf },
     /// Compile kernels/cuda/*.cu to committed PTX (sm_90, sm_121); needs nvcc (NVCC or PATH).
     Ptx,
+    /// Assemble the committed PTX of ARCH (sm_90 or sm_121) into cubins in OUT with ptxas, for a
+    /// test machine's ORNITH_CUBIN_DIR (no JIT of the PTX at its first start).
+    Cubin {
+        #[arg(long, default_value = "sm_90")]
+        arch: String,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Regenerate kernels/src/bindings.rs from the shared C header; needs libclang.
     Bindgen,
 }
@@ -95,6 +103,12 @@ fn run(cmd: Cmd) -> Result<()> {
         Cmd::Expand { spec } => xtask::expand::run(spec.as_deref(), &xtask::gen::workspace_root())?,
         Cmd::Tokenizer { dir } => xtask::tokenizer::write_tokenizer_files(&dir)?,
         Cmd::Ptx => xtask::ptx::run_ptx(&workspace_root())?,
+        Cmd::Cubin { arch, out } => {
+            let Some(arch) = ornith_kernels::Arch::ALL.into_iter().find(|a| a.name() == arch) else {
+                anyhow::bail!("--arch {arch}: one of sm_90, sm_121");
+            };
+            xtask::ptx::run_cubin(arch, &out)?;
+        }
         #[cfg(feature = "bindgen")]
         Cmd::Bindgen => xtask::bindgen::run_bindgen(&workspace_root())?,
         #[cfg(not(feature = "bindgen"))]

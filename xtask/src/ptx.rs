@@ -122,3 +122,26 @@ fn which(p: &Path) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path).map(|d| d.join(p)).find(|c| c.exists())
 }
+
+/// `cargo xtask cubin`: assemble the PTX this xtask was built with (the committed PTX of its tree,
+/// which the same tree's `ornith` binaries embed) for `arch` with `ptxas` (PTXAS, or next to nvcc
+/// on PATH) into `out/<ornith_kernels::cubin_name>`. A test machine given that directory as
+/// `ORNITH_CUBIN_DIR` loads these instead of JIT-compiling each module's PTX on its first start.
+/// Returns the files written.
+pub fn run_cubin(arch: ornith_kernels::Arch, out: &Path) -> Result<Vec<PathBuf>> {
+    let nvcc_abs = which(&tool("NVCC", "nvcc", None));
+    let ptxas = tool("PTXAS", "ptxas", nvcc_abs.as_deref());
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let mut written = Vec::new();
+    for m in ornith_kernels::Module::ALL {
+        let ptx = out.join(format!(".{}-{}.ptx", arch.name(), m.stem()));
+        std::fs::write(&ptx, ornith_kernels::ptx(arch, m)).with_context(|| format!("writing {}", ptx.display()))?;
+        let dst = out.join(ornith_kernels::cubin_name(arch, m));
+        let r = run(Command::new(&ptxas).arg(format!("-arch={}", arch.name())).arg("-o").arg(&dst).arg(&ptx));
+        std::fs::remove_file(&ptx).ok();
+        r?;
+        eprintln!("cubin: {} {} -> {}", arch.name(), m.stem(), dst.display());
+        written.push(dst);
+    }
+    Ok(written)
+}

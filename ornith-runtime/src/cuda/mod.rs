@@ -483,6 +483,25 @@ impl Drop for SlowNote {
     }
 }
 
+/// Environment variable naming a directory of cubins assembled by `cargo xtask cubin` from this
+/// binary's PTX (test machines: a first start otherwise JIT-compiles every module). A module whose
+/// cubin is absent, unreadable or refused by the driver is compiled from its PTX as usual.
+pub const CUBIN_DIR_ENV: &str = "ORNITH_CUBIN_DIR";
+
+/// The cubin of module `m` for `arch` in `dir` (named by [`ornith_kernels::cubin_name`], so only a
+/// cubin assembled from exactly the PTX this binary embeds), if the file exists.
+fn cubin_path(dir: &std::path::Path, arch: Arch, m: Module) -> Option<std::path::PathBuf> {
+    Some(dir.join(ornith_kernels::cubin_name(arch, m))).filter(|p| p.is_file())
+}
+
+/// The module in the cubin at `p`, or `None` after saying why not (the caller compiles the PTX).
+fn load_cubin(ctx: &Arc<DriverContext>, p: &std::path::Path, note: &Note) -> Option<Arc<CudaModule>> {
+    let loaded = std::fs::read(p)
+        .map_err(anyhow::Error::from)
+        .and_then(|bytes| Ok(ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bytes))?));
+    loaded.map_err(|e| note(&format!("cannot load {} ({e:#}); compiling its PTX instead", p.display()))).ok()
+}
+
 /// A kernel parameter struct passed by value.
 #[repr(transparent)]
 pub(crate) struct Param<T>(pub T);
@@ -511,6 +530,7 @@ impl CudaContext {
         // A stream of our own, not the legacy default stream, which cannot be captured into a
         // CUDA graph (the decode step is captured once and replayed).
         let stream = ctx.new_stream().with_context(|| format!("creating a stream on '{name}'"))?;
+        let note: Note = Arc::new(note);
         let compiling = SlowNote::start(
             std::time::Duration::from_secs(3),
             format!(
@@ -518,15 +538,23 @@ impl CudaContext {
                  driver update (under a minute) and caches the result",
                 arch.name()
             ),
-            Arc::new(note),
+            note.clone(),
         );
+        let cubins = std::env::var_os(CUBIN_DIR_ENV).map(std::path::PathBuf::from);
+        let mut from_cubin = 0;
         let mut modules = Vec::new();
         let mut funcs = HashMap::new();
         for (m, names) in KERNELS {
-            let ptx = ornith_kernels::ptx(arch, m);
-            let module = ctx
-                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-                .with_context(|| format!("loading {} PTX module {} on '{name}'", arch.name(), m.stem()))?;
+            let cubin = cubins.as_deref().and_then(|d| cubin_path(d, arch, m));
+            let module = match cubin.and_then(|p| load_cubin(&ctx, &p, &note)) {
+                Some(module) => {
+                    from_cubin += 1;
+                    module
+                }
+                None => ctx
+                    .load_module(cudarc::nvrtc::Ptx::from_src(ornith_kernels::ptx(arch, m)))
+                    .with_context(|| format!("loading {} PTX module {} on '{name}'", arch.name(), m.stem()))?,
+            };
             for n in names.iter().copied() {
                 let f = module.load_function(n).with_context(|| format!("kernel {n} missing from {}", m.stem()))?;
                 funcs.insert(n, f);
@@ -534,6 +562,14 @@ impl CudaContext {
             modules.push(module);
         }
         compiling.done(|s| format!("CUDA kernels ready after {s:.0} s"));
+        if let Some(d) = &cubins {
+            note(&format!(
+                "{from_cubin} of {} kernel modules loaded from cubins in {} ({CUBIN_DIR_ENV}), the rest JIT-compiled \
+                 from their PTX",
+                KERNELS.len(),
+                d.display()
+            ));
+        }
         let sms = ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let sms = sms.max(1) as u32;
         // Blocks of kernel `n` (`threads` each, `smem` bytes of dynamic shared memory, opted into
@@ -885,5 +921,29 @@ mod gemv_tc_tests {
             assert_eq!(gemv_tc_ksplit(in_, out, MOE_TARGET_WARPS), ks, "{in_} x {out}");
             assert_eq!(moe_tc_blocks(in_, out), blocks, "{in_} x {out}");
         }
+    }
+}
+
+#[cfg(test)]
+mod cubin_tests {
+    use super::*;
+
+    /// `ORNITH_CUBIN_DIR` finds a module's cubin only under the name of this binary's own PTX:
+    /// present for the module written, absent for another module, another arch, or a cubin of
+    /// other PTX (a stale file of the same module).
+    #[test]
+    fn cubin_path_finds_only_this_ptx() {
+        let dir = std::env::temp_dir().join(format!("ornith-cubin-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join(ornith_kernels::cubin_name(Arch::Sm90, Module::Gemm)), b"x").unwrap();
+        std::fs::write(dir.join("sm_90-norm-0000000000000000.cubin"), b"x").unwrap();
+        assert_eq!(
+            cubin_path(&dir, Arch::Sm90, Module::Gemm),
+            Some(dir.join(ornith_kernels::cubin_name(Arch::Sm90, Module::Gemm)))
+        );
+        assert_eq!(cubin_path(&dir, Arch::Sm121, Module::Gemm), None);
+        assert_eq!(cubin_path(&dir, Arch::Sm90, Module::Gemv), None);
+        assert_eq!(cubin_path(&dir, Arch::Sm90, Module::Norm), None);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
