@@ -3,14 +3,14 @@
 # Builds (x86 host, not committed; every build carries its cubins, so nothing here JIT-compiles
 # PTX except the one run that measures the driver's JIT on purpose):
 #   h48  HEAD (this session's last commit):    BINS="bench_full xtask" tests/gpu/build.sh h48
-#   w48  HEAD + next_w47.patch, `cargo xtask ptx` (and `cargo run -q -p xtask --features bindgen
-#        -- bindgen`, or check that kernels/src/bindings.rs matches the patch):
-#                                               BINS="kernels" tests/gpu/build.sh w48
+#   w48  HEAD + next_w47.patch + next_conv4.patch, `cargo xtask ptx` (the patch carries
+#        kernels/src/bindings.rs as bindgen writes it):  BINS="kernels" tests/gpu/build.sh w48
 #        = moe_sort's staging decided by the launcher alone (the kernel reads its window from
 #        %dynamic_smem_size), staged up to 65,536 rows in 32,768-row windows (8,192-token steps);
 #        swiglu_quant_ct holding rows of <= 512 values in registers (silu once per value);
 #        moe_combine_prefill with 8 columns per thread; new kernel tests moe_combine_prefill and
-#        swiglu_quant_ct; gdn_chunked_matches_reference prints a digest of o and the state
+#        swiglu_quant_ct; gdn_chunked_matches_reference prints a digest of o and the state;
+#        conv1d_silu_chunk with four channels per thread where channels and stride allow
 #   s48  w48 + next_s47.patch, `cargo xtask ptx`: BINS="kernels test_shallow bench_full" tests/gpu/build.sh s48
 #        = gdn_chunk_scan in four warps with 4 x 4 thread tiles (X|Y, S') and 2 x 4 (Vn, O)
 # Carry: .gpu/h48 .gpu/w48 .gpu/s48 (~21 MB with the ~33 MB tree).
@@ -59,7 +59,7 @@ if [ -f "$C/full/config.json" ]; then
     [ $SECONDS -lt 500 ] && BENCH_TIMEOUT=75 bench s_2 "$S/bench_full" "$C/full" $A
     for f in "$OUT"/bench_*.err; do
         echo "$(basename "$f"): $(grep -E "kernels ready|from cubins" "$f" | tr '\n' ' ' | cut -c1-160)"
-        echo "   $(grep -E "^ +(moe_sort|swiglu_quant_ct|moe_combine_prefill|gdn_chunk_scan|gdn_chunk_prep) " "$f" | tr -s ' ' | tr '\n' ';')"
+        echo "   $(grep -E "^ +(moe_sort|swiglu_quant_ct|moe_combine_prefill|gdn_chunk_scan|gdn_chunk_prep|conv1d_silu_chunk) " "$f" | tr -s ' ' | tr '\n' ';')"
     done
 fi
 echo "total ${SECONDS}s"
