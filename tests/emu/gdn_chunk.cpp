@@ -1,0 +1,90 @@
+// Runs one version of kernels/cuda/gdn_chunk.cu (gdn_chunk_prep, then gdn_chunk_scan) under the CPU
+// emulation (emu.h) on a fixed random input: 2 k-heads, 4 v-heads of 128, `tokens` tokens (argv[1])
+// from a random state, and writes o (bf16) then the final state (fp32) to argv[2]. Built by
+// compare_gdn_chunk.sh with KFILE naming the kernel file (next to a common.cuh that includes emu.h).
+#include KFILE
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#ifndef GS_THREADS
+#define GS_THREADS 256  // the scan's block before it was named
+#endif
+thread_local Dim3 threadIdx;
+Dim3 blockIdx, gridDim, blockDim;
+std::barrier<> *g_block_bar;
+std::barrier<> *g_warp_bar[32];
+float g_shfl[32][32];
+alignas(16) uint8_t smem_raw[200000];
+
+// Every block of the grid in turn, `threads` std::threads each; shared memory filled with 0xff
+// (NaN as fp32) first, so a read of an entry the block did not write shows in the outputs.
+static void launch(void (*k)(OrnithGdnParams), OrnithGdnParams p, Dim3 grid, unsigned threads) {
+    gridDim = grid;
+    blockDim = {threads, 1, 1};
+    for (unsigned by = 0; by < grid.y; by++)
+        for (unsigned bx = 0; bx < grid.x; bx++) {
+            blockIdx = {bx, by, 0};
+            std::barrier<> bb(threads);
+            std::vector<std::barrier<> *> wb;
+            for (unsigned w = 0; w < threads / 32; w++) {
+                wb.push_back(new std::barrier<>(32));
+                g_warp_bar[w] = wb.back();
+            }
+            g_block_bar = &bb;
+            memset(smem_raw, 0xff, sizeof smem_raw);
+            std::vector<std::thread> ts;
+            for (unsigned t = 0; t < threads; t++) ts.emplace_back([=] { threadIdx = {t, 0, 0}; k(p); });
+            for (auto &t : ts) t.join();
+            for (auto *b : wb) delete b;
+        }
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3) {
+        fprintf(stderr, "usage: %s TOKENS OUT\n", argv[0]);
+        return 2;
+    }
+    const int tokens = atoi(argv[1]), hk = 2, hv = 4, d = 128;
+    const int kdim = hk * d, stride = 2 * kdim + hv * d + 8;  // q | k | v, then padding
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> u(-1.f, 1.f);
+    std::vector<uint16_t> qkv((size_t)tokens * stride), ba((size_t)tokens * 2 * hv), dtb(hv);
+    for (auto &x : qkv) x = f2bf(u(rng));
+    for (auto &x : ba) x = f2bf(3.f * u(rng));
+    for (auto &x : dtb) x = f2bf(u(rng));
+    std::vector<float> alog(hv), state((size_t)hv * d * d);
+    for (auto &x : alog) x = logf(1.f + 8.f * (u(rng) + 1.f));
+    for (auto &x : state) x = 0.5f * u(rng);
+    const int nch = (tokens + 63) / 64;
+    std::vector<float> work((size_t)hv * nch * ORNITH_GDN_WORK_PER_CHUNK, NAN);
+    std::vector<uint16_t> o((size_t)tokens * hv * d, 0xffff);
+    OrnithGdnParams p{};
+    p.qkv = qkv.data();
+    p.ba = ba.data();
+    p.a_log = alog.data();
+    p.dt_bias = dtb.data();
+    p.state = state.data();
+    p.o = o.data();
+    p.tokens = tokens;
+    p.k_heads = hk;
+    p.v_heads = hv;
+    p.qkv_stride = stride;
+    p.ba_stride = 2 * hv;
+    p.a_offset = hv;
+    p.work = work.data();
+    launch(gdn_chunk_prep, p, {(unsigned)nch, (unsigned)hv, 1}, 256);
+    launch(gdn_chunk_scan, p, {(unsigned)hv, 128 / 16, 1}, GS_THREADS);
+    FILE *f = fopen(argv[2], "wb");
+    if (!f) return 1;
+    fwrite(o.data(), 2, o.size(), f);
+    fwrite(state.data(), 4, state.size(), f);
+    fclose(f);
+    double s = 0;
+    size_t bad = 0;
+    for (auto x : o) {
+        const float v = bf2f(x);
+        if (std::isfinite(v)) s += fabs(v); else bad++;
+    }
+    printf("tokens %d: sum |o| %.6f, non-finite o %zu, state[0] %.8f\n", tokens, s, bad, state[0]);
+    return bad ? 1 : 0;
+}
