@@ -16,7 +16,7 @@ trap 'rm -rf "$tmp"' EXIT
 for side in a b; do
     src=${!side}
     mkdir -p "$tmp/$side"
-    if [ -f "$src" ]; then cp "$src" "$tmp/$side/gdn_chunk.cu"; else git show "$src:kernels/cuda/gdn_chunk.cu" > "$tmp/$side/gdn_chunk.cu"; fi
+    if [ -f "$src" ]; then cat "$src"; else git show "$src:kernels/cuda/gdn_chunk.cu"; fi | sed "s/extern __shared__/extern/" > "$tmp/$side/gdn_chunk.cu"
     echo '#include "emu.h"' > "$tmp/$side/common.cuh"
     for fc in off fast; do
         g++ -std=c++20 -O2 -mfma -ffp-contract=$fc -Wno-unknown-pragmas -I tests/emu -I kernels/include \
