@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Whether two versions of kernels/cuda/gdn_chunk.cu give the same bits, on the CPU (tests/emu/README.md):
 #   tests/emu/compare_gdn_chunk.sh A B [TOKENS...]
-# A and B: a git revision (its kernels/cuda/gdn_chunk.cu) or a path to a .cu file. Each is built
-# twice (g++ -ffp-contract=off and =fast: without and with fused multiply-adds, as nvcc contracts
+# A and B: a git revision, or a directory holding kernels/ (a worktree). Each is built twice (g++
+# -ffp-contract=off and =fast: without and with fused multiply-adds, as nvcc contracts
 # `acc += a * b`) and run at each token count (default 1 63 130 200 777); o and the final state
 # must be equal byte for byte. Exit status 0 when every pair is identical.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. tests/emu/lib.sh
 a=${1:?usage: compare_gdn_chunk.sh A B [TOKENS...]}
 b=${2:?usage: compare_gdn_chunk.sh A B [TOKENS...]}
 shift 2
@@ -14,14 +15,8 @@ tokens=${*:-1 63 130 200 777}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 for side in a b; do
-    src=${!side}
-    mkdir -p "$tmp/$side"
-    if [ -f "$src" ]; then cat "$src"; else git show "$src:kernels/cuda/gdn_chunk.cu"; fi | sed "s/extern __shared__/extern/" > "$tmp/$side/gdn_chunk.cu"
-    echo '#include "emu.h"' > "$tmp/$side/common.cuh"
-    for fc in off fast; do
-        g++ -std=c++20 -O2 -mfma -ffp-contract=$fc -Wno-unknown-pragmas -I tests/emu -I kernels/include \
-            -DKFILE="\"$tmp/$side/gdn_chunk.cu\"" -o "$tmp/$side/run_$fc" tests/emu/gdn_chunk.cpp -lpthread
-    done
+    emu_prepare "${!side}" "$tmp/$side"
+    for fc in off fast; do emu_build "$tmp/$side" tests/emu/gdn_chunk.cpp "$tmp/$side/run_$fc" $fc; done
 done
 rc=0
 for t in $tokens; do

@@ -1,43 +1,15 @@
 // Runs one version of kernels/cuda/gdn_chunk.cu (gdn_chunk_prep, then gdn_chunk_scan) under the CPU
 // emulation (emu.h) on a fixed random input: 2 k-heads, 4 v-heads of 128, `tokens` tokens (argv[1])
 // from a random state, and writes o (bf16) then the final state (fp32) to argv[2]. Built by
-// compare_gdn_chunk.sh with KFILE naming the kernel file (next to a common.cuh that includes emu.h).
-#include KFILE
+// compare_gdn_chunk.sh against a version of kernels/cuda prepared by lib.sh's emu_prepare.
+#include "gdn_chunk.cu"
 #include <cstdio>
 #include <cstdlib>
 #include <random>
 #ifndef GS_THREADS
 #define GS_THREADS 256  // the scan's block before it was named
 #endif
-thread_local Dim3 threadIdx;
-Dim3 blockIdx, gridDim, blockDim;
-std::barrier<> *g_block_bar;
-std::barrier<> *g_warp_bar[32];
-float g_shfl[32][32];
-alignas(16) uint8_t smem_raw[200000];
-
-// Every block of the grid in turn, `threads` std::threads each; shared memory filled with 0xff
-// (NaN as fp32) first, so a read of an entry the block did not write shows in the outputs.
-static void launch(void (*k)(OrnithGdnParams), OrnithGdnParams p, Dim3 grid, unsigned threads) {
-    gridDim = grid;
-    blockDim = {threads, 1, 1};
-    for (unsigned by = 0; by < grid.y; by++)
-        for (unsigned bx = 0; bx < grid.x; bx++) {
-            blockIdx = {bx, by, 0};
-            std::barrier<> bb(threads);
-            std::vector<std::barrier<> *> wb;
-            for (unsigned w = 0; w < threads / 32; w++) {
-                wb.push_back(new std::barrier<>(32));
-                g_warp_bar[w] = wb.back();
-            }
-            g_block_bar = &bb;
-            memset(smem_raw, 0xff, sizeof smem_raw);
-            std::vector<std::thread> ts;
-            for (unsigned t = 0; t < threads; t++) ts.emplace_back([=] { threadIdx = {t, 0, 0}; k(p); });
-            for (auto &t : ts) t.join();
-            for (auto *b : wb) delete b;
-        }
-}
+EMU_GLOBALS
 
 int main(int argc, char **argv) {
     if (argc != 3) {
@@ -72,8 +44,8 @@ int main(int argc, char **argv) {
     p.ba_stride = 2 * hv;
     p.a_offset = hv;
     p.work = work.data();
-    launch(gdn_chunk_prep, p, {(unsigned)nch, (unsigned)hv, 1}, 256);
-    launch(gdn_chunk_scan, p, {(unsigned)hv, 128 / 16, 1}, GS_THREADS);
+    emu_launch(gdn_chunk_prep, p, {(unsigned)nch, (unsigned)hv, 1}, 256);
+    emu_launch(gdn_chunk_scan, p, {(unsigned)hv, 128 / 16, 1}, GS_THREADS);
     FILE *f = fopen(argv[2], "wb");
     if (!f) return 1;
     fwrite(o.data(), 2, o.size(), f);
