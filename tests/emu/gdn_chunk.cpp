@@ -1,6 +1,8 @@
 // Runs one version of kernels/cuda/gdn_chunk.cu (gdn_chunk_prep, then gdn_chunk_scan) under the CPU
 // emulation (emu.h) on a fixed random input: 2 k-heads, 4 v-heads of 128, `tokens` tokens (argv[1])
-// from a random state, and writes o (bf16) then the final state (fp32) to argv[2]. Built by
+// from a random state, and writes o (bf16) then the final state (fp32) to argv[2] (and with argv[3]
+// the inputs there: tokens, k-heads, v-heads, head dim, row stride as int32, then qkv, ba, a_log,
+// dt_bias and the initial state). Built by
 // compare_gdn_chunk.sh against a version of kernels/cuda prepared by lib.sh's emu_prepare.
 #include "gdn_chunk.cu"
 #include <cstdio>
@@ -12,8 +14,8 @@
 EMU_GLOBALS
 
 int main(int argc, char **argv) {
-    if (argc != 3) {
-        fprintf(stderr, "usage: %s TOKENS OUT\n", argv[0]);
+    if (argc != 3 && argc != 4) {
+        fprintf(stderr, "usage: %s TOKENS OUT [INPUTS_OUT]\n", argv[0]);
         return 2;
     }
     const int tokens = atoi(argv[1]), hk = 2, hv = 4, d = 128;
@@ -25,7 +27,10 @@ int main(int argc, char **argv) {
     for (auto &x : ba) x = f2bf(3.f * u(rng));
     for (auto &x : dtb) x = f2bf(u(rng));
     std::vector<float> alog(hv), state((size_t)hv * d * d);
-    for (auto &x : alog) x = logf(1.f + 8.f * (u(rng) + 1.f));
+    // decay rates exp(a_log) from slow to fast (the device test draws them from 0.01..16): with
+    // only fast ones the state is forgotten within a chunk and a wrong decay would not show
+    const float rate[4] = {0.01f, 0.1f, 1.f, 16.f};
+    for (int h = 0; h < hv; h++) alog[h] = logf(rate[h % 4]);
     for (auto &x : state) x = 0.5f * u(rng);
     const int nch = (tokens + 63) / 64;
     std::vector<float> work((size_t)hv * nch * ORNITH_GDN_WORK_PER_CHUNK, NAN);
@@ -44,6 +49,18 @@ int main(int argc, char **argv) {
     p.ba_stride = 2 * hv;
     p.a_offset = hv;
     p.work = work.data();
+    if (argc == 4) {  // the inputs, for a comparison with the CPU reference (tests/emu_gdn.rs)
+        FILE *in = fopen(argv[3], "wb");
+        if (!in) return 1;
+        const int32_t dims[5] = {tokens, hk, hv, d, stride};
+        fwrite(dims, 4, 5, in);
+        fwrite(qkv.data(), 2, qkv.size(), in);
+        fwrite(ba.data(), 2, ba.size(), in);
+        fwrite(alog.data(), 4, alog.size(), in);
+        fwrite(dtb.data(), 2, dtb.size(), in);
+        fwrite(state.data(), 4, state.size(), in);
+        fclose(in);
+    }
     emu_launch(gdn_chunk_prep, p, {(unsigned)nch, (unsigned)hv, 1}, 256);
     emu_launch(gdn_chunk_scan, p, {(unsigned)hv, 128 / 16, 1}, GS_THREADS);
     FILE *f = fopen(argv[2], "wb");
