@@ -4,8 +4,9 @@
 //! with the CPU reference `cpu::gdn::gated_delta_rule` within the tolerance of the device test
 //! `gdn_chunked_matches_reference` (src/cuda/prefill_tests.rs): o within 1 ulp + 2^-10 rms per
 //! element and 2^-9 relative L2, the fp32 state within 2^-12 (|want| + rms). So CI, which has no
-//! GPU, still fails when the kernels' logic breaks (an index, a barrier, a chunk boundary); the
-//! device test remains the one for the device's arithmetic (its expf, its fused multiply-adds).
+//! GPU, still fails when the kernels' logic breaks (an index, a gate, a chunk boundary; a missing
+//! barrier only if the threads happen to race); the device test remains the one for the device's
+//! arithmetic (its expf, its fused multiply-adds).
 //! Needs g++ with C++20 (`.ci/run` installs it when absent).
 use half::bf16;
 use ornith_runtime::cpu::gdn::{gated_delta_rule, GdnDims};
