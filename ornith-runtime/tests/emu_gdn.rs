@@ -7,7 +7,7 @@
 //! GPU, still fails when the kernels' logic breaks (an index, a gate, a chunk boundary; a missing
 //! barrier only if the threads happen to race); the device test remains the one for the device's
 //! arithmetic (its expf, its fused multiply-adds).
-//! Needs g++ with C++20 (`.ci/run` installs it when absent).
+//! Needs a C++20 compiler (`CXX`, default g++; `.ci/run` installs g++ when absent).
 use half::bf16;
 use ornith_runtime::cpu::gdn::{gated_delta_rule, GdnDims};
 use std::path::{Path, PathBuf};
@@ -28,7 +28,8 @@ fn build(dir: &Path) -> PathBuf {
     let out = Command::new("bash").arg("-c").arg(&script).current_dir(root()).output().expect("bash");
     assert!(
         out.status.success(),
-        "building tests/emu/gdn_chunk.cpp (g++ -std=c++20 with <barrier> is required):\n{}{}",
+        "building tests/emu/gdn_chunk.cpp (a C++20 compiler with <barrier> is required: g++ 11+ or clang++ 14+, \
+         named by CXX, default g++):\n{}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );

@@ -18,8 +18,12 @@ emu_prepare() {
     sed -i -e 's|extern __shared__ __align__([0-9]*) \([a-z0-9_]*\) \([A-Za-z0-9_]*\)\[\];|\1 *\2 = reinterpret_cast<\1 *>(emu_smem);|' \
         -e 's|asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(\([a-z]*\)));|\1 = (unsigned)emu_dynamic_smem;|' "$dir"/*.cu
 }
-# emu_build DIR HARNESS OUT CONTRACTION: the harness (including "$KFILE" from DIR) built with g++.
+# emu_build DIR HARNESS OUT CONTRACTION: the harness (including its kernel file from DIR) built with
+# $CXX (default g++; C++20 with <barrier>: g++ 11+, clang++ 14+), fused multiply-adds allowed
+# (x86-64: -mfma; aarch64 has them) and contracted or not (off / fast).
 emu_build() {
-    g++ -std=c++20 -O2 -mfma -ffp-contract="$4" -Wno-unknown-pragmas -I "$1" -I "$EMU_DIR" -I "$EMU_DIR/cuda" \
-        -o "$3" "$2" -lpthread
+    local fma=""
+    [ "$(uname -m)" = x86_64 ] && fma=-mfma
+    "${CXX:-g++}" -std=c++20 -O2 $fma -ffp-contract="$4" -Wno-unknown-pragmas -I "$1" -I "$EMU_DIR" \
+        -I "$EMU_DIR/cuda" -o "$3" "$2" -lpthread
 }
