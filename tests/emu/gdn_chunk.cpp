@@ -2,8 +2,9 @@
 // emulation (emu.h) on a fixed random input: 2 k-heads, 4 v-heads of 128, `tokens` tokens (argv[1])
 // from a random state, and writes o (bf16) then the final state (fp32) to argv[2] (and with argv[3]
 // the inputs there: tokens, k-heads, v-heads, head dim, row stride as int32, then qkv, ba, a_log,
-// dt_bias and the initial state). Built by
-// compare_gdn_chunk.sh against a version of kernels/cuda prepared by lib.sh's emu_prepare.
+// dt_bias and the initial state). Built by compare_gdn_chunk.sh and tests/emu_gdn.rs against a
+// version of kernels/cuda prepared by lib.sh's emu_prepare; the grid and blocks are the kernel
+// file's own (GC_D / GS_C column blocks per head, GS_THREADS threads where the file names them).
 #include "gdn_chunk.cu"
 #include <cstdio>
 #include <cstdlib>
@@ -62,7 +63,7 @@ int main(int argc, char **argv) {
         fclose(in);
     }
     emu_launch(gdn_chunk_prep, p, {(unsigned)nch, (unsigned)hv, 1}, 256);
-    emu_launch(gdn_chunk_scan, p, {(unsigned)hv, 128 / 16, 1}, GS_THREADS);
+    emu_launch(gdn_chunk_scan, p, {(unsigned)hv, GC_D / GS_C, 1}, GS_THREADS);
     FILE *f = fopen(argv[2], "wb");
     if (!f) return 1;
     fwrite(o.data(), 2, o.size(), f);

@@ -1,8 +1,9 @@
 # Sourced by the tests/emu scripts (tests/emu/README.md).
 # emu_prepare SRC DIR: kernels/cuda and kernels/include of SRC — a git revision, or a directory
-# holding kernels/ (a worktree) — copied into DIR and prepared for emu.h: common.cuh includes emu.h first and loses its
-# two PTX statements (griddepcontrol: no-ops here), each `extern __shared__` array becomes a pointer
-# to the harness's emu_smem, and a read of %dynamic_smem_size becomes emu_dynamic_smem.
+# holding kernels/ (a worktree) — copied into DIR and prepared for emu.h: common.cuh includes emu.h
+# first and loses its two PTX statements (griddepcontrol: no-ops here), each `extern __shared__`
+# array becomes a pointer to the harness's emu_smem, and a read of %dynamic_smem_size becomes
+# emu_dynamic_smem.
 EMU_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 emu_prepare() {
     local src=$1 dir=$2

@@ -19,6 +19,7 @@
 # kernel_tests V BIN TEST...: named kernel tests of a build, their PERF lines and output digests;
 # same_bits A B: two such runs' digests compared.
 # ncu_export BASE: an Nsight Compute report's details page, metrics and summary ($NCU set).
+# bench_rows KERNELS: every bench log's kernel-loading note and the named kernels' table rows.
 GPU_SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)  # this folder, absolute (for its helpers)
 unxz_to() {
     python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' "$1" "$2"
@@ -102,6 +103,14 @@ ncu_export() {  # BASE: an ncu report BASE.ncu-rep written out as BASE.txt (the 
     python3 "$GPU_SCRIPTS/ncu_summary.py" "$1.csv"
 }
 synth_full() { synth_preset full fp8; }
+bench_rows() {  # KERNELS: for each $OUT/bench_*.err, how its kernels were loaded (JIT time, cubins)
+    # and the rows of the kernels KERNELS names (an ERE alternation, e.g. "moe_sort|conv1d_silu_chunk")
+    local f
+    for f in "$OUT"/bench_*.err; do
+        echo "$(basename "$f"): $(grep -E "kernels ready|from cubins" "$f" | tr '\n' ' ' | cut -c1-160)"
+        echo "   $(grep -E "^ +($1) " "$f" | tr -s ' ' | tr '\n' ';')"
+    done
+}
 synth_full_nvfp4() { synth_preset full-nvfp4 nvfp4; }
 bench() {
     local n=$1 b=$2 m=$3

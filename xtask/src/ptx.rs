@@ -25,6 +25,11 @@ fn tool(env: &str, name: &str, next_to: Option<&Path>) -> PathBuf {
     PathBuf::from(name)
 }
 
+/// ptxas: PTXAS, or the one next to `nvcc` (found on PATH), or `ptxas` on PATH.
+fn ptxas_tool(nvcc: &Path) -> PathBuf {
+    tool("PTXAS", "ptxas", which(nvcc).as_deref())
+}
+
 fn run(cmd: &mut Command) -> Result<String> {
     let out = cmd.output().with_context(|| format!("cannot run {cmd:?} (set NVCC / PTXAS or put nvcc on PATH)"))?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
@@ -62,8 +67,7 @@ fn parse_ptxas(v: &str) -> Vec<(String, String)> {
 pub fn run_ptx(root: &Path) -> Result<()> {
     let kdir = root.join("kernels");
     let nvcc = tool("NVCC", "nvcc", None);
-    let nvcc_abs = which(&nvcc);
-    let ptxas = tool("PTXAS", "ptxas", nvcc_abs.as_deref());
+    let ptxas = ptxas_tool(&nvcc);
     let version = run(Command::new(&nvcc).arg("--version"))?;
     let version = version.lines().find(|l| l.contains("release")).unwrap_or("").trim().to_string();
     let mut table = String::new();
@@ -127,12 +131,9 @@ fn which(p: &Path) -> Option<PathBuf> {
 /// which the same tree's `ornith` binaries embed) for `arch` with `ptxas` (PTXAS, or next to nvcc
 /// on PATH) into `out/<ornith_kernels::cubin_name>`. A test machine given that directory as
 /// `ORNITH_CUBIN_DIR` loads these instead of JIT-compiling each module's PTX on its first start.
-/// Returns the files written.
-pub fn run_cubin(arch: ornith_kernels::Arch, out: &Path) -> Result<Vec<PathBuf>> {
-    let nvcc_abs = which(&tool("NVCC", "nvcc", None));
-    let ptxas = tool("PTXAS", "ptxas", nvcc_abs.as_deref());
+pub fn run_cubin(arch: ornith_kernels::Arch, out: &Path) -> Result<()> {
+    let ptxas = ptxas_tool(&tool("NVCC", "nvcc", None));
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let mut written = Vec::new();
     for m in ornith_kernels::Module::ALL {
         let ptx = out.join(format!(".{}-{}.ptx", arch.name(), m.stem()));
         std::fs::write(&ptx, ornith_kernels::ptx(arch, m)).with_context(|| format!("writing {}", ptx.display()))?;
@@ -141,7 +142,6 @@ pub fn run_cubin(arch: ornith_kernels::Arch, out: &Path) -> Result<Vec<PathBuf>>
         std::fs::remove_file(&ptx).ok();
         r?;
         eprintln!("cubin: {} {} -> {}", arch.name(), m.stem(), dst.display());
-        written.push(dst);
     }
-    Ok(written)
+    Ok(())
 }

@@ -57,10 +57,7 @@ if [ -f "$C/full/config.json" ]; then
     BENCH_TIMEOUT=75 bench h_1 "$H/bench_full" "$C/full" $A
     [ $SECONDS -lt 380 ] && (unset ORNITH_CUBIN_DIR; BENCH_TIMEOUT=180 bench h_jit "$H/bench_full" "$C/full" $A)
     [ $SECONDS -lt 500 ] && BENCH_TIMEOUT=75 bench s_2 "$S/bench_full" "$C/full" $A
-    for f in "$OUT"/bench_*.err; do
-        echo "$(basename "$f"): $(grep -E "kernels ready|from cubins" "$f" | tr '\n' ' ' | cut -c1-160)"
-        echo "   $(grep -E "^ +(moe_sort|swiglu_quant_ct|moe_combine_prefill|gdn_chunk_scan|gdn_chunk_prep|conv1d_silu_chunk) " "$f" | tr -s ' ' | tr '\n' ';')"
-    done
+    bench_rows "moe_sort|swiglu_quant_ct|moe_combine_prefill|gdn_chunk_scan|gdn_chunk_prep|conv1d_silu_chunk"
 fi
 echo "total ${SECONDS}s"
 cp "$0" "$OUT/" 2>/dev/null
