@@ -18,7 +18,8 @@
 # moe_combine_prefill must keep every bit), s48's GDN test (digests against w48's = HEAD's scan),
 # the shallow FP8 model checks with s48; then the full preset (synthesised in the background):
 # s48 / h48 benches from cubins, h48 once more with the driver's JIT (JIT-vs-cubin speed: the
-# first time measured), s48 again.
+# first time measured), s48 again. Each bench: prefill at 2K and 32K (8,192-token steps), decode
+# at one sequence (greedy, default sampling, top-p) after each, and 8 sequences of 2K prompts.
 set -uo pipefail
 . tests/gpu/lib.sh
 export CUDA_CACHE_MAXSIZE=4294967296
@@ -50,7 +51,7 @@ grep -E "prefill:|batch invariance: (1|8|256) |mixed|prefix cache|panicked|test 
 rm -rf "$C/shallow-fp8"
 wait $SYN; tail -2 "$OUT/synth_bg.txt"
 echo "at ${SECONDS}s"
-A="--prompts 2048,32768 --max-batch-tokens 8192"
+A="--prompts 2048,32768 --max-batch-tokens 8192 --batch 8"
 if [ -f "$C/full/config.json" ]; then
     t0=$SECONDS
     BENCH_TIMEOUT=75 bench s_1 "$S/bench_full" "$C/full" $A
