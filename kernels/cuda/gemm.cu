@@ -852,7 +852,8 @@ template <int BM> __device__ __forceinline__ void gemm_nvfp4_body(const OrnithGe
 // shared memory of sm_90, one that of sm_121.
 extern "C" __global__ void __launch_bounds__(GB_THREADS, 1) gemm_fp8(const OrnithGemmParams p) { pdl_entry(); gemm_body<true, ORNITH_GEMM_N>(p); }
 extern "C" __global__ void __launch_bounds__(GBB_THREADS, 2) gemm_bf16(const OrnithGemmParams p) { pdl_entry(); gemm_bf16_body(p); }
-// The grouped MoE GEMM (p.group_offsets set; tiles of GB_GROUPED_M rows, see moe_sort).
+// The grouped FP8 MoE GEMM (p.group_offsets set) in 64- and 96-row tiles (p.tile_offsets:
+// moe_sort's first or second prefix).
 extern "C" __global__ void __launch_bounds__(GBG_THREADS, 2) gemm_fp8_grouped(const OrnithGemmParams p) { pdl_entry(); gemm_fp8_grouped_body<ORNITH_GROUPED_ROWS>(p); }
 extern "C" __global__ void __launch_bounds__(GBG_THREADS, 2) gemm_fp8_grouped_96(const OrnithGemmParams p) { pdl_entry(); gemm_fp8_grouped_body<ORNITH_GROUPED_MID_ROWS>(p); }
 // NVFP4A16 weights, bf16 activations: plain (128-row tiles) and grouped (64-row tiles) in gemm_body.

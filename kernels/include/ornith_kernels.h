@@ -550,11 +550,13 @@ typedef struct OrnithGemmParams {
  * row_token [tokens * top_k] (token of each
  * expert-sorted row), row_of [tokens * top_k] (sorted row of assignment t * top_k + j).
  * Rows within one expert are in no particular order (each row is computed independently).
- * With ORNITH_MOE_SORT_STAGE_MIN <= tokens * top_k <= ORNITH_MOE_SORT_STAGE_MAX the kernel stages
- * the sorted rows in 2 * ORNITH_MOE_SORT_STAGE_MAX bytes of dynamic shared memory (the launcher's)
- * and writes row_token / row_assign in row order; otherwise it scatters them directly. */
+ * With ORNITH_MOE_SORT_STAGE_MIN <= n = tokens * top_k <= ORNITH_MOE_SORT_STAGE_MAX the launcher
+ * passes 2 * min(n, ORNITH_MOE_SORT_WINDOW) bytes of dynamic shared memory, and the kernel stages
+ * the sorted rows in windows of as many rows as that holds, writing row_token / row_assign in row
+ * order; given none, it scatters them directly. */
 #define ORNITH_MOE_SORT_STAGE_MIN 2048
-#define ORNITH_MOE_SORT_STAGE_MAX 16384
+#define ORNITH_MOE_SORT_STAGE_MAX 65536
+#define ORNITH_MOE_SORT_WINDOW 32768
 typedef struct OrnithMoeSortParams {
     const int32_t *idx;
     int32_t *group_offsets;

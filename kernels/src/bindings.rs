@@ -28,7 +28,8 @@ pub const ORNITH_GROUPED_ROWS: u32 = 64;
 pub const ORNITH_GROUPED_MID_ROWS: u32 = 96;
 pub const ORNITH_GROUPED_WIDE_ROWS: u32 = 128;
 pub const ORNITH_MOE_SORT_STAGE_MIN: u32 = 2048;
-pub const ORNITH_MOE_SORT_STAGE_MAX: u32 = 16384;
+pub const ORNITH_MOE_SORT_STAGE_MAX: u32 = 65536;
+pub const ORNITH_MOE_SORT_WINDOW: u32 = 32768;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct OrnithEmbedParams {

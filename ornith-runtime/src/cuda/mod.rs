@@ -664,15 +664,17 @@ impl CudaContext {
     }
 
     /// Launches kernel `l.name` with one by-value parameter struct `p` on the stream, with the
-    /// programmatic-serialization attribute when [`Self::pdl`]'s mode applies to it (more than 48 KiB of
-    /// dynamic shared memory is opted into first). `cuLaunchKernelEx` directly: cudarc's builder
-    /// has no attributes.
+    /// programmatic-serialization attribute when [`Self::pdl`]'s mode applies to it (dynamic shared
+    /// memory that with the kernel's static shared memory exceeds 48 KiB is opted into first).
+    /// `cuLaunchKernelEx` directly: cudarc's builder has no attributes.
     fn launch_with<P: KernelParams>(&self, l: Launch, p: P) -> Result<()> {
         use cudarc::driver::sys;
         let pdl = self.pdl().applies(&l);
         let Launch { name, grid, block, smem, .. } = l;
         let f = self.func(name);
-        if smem > 48 * 1024 {
+        // The driver refuses a launch whose static plus dynamic shared memory exceeds 48 KiB
+        // unless the kernel opted into that much dynamic shared memory.
+        if smem > 0 && smem + f.shared_size_bytes()?.max(0) as u32 > 48 * 1024 {
             f.set_attribute(
                 sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem as i32,

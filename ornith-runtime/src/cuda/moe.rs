@@ -271,10 +271,12 @@ impl CudaContext {
     /// expert (see `OrnithMoeSortParams`).
     pub(crate) fn k_moe_sort(&self, p: OrnithMoeSortParams) -> Result<()> {
         let bytes = sort_bytes(&p)?;
-        // the staged write-out's shared memory (the kernel stages for the same sizes)
+        // The one place that decides the staged write-out: the kernel stages its sorted rows in
+        // windows of as many rows as the shared memory passed here holds, and scatters them
+        // directly when it gets none.
         let n = p.tokens as u32 * p.top_k as u32;
         let staged = (ORNITH_MOE_SORT_STAGE_MIN..=ORNITH_MOE_SORT_STAGE_MAX).contains(&n);
-        let smem = if staged { 2 * ORNITH_MOE_SORT_STAGE_MAX } else { 0 };
+        let smem = if staged { 2 * n.min(ORNITH_MOE_SORT_WINDOW) } else { 0 };
         self.launch(Launch::new("moe_sort", (1, 1, 1), 1024, bytes).smem(smem), p)
     }
 
@@ -390,7 +392,12 @@ impl CudaContext {
         ensure!(p.tokens > 0 && p.top_k > 0 && p.hidden > 0, "moe_combine_prefill: empty");
         let (t, k, h) = (p.tokens as usize, p.top_k as usize, p.hidden as usize);
         let bytes = t * ((k + 2) * h * 2 + k * 8 + 2);
-        self.launch(Launch::new("moe_combine_prefill", (h.div_ceil(256) as u32, t as u32, 1), 256, bytes as u64), p)
+        // 8 columns per thread where whole rows of 16-byte groups allow (the kernel takes its form
+        // from the grid: fewer than hidden / 256 blocks per token), else one column per thread.
+        let wide =
+            h.is_multiple_of(8) && [p.ys as Ptr, p.shared_y as Ptr, p.out as Ptr].iter().all(|&a| aligned(a, 16));
+        let blocks = if wide { h.div_ceil(8 * 256) } else { h.div_ceil(256) };
+        self.launch(Launch::new("moe_combine_prefill", (blocks as u32, t as u32, 1), 256, bytes as u64), p)
     }
 }
 

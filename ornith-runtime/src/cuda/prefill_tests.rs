@@ -323,9 +323,12 @@ fn gdn_chunked_matches_reference() {
         let mut o = c.upload(&vec![POISON; t * hv * dk]).unwrap();
         let mut work = c.upload(&vec![f32::NAN; gdn_work_len(t, hv)]).unwrap();
         c.gdn_chunked(&args, &mut dst, &mut o, &mut work).unwrap();
-        let (worst, rel) =
-            check(&format!("gdn_chunked o t{t}"), &c.download(&o).unwrap(), &want, 1.0, 2f64.powi(-10), 2f64.powi(-9));
+        let go = c.download(&o).unwrap();
+        let (worst, rel) = check(&format!("gdn_chunked o t{t}"), &go, &want, 1.0, 2f64.powi(-10), 2f64.powi(-9));
         let gs = c.download(&dst).unwrap();
+        // the digest of o and the state's bits (16 bits at a time), to compare kernel forms
+        let state_bits: Vec<u16> = gs.iter().flat_map(|v| [v.to_bits() as u16, (v.to_bits() >> 16) as u16]).collect();
+        let bits = digest(&[go, state_bits].concat());
         let mut sworst = 0f64;
         for (i, (&g, &w)) in gs.iter().zip(&s).enumerate() {
             let d = (g as f64 - w as f64).abs();
@@ -335,7 +338,9 @@ fn gdn_chunked_matches_reference() {
             );
             sworst = sworst.max(d / rms);
         }
-        eprintln!("gdn_chunked t{t}: o max |d|/rms {worst:.2e}, rel L2 {rel:.2e}; state max |d|/rms {sworst:.2e}");
+        eprintln!(
+            "gdn_chunked t{t}: o max |d|/rms {worst:.2e}, rel L2 {rel:.2e}; state max |d|/rms {sworst:.2e}, bits {bits:016x}"
+        );
     }
     for t in [2048, 8192] {
         let qkv = bfv(&mut r, t * stride, 1.0);

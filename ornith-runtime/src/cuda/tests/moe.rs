@@ -101,7 +101,9 @@ fn swiglu_prologue_matches_swiglu_quant() {
 /// min(experts, assignments)) exactly; the scatter as sets (the order inside a group follows the atomics):
 /// group e holds exactly the assignments routed to e, row_of inverts row_assign, row_token is
 /// the assignment's token. Expert counts below, at and above a warp, including 1,024 (one
-/// thread each) and groups larger than a tile; PERF lines for 8, 2,048 and 8,192 tokens.
+/// thread each) and groups larger than a tile; the direct scatter (below 2,048 assignments) and
+/// the staged write-out in one window (300 and 2,048 tokens) and in two (5,000: a partial second;
+/// 8,192: two full); PERF lines for 8, 2,048 and 8,192 tokens.
 #[test]
 #[ignore]
 fn moe_sort_matches_reference() {
@@ -116,6 +118,10 @@ fn moe_sort_matches_reference() {
         (40, 2, 33),
         (100, 8, 1024),
         (2048, 8, 64),
+        // 24,576 rows staged in 48 KiB of dynamic shared memory: over the driver's default limit
+        // only with the kernel's static shared memory (the launch must opt in).
+        (3072, 8, 256),
+        (5000, 8, 256),
         (8192, 8, 256),
     ] {
         // Skewed routing: a few hot experts (groups of more than 64 rows), the rest uniform.
@@ -129,8 +135,8 @@ fn moe_sort_matches_reference() {
         c.k_moe_sort(g.sort_params(&c, &didx, tokens, k, e).unwrap()).unwrap();
         check_groups(&c, &g, &idx, tokens, k, e);
     }
-    // A decode group, a prefill chunk (sorted rows staged in shared memory) and an 8,192-row step
-    // (scattered directly), uniform routing.
+    // A decode group (scattered directly), a prefill chunk (staged in one window) and an
+    // 8,192-row step (two windows), uniform routing.
     for tokens in [8, 2048, 8192] {
         let idx: Vec<i32> = (0..tokens * 8).map(|_| r.random_range(0..256)).collect();
         let didx = c.upload(&idx).unwrap();
@@ -583,5 +589,145 @@ fn moe_decode_chain_matches_cpu_moe() {
         let rel = (num / den.max(1e-300)).sqrt();
         eprintln!("moe decode chain vs cpu::moe e{e} t{tokens}: max |d|/rms {worst:.2e}, rel L2 {rel:.2e}");
         assert!(rel <= 1.0 / 128.0, "moe chain e{e} t{tokens}: relative L2 {rel:.3e} > 2^-7");
+    }
+}
+
+/// `moe_combine_prefill` (the prefill MoE's weighted combine with the gated shared expert) gives,
+/// bit for bit, the header's formula evaluated on the CPU in the kernel's fp32 order (per token the
+/// products `bf16(y · w)` summed over the slots in turn, then the gate and the shared row), in
+/// both of the kernel's forms: 8 columns per thread (hidden 2,048 — the model's —, 264 and 2,056:
+/// one ragged block) and one column per thread (hidden 100: not a multiple of 8; 256: one block),
+/// with top-k 8 (the model's), 1 and 11 (more slots than the kernel's group of 8 loads). The rows
+/// of `ys` are gathered through a random permutation, as `moe_sort` places them. The gate logits
+/// are drawn where bf16(sigmoid) has one answer at f32 accuracy (at least 2^-10 of a bf16 ulp
+/// from a rounding boundary), so the CPU's exp and the GPU's expf cannot disagree on the gate.
+/// PERF line at a 2,048-token chunk of the model's shape.
+#[test]
+#[ignore]
+fn moe_combine_prefill_matches_reference() {
+    use ornith_kernels::bindings::OrnithMoeCombinePrefillParams;
+    let c = ctx();
+    let mut r = rng(47);
+    let bf = |x: f32| bf16::from_f32(x).to_f32();
+    let gate_logits = |r: &mut R, n: usize| -> Vec<u16> {
+        let mut v = Vec::with_capacity(n);
+        while v.len() < n {
+            let g = bf16::from_f32(r.random_range(-6.0f32..6.0));
+            let s = 1.0 / (1.0 + (-g.to_f64()).exp());
+            // distance to the nearest bf16 rounding boundary, in bf16 ulps of s
+            let ulp = 2f64.powi(s.log2().floor() as i32 - 7);
+            let frac = (s / ulp).fract();
+            if (frac - 0.5).abs() > 2f64.powi(-10) {
+                v.push(g.to_bits());
+            }
+        }
+        v
+    };
+    let mut run = |tokens: usize, k: usize, hidden: usize, check: bool| -> f64 {
+        let rows = tokens * k;
+        let ys = bfv(&mut r, rows * hidden, 4.0);
+        let shared_y = bfv(&mut r, tokens * hidden, 4.0);
+        let weight: Vec<f32> = (0..rows).map(|_| r.random_range(0.0f32..0.5)).collect();
+        // row_of: a permutation (assignment a's row in the expert-sorted order)
+        let mut row_of: Vec<i32> = (0..rows as i32).collect();
+        for i in (1..rows).rev() {
+            row_of.swap(i, r.random_range(0..=i));
+        }
+        let gate_stride = 3;
+        let mut gl = vec![0u16; tokens * gate_stride];
+        for (t, g) in gate_logits(&mut r, tokens).into_iter().enumerate() {
+            gl[t * gate_stride] = g;
+        }
+        let (dys, drow, dw, dsy, dgl) = (
+            c.upload(&ys).unwrap(),
+            c.upload(&row_of).unwrap(),
+            c.upload(&weight).unwrap(),
+            c.upload(&shared_y).unwrap(),
+            c.upload(&gl).unwrap(),
+        );
+        let dout = c.upload(&vec![POISON; tokens * hidden]).unwrap();
+        let p = OrnithMoeCombinePrefillParams {
+            ys: c.addr(&dys) as _,
+            row_of: c.addr(&drow) as _,
+            weight: c.addr(&dw) as _,
+            shared_y: c.addr(&dsy) as _,
+            gate_logit: c.addr(&dgl) as _,
+            out: c.addr(&dout) as _,
+            tokens: tokens as i32,
+            top_k: k as i32,
+            hidden: hidden as i32,
+            gate_stride: gate_stride as i32,
+        };
+        c.k_combine_prefill(p).unwrap();
+        if check {
+            let got = c.download(&dout).unwrap();
+            for t in 0..tokens {
+                let s = 1.0 / (1.0 + (-f(gl[t * gate_stride])).exp());
+                let gate = bf16::from_f64(s).to_f32();
+                for col in 0..hidden {
+                    let mut acc = 0f32;
+                    for j in 0..k {
+                        let a = t * k + j;
+                        let y = bf16::from_bits(ys[row_of[a] as usize * hidden + col]).to_f32();
+                        acc += bf(y * weight[a]);
+                    }
+                    let sh = bf(gate * bf16::from_bits(shared_y[t * hidden + col]).to_f32());
+                    let want = bf16::from_f32(bf(acc) + sh).to_bits();
+                    assert_eq!(
+                        got[t * hidden + col],
+                        want,
+                        "moe_combine_prefill t{tokens} k{k} h{hidden}: [{t},{col}]"
+                    );
+                }
+            }
+        }
+        time_it(&c, || c.k_combine_prefill(p).unwrap())
+    };
+    for (tokens, k, hidden) in [(37, 8, 2048), (5, 8, 264), (3, 11, 2056), (9, 1, 2048), (7, 8, 100), (4, 11, 256)] {
+        run(tokens, k, hidden, true);
+    }
+    let s = run(2048, 8, 2048, false);
+    let bytes = 2048.0 * ((8.0 + 2.0) * 2048.0 * 2.0 + 8.0 * 8.0 + 2.0);
+    eprintln!(
+        "PERF moe_combine_prefill 2048 tokens x top-8, hidden 2048: {:.2} us = {:.0} GB/s",
+        s * 1e6,
+        bytes / s / 1e9
+    );
+}
+
+/// `swiglu_quant_ct` (prefill's SwiGLU + compressed-tensors FP8 requantisation, one warp per row)
+/// gives `cpu::fp8::quantize_act_row`'s codes and scale of the SwiGLU activations, in both of its
+/// forms: the row held in registers (inter 8, 256, 264, 512 — the model's) and computed twice
+/// (520, 1,024, 2,048). PERF lines at a 2,048-token chunk's routed rows (16,384) and its shared
+/// expert's (2,048), inter 512.
+#[test]
+#[ignore]
+fn swiglu_quant_ct_matches_reference() {
+    let c = ctx();
+    let mut r = rng(48);
+    for inter in [8usize, 256, 264, 512, 520, 1024, 2048] {
+        let rows = 37;
+        let gu = bfv(&mut r, rows * 2 * inter, 3.0);
+        let dgu = c.upload(&gu).unwrap();
+        let q8 = c.upload(&vec![0xAAu8; rows * inter]).unwrap();
+        let sc = c.upload(&vec![-1f32; rows]).unwrap();
+        c.k_swiglu_ct(c.addr(&dgu), c.addr(&q8), c.addr(&sc), rows, inter).unwrap();
+        let act = swiglu_act(&gu, rows, inter);
+        check_quant(
+            &format!("swiglu_quant_ct inter {inter}"),
+            &act,
+            &c.download(&q8).unwrap(),
+            &c.download(&sc).unwrap(),
+            inter,
+        );
+    }
+    for rows in [16384usize, 2048] {
+        let inter = 512;
+        let dgu = c.upload(&bfv(&mut r, rows * 2 * inter, 3.0)).unwrap();
+        let q8 = c.alloc::<u8>(rows * inter).unwrap();
+        let sc = c.alloc::<f32>(rows).unwrap();
+        let s = time_it(&c, || c.k_swiglu_ct(c.addr(&dgu), c.addr(&q8), c.addr(&sc), rows, inter).unwrap());
+        let bytes = (rows * (inter * 5 + 4)) as f64;
+        eprintln!("PERF swiglu_quant_ct {rows} rows x inter {inter}: {:.2} us = {:.0} GB/s", s * 1e6, bytes / s / 1e9);
     }
 }
