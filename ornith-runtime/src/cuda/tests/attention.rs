@@ -282,8 +282,8 @@ fn qk_norm_rope_chunk_matches_reference() {
 /// rows of 2..3,000 keys (64 rows: a full launch). A wrong
 /// mask, scale, kv head, table or split is O(rms). Then each row alone in the host form (its
 /// split length given, a grid of only its own work items) must give the group's bits: a row's
-/// result depends neither on the other rows nor on the grid (batch invariance). PERF: the ~100K
-/// row alone (K/V GB/s).
+/// result depends neither on the other rows nor on the grid (batch invariance). Prints the
+/// group's digest (to compare builds); PERF: the ~100K row alone (K/V GB/s).
 #[test]
 #[ignore]
 fn attention_decode_group_matches_reference() {
@@ -359,6 +359,7 @@ fn attention_decode_group_matches_reference() {
     };
     c.attention_decode(&group, &mut po, &mut pml, &mut out).unwrap();
     let got = c.download(&out).unwrap();
+    eprintln!("attention decode group: bits {:016x}", digest(&got));
     for (i, &len) in lens.iter().enumerate() {
         let (qs, gs) = (&q[i * qh * d..(i + 1) * qh * d], &qg[i * qh * 2 * d..(i + 1) * qh * 2 * d]);
         let mut o_cpu = vec![bf16::ZERO; qh * d];
