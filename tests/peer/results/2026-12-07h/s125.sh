@@ -7,7 +7,8 @@
 #   q48  f48 + next_qk_rope_warp.patch, `cargo xtask ptx` (qk_norm_rope one warp per (token, head)
 #        row, 4 rows per block, the one-block-per-row kernel's sum order kept: same bits):
 #        BINS="kernels test_shallow bench_full" tests/gpu/build.sh q48
-# Carry .gpu/f48 .gpu/q48 (~26 MB with the ~35 MB tree).
+# Build both from the same tree (the attention group test's digest line came after the first
+# builds). Carry .gpu/f48 .gpu/q48 (~26 MB with the ~35 MB tree).
 # Checks: f48's kernel tests (moe_prefill digests against s121's HEAD kernels; moe_sort at 3,072
 # tokens: 48 KiB of dynamic shared memory, refused before fdd90d3), q48's qk_norm_rope / decode
 # attention digests against f48's and s121's, the shallow FP8 model checks with q48; then benches
