@@ -488,6 +488,15 @@ impl Drop for SlowNote {
 /// cubin is absent, unreadable or refused by the driver is compiled from its PTX as usual.
 pub const CUBIN_DIR_ENV: &str = "ORNITH_CUBIN_DIR";
 
+/// Whether a launch with `dynamic` bytes of dynamic shared memory must first opt the kernel into
+/// them (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`): the driver refuses, with
+/// `CUDA_ERROR_INVALID_VALUE`, a launch whose static plus dynamic shared memory exceeds 48 KiB
+/// otherwise (the dynamic part alone is not the rule: `moe_sort`'s 48 KiB window beside its static
+/// counters was refused on an H100).
+fn needs_smem_opt_in(static_bytes: u32, dynamic: u32) -> bool {
+    static_bytes + dynamic > 48 * 1024
+}
+
 /// The cubin of module `m` for `arch` in `dir` (named by [`ornith_kernels::cubin_name`], so only a
 /// cubin assembled from exactly the PTX this binary embeds), if the file exists.
 fn cubin_path(dir: &std::path::Path, arch: Arch, m: Module) -> Option<std::path::PathBuf> {
@@ -672,9 +681,7 @@ impl CudaContext {
         let pdl = self.pdl().applies(&l);
         let Launch { name, grid, block, smem, .. } = l;
         let f = self.func(name);
-        // The driver refuses a launch whose static plus dynamic shared memory exceeds 48 KiB
-        // unless the kernel opted into that much dynamic shared memory.
-        if smem > 0 && smem + f.shared_size_bytes()?.max(0) as u32 > 48 * 1024 {
+        if smem > 0 && needs_smem_opt_in(f.shared_size_bytes()?.max(0) as u32, smem) {
             f.set_attribute(
                 sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem as i32,
@@ -929,6 +936,17 @@ mod gemv_tc_tests {
 #[cfg(test)]
 mod cubin_tests {
     use super::*;
+
+    /// The opt-in rule counts static and dynamic shared memory together: 48 KiB in all needs
+    /// none, one byte more does, whichever part it is in.
+    #[test]
+    fn smem_opt_in_counts_static_and_dynamic() {
+        assert!(!needs_smem_opt_in(0, 48 * 1024));
+        assert!(needs_smem_opt_in(0, 48 * 1024 + 1));
+        assert!(!needs_smem_opt_in(4096, 44 * 1024));
+        assert!(needs_smem_opt_in(4097, 44 * 1024));
+        assert!(needs_smem_opt_in(8336, 48 * 1024), "moe_sort: a 48 KiB window beside its 8,336 static bytes");
+    }
 
     /// `ORNITH_CUBIN_DIR` finds a module's cubin only under the name of this binary's own PTX:
     /// present for the module written, absent for another module, another arch, or a cubin of
