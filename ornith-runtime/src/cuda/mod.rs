@@ -368,6 +368,9 @@ pub struct CudaContext {
     name: String,
     _modules: Vec<Arc<CudaModule>>,
     funcs: HashMap<&'static str, CudaFunction>,
+    /// Each kernel's static shared memory in bytes, read from the driver at load (the launch's
+    /// opt-in rule, [`needs_smem_opt_in`], adds it to the dynamic part).
+    static_smem: HashMap<&'static str, u32>,
     /// Which launches use programmatic dependent launch ([`Pdl`] as its code; see [`CudaContext::set_pdl`]).
     pdl: AtomicU8,
     /// Blocks of the decode attention's split kernel ([`attention::ATT_BLOCKS_PER_SM`] per SM, or
@@ -553,6 +556,7 @@ impl CudaContext {
         let mut from_cubin = 0;
         let mut modules = Vec::new();
         let mut funcs = HashMap::new();
+        let mut static_smem = HashMap::new();
         for (m, names) in KERNELS {
             let cubin = cubins.as_deref().and_then(|d| cubin_path(d, arch, m));
             let module = match cubin.and_then(|p| load_cubin(&ctx, &p, &note)) {
@@ -566,6 +570,7 @@ impl CudaContext {
             };
             for n in names.iter().copied() {
                 let f = module.load_function(n).with_context(|| format!("kernel {n} missing from {}", m.stem()))?;
+                static_smem.insert(n, f.shared_size_bytes()?.max(0) as u32);
                 funcs.insert(n, f);
             }
             modules.push(module);
@@ -612,6 +617,7 @@ impl CudaContext {
             name,
             _modules: modules,
             funcs,
+            static_smem,
             pdl: AtomicU8::new(DEFAULT_PDL.code()),
             attn_blocks,
             wide_wave,
@@ -681,7 +687,7 @@ impl CudaContext {
         let pdl = self.pdl().applies(&l);
         let Launch { name, grid, block, smem, .. } = l;
         let f = self.func(name);
-        if smem > 0 && needs_smem_opt_in(f.shared_size_bytes()?.max(0) as u32, smem) {
+        if smem > 0 && needs_smem_opt_in(self.static_smem[name], smem) {
             f.set_attribute(
                 sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem as i32,
